@@ -1,0 +1,149 @@
+"""Algorithm 4/5 (FMCL), adaptive DBSCAN and K-means prior (Flux), matrix validation."""
+
+import numpy as np
+import pytest
+from sklearn.cluster import AgglomerativeClustering
+from sklearn.metrics import adjusted_rand_score
+
+from fedmed.clustering import (adaptive_dbscan, agglomerative, auto_k, canonical_labels, cv_window, kmeans_prior,
+                               silhouette)
+from fedmed.fmcl import ClassSignature, fmcl_distance_matrix
+
+
+def planted_fmcl_federation(rng, group_sizes=(5, 6, 7), C=9, d=32):
+    """Groups hold disjoint-ish class sets and group-specific prototypes (label + feature skew)."""
+    sigs, truth = [], []
+    classes_of = [np.arange(g * 3, g * 3 + 3) % C for g in range(len(group_sizes))]
+    base = rng.normal(size=(C, d))
+    for g, size in enumerate(group_sizes):
+        shift = rng.normal(size=d) * 2.0
+        for _ in range(size):
+            cls = classes_of[g]
+            means = base[cls] + shift + 0.05 * rng.normal(size=(len(cls), d))
+            # one shared "background" class held by every site at low weight keeps pairs finite
+            cls = np.append(cls, C)
+            means = np.vstack([means, rng.normal(size=d) * 0.05 + 5.0])
+            sigs.append(ClassSignature(cls, means, np.append(rng.integers(20, 40, size=3), 3).astype(float)))
+            truth.append(g)
+    return sigs, np.array(truth)
+
+
+@pytest.mark.parametrize("method", ["single", "complete", "average"])
+def test_fixed_k_matches_sklearn(rng, method):
+    X = rng.normal(size=(15, 3))
+    D = np.linalg.norm(X[:, None] - X[None], axis=-1)
+    ours = agglomerative(D, n_clusters=4, linkage_method=method)
+    ref = AgglomerativeClustering(n_clusters=4, metric="precomputed", linkage=method).fit(D).labels_
+    assert adjusted_rand_score(ours, ref) == 1.0
+    assert ours.max() == 3
+
+
+def test_threshold_stopping():
+    D = np.array([[0, 1, 5, 5], [1, 0, 5, 5], [5, 5, 0, 2], [5, 5, 2, 0]], float)
+    assert agglomerative(D, threshold=1.5).tolist() == [0, 0, 1, 2]
+    assert agglomerative(D, threshold=2.0).tolist() == [0, 0, 1, 1]
+    assert agglomerative(D, threshold=10).tolist() == [0, 0, 0, 0]
+    # both rules given: stop at the first one reached
+    assert agglomerative(D, threshold=10, n_clusters=2).tolist() == [0, 0, 1, 1]
+
+
+def test_canonical_labels_and_relabel_invariance(rng):
+    X = rng.normal(size=(12, 2))
+    D = np.linalg.norm(X[:, None] - X[None], axis=-1)
+    labels = agglomerative(D, n_clusters=3)
+    assert silhouette(D, labels) == pytest.approx(silhouette(D, labels * 2 + 10))
+    assert canonical_labels([7, 7, 3, 9, 3]).tolist() == [0, 0, 1, 2, 1]
+
+
+def test_cv_windows():
+    assert cv_window(0.2, 10) == [1, 2, 3]
+    assert cv_window(0.35, 10) == [2, 3, 4, 5, 6]
+    assert cv_window(0.7, 10) == list(range(3, 11))
+    assert cv_window(0.9, 5) == [3, 4, 5]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_auto_k_recovers_planted_groups(seed):
+    rng = np.random.default_rng(seed)
+    sigs, truth = planted_fmcl_federation(rng)
+    D = fmcl_distance_matrix(sigs)
+    res = auto_k(D)
+    assert res.k == 3
+    assert adjusted_rand_score(truth, res.labels) == 1.0
+    assert res.k in res.window and set(res.scores) >= set(res.window)
+
+
+def test_auto_k_invariant_to_site_order(rng):
+    sigs, truth = planted_fmcl_federation(rng)
+    D = fmcl_distance_matrix(sigs)
+    perm = rng.permutation(len(sigs))
+    a, b = auto_k(D), auto_k(D[np.ix_(perm, perm)])
+    assert a.k == b.k
+    assert adjusted_rand_score(a.labels[perm], b.labels) == 1.0
+
+
+def test_auto_k_fallback_without_local_maximum():
+    # Two tight pairs, far apart, N=4: window {3,4}? CV is large -> window {3..4}; no interior point
+    D = np.array([[0, .1, 5, 5], [.1, 0, 5, 5], [5, 5, 0, .1], [5, 5, .1, 0]])
+    res = auto_k(D)
+    assert res.local_maxima == [] and "argmax" in res.rule
+    assert res.k == 2
+
+
+def planted_descriptors(rng, sizes=(4, 5, 6), L=20, spread=0.05):
+    centres = rng.normal(size=(len(sizes), L)) * 3
+    X = np.vstack([c + spread * rng.normal(size=(n, L)) for c, n in zip(centres, sizes)])
+    return X, np.repeat(np.arange(len(sizes)), sizes)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_adaptive_dbscan_recovers_planted_groups(seed):
+    rng = np.random.default_rng(seed)
+    X, truth = planted_descriptors(rng)
+    out = adaptive_dbscan(X)
+    assert adjusted_rand_score(truth, out["labels"]) == 1.0
+    assert out["eps_source"] == "knee" and out["eps"] > 0
+
+
+def test_adaptive_dbscan_noise_becomes_singletons(rng):
+    X, truth = planted_descriptors(rng, sizes=(5, 6))
+    X = np.vstack([X, np.full((1, X.shape[1]), 100.0)])
+    out = adaptive_dbscan(X)
+    assert out["labels"][-1] not in out["labels"][:-1]
+    assert len(np.unique(out["labels"])) == 3
+
+
+def test_adaptive_dbscan_rejects_nan():
+    X = np.ones((4, 3))
+    X[2, 1] = np.nan
+    with pytest.raises(ValueError, match=r"sites \[2\] contain NaN"):
+        adaptive_dbscan(X)
+
+
+def test_kmeans_prior(rng):
+    X, truth = planted_descriptors(rng)
+    assert adjusted_rand_score(truth, kmeans_prior(X, 3, seed=0)) == 1.0
+    with pytest.raises(ValueError, match="n_clusters should be <= the number of sites"):
+        kmeans_prior(X, 100)
+
+
+class TestMatrixValidation:
+    @pytest.mark.parametrize("D, msg", [
+        (np.zeros((2, 3)), "square"),
+        (np.array([[0, 1], [2, 0]]), "symmetric"),
+        (np.array([[0, np.nan], [np.nan, 0]]), "finite"),
+        (np.array([[0, -1], [-1, 0]]), "non-negative"),
+        (np.array([[1, 1], [1, 0]]), "zero diagonal"),
+        (np.zeros((1, 1)), "at least 2 sites"),
+    ])
+    def test_bad_matrices(self, D, msg):
+        with pytest.raises(ValueError, match=msg):
+            auto_k(D)
+
+    def test_k_above_sites(self):
+        with pytest.raises(ValueError, match="n_clusters should be <= the number of sites \\(3\\)"):
+            agglomerative(np.ones((3, 3)) - np.eye(3), n_clusters=4)
+
+    def test_no_rule(self):
+        with pytest.raises(ValueError, match="needs n_clusters or threshold"):
+            agglomerative(np.ones((3, 3)) - np.eye(3))

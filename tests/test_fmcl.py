@@ -1,0 +1,124 @@
+"""FMCL (000_/002_): Algorithm 2 and Algorithm 3."""
+
+import numpy as np
+import pytest
+
+from fedmed.fmcl import ClassSignature, class_signature, fmcl_distance_matrix, fmcl_distance_matrix_loop
+
+
+def sig(classes, means, counts):
+    return ClassSignature(np.array(classes), np.array(means, float), np.array(counts, float))
+
+
+def random_federation(rng, n=12, C=6, d=16):
+    sigs = []
+    protos = rng.normal(size=(C, d))
+    for _ in range(n):
+        k = rng.integers(1, C + 1)
+        cls = np.sort(rng.choice(C, size=k, replace=False))
+        means = protos[cls] + 0.3 * rng.normal(size=(k, d))
+        counts = rng.integers(1, 50, size=k)
+        sigs.append(sig(cls, means, counts))
+    return sigs
+
+
+def test_algorithm2_means_and_weights():
+    z = np.array([[1.0, 0.0], [3.0, 0.0], [0.0, 2.0], [0.0, 4.0]])
+    s = class_signature(z, np.array([5, 5, 2, 5]))
+    assert s.classes.tolist() == [2, 5]
+    np.testing.assert_allclose(s.means, [[0, 2], [4 / 3, 4 / 3]])
+    np.testing.assert_allclose(s.weights, [0.25, 0.75])
+
+
+def test_algorithm3_hand_computed_pair():
+    a = sig([0, 1], [[1, 0], [0, 1]], [3, 1])  # w = .75, .25
+    b = sig([0, 2], [[1, 1], [5, 5]], [1, 1])  # w = .5, .5
+    c = sig([1], [[0, 2]], [4])  # shares class 1 with a only
+    eps = 1e-3
+    dcos = 1 - 1 / (np.sqrt(2) + eps)
+    d_ab = (0.5 * dcos / (0.5 + eps)) * min(0.5 ** -1, 100)
+    dcos_ac = 1 - 2 / (2 + eps)
+    d_ac = (0.25 * dcos_ac / (0.25 + eps)) * min(0.25 ** -1, 100)
+    D = fmcl_distance_matrix([a, b, c])
+    assert D[0, 1] == pytest.approx(d_ab, rel=1e-12)
+    assert D[0, 2] == pytest.approx(d_ac, rel=1e-12)
+    # b and c share nothing -> D_big = min(2 P95, P99) of the finite off-diagonal entries
+    finite = np.array([d_ab, d_ab, d_ac, d_ac])
+    p95, p99 = np.percentile(finite, [95, 99])
+    assert D[1, 2] == pytest.approx(min(2 * p95, p99), rel=1e-12)
+    assert np.all(np.diag(D) == 0) and np.allclose(D, D.T)
+
+
+def test_overlap_ablation_drops_multiplier():
+    a = sig([0, 1], [[1, 0], [0, 1]], [3, 1])
+    b = sig([0, 2], [[1, 1], [5, 5]], [1, 1])
+    D_on = fmcl_distance_matrix([a, b])
+    D_off = fmcl_distance_matrix([a, b], overlap=False)
+    assert D_on[0, 1] == pytest.approx(2 * D_off[0, 1])
+
+
+def test_beta_caps_multiplier():
+    a = sig([0, 1], [[1, 0], [0, 1]], [999, 1])
+    b = sig([1, 2], [[1, 1], [5, 5]], [1, 999])
+    D = fmcl_distance_matrix([a, b], beta=100)
+    dcos = 1 - 1 / (np.sqrt(2) + 1e-3)
+    dcap = 1e-3 * dcos / (1e-3 + 1e-3)
+    assert D[0, 1] == pytest.approx(dcap * min(1e-3 ** -1, 100))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_vectorised_equals_loop(rng, overlap):
+    sigs = random_federation(rng, n=25)
+    np.testing.assert_allclose(fmcl_distance_matrix(sigs, overlap=overlap),
+                               fmcl_distance_matrix_loop(sigs, overlap=overlap), rtol=1e-12, atol=1e-14)
+
+
+def test_site_order_invariance(rng):
+    sigs = random_federation(rng)
+    D = fmcl_distance_matrix(sigs)
+    perm = rng.permutation(len(sigs))
+    Dp = fmcl_distance_matrix([sigs[i] for i in perm])
+    np.testing.assert_allclose(Dp, D[np.ix_(perm, perm)], rtol=1e-12)
+
+
+def test_class_relabelling_invariance(rng):
+    sigs = random_federation(rng)
+    mapping = rng.permutation(20)[:6] * 3 + 7  # any injective relabelling
+    relab = [sig(mapping[s.classes], s.means, s.counts) for s in sigs]
+    np.testing.assert_allclose(fmcl_distance_matrix(relab), fmcl_distance_matrix(sigs), rtol=1e-12)
+
+
+def test_signature_class_order_is_irrelevant(rng):
+    s = sig([3, 1, 2], rng.normal(size=(3, 4)), [1, 2, 3])
+    t = sig([1, 2], rng.normal(size=(2, 4)), [5, 5])
+    order = [2, 0, 1]
+    s2 = sig(s.classes[order], s.means[order], s.counts[order])
+    np.testing.assert_allclose(fmcl_distance_matrix([s, t]), fmcl_distance_matrix([s2, t]))
+
+
+class TestBadInput:
+    def test_single_site(self):
+        with pytest.raises(ValueError, match="at least 2 sites"):
+            fmcl_distance_matrix([sig([0], [[1, 0]], [1])])
+
+    def test_dimension_mismatch(self):
+        with pytest.raises(ValueError, match="one embedding dimension.*site-2.: 3"):
+            fmcl_distance_matrix([sig([0], [[1, 0]], [1]), sig([0], [[1, 0, 0]], [1])])
+
+    def test_empty_site(self):
+        with pytest.raises(ValueError, match="hospital-b: signature holds no samples"):
+            fmcl_distance_matrix([sig([0], [[1, 0]], [1]), sig([], np.zeros((0, 2)), [])], site_names=["a", "hospital-b"])
+
+    def test_nan_means(self):
+        with pytest.raises(ValueError, match="site-1: signature means contain NaN"):
+            fmcl_distance_matrix([sig([0], [[np.nan, 0]], [1]), sig([0], [[1, 0]], [1])])
+
+    def test_no_shared_class_anywhere(self):
+        with pytest.raises(ValueError, match="no pair of sites shares a class"):
+            fmcl_distance_matrix([sig([0], [[1, 0]], [1]), sig([1], [[1, 0]], [1])])
+
+    def test_bad_hyperparameter(self):
+        with pytest.raises(ValueError, match="beta should be > 0"):
+            fmcl_distance_matrix([sig([0], [[1, 0]], [1]), sig([0], [[1, 0]], [1])], beta=0)
+        with pytest.raises(TypeError, match="alpha should be a number"):
+            fmcl_distance_matrix([sig([0], [[1, 0]], [1]), sig([0], [[1, 0]], [1])], alpha=True)
