@@ -63,40 +63,75 @@ def iid_partition(n_samples: int, n_sites: int, seed) -> list[np.ndarray]:
     return [np.sort(p) for p in np.array_split(perm, n_sites)]
 
 
-def dirichlet_label_partition(labels, n_sites: int, alpha: float, seed, *, min_size: int = 2,
-                              max_retries: int = 10) -> list[np.ndarray]:
-    """Label skew: for each class, split its samples over sites with proportions ``~ Dir(alpha)``.
+def dirichlet_label_partition(labels, n_sites: int, alpha: float, seed, *, mode: str = "per-site",
+                              min_size: int = 2, max_retries: int = 10) -> list[np.ndarray]:
+    """Dirichlet label skew.
 
-    Redraws (at most ``max_retries`` times) until every site has ``min_size`` samples.
+    ``mode="per-site"`` (default; Hsu, Qi & Brown 2019): every site gets ``N / n_sites`` samples
+    (sizes differ by at most one) whose class mix is ``q_k ~ Dir(alpha * p)``, ``p`` the pooled
+    class frequencies; samples are drawn without replacement, and a class whose pool runs out is
+    dropped from later draws (its probability mass renormalised over the rest). Every sample is
+    assigned and no site is empty, which the per-class form cannot guarantee for small label
+    sets: BUSI (3 classes) over 20 sites at ``alpha = 0.1`` leaves about 6 sites empty per draw.
+
+    ``mode="per-class"`` (NIID-Bench / FedLab): each class's samples are split over sites with
+    proportions ``~ Dir(alpha)`` (sites already holding ``N / n_sites`` samples get no share of
+    later classes); redrawn at most ``max_retries`` times until every site has ``min_size``.
 
     Raises:
-        ValueError: a site still has fewer than ``min_size`` samples after ``max_retries`` draws.
+        ValueError: bad arguments, or (per-class) a site still under ``min_size`` after
+            ``max_retries`` draws.
     """
     y = np.asarray(labels)
     if y.ndim != 1 or y.size == 0:
         raise ValueError(f"labels should be a non-empty 1-D array, got shape {y.shape}.")
+    if mode not in ("per-site", "per-class"):
+        raise ValueError(f"mode should be 'per-site' or 'per-class', got {mode!r}.")
     n_sites = _check_sites(n_sites, y.size)
     check_finite_number(alpha, "alpha", low=0.0, low_inclusive=False)
     check_finite_number(min_size, "min_size", low=0, integer=True)
     check_finite_number(max_retries, "max_retries", low=1, integer=True)
     rng = as_rng(seed)
     classes = np.unique(y)
+    if mode == "per-site":
+        pools = [list(rng.permutation(np.flatnonzero(y == c))) for c in classes]
+        prior = np.array([len(p) for p in pools], dtype=np.float64) / y.size
+        sizes = [len(a) for a in np.array_split(np.arange(y.size), n_sites)]
+        parts = []
+        for size in sizes:
+            q = rng.dirichlet(np.maximum(alpha * prior, 1e-12))
+            got: list[int] = []
+            while len(got) < size:
+                avail = np.array([len(p) > 0 for p in pools])
+                w = q * avail
+                w = w / w.sum() if w.sum() > 0 else avail / avail.sum()
+                counts = rng.multinomial(size - len(got), w)
+                for c, k in enumerate(counts):
+                    take = min(int(k), len(pools[c]))
+                    got.extend(pools[c][:take])
+                    del pools[c][:take]
+            parts.append(np.sort(np.asarray(got, dtype=np.int64)))
+        if min(len(p) for p in parts) < min_size:
+            raise ValueError(f"{y.size} samples over {n_sites} sites leave fewer than min_size={min_size} per site.")
+        return parts
     smallest = 0
     for _ in range(int(max_retries)):
-        parts: list[list[int]] = [[] for _ in range(n_sites)]
+        parts_l: list[list[int]] = [[] for _ in range(n_sites)]
         for c in classes:
             idx = rng.permutation(np.flatnonzero(y == c))
             prop = rng.dirichlet(np.full(n_sites, float(alpha)))
+            prop = prop * np.array([len(p) < y.size / n_sites for p in parts_l])
+            prop = prop / prop.sum() if prop.sum() > 0 else np.full(n_sites, 1.0 / n_sites)
             cuts = (np.cumsum(prop) * idx.size).astype(int)[:-1]
             for k, chunk in enumerate(np.split(idx, cuts)):
-                parts[k].extend(chunk.tolist())
-        smallest = min(len(p) for p in parts)
+                parts_l[k].extend(chunk.tolist())
+        smallest = min(len(p) for p in parts_l)
         if smallest >= min_size:
-            return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+            return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts_l]
     raise ValueError(
-        f"Dirichlet(alpha={alpha}) label partition of {y.size} samples into {n_sites} sites left a site with "
-        f"{smallest} < min_size={min_size} samples after {max_retries} draws; use fewer sites, a larger alpha or a "
-        f"smaller min_size."
+        f"Dirichlet(alpha={alpha}) per-class label partition of {y.size} samples into {n_sites} sites left a site "
+        f"with {smallest} < min_size={min_size} samples after {max_retries} draws; use mode='per-site', fewer "
+        f"sites, a larger alpha or a smaller min_size."
     )
 
 
@@ -205,8 +240,11 @@ def predi(n_classes: int, n_sites: int, prevalence: float, disparity: float, see
     3. Classes in random order go to the ``p_c`` sites with the largest remaining need
        ``max(q_k - n_k, 0)`` (ties broken at random).
 
-    The realised disparity is the population std of the sites' class counts ``n_k``. The whole
-    draw is repeated (at most ``max_attempts`` times) until ``|sigma - sigma*| <= disparity_tol``.
+    The realised disparity is the population std of the sites' class counts ``n_k``. Class
+    counts are integers, so when ``K`` does not divide ``A`` the smallest reachable disparity is
+    that of the most even split (``sqrt(r (K - r)) / K`` with ``r = A mod K``: 0.5 for the paper's
+    ``sigma* = 0`` rows, where ``A / K = 31.5, 22.5, 13.5``); the target is raised to that floor.
+    The whole draw is repeated (at most ``max_attempts`` times) until ``|sigma - sigma*| <= disparity_tol``.
 
     Raises:
         ValueError: infeasible targets (``p*`` outside ``[1, K]``, ``sigma*`` < 0) or no draw
@@ -219,6 +257,9 @@ def predi(n_classes: int, n_sites: int, prevalence: float, disparity: float, see
     check_finite_number(disparity, "disparity", low=0.0)
     rng = as_rng(seed)
     A = int(round(C * prevalence))
+    r = A % K
+    sigma_floor = float(np.sqrt(r * (K - r)) / K)  # most even integer split of A over K sites
+    target = max(float(disparity), sigma_floor)
     best = None
     for attempt in range(1, int(max_attempts) + 1):
         out = _predi_once(C, K, A, float(disparity), rng, int(q_tries))
@@ -226,7 +267,7 @@ def predi(n_classes: int, n_sites: int, prevalence: float, disparity: float, see
             continue
         M, p, q = out
         nk = M.sum(axis=0)
-        err = abs(nk.std() - disparity)
+        err = abs(nk.std() - target)
         if best is None or err < best[0]:
             best = (err, M, p, q, attempt)
         if err <= disparity_tol:
@@ -234,7 +275,7 @@ def predi(n_classes: int, n_sites: int, prevalence: float, disparity: float, see
     if best is None or best[0] > disparity_tol:
         got = "no feasible draw" if best is None else f"best disparity {best[1].sum(axis=0).std():.3f}"
         raise ValueError(
-            f"PreDi could not reach disparity {disparity} (tolerance {disparity_tol}) with C={C} classes, K={K} sites, "
+            f"PreDi could not reach disparity {target} (tolerance {disparity_tol}) with C={C} classes, K={K} sites, "
             f"prevalence {prevalence} after {max_attempts} attempts ({got})."
         )
     err, M, p, q, attempt = best
