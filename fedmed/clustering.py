@@ -285,7 +285,8 @@ def farthest_split(D, *, rule: str = "objective") -> dict:
 
 # --------------------------------------------------------------------------- 003_ (Flux)
 
-def adaptive_dbscan(X, *, scale: float = 1.0, min_samples: int = 2, level_factor: float = 2.0) -> dict:
+def adaptive_dbscan(X, *, scale: float = 1.0, min_samples: int = 2, level_factor: float = 2.0,
+                    precomputed: bool = False) -> dict:
     """Flux Appendix D.2: DBSCAN whose eps comes from the knee of the neighbour-distance curve.
 
     1. For every descriptor, the distance to its nearest *other* descriptor (scikit-learn's
@@ -309,7 +310,7 @@ def adaptive_dbscan(X, *, scale: float = 1.0, min_samples: int = 2, level_factor
     far larger). ``scale`` is the paper's dataset factor (1.0; 0.95 FMNIST, 0.98 CIFAR-100).
 
     Args:
-        X: (K, L) descriptors.
+        X: (K, L) descriptors, or a (K, K) distance matrix with ``precomputed=True``.
 
     Returns:
         ``{"labels": (K,) canonical, "eps": float, "eps_source": "knee" | "no-knee-max",
@@ -319,6 +320,8 @@ def adaptive_dbscan(X, *, scale: float = 1.0, min_samples: int = 2, level_factor
     from sklearn.cluster import DBSCAN
     from sklearn.neighbors import NearestNeighbors
 
+    if precomputed:
+        X = check_distance_matrix(X)
     X = np.asarray(X, dtype=np.float64)
     if X.ndim != 2:
         raise ValueError(f"descriptors should be (K, L), got shape {X.shape}.")
@@ -331,7 +334,8 @@ def adaptive_dbscan(X, *, scale: float = 1.0, min_samples: int = 2, level_factor
     check_finite_number(level_factor, "level_factor", low=1.0)
     check_finite_number(min_samples, "min_samples", low=1, integer=True)
     k = min(int(min_samples), X.shape[0])
-    dist, _ = NearestNeighbors(n_neighbors=k).fit(X).kneighbors(X)
+    metric = "precomputed" if precomputed else "euclidean"
+    dist, _ = NearestNeighbors(n_neighbors=k, metric=metric).fit(X).kneighbors(X)
     curve = np.sort(dist[:, -1])
     knee = None
     if len(curve) >= 3 and curve[-1] > curve[0]:
@@ -343,7 +347,7 @@ def adaptive_dbscan(X, *, scale: float = 1.0, min_samples: int = 2, level_factor
     # DBSCAN compares distance <= eps; a hair of slack keeps a distance equal to eps from being
     # lost to rounding differences between the two distance computations.
     eps = max(base * float(level_factor) * float(scale) * (1 + 1e-9), 1e-12)
-    raw = DBSCAN(eps=eps, min_samples=int(min_samples)).fit(X).labels_
+    raw = DBSCAN(eps=eps, min_samples=int(min_samples), metric=metric).fit(X).labels_
     labels = raw.copy()
     nxt = raw.max() + 1 if (raw >= 0).any() else 0
     for i in np.flatnonzero(raw < 0):

@@ -1,0 +1,238 @@
+"""The ``fedmed`` command line.
+
+Verbs: ``cluster``, ``distances``, ``partition`` (the papers' math on files), ``data`` (per-site
+datalists), ``experiment`` (methods x seeds through NVFlare), ``assess`` (segmentation site
+heterogeneity), ``demo``. Errors in user input print one line naming the file/parameter and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["main"]
+
+
+def _json_default(o):
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(type(o).__name__)
+
+
+def _print_json(obj):
+    print(json.dumps(obj, indent=2, default=_json_default))
+
+
+# ---------------------------------------------------------------------------------------- cluster
+
+def cmd_cluster(a):
+    from . import clustering
+    from .io import read_distance_csv
+
+    names, D = read_distance_csv(a.dist)
+    method = a.method
+    out: dict = {"method": method, "sites": names}
+    if method == "farthest-split":
+        res = clustering.farthest_split(D, rule=a.rule)
+        out.update(most_distant=names[res["most_distant"]], clusters=[[names[i] for i in c] for c in res["clusters"]],
+                   rule=res["rule"], column_sums=dict(zip(names, np.asarray(D).sum(0).tolist())))
+    elif method == "agglomerative":
+        if a.k is None and a.threshold is None:
+            raise ValueError("--method agglomerative needs --k or --threshold.")
+        labels = clustering.agglomerative(D, n_clusters=a.k, threshold=a.threshold, linkage_method=a.linkage)
+        out.update(clusters=clustering.labels_to_clusters(labels, names), linkage=a.linkage)
+    elif method == "auto-k":
+        res = clustering.auto_k(D, linkage_method=a.linkage, k_max=a.k_max)
+        out.update(clusters=clustering.labels_to_clusters(res.labels, names), k=res.k, cv=res.cv, window=res.window,
+                   silhouette={str(k): v for k, v in res.scores.items()}, local_maxima=res.local_maxima, rule=res.rule)
+    elif method == "dbscan":
+        res = clustering.adaptive_dbscan(D, precomputed=True, scale=a.scale)
+        out.update(clusters=clustering.labels_to_clusters(res["labels"], names), eps=res["eps"],
+                   eps_source=res["eps_source"], n_noise=res["n_noise"])
+    _print_json(out)
+
+
+# -------------------------------------------------------------------------------------- distances
+
+def cmd_distances(a):
+    from .io import read_signature_dir, write_distance_csv
+
+    kind = a.kind
+    if kind == "fmcl":
+        from .fmcl import ClassSignature, fmcl_distance_matrix
+
+        sigs = read_signature_dir(a.signature_dir, ("classes", "means", "counts"))
+        names = list(sigs)
+        D = fmcl_distance_matrix([ClassSignature(s["classes"], s["means"], s["counts"]) for s in sigs.values()],
+                                 alpha=a.alpha, beta=a.beta, eps=a.eps, overlap=not a.no_overlap, site_names=names)
+    elif kind == "pacfl":
+        from .baselines import pacfl_distance_matrix
+
+        sigs = read_signature_dir(a.signature_dir, ("basis",))
+        names = list(sigs)
+        D = pacfl_distance_matrix([s["basis"] for s in sigs.values()], site_names=names)
+    elif kind == "fecfl":
+        from .baselines import fecfl_distance_matrix
+
+        sigs = read_signature_dir(a.signature_dir, ("mean",))
+        names = list(sigs)
+        D = fecfl_distance_matrix([s["mean"] for s in sigs.values()], site_names=names)
+    elif kind == "euclidean":
+        from .heterogeneity import embedding_distance_matrix
+
+        sigs = read_signature_dir(a.signature_dir, ("embeddings",))
+        names = list(sigs)
+        D = embedding_distance_matrix([s["embeddings"] for s in sigs.values()], site_names=names)
+    else:  # emd
+        from .heterogeneity import d_emd, emd_matrix
+
+        sigs = read_signature_dir(a.signature_dir)
+        names = list(sigs)
+        keys = [set(s) for s in sigs.values()]
+        common = sorted(set.intersection(*keys))
+        intensity = [k for k in common if k.startswith("intensity__")]
+        labels = [k for k in common if k.startswith("label__")]
+        if not intensity or not labels:
+            raise ValueError(f"{a.signature_dir}: emd signatures need arrays named intensity__<modality> and "
+                             f"label__<label> present at every site, found {common}.")
+        edges_key = lambda k: "edges__" + k  # noqa: E731
+        mats = {}
+        for k in intensity + labels:
+            edges = sigs[names[0]].get(edges_key(k))
+            mats[k] = emd_matrix([s[k] for s in sigs.values()], edges=edges, site_names=names, feature=k)
+        res = d_emd({k: mats[k] for k in intensity}, {k: mats[k] for k in labels})
+        D = res["D"]
+        print(f"EMD_maxI: {res['max_intensity']}  EMD_maxL: {res['max_label']}", file=sys.stderr)
+    write_distance_csv(a.out, names, D)
+    print(f"wrote {a.out} ({len(names)} sites)", file=sys.stderr)
+
+
+# -------------------------------------------------------------------------------------- partition
+
+def _read_labels(path) -> np.ndarray:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: labels file not found.")
+    if path.suffix == ".npy":
+        return np.load(path)
+    try:
+        return np.loadtxt(path, dtype=np.int64, ndmin=1)
+    except ValueError as e:
+        raise ValueError(f"{path}: expected one integer label per line ({e}).") from None
+
+
+def cmd_partition(a):
+    from . import partition as P
+
+    out: dict = {"scheme": a.scheme, "seed": a.seed}
+    if a.scheme == "predi":
+        res = P.predi(a.classes, a.sites, a.prevalence, a.disparity, a.seed)
+        out.update(assignment=res.assignment, prevalence=res.prevalence, disparity=res.disparity,
+                   class_prevalence=res.class_prevalence, classes_per_site=res.classes_per_site,
+                   targets={"prevalence": a.prevalence, "disparity": a.disparity}, attempts=res.attempts)
+    elif a.scheme == "quantity":
+        n = a.n_samples if a.n_samples is not None else (len(_read_labels(a.labels)) if a.labels else None)
+        if n is None:
+            raise ValueError("quantity partition needs --n-samples or --labels.")
+        parts = P.quantity_partition(n, a.sites, a.alpha, a.seed)
+        out.update(sites=[p.tolist() for p in parts], sizes=[len(p) for p in parts])
+    else:
+        if not a.labels:
+            raise ValueError(f"{a.scheme} partition needs --labels FILE (one integer label per sample).")
+        y = _read_labels(a.labels)
+        if a.scheme == "dirichlet":
+            parts = P.dirichlet_label_partition(y, a.sites, a.alpha, a.seed)
+            out.update(sites=[p.tolist() for p in parts], sizes=[len(p) for p in parts],
+                       class_counts=[np.bincount(y[p], minlength=int(y.max()) + 1).tolist() for p in parts])
+        else:  # anda
+            sites = P.anda_federation(y, a.sites, a.shift, a.seed, level=a.level, n_groups=a.groups)
+            out.update(shift=a.shift, level=a.level, groups=[s.group for s in sites], sites=[s.to_json() for s in sites])
+    if a.json:
+        _print_json(out)
+    else:
+        for k, v in out.items():
+            if k not in ("sites", "assignment"):
+                print(f"{k}: {v}")
+        if "assignment" in out:
+            print(np.asarray(out["assignment"]))
+
+
+# ------------------------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedmed", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="verb", required=True)
+
+    c = sub.add_parser("cluster", help="cluster sites from a distance-matrix CSV, print JSON")
+    c.add_argument("dist", help="square CSV; header row and first column are site names")
+    c.add_argument("--method", required=True, choices=["farthest-split", "agglomerative", "auto-k", "dbscan"])
+    c.add_argument("--k", type=int, help="fixed number of clusters (agglomerative)")
+    c.add_argument("--threshold", type=float, help="merge-distance threshold (agglomerative)")
+    c.add_argument("--linkage", default="average", choices=["single", "complete", "average"])
+    c.add_argument("--k-max", type=int, default=None, help="auto-k: largest K considered (default min(10, N))")
+    c.add_argument("--rule", default="objective", choices=["objective", "printed"], help="farthest-split reading")
+    c.add_argument("--scale", type=float, default=1.0, help="dbscan: eps scale factor")
+    c.set_defaults(func=cmd_cluster)
+
+    d = sub.add_parser("distances", help="site-by-site distances from per-site <site>.npz signatures")
+    d.add_argument("kind", choices=["fmcl", "pacfl", "fecfl", "emd", "euclidean"])
+    d.add_argument("signature_dir")
+    d.add_argument("--out", required=True, help="output CSV")
+    d.add_argument("--alpha", type=float, default=1.0)
+    d.add_argument("--beta", type=float, default=100.0)
+    d.add_argument("--eps", type=float, default=1e-3)
+    d.add_argument("--no-overlap", action="store_true", help="FMCL ablation without overlap scaling")
+    d.set_defaults(func=cmd_distances)
+
+    q = sub.add_parser("partition", help="seeded partition of a label set; prints the assignment and its statistics")
+    q.add_argument("scheme", choices=["dirichlet", "quantity", "predi", "anda"])
+    q.add_argument("--labels", help="labels file (.npy, or text with one integer per line)")
+    q.add_argument("--n-samples", type=int)
+    q.add_argument("--sites", type=int, required=True)
+    q.add_argument("--alpha", type=float, default=0.1)
+    q.add_argument("--classes", type=int, default=36, help="predi: number of classes C")
+    q.add_argument("--prevalence", type=float, default=3.0, help="predi: target average prevalence p*")
+    q.add_argument("--disparity", type=float, default=0.0, help="predi: target disparity sigma*")
+    q.add_argument("--shift", default="feature", choices=["feature", "label", "p_y_given_x", "p_x_given_y", "quantity"])
+    q.add_argument("--level", type=int, default=3)
+    q.add_argument("--groups", type=int, default=2)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_partition)
+
+    _add_workflow_verbs(sub)
+    return p
+
+
+def _add_workflow_verbs(sub):
+    """Verbs that run data preparation, experiments and the demo (fedmed.workflows)."""
+    try:
+        from . import commands
+    except ImportError:  # pragma: no cover - during bootstrap only
+        return
+    commands.register(sub)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        a.func(a)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"fedmed {a.verb}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Small file formats: distance-matrix CSVs and per-site signature ``.npz`` files."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["read_distance_csv", "write_distance_csv", "read_signature_dir"]
+
+
+def read_distance_csv(path) -> tuple[list[str], np.ndarray]:
+    """A square matrix whose header row and first column are the site names.
+
+    Raises:
+        ValueError: naming the file and what is wrong (missing file, ragged rows, names that do
+            not match, non-numeric cells).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: distance matrix file not found.")
+    with path.open(newline="") as fh:
+        rows = [r for r in csv.reader(fh) if any(c.strip() for c in r)]
+    if len(rows) < 2:
+        raise ValueError(f"{path}: expected a header row and at least one row of distances, got {len(rows)} rows.")
+    header = [c.strip() for c in rows[0][1:]]
+    names, values = [], []
+    for ln, r in enumerate(rows[1:], start=2):
+        if len(r) != len(header) + 1:
+            raise ValueError(f"{path}:{ln}: expected {len(header) + 1} cells (site name + {len(header)} distances), got {len(r)}.")
+        names.append(r[0].strip())
+        try:
+            values.append([float(c) for c in r[1:]])
+        except ValueError as e:
+            raise ValueError(f"{path}:{ln}: non-numeric distance ({e}).") from None
+    if names != header:
+        raise ValueError(f"{path}: first-column site names {names} should equal the header {header}.")
+    return names, np.asarray(values, dtype=np.float64)
+
+
+def write_distance_csv(path, names, D) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["site", *names])
+        for n, row in zip(names, np.asarray(D)):
+            w.writerow([n, *[repr(float(x)) for x in row]])
+
+
+def read_signature_dir(directory, required: tuple[str, ...] = ()) -> dict[str, dict[str, np.ndarray]]:
+    """``<site>.npz`` files of a folder, sorted by site name, each as a dict of arrays."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: signature folder not found.")
+    files = sorted(directory.glob("*.npz"))
+    if not files:
+        raise ValueError(f"{directory}: no <site>.npz signature files found.")
+    out = {}
+    for f in files:
+        try:
+            with np.load(f, allow_pickle=False) as z:
+                arrs = {k: z[k] for k in z.files}
+        except Exception as e:  # a corrupt or non-npz file
+            raise ValueError(f"{f}: not a readable .npz file ({type(e).__name__}: {e}).") from None
+        missing = [k for k in required if k not in arrs]
+        if missing:
+            raise ValueError(f"{f}: missing arrays {missing} (has {sorted(arrs)}).")
+        out[f.stem] = arrs
+    return out

@@ -1,0 +1,99 @@
+import json
+
+import numpy as np
+import pytest
+
+from fedmed.cli import main
+from fedmed.io import write_distance_csv
+
+KITS_EMD = np.array([[0, .92, 1.45, 2.46, 13.86], [.92, 0, 1.03, 2.37, 12.55], [1.45, 1.03, 0, 1.15, 11.03],
+                     [2.46, 2.37, 1.15, 0, 4.89], [13.86, 12.55, 11.03, 4.89, 0]])
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cluster_farthest_split(tmp_path, capsys):
+    f = tmp_path / "kits.csv"
+    write_distance_csv(f, [f"client{i}" for i in range(1, 6)], KITS_EMD)
+    code, out, _ = run(capsys, "cluster", str(f), "--method", "farthest-split")
+    res = json.loads(out)
+    assert code == 0 and res["most_distant"] == "client5"
+    assert sorted(res["clusters"]) == [["client1", "client2", "client3"], ["client4", "client5"]]
+
+
+@pytest.mark.parametrize("method, extra", [("agglomerative", ["--k", "2"]), ("auto-k", []), ("dbscan", [])])
+def test_cluster_methods(tmp_path, capsys, method, extra):
+    f = tmp_path / "d.csv"
+    X = np.r_[np.zeros(4), np.ones(4) * 10] + np.arange(8) * 0.01
+    write_distance_csv(f, [f"s{i}" for i in range(8)], np.abs(X[:, None] - X[None]))
+    code, out, err = run(capsys, "cluster", str(f), "--method", method, *extra)
+    assert code == 0, err
+    assert sorted(json.loads(out)["clusters"]) == [["s0", "s1", "s2", "s3"], ["s4", "s5", "s6", "s7"]]
+
+
+@pytest.mark.parametrize("D, msg", [
+    (np.array([[0, 1], [2, 0]]), "symmetric"),
+    (np.array([[0, -1], [-1, 0]]), "non-negative"),
+    (np.array([[0, np.inf], [np.inf, 0]]), "finite"),
+])
+def test_cluster_bad_matrix(tmp_path, capsys, D, msg):
+    f = tmp_path / "bad.csv"
+    write_distance_csv(f, ["a", "b"], D)
+    code, _, err = run(capsys, "cluster", str(f), "--method", "auto-k")
+    assert code == 2 and msg in err
+
+
+def test_cluster_ragged_csv(tmp_path, capsys):
+    f = tmp_path / "bad.csv"
+    f.write_text("site,a,b\na,0,1\nb,1\n")
+    code, _, err = run(capsys, "cluster", str(f), "--method", "auto-k")
+    assert code == 2 and "bad.csv:3: expected 3 cells" in err
+
+
+def test_cluster_k_above_sites(tmp_path, capsys):
+    f = tmp_path / "d.csv"
+    write_distance_csv(f, ["a", "b", "c"], np.ones((3, 3)) - np.eye(3))
+    code, _, err = run(capsys, "cluster", str(f), "--method", "agglomerative", "--k", "5")
+    assert code == 2 and "n_clusters should be <= the number of sites (3)" in err
+
+
+def test_distances_fmcl_roundtrip(tmp_path, capsys, rng):
+    sig = tmp_path / "sigs"
+    sig.mkdir()
+    for i in range(4):
+        np.savez(sig / f"site-{i}.npz", classes=np.array([0, 1 + i % 2]), means=rng.normal(size=(2, 8)),
+                 counts=np.array([5.0, 3.0]))
+    out = tmp_path / "D.csv"
+    code, _, err = run(capsys, "distances", "fmcl", str(sig), "--out", str(out))
+    assert code == 0, err
+    code, res, _ = run(capsys, "cluster", str(out), "--method", "agglomerative", "--k", "2")
+    assert code == 0 and len(json.loads(res)["clusters"]) == 2
+
+
+def test_distances_dimension_mismatch(tmp_path, capsys):
+    sig = tmp_path / "sigs"
+    sig.mkdir()
+    np.savez(sig / "a.npz", classes=np.array([0]), means=np.ones((1, 4)), counts=np.array([1.0]))
+    np.savez(sig / "b.npz", classes=np.array([0]), means=np.ones((1, 5)), counts=np.array([1.0]))
+    code, _, err = run(capsys, "distances", "fmcl", str(sig), "--out", str(tmp_path / "D.csv"))
+    assert code == 2 and "one embedding dimension" in err and "'b': 5" in err
+
+
+def test_partition_predi_json(capsys):
+    code, out, _ = run(capsys, "partition", "predi", "--classes", "36", "--sites", "4", "--prevalence", "2.0",
+                       "--disparity", "1.0", "--json")
+    res = json.loads(out)
+    M = np.array(res["assignment"])
+    assert code == 0 and M.shape == (36, 4) and res["prevalence"] == 2.0 and abs(res["disparity"] - 1.0) <= 0.25
+
+
+def test_partition_dirichlet(tmp_path, capsys):
+    f = tmp_path / "y.txt"
+    f.write_text("\n".join(str(i % 3) for i in range(90)))
+    code, out, _ = run(capsys, "partition", "dirichlet", "--labels", str(f), "--sites", "5", "--alpha", "0.1", "--json")
+    res = json.loads(out)
+    assert code == 0 and sum(res["sizes"]) == 90
