@@ -1,0 +1,242 @@
+"""Datasets as MONAI-style per-site datalists.
+
+A site's datalist is one JSON file::
+
+    {"site": "site-1", "training": [{"image": "/abs/a.png", "label": 0}, ...],
+     "validation": [...]}              # "validation" is the site's held-out local test split
+
+plus one ``dataset.json`` beside the site files with ``n_classes``, ``class_names`` and the
+source. :func:`discover` reads the formats in ``../shared/data`` — PNG/JPEG class folders (BUSI,
+Imagenette; ``*_mask*`` files skipped), MedMNIST ``.npz`` (all splits pooled) and the builtin
+scikit-learn digits — and :func:`write_site_datalists` writes a federation from a partition.
+Array sources (npz, digits) and shifted images (ANDA) are written as PNGs next to the datalists,
+so every site reads plain image files.
+
+Only file paths and labels are in a datalist; images never leave the site that holds them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["DataError", "ImagePool", "discover", "load_datalist", "load_images", "write_site_datalists"]
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff"}
+
+
+class DataError(ValueError):
+    """Bad data at a site; the message names the site and the file."""
+
+
+@dataclass
+class ImagePool:
+    """A pooled labelled image set before it is split into sites."""
+
+    items: list  # file paths (str) or 2-D/3-D uint8 arrays
+    labels: np.ndarray
+    class_names: list[str]
+    source: str
+
+    @property
+    def n_classes(self) -> int:
+        return len(self.class_names)
+
+    def subset(self, idx) -> "ImagePool":
+        idx = np.asarray(idx, dtype=np.int64)
+        return ImagePool([self.items[i] for i in idx], self.labels[idx], self.class_names, self.source)
+
+
+def _class_dirs(root: Path) -> list[Path]:
+    return sorted(d for d in root.iterdir() if d.is_dir() and any(
+        f.suffix.lower() in IMAGE_SUFFIXES for f in d.iterdir() if f.is_file()))
+
+
+def discover(path: str, *, max_per_class: int | None = None, seed: int = 0) -> ImagePool:
+    """Read a labelled image collection.
+
+    Args:
+        path: ``builtin:digits``; a MedMNIST-style ``.npz`` (``{train,val,test}_images/labels``);
+            or a folder of class folders (possibly one level down, or split folders
+            ``train/``, ``val/``, ``test/`` each holding the same class folders).
+        max_per_class: keep at most this many images per class (seeded choice).
+
+    Raises:
+        DataError: the path does not exist or holds no recognisable images.
+    """
+    rng = np.random.default_rng(seed)
+    if path == "builtin:digits":
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        imgs = (d.images * (255.0 / 16.0)).round().astype(np.uint8)
+        pool = ImagePool(list(imgs), d.target.astype(np.int64), [str(c) for c in d.target_names], "sklearn digits")
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise DataError(f"{p}: dataset path does not exist")
+        if p.is_file() and p.suffix == ".npz":
+            try:
+                z = np.load(p)
+                splits = [s for s in ("train", "val", "test") if f"{s}_images" in z.files]
+                if not splits:
+                    raise KeyError("no <split>_images arrays")
+                imgs = np.concatenate([z[f"{s}_images"] for s in splits])
+                labels = np.concatenate([z[f"{s}_labels"].reshape(-1) for s in splits]).astype(np.int64)
+            except Exception as e:
+                raise DataError(f"{p}: not a MedMNIST-style npz ({type(e).__name__}: {e})") from None
+            names = [str(c) for c in range(int(labels.max()) + 1)]
+            pool = ImagePool(list(imgs), labels, names, str(p))
+        elif p.is_dir():
+            roots = [p]
+            while len(roots) == 1 and not _class_dirs(roots[0]):
+                subs = [d for d in roots[0].iterdir() if d.is_dir()]
+                if len(subs) == 1:
+                    roots = subs
+                elif subs and all(_class_dirs(s) for s in subs):
+                    roots = sorted(subs)  # split folders (train/val/...) holding class folders
+                else:
+                    break
+            class_names = sorted({d.name for r in roots for d in _class_dirs(r)})
+            if not class_names:
+                raise DataError(f"{p}: no class folders with images found")
+            items, labels = [], []
+            for r in roots:
+                for d in _class_dirs(r):
+                    for f in sorted(d.iterdir()):
+                        if f.suffix.lower() in IMAGE_SUFFIXES and "_mask" not in f.stem:
+                            items.append(str(f.resolve()))
+                            labels.append(class_names.index(d.name))
+            pool = ImagePool(items, np.asarray(labels, dtype=np.int64), class_names, str(p))
+        else:
+            raise DataError(f"{p}: expected 'builtin:digits', a .npz file or a folder of class folders")
+    if max_per_class:
+        keep = []
+        for c in range(pool.n_classes):
+            idx = np.flatnonzero(pool.labels == c)
+            keep.extend(rng.choice(idx, size=min(max_per_class, idx.size), replace=False).tolist())
+        pool = pool.subset(np.sort(keep))
+    return pool
+
+
+def _save_png(arr: np.ndarray, path: Path) -> None:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.asarray(arr)).save(path)
+
+
+def _read_array(item) -> np.ndarray:
+    from PIL import Image
+
+    if isinstance(item, np.ndarray):
+        return item
+    with Image.open(item) as im:
+        return np.asarray(im.convert("RGB") if im.mode not in ("L", "RGB") else im)
+
+
+def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, *, test_fraction: float = 0.2,
+                         seed: int = 0, site_names: Sequence[str] | None = None,
+                         transforms: Sequence[Callable] | None = None, extra: dict | None = None) -> list[Path]:
+    """Write one datalist per site (and ``dataset.json``) for a partition of ``pool``.
+
+    Each site's samples are shuffled (seeded) and ``test_fraction`` of them (at least one when
+    the site has two or more samples) become its local test split (``"validation"``).
+    ``transforms[k](array, label) -> (array, label)`` shifts site ``k``'s images (ANDA); shifted
+    and array images are written as PNGs under ``out_dir/images/<site>/``.
+
+    Returns:
+        the site datalist paths.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(site_names) if site_names else [f"site-{k + 1}" for k in range(len(parts))]
+    rng = np.random.default_rng(seed)
+    paths = []
+    for k, (name, idx) in enumerate(zip(names, parts)):
+        idx = rng.permutation(np.asarray(idx, dtype=np.int64))
+        n_test = int(round(test_fraction * idx.size))
+        if idx.size >= 2:
+            n_test = min(max(n_test, 1), idx.size - 1)
+        else:
+            n_test = 0
+        entries = []
+        for j, i in enumerate(idx):
+            item, label = pool.items[i], int(pool.labels[i])
+            tf = transforms[k] if transforms else None
+            if tf is not None or isinstance(item, np.ndarray):
+                arr = _read_array(item)
+                if tf is not None:
+                    arr, label = tf(arr, label)
+                target = out / "images" / name / f"{j:06d}_{int(i)}.png"
+                _save_png(arr, target)
+                item = str(target.resolve())
+            entries.append({"image": item, "label": label})
+        doc = {"site": name, "training": entries[n_test:], "validation": entries[:n_test]}
+        path = out / f"{name}.json"
+        path.write_text(json.dumps(doc, indent=1))
+        paths.append(path)
+    meta = {"n_classes": pool.n_classes, "class_names": pool.class_names, "source": pool.source,
+            "sites": names, **(extra or {})}
+    (out / "dataset.json").write_text(json.dumps(meta, indent=1))
+    return paths
+
+
+def load_datalist(path) -> dict:
+    """Read and validate a site datalist.
+
+    Raises:
+        DataError: missing file, bad JSON, missing keys or malformed entries (naming the file and
+            the first bad entry).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: datalist not found")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or "training" not in doc:
+        raise DataError(f"{path}: datalist should be an object with a 'training' list")
+    for key in ("training", "validation"):
+        entries = doc.setdefault(key, [])
+        if not isinstance(entries, list):
+            raise DataError(f"{path}: '{key}' should be a list")
+        for j, e in enumerate(entries):
+            if not isinstance(e, dict) or "image" not in e or "label" not in e:
+                raise DataError(f"{path}: {key}[{j}] should have 'image' and 'label', got {e!r}")
+            if isinstance(e["label"], bool) or not isinstance(e["label"], int) or e["label"] < 0:
+                raise DataError(f"{path}: {key}[{j}] label should be a non-negative integer, got {e['label']!r}")
+    return doc
+
+
+def load_images(entries: Sequence[dict], *, image_size: int, channels: int, site: str = "site"):
+    """Decode, resize and stack a datalist's images: ``(N, C, H, W)`` float32 in [0, 1], labels (N,).
+
+    Raises:
+        DataError: ``"<site>: cannot read image <path> (<reason>)"`` for a missing or corrupt file.
+    """
+    import torch
+    from PIL import Image, UnidentifiedImageError
+
+    xs, ys = [], []
+    mode = "L" if channels == 1 else "RGB"
+    for e in entries:
+        f = e["image"]
+        try:
+            with Image.open(f) as im:
+                im = im.convert(mode).resize((image_size, image_size), Image.BILINEAR)
+                arr = np.asarray(im, dtype=np.float32) / 255.0
+        except FileNotFoundError:
+            raise DataError(f"{site}: cannot read image {f} (file not found)") from None
+        except (UnidentifiedImageError, OSError, ValueError) as err:
+            raise DataError(f"{site}: cannot read image {f} (corrupt or not an image: {err})") from None
+        xs.append(arr[None] if channels == 1 else arr.transpose(2, 0, 1))
+        ys.append(int(e["label"]))
+    if not xs:
+        return torch.zeros((0, channels, image_size, image_size)), torch.zeros(0, dtype=torch.long)
+    return torch.from_numpy(np.stack(xs)), torch.tensor(ys, dtype=torch.long)

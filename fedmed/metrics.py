@@ -1,0 +1,88 @@
+"""Classification metrics per site, and pooled over sites from aggregates only.
+
+Per site (the served model on the site's local test split): accuracy, macro-F1 over the
+classes present in that site's labels or predictions (scikit-learn's default), one-vs-rest AUC
+over the classes present in the labels (NaN when the test split holds one class).
+
+Pooled over sites, from what sites send — a confusion matrix and, per (true class, output
+class), a histogram of predicted probabilities in 100 bins — never per-sample predictions:
+accuracy and macro-F1 over all classes from the summed confusion matrix, and one-vs-rest AUC
+from the summed histograms (ties within a bin count one half; the error against the exact AUC
+is below the bin width).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["N_BINS", "auc_from_histograms", "pooled_metrics", "site_metrics"]
+
+N_BINS = 100
+
+
+def site_metrics(y_true, prob, n_classes: int) -> dict:
+    """Metrics and the aggregates (confusion, score histograms) of one site's predictions.
+
+    Args:
+        y_true: (n,) labels.
+        prob: (n, C) predicted class probabilities.
+    """
+    from sklearn.metrics import f1_score, roc_auc_score
+
+    y = np.asarray(y_true, dtype=np.int64)
+    p = np.asarray(prob, dtype=np.float64)
+    C = int(n_classes)
+    conf = np.zeros((C, C), dtype=np.int64)
+    hist = np.zeros((C, C, N_BINS), dtype=np.int64)
+    if y.size == 0:
+        return {"accuracy": float("nan"), "macro_f1": float("nan"), "auc": float("nan"), "n_test": 0,
+                "confusion": conf, "score_hist": hist}
+    pred = p.argmax(1)
+    np.add.at(conf, (y, pred), 1)
+    bins = np.clip((p * N_BINS).astype(int), 0, N_BINS - 1)
+    for c in range(C):
+        np.add.at(hist[:, c, :], (y, bins[:, c]), 1)
+    present = np.unique(y)
+    auc = float("nan")
+    if present.size >= 2:
+        if C == 2:
+            auc = float(roc_auc_score(y, p[:, 1]))
+        else:
+            aucs = [roc_auc_score(y == c, p[:, c]) for c in present]
+            auc = float(np.mean(aucs))
+    return {"accuracy": float((pred == y).mean()), "macro_f1": float(f1_score(y, pred, average="macro")),
+            "auc": auc, "n_test": int(y.size), "confusion": conf, "score_hist": hist}
+
+
+def auc_from_histograms(pos: np.ndarray, neg: np.ndarray) -> float:
+    """P(score_pos > score_neg) + 0.5 P(same bin) from two histograms on the same bins."""
+    pos = np.asarray(pos, dtype=np.float64)
+    neg = np.asarray(neg, dtype=np.float64)
+    if pos.sum() == 0 or neg.sum() == 0:
+        return float("nan")
+    neg_below = np.concatenate([[0.0], np.cumsum(neg)[:-1]])
+    return float((pos * (neg_below + 0.5 * neg)).sum() / (pos.sum() * neg.sum()))
+
+
+def pooled_metrics(confusions, histograms) -> dict:
+    """Sample-weighted metrics over all sites' test samples (each scored by its served model)."""
+    conf = np.sum(np.stack([np.asarray(c) for c in confusions]), axis=0).astype(np.float64)
+    hist = np.sum(np.stack([np.asarray(h) for h in histograms]), axis=0).astype(np.float64)
+    n = conf.sum()
+    if n == 0:
+        return {"accuracy": float("nan"), "macro_f1": float("nan"), "auc": float("nan"), "n_test": 0}
+    tp = np.diag(conf)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        prec = np.where(conf.sum(0) > 0, tp / conf.sum(0), 0.0)
+        rec = np.where(conf.sum(1) > 0, tp / conf.sum(1), 0.0)
+        f1 = np.where(prec + rec > 0, 2 * prec * rec / (prec + rec), 0.0)
+    C = conf.shape[0]
+    present = [c for c in range(C) if conf[c].sum() > 0]
+    if C == 2:
+        auc = auc_from_histograms(hist[1, 1], hist[0, 1])
+    else:
+        aucs = [auc_from_histograms(hist[c, c], hist[np.arange(C) != c, c].sum(0)) for c in present]
+        aucs = [a for a in aucs if np.isfinite(a)]
+        auc = float(np.mean(aucs)) if aucs else float("nan")
+    return {"accuracy": float(tp.sum() / n), "macro_f1": float(f1[present].mean()) if present else float("nan"),
+            "auc": auc, "n_test": int(n)}
