@@ -228,7 +228,7 @@ def main(argv=None) -> int:
     a = parser.parse_args(argv)
     try:
         a.func(a)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         print(f"fedmed {a.verb}: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -74,7 +74,7 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
             loss.backward()
             opt.step()
             model.train()
-            total += float(loss)
+            total += float(loss.detach())
             steps += 1
     return {"loss": total / max(steps, 1), "steps": steps}
 

@@ -1,0 +1,241 @@
+"""``fedmed experiment``: run the methods of a config over seeds through ``nvflare simulator``.
+
+For each seed the federation is built (seeded partition -> per-site datalists), then every
+method's job is built by ``jobs/build.py`` and run with ``nvflare simulator`` in a subprocess
+(the same exported job folder POC and the admin console accept). Outputs in ``OUT``:
+
+* ``results.csv`` — one row per (method, seed, round): per-site mean and std of accuracy,
+  macro-F1, AUC, and the pooled (all test samples) figures;
+* ``summary.md`` / ``summary.csv`` — mean ± std over seeds at each method's best round (the
+  round with the highest seed-mean of the per-site mean accuracy, as FMCL §4.6 selects);
+* ``curves.png`` — learning curves (mean ± std over seeds);
+* ``runs/<seed>/<method>/`` — each job's ``metrics.json`` and simulator log.
+
+fedmed itself never imports nvflare: jobs are built and run as subprocesses.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .config import ExperimentConfig
+
+__all__ = ["REPO_ROOT", "prepare_federation", "run_experiment", "summarize", "write_outputs"]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIELDS = ["method", "seed", "round", "accuracy", "macro_f1", "auc", "accuracy_std", "macro_f1_std", "auc_std",
+          "pooled_accuracy", "pooled_macro_f1", "pooled_auc", "n_sites", "n_failed"]
+
+
+def prepare_federation(exp: ExperimentConfig, seed: int, out_dir) -> Path:
+    """Partition the dataset for ``seed`` and write the site datalists into ``out_dir``."""
+    from . import partition as P
+    from .data import discover, write_site_datalists
+
+    fed = exp.federation
+    pool = discover(exp.dataset.path, max_per_class=exp.dataset.max_per_class, seed=seed)
+    rng = np.random.default_rng(seed)
+    transforms = None
+    extra: dict = {"partition": fed.partition, "seed": seed}
+    if fed.partition == "iid":
+        parts = P.iid_partition(len(pool.labels), fed.sites, rng)
+    elif fed.partition == "dirichlet":
+        parts = P.dirichlet_label_partition(pool.labels, fed.sites, fed.alpha, rng)
+    elif fed.partition == "quantity":
+        parts = P.quantity_partition(len(pool.labels), fed.sites, fed.alpha, rng)
+    elif fed.partition == "predi":
+        res = P.predi(pool.n_classes, fed.sites, fed.predi_prevalence, fed.predi_disparity, rng)
+        parts = P.predi_partition(pool.labels, res.assignment, rng, samples_per_cell=None)
+        extra.update(prevalence=res.prevalence, disparity=res.disparity)
+    else:  # anda
+        sites = P.anda_federation(pool.labels, fed.sites, fed.anda_shift, rng, level=fed.anda_level,
+                                  n_groups=fed.anda_groups)
+        parts = [s.indices for s in sites]
+        transforms = [(lambda img, lab, s=s: P.apply_anda_transform(img, lab, s)) for s in sites]
+        extra.update(groups=[s.group for s in sites], shift=fed.anda_shift, level=fed.anda_level)
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    write_site_datalists(pool, parts, out, test_fraction=fed.test_fraction, seed=seed, transforms=transforms,
+                         extra=extra)
+    return out
+
+
+def _run(cmd, log: Path, timeout: int) -> float:
+    t0 = time.time()
+    with log.open("w") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO_ROOT)
+    if proc.returncode != 0:
+        tail = log.read_text()[-2000:]
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}\n--- {log} (tail) ---\n{tail}")
+    return time.time() - t0
+
+
+def run_job(config_path: str, overrides: list[str], method: str, seed: int, datalists: Path, work: Path,
+            n_sites: int, timeout: int = 3600) -> dict:
+    """Build and simulate one (method, seed) job; returns its ``metrics.json`` document."""
+    bindir = Path(sys.executable).parent
+    work.mkdir(parents=True, exist_ok=True)
+    jobs_dir = work / "job"
+    build = [sys.executable, str(REPO_ROOT / "jobs" / "build.py"), "--config", str(config_path), "--datalists",
+             str(datalists), "--out", str(jobs_dir), "--method", method, "--seed", str(seed)]
+    for o in overrides:
+        build += ["--set", o]
+    _run(build, work / "build.log", 600)
+    job = next(p for p in jobs_dir.iterdir() if p.is_dir())
+    ws = work / "workspace"
+    if ws.exists():
+        shutil.rmtree(ws)
+    nvflare = bindir / "nvflare"
+    sim = [str(nvflare), "simulator", str(job), "-w", str(ws), "-n", str(n_sites), "-t", str(n_sites)]
+    secs = _run(sim, work / "simulator.log", timeout)
+    metrics = ws / "server" / "simulate_job" / "fedmed" / "metrics.json"
+    if not metrics.is_file():
+        raise RuntimeError(f"{job.name}: the simulator finished without writing {metrics}; see {work / 'simulator.log'}")
+    shutil.copy(metrics, work / "metrics.json")
+    doc = json.loads(metrics.read_text())
+    doc["wall_seconds"] = secs
+    shutil.rmtree(ws, ignore_errors=True)  # workspaces are large; metrics.json and logs are kept
+    return doc
+
+
+def rows_from_metrics(method: str, seed: int, doc: dict) -> list[dict]:
+    rows = []
+    failed_by_round: dict[int, int] = {}
+    for e in doc.get("errors", []):
+        failed_by_round[e["round"]] = failed_by_round.get(e["round"], 0) + 1
+    for r in doc["rounds"]:
+        s = r["summary"]
+        row = {"method": method, "seed": seed, "round": r["round"], "n_sites": s["n_sites"],
+               "n_failed": failed_by_round.get(r["round"], 0)}
+        for m in ("accuracy", "macro_f1", "auc"):
+            row[m] = s["mean"][m]
+            row[f"{m}_std"] = s["std"][m]
+            row[f"pooled_{m}"] = s.get("pooled", {}).get(m, float("nan"))
+        rows.append(row)
+    return rows
+
+
+def _fmt(vals) -> str:
+    vals = [v for v in vals if v is not None and math.isfinite(v)]
+    if not vals:
+        return "n/a"
+    return f"{100 * np.mean(vals):.2f} ± {100 * np.std(vals):.2f}"
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per method: the round with the best seed-mean per-site accuracy, mean ± std over seeds there."""
+    out = []
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for m in methods:
+        mr = [r for r in rows if r["method"] == m]
+        rounds = sorted({r["round"] for r in mr})
+        means = {k: np.nanmean([r["accuracy"] for r in mr if r["round"] == k]) for k in rounds}
+        best = max(rounds, key=lambda k: (means[k] if math.isfinite(means[k]) else -1, -k))
+        at = [r for r in mr if r["round"] == best]
+        last = [r for r in mr if r["round"] == rounds[-1]]
+        out.append({"method": m, "best_round": best, "seeds": len(at),
+                    **{k: _fmt([r[k] for r in at]) for k in ("accuracy", "macro_f1", "auc", "pooled_accuracy",
+                                                             "pooled_macro_f1", "pooled_auc")},
+                    "final_accuracy": _fmt([r["accuracy"] for r in last])})
+    return out
+
+
+def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, notes: list[str] | None = None) -> str:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "results.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k) for k in FIELDS})
+    summ = summarize(rows)
+    with (out / "summary.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(summ[0]))
+        w.writeheader()
+        w.writerows(summ)
+    head = ("| Method | Best round | Acc (site mean) | Macro-F1 | AUC | Pooled Acc | Pooled F1 | Pooled AUC |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    body = "".join(f"| {s['method']} | {s['best_round']} | {s['accuracy']} | {s['macro_f1']} | {s['auc']} | "
+                   f"{s['pooled_accuracy']} | {s['pooled_macro_f1']} | {s['pooled_auc']} |\n" for s in summ)
+    text = (f"## {title}\n\nProduced by: `{command}`\n\nValues in %, mean ± std over {summ[0]['seeds']} seed(s) at each "
+            f"method's best round; per-site metrics are averaged over sites first (each site scores the model it is "
+            f"served on its own test split), pooled metrics use all sites' test samples.\n\n" + head + body)
+    if notes:
+        text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    (out / "summary.md").write_text(text)
+    plot_curves(rows, out / "curves.png", title)
+    return text
+
+
+def plot_curves(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for m in dict.fromkeys(r["method"] for r in rows):
+        mr = [r for r in rows if r["method"] == m]
+        rounds = sorted({r["round"] for r in mr})
+        for ax, key in zip(axes, ("accuracy", "pooled_macro_f1")):
+            vals = [[r[key] for r in mr if r["round"] == k] for k in rounds]
+            mu = np.array([np.nanmean(v) for v in vals])
+            sd = np.array([np.nanstd(v) for v in vals])
+            ax.plot(rounds, mu, label=m)
+            ax.fill_between(rounds, mu - sd, mu + sd, alpha=0.15)
+    axes[0].set_ylabel("accuracy (mean over sites)")
+    axes[1].set_ylabel("pooled macro-F1")
+    for ax in axes:
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = None, methods: list[str] | None = None,
+                   log=print) -> list[dict]:
+    """Run every (seed, method) of the config; returns the result rows and writes the outputs."""
+    from .config import load_config
+
+    overrides = list(overrides or [])
+    exp = load_config(config_path, overrides)
+    chosen = [m for m in exp.methods if not methods or m.name in methods]
+    if methods and len(chosen) != len(methods):
+        raise ValueError(f"unknown method(s) {sorted(set(methods) - {m.name for m in exp.methods})} in {config_path}")
+    out = Path(out_dir)
+    rows: list[dict] = []
+    total = len(exp.seeds) * len(chosen)
+    k = 0
+    for seed in exp.seeds:
+        data_dir = prepare_federation(exp, seed, out / "data" / f"seed{seed}")
+        log(f"[seed {seed}] federation: {exp.federation.sites} sites, {exp.federation.partition} partition -> {data_dir}")
+        for m in chosen:
+            k += 1
+            work = out / "runs" / f"seed{seed}" / "".join(c if c.isalnum() else "_" for c in m.name)
+            log(f"[{k}/{total}] seed {seed} {m.name} ({m.workflow}, {exp.train.rounds} rounds) ...", )
+            doc = run_job(str(config_path), overrides, m.name, seed, data_dir, work, exp.federation.sites)
+            new = rows_from_metrics(m.name, seed, doc)
+            rows.extend(new)
+            last = new[-1]
+            errs = len(doc.get("errors", []))
+            log(f"    done in {doc['wall_seconds']:.0f} s: final accuracy {last['accuracy']:.3f} (site mean), "
+                f"pooled {last['pooled_accuracy']:.3f}" + (f"; {errs} site error(s), see metrics.json" if errs else ""))
+            write_outputs(rows, out, title=exp.name, command=_command(config_path, overrides))
+    return rows
+
+
+def _command(config_path, overrides) -> str:
+    return " ".join(["fedmed experiment", str(config_path), *[f"--set {o}" for o in overrides]])
