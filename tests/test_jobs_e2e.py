@@ -1,0 +1,87 @@
+"""Real NVFlare runs: the simulator on a tiny federation, and the same BUSI job folder in the
+simulator and in POC mode (submitted through the admin API)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedmed.experiment import REPO_ROOT, prepare_federation, run_job
+from fedmed.config import load_config
+
+from conftest import shared_path
+
+pytestmark = pytest.mark.slow
+
+TINY = {
+    "name": "e2e",
+    "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 8},
+    "federation": {"sites": 3, "partition": "iid"},
+    "model": {"arch": "resnet9", "width": 4},
+    "train": {"rounds": 2, "local_epochs": 1, "batch_size": 8, "lr": 0.01},
+    "methods": [{"name": "FedAvg", "workflow": "fedavg"}],
+}
+
+
+def write_cfg(tmp_path, cfg) -> Path:
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def test_simulator_fedavg_one_bad_site_does_not_stop_the_federation(tmp_path):
+    cfg_path = write_cfg(tmp_path, TINY)
+    data = prepare_federation(load_config(cfg_path), 0, tmp_path / "data")
+    bad_list = data / "site-3.json"
+    doc = json.loads(bad_list.read_text())
+    corrupt = tmp_path / "corrupt.png"
+    corrupt.write_bytes(b"\x89PNG truncated")
+    doc["training"][0]["image"] = str(corrupt)
+    bad_list.write_text(json.dumps(doc))
+
+    res = run_job(str(cfg_path), [], "FedAvg", 0, data, tmp_path / "run", 3, timeout=600)
+    rounds = res["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2] and rounds[-1]["task"] == "validate"
+    for r in rounds:  # the two healthy sites are scored every round
+        assert sorted(r["sites"]) == ["site-1", "site-2"]
+        assert 0.0 <= r["summary"]["mean"]["accuracy"] <= 1.0
+    errors = res["errors"]
+    assert errors and all(e["site"] == "site-3" for e in errors)
+    assert "corrupt.png" in errors[0]["error"] and "site-3" in errors[0]["error"]
+    assert (tmp_path / "run" / "workspace").exists() is False  # only metrics and logs kept
+
+
+@pytest.mark.data
+def test_busi_job_runs_in_simulator_and_poc(tmp_path):
+    busi = shared_path("busi")
+    cfg = dict(TINY, name="busi_e2e", dataset={"path": str(busi), "image_size": 24, "channels": 1, "max_per_class": 12},
+               federation={"sites": 4, "partition": "dirichlet", "alpha": 0.5})
+    cfg_path = write_cfg(tmp_path, cfg)
+    data = prepare_federation(load_config(cfg_path), 0, tmp_path / "data")
+    jobs = tmp_path / "jobs"
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "jobs" / "build.py"), "--config", str(cfg_path),
+                          "--datalists", str(data), "--out", str(jobs), "--method", "FedAvg"],
+                         capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    job = Path(out.stdout.strip().splitlines()[-1])
+    assert (job / "meta.json").is_file()
+
+    nvflare = str(Path(sys.executable).parent / "nvflare")
+    ws = tmp_path / "sim"
+    subprocess.run([nvflare, "simulator", str(job), "-w", str(ws), "-n", "4", "-t", "4"], check=True,
+                   capture_output=True, timeout=600)
+    sim = json.loads((ws / "server" / "simulate_job" / "fedmed" / "metrics.json").read_text())
+    assert len(sim["rounds"]) == 3 and sorted(sim["rounds"][-1]["sites"]) == ["site-1", "site-2", "site-3", "site-4"]
+
+    poc = subprocess.run([sys.executable, str(REPO_ROOT / "poc" / "run_poc.py"), str(job), "--sites", "4",
+                          "--workspace", str(tmp_path / "poc"), "--result-dir", str(tmp_path / "poc_result")],
+                         capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
+    assert poc.returncode == 0, poc.stdout[-3000:]
+    result = json.loads(poc.stdout[poc.stdout.rindex("{"):])
+    assert result["status"] == "FINISHED:COMPLETED"
+    got = list(Path(result["result"]).rglob("metrics.json"))
+    assert got, "the downloaded POC result holds fedmed/metrics.json"
+    poc_doc = json.loads(got[0].read_text())
+    assert len(poc_doc["rounds"]) == 3 and not poc_doc["errors"]
