@@ -48,6 +48,14 @@ class FedMedController(ModelController):
         return FLModel(params=params, current_round=round_, total_rounds=self.num_rounds,
                        meta={"fedmed": {**self.cfg, **extra}})
 
+    def send(self, task_name: str, data: FLModel, targets=None):
+        """send_model_and_wait, with every exchange written to the task log in metrics.json."""
+        sites = sorted(targets) if targets else sorted(self.sample_clients())
+        self.recorder.doc.setdefault("task_log", []).append(
+            {"task": task_name, "round": data.current_round, "sites": sites,
+             "cluster": data.meta.get("fedmed", {}).get("cluster")})
+        return self.send_model_and_wait(task_name=task_name, data=data, targets=targets)
+
     def start_recording(self):
         self.recorder = Recorder(Path(self.get_run_dir()) / "fedmed", meta={"config": self.cfg,
                                                                              "workflow": type(self).__name__})
@@ -85,11 +93,142 @@ class FedAvgController(FedMedController):
         self.start_recording()
         theta = initial_params(self.cfg)
         for r in range(self.num_rounds):
-            results = self.send_model_and_wait(task_name="train", data=self.task(theta, r))
+            results = self.send("train", self.task(theta, r))
             updates = self.record(r, results)
             if updates:
                 theta = self.aggregate(updates)
-        final = self.send_model_and_wait(task_name="validate", data=self.task(theta, self.num_rounds))
+        final = self.send("validate", self.task(theta, self.num_rounds))
         self.record(self.num_rounds, final, task="validate")
         self.save(theta)
         self.recorder.close()
+
+
+class ClusteredFedAvgController(FedAvgController):
+    """One-shot clustered FL (FMCL ``000_`` Fig. 1; PACFL and FECFL with their signatures).
+
+    1. one ``signature`` task: each site sends its signature (only class ids, means, weights or
+       subspace bases leave a site);
+    2. the server computes distances and clusters once (auto-K, fixed K or threshold) and writes
+       ``clustering.json``, ``distances.csv`` and the heatmap, dendrogram and silhouette plots;
+    3. FedAvg runs independently inside each cluster for R rounds, with no extra communication;
+       each cluster's model is saved.
+    """
+
+    def __init__(self, num_rounds: int, fedmed_config: dict, signature: dict, clustering: dict, **kw):
+        super().__init__(num_rounds, fedmed_config, **kw)
+        self.signature = dict(signature)
+        self.clustering = dict(clustering)
+
+    def collect_signatures(self) -> dict:
+        results = self.send("signature", self.task({}, 0, signature=self.signature))
+        sigs = {}
+        for site, _, meta, _ in unpack(results):
+            if meta.get("error"):
+                self.recorder.doc["errors"].append({"round": -1, "site": site, "task": "signature", "error": meta["error"]})
+                self.error(f"site {site} sent no signature and is left out: {meta['error']}")
+            else:
+                sigs[site] = meta
+                if meta.get("note"):
+                    self.info(meta["note"])
+        return sigs
+
+    def cluster(self, sigs: dict) -> dict:
+        from fedmed.clustered import choose_clusters, signature_distances
+        from fedmed.io import write_distance_csv
+        from fedmed.plots import plot_dendrogram, plot_heatmap, plot_silhouette
+
+        out = Path(self.get_run_dir()) / "fedmed"
+        names, D = signature_distances(self.signature["kind"], sigs, overlap=self.clustering.get("overlap", True))
+        info = choose_clusters(D, names, n_clusters=self.clustering.get("n_clusters"),
+                               threshold=self.clustering.get("threshold"))
+        info["encoder"] = sorted({m.get("encoder", "?") for m in sigs.values()})
+        write_distance_csv(out / "distances.csv", names, D)
+        plot_heatmap(D, names, out / "distance_heatmap.png", title=f"{self.signature['kind']} distances",
+                     labels=info["labels"])
+        if len(names) > 2:
+            plot_dendrogram(D, names, out / "dendrogram.png", k=info["k"])
+        if "silhouette" in info:
+            plot_silhouette(info["silhouette"], info["window"], info["k"], out / "silhouette.png")
+        self.recorder.note("clustering", {**info, "sites": names})
+        self.info(f"clusters ({info['rule']}): {info['clusters']}")
+        return {c: members for c, members in enumerate(info["clusters"])}
+
+    def run(self):
+        self.start_recording()
+        clusters = self.cluster(self.collect_signatures())
+        theta = {c: initial_params(self.cfg) for c in clusters}
+        for r in range(self.num_rounds + 1):
+            task = "train" if r < self.num_rounds else "validate"
+            rows = []
+            for c, sites in clusters.items():
+                results = self.send(task, self.task(theta[c], r, cluster=c), targets=sites)
+                ok = [row for row in unpack(results)]
+                rows.extend(ok)
+                good = [row for row in ok if not row[2].get("error")]
+                if task == "train" and good:
+                    theta[c] = self.aggregate(good)
+            self.record_rows(r, rows, task)
+        for c in clusters:
+            self.save(theta[c], name=f"cluster{c}")
+        self.recorder.close()
+
+    def record_rows(self, round_, rows, task):
+        self.recorder.record(round_, [(s, m, meta) for s, m, meta, _ in rows], task=task)
+        for s, _, meta, _ in rows:
+            if meta.get("error"):
+                self.error(f"site {s} failed {task} in round {round_}: {meta['error']}")
+
+
+class CFLController(FedAvgController):
+    """CFL (Sattler et al. 2020): FedAvg inside clusters that split by gradient similarity.
+
+    Every round each cluster trains from its model; when a cluster's mean update is small but
+    some site's update is large (``fedmed.clustered.cfl_split``), it is bipartitioned by cosine
+    similarity of the updates and each half continues from the cluster's model.
+    """
+
+    def __init__(self, num_rounds: int, fedmed_config: dict, eps1: float = 0.4, eps2: float = 1.6,
+                 warmup_rounds: int = 2, **kw):
+        super().__init__(num_rounds, fedmed_config, **kw)
+        self.eps1, self.eps2, self.warmup_rounds = float(eps1), float(eps2), int(warmup_rounds)
+
+    def run(self):
+        from fedmed.clustered import cfl_split
+
+        self.start_recording()
+        clusters = {0: sorted(self.sample_clients())}
+        theta = {0: initial_params(self.cfg)}
+        splits = []
+        for r in range(self.num_rounds + 1):
+            task = "train" if r < self.num_rounds else "validate"
+            rows, new_clusters, new_theta = [], {}, {}
+            for c, sites in clusters.items():
+                results = unpack(self.send(task, self.task(theta[c], r, cluster=c), targets=sites))
+                rows.extend(results)
+                good = [row for row in results if not row[2].get("error")]
+                if task != "train" or not good:
+                    new_clusters[len(new_clusters)], new_theta[len(new_theta)] = sites, theta[c]
+                    continue
+                updates = [{k: np.asarray(p[k]) - np.asarray(theta[c][k]) for k in theta[c]} for *_, p in good]
+                weights = [meta["n_train"] for _, _, meta, _ in good]
+                decision = cfl_split(updates, weights, eps1=self.eps1, eps2=self.eps2)
+                agg = self.aggregate(good)
+                if decision["split"] and r >= self.warmup_rounds:
+                    names = [s for s, *_ in good]
+                    for half in (0, 1):
+                        members = [n for n, lab in zip(names, decision["labels"]) if lab == half]
+                        new_clusters[len(new_clusters)] = members
+                        new_theta[len(new_theta)] = agg
+                    splits.append({"round": r, "cluster": sites, "into": list(new_clusters.values())[-2:],
+                                   "mean_norm": decision["mean_norm"], "max_norm": decision["max_norm"]})
+                    self.info(f"CFL split in round {r}: {splits[-1]['into']}")
+                else:
+                    new_clusters[len(new_clusters)], new_theta[len(new_theta)] = sites, agg
+            self.record_rows(r, rows, task)
+            clusters, theta = new_clusters, new_theta
+        self.recorder.note("clustering", {"clusters": list(clusters.values()), "splits": splits, "rule": "CFL"})
+        for c in clusters:
+            self.save(theta[c], name=f"cluster{c}")
+        self.recorder.close()
+
+    record_rows = ClusteredFedAvgController.record_rows

@@ -66,9 +66,14 @@ class MethodConfig(_Strict):
     workflow: Literal["fedavg", "fedprox", "fmcl", "pacfl", "fecfl", "cfl", "flux", "ifca"] = "fedavg"
     fedprox_mu: Optional[float] = Field(None, ge=0)
     overlap: bool = True
-    n_clusters: Optional[int] = Field(None, ge=1)
-    encoder: str = "random-cnn"
-    encoder_weights: Optional[str] = None
+    n_clusters: Optional[int] = Field(None, ge=1, description="fixed K; None = auto-K (FMCL) ")
+    threshold: Optional[float] = Field(None, ge=0, description="agglomerative threshold instead of K")
+    encoder: str = Field("random_cnn", description="see fedmed.encoders.ENCODERS")
+    encoder_weights: Optional[str] = Field(None, description="local weights file; None = seeded random init")
+    encoder_image_size: Optional[int] = Field(None, gt=7)
+    n_basis: int = Field(3, ge=1, description="PACFL: singular vectors per class")
+    cfl_eps1: float = Field(0.4, gt=0)
+    cfl_eps2: float = Field(1.6, gt=0)
 
 
 class ExperimentConfig(_Strict):

@@ -98,9 +98,14 @@ def run_job(config_path: str, overrides: list[str], method: str, seed: int, data
     nvflare = bindir / "nvflare"
     sim = [str(nvflare), "simulator", str(job), "-w", str(ws), "-n", str(n_sites), "-t", str(n_sites)]
     secs = _run(sim, work / "simulator.log", timeout)
-    metrics = ws / "server" / "simulate_job" / "fedmed" / "metrics.json"
+    produced = ws / "server" / "simulate_job" / "fedmed"
+    metrics = produced / "metrics.json"
     if not metrics.is_file():
         raise RuntimeError(f"{job.name}: the simulator finished without writing {metrics}; see {work / 'simulator.log'}")
+    keep = work / "server"
+    if keep.exists():
+        shutil.rmtree(keep)
+    shutil.copytree(produced, keep)  # metrics.json, clustering report and plots, tb/, models/
     shutil.copy(metrics, work / "metrics.json")
     doc = json.loads(metrics.read_text())
     doc["wall_seconds"] = secs

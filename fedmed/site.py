@@ -77,6 +77,8 @@ class SiteRunner:
             return self.train(params, cfg, round_)
         if task == "validate":
             return self.validate(params, cfg)
+        if task == "signature":
+            return self.signature(cfg)
         raise TaskError(f"{self.site}: unknown task {task!r}")
 
     def _served_metrics(self, model, cfg):
@@ -112,3 +114,34 @@ class SiteRunner:
             raise TaskError(f"{self.site}: training diverged (loss {out['loss']}) in round {round_}")
         meta.update(n_train=int(xtr.shape[0]), train_loss=out["loss"])
         return get_params(model), metrics, meta
+
+    def signature(self, cfg):
+        """One-shot clustering signature of the site's training data (only aggregates leave).
+
+        ``cfg["signature"]``: ``kind`` (fmcl | pacfl | fecfl), ``encoder``, ``weights`` (local
+        file or None for seeded random init), ``image_size``, ``n_basis`` (PACFL).
+        """
+        from .baselines import fecfl_signature, pacfl_signature
+        from .encoders import build_encoder, extract_features
+        from .fmcl import class_signature
+
+        sc = cfg["signature"]
+        xtr, ytr, _, _ = self.data(cfg["data"]["image_size"], cfg["data"]["channels"])
+        enc = build_encoder(sc["encoder"], weights=sc.get("weights"), seed=int(sc.get("seed", 0)),
+                            in_channels=cfg["data"]["channels"], image_size=sc.get("image_size"))
+        feats = extract_features(enc, xtr, progress=lambda m: print(f"[{self.site}] {m}", flush=True))
+        y = ytr.numpy()
+        meta = {"encoder": enc.description, "n_train": int(y.size)}
+        kind = sc["kind"]
+        if kind == "fmcl":
+            s = class_signature(feats, y)
+            meta.update(classes=s.classes, means=s.means, counts=s.counts)
+        elif kind == "pacfl":
+            meta["basis"] = pacfl_signature(feats, y, n_basis=int(sc.get("n_basis", 3)))
+        elif kind == "fecfl":
+            meta["mean"] = fecfl_signature(feats)
+        else:
+            raise TaskError(f"{self.site}: unknown signature kind {kind!r}")
+        if np.unique(y).size == 1:
+            meta["note"] = f"{self.site} holds a single class ({int(y[0])})"
+        return {}, {"n_classes_present": float(np.unique(y).size)}, meta

@@ -18,6 +18,10 @@ from jobs.common import export  # noqa: E402
 BUILDERS = {
     "fedavg": "jobs.fedavg",
     "fedprox": "jobs.fedavg",
+    "fmcl": "jobs.clustered",
+    "pacfl": "jobs.clustered",
+    "fecfl": "jobs.clustered",
+    "cfl": "jobs.clustered",
 }
 
 

@@ -1,0 +1,91 @@
+"""Server-side math of one-shot clustered FL (FMCL, PACFL, FECFL) and of CFL, framework-free.
+
+:func:`signature_distances` turns the sites' signature replies into a distance matrix;
+:func:`choose_clusters` applies FMCL's auto-K (Alg. 5), a fixed K or a threshold (Alg. 4).
+:func:`cfl_split` is Sattler et al.'s (2020) gradient-similarity bipartition criterion.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .baselines import fecfl_distance_matrix, pacfl_distance_matrix
+from .clustering import agglomerative, auto_k, labels_to_clusters
+from .fmcl import ClassSignature, fmcl_distance_matrix
+
+__all__ = ["SIGNATURE_KINDS", "cfl_split", "choose_clusters", "signature_distances"]
+
+SIGNATURE_KINDS = ("fmcl", "pacfl", "fecfl")
+
+
+def signature_distances(kind: str, signatures: dict[str, dict], *, overlap: bool = True) -> tuple[list[str], np.ndarray]:
+    """Distance matrix from ``{site: signature meta}`` (sites sorted by name).
+
+    fmcl: ``classes``, ``means``, ``counts``; pacfl: ``basis`` (d, p); fecfl: ``mean`` (d,).
+    """
+    names = sorted(signatures)
+    if kind == "fmcl":
+        sigs = [ClassSignature(np.asarray(signatures[n]["classes"]), np.asarray(signatures[n]["means"]),
+                               np.asarray(signatures[n]["counts"], dtype=np.float64)) for n in names]
+        return names, fmcl_distance_matrix(sigs, overlap=overlap, site_names=names)
+    if kind == "pacfl":
+        return names, pacfl_distance_matrix([np.asarray(signatures[n]["basis"]) for n in names], site_names=names)
+    if kind == "fecfl":
+        return names, fecfl_distance_matrix([np.asarray(signatures[n]["mean"]) for n in names], site_names=names)
+    raise ValueError(f"signature kind should be one of {SIGNATURE_KINDS}, got {kind!r}.")
+
+
+def choose_clusters(D, names, *, n_clusters: int | None = None, threshold: float | None = None,
+                    linkage_method: str = "average") -> dict:
+    """Auto-K when neither ``n_clusters`` nor ``threshold`` is given, else Algorithm 4.
+
+    Returns ``{"labels", "clusters" (lists of names), "rule", "k", and auto-K's cv/window/silhouette}``.
+    """
+    n = len(names)
+    info: dict = {}
+    if n == 1:
+        labels = np.zeros(1, dtype=np.int64)
+        info["rule"] = "single site"
+    elif n_clusters is None and threshold is None:
+        res = auto_k(D, linkage_method=linkage_method)
+        labels = res.labels
+        info.update(rule=f"auto-K ({res.rule})", cv=res.cv, window=res.window,
+                    silhouette={int(k): float(v) for k, v in res.scores.items()}, local_maxima=res.local_maxima)
+    else:
+        k = min(int(n_clusters), n) if n_clusters is not None else None
+        labels = agglomerative(D, n_clusters=k, threshold=threshold, linkage_method=linkage_method)
+        info["rule"] = f"fixed K={k}" if threshold is None else f"threshold {threshold}"
+    info.update(labels=labels.tolist(), clusters=labels_to_clusters(labels, names), k=int(labels.max()) + 1)
+    return info
+
+
+def _flat(update: dict) -> np.ndarray:
+    return np.concatenate([np.asarray(v, dtype=np.float64).ravel() for _, v in sorted(update.items())])
+
+
+def cfl_split(updates: list[dict], weights, *, eps1: float = 0.4, eps2: float = 1.6) -> dict:
+    """Sattler, Müller & Samek (2020), CFL Algorithm 1 criterion for one cluster.
+
+    With ``Delta_i`` the sites' weight updates, split when the weighted mean update is small
+    (``||sum_i w_i Delta_i|| < eps1``: the cluster has reached a stationary point of the joint
+    objective) while some site is still far from its own (``max_i ||Delta_i|| > eps2``), and the
+    cluster has more than two sites. The bipartition maximises the cross-cluster cosine
+    dissimilarity via complete-linkage clustering of ``1 - cos(Delta_i, Delta_j)`` into two groups.
+
+    Returns ``{"split": bool, "mean_norm", "max_norm", "labels" (when split)}``.
+    """
+    U = np.stack([_flat(u) for u in updates])
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    mean_norm = float(np.linalg.norm((w[:, None] * U).sum(0)))
+    max_norm = float(np.linalg.norm(U, axis=1).max())
+    out = {"split": False, "mean_norm": mean_norm, "max_norm": max_norm}
+    if len(updates) > 2 and mean_norm < eps1 and max_norm > eps2:
+        norms = np.linalg.norm(U, axis=1, keepdims=True)
+        norms[norms == 0] = 1.0
+        S = (U / norms) @ (U / norms).T
+        D = np.clip(1.0 - S, 0.0, 2.0)
+        np.fill_diagonal(D, 0.0)
+        out["labels"] = agglomerative((D + D.T) / 2, n_clusters=2, linkage_method="complete").tolist()
+        out["split"] = True
+    return out
