@@ -56,6 +56,23 @@ class FedMedController(ModelController):
              "cluster": data.meta.get("fedmed", {}).get("cluster")})
         return self.send_model_and_wait(task_name=task_name, data=data, targets=targets)
 
+    def send_groups(self, task_name: str, groups: dict) -> dict:
+        """Send one task to several groups of sites at once (``{key: (FLModel, sites)}``), each
+        group with its own model, and wait for all replies; returns ``{key: [FLModel, ...]}``."""
+        import time
+
+        replies = {key: [] for key in groups}
+        for key, (data, sites) in groups.items():
+            self.recorder.doc.setdefault("task_log", []).append(
+                {"task": task_name, "round": data.current_round, "sites": sorted(sites), "cluster": key})
+            self.send_model(task_name=task_name, data=data, targets=list(sites),
+                            callback=lambda model, key=key: replies[key].append(model))
+        while self.get_num_standing_tasks() > 0:
+            if self.abort_signal is not None and self.abort_signal.triggered:
+                break
+            time.sleep(0.2)
+        return replies
+
     def start_recording(self):
         self.recorder = Recorder(Path(self.get_run_dir()) / "fedmed", meta={"config": self.cfg,
                                                                              "workflow": type(self).__name__})
@@ -138,9 +155,16 @@ class ClusteredFedAvgController(FedAvgController):
         from fedmed.plots import plot_dendrogram, plot_heatmap, plot_silhouette
 
         out = Path(self.get_run_dir()) / "fedmed"
-        names, D = signature_distances(self.signature["kind"], sigs, overlap=self.clustering.get("overlap", True))
-        info = choose_clusters(D, names, n_clusters=self.clustering.get("n_clusters"),
-                               threshold=self.clustering.get("threshold"))
+        try:
+            names, D = signature_distances(self.signature["kind"], sigs, overlap=self.clustering.get("overlap", True))
+            info = choose_clusters(D, names, n_clusters=self.clustering.get("n_clusters"),
+                                   threshold=self.clustering.get("threshold"))
+        except ValueError as e:  # e.g. fewer than two signatures, or no pair of sites sharing a class
+            names = sorted(sigs)
+            self.error(f"clustering impossible ({e}); training one model for all {len(names)} sites")
+            self.recorder.note("clustering", {"clusters": [names], "rule": f"fallback to one cluster: {e}",
+                                              "sites": names})
+            return {0: names} if names else {}
         info["encoder"] = sorted({m.get("encoder", "?") for m in sigs.values()})
         write_distance_csv(out / "distances.csv", names, D)
         plot_heatmap(D, names, out / "distance_heatmap.png", title=f"{self.signature['kind']} distances",
@@ -160,9 +184,10 @@ class ClusteredFedAvgController(FedAvgController):
         for r in range(self.num_rounds + 1):
             task = "train" if r < self.num_rounds else "validate"
             rows = []
-            for c, sites in clusters.items():
-                results = self.send(task, self.task(theta[c], r, cluster=c), targets=sites)
-                ok = [row for row in unpack(results)]
+            replies = self.send_groups(task, {c: (self.task(theta[c], r, cluster=c), sites)
+                                              for c, sites in clusters.items()})
+            for c, results in replies.items():
+                ok = unpack(results)
                 rows.extend(ok)
                 good = [row for row in ok if not row[2].get("error")]
                 if task == "train" and good:
@@ -202,8 +227,10 @@ class CFLController(FedAvgController):
         for r in range(self.num_rounds + 1):
             task = "train" if r < self.num_rounds else "validate"
             rows, new_clusters, new_theta = [], {}, {}
+            replies = self.send_groups(task, {c: (self.task(theta[c], r, cluster=c), sites)
+                                              for c, sites in clusters.items()})
             for c, sites in clusters.items():
-                results = unpack(self.send(task, self.task(theta[c], r, cluster=c), targets=sites))
+                results = unpack(replies[c])
                 rows.extend(results)
                 good = [row for row in results if not row[2].get("error")]
                 if task != "train" or not good:

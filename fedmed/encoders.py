@@ -93,7 +93,7 @@ class _RandomCNN(nn.Module):
         chans = [in_channels, 16, 32, 64, 128]
         blocks = []
         for a, b in zip(chans, chans[1:]):
-            blocks += [nn.Conv2d(a, b, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+            blocks += [nn.Conv2d(a, b, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2, ceil_mode=True)]
         self.net = nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten())
 
     def forward(self, x):

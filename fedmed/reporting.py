@@ -69,6 +69,8 @@ class Recorder:
                 entry["score_hist"] = np.asarray(meta["score_hist"]).tolist()
             sites[site] = entry
         summary = summarize_sites(sites)
+        for entry in sites.values():  # the histograms served the pooled AUC; keep the record small
+            entry.pop("score_hist", None)
         self.doc["rounds"].append({"round": round_, "task": task, "sites": sites, "summary": summary})
         if self._tb is not None:
             for m in METRICS:

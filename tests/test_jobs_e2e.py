@@ -85,3 +85,36 @@ def test_busi_job_runs_in_simulator_and_poc(tmp_path):
     assert got, "the downloaded POC result holds fedmed/metrics.json"
     poc_doc = json.loads(got[0].read_text())
     assert len(poc_doc["rounds"]) == 3 and not poc_doc["errors"]
+
+
+def test_fmcl_job_clusters_once_and_survives_edge_sites(tmp_path):
+    import numpy as np
+
+    from fedmed.data import discover, write_site_datalists
+
+    cfg = dict(TINY, methods=[{"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn"}],
+               federation={"sites": 4, "partition": "iid"})
+    cfg_path = write_cfg(tmp_path, cfg)
+    pool = discover("builtin:digits", max_per_class=8)
+    y = pool.labels
+    parts = [np.flatnonzero(y == 0),                 # a site holding a single class
+             np.flatnonzero(y == 1)[:1],             # a site with one image
+             np.flatnonzero(np.isin(y, [0, 1, 2])),  # a site whose datalist will name a corrupt image
+             np.flatnonzero(np.isin(y, [1, 2, 3]))]
+    data = tmp_path / "data"
+    write_site_datalists(pool, parts, data, test_fraction=0.25, seed=0)
+    doc = json.loads((data / "site-3.json").read_text())
+    (tmp_path / "corrupt.png").write_bytes(b"\x89PNG nope")
+    doc["training"][1]["image"] = str(tmp_path / "corrupt.png")
+    (data / "site-3.json").write_text(json.dumps(doc))
+
+    res = run_job(str(cfg_path), [], "FMCL", 0, data, tmp_path / "run", 4, timeout=600)
+    log = res["task_log"]
+    assert log[0]["task"] == "signature" and log[0]["sites"] == ["site-1", "site-2", "site-3", "site-4"]
+    assert sum(1 for t in log if t["task"] == "signature") == 1  # clustering happens once
+    assert {t["task"] for t in log[1:]} == {"train", "validate"}
+    clustered = sorted(s for c in res["clustering"]["clusters"] for s in c)
+    assert clustered == ["site-1", "site-2", "site-4"]  # site-3 sent no signature and is left out
+    assert any(e["site"] == "site-3" and "corrupt.png" in e["error"] for e in res["errors"])
+    assert res["rounds"][-1]["task"] == "validate" and "site-1" in res["rounds"][-1]["sites"]
+    assert (tmp_path / "run" / "server" / "distances.csv").is_file()

@@ -1,0 +1,70 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fedmed.clustered import cfl_split, choose_clusters, signature_distances
+from fedmed.data import DataError, discover, write_site_datalists
+from fedmed.site import SiteRunner
+
+CFG = {"seed": 0, "data": {"image_size": 8, "channels": 1, "n_classes": 10},
+       "model": {"arch": "resnet9", "width": 4}, "train": {}}
+
+
+@pytest.fixture
+def sites(tmp_path):
+    pool = discover("builtin:digits", max_per_class=5)
+    y = pool.labels
+    parts = [np.flatnonzero(y == 0)[:4],  # single class
+             np.flatnonzero(y == 2)[-1:],  # one image (it stays in training; no test split)
+             np.flatnonzero(np.isin(y, [2, 3, 4]))]
+    write_site_datalists(pool, parts, tmp_path, test_fraction=0.25, seed=0)
+    return tmp_path
+
+
+@pytest.mark.parametrize("kind", ["fmcl", "pacfl", "fecfl"])
+def test_signature_task_edge_sites(sites, kind):
+    sigs = {}
+    for s in ("site-1", "site-2", "site-3"):
+        cfg = dict(CFG, signature={"kind": kind, "encoder": "random_cnn", "seed": 0})
+        params, metrics, meta = SiteRunner(s, sites).handle("signature", {}, cfg)
+        assert params == {} and "random init" in meta["encoder"]
+        assert not any(k in meta for k in ("images", "labels"))
+        sigs[s] = meta
+    assert "single class" in sigs["site-1"]["note"]
+    if kind == "fmcl":
+        assert sigs["site-2"]["counts"].tolist() == [1.0]
+    names, D = signature_distances(kind, sigs)
+    assert names == ["site-1", "site-2", "site-3"] and D.shape == (3, 3) and np.isfinite(D).all()
+
+
+def test_signature_task_corrupt_image(sites):
+    doc = json.loads((sites / "site-3.json").read_text())
+    (sites / "bad.png").write_bytes(b"nope")
+    doc["training"][0]["image"] = str(sites / "bad.png")
+    (sites / "site-3.json").write_text(json.dumps(doc))
+    with pytest.raises(DataError, match="site-3: cannot read image .*bad.png"):
+        SiteRunner("site-3", sites).handle("signature", {}, dict(CFG, signature={"kind": "fmcl", "encoder": "random_cnn"}))
+
+
+def test_choose_clusters_rules():
+    X = np.r_[np.zeros(3), np.ones(3) * 5, np.ones(3) * 10] + np.arange(9) * 0.01
+    D = np.abs(X[:, None] - X[None])
+    names = [f"s{i}" for i in range(9)]
+    auto = choose_clusters(D, names)
+    assert auto["k"] == 3 and "auto-K" in auto["rule"] and auto["silhouette"]
+    fixed = choose_clusters(D, names, n_clusters=2)
+    assert fixed["k"] == 2 and fixed["rule"] == "fixed K=2"
+    assert choose_clusters(D[:1, :1], names[:1])["clusters"] == [["s0"]]
+
+
+def test_cfl_split_criterion():
+    rng = np.random.default_rng(0)
+    g = rng.normal(size=50)
+    # two groups pulling in opposite directions: mean update ~ 0, individual updates large
+    ups = [{"w": g + 0.05 * rng.normal(size=50)} for _ in range(3)] + [{"w": -g + 0.05 * rng.normal(size=50)} for _ in range(3)]
+    out = cfl_split(ups, [1] * 6, eps1=0.5, eps2=1.0)
+    assert out["split"] and out["labels"] in ([0, 0, 0, 1, 1, 1], [1, 1, 1, 0, 0, 0])
+    same = [{"w": g + 0.05 * rng.normal(size=50)} for _ in range(6)]
+    assert not cfl_split(same, [1] * 6, eps1=0.5, eps2=1.0)["split"]
