@@ -23,6 +23,14 @@ def to_meta(d: dict) -> dict:
     return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in d.items()}
 
 
+def make_runner(site, datalists, cfg):
+    if cfg.get("task") == "segmentation":
+        from fedmed.seg_site import SegSiteRunner
+
+        return SegSiteRunner(site, datalists)
+    return SiteRunner(site, datalists)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--datalist-dir", required=True)
@@ -34,7 +42,8 @@ def main():
     torch.set_num_threads(max(1, args.threads))
     flare.init()
     site = flare.get_site_name()
-    runner = SiteRunner(site, os.environ.get("FEDMED_DATALIST_DIR", args.datalist_dir))
+    datalists = os.environ.get("FEDMED_DATALIST_DIR", args.datalist_dir)
+    runner = None
     writer = SummaryWriter()
     while flare.is_running():
         incoming = flare.receive()
@@ -43,6 +52,8 @@ def main():
         task = flare.get_task_name()
         cfg = incoming.meta.get("fedmed", {})
         rnd = incoming.current_round or 0
+        if runner is None:
+            runner = make_runner(site, datalists, cfg)
         try:
             params, metrics, meta = runner.handle(task, incoming.params or {}, cfg, rnd)
         except Exception as e:  # reported to the server by name; the federation goes on

@@ -20,6 +20,10 @@ from fedmed.train import get_params
 
 def initial_params(cfg: dict) -> dict:
     m, d = cfg["model"], cfg["data"]
+    if cfg.get("task") == "segmentation":
+        from fedmed.seg import seg_model
+
+        return get_params(seg_model(d["in_channels"], channels=m["channels"], seed=cfg.get("seed", 0)))
     model = build_model(m["arch"], d["channels"], d["n_classes"], width=m.get("width", 16), seed=cfg.get("seed", 0))
     return get_params(model)
 
@@ -108,6 +112,10 @@ class FedAvgController(FedMedController):
 
     def run(self):
         self.start_recording()
+        self.train_global()
+        self.recorder.close()
+
+    def train_global(self):
         theta = initial_params(self.cfg)
         for r in range(self.num_rounds):
             results = self.send("train", self.task(theta, r))
@@ -117,7 +125,6 @@ class FedAvgController(FedMedController):
         final = self.send("validate", self.task(theta, self.num_rounds))
         self.record(self.num_rounds, final, task="validate")
         self.save(theta)
-        self.recorder.close()
 
 
 class ClusteredFedAvgController(FedAvgController):
@@ -179,7 +186,10 @@ class ClusteredFedAvgController(FedAvgController):
 
     def run(self):
         self.start_recording()
-        clusters = self.cluster(self.collect_signatures())
+        self.train_clusters(self.cluster(self.collect_signatures()))
+        self.recorder.close()
+
+    def train_clusters(self, clusters: dict):
         theta = {c: initial_params(self.cfg) for c in clusters}
         for r in range(self.num_rounds + 1):
             task = "train" if r < self.num_rounds else "validate"
@@ -195,7 +205,6 @@ class ClusteredFedAvgController(FedAvgController):
             self.record_rows(r, rows, task)
         for c in clusters:
             self.save(theta[c], name=f"cluster{c}")
-        self.recorder.close()
 
     def record_rows(self, round_, rows, task):
         self.recorder.record(round_, [(s, m, meta) for s, m, meta, _ in rows], task=task)
@@ -259,3 +268,56 @@ class CFLController(FedAvgController):
         self.recorder.close()
 
     record_rows = ClusteredFedAvgController.record_rows
+
+
+class SegAssessmentController(ClusteredFedAvgController):
+    """``004_``: assess the federation, then train a model that is better for it.
+
+    1. one ``assess`` task: sites send metadata histograms and embedding centroids (aggregates);
+       the server computes D_EMD and D_EUC, the most distant site and the two-cluster split and
+       writes the report (``assessment/``: CSVs, JSON, heatmaps, report.md);
+    2. ``mode``: ``"assess"`` stops there; ``"fedavg_w"`` runs FedAvg with the most distant site
+       (by ``distance``, or ``site`` if given) weighted ``omega`` (Eq. 2); ``"clusters"`` runs
+       FedAvg per cluster (Alg. 1's split by ``distance``, or ``clusters`` if given).
+    With the site or clusters given, the assessment round is skipped.
+    """
+
+    def __init__(self, num_rounds: int, fedmed_config: dict, mode: str = "assess", distance: str = "emd",
+                 omega: float = 1.0, site: str = "", clusters: list = None, **kw):
+        super().__init__(num_rounds, fedmed_config, signature={}, clustering={}, omega=omega, **kw)
+        self.mode, self.distance, self.site, self.clusters = mode, distance, site, clusters or []
+
+    def assess_sites(self) -> dict:
+        from fedmed.assessment import assess, write_report
+
+        results = self.send("assess", self.task({}, 0))
+        sites = {}
+        for name, _, meta, _ in unpack(results):
+            if meta.get("error"):
+                self.recorder.doc["errors"].append({"round": -1, "site": name, "task": "assess", "error": meta["error"]})
+                self.error(f"site {name} could not be assessed and is left out: {meta['error']}")
+            else:
+                sites[name] = meta
+        report = assess(sites)
+        write_report(report, Path(self.get_run_dir()) / "fedmed" / "assessment")
+        summary = {k: {kk: vv for kk, vv in v.items() if kk != "matrix"} for k, v in report.items() if k in ("emd", "euc")}
+        self.recorder.note("assessment", {"sites": report["sites"], **summary})
+        self.info(f"assessment: " + "; ".join(f"{k} most distant {v['most_distant']}" for k, v in summary.items()))
+        return report
+
+    def run(self):
+        self.start_recording()
+        needs = (self.mode == "assess" or (self.mode == "fedavg_w" and not self.site)
+                 or (self.mode == "clusters" and not self.clusters))
+        report = self.assess_sites() if needs else {}
+        if self.mode == "fedavg_w":
+            self.down_weight_site = self.site or report[self.distance]["most_distant"]
+            self.recorder.note("down_weighted", {"site": self.down_weight_site, "omega": self.omega,
+                                                 "source": "given" if self.site else f"assessment ({self.distance})"})
+            self.train_global()
+        elif self.mode == "clusters":
+            groups = self.clusters or report[self.distance]["clusters"]
+            self.recorder.note("clustering", {"clusters": groups, "rule": "given" if self.clusters
+                                              else f"004_ Alg. 1 on D_{self.distance.upper()}"})
+            self.train_clusters({c: list(g) for c, g in enumerate(groups)})
+        self.recorder.close()

@@ -26,6 +26,11 @@ def cmd_data(a):
 
     meta = json.loads((out / "dataset.json").read_text())
     print(f"wrote {len(meta['sites'])} site datalists to {out}")
+    if meta.get("task") == "segmentation":
+        for s in meta["sites"]:
+            vols = meta.get("site_volumes_mm3", {}).get(s)
+            print(f"  {s}: samples {meta['site_samples'][s]}" + (f", {meta['region']} volumes (mm^3) {vols}" if vols else ""))
+        return
     for s in meta["sites"]:
         doc = json.loads((out / f"{s}.json").read_text())
         counts = {}

@@ -28,14 +28,23 @@ class _Strict(BaseModel):
 
 class DatasetConfig(_Strict):
     path: str = Field(description="dataset root (class folders, MedMNIST .npz, NIfTI subjects) or 'builtin:digits'")
+    task: Literal["classification", "segmentation"] = "classification"
     image_size: int = Field(32, gt=3, le=1024)
     channels: Literal[1, 3] = 1
     max_per_class: Optional[int] = Field(None, gt=0, description="cap images per class (quick runs)")
+    # segmentation (NIfTI subject folders)
+    modalities: dict[str, str] = Field(default_factory=dict, description="modality name -> file glob in a subject folder")
+    label_pattern: str = "OTMultiClass*.nii*"
+    mask_pattern: Optional[str] = "brainmask*.nii*"
+    hemispheres: bool = Field(False, description="each subject gives two samples, its left and right halves")
+    shape: list[int] = Field(default_factory=lambda: [32, 48, 40], min_length=3, max_length=3)
+    roi: list[int] = Field(default_factory=lambda: [32, 32, 32], min_length=3, max_length=3)
 
 
 class FederationConfig(_Strict):
     sites: int = Field(4, ge=1, le=10000)
-    partition: Literal["iid", "dirichlet", "quantity", "predi", "anda"] = "iid"
+    partition: Literal["iid", "dirichlet", "quantity", "predi", "anda", "label_volume"] = "iid"
+    volume_region: Literal["WT", "TC", "ET"] = "WT"
     alpha: float = Field(0.5, gt=0)
     test_fraction: float = Field(0.2, gt=0, lt=1)
     predi_prevalence: float = Field(2.0, ge=1)
@@ -48,6 +57,8 @@ class FederationConfig(_Strict):
 class ModelConfig(_Strict):
     arch: Literal["resnet9", "resnet18"] = "resnet9"
     width: int = Field(16, ge=4, le=512, description="channels of the first ResNet-9 stage")
+    channels: list[int] = Field(default_factory=lambda: [8, 16, 32, 64], min_length=2,
+                                description="3D U-Net channels per level (segmentation)")
 
 
 class TrainConfig(_Strict):
@@ -63,7 +74,8 @@ class TrainConfig(_Strict):
 
 class MethodConfig(_Strict):
     name: str = Field(min_length=1)
-    workflow: Literal["fedavg", "fedprox", "fmcl", "pacfl", "fecfl", "cfl", "flux", "ifca"] = "fedavg"
+    workflow: Literal["fedavg", "fedprox", "fmcl", "pacfl", "fecfl", "cfl", "flux", "ifca", "seg_assess", "fedavg_w",
+                      "seg_clusters", "ditto"] = "fedavg"
     fedprox_mu: Optional[float] = Field(None, ge=0)
     overlap: bool = True
     n_clusters: Optional[int] = Field(None, ge=1, description="fixed K; None = auto-K (FMCL) ")
@@ -72,6 +84,12 @@ class MethodConfig(_Strict):
     encoder_weights: Optional[str] = Field(None, description="local weights file; None = seeded random init")
     encoder_image_size: Optional[int] = Field(None, gt=7)
     n_basis: int = Field(3, ge=1, description="PACFL: singular vectors per class")
+    omega: float = Field(1.0, ge=0, le=1, description="FedAvg_w weight of the most distant site")
+    distance: Literal["emd", "euc"] = "emd"
+    site: str = Field("", description="FedAvg_w: down-weight this site instead of the assessed one")
+    clusters: list[list[str]] = Field(default_factory=list, description="given clusters instead of the assessed ones")
+    ditto_lambda: float = Field(0.1, gt=0)
+    per_value: bool = Field(False, description="assessment: send per-image metadata values (paper) not histograms")
     cfl_eps1: float = Field(0.4, gt=0)
     cfl_eps2: float = Field(1.6, gt=0)
 

@@ -32,8 +32,11 @@ from .config import ExperimentConfig
 __all__ = ["REPO_ROOT", "prepare_federation", "run_experiment", "summarize", "write_outputs"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+CLS_METRICS = ("accuracy", "macro_f1", "auc")
+SEG_METRICS = ("dice_wt", "dice_tc", "dice_et", "dice_mean")
 FIELDS = ["method", "seed", "round", "accuracy", "macro_f1", "auc", "accuracy_std", "macro_f1_std", "auc_std",
           "pooled_accuracy", "pooled_macro_f1", "pooled_auc", "n_sites", "n_failed"]
+SEG_FIELDS = ["method", "seed", "round", *SEG_METRICS, *[f"{m}_std" for m in SEG_METRICS], "n_sites", "n_failed"]
 
 
 def prepare_federation(exp: ExperimentConfig, seed: int, out_dir) -> Path:
@@ -42,6 +45,17 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir) -> Path:
     from .data import discover, write_site_datalists
 
     fed = exp.federation
+    if exp.dataset.task == "segmentation":
+        from .seg_data import discover_subjects, write_seg_federation
+
+        d = exp.dataset
+        entries = discover_subjects(d.path, d.modalities, d.label_pattern, d.mask_pattern, d.hemispheres)
+        out = Path(out_dir)
+        if out.exists():
+            shutil.rmtree(out)
+        partition = fed.partition if fed.partition in ("iid", "label_volume") else "label_volume"
+        return write_seg_federation(entries, fed.sites, out, partition=partition, region=fed.volume_region,
+                                    test_fraction=fed.test_fraction, seed=seed)
     pool = discover(exp.dataset.path, max_per_class=exp.dataset.max_per_class, seed=seed)
     rng = np.random.default_rng(seed)
     transforms = None
@@ -122,10 +136,13 @@ def rows_from_metrics(method: str, seed: int, doc: dict) -> list[dict]:
         s = r["summary"]
         row = {"method": method, "seed": seed, "round": r["round"], "n_sites": s["n_sites"],
                "n_failed": failed_by_round.get(r["round"], 0)}
-        for m in ("accuracy", "macro_f1", "auc"):
-            row[m] = s["mean"][m]
-            row[f"{m}_std"] = s["std"][m]
-            row[f"pooled_{m}"] = s.get("pooled", {}).get(m, float("nan"))
+        keys = SEG_METRICS if any(k.startswith("dice") for k in s["mean"]) else CLS_METRICS
+        for m in keys:
+            row[m] = s["mean"].get(m, float("nan"))
+            row[f"{m}_std"] = s["std"].get(m, float("nan"))
+            if keys is CLS_METRICS:
+                row[f"pooled_{m}"] = s.get("pooled", {}).get(m, float("nan"))
+        row["sites"] = {site: {k: v.get(k) for k in keys} for site, v in r.get("sites", {}).items()}
         rows.append(row)
     return rows
 
@@ -137,8 +154,15 @@ def _fmt(vals) -> str:
     return f"{100 * np.mean(vals):.2f} ± {100 * np.std(vals):.2f}"
 
 
+def _is_seg(rows) -> bool:
+    return bool(rows) and "dice_mean" in rows[0]
+
+
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per method: the round with the best seed-mean per-site accuracy, mean ± std over seeds there."""
+    """Per method: the round with the best seed-mean per-site accuracy (Dice for segmentation),
+    mean ± std over seeds there."""
+    if _is_seg(rows):
+        return summarize_seg(rows)
     out = []
     methods = list(dict.fromkeys(r["method"] for r in rows))
     for m in methods:
@@ -155,9 +179,26 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def summarize_seg(rows: list[dict]) -> list[dict]:
+    """``004_`` Tables 3/4: Dice at the final round, mean ± std over seeds, plus per-site Dice."""
+    out = []
+    for m in dict.fromkeys(r["method"] for r in rows):
+        mr = [r for r in rows if r["method"] == m]
+        last = max(r["round"] for r in mr)
+        at = [r for r in mr if r["round"] == last]
+        entry = {"method": m, "best_round": last, "seeds": len(at), **{k: _fmt([r[k] for r in at]) for k in SEG_METRICS}}
+        sites = sorted({s for r in at for s in r.get("sites", {})})
+        for s in sites:
+            entry[f"{s} dice_mean"] = _fmt([r["sites"][s]["dice_mean"] for r in at if s in r.get("sites", {})])
+        out.append(entry)
+    return out
+
+
 def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, notes: list[str] | None = None) -> str:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if _is_seg(rows):
+        return write_seg_outputs(rows, out, title=title, command=command, notes=notes)
     with (out / "results.csv").open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=FIELDS)
         w.writeheader()
@@ -179,6 +220,27 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, notes:
         text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     (out / "summary.md").write_text(text)
     plot_curves(rows, out / "curves.png", title)
+    return text
+
+
+def write_seg_outputs(rows, out: Path, *, title: str, command: str, notes=None) -> str:
+    with (out / "results.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=SEG_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    summ = summarize_seg(rows)
+    sites = sorted({k.split(" ")[0] for s in summ for k in s if k.endswith(" dice_mean")})
+    head = ("| Method | WT | TC | ET | Mean Dice |" + "".join(f" {s} |" for s in sites) + "\n"
+            + "|---" * (5 + len(sites)) + "|\n")
+    body = "".join(f"| {s['method']} | {s['dice_wt']} | {s['dice_tc']} | {s['dice_et']} | {s['dice_mean']} |"
+                   + "".join(f" {s.get(f'{x} dice_mean', 'n/a')} |" for x in sites) + "\n" for s in summ)
+    text = (f"## {title}\n\nProduced by: `{command}`\n\nDice in %, at the final round, mean ± std over "
+            f"{summ[0]['seeds']} seed(s); region columns and Mean Dice average the sites (each site scores the model "
+            f"it is served — global, its cluster's, or its Ditto personal model — on its own test cases); the "
+            f"site columns give each site's mean Dice over WT/TC/ET.\n\n" + head + body)
+    if notes:
+        text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    (out / "summary.md").write_text(text)
     return text
 
 
@@ -234,10 +296,18 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
             doc = run_job(str(config_path), overrides, m.name, seed, data_dir, work, exp.federation.sites)
             new = rows_from_metrics(m.name, seed, doc)
             rows.extend(new)
+            if not new:  # an assessment-only job
+                a = doc.get("assessment", {})
+                log(f"    done in {doc['wall_seconds']:.0f} s: " + "; ".join(
+                    f"{k.upper()} most distant {v.get('most_distant')}, clusters {v.get('clusters')}"
+                    for k, v in a.items() if isinstance(v, dict)) + f" (report: {work / 'server' / 'assessment'})")
+                continue
             last = new[-1]
             errs = len(doc.get("errors", []))
-            log(f"    done in {doc['wall_seconds']:.0f} s: final accuracy {last['accuracy']:.3f} (site mean), "
-                f"pooled {last['pooled_accuracy']:.3f}" + (f"; {errs} site error(s), see metrics.json" if errs else ""))
+            key = "dice_mean" if "dice_mean" in last else "accuracy"
+            log(f"    done in {doc['wall_seconds']:.0f} s: final {key} {last[key]:.3f} (site mean)"
+                + (f", pooled {last['pooled_accuracy']:.3f}" if key == "accuracy" else "")
+                + (f"; {errs} site error(s), see metrics.json" if errs else ""))
             write_outputs(rows, out, title=exp.name, command=_command(config_path, overrides))
     return rows
 

@@ -25,10 +25,19 @@ def _finite(xs):
     return [x for x in xs if x is not None and math.isfinite(x)]
 
 
+def metric_keys(sites: dict[str, dict]) -> list[str]:
+    keys = []
+    for s in sites.values():
+        for k, v in s.items():
+            if k not in keys and k not in ("n_test", "cluster", "confusion", "score_hist") and isinstance(v, (int, float)):
+                keys.append(k)
+    return keys or list(METRICS)
+
+
 def summarize_sites(sites: dict[str, dict]) -> dict:
     """Mean/std over sites (NaN entries, e.g. AUC of a one-class test split, left out) + pooled."""
     out = {"mean": {}, "std": {}, "n_sites": len(sites)}
-    for m in METRICS:
+    for m in metric_keys(sites):
         vals = _finite([s.get(m) for s in sites.values()])
         out["mean"][m] = float(np.mean(vals)) if vals else float("nan")
         out["std"][m] = float(np.std(vals)) if vals else float("nan")
@@ -62,7 +71,7 @@ class Recorder:
                 self.doc["errors"].append({"round": round_, "site": site, "task": task, "error": meta["error"]})
                 continue
             ok.append(site)
-            entry = {m: metrics.get(m) for m in METRICS}
+            entry = {m: float(v) for m, v in metrics.items() if isinstance(v, (int, float)) and m != "failed"}
             entry.update(n_test=meta.get("n_test"), cluster=meta.get("cluster"))
             if meta.get("confusion") is not None:
                 entry["confusion"] = np.asarray(meta["confusion"]).tolist()
@@ -73,7 +82,7 @@ class Recorder:
             entry.pop("score_hist", None)
         self.doc["rounds"].append({"round": round_, "task": task, "sites": sites, "summary": summary})
         if self._tb is not None:
-            for m in METRICS:
+            for m in summary["mean"]:
                 for kind in ("mean", "pooled"):
                     v = summary.get(kind, {}).get(m)
                     if v is not None and math.isfinite(v):

@@ -22,6 +22,10 @@ BUILDERS = {
     "pacfl": "jobs.clustered",
     "fecfl": "jobs.clustered",
     "cfl": "jobs.clustered",
+    "ditto": "jobs.fedavg",
+    "seg_assess": "jobs.segmentation",
+    "fedavg_w": "jobs.segmentation",
+    "seg_clusters": "jobs.segmentation",
 }
 
 

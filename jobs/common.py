@@ -37,6 +37,15 @@ def fedmed_config(exp, dataset_meta: dict, seed: int, method=None) -> dict:
         train["fedprox_mu"] = method.fedprox_mu
     elif method is not None and method.workflow == "fedprox" and train["fedprox_mu"] == 0:
         train["fedprox_mu"] = 0.01
+    if exp.dataset.task == "segmentation":
+        cfg = {"task": "segmentation", "seed": int(seed), "model": exp.model.model_dump(), "train": train,
+               "data": {"shape": exp.dataset.shape, "roi": exp.dataset.roi,
+                        "in_channels": len(dataset_meta["modalities"])}}
+        if method is not None and method.workflow == "ditto":
+            cfg["ditto_lambda"] = method.ditto_lambda
+        if method is not None:
+            cfg["assess"] = {"per_value": method.per_value, "weights": method.encoder_weights}
+        return cfg
     return {
         "seed": int(seed),
         "model": exp.model.model_dump(),

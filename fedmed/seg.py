@@ -1,0 +1,245 @@
+"""3D segmentation: NIfTI cases, site metadata and embeddings (``004_``), MONAI U-Net training.
+
+A segmentation datalist entry::
+
+    {"image": ["/x/Flair.nii.gz", "/x/T1c.nii.gz"], "label": "/x/OTMultiClass.nii.gz",
+     "mask": "/x/brainmask.nii.gz", "modalities": ["FLAIR", "T1c"], "region": "left", "id": "pat0001_L"}
+
+``region`` (``whole``/``left``/``right``) lets one subject give two samples (its hemispheres):
+with only six BraTS-2013 subjects this makes 12 samples to build federations from. Each case is
+cropped to the brain-mask bounding box (the region's half of it), resampled to ``shape``
+(trilinear image, nearest label) and its label map turned into the BraTS regions
+WT = {1,2,3,4}, TC = {1,3,4}, ET = {4} (labels: 1 necrosis, 2 edema, 3 non-enhancing,
+4 enhancing).
+
+Site metadata (``004_`` §2.1) is measured on the original volume: the maximum intensity of each
+modality and the volume of each region in mm^3 (voxel count x voxel volume from the NIfTI
+header). Embeddings (§2.2) are the MedicalNet ResNet-18 bottleneck of the first modality,
+reduced by :func:`fedmed.heterogeneity.pca2_embedding`.
+
+Every problem with a case raises :class:`~fedmed.data.DataError` naming the site and the file:
+a non-NIfTI or unreadable file, a missing modality, image and label of different shapes, a
+label map with unexpected labels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .data import DataError
+
+__all__ = ["REGIONS", "SegCase", "case_metadata", "dice_scores", "load_case", "region_masks", "seg_model",
+           "site_embeddings", "train_seg_local"]
+
+REGIONS = {"WT": (1, 2, 3, 4), "TC": (1, 3, 4), "ET": (4,)}
+ALLOWED_LABELS = (0, 1, 2, 3, 4)
+
+
+def _load_nifti(path, site: str, what: str):
+    import nibabel as nib
+
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{site}: {what} file {p} not found")
+    if not (p.name.endswith(".nii") or p.name.endswith(".nii.gz")):
+        raise DataError(f"{site}: {what} file {p} is not a NIfTI file (.nii or .nii.gz)")
+    try:
+        img = nib.load(str(p))
+        arr = np.asarray(img.dataobj, dtype=np.float32)
+    except Exception as e:
+        raise DataError(f"{site}: cannot read {what} file {p} ({type(e).__name__}: {e})") from None
+    if arr.ndim != 3:
+        raise DataError(f"{site}: {what} file {p} should be a 3-D volume, got shape {arr.shape}")
+    return arr, float(np.prod(img.header.get_zooms()[:3]))
+
+
+def region_masks(label: np.ndarray) -> np.ndarray:
+    """(D, H, W) label map -> (3, D, H, W) uint8 masks for WT, TC, ET."""
+    return np.stack([np.isin(label, v) for v in REGIONS.values()]).astype(np.uint8)
+
+
+class SegCase(dict):
+    """``image`` (C, D, H, W) float32, ``label`` (3, D, H, W) uint8, ``meta`` (metadata, id)."""
+
+
+def _resize(a: np.ndarray, shape, mode: str) -> np.ndarray:
+    t = torch.from_numpy(np.ascontiguousarray(a))[None]
+    if t.ndim == 4:
+        t = t[None]
+    kw = {"align_corners": False} if mode == "trilinear" else {}
+    out = torch.nn.functional.interpolate(t.float(), size=tuple(shape), mode=mode, **kw)
+    return out[0].numpy()
+
+
+def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "site",
+              allowed_labels: Sequence[int] = ALLOWED_LABELS) -> SegCase:
+    """Read, check, crop and resample one case (see the module notes)."""
+    images = entry.get("image")
+    if isinstance(images, str):
+        images = [images]
+    mods = entry.get("modalities") or [f"ch{i}" for i in range(len(images or []))]
+    if not images:
+        raise DataError(f"{site}: case {entry.get('id', '?')} lists no image files")
+    if len(mods) != len(images):
+        raise DataError(f"{site}: case {entry.get('id', '?')} names {len(mods)} modalities for {len(images)} images")
+    vols, voxel = [], 1.0
+    for m, f in zip(mods, images):
+        if f is None:
+            raise DataError(f"{site}: case {entry.get('id', '?')} is missing modality {m}")
+        a, voxel = _load_nifti(f, site, f"{m} image")
+        vols.append(a)
+    lab, _ = _load_nifti(entry["label"], site, "label")
+    for m, f, a in zip(mods, images, vols):
+        if a.shape != vols[0].shape:
+            raise DataError(f"{site}: {m} image {f} has shape {a.shape} but {mods[0]} image {images[0]} has {vols[0].shape}")
+    if lab.shape != vols[0].shape:
+        raise DataError(f"{site}: image {images[0]} has shape {vols[0].shape} but label {entry['label']} has {lab.shape}")
+    values = np.unique(lab)
+    bad = sorted(set(values.astype(int).tolist()) - set(allowed_labels))
+    if bad or not np.allclose(values, np.round(values)):
+        raise DataError(f"{site}: label {entry['label']} has unexpected labels {bad or values.tolist()} "
+                        f"(allowed {list(allowed_labels)})")
+    lab = lab.astype(np.int16)
+    if entry.get("mask"):
+        brain, _ = _load_nifti(entry["mask"], site, "brain mask")
+        if brain.shape != lab.shape:
+            raise DataError(f"{site}: brain mask {entry['mask']} has shape {brain.shape}, image has {lab.shape}")
+        fg = brain > 0
+    else:
+        fg = vols[0] != 0
+    if not fg.any():
+        raise DataError(f"{site}: case {entry.get('id', images[0])} has an empty foreground")
+    lo = np.array([np.flatnonzero(fg.any(axis=tuple(j for j in range(3) if j != i))).min() for i in range(3)])
+    hi = np.array([np.flatnonzero(fg.any(axis=tuple(j for j in range(3) if j != i))).max() + 1 for i in range(3)])
+    region = entry.get("region", "whole")
+    if region in ("left", "right"):
+        mid = (lo[0] + hi[0]) // 2
+        lo[0], hi[0] = (lo[0], mid) if region == "left" else (mid, hi[0])
+    elif region != "whole":
+        raise DataError(f"{site}: case {entry.get('id', '?')} region should be whole/left/right, got {region!r}")
+    sl = tuple(slice(a, b) for a, b in zip(lo, hi))
+    crop_lab = lab[sl]
+    meta = {"id": entry.get("id", Path(images[0]).parent.name + ("" if region == "whole" else f"_{region}")),
+            "max_intensity": {m: float(v[sl].max()) for m, v in zip(mods, vols)},
+            "volume_mm3": {r: float(np.isin(crop_lab, labs).sum() * voxel) for r, labs in REGIONS.items()}}
+    img = np.stack([_resize(v[sl], shape, "trilinear")[0] for v in vols]).astype(np.float32)
+    lab_small = _resize(crop_lab.astype(np.float32), shape, "nearest")[0].astype(np.int16)
+    return SegCase(image=img, label=region_masks(lab_small), meta=meta)
+
+
+def case_metadata(cases: Sequence[SegCase]) -> dict[str, np.ndarray]:
+    """Per-feature value arrays of a site: ``intensity__<mod>`` and ``label__<region>``."""
+    out: dict[str, list] = {}
+    for c in cases:
+        for m, v in c["meta"]["max_intensity"].items():
+            out.setdefault(f"intensity__{m}", []).append(v)
+        for r, v in c["meta"]["volume_mm3"].items():
+            out.setdefault(f"label__{r}", []).append(v)
+    return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
+
+
+@torch.no_grad()
+def site_embeddings(cases: Sequence[SegCase], encoder) -> np.ndarray:
+    """``004_`` Eq. 1 input: per case, the MedicalNet bottleneck of channel 0 -> PCA(2) -> 1024."""
+    from .heterogeneity import pca2_embedding
+
+    vecs = []
+    for c in cases:
+        x = torch.from_numpy(c["image"][:1])[None]
+        x = (x - x.mean()) / (x.std() + 1e-6)
+        fmap = encoder.module.bottleneck(x)[0].numpy()
+        vecs.append(pca2_embedding(fmap))
+    return np.stack(vecs)
+
+
+def seg_model(in_channels: int, *, channels=(8, 16, 32, 64), seed: int = 0):
+    """MONAI 3D U-Net with three sigmoid outputs (WT, TC, ET)."""
+    from monai.networks.nets import UNet
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return UNet(spatial_dims=3, in_channels=in_channels, out_channels=3, channels=tuple(channels),
+                    strides=(2,) * (len(channels) - 1), num_res_units=1)
+
+
+def _train_transforms(roi, seed):
+    from monai.transforms import (Compose, RandCropByPosNegLabeld, RandFlipd, RandScaleIntensityd,
+                                  RandShiftIntensityd)
+
+    t = Compose([
+        RandCropByPosNegLabeld(keys=["image", "label"], label_key="label", spatial_size=roi, pos=1, neg=1,
+                               num_samples=4, allow_smaller=True),
+        RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=0),
+        RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=1),
+        RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=2),
+        RandScaleIntensityd(keys="image", factors=0.1, prob=1.0),
+        RandShiftIntensityd(keys="image", offsets=0.1, prob=1.0),
+    ])
+    t.set_random_state(seed=seed)
+    return t
+
+
+def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, lr: float = 0.01, momentum: float = 0.9,
+                    roi=(32, 32, 32), mu: float = 0.0, anchor=None, seed: int = 0) -> dict:
+    """``004_`` §3.2 / App. A: DiceLoss, SGD (lr 0.01, momentum 0.9), 4 random patches per volume,
+    flips p=0.5 per axis, intensity scale and shift 0.1. ``mu``/``anchor``: proximal term toward
+    ``anchor`` parameters (FedProx, Ditto's personal objective)."""
+    from monai.losses import DiceLoss
+
+    if not cases:
+        raise ValueError("no training cases")
+    tf = _train_transforms(roi, seed)
+    loss_fn = DiceLoss(sigmoid=True)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    anchor = [a.detach().clone() for a in anchor] if anchor is not None else (
+        [p.detach().clone() for p in model.parameters()] if mu > 0 else None)
+    model.train()
+    total, steps = 0.0, 0
+    rng = np.random.default_rng(seed)
+    for _ in range(epochs):
+        for i in rng.permutation(len(cases)):
+            c = cases[i]
+            patches = tf({"image": torch.from_numpy(c["image"]), "label": torch.from_numpy(c["label"])})
+            x = torch.stack([torch.as_tensor(p["image"]) for p in patches]).float()
+            y = torch.stack([torch.as_tensor(p["label"]) for p in patches]).float()
+            loss = loss_fn(model(x), y)
+            if anchor is not None and mu > 0:
+                loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += float(loss.detach())
+            steps += 1
+    return {"loss": total / max(steps, 1), "steps": steps}
+
+
+@torch.no_grad()
+def dice_scores(model, cases: Sequence[SegCase], roi=(32, 32, 32)) -> dict:
+    """Sliding-window inference, sigmoid > 0.5, MONAI DiceMetric per region, mean over cases.
+
+    A region absent from a case's ground truth scores 1 when the prediction is empty too and 0
+    otherwise (``ignore_empty=False``): with hemisphere samples many cases hold no tumour, and
+    false positives there must count."""
+    from monai.inferers import sliding_window_inference
+    from monai.metrics import DiceMetric
+
+    model.eval()
+    metric = DiceMetric(include_background=True, reduction="none", ignore_empty=False)
+    rows = []
+    for c in cases:
+        x = torch.from_numpy(c["image"])[None]
+        pred = (torch.sigmoid(sliding_window_inference(x, roi, 4, model, overlap=0.25)) > 0.5).float()
+        rows.append(metric(pred, torch.from_numpy(c["label"])[None].float())[0].numpy())
+    out = {}
+    if rows:
+        arr = np.stack(rows)
+        for j, r in enumerate(REGIONS):
+            col = arr[:, j][np.isfinite(arr[:, j])]
+            out[f"dice_{r.lower()}"] = float(col.mean()) if col.size else float("nan")
+        vals = [v for v in out.values() if np.isfinite(v)]
+        out["dice_mean"] = float(np.mean(vals)) if vals else float("nan")
+    return out
