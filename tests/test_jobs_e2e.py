@@ -118,3 +118,32 @@ def test_fmcl_job_clusters_once_and_survives_edge_sites(tmp_path):
     assert any(e["site"] == "site-3" and "corrupt.png" in e["error"] for e in res["errors"])
     assert res["rounds"][-1]["task"] == "validate" and "site-1" in res["rounds"][-1]["sites"]
     assert (tmp_path / "run" / "server" / "distances.csv").is_file()
+
+
+def test_seg_fedavg_w_job_assesses_then_down_weights(tmp_path):
+    from fedmed.phantoms import write_phantom_subjects
+
+    root = write_phantom_subjects(tmp_path / "phantoms", [0, 2, 2, 3, 3, 3, 4, 4, 4, 9, 10, 11], size=24)
+    cfg = {"name": "seg_e2e",
+           "dataset": {"path": str(root), "task": "segmentation", "modalities": {"FLAIR": "Flair*", "T1c": "T1c*"},
+                       "label_pattern": "OTMultiClass*", "mask_pattern": "brainmask*", "shape": [16, 16, 16],
+                       "roi": [16, 16, 16]},
+           "federation": {"sites": 4, "partition": "label_volume", "test_fraction": 0.34},
+           "model": {"channels": [4, 8, 16]},
+           "train": {"rounds": 2, "local_epochs": 1, "lr": 0.01},
+           "methods": [{"name": "FedAvg_w", "workflow": "fedavg_w", "omega": 0.3}]}
+    cfg_path = write_cfg(tmp_path, cfg)
+    data = prepare_federation(load_config(cfg_path), 0, tmp_path / "data")
+    doc = json.loads((data / "site-2.json").read_text())
+    doc["training"][0]["label"] = str(tmp_path / "missing_label.nii.gz")  # this site cannot load its data
+    (data / "site-2.json").write_text(json.dumps(doc))
+
+    res = run_job(str(cfg_path), [], "FedAvg_w", 0, data, tmp_path / "run", 4, timeout=900)
+    assert res["assessment"]["emd"]["most_distant"] == "site-4"
+    assert res["down_weighted"] == {"site": "site-4", "omega": 0.3, "source": "assessment (emd)"}
+    assert [t["task"] for t in res["task_log"]][:2] == ["assess", "train"]
+    assert any(e["site"] == "site-2" and "missing_label.nii.gz" in e["error"] for e in res["errors"])
+    final = res["rounds"][-1]
+    assert final["task"] == "validate" and sorted(final["sites"]) == ["site-1", "site-3", "site-4"]
+    assert "dice_mean" in final["summary"]["mean"]
+    assert (tmp_path / "run" / "server" / "assessment" / "report.md").is_file()

@@ -1,0 +1,74 @@
+"""Segmentation assessment (004_) wall time against one FedAvg round, measured in one run.
+
+Both run locally on the same federation (BraTS-2013 from ../shared/data, 12 hemisphere samples
+in 4 label-volume sites; synthetic phantoms when absent):
+* assessment = every site's metadata histograms + MedicalNet embeddings, then D_EMD, D_EUC, the
+  most distant site and the two-cluster split;
+* one FedAvg round = every site trains the 3D U-Net for one local epoch, then the average.
+
+    .venv/bin/python benchmarks/bench_assessment.py
+"""
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fedmed.aggregation import weighted_average
+from fedmed.assessment import assess, site_assessment
+from fedmed.encoders import build_encoder
+from fedmed.seg import load_case, seg_model, train_seg_local
+from fedmed.seg_data import discover_subjects, write_seg_federation
+from fedmed.train import get_params
+
+BRATS = Path(__file__).resolve().parents[2] / "shared" / "data" / "brats2013"
+
+
+def main():
+    torch.set_num_threads(2)
+    tmp = Path(tempfile.mkdtemp())
+    if BRATS.exists():
+        entries = discover_subjects(BRATS, {"FLAIR": "Flair*", "T1c": "T1c*"}, "OTMultiClass*", "brainmask*", True)
+        source = "BraTS-2013 (12 hemisphere samples)"
+    else:
+        from fedmed.phantoms import write_phantom_subjects
+
+        root = write_phantom_subjects(tmp / "ph", [0, 2, 2, 3, 3, 3, 4, 4, 4, 9, 10, 11], size=32)
+        entries = discover_subjects(root, {"FLAIR": "Flair*", "T1c": "T1c*"}, "OTMultiClass*", "brainmask*")
+        source = "synthetic phantoms"
+    fed = write_seg_federation(entries, 4, tmp / "fed")
+    meta = json.loads((fed / "dataset.json").read_text())
+    shape = (32, 48, 40)
+    cases = {}
+    for s in meta["sites"]:
+        doc = json.loads((fed / f"{s}.json").read_text())
+        cases[s] = [load_case(e, shape=shape, site=s) for e in doc["training"] + doc["validation"]]
+    print(f"data: {source}; cases resampled to {shape} (loading excluded from both timings)")
+
+    t = time.perf_counter()
+    enc = build_encoder("medicalnet_resnet18")
+    rep = assess({s: site_assessment(c, enc) for s, c in cases.items()})
+    t_assess = time.perf_counter() - t
+
+    model = seg_model(2)
+    theta = get_params(model)
+    t = time.perf_counter()
+    states, weights = [], []
+    for k, (s, c) in enumerate(cases.items()):
+        m = seg_model(2)
+        m.load_state_dict({n: torch.as_tensor(v) for n, v in theta.items()})
+        train_seg_local(m, c, epochs=1, seed=k)
+        states.append(get_params(m))
+        weights.append(len(c))
+    weighted_average(states, weights)
+    t_round = time.perf_counter() - t
+    print(f"assessment (metadata EMD + MedicalNet embeddings, {len(cases)} sites): {t_assess:.2f} s "
+          f"(most distant: EMD {rep['emd']['most_distant']}, EUC {rep['euc']['most_distant']})")
+    print(f"one FedAvg round (3D U-Net, 1 local epoch per site): {t_round:.2f} s")
+    print(f"ratio assessment / FedAvg round = {t_assess / t_round:.2f}")
+
+
+if __name__ == "__main__":
+    main()
