@@ -65,7 +65,7 @@ def main():
             if isinstance(v, (int, float)) and np.isfinite(v):
                 writer.add_scalar(f"{task}/{k}", float(v), global_step=int(rnd))
         flare.send(FLModel(params=params, metrics=metrics, meta=to_meta({**meta, "task": task, "round": rnd,
-                                                                          "cluster": cfg.get("cluster")})))
+                                                                          "cluster": meta.get("cluster", cfg.get("cluster"))})))
 
 
 if __name__ == "__main__":

@@ -321,3 +321,194 @@ class SegAssessmentController(ClusteredFedAvgController):
                                               else f"004_ Alg. 1 on D_{self.distance.upper()}"})
             self.train_clusters({c: list(g) for c, g in enumerate(groups)})
         self.recorder.close()
+
+
+class FluxController(FedAvgController):
+    """Flux (``003_`` Algorithm 1) with partial participation.
+
+    1. FedAvg rounds (a seeded ``participation`` fraction of sites each round) until the start
+       rule of Eq. 14 fires on the served global model's mean accuracy;
+    2. S1: sampled sites send latent min/max of the global model ``theta*``; the server merges
+       and broadcasts the box; S2-S4: sites send descriptors (shared PCA, optional DP);
+    3. clustering: adaptive DBSCAN (Flux) or K-means with ``n_clusters`` (Flux-prior);
+       centroids of the full and the label-free descriptors;
+    4. per-cluster FedAvg for the remaining rounds; a site sampled later without a cluster first
+       sends its descriptor (computed with ``theta*``) and joins the nearest centroid (Eq. 9).
+    Writes ``flux_state.npz`` (``theta*``, the box, centroids) for the test-time job.
+    """
+
+    def __init__(self, num_rounds: int, fedmed_config: dict, flux: dict, participation: float = 1.0,
+                 n_clusters: int = 0, **kw):
+        super().__init__(num_rounds, fedmed_config, **kw)
+        self.flux = dict(flux)
+        self.participation = float(participation)
+        self.n_clusters = int(n_clusters or 0)
+
+    def sample(self, r: int) -> list:
+        sites = sorted(self.sample_clients())
+        k = max(1, int(round(self.participation * len(sites))))
+        rng = np.random.default_rng(self.cfg.get("seed", 0) * 100_003 + r)
+        return sorted(rng.choice(sites, size=k, replace=False).tolist())
+
+    def descriptors(self, theta_star, sites, label_free=False) -> dict:
+        replies = unpack(self.send("descriptor", self.task(theta_star, 0, flux={**self.flux, "label_free": label_free}),
+                                   targets=sites))
+        out = {}
+        for s, _, meta, _ in replies:
+            if meta.get("error"):
+                self.recorder.doc["errors"].append({"round": -1, "site": s, "task": "descriptor", "error": meta["error"]})
+                self.error(f"site {s} sent no descriptor and stays unassigned: {meta['error']}")
+            else:
+                out[s] = meta
+        return out
+
+    def run(self):
+        from fedmed.clustered import flux_cluster
+        from fedmed.flux import assign_nearest, merge_bounds, should_start_clustering
+
+        self.start_recording()
+        theta, acc, r = initial_params(self.cfg), [], 0
+        while r < self.num_rounds - 1:
+            rows = self.record(r, self.send("train", self.task(theta, r), targets=self.sample(r)))
+            theta = self.aggregate(rows) if rows else theta
+            acc.append(self.recorder.doc["rounds"][-1]["summary"]["mean"].get("accuracy", 0.0))
+            r += 1
+            if should_start_clustering(acc, self.num_rounds, threshold=self.flux.get("start_threshold", 0.06)):
+                break
+        theta_star, part = theta, self.sample(r)
+        bounds = [(np.asarray(m["lo"]), np.asarray(m["hi"]))
+                  for s, _, m, _ in unpack(self.send("latent_bounds", self.task(theta_star, r), targets=part))
+                  if not m.get("error")]
+        lo, hi = merge_bounds(bounds)
+        self.flux.update(lo=lo.tolist(), hi=hi.tolist())
+        descs = self.descriptors(theta_star, part)
+        info = flux_cluster(descs, n_clusters=self.n_clusters or None, scale=self.flux.get("scale", 1.0),
+                            seed=self.cfg.get("seed", 0))
+        assign = {s: lab for s, lab in zip(info["sites"], info["labels"])}
+        n_params = sum(np.asarray(v).size for v in theta_star.values())
+        self.recorder.note("clustering", {k: v for k, v in info.items() if not k.startswith("centroids")} |
+                           {"start_round": r, "descriptor_to_model_ratio": info["descriptor_length"] / n_params,
+                            "model_params": int(n_params)})
+        self.info(f"Flux clusters at round {r} ({info['rule']}): {info['clusters']}")
+        models = {c: theta_star for c in range(info["k"])}
+        for rr in range(r, self.num_rounds + 1):
+            task = "train" if rr < self.num_rounds else "validate"
+            sampled = self.sample(rr) if task == "train" else sorted(self.sample_clients())
+            new = [s for s in sampled if s not in assign]
+            for s, meta in self.descriptors(theta_star, new).items() if new else []:
+                assign[s] = assign_nearest(meta["full"], info["centroids_full"])
+                self.info(f"{s} joins cluster {assign[s]} (nearest centroid)")
+            groups = {c: (self.task(models[c], rr, cluster=c), [s for s in sampled if assign.get(s) == c])
+                      for c in models}
+            replies = self.send_groups(task, {c: g for c, g in groups.items() if g[1]})
+            rows = [row for c in replies for row in unpack(replies[c])]
+            self.record_rows(rr, rows, task)
+            for c in replies:
+                good = [row for row in unpack(replies[c]) if not row[2].get("error")]
+                if task == "train" and good:
+                    models[c] = self.aggregate(good)
+        self.recorder.note("assignment", assign)
+        for c, th in models.items():
+            self.save(th, name=f"cluster{c}")
+        state = Path(self.get_run_dir()) / "fedmed" / "flux_state.npz"
+        np.savez(state, lo=lo, hi=hi, centroids_label_free=info["centroids_label_free"],
+                 centroids_full=info["centroids_full"], pca_seed=self.flux.get("pca_seed", 0),
+                 n_components=self.flux.get("n_components", 10), **{f"theta_star/{k}": v for k, v in theta_star.items()})
+        self.recorder.close()
+
+    send_groups = FedMedController.send_groups
+    record_rows = ClusteredFedAvgController.record_rows
+
+
+class FluxTestController(FedMedController):
+    """Test phase on unseen, unlabeled sites (Flux Algorithm 2) and the baselines' counterparts.
+
+    ``mode="flux"``: each site sends its label-free descriptor ``d'`` (computed with ``theta*`` and
+    the training box); the server assigns the nearest label-free centroid (Eq. 9) and the site
+    scores that cluster's model ("test phase"). ``mode="global"`` (FedAvg): the global model.
+    ``mode="ensemble"`` (IFCA): the cluster models' probabilities averaged with weights equal to
+    their training-site counts, as the Flux paper scores baselines without test-time assignment.
+    With ``known_clusters`` (site -> cluster of its true group) each site also scores its known
+    cluster's model ("known association"). Unseen sites are scored on all their data.
+    """
+
+    def __init__(self, num_rounds: int, fedmed_config: dict, training_result: str, known_clusters: dict = None,
+                 mode: str = "flux", cluster_sizes: dict = None, **kw):
+        super().__init__(num_rounds, fedmed_config, **kw)
+        self.training_result = training_result
+        self.known_clusters = dict(known_clusters or {})
+        self.mode = mode
+        self.cluster_sizes = dict(cluster_sizes or {})
+
+    def run(self):
+        from fedmed.flux import assign_nearest
+
+        self.start_recording()
+        self.fedmed_config = {**self.cfg, "evaluate_on": "all"}
+        root = Path(self.training_result)
+        models = {int(p.stem[len("cluster"):]): dict(np.load(p)) for p in sorted((root / "models").glob("cluster*.npz"))}
+        if not models and (root / "models" / "global.npz").is_file():
+            models = {0: dict(np.load(root / "models" / "global.npz"))}
+        sites = sorted(self.sample_clients())
+        assign = {}
+        if self.mode == "flux":
+            st = np.load(root / "flux_state.npz")
+            theta_star = {k[len("theta_star/"):]: st[k] for k in st.files if k.startswith("theta_star/")}
+            flux = {"lo": st["lo"].tolist(), "hi": st["hi"].tolist(), "pca_seed": int(st["pca_seed"]),
+                    "n_components": int(st["n_components"]), "label_free": True}
+            for s, _, meta, _ in unpack(self.send("descriptor", self.task(theta_star, 0, flux=flux), targets=sites)):
+                if meta.get("error"):
+                    self.recorder.doc["errors"].append({"round": 0, "site": s, "task": "descriptor", "error": meta["error"]})
+                    self.error(f"unseen site {s} could not be assigned: {meta['error']}")
+                else:
+                    assign[s] = assign_nearest(meta["label_free"], st["centroids_label_free"])
+            self.recorder.note("assignment", {"test_phase": assign, "known_association": self.known_clusters})
+            self.validate_assigned("test_phase", 0, assign, models)
+        elif self.mode == "global":
+            self.validate_assigned("test_phase", 0, {s: 0 for s in sites}, models)
+        else:
+            packed = {f"m{k}/{n}": v for k, m in sorted(models.items()) for n, v in m.items()}
+            weights = [float(self.cluster_sizes.get(str(k), self.cluster_sizes.get(k, 0)) or 0) for k in sorted(models)]
+            weights = weights if sum(weights) > 0 else [1.0] * len(models)
+            res = self.send("validate_ensemble", self.task(packed, 0, ensemble={"weights": weights}), targets=sites)
+            self.recorder.record(0, [(s, m, meta) for s, m, meta, _ in unpack(res)], task="test_phase")
+        if self.known_clusters:
+            self.validate_assigned("known_association", 1, {s: int(c) for s, c in self.known_clusters.items()}, models)
+        self.recorder.close()
+
+    def validate_assigned(self, phase, index, mapping, models):
+        groups = {c: (self.task(models[c], 0, cluster=c), [s for s, m in mapping.items() if m == c]) for c in models}
+        replies = self.send_groups("validate", {c: g for c, g in groups.items() if g[1]})
+        self.recorder.record(index, [(s, m, meta) for c in replies for s, m, meta, _ in unpack(replies[c])], task=phase)
+
+    send_groups = FedMedController.send_groups
+
+
+class IFCAController(FedAvgController):
+    """IFCA (Ghosh et al. 2020): K models; every round each sampled site receives all K,
+    picks the one with the lowest local loss, trains it; the server averages per chosen model."""
+
+    def __init__(self, num_rounds: int, fedmed_config: dict, k: int = 2, participation: float = 1.0, **kw):
+        super().__init__(num_rounds, fedmed_config, **kw)
+        self.k = int(k)
+        self.participation = float(participation)
+
+    sample = FluxController.sample
+
+    def run(self):
+        self.start_recording()
+        models = [initial_params({**self.cfg, "seed": self.cfg.get("seed", 0) * 1000 + j}) for j in range(self.k)]
+        for r in range(self.num_rounds + 1):
+            train = r < self.num_rounds
+            packed = {f"m{j}/{n}": v for j, m in enumerate(models) for n, v in m.items()}
+            sites = self.sample(r) if train else sorted(self.sample_clients())
+            results = self.send("ifca", self.task(packed, r, ifca={"k": self.k, "train": train}), targets=sites)
+            rows = self.record(r, results, task="train" if train else "validate")
+            for j in range(self.k):
+                chosen = [row for row in rows if row[2].get("cluster") == j]
+                if train and chosen:
+                    models[j] = self.aggregate(chosen)
+        self.recorder.note("clustering", {"k": self.k, "rule": "IFCA (lowest local loss)"})
+        for j, m in enumerate(models):
+            self.save(m, name=f"cluster{j}")
+        self.recorder.close()

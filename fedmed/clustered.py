@@ -13,7 +13,7 @@ from .baselines import fecfl_distance_matrix, pacfl_distance_matrix
 from .clustering import agglomerative, auto_k, labels_to_clusters
 from .fmcl import ClassSignature, fmcl_distance_matrix
 
-__all__ = ["SIGNATURE_KINDS", "cfl_split", "choose_clusters", "signature_distances"]
+__all__ = ["SIGNATURE_KINDS", "cfl_split", "choose_clusters", "flux_cluster", "signature_distances"]
 
 SIGNATURE_KINDS = ("fmcl", "pacfl", "fecfl")
 
@@ -89,3 +89,30 @@ def cfl_split(updates: list[dict], weights, *, eps1: float = 0.4, eps2: float = 
         out["labels"] = agglomerative((D + D.T) / 2, n_clusters=2, linkage_method="complete").tolist()
         out["split"] = True
     return out
+
+
+def flux_cluster(descriptors: dict[str, dict], *, n_clusters: int | None = None, scale: float = 1.0,
+                 seed: int = 0) -> dict:
+    """Flux (``003_`` Alg. 1 lines 9-11): cluster the sites' full descriptors — adaptive DBSCAN, or
+    K-means with the true K (Flux-prior) — and the centroids of the full and label-free parts."""
+    from .clustering import adaptive_dbscan, kmeans_prior
+    from .flux import cluster_centroids
+
+    names = sorted(descriptors)
+    X = np.stack([np.asarray(descriptors[n]["full"], dtype=np.float64) for n in names])
+    XL = np.stack([np.asarray(descriptors[n]["label_free"], dtype=np.float64) for n in names])
+    info: dict = {"sites": names}
+    if len(names) == 1:
+        labels = np.zeros(1, dtype=np.int64)
+        info["rule"] = "single site"
+    elif n_clusters:
+        labels = kmeans_prior(X, min(int(n_clusters), len(names)), seed=seed)
+        info["rule"] = f"Flux-prior K-means (K={n_clusters})"
+    else:
+        res = adaptive_dbscan(X, scale=scale)
+        labels = res["labels"]
+        info.update(rule="adaptive DBSCAN", eps=res["eps"], eps_source=res["eps_source"], n_noise=res["n_noise"])
+    info.update(labels=labels.tolist(), clusters=labels_to_clusters(labels, names), k=int(labels.max()) + 1,
+                centroids_full=cluster_centroids(X, labels), centroids_label_free=cluster_centroids(XL, labels),
+                descriptor_length=int(X.shape[1]))
+    return info

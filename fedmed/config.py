@@ -52,6 +52,7 @@ class FederationConfig(_Strict):
     anda_shift: Literal["feature", "label", "p_y_given_x", "p_x_given_y", "quantity"] = "feature"
     anda_level: int = Field(3, ge=1, le=8)
     anda_groups: int = Field(2, ge=1)
+    unseen_sites: int = Field(0, ge=0, description="extra sites held out of training, for test-time assignment")
 
 
 class ModelConfig(_Strict):
@@ -84,6 +85,9 @@ class MethodConfig(_Strict):
     encoder_weights: Optional[str] = Field(None, description="local weights file; None = seeded random init")
     encoder_image_size: Optional[int] = Field(None, gt=7)
     n_basis: int = Field(3, ge=1, description="PACFL: singular vectors per class")
+    participation: float = Field(1.0, gt=0, le=1, description="fraction of sites sampled per round (Flux, IFCA)")
+    dp_epsilon: Optional[float] = Field(None, gt=0, description="Flux: Laplace DP budget for descriptors")
+    dbscan_scale: float = Field(1.0, gt=0, description="Flux: eps scale factor")
     omega: float = Field(1.0, ge=0, le=1, description="FedAvg_w weight of the most distant site")
     distance: Literal["emd", "euc"] = "emd"
     site: str = Field("", description="FedAvg_w: down-weight this site instead of the assessed one")

@@ -34,8 +34,8 @@ __all__ = ["REPO_ROOT", "prepare_federation", "run_experiment", "summarize", "wr
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CLS_METRICS = ("accuracy", "macro_f1", "auc")
 SEG_METRICS = ("dice_wt", "dice_tc", "dice_et", "dice_mean")
-FIELDS = ["method", "seed", "round", "accuracy", "macro_f1", "auc", "accuracy_std", "macro_f1_std", "auc_std",
-          "pooled_accuracy", "pooled_macro_f1", "pooled_auc", "n_sites", "n_failed"]
+FIELDS = ["method", "seed", "round", "phase", "accuracy", "macro_f1", "auc", "accuracy_std", "macro_f1_std", "auc_std",
+          "pooled_accuracy", "pooled_macro_f1", "pooled_auc", "ari", "n_sites", "n_failed"]
 SEG_FIELDS = ["method", "seed", "round", *SEG_METRICS, *[f"{m}_std" for m in SEG_METRICS], "n_sites", "n_failed"]
 
 
@@ -71,17 +71,50 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir) -> Path:
         parts = P.predi_partition(pool.labels, res.assignment, rng, samples_per_cell=None)
         extra.update(prevalence=res.prevalence, disparity=res.disparity)
     else:  # anda
-        sites = P.anda_federation(pool.labels, fed.sites, fed.anda_shift, rng, level=fed.anda_level,
-                                  n_groups=fed.anda_groups)
+        sites = P.anda_federation(pool.labels, fed.sites + fed.unseen_sites, fed.anda_shift, rng,
+                                  level=fed.anda_level, n_groups=fed.anda_groups)
         parts = [s.indices for s in sites]
         transforms = [(lambda img, lab, s=s: P.apply_anda_transform(img, lab, s)) for s in sites]
-        extra.update(groups=[s.group for s in sites], shift=fed.anda_shift, level=fed.anda_level)
+        extra.update(shift=fed.anda_shift, level=fed.anda_level)
     out = Path(out_dir)
     if out.exists():
         shutil.rmtree(out)
+    names = [f"site-{k + 1}" for k in range(len(parts))]
+    if fed.partition == "anda":
+        groups = [s.group for s in sites]
+        # held-out sites: one per group in turn, taken from the end of the site list
+        unseen: list[str] = []
+        order = list(range(len(names)))[::-1]
+        g = 0
+        while len(unseen) < fed.unseen_sites:
+            pick = next((k for k in order if groups[k] == g % fed.anda_groups and names[k] not in unseen), None)
+            if pick is not None:
+                unseen.append(names[pick])
+            g += 1
+        unseen_names = [f"unseen-{j + 1}" for j in range(len(unseen))]
+        rename = dict(zip(unseen, unseen_names))
+        names = [rename.get(n, n) for n in names]
+        extra.update(groups=dict(zip(names, groups)), unseen_sites=unseen_names)
     write_site_datalists(pool, parts, out, test_fraction=fed.test_fraction, seed=seed, transforms=transforms,
-                         extra=extra)
+                         extra=extra, site_names=names)
+    meta_path = out / "dataset.json"
+    import json as _json
+
+    meta = _json.loads(meta_path.read_text())
+    meta["sites"] = [n for n in names if not n.startswith("unseen-")]
+    meta_path.write_text(_json.dumps(meta, indent=1))
     return out
+
+
+def job_clients(job: Path) -> list[str]:
+    meta = json.loads((job / "meta.json").read_text())
+    return sorted({s for t in meta.get("deploy_map", {}).values() for s in t if s not in ("server", "@ALL")})
+
+
+def simulator_cmd(job: Path, ws: Path) -> list[str]:
+    clients = job_clients(job)
+    return [str(Path(sys.executable).parent / "nvflare"), "simulator", str(job), "-w", str(ws), "-c", ",".join(clients),
+            "-t", str(len(clients))]
 
 
 def _run(cmd, log: Path, timeout: int) -> float:
@@ -109,9 +142,7 @@ def run_job(config_path: str, overrides: list[str], method: str, seed: int, data
     ws = work / "workspace"
     if ws.exists():
         shutil.rmtree(ws)
-    nvflare = bindir / "nvflare"
-    sim = [str(nvflare), "simulator", str(job), "-w", str(ws), "-n", str(n_sites), "-t", str(n_sites)]
-    secs = _run(sim, work / "simulator.log", timeout)
+    secs = _run(simulator_cmd(job, ws), work / "simulator.log", timeout)
     produced = ws / "server" / "simulate_job" / "fedmed"
     metrics = produced / "metrics.json"
     if not metrics.is_file():
@@ -125,6 +156,54 @@ def run_job(config_path: str, overrides: list[str], method: str, seed: int, data
     doc["wall_seconds"] = secs
     shutil.rmtree(ws, ignore_errors=True)  # workspaces are large; metrics.json and logs are kept
     return doc
+
+
+def run_test_job(config_path, overrides, method, seed, datalists: Path, work: Path, training: Path, known: dict,
+                 sizes: dict, n_sites: int) -> dict:
+    """The unseen-site job (Flux Algorithm 2, or the baselines' counterpart) after a training job."""
+    import json as _json
+
+    bindir = Path(sys.executable).parent
+    work.mkdir(parents=True, exist_ok=True)
+    jobs_dir = work / "job"
+    build = [sys.executable, str(REPO_ROOT / "jobs" / "build.py"), "--config", str(config_path), "--datalists",
+             str(datalists), "--out", str(jobs_dir), "--method", method, "--seed", str(seed), "--test-phase",
+             "--training-result", str(training.resolve()), "--known-clusters", _json.dumps(known),
+             "--cluster-sizes", _json.dumps(sizes)]
+    for o in overrides:
+        build += ["--set", o]
+    _run(build, work / "build.log", 600)
+    job = next(p for p in jobs_dir.iterdir() if p.is_dir())
+    ws = work / "workspace"
+    if ws.exists():
+        shutil.rmtree(ws)
+    _run(simulator_cmd(job, ws), work / "simulator.log", 1800)
+    produced = ws / "server" / "simulate_job" / "fedmed" / "metrics.json"
+    if not produced.is_file():
+        raise RuntimeError(f"{job.name}: no metrics.json; see {work / 'simulator.log'}")
+    shutil.copy(produced, work / "metrics.json")
+    shutil.rmtree(ws, ignore_errors=True)
+    return _json.loads((work / "metrics.json").read_text())
+
+
+def training_assignment(doc: dict, workflow: str) -> dict:
+    """site -> cluster after training (Flux: its assignment; IFCA: last training round's choice)."""
+    if workflow == "flux":
+        return {k: int(v) for k, v in doc.get("assignment", {}).items()}
+    if workflow == "ifca":
+        train_rounds = [r for r in doc["rounds"] if r["task"] == "train"]
+        return {s: int(v["cluster"]) for s, v in train_rounds[-1]["sites"].items()} if train_rounds else {}
+    return {s: 0 for s in doc["rounds"][-1]["sites"]}
+
+
+def known_association(groups: dict, assign: dict, unseen: list) -> dict:
+    """unseen site -> the cluster most training sites of its true group ended in."""
+    out = {}
+    for u in unseen:
+        votes = [assign[s] for s, g in groups.items() if g == groups[u] and s in assign]
+        if votes:
+            out[u] = int(max(set(votes), key=lambda c: (votes.count(c), -c)))
+    return out
 
 
 def rows_from_metrics(method: str, seed: int, doc: dict) -> list[dict]:
@@ -158,9 +237,26 @@ def _is_seg(rows) -> bool:
     return bool(rows) and "dice_mean" in rows[0]
 
 
+def summarize_phases(rows: list[dict]) -> str:
+    """Flux-style table: clustering ARI, known-association and test-phase accuracy on unseen sites."""
+    phased = [r for r in rows if r.get("phase")]
+    if not phased:
+        return ""
+    lines = ["| Method | Clustering ARI | Known assoc. acc | Test phase acc | Known assoc. F1 | Test phase F1 |",
+             "|---|---|---|---|---|---|"]
+    for m in dict.fromkeys(r["method"] for r in phased):
+        get = lambda ph, k: [r[k] for r in phased if r["method"] == m and r["phase"] == ph]  # noqa: E731
+        aris = [r["ari"] for r in phased if r["method"] == m and r["phase"] == "test phase"]
+        ari = f"{np.mean(aris):.2f} ± {np.std(aris):.2f}" if aris else "n/a"
+        lines.append(f"| {m} | {ari} | {_fmt(get('known assoc.', 'accuracy'))} | {_fmt(get('test phase', 'accuracy'))} | "
+                     f"{_fmt(get('known assoc.', 'macro_f1'))} | {_fmt(get('test phase', 'macro_f1'))} |")
+    return "\n".join(lines) + "\n"
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """Per method: the round with the best seed-mean per-site accuracy (Dice for segmentation),
     mean ± std over seeds there."""
+    rows = [r for r in rows if not r.get("phase")]
     if _is_seg(rows):
         return summarize_seg(rows)
     out = []
@@ -216,10 +312,17 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, notes:
     text = (f"## {title}\n\nProduced by: `{command}`\n\nValues in %, mean ± std over {summ[0]['seeds']} seed(s) at each "
             f"method's best round; per-site metrics are averaged over sites first (each site scores the model it is "
             f"served on its own test split), pooled metrics use all sites' test samples.\n\n" + head + body)
+    phases = summarize_phases(rows)
+    if phases:
+        text += ("\n### Unseen sites (test-time assignment)\n\nAccuracy in %, mean ± std over seeds of the mean over "
+                 "unseen sites (scored on all their data). Known assoc.: the cluster model of the site's true group; "
+                 "test phase: the model the method assigns without labels (Flux: nearest label-free centroid, Eq. 9; "
+                 "FedAvg: the global model; IFCA: the cluster models' outputs weighted by cluster size). ARI: the "
+                 "training clustering against the true groups.\n\n" + phases)
     if notes:
         text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     (out / "summary.md").write_text(text)
-    plot_curves(rows, out / "curves.png", title)
+    plot_curves([r for r in rows if not r.get("phase")], out / "curves.png", title)
     return text
 
 
@@ -304,6 +407,27 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
                 continue
             last = new[-1]
             errs = len(doc.get("errors", []))
+            meta = json.loads((data_dir / "dataset.json").read_text())
+            if meta.get("unseen_sites") and m.workflow in ("flux", "ifca", "fedavg", "fedprox"):
+                from sklearn.metrics import adjusted_rand_score
+
+                assign = training_assignment(doc, m.workflow)
+                groups = meta["groups"]
+                trained = sorted(assign)
+                ari = float(adjusted_rand_score([groups[x] for x in trained], [assign[x] for x in trained]))
+                for row in new:
+                    row["ari"] = ari
+                known = known_association(groups, assign, meta["unseen_sites"])
+                sizes = {str(c): sum(1 for v in assign.values() if v == c) for c in set(assign.values())}
+                tdoc = run_test_job(str(config_path), overrides, m.name, seed, data_dir, work / "test_phase",
+                                    work / "server", known, sizes, len(meta["unseen_sites"]))
+                for r in tdoc["rounds"]:
+                    phase = {"test_phase": "test phase", "known_association": "known assoc."}[r["task"]]
+                    rows.append({"method": m.name, "seed": seed, "round": last["round"], "phase": phase, "ari": ari,
+                                 **{k: r["summary"]["mean"].get(k) for k in CLS_METRICS},
+                                 **{f"pooled_{k}": r["summary"].get("pooled", {}).get(k) for k in CLS_METRICS}})
+                log(f"    clustering ARI vs true groups {ari:.2f}; unseen sites: " + ", ".join(
+                    f"{r['task']} accuracy {r['summary']['mean']['accuracy']:.3f}" for r in tdoc["rounds"]))
             key = "dice_mean" if "dice_mean" in last else "accuracy"
             log(f"    done in {doc['wall_seconds']:.0f} s: final {key} {last[key]:.3f} (site mean)"
                 + (f", pooled {last['pooled_accuracy']:.3f}" if key == "accuracy" else "")

@@ -79,12 +79,28 @@ class SiteRunner:
             return self.validate(params, cfg)
         if task == "signature":
             return self.signature(cfg)
+        if task == "latent_bounds":
+            return self.latent_bounds(params, cfg)
+        if task == "descriptor":
+            return self.descriptor(params, cfg)
+        if task == "ifca":
+            return self.ifca(params, cfg, round_)
+        if task == "validate_ensemble":
+            return self.validate_ensemble(params, cfg)
         raise TaskError(f"{self.site}: unknown task {task!r}")
+
+    def _eval_split(self, cfg):
+        import torch
+
+        xtr, ytr, xte, yte = self.data(cfg["data"]["image_size"], cfg["data"]["channels"])
+        if cfg.get("evaluate_on") == "all":  # an unseen site never trained: all its data is test data
+            return torch.cat([xtr, xte]), torch.cat([ytr, yte])
+        return xte, yte
 
     def _served_metrics(self, model, cfg):
         from .train import evaluate
 
-        _, _, xte, yte = self.data(cfg["data"]["image_size"], cfg["data"]["channels"])
+        xte, yte = self._eval_split(cfg)
         res = evaluate(model, xte, yte, cfg["data"]["n_classes"])
         metrics = {k: res[k] for k in ("accuracy", "macro_f1", "auc")}
         meta = {"n_test": res["n_test"], "confusion": res["confusion"], "score_hist": res["score_hist"]}
@@ -145,3 +161,91 @@ class SiteRunner:
         if np.unique(y).size == 1:
             meta["note"] = f"{self.site} holds a single class ({int(y[0])})"
         return {}, {"n_classes_present": float(np.unique(y).size)}, meta
+
+    # ------------------------------------------------------------------ Flux (003_)
+    def _latents(self, params, cfg, split: str = "train"):
+        from .train import latents, set_params
+
+        model = self.model(cfg)
+        set_params(model, params)
+        xtr, ytr, xte, yte = self.data(cfg["data"]["image_size"], cfg["data"]["channels"])
+        x, y = (xtr, ytr) if split == "train" else (xte, yte)
+        if split == "all":
+            import torch
+
+            x, y = torch.cat([xtr, xte]), torch.cat([ytr, yte])
+        return latents(model, x), y.numpy()
+
+    def latent_bounds(self, params, cfg):
+        """Flux S1: element-wise min and max of the latents (two z-vectors leave the site)."""
+        from .flux import latent_bounds
+
+        z, _ = self._latents(params, cfg, "all" if cfg.get("flux", {}).get("label_free") else "train")
+        lo, hi = latent_bounds(z, site=self.site)
+        return {}, {"n_samples": float(z.shape[0])}, {"lo": lo, "hi": hi}
+
+    def descriptor(self, params, cfg):
+        """Flux S2-S4: the descriptor (label-free when ``flux.label_free``, e.g. an unseen site)."""
+        from .flux import flux_descriptor, shared_pca
+
+        f = cfg["flux"]
+        label_free = bool(f.get("label_free"))
+        z, y = self._latents(params, cfg, "all" if label_free else "train")
+        pca = shared_pca(np.asarray(f["lo"]), np.asarray(f["hi"]), n_components=int(f.get("n_components", 10)),
+                         seed=int(f.get("pca_seed", 0)))
+        rng = np.random.default_rng((int(cfg.get("seed", 0)) * 7919 + zlib.crc32(self.site.encode())) % (2**32))
+        d = flux_descriptor(z, pca, None if label_free else y, n_classes=None if label_free else cfg["data"]["n_classes"],
+                            second_moment=f.get("second_moment", "std"), dp_epsilon=f.get("dp_epsilon"), rng=rng,
+                            site=self.site)
+        meta = {"label_free": d.label_free, "n_samples": d.n_samples, "warnings": d.warnings}
+        if d.full is not None:
+            meta["full"] = d.full
+        for w in d.warnings:
+            print(f"[fedmed] {w}", flush=True)
+        return {}, {"descriptor_length": float(len(d.full) if d.full is not None else len(d.label_free))}, meta
+
+    # ------------------------------------------------------------------ IFCA (Ghosh et al.)
+    def ifca(self, params, cfg, round_):
+        """IFCA: evaluate the K cluster models on local training data, train the one with the
+        lowest loss, and report which (``params`` holds the K models as ``m<k>/<name>``)."""
+        import torch
+
+        from .train import get_params, set_params, train_local
+
+        K = int(cfg["ifca"]["k"])
+        model = self.model(cfg)
+        xtr, ytr, _, _ = self.data(cfg["data"]["image_size"], cfg["data"]["channels"])
+        losses = []
+        for k in range(K):
+            set_params(model, {n[len(f"m{k}/"):]: v for n, v in params.items() if n.startswith(f"m{k}/")})
+            model.eval()
+            with torch.no_grad():
+                losses.append(float(torch.nn.functional.cross_entropy(model((xtr - 0.5) / 0.5), ytr)))
+        best = int(np.argmin(losses))
+        set_params(model, {n[len(f"m{best}/"):]: v for n, v in params.items() if n.startswith(f"m{best}/")})
+        metrics, meta = self._served_metrics(model, cfg)
+        meta.update(cluster=best, losses=losses)
+        if cfg.get("ifca", {}).get("train", True):
+            t = cfg["train"]
+            out = train_local(model, xtr, ytr, epochs=t["local_epochs"], batch_size=t["batch_size"], lr=t["lr"],
+                              momentum=t["momentum"], generator=self.generator(cfg, round_))
+            meta.update(n_train=int(xtr.shape[0]), train_loss=out["loss"])
+            return get_params(model), metrics, meta
+        return {}, metrics, meta
+
+    def validate_ensemble(self, params, cfg):
+        """Score the weighted average of K models' class probabilities (how the Flux paper gives
+        baselines without test-time assignment a prediction on unseen sites)."""
+        from .metrics import site_metrics
+        from .train import predict_proba, set_params
+
+        model = self.model(cfg)
+        weights = np.asarray(cfg["ensemble"]["weights"], dtype=np.float64)
+        xte, yte = self._eval_split(cfg)
+        prob = 0.0
+        for k, w in enumerate(weights / weights.sum()):
+            set_params(model, {n[len(f"m{k}/"):]: v for n, v in params.items() if n.startswith(f"m{k}/")})
+            prob = prob + w * predict_proba(model, xte)
+        res = site_metrics(yte.numpy(), prob, cfg["data"]["n_classes"])
+        return {}, {k: res[k] for k in ("accuracy", "macro_f1", "auc")}, {
+            "n_test": res["n_test"], "confusion": res["confusion"], "score_hist": res["score_hist"]}

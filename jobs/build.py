@@ -26,6 +26,8 @@ BUILDERS = {
     "seg_assess": "jobs.segmentation",
     "fedavg_w": "jobs.segmentation",
     "seg_clusters": "jobs.segmentation",
+    "flux": "jobs.flux",
+    "ifca": "jobs.flux",
 }
 
 
@@ -50,11 +52,25 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name")
     ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--test-phase", action="store_true", help="build the unseen-site job (Flux Algorithm 2)")
+    ap.add_argument("--training-result", default="", help="the training run's fedmed/ folder (flux_state.npz)")
+    ap.add_argument("--known-clusters", default="", help="JSON {unseen site: cluster of its true group}")
+    ap.add_argument("--cluster-sizes", default="", help="JSON {cluster: training sites} (IFCA ensemble weights)")
     a = ap.parse_args(argv)
     exp = load_config(a.config, a.set)
     methods = {m.name: m for m in exp.methods}
     if a.method not in methods:
         raise SystemExit(f"method {a.method!r} is not in {a.config} (has {sorted(methods)})")
+    if a.test_phase:
+        import json
+
+        from jobs.flux import build_test
+
+        job = build_test(exp, a.datalists, seed=a.seed, method=methods[a.method], training_result=a.training_result,
+                         known_clusters=json.loads(a.known_clusters) if a.known_clusters else {},
+                         cluster_sizes=json.loads(a.cluster_sizes) if a.cluster_sizes else {}, name=a.name)
+        print(export(job, a.out))
+        return
     print(export(build_for_method(exp, methods[a.method], a.datalists, a.seed, a.name), a.out))
 
 
