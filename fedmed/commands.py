@@ -75,6 +75,22 @@ def cmd_demo(a):
         print(report.read_text())
     print("(site-4 holds the largest lesions by construction: the assessment should name it most distant)")
 
+    print("\n== 3. Flux: clustering during training and unseen-site assignment (digits, ANDA feature shift) ==",
+          flush=True)
+    flux_cfg = REPO_ROOT / "app_configs" / "demo_flux_digits.yaml"
+    run_experiment(str(flux_cfg), out / "flux")
+    import json
+
+    run = out / "flux" / "runs" / "seed0" / "Flux"
+    train = json.loads((run / "metrics.json").read_text())
+    test = json.loads((run / "test_phase" / "metrics.json").read_text())
+    groups = json.loads((out / "flux" / "data" / "seed0" / "dataset.json").read_text())["groups"]
+    print(f"clusters found in training: {train['clustering']['clusters']} (true groups: "
+          f"{ {g: [s for s, x in groups.items() if x == g and not s.startswith('unseen')] for g in sorted(set(groups.values()))} })")
+    for u, c in test["assignment"]["test_phase"].items():
+        print(f"  {u} (true group {groups[u]}, no labels used) -> cluster {c}: {train['clustering']['clusters'][c]}")
+    print((out / "flux" / "summary.md").read_text())
+
 
 def register(sub):
     d = sub.add_parser("data", help="write per-site datalists (dataset + partition)")

@@ -147,3 +147,38 @@ def test_seg_fedavg_w_job_assesses_then_down_weights(tmp_path):
     assert final["task"] == "validate" and sorted(final["sites"]) == ["site-1", "site-3", "site-4"]
     assert "dice_mean" in final["summary"]["mean"]
     assert (tmp_path / "run" / "server" / "assessment" / "report.md").is_file()
+
+
+@pytest.mark.parametrize("method", [{"name": "Flux", "workflow": "flux"},
+                                    {"name": "IFCA", "workflow": "ifca", "n_clusters": 2}])
+def test_flux_unseen_site_goes_to_its_groups_cluster(tmp_path, method):
+    from fedmed.experiment import run_experiment
+
+    cfg = {"name": "flux_e2e",
+           "dataset": {"path": "builtin:digits", "image_size": 12, "channels": 3, "max_per_class": 30},
+           "federation": {"sites": 6, "unseen_sites": 2, "partition": "anda", "anda_shift": "feature",
+                          "anda_level": 5, "anda_groups": 2},
+           "model": {"arch": "resnet9", "width": 4},
+           "train": {"rounds": 3, "local_epochs": 1, "batch_size": 16, "lr": 0.01},
+           "methods": [method]}
+    cfg_path = write_cfg(tmp_path, cfg)
+    rows = run_experiment(str(cfg_path), tmp_path / "out", log=lambda *a: None)
+    run = tmp_path / "out" / "runs" / "seed0" / method["name"]
+    train = json.loads((run / "metrics.json").read_text())
+    test = json.loads((run / "test_phase" / "metrics.json").read_text())
+    meta = json.loads((tmp_path / "out" / "data" / "seed0" / "dataset.json").read_text())
+    phases = {r["phase"] for r in rows if r.get("phase")}
+    assert phases == {"test phase", "known assoc."}
+    assert sorted(test["rounds"][0]["sites"]) == meta["unseen_sites"]
+    if method["workflow"] == "flux":
+        assign = train["assignment"]
+        groups = meta["groups"]
+        # the two colour/rotation groups are found exactly
+        assert all((assign[a] == assign[b]) == (groups[a] == groups[b]) for a in assign for b in assign)
+        got = test["assignment"]["test_phase"]
+        for u in meta["unseen_sites"]:
+            same_group = {assign[s] for s in assign if groups[s] == groups[u]}
+            assert got[u] in same_group  # the unseen site joins its group's cluster
+        assert train["clustering"]["descriptor_to_model_ratio"] < 1e-2
+    assert "summary.md" in {p.name for p in (tmp_path / "out").iterdir()}
+    assert "Test phase" in (tmp_path / "out" / "summary.md").read_text()
