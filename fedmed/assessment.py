@@ -120,12 +120,7 @@ def write_report(report: dict, out_dir) -> Path:
                   (f"; two clusters: {r['clusters'][0]} / {r['clusters'][1]}" if "clusters" in r else ""), ""]
     (out / "report.md").write_text("\n".join(lines))
 
-    def default(o):
-        if isinstance(o, np.ndarray):
-            return o.tolist()
-        if isinstance(o, (np.integer, np.floating)):
-            return o.item()
-        raise TypeError(type(o).__name__)
+    from .io import json_default
 
-    (out / "assessment.json").write_text(json.dumps(report, indent=1, default=default))
+    (out / "assessment.json").write_text(json.dumps(report, indent=1, default=json_default))
     return out

@@ -17,20 +17,10 @@ import numpy as np
 __all__ = ["main"]
 
 
-def _json_default(o):
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(type(o).__name__)
-
-
 def _print_json(obj):
-    print(json.dumps(obj, indent=2, default=_json_default))
+    from .io import json_default
+
+    print(json.dumps(obj, indent=2, default=json_default))
 
 
 # ---------------------------------------------------------------------------------------- cluster

@@ -186,8 +186,9 @@ def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, 
     return paths
 
 
-def load_datalist(path) -> dict:
-    """Read and validate a site datalist.
+def load_datalist(path, *, task: str = "classification") -> dict:
+    """Read and validate a site datalist (``task="segmentation"``: ``image`` may be a list of
+    files and ``label`` a label-map file).
 
     Raises:
         DataError: missing file, bad JSON, missing keys or malformed entries (naming the file and
@@ -209,6 +210,8 @@ def load_datalist(path) -> dict:
         for j, e in enumerate(entries):
             if not isinstance(e, dict) or "image" not in e or "label" not in e:
                 raise DataError(f"{path}: {key}[{j}] should have 'image' and 'label', got {e!r}")
+            if task == "segmentation":
+                continue
             if isinstance(e["label"], bool) or not isinstance(e["label"], int) or e["label"] < 0:
                 raise DataError(f"{path}: {key}[{j}] label should be a non-negative integer, got {e['label']!r}")
     return doc

@@ -128,13 +128,17 @@ def _run(cmd, log: Path, timeout: int) -> float:
 
 
 def run_job(config_path: str, overrides: list[str], method: str, seed: int, datalists: Path, work: Path,
-            n_sites: int, timeout: int = 3600) -> dict:
-    """Build and simulate one (method, seed) job; returns its ``metrics.json`` document."""
-    bindir = Path(sys.executable).parent
+            n_sites: int = 0, timeout: int = 3600, extra_build_args: list[str] | None = None) -> dict:
+    """Build one (method, seed) job with ``jobs/build.py`` and run it in ``nvflare simulator``.
+
+    Keeps the server's ``fedmed/`` output (metrics.json, reports, plots, tb/, models/) under
+    ``work/server`` and returns the ``metrics.json`` document; the simulator workspace is deleted.
+    ``n_sites`` is informational (the clients come from the job's deploy map).
+    """
     work.mkdir(parents=True, exist_ok=True)
     jobs_dir = work / "job"
     build = [sys.executable, str(REPO_ROOT / "jobs" / "build.py"), "--config", str(config_path), "--datalists",
-             str(datalists), "--out", str(jobs_dir), "--method", method, "--seed", str(seed)]
+             str(datalists), "--out", str(jobs_dir), "--method", method, "--seed", str(seed), *(extra_build_args or [])]
     for o in overrides:
         build += ["--set", o]
     _run(build, work / "build.log", 600)
@@ -150,40 +154,20 @@ def run_job(config_path: str, overrides: list[str], method: str, seed: int, data
     keep = work / "server"
     if keep.exists():
         shutil.rmtree(keep)
-    shutil.copytree(produced, keep)  # metrics.json, clustering report and plots, tb/, models/
+    shutil.copytree(produced, keep)
     shutil.copy(metrics, work / "metrics.json")
-    doc = json.loads(metrics.read_text())
-    doc["wall_seconds"] = secs
     shutil.rmtree(ws, ignore_errors=True)  # workspaces are large; metrics.json and logs are kept
+    doc = json.loads((work / "metrics.json").read_text())
+    doc["wall_seconds"] = secs
     return doc
 
 
 def run_test_job(config_path, overrides, method, seed, datalists: Path, work: Path, training: Path, known: dict,
-                 sizes: dict, n_sites: int) -> dict:
+                 sizes: dict, n_sites: int = 0) -> dict:
     """The unseen-site job (Flux Algorithm 2, or the baselines' counterpart) after a training job."""
-    import json as _json
-
-    bindir = Path(sys.executable).parent
-    work.mkdir(parents=True, exist_ok=True)
-    jobs_dir = work / "job"
-    build = [sys.executable, str(REPO_ROOT / "jobs" / "build.py"), "--config", str(config_path), "--datalists",
-             str(datalists), "--out", str(jobs_dir), "--method", method, "--seed", str(seed), "--test-phase",
-             "--training-result", str(training.resolve()), "--known-clusters", _json.dumps(known),
-             "--cluster-sizes", _json.dumps(sizes)]
-    for o in overrides:
-        build += ["--set", o]
-    _run(build, work / "build.log", 600)
-    job = next(p for p in jobs_dir.iterdir() if p.is_dir())
-    ws = work / "workspace"
-    if ws.exists():
-        shutil.rmtree(ws)
-    _run(simulator_cmd(job, ws), work / "simulator.log", 1800)
-    produced = ws / "server" / "simulate_job" / "fedmed" / "metrics.json"
-    if not produced.is_file():
-        raise RuntimeError(f"{job.name}: no metrics.json; see {work / 'simulator.log'}")
-    shutil.copy(produced, work / "metrics.json")
-    shutil.rmtree(ws, ignore_errors=True)
-    return _json.loads((work / "metrics.json").read_text())
+    extra = ["--test-phase", "--training-result", str(training.resolve()), "--known-clusters", json.dumps(known),
+             "--cluster-sizes", json.dumps(sizes)]
+    return run_job(config_path, overrides, method, seed, datalists, work, n_sites, 1800, extra)
 
 
 def training_assignment(doc: dict, workflow: str) -> dict:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["read_distance_csv", "write_distance_csv", "read_signature_dir"]
+__all__ = ["json_default", "read_distance_csv", "write_distance_csv", "read_signature_dir"]
 
 
 def read_distance_csv(path) -> tuple[list[str], np.ndarray]:
@@ -69,3 +69,14 @@ def read_signature_dir(directory, required: tuple[str, ...] = ()) -> dict[str, d
             raise ValueError(f"{f}: missing arrays {missing} (has {sorted(arrs)}).")
         out[f.stem] = arrs
     return out
+
+
+def json_default(o):
+    """``json.dumps(default=...)`` for numpy arrays and scalars and paths."""
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, (np.integer, np.floating, np.bool_)):
+        return o.item()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"{type(o).__name__} is not JSON serialisable")

@@ -96,14 +96,9 @@ class Recorder:
         self.write()
 
     def write(self) -> None:
-        def default(o):
-            if isinstance(o, np.ndarray):
-                return o.tolist()
-            if isinstance(o, (np.integer, np.floating)):
-                return o.item()
-            raise TypeError(type(o).__name__)
+        from .io import json_default
 
-        slim = json.loads(json.dumps(self.doc, default=default))
+        slim = json.loads(json.dumps(self.doc, default=json_default))
         (self.out_dir / "metrics.json").write_text(json.dumps(slim, indent=1))
 
     def close(self):

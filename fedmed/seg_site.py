@@ -111,18 +111,6 @@ class SegSiteRunner(SiteRunner):
 
 def load_datalist_seg(path):
     """A segmentation datalist: entries need ``image`` (a file or list of files) and ``label``."""
-    from pathlib import Path
-    import json
+    from .data import load_datalist
 
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: datalist not found")
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
-    for key in ("training", "validation"):
-        for j, e in enumerate(doc.setdefault(key, [])):
-            if not isinstance(e, dict) or "image" not in e or "label" not in e:
-                raise DataError(f"{path}: {key}[{j}] should have 'image' and 'label'")
-    return doc
+    return load_datalist(path, task="segmentation")
