@@ -60,6 +60,12 @@ def cmd_demo(a):
     print(f"fedmed demo: {'sklearn digits (offline, bundled)' if not a.data else a.data} -> {out}", flush=True)
     print("\n== 1. Classification: FedAvg, FedProx and FMCL (one-shot clustering) ==", flush=True)
     run_experiment(str(cfg), out / "classification", overrides=overrides)
+    import json
+
+    for doc in sorted((out / "classification" / "runs" / "seed0").glob("FMCL*/metrics.json")):
+        c = json.loads(doc.read_text()).get("clustering", {})
+        print(f"FMCL clusters found once, before training ({c.get('rule')}; encoder {', '.join(c.get('encoder', []))}): "
+              f"{c.get('clusters')}")
     print()
     print((out / "classification" / "summary.md").read_text())
 
@@ -79,7 +85,6 @@ def cmd_demo(a):
           flush=True)
     flux_cfg = REPO_ROOT / "app_configs" / "demo_flux_digits.yaml"
     run_experiment(str(flux_cfg), out / "flux")
-    import json
 
     run = out / "flux" / "runs" / "seed0" / "Flux"
     train = json.loads((run / "metrics.json").read_text())
