@@ -158,7 +158,43 @@ def cmd_assess(a):
                      indent=2))
 
 
+def cmd_sweep(a):
+    """Run one experiment per combination of ``--grid key=v1,v2`` overrides; one combined table."""
+    import itertools
+
+    from .experiment import run_experiment
+
+    grid = []
+    for g in a.grid:
+        if "=" not in g:
+            raise ValueError(f"--grid {g!r} should look like key.path=v1,v2")
+        k, vals = g.split("=", 1)
+        grid.append([(k, v) for v in vals.split(",")])
+    out = Path(a.out or Path("results") / (Path(a.config).stem + "_sweep"))
+    parts = []
+    for combo in itertools.product(*grid) if grid else [()]:
+        tag = "_".join(f"{k.split('.')[-1]}-{v}" for k, v in combo) or "base"
+        print(f"== {tag} ==", flush=True)
+        overrides = list(a.set) + [f"{k}={v}" for k, v in combo]
+        run_experiment(a.config, out / tag, overrides=overrides, methods=a.methods)
+        parts.append((tag, (out / tag / "summary.md").read_text()))
+    cmd = " ".join(["fedmed sweep", a.config, *[f"--grid {g}" for g in a.grid], *[f"--set {x}" for x in a.set],
+                    *(["--methods", *a.methods] if a.methods else [])])
+    text = f"# {Path(a.config).stem} sweep\n\nProduced by: `{cmd}`\n\n" + "\n".join(
+        f"### {tag}\n\n" + body.split("\n", 3)[-1] for tag, body in parts)
+    (out / "summary.md").write_text(text)
+    print(text)
+
+
 def register_assess(sub):
+    w = sub.add_parser("sweep", help="run a config once per combination of overrides; combined summary.md")
+    w.add_argument("config")
+    w.add_argument("--grid", action="append", default=[], help="key.path=v1,v2 (repeatable)")
+    w.add_argument("--set", action="append", default=[], help="fixed override key.path=value")
+    w.add_argument("--methods", nargs="+")
+    w.add_argument("--out")
+    w.set_defaults(func=cmd_sweep)
+
     s = sub.add_parser("assess", help="004_ site heterogeneity assessment of segmentation datalists, locally")
     s.add_argument("datalists", nargs="+", help="one <site>.json segmentation datalist per site")
     s.add_argument("--out", default="results/assessment")
