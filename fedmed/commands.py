@@ -79,7 +79,8 @@ def cmd_demo(a):
     report = next((out / "segmentation" / "runs").rglob("report.md"), None)
     if report:
         print(report.read_text())
-    print("(site-4 holds the largest lesions by construction: the assessment should name it most distant)")
+    print("(site-4 holds the largest lesions by construction, so the metadata EMD names it most distant; the "
+          "embedding distance uses a randomly initialised MedicalNet here and need not agree)")
 
     print("\n== 3. Flux: clustering during training and unseen-site assignment (digits, ANDA feature shift) ==",
           flush=True)
