@@ -205,11 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_workflow_verbs(sub):
-    """Verbs that run data preparation, experiments and the demo (fedmed.workflows)."""
-    try:
-        from . import commands
-    except ImportError:  # pragma: no cover - during bootstrap only
-        return
+    """Verbs that prepare data, run experiments, assess and demo (``fedmed.commands``)."""
+    from . import commands
+
     commands.register(sub)
 
 

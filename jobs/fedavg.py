@@ -9,6 +9,10 @@ then ``nvflare simulator JOBS/<name> -w WS -n <sites> -t <sites>`` or ``poc/run_
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jobs.common import export, fedmed_config, new_job, read_dataset_meta  # noqa: E402  (jobs/ on sys.path)
 
