@@ -81,13 +81,16 @@ class FedMedController(ModelController):
         self.recorder = Recorder(Path(self.get_run_dir()) / "fedmed", meta={"config": self.cfg,
                                                                              "workflow": type(self).__name__})
 
-    def record(self, round_, results, task="train"):
-        rows = unpack(results)
+    def record_rows(self, round_, rows, task):
+        """Record ``(site, metrics, meta, params)`` rows; log each failed site by name."""
         ok = set(self.recorder.record(round_, [(s, m, meta) for s, m, meta, _ in rows], task=task))
         for s, _, meta, _ in rows:
             if meta.get("error"):
                 self.error(f"site {s} failed {task} in round {round_}: {meta['error']}")
         return [r for r in rows if r[0] in ok]
+
+    def record(self, round_, results, task="train"):
+        return self.record_rows(round_, unpack(results), task)
 
     def save(self, params: dict, name: str = "global"):
         out = Path(self.get_run_dir()) / "fedmed" / "models"
@@ -206,12 +209,6 @@ class ClusteredFedAvgController(FedAvgController):
         for c in clusters:
             self.save(theta[c], name=f"cluster{c}")
 
-    def record_rows(self, round_, rows, task):
-        self.recorder.record(round_, [(s, m, meta) for s, m, meta, _ in rows], task=task)
-        for s, _, meta, _ in rows:
-            if meta.get("error"):
-                self.error(f"site {s} failed {task} in round {round_}: {meta['error']}")
-
 
 class CFLController(FedAvgController):
     """CFL (Sattler et al. 2020): FedAvg inside clusters that split by gradient similarity.
@@ -266,8 +263,6 @@ class CFLController(FedAvgController):
         for c in clusters:
             self.save(theta[c], name=f"cluster{c}")
         self.recorder.close()
-
-    record_rows = ClusteredFedAvgController.record_rows
 
 
 class SegAssessmentController(ClusteredFedAvgController):
@@ -416,9 +411,6 @@ class FluxController(FedAvgController):
                  n_components=self.flux.get("n_components", 10), **{f"theta_star/{k}": v for k, v in theta_star.items()})
         self.recorder.close()
 
-    send_groups = FedMedController.send_groups
-    record_rows = ClusteredFedAvgController.record_rows
-
 
 class FluxTestController(FedMedController):
     """Test phase on unseen, unlabeled sites (Flux Algorithm 2) and the baselines' counterparts.
@@ -480,8 +472,6 @@ class FluxTestController(FedMedController):
         groups = {c: (self.task(models[c], 0, cluster=c), [s for s, m in mapping.items() if m == c]) for c in models}
         replies = self.send_groups("validate", {c: g for c, g in groups.items() if g[1]})
         self.recorder.record(index, [(s, m, meta) for c in replies for s, m, meta, _ in unpack(replies[c])], task=phase)
-
-    send_groups = FedMedController.send_groups
 
 
 class IFCAController(FedAvgController):

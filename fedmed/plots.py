@@ -18,6 +18,13 @@ def _plt():
     return plt
 
 
+def _save(fig, path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+    return Path(path)
+
+
 def plot_heatmap(D, names, path, title="site distances", labels=None) -> Path:
     plt = _plt()
     D = np.asarray(D)
@@ -28,10 +35,7 @@ def plot_heatmap(D, names, path, title="site distances", labels=None) -> Path:
     ax.set_yticks(range(len(names)), [names[i] for i in order], fontsize=7)
     fig.colorbar(im, ax=ax, fraction=0.046)
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return _save(fig, path)
 
 
 def plot_dendrogram(D, names, path, *, k: int, linkage_method="average", title="dendrogram") -> Path:
@@ -51,10 +55,7 @@ def plot_dendrogram(D, names, path, *, k: int, linkage_method="average", title="
         ax.axhline((lo + hi) / 2, color="red", ls="--", lw=1, label=f"cut: K={k}")
         ax.legend(fontsize=8)
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return _save(fig, path)
 
 
 def plot_silhouette(scores: dict, window, chosen: int, path, title="silhouette over K") -> Path:
@@ -69,7 +70,4 @@ def plot_silhouette(scores: dict, window, chosen: int, path, title="silhouette o
     ax.set_ylabel("silhouette")
     ax.legend(fontsize=8)
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return _save(fig, path)
