@@ -160,29 +160,55 @@ def cmd_assess(a):
 
 
 def cmd_sweep(a):
-    """Run one experiment per combination of ``--grid key=v1,v2`` overrides; one combined table."""
+    """Run a committed sweep: the config's ``sweep`` cases, or every combination of ``--grid`` values.
+
+    Each case runs as ``fedmed experiment`` into ``OUT/<case>``; ``--resume`` skips runs already finished with
+    the same settings, ``--cases`` runs a subset. The combined ``OUT/summary.md`` has one table over all cases
+    that have results (methods x cases: clustering ARI, trained-site accuracy, unseen-site accuracy), followed by
+    each case's own tables.
+    """
     import itertools
 
-    from .experiment import run_experiment
+    from .config import load_config
+    from .experiment import read_results, run_experiment, sweep_table
 
-    grid = []
-    for g in a.grid:
-        if "=" not in g:
-            raise ValueError(f"--grid {g!r} should look like key.path=v1,v2")
-        k, vals = g.split("=", 1)
-        grid.append([(k, v) for v in vals.split(",")])
+    if a.grid:
+        grid = []
+        for g in a.grid:
+            if "=" not in g:
+                raise ValueError(f"--grid {g!r} should look like key.path=v1,v2")
+            k, vals = g.split("=", 1)
+            grid.append([(k, v) for v in vals.split(",")])
+        cases = [("_".join(f"{k.split('.')[-1]}-{v}" for k, v in combo), [f"{k}={v}" for k, v in combo], None)
+                 for combo in itertools.product(*grid)]
+    else:
+        exp = load_config(a.config, list(a.set))
+        cases = [(c.name, list(c.set), c.methods) for c in exp.sweep] or [("base", [], None)]
+    known = [c[0] for c in cases]
+    if a.cases:
+        unknown = sorted(set(a.cases) - set(known))
+        if unknown:
+            raise ValueError(f"--cases: unknown case(s) {unknown}; {a.config} defines {known}")
     out = Path(a.out or Path("results") / (Path(a.config).stem + "_sweep"))
-    parts = []
-    for combo in itertools.product(*grid) if grid else [()]:
-        tag = "_".join(f"{k.split('.')[-1]}-{v}" for k, v in combo) or "base"
-        print(f"== {tag} ==", flush=True)
-        overrides = list(a.set) + [f"{k}={v}" for k, v in combo]
-        run_experiment(a.config, out / tag, overrides=overrides, methods=a.methods)
-        parts.append((tag, (out / tag / "summary.md").read_text()))
-    cmd = " ".join(["fedmed sweep", a.config, *[f"--grid {g}" for g in a.grid], *[f"--set {x}" for x in a.set],
-                    *(["--methods", *a.methods] if a.methods else [])])
-    text = f"# {Path(a.config).stem} sweep\n\nProduced by: `{cmd}`\n\n" + "\n".join(
-        f"### {tag}\n\n" + body.split("\n", 3)[-1] for tag, body in parts)
+    for name, sets, methods in cases:
+        if a.cases and name not in a.cases:
+            continue
+        chosen = [m for m in (methods or a.methods or []) if not a.methods or m in a.methods] or None
+        if (methods or a.methods) and not chosen:
+            continue  # --methods leaves nothing of this case
+        print(f"== {name} ({', '.join(sets) or 'no overrides'}) ==", flush=True)
+        run_experiment(a.config, out / name, overrides=list(a.set) + sets, methods=chosen, resume=a.resume)
+    parts = [(name, sets, out / name) for name, sets, _ in cases]
+    done = [(n, s, d) for n, s, d in parts if (d / "results.csv").is_file()]
+    cmd = " ".join(["fedmed sweep", a.config, *[f"--grid {g}" for g in a.grid], *[f"--set {x}" for x in a.set]])
+    text = (f"# {Path(a.config).stem} sweep\n\nProduced by: `{cmd}` (cases below; `--resume` reuses finished runs)"
+            f"\n\n" + sweep_table([(n, s, read_results(d / "results.csv")) for n, s, d in done]) + "\n")
+    missing = [n for n, _, d in parts if (d / "results.csv").is_file() is False]
+    if missing:
+        text += f"Not run yet: {', '.join(missing)}.\n\n"
+    text += "\n".join(f"### {n} (`{' '.join('--set ' + x for x in s) or 'no overrides'}`)\n\n"
+                      + (d / "summary.md").read_text().split("\n", 3)[-1] for n, s, d in done)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text(text)
     print(text)
 
@@ -192,7 +218,9 @@ def register_assess(sub):
     w.add_argument("config")
     w.add_argument("--grid", action="append", default=[], help="key.path=v1,v2 (repeatable)")
     w.add_argument("--set", action="append", default=[], help="fixed override key.path=value")
-    w.add_argument("--methods", nargs="+")
+    w.add_argument("--methods", nargs="+", help="only these methods (of each case)")
+    w.add_argument("--cases", nargs="+", help="only these of the config's sweep cases")
+    w.add_argument("--resume", action="store_true", help="reuse runs finished earlier with the same settings")
     w.add_argument("--out")
     w.set_defaults(func=cmd_sweep)
 

@@ -98,6 +98,14 @@ class MethodConfig(_Strict):
     cfl_eps2: float = Field(1.6, gt=0)
 
 
+class SweepCase(_Strict):
+    """One cell of a committed sweep: overrides applied to the config, and optionally a subset of methods."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.+-]+$", description="output folder of this case")
+    set: list[str] = Field(default_factory=list, description="overrides key.path=value, as with --set")
+    methods: Optional[list[str]] = Field(None, min_length=1, description="method names; None = all of the config's")
+
+
 class ExperimentConfig(_Strict):
     name: str = Field(min_length=1)
     dataset: DatasetConfig
@@ -106,6 +114,7 @@ class ExperimentConfig(_Strict):
     train: TrainConfig = TrainConfig()
     methods: list[MethodConfig] = Field(default_factory=lambda: [MethodConfig(name="FedAvg")], min_length=1)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    sweep: list[SweepCase] = Field(default_factory=list, description="cases run by `fedmed sweep CONFIG`")
 
     @model_validator(mode="after")
     def _unique_methods(self):
@@ -113,6 +122,14 @@ class ExperimentConfig(_Strict):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"method names should be unique, got duplicates {dup}")
+        cases = [c.name for c in self.sweep]
+        dup = sorted({n for n in cases if cases.count(n) > 1})
+        if dup:
+            raise ValueError(f"sweep case names should be unique, got duplicates {dup}")
+        for c in self.sweep:
+            unknown = sorted(set(c.methods or []) - set(names))
+            if unknown:
+                raise ValueError(f"sweep case {c.name!r} names unknown method(s) {unknown}; the config has {names}")
         return self
 
 
@@ -125,18 +142,33 @@ def _format(e: ValidationError, source: str) -> str:
     return f"{source}: invalid configuration\n" + "\n".join(lines)
 
 
+def _step(cur, key: str, dotted: str):
+    """Child ``key`` of a mapping, or of a list by index or by an item's ``name`` (``methods.IFCA``)."""
+    if isinstance(cur, list):
+        if key.lstrip("-").isdigit() and -len(cur) <= int(key) < len(cur):
+            return cur, int(key)
+        names = [x.get("name") for x in cur if isinstance(x, dict)]
+        if key in names:
+            return cur, names.index(key)
+        raise ConfigError(f"override {dotted!r}: no list item {key!r} (names: {names}, or an index < {len(cur)})")
+    return cur, key
+
+
 def _set_path(d: dict, dotted: str, value):
     keys = dotted.split(".")
     cur = d
     for k in keys[:-1]:
-        if k not in cur or not isinstance(cur[k], dict):
+        cur, k = _step(cur, k, dotted)
+        if isinstance(cur, dict) and (k not in cur or not isinstance(cur[k], (dict, list))):
             cur[k] = {}
         cur = cur[k]
-    cur[keys[-1]] = value
+    cur, k = _step(cur, keys[-1], dotted)
+    cur[k] = value
 
 
 def apply_overrides(raw: dict, overrides: list[str] | None) -> dict:
-    """``["train.rounds=5", "seeds=[0,1]"]`` -> updated copy (values parsed as YAML scalars/lists)."""
+    """``["train.rounds=5", "seeds=[0,1]", "methods.IFCA.n_clusters=2"]`` -> updated copy (values parsed as YAML
+    scalars/lists; list items are addressed by index or by their ``name``)."""
     import copy
 
     import yaml

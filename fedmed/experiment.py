@@ -237,6 +237,42 @@ def summarize_phases(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def read_results(path) -> list[dict]:
+    """Rows of a ``results.csv`` written by :func:`write_outputs` (numbers parsed, empty cells dropped)."""
+    rows = []
+    with Path(path).open(newline="") as fh:
+        for r in csv.DictReader(fh):
+            row = {}
+            for k, v in r.items():
+                if v in ("", None):
+                    continue
+                if k in ("method", "phase"):
+                    row[k] = v
+                else:
+                    row[k] = int(v) if k in ("seed", "round", "n_sites", "n_failed") else float(v)
+            rows.append(row)
+    return rows
+
+
+def sweep_table(cases: list[tuple[str, list[str], list[dict]]]) -> str:
+    """One table over a sweep's cases: per case and method, the clustering ARI against the true groups, the
+    trained sites' accuracy at the best round, and the unseen sites' known-association / test-phase accuracy
+    (mean ± std over seeds, in %)."""
+    lines = ["| Case | Method | Seeds | Clustering ARI | Trained sites acc | Unseen: known assoc. acc | "
+             "Unseen: test phase acc |", "|---|---|---|---|---|---|---|"]
+    for name, _, rows in cases:
+        summ = {s["method"]: s for s in summarize(rows)}
+        for m in dict.fromkeys(r["method"] for r in rows):
+            ph = [r for r in rows if r["method"] == m and r.get("phase")]
+            aris = [r["ari"] for r in ph if r["phase"] == "test phase" and "ari" in r]
+            ari = f"{np.mean(aris):.2f} ± {np.std(aris):.2f}" if aris else "n/a"
+            acc = lambda p: _fmt([r["accuracy"] for r in ph if r["phase"] == p]) if ph else "n/a"  # noqa: E731
+            s = summ.get(m, {})
+            lines.append(f"| {name} | {m} | {s.get('seeds', 0)} | {ari} | {s.get('accuracy', 'n/a')} | "
+                         f"{acc('known assoc.')} | {acc('test phase')} |")
+    return "\n".join(lines) + "\n"
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """Per method: the round with the best seed-mean per-site accuracy (Dice for segmentation),
     mean ± std over seeds there."""
@@ -359,9 +395,30 @@ def plot_curves(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _jsonable(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"cannot store {type(x).__name__} in run.json")
+
+
+def run_fingerprint(exp, method, seed: int) -> str:
+    """What determines one (seed, method) run: the resolved config (less the other methods, the seed list
+    and the sweep block), the method's settings and the seed. ``--resume`` reuses a run only when this matches."""
+    import hashlib
+
+    cfg = exp.model_dump(mode="json", exclude={"methods", "seeds", "sweep", "name"})
+    blob = json.dumps({"config": cfg, "method": method.model_dump(mode="json"), "seed": seed}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
 def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = None, methods: list[str] | None = None,
-                   log=print) -> list[dict]:
-    """Run every (seed, method) of the config; returns the result rows and writes the outputs."""
+                   log=print, resume: bool = False) -> list[dict]:
+    """Run every (seed, method) of the config; returns the result rows and writes the outputs.
+
+    Each finished run leaves ``runs/seed<S>/<method>/run.json`` (its fingerprint and result rows). With
+    ``resume=True`` a run whose stored fingerprint matches the current config is not run again; its rows are
+    reused (a changed setting, seed or method definition changes the fingerprint, so stale runs are redone).
+    """
     from .config import load_config
 
     overrides = list(overrides or [])
@@ -379,6 +436,22 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
         for m in chosen:
             k += 1
             work = out / "runs" / f"seed{seed}" / "".join(c if c.isalnum() else "_" for c in m.name)
+            fp = run_fingerprint(exp, m, seed)
+            saved = work / "run.json"
+            if resume and saved.is_file():
+                try:
+                    prev = json.loads(saved.read_text())
+                except (OSError, ValueError):
+                    prev = {}
+                if prev.get("fingerprint") == fp:
+                    rows.extend(prev["rows"])
+                    log(f"[{k}/{total}] seed {seed} {m.name}: finished earlier with the same settings, reused ({saved})")
+                    write_outputs(rows, out, title=exp.name, command=_command(config_path, overrides))
+                    continue
+                log(f"[{k}/{total}] seed {seed} {m.name}: {saved} was made with other settings, running again")
+            if saved.is_file():
+                saved.unlink()
+            first = len(rows)
             log(f"[{k}/{total}] seed {seed} {m.name} ({m.workflow}, {exp.train.rounds} rounds) ...", )
             doc = run_job(str(config_path), overrides, m.name, seed, data_dir, work, exp.federation.sites)
             new = rows_from_metrics(m.name, seed, doc)
@@ -388,6 +461,7 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
                 log(f"    done in {doc['wall_seconds']:.0f} s: " + "; ".join(
                     f"{k.upper()} most distant {v.get('most_distant')}, clusters {v.get('clusters')}"
                     for k, v in a.items() if isinstance(v, dict)) + f" (report: {work / 'server' / 'assessment'})")
+                saved.write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed, "rows": []}))
                 continue
             last = new[-1]
             errs = len(doc.get("errors", []))
@@ -416,6 +490,8 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
             log(f"    done in {doc['wall_seconds']:.0f} s: final {key} {last[key]:.3f} (site mean)"
                 + (f", pooled {last['pooled_accuracy']:.3f}" if key == "accuracy" else "")
                 + (f"; {errs} site error(s), see metrics.json" if errs else ""))
+            saved.write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed, "rows": rows[first:]},
+                                        default=_jsonable))
             write_outputs(rows, out, title=exp.name, command=_command(config_path, overrides))
     return rows
 
