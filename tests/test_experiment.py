@@ -1,0 +1,152 @@
+"""Experiment bookkeeping: run fingerprints, --resume, committed sweep cases and the combined sweep table.
+
+The NVFlare simulator is replaced by a recorder (``fake_job``) that returns a metrics document in the
+format the server writes; the simulator path itself is covered by tests/test_jobs_e2e.py.
+"""
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from fedmed import experiment as E
+from fedmed.cli import main
+from fedmed.config import ConfigError, load_config
+
+BASE = {
+    "name": "tiny",
+    "dataset": {"path": "builtin:digits", "image_size": 8, "max_per_class": 6},
+    "federation": {"sites": 3, "partition": "iid"},
+    "train": {"rounds": 2},
+    "methods": [{"name": "FedAvg", "workflow": "fedavg"}, {"name": "Prox", "workflow": "fedprox", "fedprox_mu": 0.01}],
+    "seeds": [0, 1],
+}
+
+
+def metrics_doc(acc: float) -> dict:
+    rounds = [{"round": r, "summary": {"n_sites": 3, "mean": {"accuracy": acc + r / 10, "macro_f1": acc, "auc": acc},
+                                       "std": {"accuracy": 0.0, "macro_f1": 0.0, "auc": 0.0},
+                                       "pooled": {"accuracy": acc, "macro_f1": acc, "auc": acc}}}
+              for r in (1, 2)]
+    return {"rounds": rounds, "errors": [], "wall_seconds": 1.0}
+
+
+@pytest.fixture
+def fake_job(monkeypatch):
+    calls = []
+
+    def run_job(config_path, overrides, method, seed, datalists, work, n_sites=0, *a, **k):
+        calls.append((method, seed, tuple(overrides)))
+        work.mkdir(parents=True, exist_ok=True)
+        return metrics_doc(0.5 + 0.1 * seed)
+
+    monkeypatch.setattr(E, "run_job", run_job)
+    return calls
+
+
+def write_cfg(tmp_path, **extra):
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump({**BASE, **extra}))
+    return p
+
+
+def test_fingerprint_tracks_what_determines_a_run():
+    exp = load_config(BASE)
+    fed, prox = exp.methods
+    fp = E.run_fingerprint(exp, fed, 0)
+    assert fp == E.run_fingerprint(load_config(BASE), load_config(BASE).methods[0], 0)
+    assert fp != E.run_fingerprint(exp, fed, 1)  # seed
+    assert fp != E.run_fingerprint(exp, prox, 0)  # method
+    assert fp != E.run_fingerprint(load_config(BASE, ["train.lr=0.5"]), fed, 0)  # a hyperparameter
+    other = load_config(BASE, ["methods.Prox.fedprox_mu=0.5", "seeds=[0,1,2]"])
+    assert fp == E.run_fingerprint(other, other.methods[0], 0)  # another method / the seed list: same run
+
+
+def test_resume_reuses_only_identical_runs(tmp_path, fake_job):
+    cfg = write_cfg(tmp_path)
+    rows = E.run_experiment(str(cfg), tmp_path / "out", log=lambda *_: None)
+    assert len(fake_job) == 4 and len(rows) == 8
+    saved = json.loads((tmp_path / "out/runs/seed1/Prox/run.json").read_text())
+    assert saved["method"] == "Prox" and saved["seed"] == 1 and len(saved["rows"]) == 2
+
+    again = E.run_experiment(str(cfg), tmp_path / "out", log=lambda *_: None, resume=True)
+    assert len(fake_job) == 4  # nothing ran again
+    assert [(r["method"], r["seed"], r["round"], r["accuracy"]) for r in again] == \
+        [(r["method"], r["seed"], r["round"], r["accuracy"]) for r in rows]
+
+    # a changed method setting reruns that method only; without --resume everything reruns
+    E.run_experiment(str(cfg), tmp_path / "out", overrides=["methods.Prox.fedprox_mu=0.1"], log=lambda *_: None,
+                     resume=True)
+    assert [c[0] for c in fake_job[4:]] == ["Prox", "Prox"]
+    E.run_experiment(str(cfg), tmp_path / "out", log=lambda *_: None)
+    assert len(fake_job) == 10
+
+
+def test_resume_ignores_a_damaged_run_file(tmp_path, fake_job):
+    cfg = write_cfg(tmp_path, seeds=[0])
+    E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], log=lambda *_: None)
+    (tmp_path / "out/runs/seed0/FedAvg/run.json").write_text("{not json")
+    E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], log=lambda *_: None, resume=True)
+    assert len(fake_job) == 2
+
+
+def test_sweep_runs_the_config_cases_and_writes_one_table(tmp_path, fake_job, capsys):
+    cases = [{"name": "lr-small", "set": ["train.lr=0.001"]},
+             {"name": "prox-only", "set": ["methods.Prox.fedprox_mu=0.1"], "methods": ["Prox"]}]
+    cfg = write_cfg(tmp_path, sweep=cases)
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(cfg), "--out", str(out), "--cases", "prox-only"]) == 0
+    assert {c[0] for c in fake_job} == {"Prox"} and all("methods.Prox.fedprox_mu=0.1" in c[2] for c in fake_job)
+    text = (out / "summary.md").read_text()
+    assert "Not run yet: lr-small" in text and "| prox-only | Prox | 2 |" in text
+
+    assert main(["sweep", str(cfg), "--out", str(out), "--resume"]) == 0
+    assert len(fake_job) == 2 + 4  # prox-only reused, lr-small ran both methods x 2 seeds
+    text = (out / "summary.md").read_text()
+    assert "Not run yet" not in text
+    assert "| lr-small | FedAvg | 2 | n/a | 75.00 ± 5.00 |" in text  # best round 2: 0.5+0.2 and 0.6+0.2
+    assert "### lr-small (`--set train.lr=0.001`)" in text
+
+
+def test_sweep_rejects_unknown_cases(tmp_path, capsys):
+    cfg = write_cfg(tmp_path, sweep=[{"name": "a", "set": []}])
+    assert main(["sweep", str(cfg), "--cases", "b"]) == 2
+    assert "unknown case(s) ['b']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case, msg", [
+    ({"name": "x", "methods": ["Nope"]}, "sweep case 'x' names unknown method(s) ['Nope']"),
+    ({"name": "bad name/", "set": []}, "sweep.0.name"),
+])
+def test_sweep_case_validation(case, msg):
+    with pytest.raises(ConfigError, match=r"(?s)" + msg.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        load_config({**BASE, "sweep": [case]})
+
+
+def test_duplicate_case_names_rejected():
+    with pytest.raises(ConfigError, match="duplicates"):
+        load_config({**BASE, "sweep": [{"name": "a"}, {"name": "a"}]})
+
+
+def test_overrides_address_list_items_by_name_or_index():
+    exp = load_config(BASE, ["methods.Prox.fedprox_mu=0.3", "methods.0.name=Avg"])
+    assert [m.name for m in exp.methods] == ["Avg", "Prox"] and exp.methods[1].fedprox_mu == 0.3
+    with pytest.raises(ConfigError, match=r"methods\.Ditto\.omega.*no list item 'Ditto'"):
+        load_config(BASE, ["methods.Ditto.omega=0.5"])
+    with pytest.raises(ConfigError, match="no list item '7'"):
+        load_config(BASE, ["methods.7.omega=0.5"])
+
+
+def test_read_results_roundtrip_and_table(tmp_path):
+    rows = [{"method": "Flux", "seed": s, "round": 3, "accuracy": a, "macro_f1": a, "auc": float("nan"),
+             "pooled_accuracy": a, "pooled_macro_f1": a, "pooled_auc": a, "n_sites": 4, "n_failed": 0}
+            for s, a in ((0, 0.8), (1, 0.9))]
+    rows += [{"method": "Flux", "seed": s, "round": 3, "phase": ph, "accuracy": a, "macro_f1": a, "ari": ari}
+             for s, ari in ((0, 1.0), (1, 0.5)) for ph, a in (("known assoc.", 0.9), ("test phase", 0.7 + 0.1 * s))]
+    E.write_outputs(rows, tmp_path, title="t", command="c")
+    back = E.read_results(tmp_path / "results.csv")
+    assert len(back) == len(rows) and back[0]["seed"] == 0 and np.isnan(back[0]["auc"])
+    assert "phase" not in back[0] and back[2]["phase"] == "known assoc."
+    table = E.sweep_table([("feature-5", [], back)])
+    assert "| feature-5 | Flux | 2 | 0.75 ± 0.25 | 85.00 ± 5.00 | 90.00 ± 0.00 | 75.00 ± 5.00 |" in table
