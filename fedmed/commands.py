@@ -170,7 +170,7 @@ def cmd_sweep(a):
     import itertools
 
     from .config import load_config
-    from .experiment import read_results, run_experiment, sweep_table
+    from .experiment import read_results, run_experiment, sweep_stats, sweep_table
 
     if a.grid:
         grid = []
@@ -210,6 +210,12 @@ def cmd_sweep(a):
                       + (d / "summary.md").read_text().split("\n", 3)[-1] for n, s, d in done)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text(text)
+    stats = sweep_stats([(n, s, read_results(d / "results.csv")) for n, s, d in done])
+    if stats:
+        from .plots import plot_sweep
+
+        plot_sweep(stats, out / "summary.png", title=f"{Path(a.config).stem}: unseen sites and clustering")
+        text += f"\nPlot: {out / 'summary.png'}\n"
     print(text)
 
 

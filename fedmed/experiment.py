@@ -273,6 +273,24 @@ def sweep_table(cases: list[tuple[str, list[str], list[dict]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def sweep_stats(cases: list[tuple[str, list[str], list[dict]]]) -> dict:
+    """The numbers behind :func:`fedmed.plots.plot_sweep`: per panel, case and method, (mean, std) over seeds."""
+    panels = {"unseen sites: test phase accuracy": "test phase", "unseen sites: known assoc. accuracy": "known assoc.",
+              "clustering ARI vs true groups": None}
+    out: dict = {p: {} for p in panels}
+    for name, _, rows in cases:
+        for m in dict.fromkeys(r["method"] for r in rows if r.get("phase")):
+            for panel, phase in panels.items():
+                if phase is None:
+                    vals = [r["ari"] for r in rows if r["method"] == m and r.get("phase") == "test phase" and "ari" in r]
+                else:
+                    vals = [r["accuracy"] for r in rows if r["method"] == m and r.get("phase") == phase]
+                vals = [v for v in vals if v is not None and math.isfinite(v)]
+                if vals:
+                    out[panel].setdefault(name, {})[m] = (float(np.mean(vals)), float(np.std(vals)))
+    return {p: v for p, v in out.items() if v}
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """Per method: the round with the best seed-mean per-site accuracy (Dice for segmentation),
     mean ± std over seeds there."""

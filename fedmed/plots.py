@@ -1,4 +1,5 @@
-"""PNG figures for clustering reports: distance heatmap, dendrogram with its cut, silhouette curve."""
+"""PNG figures: distance heatmap, dendrogram with its cut, silhouette curve (clustering reports) and the
+per-case bars of a sweep."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["plot_dendrogram", "plot_heatmap", "plot_silhouette"]
+__all__ = ["plot_dendrogram", "plot_heatmap", "plot_silhouette", "plot_sweep"]
 
 
 def _plt():
@@ -70,4 +71,33 @@ def plot_silhouette(scores: dict, window, chosen: int, path, title="silhouette o
     ax.set_ylabel("silhouette")
     ax.legend(fontsize=8)
     ax.set_title(title)
+    return _save(fig, path)
+
+
+def plot_sweep(stats: dict, path, title="sweep") -> Path:
+    """Grouped bars, one group per case and one bar per method, for each panel.
+
+    ``stats[panel][case][method] = (mean, std)``; e.g. panels "unseen sites, test phase accuracy",
+    "unseen sites, known assoc. accuracy" and "clustering ARI". Missing entries are left blank.
+    """
+    plt = _plt()
+    panels = list(stats)
+    cases = list(dict.fromkeys(c for p in panels for c in stats[p]))
+    methods = list(dict.fromkeys(m for p in panels for c in stats[p] for m in stats[p][c]))
+    if not cases or not methods:
+        raise ValueError("plot_sweep: nothing to plot (no case has results)")
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(6.0, 1.3 * len(cases) * max(1, len(methods)) / 3), 2.8 * len(panels)),
+                             squeeze=False)
+    w = 0.8 / len(methods)
+    x = np.arange(len(cases))
+    for ax, panel in zip(axes[:, 0], panels):
+        for j, m in enumerate(methods):
+            mu = [stats[panel].get(c, {}).get(m, (np.nan, np.nan))[0] for c in cases]
+            sd = [stats[panel].get(c, {}).get(m, (np.nan, np.nan))[1] for c in cases]
+            ax.bar(x + (j - (len(methods) - 1) / 2) * w, mu, w, yerr=sd, capsize=2, label=m)
+        ax.set_xticks(x, cases, fontsize=8)
+        ax.set_title(panel, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0, 0].legend(fontsize=7, ncol=min(len(methods), 6))
+    fig.suptitle(title)
     return _save(fig, path)

@@ -150,3 +150,18 @@ def test_read_results_roundtrip_and_table(tmp_path):
     assert "phase" not in back[0] and back[2]["phase"] == "known assoc."
     table = E.sweep_table([("feature-5", [], back)])
     assert "| feature-5 | Flux | 2 | 0.75 ± 0.25 | 85.00 ± 5.00 | 90.00 ± 0.00 | 75.00 ± 5.00 |" in table
+
+
+def test_sweep_stats_and_plot(tmp_path):
+    from fedmed.plots import plot_sweep
+
+    rows = [{"method": m, "seed": s, "round": 3, "phase": ph, "accuracy": a + 0.1 * s, "ari": ari}
+            for m, ari in (("Flux", 1.0), ("FedAvg", 0.0)) for s in (0, 1)
+            for ph, a in (("known assoc.", 0.9), ("test phase", 0.6))]
+    stats = E.sweep_stats([("a", [], rows), ("b", [], [r for r in rows if r["method"] == "Flux"])])
+    assert stats["unseen sites: test phase accuracy"]["a"]["FedAvg"] == pytest.approx((0.65, 0.05))
+    assert stats["clustering ARI vs true groups"]["b"] == {"Flux": (1.0, 0.0)}
+    png = plot_sweep(stats, tmp_path / "s.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plot_sweep({}, tmp_path / "t.png")
