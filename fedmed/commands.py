@@ -191,7 +191,7 @@ def cmd_sweep(a):
             raise ValueError(f"--cases: unknown case(s) {unknown}; {a.config} defines {known}")
     out = Path(a.out or Path("results") / (Path(a.config).stem + "_sweep"))
     for name, sets, methods in cases:
-        if a.cases and name not in a.cases:
+        if a.report_only or (a.cases and name not in a.cases):
             continue
         chosen = [m for m in (methods or a.methods or []) if not a.methods or m in a.methods] or None
         if (methods or a.methods) and not chosen:
@@ -227,6 +227,7 @@ def register_assess(sub):
     w.add_argument("--methods", nargs="+", help="only these methods (of each case)")
     w.add_argument("--cases", nargs="+", help="only these of the config's sweep cases")
     w.add_argument("--resume", action="store_true", help="reuse runs finished earlier with the same settings")
+    w.add_argument("--report-only", action="store_true", help="run nothing; rebuild summary.md/png from OUT")
     w.add_argument("--out")
     w.set_defaults(func=cmd_sweep)
 

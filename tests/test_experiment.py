@@ -106,6 +106,11 @@ def test_sweep_runs_the_config_cases_and_writes_one_table(tmp_path, fake_job, ca
     assert "Not run yet" not in text
     assert "| lr-small | FedAvg | 2 | n/a | 75.00 ± 5.00 |" in text  # best round 2: 0.5+0.2 and 0.6+0.2
     assert "### lr-small (`--set train.lr=0.001`)" in text
+    assert (out / "summary.png").is_file() is False  # no unseen-site phases in this config: no plot
+
+    (out / "summary.md").unlink()
+    assert main(["sweep", str(cfg), "--out", str(out), "--report-only"]) == 0
+    assert len(fake_job) == 6 and (out / "summary.md").read_text() == text
 
 
 def test_sweep_rejects_unknown_cases(tmp_path, capsys):
