@@ -200,17 +200,18 @@ def cmd_sweep(a):
         run_experiment(a.config, out / name, overrides=list(a.set) + sets, methods=chosen, resume=a.resume)
     parts = [(name, sets, out / name) for name, sets, _ in cases]
     done = [(n, s, d) for n, s, d in parts if (d / "results.csv").is_file()]
+    results = [(n, s, read_results(d / "results.csv")) for n, s, d in done]
     cmd = " ".join(["fedmed sweep", a.config, *[f"--grid {g}" for g in a.grid], *[f"--set {x}" for x in a.set]])
     text = (f"# {Path(a.config).stem} sweep\n\nProduced by: `{cmd}` (cases below; `--resume` reuses finished runs)"
-            f"\n\n" + sweep_table([(n, s, read_results(d / "results.csv")) for n, s, d in done]) + "\n")
-    missing = [n for n, _, d in parts if (d / "results.csv").is_file() is False]
+            f"\n\n" + sweep_table(results) + "\n")
+    missing = [n for n, _, d in parts if not (d / "results.csv").is_file()]
     if missing:
         text += f"Not run yet: {', '.join(missing)}.\n\n"
     text += "\n".join(f"### {n} (`{' '.join('--set ' + x for x in s) or 'no overrides'}`)\n\n"
                       + (d / "summary.md").read_text().split("\n", 3)[-1] for n, s, d in done)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text(text)
-    stats = sweep_stats([(n, s, read_results(d / "results.csv")) for n, s, d in done])
+    stats = sweep_stats(results)
     if stats:
         from .plots import plot_sweep
 

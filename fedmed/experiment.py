@@ -421,7 +421,8 @@ def _jsonable(x):
 
 def run_fingerprint(exp, method, seed: int) -> str:
     """What determines one (seed, method) run: the resolved config (less the other methods, the seed list
-    and the sweep block), the method's settings and the seed. ``--resume`` reuses a run only when this matches."""
+    and the sweep block), the method's settings and the seed. ``--resume`` reuses a run only when this matches.
+    The files under ``dataset.path`` are not hashed: a dataset replaced in place needs a run without ``--resume``."""
     import hashlib
 
     cfg = exp.model_dump(mode="json", exclude={"methods", "seeds", "sweep", "name"})
@@ -464,7 +465,6 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
                 if prev.get("fingerprint") == fp:
                     rows.extend(prev["rows"])
                     log(f"[{k}/{total}] seed {seed} {m.name}: finished earlier with the same settings, reused ({saved})")
-                    write_outputs(rows, out, title=exp.name, command=_command(config_path, overrides))
                     continue
                 log(f"[{k}/{total}] seed {seed} {m.name}: {saved} was made with other settings, running again")
             if saved.is_file():
@@ -511,6 +511,8 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
             saved.write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed, "rows": rows[first:]},
                                         default=_jsonable))
             write_outputs(rows, out, title=exp.name, command=_command(config_path, overrides))
+    if rows:  # once more, so that a fully reused experiment still has its outputs
+        write_outputs(rows, out, title=exp.name, command=_command(config_path, overrides))
     return rows
 
 
