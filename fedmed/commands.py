@@ -193,8 +193,8 @@ def cmd_sweep(a):
     for name, sets, methods in cases:
         if a.report_only or (a.cases and name not in a.cases):
             continue
-        chosen = [m for m in (methods or a.methods or []) if not a.methods or m in a.methods] or None
-        if (methods or a.methods) and not chosen:
+        chosen = [m for m in methods if m in a.methods] if methods and a.methods else methods or a.methods
+        if chosen == []:
             continue  # --methods leaves nothing of this case
         print(f"== {name} ({', '.join(sets) or 'no overrides'}) ==", flush=True)
         run_experiment(a.config, out / name, overrides=list(a.set) + sets, methods=chosen, resume=a.resume)

@@ -142,28 +142,27 @@ def _format(e: ValidationError, source: str) -> str:
     return f"{source}: invalid configuration\n" + "\n".join(lines)
 
 
-def _step(cur, key: str, dotted: str):
-    """Child ``key`` of a mapping, or of a list by index or by an item's ``name`` (``methods.IFCA``)."""
-    if isinstance(cur, list):
-        if key.lstrip("-").isdigit() and -len(cur) <= int(key) < len(cur):
-            return cur, int(key)
-        names = [x.get("name") for x in cur if isinstance(x, dict)]
-        if key in names:
-            return cur, names.index(key)
-        raise ConfigError(f"override {dotted!r}: no list item {key!r} (names: {names}, or an index < {len(cur)})")
-    return cur, key
+def _key(cur, key: str, dotted: str):
+    """``key`` as it indexes ``cur``: a mapping key, or a list index given as a number or an item's ``name``."""
+    if not isinstance(cur, list):
+        return key
+    if key.lstrip("-").isdigit() and -len(cur) <= int(key) < len(cur):
+        return int(key)
+    names = [x.get("name") for x in cur if isinstance(x, dict)]
+    if key in names:
+        return names.index(key)
+    raise ConfigError(f"override {dotted!r}: no list item {key!r} (names: {names}, or an index < {len(cur)})")
 
 
 def _set_path(d: dict, dotted: str, value):
     keys = dotted.split(".")
     cur = d
     for k in keys[:-1]:
-        cur, k = _step(cur, k, dotted)
+        k = _key(cur, k, dotted)
         if isinstance(cur, dict) and (k not in cur or not isinstance(cur[k], (dict, list))):
             cur[k] = {}
         cur = cur[k]
-    cur, k = _step(cur, keys[-1], dotted)
-    cur[k] = value
+    cur[_key(cur, keys[-1], dotted)] = value
 
 
 def apply_overrides(raw: dict, overrides: list[str] | None) -> dict:

@@ -257,26 +257,31 @@ def read_results(path) -> list[dict]:
 def sweep_table(cases: list[tuple[str, list[str], list[dict]]]) -> str:
     """One table over a sweep's cases: per case and method, the clustering ARI against the true groups, the
     trained sites' accuracy at the best round, and the unseen sites' known-association / test-phase accuracy
-    (mean ± std over seeds, in %)."""
+    (mean ± std over seeds, accuracies in %)."""
     lines = ["| Case | Method | Seeds | Clustering ARI | Trained sites acc | Unseen: known assoc. acc | "
              "Unseen: test phase acc |", "|---|---|---|---|---|---|---|"]
-    for name, _, rows in cases:
+    for name, sets, rows in cases:
         summ = {s["method"]: s for s in summarize(rows)}
+        stats = sweep_stats([(name, sets, rows)])
+
+        def cell(panel, m, scale):
+            mu, sd = stats.get(panel, {}).get(name, {}).get(m, (None, None))
+            return "n/a" if mu is None else f"{scale * mu:.2f} ± {scale * sd:.2f}"
+
         for m in dict.fromkeys(r["method"] for r in rows):
-            ph = [r for r in rows if r["method"] == m and r.get("phase")]
-            aris = [r["ari"] for r in ph if r["phase"] == "test phase" and "ari" in r]
-            ari = f"{np.mean(aris):.2f} ± {np.std(aris):.2f}" if aris else "n/a"
-            acc = lambda p: _fmt([r["accuracy"] for r in ph if r["phase"] == p]) if ph else "n/a"  # noqa: E731
             s = summ.get(m, {})
-            lines.append(f"| {name} | {m} | {s.get('seeds', 0)} | {ari} | {s.get('accuracy', 'n/a')} | "
-                         f"{acc('known assoc.')} | {acc('test phase')} |")
+            lines.append(f"| {name} | {m} | {s.get('seeds', 0)} | {cell(ARI_PANEL, m, 1)} | "
+                         f"{s.get('accuracy', 'n/a')} | {cell(KNOWN_PANEL, m, 100)} | {cell(TEST_PANEL, m, 100)} |")
     return "\n".join(lines) + "\n"
+
+
+TEST_PANEL, KNOWN_PANEL, ARI_PANEL = ("unseen sites: test phase accuracy", "unseen sites: known assoc. accuracy",
+                                      "clustering ARI vs true groups")
 
 
 def sweep_stats(cases: list[tuple[str, list[str], list[dict]]]) -> dict:
     """The numbers behind :func:`fedmed.plots.plot_sweep`: per panel, case and method, (mean, std) over seeds."""
-    panels = {"unseen sites: test phase accuracy": "test phase", "unseen sites: known assoc. accuracy": "known assoc.",
-              "clustering ARI vs true groups": None}
+    panels = {TEST_PANEL: "test phase", KNOWN_PANEL: "known assoc.", ARI_PANEL: None}
     out: dict = {p: {} for p in panels}
     for name, _, rows in cases:
         for m in dict.fromkeys(r["method"] for r in rows if r.get("phase")):
@@ -413,12 +418,6 @@ def plot_curves(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def _jsonable(x):
-    if isinstance(x, np.generic):
-        return x.item()
-    raise TypeError(f"cannot store {type(x).__name__} in run.json")
-
-
 def run_fingerprint(exp, method, seed: int) -> str:
     """What determines one (seed, method) run: the resolved config (less the other methods, the seed list
     and the sweep block), the method's settings and the seed. ``--resume`` reuses a run only when this matches.
@@ -508,8 +507,7 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
             log(f"    done in {doc['wall_seconds']:.0f} s: final {key} {last[key]:.3f} (site mean)"
                 + (f", pooled {last['pooled_accuracy']:.3f}" if key == "accuracy" else "")
                 + (f"; {errs} site error(s), see metrics.json" if errs else ""))
-            saved.write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed, "rows": rows[first:]},
-                                        default=_jsonable))
+            saved.write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed, "rows": rows[first:]}))
             write_outputs(rows, out, title=exp.name, command=_command(config_path, overrides))
     if rows:  # once more, so that a fully reused experiment still has its outputs
         write_outputs(rows, out, title=exp.name, command=_command(config_path, overrides))

@@ -86,7 +86,7 @@ def plot_sweep(stats: dict, path, title="sweep") -> Path:
     methods = list(dict.fromkeys(m for p in panels for c in stats[p] for m in stats[p][c]))
     if not cases or not methods:
         raise ValueError("plot_sweep: nothing to plot (no case has results)")
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(6.0, 1.3 * len(cases) * max(1, len(methods)) / 3), 2.8 * len(panels)),
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(6.0, 1.3 * len(cases) * len(methods) / 3), 2.8 * len(panels)),
                              squeeze=False)
     w = 0.8 / len(methods)
     x = np.arange(len(cases))
