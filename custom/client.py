@@ -1,39 +1,62 @@
 """NVFlare Client API script: one site's side of every fedmed workflow.
 
-It reads the site's datalist (``<datalist_dir>/<site>.json``; the environment variable
-``FEDMED_DATALIST_DIR`` overrides the job's argument on provisioned sites) and hands each task to
-``fedmed.site.SiteRunner``. A task the site cannot do (missing/corrupt image, bad datalist) is
-answered with an error message instead of crashing, so the rest of the federation finishes.
+The job names no data: the site finds its datalist through its own settings
+(``fedmed.site_settings``: ``FEDMED_DATALIST`` / ``FEDMED_DATALIST_DIR`` / ``FEDMED_SITE_CONFIG`` or the
+startup kit's ``local/fedmed_site.json``) and hands each task to ``fedmed.site.SiteRunner``. A task the
+site cannot do (no data configured, missing/corrupt image, bad datalist) is answered with an error
+message — naming the site and files relative to its data root, never an absolute path — instead of
+crashing, so the rest of the federation finishes.
 """
 
 import argparse
-import os
 import traceback
+from pathlib import Path
 
-import numpy as np
 import nvflare.client as flare
 from nvflare.app_common.abstract.fl_model import FLModel
-from nvflare.client.tracking import SummaryWriter
-
-from fedmed.site import SiteRunner
 
 
 def to_meta(d: dict) -> dict:
-    """Arrays travel in FLModel.meta (not params) as plain lists."""
+    """Arrays travel in FLModel.meta (not params)."""
+    import numpy as np
+
     return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in d.items()}
 
 
-def make_runner(site, datalists, cfg):
+APP_CUSTOM = Path(__file__).resolve().parents[1]  # this job's custom folder at the site (shipped weights live here)
+
+
+def localize(cfg: dict) -> dict:
+    """Weights shipped in the job are named relative to the job's custom folder."""
+    for section in ("signature", "assess"):
+        sec = cfg.get(section)
+        if isinstance(sec, dict) and sec.get("weights") and not Path(sec["weights"]).is_absolute():
+            sec["weights"] = str(APP_CUSTOM / sec["weights"])
+    return cfg
+
+
+def make_runner(site: str, cfg: dict):
+    from fedmed.site_settings import resolve_site_settings
+
+    settings = resolve_site_settings(site)
     if cfg.get("task") == "segmentation":
         from fedmed.seg_site import SegSiteRunner
 
-        return SegSiteRunner(site, datalists)
-    return SiteRunner(site, datalists)
+        return SegSiteRunner(site, settings)
+    from fedmed.site import SiteRunner
+
+    return SiteRunner(site, settings)
+
+
+def scrubbed(site: str, runner, err: Exception) -> str:
+    from fedmed.site_settings import scrub
+
+    msg = str(err) if str(err).startswith(site) else f"{site}: {type(err).__name__}: {err}"
+    return runner.settings.scrub(msg) if runner is not None else scrub(msg, [])
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--datalist-dir", required=True)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for this site")
     args = ap.parse_args()
 
@@ -42,28 +65,35 @@ def main():
     torch.set_num_threads(max(1, args.threads))
     flare.init()
     site = flare.get_site_name()
-    datalists = os.environ.get("FEDMED_DATALIST_DIR", args.datalist_dir)
     runner = None
-    writer = SummaryWriter()
+    writer = None
     while flare.is_running():
         incoming = flare.receive()
         if incoming is None:
             break
         task = flare.get_task_name()
-        cfg = incoming.meta.get("fedmed", {})
+        cfg = localize(incoming.meta.get("fedmed", {}))
         rnd = incoming.current_round or 0
-        if runner is None:
-            runner = make_runner(site, datalists, cfg)
         try:
+            if runner is None:
+                runner = make_runner(site, cfg)
             params, metrics, meta = runner.handle(task, incoming.params or {}, cfg, rnd)
         except Exception as e:  # reported to the server by name; the federation goes on
-            msg = str(e) if str(e).startswith(site) else f"{site}: {type(e).__name__}: {e}"
+            msg = scrubbed(site, runner, e)
             print(f"[fedmed] {msg}\n{traceback.format_exc()}", flush=True)
             flare.send(FLModel(params={}, metrics={"failed": 1.0}, meta={"error": msg, "task": task}))
             continue
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)) and np.isfinite(v):
-                writer.add_scalar(f"{task}/{k}", float(v), global_step=int(rnd))
+        if writer is None:
+            from nvflare.client.tracking import SummaryWriter
+
+            writer = SummaryWriter()
+        import math
+
+        for k, v in metrics.items():  # served model's metrics before training; train loss of this round
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                tag = f"train/{k}" if k == "train_loss" else f"{'val' if k.startswith('val_') else 'test'}/" \
+                      f"{k[4:] if k.startswith('val_') else k}"
+                writer.add_scalar(f"{site}/{tag}", float(v), global_step=int(rnd))
         flare.send(FLModel(params=params, metrics=metrics, meta=to_meta({**meta, "task": task, "round": rnd,
                                                                           "cluster": meta.get("cluster", cfg.get("cluster"))})))
 

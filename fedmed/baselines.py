@@ -2,9 +2,12 @@
 
 * PACFL (Vahidian et al., AAAI 2023): each site sends, per class, the ``p`` leading left
   singular vectors of its (features x samples) data matrix; the server compares sites by the
-  principal angles between the spanned subspaces (``scipy.linalg.subspace_angles``) and clusters
-  with threshold hierarchical clustering. :func:`pacfl_distance_matrix` uses the smallest
-  principal angle in degrees (PACFL's proximity matrix); ``mode="mean"`` averages all angles.
+  angles between the spanned subspaces and clusters with threshold hierarchical clustering.
+  :func:`pacfl_distance_matrix` offers two readings (docs/readings.md): ``mode="smallest"``
+  (default) is the smallest true principal angle in degrees (``scipy.linalg.subspace_angles``, what
+  the paper's Eq. 2 defines); ``mode="official"`` is what the authors' code computes — the
+  smallest ``arccos`` of the single entries of ``U_i^T U_j`` clipped to [-1, 1], which depends on
+  the arbitrary signs of singular vectors; ``mode="mean"`` averages all principal angles.
 * FECFL (Kang et al.): each site sends the mean feature embedding of all its samples (a frozen
   encoder, pretrained or randomly initialised); sites are compared by cosine distance.
 """
@@ -51,8 +54,8 @@ def pacfl_signature(features, labels, *, n_basis: int = 3) -> np.ndarray:
 
 def pacfl_distance_matrix(bases: Sequence[np.ndarray], *, mode: str = "smallest", site_names=None) -> np.ndarray:
     """Principal-angle proximity (degrees) between the sites' class subspaces."""
-    if mode not in ("smallest", "mean"):
-        raise ValueError(f"mode should be 'smallest' or 'mean', got {mode!r}.")
+    if mode not in ("smallest", "mean", "official"):
+        raise ValueError(f"mode should be 'smallest', 'mean' or 'official', got {mode!r}.")
     names = check_site_names(site_names, len(bases))
     if len(bases) < 2:
         raise ValueError(f"PACFL needs at least 2 sites, got {len(bases)}.")
@@ -69,6 +72,9 @@ def pacfl_distance_matrix(bases: Sequence[np.ndarray], *, mode: str = "smallest"
     D = np.zeros((k, k))
     for i in range(k):
         for j in range(i + 1, k):
+            if mode == "official":
+                D[i, j] = D[j, i] = float(np.degrees(np.arccos(np.clip(B[i].T @ B[j], -1.0, 1.0))).min())
+                continue
             ang = np.degrees(subspace_angles(B[i], B[j]))
             D[i, j] = D[j, i] = float(ang.min() if mode == "smallest" else ang.mean())
     return D

@@ -217,8 +217,10 @@ def main(argv=None) -> int:
     try:
         a.func(a)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+        from .experiment import ExperimentError
+
         print(f"fedmed {a.verb}: error: {e}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(e, ExperimentError) else 2
     return 0
 
 

@@ -18,10 +18,12 @@ __all__ = ["SIGNATURE_KINDS", "cfl_split", "choose_clusters", "flux_cluster", "s
 SIGNATURE_KINDS = ("fmcl", "pacfl", "fecfl")
 
 
-def signature_distances(kind: str, signatures: dict[str, dict], *, overlap: bool = True) -> tuple[list[str], np.ndarray]:
+def signature_distances(kind: str, signatures: dict[str, dict], *, overlap: bool = True,
+                        angle: str = "principal") -> tuple[list[str], np.ndarray]:
     """Distance matrix from ``{site: signature meta}`` (sites sorted by name).
 
-    fmcl: ``classes``, ``means``, ``counts``; pacfl: ``basis`` (d, p); fecfl: ``mean`` (d,).
+    fmcl: ``classes``, ``means``, ``counts``; pacfl: ``basis`` (d, p) (``angle``: ``principal`` or
+    ``official``, see :func:`fedmed.baselines.pacfl_distance_matrix`); fecfl: ``mean`` (d,).
     """
     names = sorted(signatures)
     if kind == "fmcl":
@@ -29,14 +31,16 @@ def signature_distances(kind: str, signatures: dict[str, dict], *, overlap: bool
                                np.asarray(signatures[n]["counts"], dtype=np.float64)) for n in names]
         return names, fmcl_distance_matrix(sigs, overlap=overlap, site_names=names)
     if kind == "pacfl":
-        return names, pacfl_distance_matrix([np.asarray(signatures[n]["basis"]) for n in names], site_names=names)
+        mode = {"principal": "smallest", "official": "official"}[angle]
+        return names, pacfl_distance_matrix([np.asarray(signatures[n]["basis"]) for n in names], mode=mode,
+                                            site_names=names)
     if kind == "fecfl":
         return names, fecfl_distance_matrix([np.asarray(signatures[n]["mean"]) for n in names], site_names=names)
     raise ValueError(f"signature kind should be one of {SIGNATURE_KINDS}, got {kind!r}.")
 
 
 def choose_clusters(D, names, *, n_clusters: int | None = None, threshold: float | None = None,
-                    linkage_method: str = "average") -> dict:
+                    linkage_method: str = "average", k1_silhouette: float | None = 0.25) -> dict:
     """Auto-K when neither ``n_clusters`` nor ``threshold`` is given, else Algorithm 4.
 
     Returns ``{"labels", "clusters" (lists of names), "rule", "k", and auto-K's cv/window/silhouette}``.
@@ -47,7 +51,7 @@ def choose_clusters(D, names, *, n_clusters: int | None = None, threshold: float
         labels = np.zeros(1, dtype=np.int64)
         info["rule"] = "single site"
     elif n_clusters is None and threshold is None:
-        res = auto_k(D, linkage_method=linkage_method)
+        res = auto_k(D, linkage_method=linkage_method, k1_silhouette=k1_silhouette)
         labels = res.labels
         info.update(rule=f"auto-K ({res.rule})", cv=res.cv, window=res.window,
                     silhouette={int(k): float(v) for k, v in res.scores.items()}, local_maxima=res.local_maxima)
@@ -92,26 +96,47 @@ def cfl_split(updates: list[dict], weights, *, eps1: float = 0.4, eps2: float = 
 
 
 def flux_cluster(descriptors: dict[str, dict], *, n_clusters: int | None = None, scale: float = 1.0,
-                 seed: int = 0) -> dict:
+                 seed: int = 0, scaling: str = "none", k1_silhouette: float | None = 0.25) -> dict:
     """Flux (``003_`` Alg. 1 lines 9-11): cluster the sites' full descriptors — adaptive DBSCAN, or
-    K-means with the true K (Flux-prior) — and the centroids of the full and label-free parts."""
-    from .clustering import adaptive_dbscan, kmeans_prior
+    K-means with the true K (Flux-prior) — and the centroids of the full and label-free parts.
+
+    ``scaling="minmax"`` min-max scales every descriptor dimension over the sites first (the official
+    code; the paper clusters raw descriptors). ``k1_silhouette`` (fedmed's K = 1 test, as in
+    :func:`fedmed.clustering.auto_k`): a DBSCAN split whose silhouette is below it is merged into one
+    cluster, so federations without a shift train one model; ``None`` keeps the paper's literal DBSCAN.
+    """
+    from .clustering import adaptive_dbscan, kmeans_prior, silhouette
     from .flux import cluster_centroids
 
+    if scaling not in ("none", "minmax"):
+        raise ValueError(f"scaling should be 'none' or 'minmax', got {scaling!r}.")
     names = sorted(descriptors)
     X = np.stack([np.asarray(descriptors[n]["full"], dtype=np.float64) for n in names])
     XL = np.stack([np.asarray(descriptors[n]["label_free"], dtype=np.float64) for n in names])
-    info: dict = {"sites": names}
+    Xc = X
+    if scaling == "minmax":
+        span = X.max(axis=0) - X.min(axis=0)
+        Xc = (X - X.min(axis=0)) / np.where(span > 0, span, 1.0)
+    info: dict = {"sites": names, "scaling": scaling}
     if len(names) == 1:
         labels = np.zeros(1, dtype=np.int64)
         info["rule"] = "single site"
     elif n_clusters:
-        labels = kmeans_prior(X, min(int(n_clusters), len(names)), seed=seed)
+        labels = kmeans_prior(Xc, min(int(n_clusters), len(names)), seed=seed)
         info["rule"] = f"Flux-prior K-means (K={n_clusters})"
     else:
-        res = adaptive_dbscan(X, scale=scale)
+        res = adaptive_dbscan(Xc, scale=scale)
         labels = res["labels"]
         info.update(rule="adaptive DBSCAN", eps=res["eps"], eps_source=res["eps_source"], n_noise=res["n_noise"])
+        if k1_silhouette is not None and labels.max() > 0:
+            from scipy.spatial.distance import pdist, squareform
+
+            sil = silhouette(squareform(pdist(Xc)), labels)
+            info["silhouette"] = sil
+            if sil < k1_silhouette:
+                info["rule"] += (f"; {int(labels.max()) + 1} clusters with silhouette {sil:.3f} < {k1_silhouette} "
+                                 f"(no substantial structure): one cluster")
+                labels = np.zeros(len(names), dtype=np.int64)
     info.update(labels=labels.tolist(), clusters=labels_to_clusters(labels, names), k=int(labels.max()) + 1,
                 centroids_full=cluster_centroids(X, labels), centroids_label_free=cluster_centroids(XL, labels),
                 descriptor_length=int(X.shape[1]))

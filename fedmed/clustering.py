@@ -36,7 +36,7 @@ __all__ = [
     "silhouette",
 ]
 
-LINKAGES = ("single", "complete", "average")
+LINKAGES = ("single", "complete", "average", "weighted")
 
 
 def canonical_labels(labels) -> np.ndarray:
@@ -58,11 +58,17 @@ def labels_to_clusters(labels, names=None) -> list[list]:
     return [[names[i] for i in np.flatnonzero(labels == k)] for k in range(labels.max() + 1 if len(labels) else 0)]
 
 
-def linkage_matrix(D, method: str = "average") -> np.ndarray:
-    """SciPy linkage matrix of a validated distance matrix (for dendrograms and cuts)."""
+def linkage_matrix(D, method: str = "average", *, validated: bool = False) -> np.ndarray:
+    """SciPy linkage matrix of a distance matrix (for dendrograms and cuts).
+
+    ``average`` is UPGMA (the distance of two clusters is the mean over all member pairs);
+    ``weighted`` is WPGMA (a merged cluster's distance to another is the mean of its two parts'
+    distances — what PACFL's official code computes under the name "average").
+    """
     if method not in LINKAGES:
         raise ValueError(f"linkage should be one of {LINKAGES}, got {method!r}.")
-    D = check_distance_matrix(D)
+    if not validated:
+        D = check_distance_matrix(D)
     return linkage(squareform(D, checks=False), method=method)
 
 
@@ -119,7 +125,7 @@ def agglomerative(D, *, n_clusters: int | None = None, threshold: float | None =
         check_finite_number(threshold, "threshold", low=0.0)
     if n == 1:
         return np.zeros(1, dtype=np.int64)
-    Z = linkage_matrix(D, linkage_method)
+    Z = linkage_matrix(D, linkage_method, validated=True)
     merges = n - 1
     if n_clusters is not None:
         merges = min(merges, n - int(n_clusters))
@@ -167,18 +173,26 @@ class AutoKResult:
     rule: str = ""
 
 
-def auto_k(D, *, linkage_method: str = "average", k_max: int | None = None) -> AutoKResult:
+def auto_k(D, *, linkage_method: str = "average", k_max: int | None = None,
+           k1_silhouette: float | None = 0.25) -> AutoKResult:
     """FMCL Algorithm 5: choose K from the CV window and the silhouette curve.
 
     1. ``CV = std(D_ij) / mean(D_ij)`` over off-diagonal entries (population std).
     2. The window from :func:`cv_window`, truncated at ``k_max`` (default ``min(10, N)``).
     3. ``S(K)`` = silhouette of Algorithm 4's fixed-K clustering (``S = 0`` for K = 1 or K = N,
-       where it is undefined).
-    4. Local maxima are interior points of the window with ``S(K)`` strictly above both
-       neighbours. The paper's "largest local maximum" / "dominant local maximum" is read as the
-       local maximum with the **highest silhouette** (ties -> smaller K).
-    5. Without a local maximum, ``K* = argmax_{K in 1..k_max} S(K)`` over the whole range, as
-       the algorithm box prints it (ties -> smaller K).
+       where it is undefined). The matrix is validated once and one linkage tree is cut at every K.
+    4. A K of the window is a local maximum when ``S(K)`` is strictly above ``S(K-1)`` and ``S(K+1)``,
+       *its neighbours on the silhouette curve* — also when a neighbour lies outside the window (the
+       literal reading, neighbours inside the window only, can never pick the window's first value:
+       it skipped K = 3 with the best silhouette and chose K = 8-9). The paper's "largest local
+       maximum" / "dominant local maximum" is read as the local maximum with the **highest
+       silhouette** (ties -> smaller K).
+    5. Without a local maximum, ``K* = argmax_{K in 1..k_max} S(K)`` over the whole range, as the
+       algorithm box prints it (ties -> smaller K).
+    6. **K = 1 test** (fedmed's addition, docs/readings.md): S(1) is fixed at 0, so any positive
+       silhouette "wins" and Algorithm 5 can never keep sites together. With ``k1_silhouette`` set,
+       K* > 1 is kept only when ``S(K*) >= k1_silhouette`` (Kaufman & Rousseeuw 1990: below 0.25 "no
+       substantial structure has been found"); otherwise K* = 1. ``None`` is the paper's literal rule.
 
     Raises:
         ValueError: bad matrix or fewer than 2 sites; ``k_max`` out of range.
@@ -190,27 +204,44 @@ def auto_k(D, *, linkage_method: str = "average", k_max: int | None = None) -> A
     check_finite_number(k_max, "k_max", low=1, integer=True)
     if k_max > n:
         raise ValueError(f"k_max should be <= the number of sites ({n}), got {k_max}.")
+    if k1_silhouette is not None:
+        check_finite_number(k1_silhouette, "k1_silhouette", low=-1.0, high=1.0)
     off = D[~np.eye(n, dtype=bool)]
     mean = off.mean()
     cv = float(off.std() / mean) if mean > 0 else 0.0
-    window = cv_window(cv, int(k_max)) or [min(int(k_max), n)]
+    k_max = int(k_max)
+    window = cv_window(cv, k_max) or [min(k_max, n)]
+    Z = linkage_matrix(D, linkage_method, validated=True)
     cache: dict[int, np.ndarray] = {}
+    scores: dict[int, float] = {}
 
     def labels_for(k):
         if k not in cache:
-            cache[k] = agglomerative(D, n_clusters=k, linkage_method=linkage_method)
+            cache[k] = _cut(Z, n, n - k)
         return cache[k]
 
-    scores = {k: silhouette(D, labels_for(k)) for k in window}
-    maxima = [k for a, k, b in zip(window, window[1:], window[2:]) if scores[k] > scores[a] and scores[k] > scores[b]]
+    def score(k):
+        if k not in scores:
+            scores[k] = silhouette(D, labels_for(k))
+        return scores[k]
+
+    def is_peak(k):
+        left = score(k - 1) if k > 1 else -np.inf
+        right = score(k + 1) if k < k_max else -np.inf
+        return score(k) > left and score(k) > right
+
+    for k in window:
+        score(k)
+    maxima = [k for k in window if is_peak(k)]
     if maxima:
         best = max(maxima, key=lambda k: (scores[k], -k))
         rule = "dominant local maximum in window"
     else:
-        for k in range(1, int(k_max) + 1):
-            scores.setdefault(k, silhouette(D, labels_for(k)))
-        best = max(range(1, int(k_max) + 1), key=lambda k: (scores[k], -k))
+        best = max(range(1, k_max + 1), key=lambda k: (score(k), -k))
         rule = "no local maximum in window: argmax over 1..k_max"
+    if k1_silhouette is not None and best > 1 and scores[best] < k1_silhouette:
+        rule += f"; silhouette {scores[best]:.3f} < {k1_silhouette} (no substantial structure): one cluster"
+        best = 1
     return AutoKResult(k=int(best), labels=labels_for(best), cv=cv, window=window,
                        scores=dict(sorted(scores.items())), local_maxima=maxima, rule=rule)
 

@@ -31,20 +31,24 @@ def cmd_data(a):
             vols = meta.get("site_volumes_mm3", {}).get(s)
             print(f"  {s}: samples {meta['site_samples'][s]}" + (f", {meta['region']} volumes (mm^3) {vols}" if vols else ""))
         return
-    for s in meta["sites"]:
+    for s in meta["sites"] + meta.get("unseen_sites", []):
         doc = json.loads((out / f"{s}.json").read_text())
         counts = {}
-        for e in doc["training"] + doc["validation"]:
+        for e in doc["training"] + doc["validation"] + doc["test"]:
             counts[e["label"]] = counts.get(e["label"], 0) + 1
-        print(f"  {s}: {len(doc['training'])} train / {len(doc['validation'])} test, classes {dict(sorted(counts.items()))}")
+        print(f"  {s}: {len(doc['training'])} train / {len(doc['validation'])} validation / {len(doc['test'])} test, "
+              f"classes {dict(sorted(counts.items()))}")
 
 
 def cmd_experiment(a):
     from .experiment import run_experiment
 
     out = a.out or str(Path("results") / Path(a.config).stem)
-    run_experiment(a.config, out, overrides=a.set, methods=a.methods)
-    print((Path(out) / "summary.md").read_text())
+    try:
+        run_experiment(a.config, out, overrides=a.set, methods=a.methods, resume=a.resume)
+    finally:
+        if (Path(out) / "summary.md").is_file():
+            print((Path(out) / "summary.md").read_text())
 
 
 def cmd_demo(a):
@@ -115,6 +119,8 @@ def register(sub):
     e.add_argument("--out", help="output folder (default results/<config name>)")
     e.add_argument("--methods", nargs="+", help="run only these methods")
     e.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
+    e.add_argument("--resume", action="store_true", help="reuse runs finished earlier with the same settings; "
+                   "continue stopped ones from their checkpoint")
     e.set_defaults(func=cmd_experiment)
 
     m = sub.add_parser("demo", help="the embedded demo: a small federation, each method's results table")
@@ -142,7 +148,8 @@ def cmd_assess(a):
         name = p.stem
         try:
             doc = load_datalist_seg(p)
-            cases = [load_case(e, shape=tuple(a.shape), site=name) for e in doc["training"] + doc["validation"]]
+            cases = [load_case(e, shape=tuple(a.shape), site=name)
+                     for e in doc["training"] + doc["validation"] + doc["test"]]
             if not cases:
                 raise ValueError(f"{name}: datalist {p} lists no cases")
             sites[name] = site_assessment(cases, enc, per_value=a.per_value)

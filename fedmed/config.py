@@ -1,21 +1,31 @@
 """Typed, validated experiment configurations (pydantic, unknown keys rejected).
 
-An experiment file (YAML or JSON) has ``dataset``, ``federation``, ``model``, ``train`` and
-``methods``; sweeps are small overrides (``fedmed experiment CONFIG --set train.rounds=5``).
-Every validation error names the key path, e.g. ``train.lr: Input should be greater than 0``
-or ``model.depth: Extra inputs are not permitted``.
+An experiment file (YAML or JSON) has ``dataset``, ``federation``, ``model``, ``train``,
+``privacy``, ``methods`` and ``seeds``; sweeps are small overrides
+(``fedmed experiment CONFIG --set train.rounds=5``). Every validation error names the key path,
+e.g. ``train.lr: Input should be greater than 0`` or ``model.depth: Extra inputs are not permitted``.
+
+Each method is a model of its own, chosen by its ``workflow`` (a discriminated union): an option
+that belongs to another workflow (``omega`` on an FMCL method) is rejected with its name and the
+options the workflow does take.
+
+A job can be built from the config alone (no site data on the coordinator): the dataset schema
+(``dataset.classes`` for classification, ``dataset.modalities`` for segmentation) and the site
+names (``federation.site_names``, or every connected site) are all it needs. ``fedmed experiment``
+fills ``dataset.classes`` from the data it partitions.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = ["ConfigError", "DatasetConfig", "ExperimentConfig", "FederationConfig", "MethodConfig", "ModelConfig",
-           "TrainConfig", "apply_overrides", "load_config"]
+           "PrivacyConfig", "TrainConfig", "WORKFLOWS", "apply_overrides", "load_config", "method_options"]
 
 
 class ConfigError(ValueError):
@@ -26,9 +36,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
 
+SITE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$"  # what FLARE accepts as a participant name
+
+
 class DatasetConfig(_Strict):
     path: str = Field(description="dataset root (class folders, MedMNIST .npz, NIfTI subjects) or 'builtin:digits'")
     task: Literal["classification", "segmentation"] = "classification"
+    classes: Optional[list[str]] = Field(None, min_length=2, description="class names, in label order (the schema a job "
+                                         "is built from); filled from the data by `fedmed experiment`")
     image_size: int = Field(32, gt=3, le=1024)
     channels: Literal[1, 3] = 1
     max_per_class: Optional[int] = Field(None, gt=0, description="cap images per class (quick runs)")
@@ -40,62 +55,230 @@ class DatasetConfig(_Strict):
     shape: list[int] = Field(default_factory=lambda: [32, 48, 40], min_length=3, max_length=3)
     roi: list[int] = Field(default_factory=lambda: [32, 32, 32], min_length=3, max_length=3)
 
+    @field_validator("classes")
+    @classmethod
+    def _unique_classes(cls, v):
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError(f"class names should be unique, got {v}")
+        return v
+
 
 class FederationConfig(_Strict):
-    sites: int = Field(4, ge=1, le=10000)
+    sites: int = Field(4, ge=1, le=10000, description="number of training sites of a generated federation")
+    site_names: Optional[list[Annotated[str, Field(pattern=SITE_NAME)]]] = Field(
+        None, min_length=1, description="the sites' names (default site-1..N for generated federations; a deployed "
+        "job targets these sites, or every connected site when left out)")
     partition: Literal["iid", "dirichlet", "quantity", "predi", "anda", "label_volume"] = "iid"
+    dirichlet_scheme: Literal["hsu", "per_client"] = Field(
+        "hsu", description="hsu: q_k ~ Dir(alpha p) per site (Hsu et al., FMCL); per_client: each class split over "
+        "sites ~ Dir(alpha) (FedLab / NIID-Bench)")
     volume_region: Literal["WT", "TC", "ET"] = "WT"
     alpha: float = Field(0.5, gt=0)
-    test_fraction: float = Field(0.2, gt=0, lt=1)
+    test_fraction: float = Field(0.2, gt=0, lt=1, description="share of each site's samples held out as its test split")
+    val_fraction: float = Field(0.15, ge=0, lt=1, description="share of each site's remaining samples held out of "
+                                "training as its validation split (model selection; never the test split)")
     predi_prevalence: float = Field(2.0, ge=1)
     predi_disparity: float = Field(0.0, ge=0)
     anda_shift: Literal["feature", "label", "p_y_given_x", "p_x_given_y", "quantity"] = "feature"
     anda_level: int = Field(3, ge=1, le=8)
     anda_groups: int = Field(2, ge=1)
+    anda_colour: Literal["channel", "anda"] = Field(
+        "channel", description="colour shift: 'channel' keeps the gray image in one RGB channel (others 0); 'anda' "
+        "sets that channel to 1 and keeps gray in the others (ANDA's code)")
     unseen_sites: int = Field(0, ge=0, description="extra sites held out of training, for test-time assignment")
+    min_clients: int = Field(1, ge=1, description="fewest sites that must answer a round for the run to go on")
+    task_timeout: float = Field(1800.0, gt=0, description="seconds a site has to answer a task before the round "
+                                "goes on without it")
+    startup_timeout: float = Field(300.0, gt=0, description="seconds to wait for every named site to register "
+                                   "before starting without the missing ones")
+    task_request_interval: float = Field(0.2, gt=0, le=60, description="seconds an idle site waits before asking the "
+                                         "server for its next task (FLARE's default is 2 s)")
+
+    @field_validator("site_names")
+    @classmethod
+    def _unique_names(cls, v):
+        if v is not None:
+            dup = sorted({s for s in v if v.count(s) > 1})
+            if dup:
+                raise ValueError(f"site names should be unique, got duplicates {dup}")
+            if "server" in v:
+                raise ValueError("'server' is reserved by NVFlare and cannot name a site")
+        return v
 
 
 class ModelConfig(_Strict):
     arch: Literal["resnet9", "resnet18"] = "resnet9"
     width: int = Field(16, ge=4, le=512, description="channels of the first ResNet-9 stage")
+    norm: Literal["batch", "group"] = Field("group", description="ResNet-9 normalisation: GroupNorm suits the tiny, "
+                                            "label-skewed local batches of FL; 'batch' is the DAWNBench original")
     channels: list[int] = Field(default_factory=lambda: [8, 16, 32, 64], min_length=2,
                                 description="3D U-Net channels per level (segmentation)")
+
+
+class SegTrainConfig(_Strict):
+    """Segmentation-only training options (``004_`` §3.2 and fedmed's recipe, docs/readings.md)."""
+
+    loss: Literal["dice", "dice_focal", "dice_bce"] = "dice_focal"
+    patches_per_volume: int = Field(4, ge=1)
+    pos_fraction: float = Field(0.5, ge=0, le=1, description="share of patches centred on tumour")
 
 
 class TrainConfig(_Strict):
     rounds: int = Field(3, ge=1, le=10000)
     local_epochs: int = Field(1, ge=1, le=1000)
     batch_size: int = Field(16, ge=1)
-    lr: float = Field(0.01, gt=0)
+    optimizer: Literal["sgd", "adam", "adamw"] = "adam"
+    lr: float = Field(1e-3, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
-    fedprox_mu: float = Field(0.0, ge=0)
-    prep_weights: bool = False
+    augment: Literal["none", "flip", "flip_crop"] = Field("flip_crop", description="horizontal flips, plus random "
+                                                          "crops of a 4-pixel padded image")
+    keep_optimizer_state: bool = Field(True, description="a site keeps its optimizer state (momentum, Adam moments) "
+                                       "between rounds, per served model")
+    seg: SegTrainConfig = SegTrainConfig()
 
 
-class MethodConfig(_Strict):
+class PrivacyConfig(_Strict):
+    """What may leave a site (docs/privacy.md)."""
+
+    k_min: int = Field(5, ge=1, description="no per-class or per-group statistic leaves a site unless it aggregates "
+                       "at least k_min samples")
+    accept_k_min_below_2: bool = Field(False, description="explicit consent to k_min < 2 (single samples may leave)")
+    dp_epsilon: Optional[float] = Field(None, description="differential privacy budget per signature (None: off)")
+    dp_delta: float = Field(1e-5, gt=0, lt=1, description="Gaussian mechanism delta (signatures without a paper "
+                            "mechanism use Laplace; see docs/privacy.md)")
+    clip: float = Field(1.0, gt=0, description="L2 norm each embedding is clipped to before it enters a signature "
+                        "(the DP sensitivity bound)")
+
+    @field_validator("dp_epsilon")
+    @classmethod
+    def _finite_eps(cls, v):
+        if v is not None and (not math.isfinite(v) or v <= 0):
+            raise ValueError(f"dp_epsilon should be a finite number > 0 (or null to switch DP off), got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _k_min_consent(self):
+        if self.k_min < 2 and not self.accept_k_min_below_2:
+            raise ValueError(f"k_min={self.k_min} lets a single patient's statistics leave a site; set "
+                             f"privacy.accept_k_min_below_2: true to accept that explicitly")
+        return self
+
+
+# --------------------------------------------------------------------------------------------- methods
+
+class _Method(_Strict):
     name: str = Field(min_length=1)
-    workflow: Literal["fedavg", "fedprox", "fmcl", "pacfl", "fecfl", "cfl", "flux", "ifca", "seg_assess", "fedavg_w",
-                      "seg_clusters", "ditto"] = "fedavg"
-    fedprox_mu: Optional[float] = Field(None, ge=0)
-    overlap: bool = True
-    n_clusters: Optional[int] = Field(None, ge=1, description="fixed K; None = auto-K (FMCL) ")
-    threshold: Optional[float] = Field(None, ge=0, description="agglomerative threshold instead of K")
+
+
+class _Encoder(_Strict):
     encoder: str = Field("random_cnn", description="see fedmed.encoders.ENCODERS")
     encoder_weights: Optional[str] = Field(None, description="local weights file; None = seeded random init")
     encoder_image_size: Optional[int] = Field(None, gt=7)
-    n_basis: int = Field(3, ge=1, description="PACFL: singular vectors per class")
-    participation: float = Field(1.0, gt=0, le=1, description="fraction of sites sampled per round (Flux, IFCA)")
-    dp_epsilon: Optional[float] = Field(None, gt=0, description="Flux: Laplace DP budget for descriptors")
-    dbscan_scale: float = Field(1.0, gt=0, description="Flux: eps scale factor")
-    omega: float = Field(1.0, ge=0, le=1, description="FedAvg_w weight of the most distant site")
-    distance: Literal["emd", "euc"] = "emd"
-    site: str = Field("", description="FedAvg_w: down-weight this site instead of the assessed one")
-    clusters: list[list[str]] = Field(default_factory=list, description="given clusters instead of the assessed ones")
-    ditto_lambda: float = Field(0.1, gt=0)
-    per_value: bool = Field(False, description="assessment: send per-image metadata values (paper) not histograms")
+
+
+class _Clusters(_Strict):
+    n_clusters: Optional[int] = Field(None, ge=1, description="fixed K; None = auto-K")
+    threshold: Optional[float] = Field(None, ge=0, description="agglomerative merge threshold instead of K")
+    linkage: Literal["average", "weighted", "complete", "single"] = "average"
+    k1_silhouette: float = Field(0.25, ge=-1, le=1, description="auto-K keeps one cluster unless the best "
+                                 "silhouette reaches this (Kaufman & Rousseeuw: < 0.25 = no substantial structure)")
+
+
+class FedAvgMethod(_Method):
+    workflow: Literal["fedavg"] = "fedavg"
+
+
+class FedProxMethod(_Method):
+    workflow: Literal["fedprox"]
+    fedprox_mu: float = Field(0.01, ge=0, description="proximal weight mu (Li et al. 2020)")
+
+
+class FMCLMethod(_Method, _Encoder, _Clusters):
+    workflow: Literal["fmcl"]
+    overlap: bool = Field(True, description="overlap-aware multiplier m_ij (False: the paper's 'no overlap' ablation)")
+
+
+class PACFLMethod(_Method, _Encoder, _Clusters):
+    workflow: Literal["pacfl"]
+    encoder: str = "pixels"
+    n_basis: int = Field(3, ge=1, description="singular vectors per class")
+    angle: Literal["principal", "official"] = Field(
+        "principal", description="principal: smallest principal angle between the class subspaces; official: PACFL "
+        "code's arccos of single entries of U_i^T U_j (sign dependent)")
+
+
+class FECFLMethod(_Method, _Encoder, _Clusters):
+    workflow: Literal["fecfl"]
+
+
+class CFLMethod(_Method):
+    workflow: Literal["cfl"]
     cfl_eps1: float = Field(0.4, gt=0)
     cfl_eps2: float = Field(1.6, gt=0)
+    warmup_rounds: int = Field(2, ge=0)
+
+
+class FluxMethod(_Method):
+    workflow: Literal["flux"]
+    n_clusters: Optional[int] = Field(None, ge=1, description="Flux-prior: K-means with this K; None = adaptive DBSCAN")
+    participation: float = Field(1.0, gt=0, le=1, description="fraction of sites sampled per round")
+    dbscan_scale: float = Field(1.0, gt=0, description="eps scale factor (the paper's per-dataset factor)")
+    k1_silhouette: Optional[float] = Field(0.25, ge=-1, le=1, description="keep a DBSCAN split only when its "
+                                           "silhouette reaches this (None: the paper's literal DBSCAN)")
+    box: Literal["elementwise", "scalar"] = Field("elementwise", description="S1 box: the paper's element-wise "
+                                                  "min/max, or the official code's [0, 1.02 max]")
+    scaling: Literal["none", "minmax"] = Field("none", description="min-max scale descriptors before clustering "
+                                               "(official code)")
+    start_rule: Literal["paper", "official"] = Field("paper", description="Eq. 14 gains from round 3 (paper) or "
+                                                     "including round 2 (official code)")
+    absent_class: Literal["zeros", "minus_one"] = Field("zeros", description="slot of a class with < 2 samples")
+
+
+class IFCAMethod(_Method):
+    workflow: Literal["ifca"]
+    n_clusters: int = Field(2, ge=1, description="K models")
+    participation: float = Field(1.0, gt=0, le=1)
+
+
+class SegAssessMethod(_Method):
+    workflow: Literal["seg_assess"]
+    per_value: bool = Field(False, description="ask for per-image metadata values (the paper's form); a site answers "
+                            "only if its own settings allow per-image data")
+    encoder_weights: Optional[str] = None
+
+
+class FedAvgWMethod(SegAssessMethod):
+    workflow: Literal["fedavg_w"]
+    omega: float = Field(1.0, ge=0, le=1, description="weight of the most distant site (004_ Eq. 2)")
+    distance: Literal["emd", "euc"] = "emd"
+    site: str = Field("", description="down-weight this site instead of the assessed one")
+
+
+class SegClustersMethod(SegAssessMethod):
+    workflow: Literal["seg_clusters"]
+    distance: Literal["emd", "euc"] = "emd"
+    clusters: list[list[str]] = Field(default_factory=list, description="given clusters instead of the assessed ones")
+
+
+class DittoMethod(_Method):
+    workflow: Literal["ditto"]
+    ditto_lambda: float = Field(0.1, gt=0)
+
+
+MethodConfig = Annotated[Union[FedAvgMethod, FedProxMethod, FMCLMethod, PACFLMethod, FECFLMethod, CFLMethod, FluxMethod,
+                               IFCAMethod, SegAssessMethod, FedAvgWMethod, SegClustersMethod, DittoMethod],
+                         Field(discriminator="workflow")]
+
+WORKFLOWS = {m.model_fields["workflow"].annotation.__args__[0]: m for m in
+             (FedAvgMethod, FedProxMethod, FMCLMethod, PACFLMethod, FECFLMethod, CFLMethod, FluxMethod, IFCAMethod,
+              SegAssessMethod, FedAvgWMethod, SegClustersMethod, DittoMethod)}
+CLUSTERING_WORKFLOWS = ("fmcl", "pacfl", "fecfl", "cfl", "flux", "ifca", "seg_clusters")
+
+
+def method_options(workflow: str) -> list[str]:
+    """The options a workflow's method takes (besides ``name`` and ``workflow``)."""
+    return sorted(k for k in WORKFLOWS[workflow].model_fields if k not in ("name", "workflow"))
 
 
 class SweepCase(_Strict):
@@ -106,18 +289,36 @@ class SweepCase(_Strict):
     methods: Optional[list[str]] = Field(None, min_length=1, description="method names; None = all of the config's")
 
 
+REFERENCES = ("centralized", "iid_fedavg", "majority", "cluster_majority")
+
+
 class ExperimentConfig(_Strict):
     name: str = Field(min_length=1)
     dataset: DatasetConfig
     federation: FederationConfig = FederationConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
-    methods: list[MethodConfig] = Field(default_factory=lambda: [MethodConfig(name="FedAvg")], min_length=1)
+    privacy: PrivacyConfig = PrivacyConfig()
+    methods: list[MethodConfig] = Field(default_factory=lambda: [FedAvgMethod(name="FedAvg")], min_length=1)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    selection: Literal["final", "validation"] = Field(
+        "final", description="which round the tables report: the final one, or the one with the best validation "
+        "accuracy (validation splits are held out of the sites' training data; test data never selects)")
+    references: list[Literal["centralized", "iid_fedavg", "majority", "cluster_majority"]] = Field(
+        default_factory=lambda: list(REFERENCES), description="reference rows of classification tables")
     sweep: list[SweepCase] = Field(default_factory=list, description="cases run by `fedmed sweep CONFIG`")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_workflow(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("methods"), list):
+            data = dict(data)
+            data["methods"] = [({"workflow": "fedavg", **m} if isinstance(m, dict) and "workflow" not in m else m)
+                               for m in data["methods"]]
+        return data
+
     @model_validator(mode="after")
-    def _unique_methods(self):
+    def _consistent(self):
         names = [m.name for m in self.methods]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -130,16 +331,58 @@ class ExperimentConfig(_Strict):
             unknown = sorted(set(c.methods or []) - set(names))
             if unknown:
                 raise ValueError(f"sweep case {c.name!r} names unknown method(s) {unknown}; the config has {names}")
+        fed = self.federation
+        if fed.site_names is not None and fed.partition != "label_volume" and len(fed.site_names) != fed.sites:
+            raise ValueError(f"federation.site_names has {len(fed.site_names)} names but federation.sites is "
+                             f"{fed.sites}")
+        if fed.min_clients > fed.sites:
+            raise ValueError(f"federation.min_clients ({fed.min_clients}) should not exceed federation.sites "
+                             f"({fed.sites})")
+        seg = self.dataset.task == "segmentation"
+        for m in self.methods:
+            if m.workflow in ("seg_assess", "fedavg_w", "seg_clusters", "ditto") and not seg:
+                raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} needs dataset.task: segmentation")
+            if seg and m.workflow in ("fmcl", "pacfl", "fecfl", "cfl", "flux", "ifca"):
+                raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} is for classification, not segmentation")
         return self
 
+    def site_names(self) -> list[str]:
+        """The training sites' names: ``federation.site_names`` or ``site-1..N``."""
+        fed = self.federation
+        return list(fed.site_names) if fed.site_names else [f"site-{k + 1}" for k in range(fed.sites)]
 
-def _format(e: ValidationError, source: str) -> str:
+
+# --------------------------------------------------------------------------------------------- loading
+
+def _method_hint(err: dict, raw: dict) -> str | None:
+    """'omega' on an FMCL method: name the method, the workflow(s) the option belongs to and what it takes."""
+    loc = err["loc"]
+    if err["type"] != "extra_forbidden" or len(loc) < 4 or loc[0] != "methods":
+        return None
+    idx, workflow, opt = loc[1], loc[2], loc[-1]
+    try:
+        name = raw["methods"][idx].get("name", idx)
+    except (KeyError, IndexError, TypeError, AttributeError):
+        name = idx
+    owners = sorted(w for w, m in WORKFLOWS.items() if opt in m.model_fields)
+    where = f" (an option of {', '.join(owners)})" if owners else ""
+    return (f"methods.{name}: option {opt!r}{where} does not apply to workflow {workflow!r}; it takes "
+            f"{', '.join(method_options(workflow))}")
+
+
+def _format(e: ValidationError, source: str, raw: dict | None = None) -> str:
     lines = []
     for err in e.errors():
+        hint = _method_hint(err, raw or {})
+        if hint:
+            lines.append(hint)
+            continue
         loc = ".".join(str(p) for p in err["loc"]) or "(root)"
-        lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})" if err["type"] != "missing"
-                     else f"  {loc}: required key is missing")
-    return f"{source}: invalid configuration\n" + "\n".join(lines)
+        lines.append(f"{loc}: {err['msg']} (got {err.get('input')!r})" if err["type"] != "missing"
+                     else f"{loc}: required key is missing")
+    if len(lines) == 1:
+        return f"{source}: invalid configuration: {lines[0]}"
+    return f"{source}: invalid configuration\n" + "\n".join(f"  {x}" for x in lines)
 
 
 def _key(cur, key: str, dotted: str):
@@ -211,7 +454,7 @@ def load_config(path_or_dict, overrides: list[str] | None = None) -> ExperimentC
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format(e, source)) from None
+        raise ConfigError(_format(e, source, raw)) from None
 
 
 def load_raw(path: Path) -> dict:

@@ -2,8 +2,12 @@
 
 A site's datalist is one JSON file::
 
-    {"site": "site-1", "training": [{"image": "/abs/a.png", "label": 0}, ...],
-     "validation": [...]}              # "validation" is the site's held-out local test split
+    {"site": "site-1", "training": [{"image": "a.png", "label": 0}, ...],
+     "validation": [...],   # held out of training: model/round selection, never reported as a result
+     "test": [...]}         # the site's local test split: what the tables report
+
+Image paths are absolute or relative to the site's data root (by default the datalist's folder;
+see :mod:`fedmed.site_settings`).
 
 plus one ``dataset.json`` beside the site files with ``n_classes``, ``class_names`` and the
 source. :func:`discover` reads the formats in ``../shared/data`` — PNG/JPEG class folders (BUSI,
@@ -139,13 +143,25 @@ def _read_array(item) -> np.ndarray:
         return np.asarray(im.convert("RGB") if im.mode not in ("L", "RGB") else im)
 
 
+def split_sizes(n: int, test_fraction: float, val_fraction: float) -> tuple[int, int]:
+    """(n_test, n_val) of a site with ``n`` samples: ``round(test_fraction n)`` (at least one when
+    ``n >= 2``), then ``round(val_fraction (n - n_test))`` of the rest (at least one when
+    ``val_fraction > 0`` and at least three samples remain); training keeps at least one sample."""
+    n_test = min(max(int(round(test_fraction * n)), 1), n - 1) if n >= 2 else 0
+    rest = n - n_test
+    n_val = 0
+    if val_fraction > 0 and rest >= 3:
+        n_val = min(max(int(round(val_fraction * rest)), 1), rest - 1)
+    return n_test, n_val
+
+
 def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, *, test_fraction: float = 0.2,
-                         seed: int = 0, site_names: Sequence[str] | None = None,
+                         val_fraction: float = 0.0, seed: int = 0, site_names: Sequence[str] | None = None,
                          transforms: Sequence[Callable] | None = None, extra: dict | None = None) -> list[Path]:
     """Write one datalist per site (and ``dataset.json``) for a partition of ``pool``.
 
-    Each site's samples are shuffled (seeded) and ``test_fraction`` of them (at least one when
-    the site has two or more samples) become its local test split (``"validation"``).
+    Each site's samples are shuffled (seeded); :func:`split_sizes` gives its local ``test`` split and
+    a ``validation`` split held out of its training data.
     ``transforms[k](array, label) -> (array, label)`` shifts site ``k``'s images (ANDA); shifted
     and array images are written as PNGs under ``out_dir/images/<site>/``.
 
@@ -159,11 +175,7 @@ def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, 
     paths = []
     for k, (name, idx) in enumerate(zip(names, parts)):
         idx = rng.permutation(np.asarray(idx, dtype=np.int64))
-        n_test = int(round(test_fraction * idx.size))
-        if idx.size >= 2:
-            n_test = min(max(n_test, 1), idx.size - 1)
-        else:
-            n_test = 0
+        n_test, n_val = split_sizes(idx.size, test_fraction, val_fraction)
         entries = []
         for j, i in enumerate(idx):
             item, label = pool.items[i], int(pool.labels[i])
@@ -174,9 +186,10 @@ def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, 
                     arr, label = tf(arr, label)
                 target = out / "images" / name / f"{j:06d}_{int(i)}.png"
                 _save_png(arr, target)
-                item = str(target.resolve())
+                item = str(target.relative_to(out))  # relative to the datalist's folder (the default data root)
             entries.append({"image": item, "label": label})
-        doc = {"site": name, "training": entries[n_test:], "validation": entries[:n_test]}
+        doc = {"site": name, "training": entries[n_test + n_val:], "validation": entries[n_test:n_test + n_val],
+               "test": entries[:n_test]}
         path = out / f"{name}.json"
         path.write_text(json.dumps(doc, indent=1))
         paths.append(path)
@@ -186,42 +199,64 @@ def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, 
     return paths
 
 
-def load_datalist(path, *, task: str = "classification") -> dict:
+SPLITS = ("training", "validation", "test")
+
+
+def load_datalist(path, *, task: str = "classification", root=None, name: str | None = None) -> dict:
     """Read and validate a site datalist (``task="segmentation"``: ``image`` may be a list of
-    files and ``label`` a label-map file).
+    files and ``label`` a label-map file). Relative paths are resolved against ``root`` (default: the
+    datalist's folder). ``name`` is how messages call the file (default: its path).
 
     Raises:
         DataError: missing file, bad JSON, missing keys or malformed entries (naming the file and
             the first bad entry).
     """
     path = Path(path)
+    name = name or str(path)
+    root = Path(root) if root is not None else path.parent
     if not path.is_file():
-        raise DataError(f"{path}: datalist not found")
+        raise DataError(f"{name}: datalist not found")
     try:
         doc = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
+        raise DataError(f"{name}: not valid JSON ({e})") from None
     if not isinstance(doc, dict) or "training" not in doc:
-        raise DataError(f"{path}: datalist should be an object with a 'training' list")
-    for key in ("training", "validation"):
+        raise DataError(f"{name}: datalist should be an object with a 'training' list")
+    unknown = sorted(k for k in doc if isinstance(doc.get(k), list) and k not in SPLITS)
+    if unknown:
+        raise DataError(f"{name}: unknown split(s) {unknown}; a datalist has {list(SPLITS)} "
+                        f"('validation' is held out of training for selection, 'test' is what is reported)")
+    for key in SPLITS:
         entries = doc.setdefault(key, [])
         if not isinstance(entries, list):
-            raise DataError(f"{path}: '{key}' should be a list")
+            raise DataError(f"{name}: '{key}' should be a list")
         for j, e in enumerate(entries):
             if not isinstance(e, dict) or "image" not in e or "label" not in e:
-                raise DataError(f"{path}: {key}[{j}] should have 'image' and 'label', got {e!r}")
+                raise DataError(f"{name}: {key}[{j}] should have 'image' and 'label', got {e!r}")
+            files = ("image", "label", "mask") if task == "segmentation" else ("image",)
+            e.update({k: _resolve(e[k], root) for k in files if k in e})
             if task == "segmentation":
                 continue
             if isinstance(e["label"], bool) or not isinstance(e["label"], int) or e["label"] < 0:
-                raise DataError(f"{path}: {key}[{j}] label should be a non-negative integer, got {e['label']!r}")
+                raise DataError(f"{name}: {key}[{j}] label should be a non-negative integer, got {e['label']!r}")
     return doc
 
 
-def load_images(entries: Sequence[dict], *, image_size: int, channels: int, site: str = "site"):
+def _resolve(v, root: Path):
+    if isinstance(v, list):
+        return [_resolve(x, root) for x in v]
+    if isinstance(v, str) and v and not Path(v).is_absolute():
+        return str(root / v)
+    return v
+
+
+def load_images(entries: Sequence[dict], *, image_size: int, channels: int, site: str = "site",
+                display: Callable[[str], str] = str):
     """Decode, resize and stack a datalist's images: ``(N, C, H, W)`` float32 in [0, 1], labels (N,).
 
     Raises:
-        DataError: ``"<site>: cannot read image <path> (<reason>)"`` for a missing or corrupt file.
+        DataError: ``"<site>: cannot read image <path> (<reason>)"`` for a missing or corrupt file
+            (``display`` turns the path into what the message may show).
     """
     import torch
     from PIL import Image, UnidentifiedImageError
@@ -235,9 +270,10 @@ def load_images(entries: Sequence[dict], *, image_size: int, channels: int, site
                 im = im.convert(mode).resize((image_size, image_size), Image.BILINEAR)
                 arr = np.asarray(im, dtype=np.float32) / 255.0
         except FileNotFoundError:
-            raise DataError(f"{site}: cannot read image {f} (file not found)") from None
+            raise DataError(f"{site}: cannot read image {display(f)} (file not found)") from None
         except (UnidentifiedImageError, OSError, ValueError) as err:
-            raise DataError(f"{site}: cannot read image {f} (corrupt or not an image: {err})") from None
+            raise DataError(f"{site}: cannot read image {display(f)} (corrupt or not an image: "
+                            f"{type(err).__name__})") from None
         xs.append(arr[None] if channels == 1 else arr.transpose(2, 0, 1))
         ys.append(int(e["label"]))
     if not xs:

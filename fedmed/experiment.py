@@ -1,24 +1,26 @@
-"""``fedmed experiment``: run the methods of a config over seeds through ``nvflare simulator``.
+"""``fedmed experiment``: run the methods of a config over seeds as NVFlare simulator jobs.
 
-For each seed the federation is built (seeded partition -> per-site datalists), then every
-method's job is built by ``jobs/build.py`` and run with ``nvflare simulator`` in a subprocess
-(the same exported job folder POC and the admin console accept). Outputs in ``OUT``:
+For each seed the federation is built (seeded partition -> per-site datalists with training,
+validation and test splits), then every method's job is built from the config and run in NVFlare's
+simulator (``jobs/run.py --env sim``, a subprocess: fedmed itself never imports nvflare). While a job
+runs, a line per round is printed (sites answered, mean train loss, validation and test score,
+elapsed, ETA). Outputs in ``OUT``:
 
-* ``results.csv`` — one row per (method, seed, round): per-site mean and std of accuracy,
-  macro-F1, AUC, and the pooled (all test samples) figures;
-* ``summary.md`` / ``summary.csv`` — mean ± std over seeds at each method's best round (the
-  round with the highest seed-mean of the per-site mean accuracy, as FMCL §4.6 selects);
-* ``curves.png`` — learning curves (mean ± std over seeds);
-* ``runs/<seed>/<method>/`` — each job's ``metrics.json`` and simulator log.
+* ``results.csv`` — one row per (method, seed, round), and the reference rows;
+* ``summary.md`` / ``summary.csv`` — mean ± std over seeds at the reported round (``selection``:
+  final, or validation-selected — never test-selected) with reference rows (``fedmed.references``);
+* ``curves.png`` — validation / test / train-loss curves (band: ± std over seeds);
+* ``runs/seed<S>/<method>/`` — each job's server output (``server/``: metrics.json, reports, models,
+  checkpoint), ``run.json`` (fingerprint, status, rows) and the simulator log.
 
-fedmed itself never imports nvflare: jobs are built and run as subprocesses.
+``resume=True`` reuses a finished run whose fingerprint matches, continues a stopped one from its
+checkpoint, and reruns a failed one. A run that does not finish is reported with its reason and
+makes the experiment fail (non-zero exit) after the other runs.
 """
 
 from __future__ import annotations
 
-import csv
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -27,147 +29,211 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ExperimentConfig
+from .config import CLUSTERING_WORKFLOWS, ExperimentConfig
+from .summary import read_results, rows_from_metrics, sweep_stats, sweep_table, write_outputs  # noqa: F401 (re-exported)
 
-__all__ = ["REPO_ROOT", "prepare_federation", "run_experiment", "summarize", "write_outputs"]
+__all__ = ["ExperimentError", "REPO_ROOT", "RunError", "classes_override", "prepare_federation", "run_experiment",
+           "run_fingerprint", "run_job"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CLS_METRICS = ("accuracy", "macro_f1", "auc")
-SEG_METRICS = ("dice_wt", "dice_tc", "dice_et", "dice_mean")
-FIELDS = ["method", "seed", "round", "phase", "accuracy", "macro_f1", "auc", "accuracy_std", "macro_f1_std", "auc_std",
-          "pooled_accuracy", "pooled_macro_f1", "pooled_auc", "ari", "n_sites", "n_failed"]
-SEG_FIELDS = ["method", "seed", "round", *SEG_METRICS, *[f"{m}_std" for m in SEG_METRICS], "n_sites", "n_failed"]
+KILLED = (-9, 137, 247)  # SIGKILL as a return code, through a shell, and as the simulator reports it
 
 
-def prepare_federation(exp: ExperimentConfig, seed: int, out_dir) -> Path:
-    """Partition the dataset for ``seed`` and write the site datalists into ``out_dir``."""
+class RunError(RuntimeError):
+    """A run that did not finish: ``status`` (failed / stopped), ``reason``, and the record so far (``doc``)."""
+
+    def __init__(self, status: str, reason: str, doc: dict | None = None):
+        super().__init__(f"run {status}: {reason}")
+        self.status, self.reason, self.doc = status, reason, doc or {}
+
+
+class ExperimentError(RuntimeError):
+    """Some runs of an experiment did not finish; the message lists them with their reasons."""
+
+
+# --------------------------------------------------------------------------------------------- federations
+
+def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: str | None = None) -> Path:
+    """Partition the dataset for ``seed`` and write the site datalists into ``out_dir`` (``partition``
+    overrides the config's, e.g. ``"iid"`` for the IID reference)."""
     from . import partition as P
     from .data import discover, write_site_datalists
 
     fed = exp.federation
+    part = partition or fed.partition
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
     if exp.dataset.task == "segmentation":
         from .seg_data import discover_subjects, write_seg_federation
 
         d = exp.dataset
         entries = discover_subjects(d.path, d.modalities, d.label_pattern, d.mask_pattern, d.hemispheres)
-        out = Path(out_dir)
-        if out.exists():
-            shutil.rmtree(out)
-        partition = fed.partition if fed.partition in ("iid", "label_volume") else "label_volume"
-        return write_seg_federation(entries, fed.sites, out, partition=partition, region=fed.volume_region,
-                                    test_fraction=fed.test_fraction, seed=seed)
+        return write_seg_federation(entries, fed.sites, out, partition=part if part in ("iid", "label_volume")
+                                    else "label_volume", region=fed.volume_region, test_fraction=fed.test_fraction,
+                                    val_fraction=fed.val_fraction, seed=seed, site_names=exp.site_names())
     pool = discover(exp.dataset.path, max_per_class=exp.dataset.max_per_class, seed=seed)
+    if exp.dataset.classes and exp.dataset.classes != pool.class_names:
+        raise ValueError(f"dataset.classes {exp.dataset.classes} differ from the classes found in {exp.dataset.path} "
+                         f"{pool.class_names}")
     rng = np.random.default_rng(seed)
     transforms = None
-    extra: dict = {"partition": fed.partition, "seed": seed}
-    if fed.partition == "iid":
+    extra: dict = {"partition": part, "seed": seed}
+    if part == "iid":
         parts = P.iid_partition(len(pool.labels), fed.sites, rng)
-    elif fed.partition == "dirichlet":
-        parts = P.dirichlet_label_partition(pool.labels, fed.sites, fed.alpha, rng)
-    elif fed.partition == "quantity":
+    elif part == "dirichlet":
+        parts = P.dirichlet_label_partition(pool.labels, fed.sites, fed.alpha, rng,
+                                            mode={"hsu": "per-site", "per_client": "per-client"}[fed.dirichlet_scheme])
+    elif part == "quantity":
         parts = P.quantity_partition(len(pool.labels), fed.sites, fed.alpha, rng)
-    elif fed.partition == "predi":
+    elif part == "predi":
         res = P.predi(pool.n_classes, fed.sites, fed.predi_prevalence, fed.predi_disparity, rng)
         parts = P.predi_partition(pool.labels, res.assignment, rng, samples_per_cell=None)
         extra.update(prevalence=res.prevalence, disparity=res.disparity)
-    else:  # anda
+    elif part == "anda":
         sites = P.anda_federation(pool.labels, fed.sites + fed.unseen_sites, fed.anda_shift, rng,
                                   level=fed.anda_level, n_groups=fed.anda_groups)
         parts = [s.indices for s in sites]
-        transforms = [(lambda img, lab, s=s: P.apply_anda_transform(img, lab, s)) for s in sites]
+        transforms = [(lambda img, lab, s=s: P.apply_anda_transform(img, lab, s, colour=fed.anda_colour)) for s in sites]
         extra.update(shift=fed.anda_shift, level=fed.anda_level)
-    out = Path(out_dir)
-    if out.exists():
-        shutil.rmtree(out)
-    names = [f"site-{k + 1}" for k in range(len(parts))]
-    if fed.partition == "anda":
+    else:
+        raise ValueError(f"federation.partition {part!r} is for segmentation datasets")
+    names = exp.site_names()
+    if part == "anda":
+        names = names + [f"unseen-{j + 1}" for j in range(fed.unseen_sites)]
         groups = [s.group for s in sites]
         # held-out sites: one per group in turn, taken from the end of the site list
-        unseen: list[str] = []
+        unseen: list[int] = []
         order = list(range(len(names)))[::-1]
         g = 0
         while len(unseen) < fed.unseen_sites:
-            pick = next((k for k in order if groups[k] == g % fed.anda_groups and names[k] not in unseen), None)
+            pick = next((k for k in order if groups[k] == g % fed.anda_groups and k not in unseen), None)
             if pick is not None:
-                unseen.append(names[pick])
+                unseen.append(pick)
             g += 1
-        unseen_names = [f"unseen-{j + 1}" for j in range(len(unseen))]
-        rename = dict(zip(unseen, unseen_names))
-        names = [rename.get(n, n) for n in names]
-        extra.update(groups=dict(zip(names, groups)), unseen_sites=unseen_names)
-    write_site_datalists(pool, parts, out, test_fraction=fed.test_fraction, seed=seed, transforms=transforms,
-                         extra=extra, site_names=names)
+        trained = [k for k in range(len(names)) if k not in unseen]
+        final = [None] * len(names)
+        for j, k in enumerate(trained):
+            final[k] = exp.site_names()[j]
+        for j, k in enumerate(unseen):
+            final[k] = f"unseen-{j + 1}"
+        names = final
+        extra.update(groups=dict(zip(names, groups)), unseen_sites=[f"unseen-{j + 1}" for j in range(len(unseen))])
+    write_site_datalists(pool, parts, out, test_fraction=fed.test_fraction, val_fraction=fed.val_fraction, seed=seed,
+                         transforms=transforms, extra=extra, site_names=names)
     meta_path = out / "dataset.json"
-    import json as _json
-
-    meta = _json.loads(meta_path.read_text())
+    meta = json.loads(meta_path.read_text())
     meta["sites"] = [n for n in names if not n.startswith("unseen-")]
-    meta_path.write_text(_json.dumps(meta, indent=1))
+    meta_path.write_text(json.dumps(meta, indent=1))
     return out
 
 
-def job_clients(job: Path) -> list[str]:
-    meta = json.loads((job / "meta.json").read_text())
-    return sorted({s for t in meta.get("deploy_map", {}).values() for s in t if s not in ("server", "@ALL")})
+# --------------------------------------------------------------------------------------------- one run
+
+def _progress(doc: dict, total: int, t0: float, seen: int, log) -> int:
+    rounds = doc.get("rounds", [])
+    for r in rounds[seen:]:
+        s = r["summary"]
+        mean = s.get("mean", {})
+        done = r["round"] + 1
+        elapsed = time.time() - t0
+        eta = elapsed / max(done, 1) * max(total + 1 - done, 0)
+        key = "dice_mean" if "dice_mean" in mean else "accuracy"
+
+        def pct(k):
+            v = mean.get(k)
+            return f"{100 * v:.1f}%" if isinstance(v, (int, float)) else "n/a"
+
+        loss = mean.get("train_loss")
+        log(f"    round {r['round']}/{total} {r['task']}: {s.get('n_sites', 0)} site(s)"
+            + (f", train loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
+            + f", val {key} {pct('val_' + key)}, test {key} {pct(key)}, {elapsed:.0f} s elapsed"
+            + (f", ETA {eta:.0f} s" if r["task"] == "train" else ""))
+    return len(rounds)
 
 
-def simulator_cmd(job: Path, ws: Path) -> list[str]:
-    clients = job_clients(job)
-    return [str(Path(sys.executable).parent / "nvflare"), "simulator", str(job), "-w", str(ws), "-c", ",".join(clients),
-            "-t", str(len(clients))]
-
-
-def _run(cmd, log: Path, timeout: int) -> float:
-    t0 = time.time()
-    with log.open("w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO_ROOT)
-    if proc.returncode != 0:
-        tail = log.read_text()[-2000:]
-        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}\n--- {log} (tail) ---\n{tail}")
-    return time.time() - t0
+def _explain_exit(rc: int, tail: str, n_sites: int) -> str:
+    if rc in KILLED or "return code -9" in tail or "return code 137" in tail or "return code 247" in tail:
+        return (f"killed by the system (SIGKILL), most likely out of memory: a simulator site process holds about "
+                f"0.3-0.6 GiB, so {n_sites} sites need about {0.6 * n_sites + 1:.0f} GiB (see `dmesg`); run fewer "
+                f"sites or fewer runs at once")
+    return f"the simulator exited with code {rc}"
 
 
 def run_job(config_path: str, overrides: list[str], method: str, seed: int, datalists: Path, work: Path,
-            n_sites: int = 0, timeout: int = 3600, extra_build_args: list[str] | None = None) -> dict:
-    """Build one (method, seed) job with ``jobs/build.py`` and run it in ``nvflare simulator``.
+            n_sites: int = 0, timeout: int = 24 * 3600, *, log=print, resume_from: Path | None = None,
+            sites: list[str] | None = None, test_phase: dict | None = None) -> dict:
+    """Build one (method, seed) job from the config and run it in NVFlare's simulator (``jobs/run.py``).
 
-    Keeps the server's ``fedmed/`` output (metrics.json, reports, plots, tb/, models/) under
-    ``work/server`` and returns the ``metrics.json`` document; the simulator workspace is deleted.
-    ``n_sites`` is informational (the clients come from the job's deploy map).
+    Keeps the server's ``fedmed/`` output (metrics.json, reports, plots, tb/, models/, checkpoint/) under
+    ``work/server``, prints a line per round, and returns the ``metrics.json`` document.
+
+    Raises:
+        RunError: the run stopped or failed (the reason names the sites / the cause; a stopped run's
+            checkpoint stays in ``work/server`` for ``--resume``).
     """
     work.mkdir(parents=True, exist_ok=True)
-    jobs_dir = work / "job"
-    build = [sys.executable, str(REPO_ROOT / "jobs" / "build.py"), "--config", str(config_path), "--datalists",
-             str(datalists), "--out", str(jobs_dir), "--method", method, "--seed", str(seed), *(extra_build_args or [])]
-    for o in overrides:
-        build += ["--set", o]
-    _run(build, work / "build.log", 600)
-    job = next(p for p in jobs_dir.iterdir() if p.is_dir())
     ws = work / "workspace"
     if ws.exists():
         shutil.rmtree(ws)
-    secs = _run(simulator_cmd(job, ws), work / "simulator.log", timeout)
-    produced = ws / "server" / "simulate_job" / "fedmed"
-    metrics = produced / "metrics.json"
-    if not metrics.is_file():
-        raise RuntimeError(f"{job.name}: the simulator finished without writing {metrics}; see {work / 'simulator.log'}")
+    cmd = [sys.executable, str(REPO_ROOT / "jobs" / "run.py"), "--config", str(config_path), "--method", method,
+           "--seed", str(seed), "--env", "sim", "--datalists", str(Path(datalists).resolve()), "--workspace", str(ws),
+           "--jobs-dir", str(work / "job")]
+    for o in overrides:
+        cmd += ["--set", o]
+    if resume_from is not None:
+        staged = work / "resume_from"
+        if staged.exists():
+            shutil.rmtree(staged)
+        shutil.copytree(resume_from, staged)  # the job copies it in; work/server is replaced below
+        cmd += ["--resume-from", str(staged)]
+    if sites:
+        cmd += ["--sites", *sites]
+    if test_phase:
+        cmd += ["--test-phase", json.dumps(test_phase)]
+    total = None
+    t0 = time.time()
+    seen = 0
+    log_path = work / "simulator.log"
+    with log_path.open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        while proc.poll() is None:
+            time.sleep(1.0)
+            if time.time() - t0 > timeout:
+                proc.kill()
+                proc.wait()
+                raise RunError("failed", f"no end after {timeout} s; killed (see {log_path})")
+            hits = list(ws.glob("*/server/simulate_job/fedmed/metrics.json"))
+            if hits:
+                try:
+                    doc = json.loads(hits[0].read_text())
+                except (OSError, ValueError):
+                    continue
+                total = total or doc.get("meta", {}).get("config", {}).get("train", {}).get("rounds")
+                seen = _progress(doc, total or 0, t0, seen, log)
+    text = log_path.read_text()
+    last = next((ln for ln in reversed(text.splitlines()) if ln.startswith("{") and '"status"' in ln), None)
+    if proc.returncode == 2:
+        raise RunError("failed", "the job could not be built: " + (text.strip().splitlines() or ["?"])[-1])
+    if last is None:
+        raise RunError("failed", _explain_exit(proc.returncode, text[-3000:], n_sites) + f" (log: {log_path})")
+    res = json.loads(last)
     keep = work / "server"
-    if keep.exists():
-        shutil.rmtree(keep)
-    shutil.copytree(produced, keep)
-    shutil.copy(metrics, work / "metrics.json")
-    shutil.rmtree(ws, ignore_errors=True)  # workspaces are large; metrics.json and logs are kept
-    doc = json.loads((work / "metrics.json").read_text())
-    doc["wall_seconds"] = secs
+    if res.get("result"):
+        if keep.exists():
+            shutil.rmtree(keep)
+        shutil.copytree(res["result"], keep)
+        shutil.copy(keep / "metrics.json", work / "metrics.json")
+    shutil.rmtree(ws, ignore_errors=True)  # workspaces are large; the server output and the log are kept
+    doc = json.loads((keep / "metrics.json").read_text()) if (keep / "metrics.json").is_file() else {}
+    doc["wall_seconds"] = time.time() - t0
+    if res["status"] != "finished":
+        reason = res["reason"]
+        if "return code" in reason and any(f"return code {c}" in reason for c in KILLED):
+            reason = _explain_exit(-9, reason, n_sites) + f" ({reason})"
+        raise RunError(res["status"], reason, doc)
     return doc
-
-
-def run_test_job(config_path, overrides, method, seed, datalists: Path, work: Path, training: Path, known: dict,
-                 sizes: dict, n_sites: int = 0) -> dict:
-    """The unseen-site job (Flux Algorithm 2, or the baselines' counterpart) after a training job."""
-    extra = ["--test-phase", "--training-result", str(training.resolve()), "--known-clusters", json.dumps(known),
-             "--cluster-sizes", json.dumps(sizes)]
-    return run_job(config_path, overrides, method, seed, datalists, work, n_sites, 1800, extra)
 
 
 def training_assignment(doc: dict, workflow: str) -> dict:
@@ -190,252 +256,64 @@ def known_association(groups: dict, assign: dict, unseen: list) -> dict:
     return out
 
 
-def rows_from_metrics(method: str, seed: int, doc: dict) -> list[dict]:
-    rows = []
-    failed_by_round: dict[int, int] = {}
-    for e in doc.get("errors", []):
-        failed_by_round[e["round"]] = failed_by_round.get(e["round"], 0) + 1
-    for r in doc["rounds"]:
-        s = r["summary"]
-        row = {"method": method, "seed": seed, "round": r["round"], "n_sites": s["n_sites"],
-               "n_failed": failed_by_round.get(r["round"], 0)}
-        keys = SEG_METRICS if any(k.startswith("dice") for k in s["mean"]) else CLS_METRICS
-        for m in keys:
-            row[m] = s["mean"].get(m, float("nan"))
-            row[f"{m}_std"] = s["std"].get(m, float("nan"))
-            if keys is CLS_METRICS:
-                row[f"pooled_{m}"] = s.get("pooled", {}).get(m, float("nan"))
-        row["sites"] = {site: {k: v.get(k) for k in keys} for site, v in r.get("sites", {}).items()}
-        rows.append(row)
-    return rows
-
-
-def _fmt(vals) -> str:
-    vals = [v for v in vals if v is not None and math.isfinite(v)]
-    if not vals:
-        return "n/a"
-    return f"{100 * np.mean(vals):.2f} ± {100 * np.std(vals):.2f}"
-
-
-def _is_seg(rows) -> bool:
-    return bool(rows) and "dice_mean" in rows[0]
-
-
-def summarize_phases(rows: list[dict]) -> str:
-    """Flux-style table: clustering ARI, known-association and test-phase accuracy on unseen sites."""
-    phased = [r for r in rows if r.get("phase")]
-    if not phased:
-        return ""
-    lines = ["| Method | Clustering ARI | Known assoc. acc | Test phase acc | Known assoc. F1 | Test phase F1 |",
-             "|---|---|---|---|---|---|"]
-    for m in dict.fromkeys(r["method"] for r in phased):
-        get = lambda ph, k: [r[k] for r in phased if r["method"] == m and r["phase"] == ph]  # noqa: E731
-        aris = [r["ari"] for r in phased if r["method"] == m and r["phase"] == "test phase"]
-        ari = f"{np.mean(aris):.2f} ± {np.std(aris):.2f}" if aris else "n/a"
-        lines.append(f"| {m} | {ari} | {_fmt(get('known assoc.', 'accuracy'))} | {_fmt(get('test phase', 'accuracy'))} | "
-                     f"{_fmt(get('known assoc.', 'macro_f1'))} | {_fmt(get('test phase', 'macro_f1'))} |")
-    return "\n".join(lines) + "\n"
-
-
-def read_results(path) -> list[dict]:
-    """Rows of a ``results.csv`` written by :func:`write_outputs` (numbers parsed, empty cells dropped)."""
-    rows = []
-    with Path(path).open(newline="") as fh:
-        for r in csv.DictReader(fh):
-            row = {}
-            for k, v in r.items():
-                if v in ("", None):
-                    continue
-                if k in ("method", "phase"):
-                    row[k] = v
-                else:
-                    row[k] = int(v) if k in ("seed", "round", "n_sites", "n_failed") else float(v)
-            rows.append(row)
-    return rows
-
-
-def sweep_table(cases: list[tuple[str, list[str], list[dict]]]) -> str:
-    """One table over a sweep's cases: per case and method, the clustering ARI against the true groups, the
-    trained sites' accuracy at the best round, and the unseen sites' known-association / test-phase accuracy
-    (mean ± std over seeds, accuracies in %)."""
-    lines = ["| Case | Method | Seeds | Clustering ARI | Trained sites acc | Unseen: known assoc. acc | "
-             "Unseen: test phase acc |", "|---|---|---|---|---|---|---|"]
-    for name, sets, rows in cases:
-        summ = {s["method"]: s for s in summarize(rows)}
-        stats = sweep_stats([(name, sets, rows)])
-
-        def cell(panel, m, scale):
-            mu, sd = stats.get(panel, {}).get(name, {}).get(m, (None, None))
-            return "n/a" if mu is None else f"{scale * mu:.2f} ± {scale * sd:.2f}"
-
-        for m in dict.fromkeys(r["method"] for r in rows):
-            s = summ.get(m, {})
-            lines.append(f"| {name} | {m} | {s.get('seeds', 0)} | {cell(ARI_PANEL, m, 1)} | "
-                         f"{s.get('accuracy', 'n/a')} | {cell(KNOWN_PANEL, m, 100)} | {cell(TEST_PANEL, m, 100)} |")
-    return "\n".join(lines) + "\n"
-
-
-TEST_PANEL, KNOWN_PANEL, ARI_PANEL = ("unseen sites: test phase accuracy", "unseen sites: known assoc. accuracy",
-                                      "clustering ARI vs true groups")
-
-
-def sweep_stats(cases: list[tuple[str, list[str], list[dict]]]) -> dict:
-    """The numbers behind :func:`fedmed.plots.plot_sweep`: per panel, case and method, (mean, std) over seeds."""
-    panels = {TEST_PANEL: "test phase", KNOWN_PANEL: "known assoc.", ARI_PANEL: None}
-    out: dict = {p: {} for p in panels}
-    for name, _, rows in cases:
-        for m in dict.fromkeys(r["method"] for r in rows if r.get("phase")):
-            for panel, phase in panels.items():
-                if phase is None:
-                    vals = [r["ari"] for r in rows if r["method"] == m and r.get("phase") == "test phase" and "ari" in r]
-                else:
-                    vals = [r["accuracy"] for r in rows if r["method"] == m and r.get("phase") == phase]
-                vals = [v for v in vals if v is not None and math.isfinite(v)]
-                if vals:
-                    out[panel].setdefault(name, {})[m] = (float(np.mean(vals)), float(np.std(vals)))
-    return {p: v for p, v in out.items() if v}
-
-
-def summarize(rows: list[dict]) -> list[dict]:
-    """Per method: the round with the best seed-mean per-site accuracy (Dice for segmentation),
-    mean ± std over seeds there."""
-    rows = [r for r in rows if not r.get("phase")]
-    if _is_seg(rows):
-        return summarize_seg(rows)
-    out = []
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    for m in methods:
-        mr = [r for r in rows if r["method"] == m]
-        rounds = sorted({r["round"] for r in mr})
-        means = {k: np.nanmean([r["accuracy"] for r in mr if r["round"] == k]) for k in rounds}
-        best = max(rounds, key=lambda k: (means[k] if math.isfinite(means[k]) else -1, -k))
-        at = [r for r in mr if r["round"] == best]
-        last = [r for r in mr if r["round"] == rounds[-1]]
-        out.append({"method": m, "best_round": best, "seeds": len(at),
-                    **{k: _fmt([r[k] for r in at]) for k in ("accuracy", "macro_f1", "auc", "pooled_accuracy",
-                                                             "pooled_macro_f1", "pooled_auc")},
-                    "final_accuracy": _fmt([r["accuracy"] for r in last])})
-    return out
-
-
-def summarize_seg(rows: list[dict]) -> list[dict]:
-    """``004_`` Tables 3/4: Dice at the final round, mean ± std over seeds, plus per-site Dice."""
-    out = []
-    for m in dict.fromkeys(r["method"] for r in rows):
-        mr = [r for r in rows if r["method"] == m]
-        last = max(r["round"] for r in mr)
-        at = [r for r in mr if r["round"] == last]
-        entry = {"method": m, "best_round": last, "seeds": len(at), **{k: _fmt([r[k] for r in at]) for k in SEG_METRICS}}
-        sites = sorted({s for r in at for s in r.get("sites", {})})
-        for s in sites:
-            entry[f"{s} dice_mean"] = _fmt([r["sites"][s]["dice_mean"] for r in at if s in r.get("sites", {})])
-        out.append(entry)
-    return out
-
-
-def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, notes: list[str] | None = None) -> str:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if _is_seg(rows):
-        return write_seg_outputs(rows, out, title=title, command=command, notes=notes)
-    with (out / "results.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r.get(k) for k in FIELDS})
-    summ = summarize(rows)
-    with (out / "summary.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(summ[0]))
-        w.writeheader()
-        w.writerows(summ)
-    head = ("| Method | Best round | Acc (site mean) | Macro-F1 | AUC | Pooled Acc | Pooled F1 | Pooled AUC |\n"
-            "|---|---|---|---|---|---|---|---|\n")
-    body = "".join(f"| {s['method']} | {s['best_round']} | {s['accuracy']} | {s['macro_f1']} | {s['auc']} | "
-                   f"{s['pooled_accuracy']} | {s['pooled_macro_f1']} | {s['pooled_auc']} |\n" for s in summ)
-    text = (f"## {title}\n\nProduced by: `{command}`\n\nValues in %, mean ± std over {summ[0]['seeds']} seed(s) at each "
-            f"method's best round; per-site metrics are averaged over sites first (each site scores the model it is "
-            f"served on its own test split), pooled metrics use all sites' test samples.\n\n" + head + body)
-    phases = summarize_phases(rows)
-    if phases:
-        text += ("\n### Unseen sites (test-time assignment)\n\nAccuracy in %, mean ± std over seeds of the mean over "
-                 "unseen sites (scored on all their data). Known assoc.: the cluster model of the site's true group; "
-                 "test phase: the model the method assigns without labels (Flux: nearest label-free centroid, Eq. 9; "
-                 "FedAvg: the global model; IFCA: the cluster models' outputs weighted by cluster size). ARI: the "
-                 "training clustering against the true groups.\n\n" + phases)
-    if notes:
-        text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-    (out / "summary.md").write_text(text)
-    plot_curves([r for r in rows if not r.get("phase")], out / "curves.png", title)
-    return text
-
-
-def write_seg_outputs(rows, out: Path, *, title: str, command: str, notes=None) -> str:
-    with (out / "results.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=SEG_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    summ = summarize_seg(rows)
-    sites = sorted({k.split(" ")[0] for s in summ for k in s if k.endswith(" dice_mean")})
-    head = ("| Method | WT | TC | ET | Mean Dice |" + "".join(f" {s} |" for s in sites) + "\n"
-            + "|---" * (5 + len(sites)) + "|\n")
-    body = "".join(f"| {s['method']} | {s['dice_wt']} | {s['dice_tc']} | {s['dice_et']} | {s['dice_mean']} |"
-                   + "".join(f" {s.get(f'{x} dice_mean', 'n/a')} |" for x in sites) + "\n" for s in summ)
-    text = (f"## {title}\n\nProduced by: `{command}`\n\nDice in %, at the final round, mean ± std over "
-            f"{summ[0]['seeds']} seed(s); region columns and Mean Dice average the sites (each site scores the model "
-            f"it is served — global, its cluster's, or its Ditto personal model — on its own test cases); the "
-            f"site columns give each site's mean Dice over WT/TC/ET.\n\n" + head + body)
-    if notes:
-        text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-    (out / "summary.md").write_text(text)
-    return text
-
-
-def plot_curves(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for m in dict.fromkeys(r["method"] for r in rows):
-        mr = [r for r in rows if r["method"] == m]
-        rounds = sorted({r["round"] for r in mr})
-        for ax, key in zip(axes, ("accuracy", "pooled_macro_f1")):
-            vals = [[r[key] for r in mr if r["round"] == k] for k in rounds]
-            mu = np.array([np.nanmean(v) for v in vals])
-            sd = np.array([np.nanstd(v) for v in vals])
-            ax.plot(rounds, mu, label=m)
-            ax.fill_between(rounds, mu - sd, mu + sd, alpha=0.15)
-    axes[0].set_ylabel("accuracy (mean over sites)")
-    axes[1].set_ylabel("pooled macro-F1")
-    for ax in axes:
-        ax.set_xlabel("round")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def run_fingerprint(exp, method, seed: int) -> str:
-    """What determines one (seed, method) run: the resolved config (less the other methods, the seed list
-    and the sweep block), the method's settings and the seed. ``--resume`` reuses a run only when this matches.
-    The files under ``dataset.path`` are not hashed: a dataset replaced in place needs a run without ``--resume``."""
+    """What determines one (seed, method) run: the resolved config (less the other methods, the seed list,
+    the sweep block and the reporting choices), the method's settings and the seed. ``--resume`` reuses a
+    run only when this matches. The files under ``dataset.path`` are not hashed: a dataset replaced in
+    place needs a run without ``--resume``."""
     import hashlib
 
-    cfg = exp.model_dump(mode="json", exclude={"methods", "seeds", "sweep", "name"})
-    blob = json.dumps({"config": cfg, "method": method.model_dump(mode="json"), "seed": seed}, sort_keys=True)
+    cfg = exp.model_dump(mode="json", exclude={"methods", "seeds", "sweep", "name", "selection", "references"})
+    blob = json.dumps({"config": cfg, "method": method.model_dump(mode="json") if method is not None else None,
+                       "seed": seed}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = None, methods: list[str] | None = None,
-                   log=print, resume: bool = False) -> list[dict]:
-    """Run every (seed, method) of the config; returns the result rows and writes the outputs.
+# --------------------------------------------------------------------------------------------- experiment
 
-    Each finished run leaves ``runs/seed<S>/<method>/run.json`` (its fingerprint and result rows). With
-    ``resume=True`` a run whose stored fingerprint matches the current config is not run again; its rows are
-    reused (a changed setting, seed or method definition changes the fingerprint, so stale runs are redone).
+def _setup(exp, data_dir: Path) -> list[str]:
+    meta = json.loads((data_dir / "dataset.json").read_text())
+    f, t, m = exp.federation, exp.train, exp.model
+    n_test = []
+    for s in meta["sites"]:
+        doc = json.loads((data_dir / f"{s}.json").read_text())
+        n_test.append(len(doc.get("test", [])))
+    part = f.partition + (f" (alpha {f.alpha}, {f.dirichlet_scheme})" if f.partition == "dirichlet" else "") + \
+        (f" ({f.anda_shift}, level {f.anda_level}, {f.anda_groups} groups)" if f.partition == "anda" else "")
+    out = [f"data {exp.dataset.path}", f"{len(meta['sites'])} sites, {part}",
+           f"test {f.test_fraction:.0%} / validation {f.val_fraction:.0%} of each site ({sum(n_test)} test samples, "
+           f"median {int(np.median(n_test)) if n_test else 0} per site)"]
+    if exp.dataset.task == "classification":
+        out.append(f"{exp.dataset.image_size}x{exp.dataset.image_size}x{exp.dataset.channels}, {m.arch} width {m.width} "
+                   f"({m.norm} norm)")
+    out += [f"{t.rounds} rounds x {t.local_epochs} local epochs, {t.optimizer} lr {t.lr}, batch {t.batch_size}, "
+            f"augment {t.augment}", f"seeds {exp.seeds}", f"k_min {exp.privacy.k_min}, DP "
+            + (f"epsilon {exp.privacy.dp_epsilon}" if exp.privacy.dp_epsilon else "off")]
+    return out
+
+
+def classes_override(data_dir: Path, exp) -> list[str]:
+    """``dataset.classes=[...]`` from a written federation (jobs are built from the config alone)."""
+    if exp.dataset.task != "classification":
+        return []
+    names = json.loads((data_dir / "dataset.json").read_text())["class_names"]
+    return [f"dataset.classes={json.dumps(names)}"]
+
+
+def _load_saved(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = None, methods: list[str] | None = None,
+                   log=print, resume: bool = False, command: str | None = None) -> list[dict]:
+    """Run every (seed, method) of the config and the reference rows; returns the result rows and writes the
+    outputs (see the module notes).
+
+    Raises:
+        ExperimentError: after all runs, when some did not finish (each named with its reason).
     """
     from .config import load_config
 
@@ -445,73 +323,149 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
     if methods and len(chosen) != len(methods):
         raise ValueError(f"unknown method(s) {sorted(set(methods) - {m.name for m in exp.methods})} in {config_path}")
     out = Path(out_dir)
+    command = command or _command(config_path, overrides)
     rows: list[dict] = []
+    problems: list[str] = []
     total = len(exp.seeds) * len(chosen)
     k = 0
+    setup: list[str] = []
+    seg = exp.dataset.task == "segmentation"
     for seed in exp.seeds:
         data_dir = prepare_federation(exp, seed, out / "data" / f"seed{seed}")
-        log(f"[seed {seed}] federation: {exp.federation.sites} sites, {exp.federation.partition} partition -> {data_dir}")
+        meta = json.loads((data_dir / "dataset.json").read_text())
+        log(f"[seed {seed}] federation: {len(meta['sites'])} sites, {exp.federation.partition} partition -> {data_dir}")
+        setup = setup or _setup(exp, data_dir)
+        job_over = overrides + classes_override(data_dir, exp)
+        rows.extend(_references(exp, config_path, job_over, seed, data_dir, out, chosen, log, resume, seg))
         for m in chosen:
             k += 1
             work = out / "runs" / f"seed{seed}" / "".join(c if c.isalnum() else "_" for c in m.name)
             fp = run_fingerprint(exp, m, seed)
-            saved = work / "run.json"
-            if resume and saved.is_file():
-                try:
-                    prev = json.loads(saved.read_text())
-                except (OSError, ValueError):
-                    prev = {}
-                if prev.get("fingerprint") == fp:
-                    rows.extend(prev["rows"])
-                    log(f"[{k}/{total}] seed {seed} {m.name}: finished earlier with the same settings, reused ({saved})")
+            saved = _load_saved(work / "run.json")
+            resume_from = None
+            if resume and saved.get("fingerprint") == fp:
+                if saved.get("status") == "finished":
+                    rows.extend(saved["rows"])
+                    log(f"[{k}/{total}] seed {seed} {m.name}: finished earlier with the same settings, reused")
                     continue
-                log(f"[{k}/{total}] seed {seed} {m.name}: {saved} was made with other settings, running again")
-            if saved.is_file():
-                saved.unlink()
-            first = len(rows)
-            log(f"[{k}/{total}] seed {seed} {m.name} ({m.workflow}, {exp.train.rounds} rounds) ...", )
-            doc = run_job(str(config_path), overrides, m.name, seed, data_dir, work, exp.federation.sites)
-            new = rows_from_metrics(m.name, seed, doc)
-            rows.extend(new)
-            if not new:  # an assessment-only job
-                a = doc.get("assessment", {})
-                log(f"    done in {doc['wall_seconds']:.0f} s: " + "; ".join(
-                    f"{k.upper()} most distant {v.get('most_distant')}, clusters {v.get('clusters')}"
-                    for k, v in a.items() if isinstance(v, dict)) + f" (report: {work / 'server' / 'assessment'})")
-                saved.write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed, "rows": []}))
+                if saved.get("status") == "stopped" and (work / "server" / "checkpoint" / "state.json").is_file():
+                    resume_from = work / "server"
+                    log(f"[{k}/{total}] seed {seed} {m.name}: stopped earlier; resuming from its checkpoint")
+            elif resume and saved:
+                log(f"[{k}/{total}] seed {seed} {m.name}: earlier run made with other settings, running again")
+            (work / "run.json").unlink(missing_ok=True)
+            log(f"[{k}/{total}] seed {seed} {m.name} ({m.workflow}, {exp.train.rounds} rounds) ...")
+            try:
+                doc = run_job(str(config_path), job_over, m.name, seed, data_dir, work, len(meta["sites"]), log=log,
+                              resume_from=resume_from)
+            except RunError as e:
+                work.mkdir(parents=True, exist_ok=True)
+                (work / "run.json").write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed,
+                                                           "status": e.status, "reason": e.reason, "rows": []}))
+                problems.append(f"seed {seed} {m.name}: {e.status}: {e.reason}")
+                log(f"    {e.status}: {e.reason}")
                 continue
-            last = new[-1]
-            errs = len(doc.get("errors", []))
-            meta = json.loads((data_dir / "dataset.json").read_text())
-            if meta.get("unseen_sites") and m.workflow in ("flux", "ifca", "fedavg", "fedprox"):
-                from sklearn.metrics import adjusted_rand_score
+            new = rows_from_metrics(m.name, seed, doc)
+            if m.workflow in CLUSTERING_WORKFLOWS and not seg and "cluster_majority" in exp.references:
+                from .references import cluster_majority_rows, run_clusters
 
-                assign = training_assignment(doc, m.workflow)
-                groups = meta["groups"]
-                trained = sorted(assign)
-                ari = float(adjusted_rand_score([groups[x] for x in trained], [assign[x] for x in trained]))
-                for row in new:
-                    row["ari"] = ari
-                known = known_association(groups, assign, meta["unseen_sites"])
-                sizes = {str(c): sum(1 for v in assign.values() if v == c) for c in set(assign.values())}
-                tdoc = run_test_job(str(config_path), overrides, m.name, seed, data_dir, work / "test_phase",
-                                    work / "server", known, sizes, len(meta["unseen_sites"]))
-                for r in tdoc["rounds"]:
-                    phase = {"test_phase": "test phase", "known_association": "known assoc."}[r["task"]]
-                    rows.append({"method": m.name, "seed": seed, "round": last["round"], "phase": phase, "ari": ari,
-                                 **{k: r["summary"]["mean"].get(k) for k in CLS_METRICS},
-                                 **{f"pooled_{k}": r["summary"].get("pooled", {}).get(k) for k in CLS_METRICS}})
-                log(f"    clustering ARI vs true groups {ari:.2f}; unseen sites: " + ", ".join(
-                    f"{r['task']} accuracy {r['summary']['mean']['accuracy']:.3f}" for r in tdoc["rounds"]))
-            key = "dice_mean" if "dice_mean" in last else "accuracy"
-            log(f"    done in {doc['wall_seconds']:.0f} s: final {key} {last[key]:.3f} (site mean)"
-                + (f", pooled {last['pooled_accuracy']:.3f}" if key == "accuracy" else "")
-                + (f"; {errs} site error(s), see metrics.json" if errs else ""))
-            saved.write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed, "rows": rows[first:]}))
-            write_outputs(rows, out, title=exp.name, command=_command(config_path, overrides))
-    if rows:  # once more, so that a fully reused experiment still has its outputs
-        write_outputs(rows, out, title=exp.name, command=_command(config_path, overrides))
+                new += cluster_majority_rows(m.name, data_dir, run_clusters(doc), len(meta["class_names"]), seed)
+            if meta.get("unseen_sites") and m.workflow in ("flux", "ifca", "fedavg", "fedprox"):
+                new += _unseen(config_path, job_over, m, seed, data_dir, work, doc, meta, log)
+            rows.extend(new)
+            _log_done(m, doc, new, exp.selection, log, work)
+            (work / "run.json").write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed,
+                                                       "status": "finished", "rows": new}))
+            if [r for r in rows if not r.get("phase")]:
+                write_outputs(rows, out, title=exp.name, command=command, selection=exp.selection, setup=setup)
+    if [r for r in rows if not r.get("phase")]:  # once more, so that a fully reused experiment has its outputs
+        write_outputs(rows, out, title=exp.name, command=command, selection=exp.selection, setup=setup,
+                      notes=[f"did not finish: {p}" for p in problems])
+    if problems:
+        raise ExperimentError(f"{len(problems)} run(s) did not finish:\n  " + "\n  ".join(problems))
     return rows
+
+
+def _references(exp, config_path, job_over, seed, data_dir, out, chosen, log, resume, seg) -> list[dict]:
+    """Reference rows of one seed (reused under --resume when the config fingerprint matches)."""
+    from .references import centralized_rows, majority_rows
+
+    wanted = [r for r in exp.references if r != "cluster_majority"]
+    if seg or not wanted:
+        return []
+    work = out / "runs" / f"seed{seed}" / "_references"
+    work.mkdir(parents=True, exist_ok=True)
+    fp = run_fingerprint(exp, None, seed) + ":" + ",".join(wanted)
+    saved = _load_saved(work / "run.json")
+    if resume and saved.get("fingerprint") == fp and saved.get("status") == "finished":
+        log(f"[seed {seed}] references: reused")
+        return saved["rows"]
+    meta = json.loads((data_dir / "dataset.json").read_text())
+    sites, n_classes = meta["sites"], len(meta["class_names"])
+    rows: list[dict] = []
+    if "majority" in wanted:
+        rows += majority_rows(data_dir, sites, n_classes, seed)
+    if "centralized" in wanted:
+        exp_c = exp.model_copy(update={"dataset": exp.dataset.model_copy(update={"classes": meta["class_names"]})})
+        rows += centralized_rows(exp_c, data_dir, sites, seed, log=log)
+    if "iid_fedavg" in wanted and exp.federation.partition != "iid":
+        iid_dir = prepare_federation(exp, seed, out / "data" / f"seed{seed}_iid", partition="iid")
+        over = job_over + ["federation.partition=iid", "federation.unseen_sites=0",
+                           'methods=[{name: "FedAvg (IID)", workflow: fedavg}]']
+        log(f"[seed {seed}] reference: FedAvg on an IID federation ...")
+        try:
+            doc = run_job(str(config_path), over, "FedAvg (IID)", seed, iid_dir, work / "iid_fedavg", len(sites), log=log)
+            rr = rows_from_metrics("FedAvg (IID federation)", seed, doc, kind="reference")
+            rows += rr
+            log(f"    FedAvg (IID): final test accuracy {100 * rr[-1]['accuracy']:.2f}% (site mean)")
+        except RunError as e:
+            log(f"    IID FedAvg reference {e.status}: {e.reason}")
+    (work / "run.json").write_text(json.dumps({"fingerprint": fp, "status": "finished", "rows": rows}))
+    return rows
+
+
+def _unseen(config_path, job_over, m, seed, data_dir, work, doc, meta, log) -> list[dict]:
+    from sklearn.metrics import adjusted_rand_score
+
+    assign = training_assignment(doc, m.workflow)
+    groups = meta["groups"]
+    trained = sorted(assign)
+    ari = float(adjusted_rand_score([groups[x] for x in trained], [assign[x] for x in trained]))
+    known = known_association(groups, assign, meta["unseen_sites"])
+    sizes = {str(c): sum(1 for v in assign.values() if v == c) for c in set(assign.values())}
+    test = {"training_result": str((work / "server").resolve()), "known_clusters": known, "cluster_sizes": sizes}
+    tdoc = run_job(str(config_path), job_over, m.name, seed, data_dir, work / "test_phase", len(meta["unseen_sites"]),
+                   log=lambda *_: None, sites=meta["unseen_sites"], test_phase=test)
+    rows = []
+    for r in tdoc["rounds"]:
+        phase = {"test_phase": "test phase", "known_association": "known assoc."}[r["task"]]
+        rows.append({"method": m.name, "kind": "method", "seed": seed, "round": doc["rounds"][-1]["round"], "phase": phase,
+                     "ari": ari, **{k: r["summary"]["mean"].get(k) for k in CLS_METRICS},
+                     **{f"pooled_{k}": (r["summary"].get("pooled") or {}).get(k) for k in CLS_METRICS}})
+    log(f"    clustering ARI vs true groups {ari:.2f}; unseen sites: " + ", ".join(
+        f"{r['task']} accuracy {100 * r['summary']['mean']['accuracy']:.2f}%" for r in tdoc["rounds"]))
+    return rows
+
+
+def _log_done(m, doc, new, selection, log, work):
+    from .summary import reported_rows
+
+    runs = [r for r in new if not r.get("phase") and r.get("kind") == "method"]
+    errs = len(doc.get("errors", []))
+    if not runs:  # an assessment-only job
+        a = doc.get("assessment", {})
+        log(f"    done in {doc.get('wall_seconds', 0):.0f} s: " + "; ".join(
+            f"{k.upper()} most distant {v.get('most_distant')}, clusters {v.get('clusters')}"
+            for k, v in a.items() if isinstance(v, dict) and "most_distant" in v)
+            + f" (report: {work / 'server' / 'assessment'})")
+        return
+    row = next(iter(reported_rows(runs, selection).values()))
+    key = "dice_mean" if row.get("dice_mean") is not None else "accuracy"
+    label = "final" if selection == "final" else "validation-selected"
+    log(f"    done in {doc.get('wall_seconds', 0):.0f} s: {label} round {row['round']}: test {key} "
+        f"{100 * row[key]:.2f}% (site mean)" + (f", pooled {100 * row['pooled_accuracy']:.2f}%"
+                                                if row.get("pooled_accuracy") is not None else "")
+        + (f"; {errs} site error(s), see metrics.json" if errs else ""))
 
 
 def _command(config_path, overrides) -> str:

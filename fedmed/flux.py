@@ -20,7 +20,8 @@ Readings where the paper is ambiguous (documented and tested):
   **standard deviation** (``second_moment="std"``, default); then, for diagonal Gaussians,
   ``||d1 - d2||^2 = ||mu1 - mu2||^2 + ||s1 - s2||^2`` *is* the squared 2-Wasserstein distance
   of Proposition C.1. ``second_moment="var"`` sends variances instead.
-* *Absent classes.* A class with no sample at a site contributes zeros to its slot.
+* *Absent classes.* A class with no sample at a site (or fewer than ``k_min``) contributes zeros to
+  its slot (``absent="minus_one"``: the official code's -1 fill, also for a one-sample class).
 * *Range(g_i)* for DP: the range of projected coordinate ``j`` over the global box,
   ``sum_i |V_ji| (m+_i - m-_i)`` — data independent, so the noise scale leaks nothing. Latents
   are clipped to the box before projection so the bound holds for late-joining sites too.
@@ -152,7 +153,8 @@ def _moments(x: np.ndarray, second: str) -> tuple[np.ndarray, np.ndarray]:
 
 def flux_descriptor(latents, pca: SharedPCA, labels=None, *, n_classes: int | None = None,
                     second_moment: str = "std", dp_epsilon: float | None = None,
-                    rng: np.random.Generator | None = None, site: str = "site") -> FluxDescriptor:
+                    rng: np.random.Generator | None = None, site: str = "site", k_min: int = 1,
+                    absent: str = "zeros") -> FluxDescriptor:
     """S3 (+ optional S4): the descriptor of one site's latents.
 
     Args:
@@ -163,6 +165,10 @@ def flux_descriptor(latents, pca: SharedPCA, labels=None, *, n_classes: int | No
         second_moment: ``"std"`` (default) or ``"var"`` — see the module notes.
         dp_epsilon: Laplace-mechanism budget; ``None`` disables S4.
         rng: generator for the DP noise (required when ``dp_epsilon`` is set).
+        k_min: minimum group size: a class with fewer samples is sent as absent (its moments would
+            describe fewer than ``k_min`` patients); the site needs ``k_min`` samples in all.
+        absent: what an absent class's slot holds: ``"zeros"`` (fedmed) or ``"minus_one"`` (the
+            official code's -1 fill).
 
     Returns:
         :class:`FluxDescriptor`. ``warnings`` notes e.g. fewer samples than the ``l`` PCA
@@ -173,7 +179,11 @@ def flux_descriptor(latents, pca: SharedPCA, labels=None, *, n_classes: int | No
     """
     if second_moment not in ("std", "var"):
         raise ValueError(f"second_moment should be 'std' or 'var', got {second_moment!r}.")
+    if absent not in ("zeros", "minus_one"):
+        raise ValueError(f"absent should be 'zeros' or 'minus_one', got {absent!r}.")
     z = _check_latents(latents, site)
+    if z.shape[0] < k_min:
+        raise ValueError(f"{site}: {z.shape[0]} samples < k_min={k_min}; no descriptor can be sent.")
     if z.shape[1] != pca.mean.size:
         raise ValueError(f"{site}: latents have dimension {z.shape[1]} but the shared PCA expects {pca.mean.size}.")
     proj = pca.project(z)
@@ -194,15 +204,21 @@ def flux_descriptor(latents, pca: SharedPCA, labels=None, *, n_classes: int | No
             raise ValueError(f"{site}: labels should be ({z.shape[0]},), got shape {y.shape}.")
         if y.size and (y.min() < 0 or y.max() >= n_classes):
             raise ValueError(f"{site}: labels should lie in [0, {n_classes}), got range [{y.min()}, {y.max()}].")
+        fill = 0.0 if absent == "zeros" else -1.0
+        withheld = []
         for u in range(int(n_classes)):
             sel = proj[y == u]
-            if sel.shape[0] == 0:
-                parts += [np.zeros(l), np.zeros(l)]
+            if 0 < sel.shape[0] < k_min:
+                withheld.append(u)
+            if sel.shape[0] < max(k_min, 1) or (absent == "minus_one" and sel.shape[0] < 2):
+                parts += [np.full(l, fill), np.full(l, fill)]
                 counts += [0, 0]
             else:
                 mu_u, s_u = _moments(sel, second_moment)
                 parts += [mu_u, s_u]
                 counts += [sel.shape[0], sel.shape[0]]
+        if withheld:
+            warnings.append(f"{site}: class(es) {withheld} sent as absent (fewer than k_min={k_min} samples)")
     vec = np.concatenate(parts)
     if dp_epsilon is not None:
         check_finite_number(dp_epsilon, "dp_epsilon", low=0.0, low_inclusive=False)
@@ -239,20 +255,27 @@ def assign_nearest(descriptor, centroids) -> int:
     return int(np.argmin(np.linalg.norm(C - d, axis=1)))
 
 
-def should_start_clustering(accuracies, total_rounds: int, *, threshold: float = 0.06) -> bool:
+def should_start_clustering(accuracies, total_rounds: int, *, threshold: float = 0.06, rule: str = "paper") -> bool:
     """Eq. 14: start clustering at round ``r = len(accuracies)`` (1-based) when ``r >= 3`` and
-    either the smallest accuracy gain ``A(r') - A(r'-1)`` over ``3 <= r' <= r`` is below ``T``,
+    either the smallest accuracy gain ``A(r') - A(r'-1)`` over the gains considered is below ``T``,
     or ``r >= 0.8 R``.
+
+    ``rule="paper"`` considers the gains of rounds ``3 <= r' <= r`` (Eq. 14's ``min_{r' in [3, r]}``);
+    ``rule="official"`` also counts the round-2 gain ``A(2) - A(1)``, as the authors' code does
+    (docs/readings.md: the two differ whenever round 2 gained less than ``T`` and later rounds did not).
 
     Args:
         accuracies: global-model accuracy after rounds 1..r (fractions, as in ``T = 0.06``).
         total_rounds: ``R``.
         threshold: ``T`` (0.06 in the paper).
     """
+    if rule not in ("paper", "official"):
+        raise ValueError(f"rule should be 'paper' or 'official', got {rule!r}.")
     acc = [float(a) for a in accuracies]
     r = len(acc)
     check_finite_number(total_rounds, "total_rounds", low=1, integer=True)
     if r < 3:
         return False
-    gains = [acc[k - 1] - acc[k - 2] for k in range(3, r + 1)]
+    first = 3 if rule == "paper" else 2
+    gains = [acc[k - 1] - acc[k - 2] for k in range(first, r + 1)]
     return bool(min(gains) < threshold or r >= 0.8 * total_rounds)

@@ -9,6 +9,11 @@ class), a histogram of predicted probabilities in 100 bins — never per-sample 
 accuracy and macro-F1 over all classes from the summed confusion matrix, and one-vs-rest AUC
 from the summed histograms (ties within a bin count one half; the error against the exact AUC
 is below the bin width).
+
+Minimum group size (``k_min``, docs/privacy.md): a site's metrics over fewer than ``k_min`` test
+samples are withheld (NaN, nothing sent), and a confusion-matrix / score-histogram row of a class
+with fewer than ``k_min`` test samples is zeroed; ``withheld`` counts the samples left out, so a
+pooled figure says how much of the test data it covers.
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ __all__ = ["N_BINS", "auc_from_histograms", "pooled_metrics", "site_metrics"]
 N_BINS = 100
 
 
-def site_metrics(y_true, prob, n_classes: int) -> dict:
+def site_metrics(y_true, prob, n_classes: int, *, k_min: int = 1) -> dict:
     """Metrics and the aggregates (confusion, score histograms) of one site's predictions.
 
     Args:
         y_true: (n,) labels.
         prob: (n, C) predicted class probabilities.
+        k_min: minimum group size (see the module notes).
     """
     from sklearn.metrics import f1_score, roc_auc_score
 
@@ -34,9 +40,9 @@ def site_metrics(y_true, prob, n_classes: int) -> dict:
     C = int(n_classes)
     conf = np.zeros((C, C), dtype=np.int64)
     hist = np.zeros((C, C, N_BINS), dtype=np.int64)
-    if y.size == 0:
+    if y.size == 0 or y.size < k_min:
         return {"accuracy": float("nan"), "macro_f1": float("nan"), "auc": float("nan"), "n_test": 0,
-                "confusion": conf, "score_hist": hist}
+                "confusion": conf, "score_hist": hist, "withheld": int(y.size)}
     pred = p.argmax(1)
     np.add.at(conf, (y, pred), 1)
     bins = np.clip((p * N_BINS).astype(int), 0, N_BINS - 1)
@@ -50,8 +56,12 @@ def site_metrics(y_true, prob, n_classes: int) -> dict:
         else:
             aucs = [roc_auc_score(y == c, p[:, c]) for c in present]
             auc = float(np.mean(aucs))
+    small = conf.sum(axis=1) < k_min
+    withheld = int(conf[small].sum())
+    conf[small] = 0
+    hist[small] = 0
     return {"accuracy": float((pred == y).mean()), "macro_f1": float(f1_score(y, pred, average="macro")),
-            "auc": auc, "n_test": int(y.size), "confusion": conf, "score_hist": hist}
+            "auc": auc, "n_test": int(y.size), "confusion": conf, "score_hist": hist, "withheld": withheld}
 
 
 def auc_from_histograms(pos: np.ndarray, neg: np.ndarray) -> float:

@@ -67,16 +67,21 @@ def dirichlet_label_partition(labels, n_sites: int, alpha: float, seed, *, mode:
                               min_size: int = 2, max_retries: int = 10) -> list[np.ndarray]:
     """Dirichlet label skew.
 
-    ``mode="per-site"`` (default; Hsu, Qi & Brown 2019): every site gets ``N / n_sites`` samples
-    (sizes differ by at most one) whose class mix is ``q_k ~ Dir(alpha * p)``, ``p`` the pooled
-    class frequencies; samples are drawn without replacement, and a class whose pool runs out is
-    dropped from later draws (its probability mass renormalised over the rest). Every sample is
-    assigned and no site is empty, which the per-class form cannot guarantee for small label
-    sets: BUSI (3 classes) over 20 sites at ``alpha = 0.1`` leaves about 6 sites empty per draw.
+    ``mode="per-site"`` (default; Hsu, Qi & Brown 2019, as FMCL §4.2 uses it): every site gets
+    ``N / n_sites`` samples (sizes differ by at most one) whose class mix is ``q_k ~ Dir(alpha * p)``,
+    ``p`` the pooled class frequencies. ``mode="per-client"`` is the same with ``q_k ~ Dir(alpha * 1)``
+    (FedLab's client-level Dirichlet): on C balanced classes, Hsu's ``alpha`` equals ``C x`` this one's
+    (at alpha = 1 on 10 classes a site holds ~3.9 vs ~9.5 classes). Samples are drawn without
+    replacement **one at a time, the sites taking turns in a fresh random order each turn**, so a class
+    running out hurts every site alike; filling the sites one after the other (the usual code) leaves
+    the last sites with whatever is left and makes them markedly more skewed (docs/readings.md). A
+    class whose pool is empty is dropped from later draws (its probability mass renormalised over the
+    rest). Every sample is assigned and no site is empty, which the per-class form cannot guarantee
+    for small label sets: BUSI (3 classes) over 20 sites at ``alpha = 0.1`` leaves about 6 sites empty.
 
-    ``mode="per-class"`` (NIID-Bench / FedLab): each class's samples are split over sites with
-    proportions ``~ Dir(alpha)`` (sites already holding ``N / n_sites`` samples get no share of
-    later classes); redrawn at most ``max_retries`` times until every site has ``min_size``.
+    ``mode="per-class"`` (NIID-Bench): each class's samples are split over sites with proportions
+    ``~ Dir(alpha)`` (sites already holding ``N / n_sites`` samples get no share of later classes);
+    redrawn at most ``max_retries`` times until every site has ``min_size``.
 
     Raises:
         ValueError: bad arguments, or (per-class) a site still under ``min_size`` after
@@ -85,32 +90,33 @@ def dirichlet_label_partition(labels, n_sites: int, alpha: float, seed, *, mode:
     y = np.asarray(labels)
     if y.ndim != 1 or y.size == 0:
         raise ValueError(f"labels should be a non-empty 1-D array, got shape {y.shape}.")
-    if mode not in ("per-site", "per-class"):
-        raise ValueError(f"mode should be 'per-site' or 'per-class', got {mode!r}.")
+    if mode not in ("per-site", "per-client", "per-class"):
+        raise ValueError(f"mode should be 'per-site', 'per-client' or 'per-class', got {mode!r}.")
     n_sites = _check_sites(n_sites, y.size)
     check_finite_number(alpha, "alpha", low=0.0, low_inclusive=False)
     check_finite_number(min_size, "min_size", low=0, integer=True)
     check_finite_number(max_retries, "max_retries", low=1, integer=True)
     rng = as_rng(seed)
     classes = np.unique(y)
-    if mode == "per-site":
+    if mode in ("per-site", "per-client"):
         pools = [list(rng.permutation(np.flatnonzero(y == c))) for c in classes]
         prior = np.array([len(p) for p in pools], dtype=np.float64) / y.size
-        sizes = [len(a) for a in np.array_split(np.arange(y.size), n_sites)]
-        parts = []
-        for size in sizes:
-            q = rng.dirichlet(np.maximum(alpha * prior, 1e-12))
-            got: list[int] = []
-            while len(got) < size:
-                avail = np.array([len(p) > 0 for p in pools])
-                w = q * avail
-                w = w / w.sum() if w.sum() > 0 else avail / avail.sum()
-                counts = rng.multinomial(size - len(got), w)
-                for c, k in enumerate(counts):
-                    take = min(int(k), len(pools[c]))
-                    got.extend(pools[c][:take])
-                    del pools[c][:take]
-            parts.append(np.sort(np.asarray(got, dtype=np.int64)))
+        if mode == "per-client":
+            prior = np.ones(len(classes))
+        sizes = np.array([len(a) for a in np.array_split(np.arange(y.size), n_sites)])
+        q = np.stack([rng.dirichlet(np.maximum(alpha * prior, 1e-12)) for _ in range(n_sites)])
+        got: list[list[int]] = [[] for _ in range(n_sites)]
+        avail = np.array([len(p) for p in pools], dtype=np.float64)
+        for turn in range(int(sizes.max())):
+            for k in rng.permutation(n_sites):
+                if turn >= sizes[k]:
+                    continue
+                w = q[k] * (avail > 0)
+                w = w / w.sum() if w.sum() > 0 else (avail > 0) / (avail > 0).sum()
+                c = int(rng.choice(len(pools), p=w))
+                got[k].append(pools[c].pop())
+                avail[c] -= 1
+        parts = [np.sort(np.asarray(g, dtype=np.int64)) for g in got]
         if min(len(p) for p in parts) < min_size:
             raise ValueError(f"{y.size} samples over {n_sites} sites leave fewer than min_size={min_size} per site.")
         return parts
@@ -461,14 +467,18 @@ def anda_federation(labels, n_sites: int, shift: str, seed, *, level: int = 3, n
     return sites
 
 
-def apply_anda_transform(image: np.ndarray, label: int, spec: SiteShift) -> tuple[np.ndarray, int]:
+def apply_anda_transform(image: np.ndarray, label: int, spec: SiteShift, *, colour: str = "channel") -> tuple[np.ndarray, int]:
     """Apply a site's shift to one image (H, W) or (H, W, C) uint8/float, and map its label.
 
     Rotation is about the centre with the same canvas size (scipy ``ndimage.rotate``,
-    ``reshape=False``); colour keeps one RGB channel of the grayscale intensity.
+    ``reshape=False``). Colour (docs/readings.md): ``colour="channel"`` (fedmed's default) keeps the
+    grayscale intensity in the site's RGB channel and zeros the others; ``colour="anda"`` is ANDA's
+    code: the site's channel is set to full intensity and the gray image is kept in the other two.
     """
     from scipy import ndimage
 
+    if colour not in ("channel", "anda"):
+        raise ValueError(f"colour should be 'channel' or 'anda', got {colour!r}.")
     img = np.asarray(image)
     lab = int(label)
     angle = spec.rotation + spec.class_rotation.get(lab, 0)
@@ -480,8 +490,14 @@ def apply_anda_transform(image: np.ndarray, label: int, spec: SiteShift) -> tupl
             img = ndimage.rotate(img, angle, axes=(1, 0), reshape=False, order=1, mode="constant")
     if spec.color is not None:
         gray = img.mean(axis=2).astype(img.dtype) if img.ndim == 3 else img
-        rgb = np.zeros(gray.shape + (3,), dtype=img.dtype)
-        rgb[..., {"red": 0, "green": 1, "blue": 2}[spec.color]] = gray
+        ch = {"red": 0, "green": 1, "blue": 2}[spec.color]
+        if colour == "channel":
+            rgb = np.zeros(gray.shape + (3,), dtype=img.dtype)
+            rgb[..., ch] = gray
+        else:
+            full = 255 if np.issubdtype(img.dtype, np.integer) else 1.0
+            rgb = np.repeat(gray[..., None], 3, axis=2)
+            rgb[..., ch] = full
         img = rgb
     return img, spec.label_map.get(lab, lab)
 

@@ -1,24 +1,33 @@
 """Per-round metrics: what the server records, summarises and writes (JSON, TensorBoard).
 
 Evaluation convention (every workflow): each site scores the model it is served (the global
-model for FedAvg, its cluster's model later) on its own test split. A round's summary is the
-mean ± std over sites of the per-site metrics, and the pooled figure over all test samples
-(from the sites' confusion matrices and score histograms, see :mod:`fedmed.metrics`).
+model for FedAvg, its cluster's model later) on its own validation split (held out of training;
+``val_*`` metrics, the only ones that may select a round) and its test split (what tables report).
+A round's summary is the mean ± std over sites of the per-site metrics, and the pooled figure over
+all test samples (from the sites' confusion matrices and score histograms, see
+:mod:`fedmed.metrics`; ``pooled_val`` likewise for validation samples).
+
+``metrics.json`` is strict JSON (NaN and inf are written as ``null``) and carries the run's
+``status`` (``running``, ``finished``, ``stopped`` or ``failed``, with ``reason``) and its
+``attempts`` (which rounds ran in which attempt, when a run was resumed from a checkpoint).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
 
 from .metrics import pooled_metrics
 
-__all__ = ["METRICS", "Recorder", "summarize_sites"]
+__all__ = ["METRICS", "Recorder", "strict_json", "summarize_sites"]
 
 METRICS = ("accuracy", "macro_f1", "auc")
+_AGGREGATES = ("confusion", "score_hist", "val_confusion", "val_score_hist")
+_NOT_METRICS = ("n_test", "val_n_test", "cluster", "withheld", "val_withheld", "steps", "n_train") + _AGGREGATES
 
 
 def _finite(xs):
@@ -29,7 +38,7 @@ def metric_keys(sites: dict[str, dict]) -> list[str]:
     keys = []
     for s in sites.values():
         for k, v in s.items():
-            if k not in keys and k not in ("n_test", "cluster", "confusion", "score_hist") and isinstance(v, (int, float)):
+            if k not in keys and k not in _NOT_METRICS and isinstance(v, (int, float)):
                 keys.append(k)
     return keys or list(METRICS)
 
@@ -41,10 +50,32 @@ def summarize_sites(sites: dict[str, dict]) -> dict:
         vals = _finite([s.get(m) for s in sites.values()])
         out["mean"][m] = float(np.mean(vals)) if vals else float("nan")
         out["std"][m] = float(np.std(vals)) if vals else float("nan")
-    confs = [s["confusion"] for s in sites.values() if "confusion" in s]
-    hists = [s["score_hist"] for s in sites.values() if "score_hist" in s]
-    out["pooled"] = pooled_metrics(confs, hists) if confs else {}
+    for pre, key in (("", "pooled"), ("val_", "pooled_val")):
+        confs = [s[pre + "confusion"] for s in sites.values() if pre + "confusion" in s]
+        hists = [s[pre + "score_hist"] for s in sites.values() if pre + "score_hist" in s]
+        if confs:
+            out[key] = pooled_metrics(confs, hists)
+            out[key]["withheld"] = int(sum(s.get(pre + "withheld", 0) or 0 for s in sites.values()))
+        elif key == "pooled":
+            out[key] = {}
     return out
+
+
+def strict_json(obj) -> object:
+    """A copy of ``obj`` that ``json.dumps(allow_nan=False)`` accepts: arrays as lists, NaN/inf as None."""
+    if isinstance(obj, dict):
+        return {str(k): strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return strict_json(obj.tolist())
+    if isinstance(obj, (np.integer, np.bool_)):
+        return obj.item()
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
 
 
 class Recorder:
@@ -53,8 +84,9 @@ class Recorder:
     def __init__(self, out_dir, *, tensorboard: bool = True, meta: dict | None = None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.doc = {"rounds": [], "errors": [], "meta": meta or {}}
+        self.doc = {"status": "running", "reason": "", "rounds": [], "errors": [], "attempts": [], "meta": meta or {}}
         self._tb = None
+        self._t0 = time.time()
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -63,6 +95,34 @@ class Recorder:
             except Exception:  # tensorboard is optional for the JSON record
                 self._tb = None
 
+    # ------------------------------------------------------------------ attempts and status
+    def begin_attempt(self, first_round: int) -> None:
+        self.doc["attempts"].append({"attempt": len(self.doc["attempts"]) + 1, "first_round": int(first_round),
+                                     "rounds": [], "status": "running"})
+        self.write()
+
+    def resume_from(self, doc: dict, next_round: int) -> None:
+        """Continue the record of an earlier attempt (checkpoint up to ``next_round - 1``)."""
+        keep = {k: v for k, v in doc.items() if k not in ("status", "reason", "meta")}
+        keep["rounds"] = [r for r in doc.get("rounds", []) if r["round"] < next_round]
+        self.doc.update(keep)
+        for a in self.doc["attempts"]:
+            if a.get("status") == "running":
+                a["status"] = "stopped"
+        self.begin_attempt(next_round)
+
+    def finish(self, status: str, reason: str = "") -> None:
+        self.doc["status"], self.doc["reason"] = status, reason
+        if self.doc["attempts"]:
+            self.doc["attempts"][-1].update(status=status, reason=reason)
+        self.doc["wall_seconds"] = time.time() - self._t0
+        self.write()
+
+    def error(self, round_, site: str, task: str, message: str) -> None:
+        self.doc["errors"].append({"round": round_, "site": site, "task": task, "error": message})
+        self.write()
+
+    # ------------------------------------------------------------------ rounds
     def record(self, round_: int, results: list[tuple[str, dict, dict]], *, task: str = "train") -> list[str]:
         """Record ``(site, metrics, meta)`` triples of one round; returns the sites that succeeded."""
         sites, ok = {}, []
@@ -72,21 +132,32 @@ class Recorder:
                 continue
             ok.append(site)
             entry = {m: float(v) for m, v in metrics.items() if isinstance(v, (int, float)) and m != "failed"}
-            entry.update(n_test=meta.get("n_test"), cluster=meta.get("cluster"))
-            if meta.get("confusion") is not None:
-                entry["confusion"] = np.asarray(meta["confusion"]).tolist()
-                entry["score_hist"] = np.asarray(meta["score_hist"]).tolist()
+            entry.update({k: meta.get(k) for k in ("n_test", "val_n_test", "n_train", "withheld", "val_withheld")
+                          if meta.get(k) is not None})
+            entry["cluster"] = meta.get("cluster")
+            for k in _AGGREGATES:
+                if meta.get(k) is not None:
+                    entry[k] = np.asarray(meta[k]).tolist()
             sites[site] = entry
         summary = summarize_sites(sites)
         for entry in sites.values():  # the histograms served the pooled AUC; keep the record small
             entry.pop("score_hist", None)
-        self.doc["rounds"].append({"round": round_, "task": task, "sites": sites, "summary": summary})
+            entry.pop("val_score_hist", None)
+        attempt = self.doc["attempts"][-1]["attempt"] if self.doc["attempts"] else 1
+        self.doc["rounds"].append({"round": round_, "task": task, "attempt": attempt, "sites": sites,
+                                   "summary": summary, "elapsed": time.time() - self._t0})
+        if self.doc["attempts"]:
+            self.doc["attempts"][-1]["rounds"].append(round_)
         if self._tb is not None:
-            for m in summary["mean"]:
-                for kind in ("mean", "pooled"):
-                    v = summary.get(kind, {}).get(m)
-                    if v is not None and math.isfinite(v):
-                        self._tb.add_scalar(f"{kind}/{m}", v, round_)
+            for m, v in summary["mean"].items():
+                if v is not None and math.isfinite(v):
+                    group = "train" if m == "train_loss" else ("val" if m.startswith("val_") else "test")
+                    name = m[4:] if m.startswith("val_") else m
+                    self._tb.add_scalar(f"{group}/{name}_site_mean", v, round_)
+            for key in ("pooled", "pooled_val"):
+                for m, v in (summary.get(key) or {}).items():
+                    if m in METRICS and v is not None and math.isfinite(v):
+                        self._tb.add_scalar(f"{'val' if key == 'pooled_val' else 'test'}/{m}_pooled", v, round_)
             self._tb.flush()
         self.write()
         return ok
@@ -96,10 +167,10 @@ class Recorder:
         self.write()
 
     def write(self) -> None:
-        from .io import json_default
-
-        slim = json.loads(json.dumps(self.doc, default=json_default))
-        (self.out_dir / "metrics.json").write_text(json.dumps(slim, indent=1))
+        text = json.dumps(strict_json(self.doc), indent=1, allow_nan=False)
+        tmp = self.out_dir / "metrics.json.tmp"
+        tmp.write_text(text)
+        tmp.replace(self.out_dir / "metrics.json")
 
     def close(self):
         if self._tb is not None:

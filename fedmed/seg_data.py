@@ -55,7 +55,8 @@ def region_volume(entry: dict, region: str = "WT") -> float:
 
 
 def write_seg_federation(entries: list[dict], n_sites: int, out_dir, *, partition: str = "label_volume",
-                         region: str = "WT", test_fraction: float = 0.25, seed: int = 0) -> Path:
+                         region: str = "WT", test_fraction: float = 0.25, val_fraction: float = 0.0, seed: int = 0,
+                         site_names: list[str] | None = None) -> Path:
     """Split samples into sites and write ``<site>.json`` + ``dataset.json``.
 
     ``label_volume`` (``004_`` App. D): samples ordered by lesion volume, contiguous blocks form
@@ -71,14 +72,15 @@ def write_seg_federation(entries: list[dict], n_sites: int, out_dir, *, partitio
         parts = iid_partition(len(entries), n_sites, seed)
     else:
         raise DataError(f"segmentation federations support partition label_volume or iid, got {partition!r}")
+    from .data import split_sizes
+
     rng = np.random.default_rng(seed)
-    names = [f"site-{k + 1}" for k in range(n_sites)]
+    names = list(site_names) if site_names else [f"site-{k + 1}" for k in range(n_sites)]
     for name, idx in zip(names, parts):
-        idx = list(idx)
-        n_test = min(max(1, int(round(test_fraction * len(idx)))), len(idx) - 1) if len(idx) > 1 else 0
-        test = set(rng.choice(idx, size=n_test, replace=False).tolist()) if n_test else set()
-        doc = {"site": name, "training": [entries[i] for i in idx if i not in test],
-               "validation": [entries[i] for i in idx if i in test]}
+        idx = rng.permutation(np.asarray(idx, dtype=np.int64)).tolist()
+        n_test, n_val = split_sizes(len(idx), test_fraction, val_fraction)
+        doc = {"site": name, "training": [entries[i] for i in idx[n_test + n_val:]],
+               "validation": [entries[i] for i in idx[n_test:n_test + n_val]], "test": [entries[i] for i in idx[:n_test]]}
         (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
     meta = {"task": "segmentation", "sites": names, "modalities": entries[0]["modalities"], "partition": partition,
             "region": region, "seed": seed,

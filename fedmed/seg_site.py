@@ -24,11 +24,11 @@ class SegSiteRunner(SiteRunner):
 
         shape = tuple(cfg["data"]["shape"])
         if self._data is None or self._data_key != shape:
-            doc = load_datalist_seg(self.datalist_path)
+            doc = self._datalist("segmentation")
             tr = [load_case(e, shape=shape, site=self.site) for e in doc["training"]]
-            te = [load_case(e, shape=shape, site=self.site) for e in doc["validation"]]
+            te = [load_case(e, shape=shape, site=self.site) for e in doc["test"]]
             if not tr:
-                raise DataError(f"{self.site}: datalist {self.datalist_path} has no training cases")
+                raise DataError(f"{self.site}: datalist {self.display(self.datalist_path)} has no training cases")
             self._data, self._data_key = (tr, te), shape
         return self._data
 

@@ -3,65 +3,117 @@
 ``custom/client.py`` (NVFlare Client API) only moves data between FLARE and
 :class:`SiteRunner`; the same runner could sit behind any other framework. Tasks:
 
-* ``train``: score the served model on the local test split, train it locally, return the
-  update with the served model's metrics.
+* ``train``: score the served model on the local validation and test splits, train it locally,
+  return the update with the served model's metrics.
 * ``validate``: score the served model only.
-* further tasks (signatures, descriptors) are added by the workflows that need them.
+* ``signature`` (FMCL, PACFL, FECFL), ``latent_bounds`` / ``descriptor`` (Flux), ``ifca``,
+  ``validate_ensemble``: see each method.
 
-What a reply carries: parameters (training tasks), metric values, and aggregates (confusion
-matrix, score histograms, sample counts). Never images, labels or per-sample outputs.
+What a reply carries: parameters (training tasks), metric values over at least ``k_min``
+samples, and aggregates (confusion matrices and score histograms with rows of fewer than
+``k_min`` samples zeroed, sample counts, signatures of classes with at least ``k_min`` samples).
+Never images, labels or per-sample outputs (docs/privacy.md).
 """
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .data import DataError, load_datalist, load_images
+from .site_settings import SiteSettings, settings_for_dir
 
-__all__ = ["SiteRunner", "TaskError"]
+__all__ = ["SiteRunner", "Splits", "TaskError"]
 
 
 class TaskError(RuntimeError):
     """A task this site cannot perform; the message says why (names files where relevant)."""
 
 
-class SiteRunner:
-    """Holds one site's data and model between tasks."""
+@dataclass
+class Splits:
+    """A site's images, (N, C, H, W) in [0, 1], and labels (N,) per split."""
 
-    def __init__(self, site: str, datalist_dir: str | Path):
+    train: tuple
+    val: tuple
+    test: tuple
+
+
+class SiteRunner:
+    """Holds one site's data, model and optimizer state between tasks.
+
+    Args:
+        site: the site's name.
+        source: its :class:`~fedmed.site_settings.SiteSettings`, or a folder holding ``<site>.json``.
+    """
+
+    def __init__(self, site: str, source):
         self.site = site
-        self.datalist_path = Path(datalist_dir) / f"{site}.json"
+        self.settings = source if isinstance(source, SiteSettings) else settings_for_dir(site, source)
         self._data = None
         self._data_key = None
         self._model = None
         self._model_key = None
+        self._optimizers: dict = {}
         self.state: dict = {}  # workflow state kept between tasks (e.g. a personal model)
+        self.notes: list[str] = []  # privacy notes for this site's log and the server
+
+    @property
+    def datalist_path(self) -> Path:
+        return self.settings.datalist
+
+    def display(self, path) -> str:
+        return self.settings.display(path)
+
+    def k_min(self, cfg: dict) -> int:
+        """The job's minimum group size, raised by the site's own setting if that is larger."""
+        k = int(cfg.get("privacy", {}).get("k_min", 5))
+        return max(k, int(self.settings.k_min or 0))
 
     # ------------------------------------------------------------------ data and model
-    def data(self, image_size: int, channels: int):
+    def _datalist(self, task: str = "classification") -> dict:
+        return load_datalist(self.datalist_path, task=task, root=self.settings.data_root,
+                             name=f"{self.site}: datalist {self.display(self.datalist_path)}")
+
+    def data(self, image_size: int, channels: int) -> Splits:
         key = (image_size, channels)
         if self._data is None or self._data_key != key:
-            doc = load_datalist(self.datalist_path)
-            xtr, ytr = load_images(doc["training"], image_size=image_size, channels=channels, site=self.site)
-            xte, yte = load_images(doc["validation"], image_size=image_size, channels=channels, site=self.site)
-            if xtr.shape[0] == 0:
-                raise DataError(f"{self.site}: datalist {self.datalist_path} has no training images")
-            self._data, self._data_key = (xtr, ytr, xte, yte), key
+            doc = self._datalist()
+            kw = dict(image_size=image_size, channels=channels, site=self.site, display=self.display)
+            splits = Splits(*(load_images(doc[k], **kw) for k in ("training", "validation", "test")))
+            if splits.train[0].shape[0] == 0:
+                raise DataError(f"{self.site}: datalist {self.display(self.datalist_path)} has no training images")
+            self._data, self._data_key = splits, key
         return self._data
 
+    def _splits(self, cfg) -> Splits:
+        return self.data(cfg["data"]["image_size"], cfg["data"]["channels"])
+
     def model(self, cfg: dict):
-        from .models import build_model
+        from .models import model_from_config
 
         m = cfg["model"]
-        key = (m["arch"], cfg["data"]["channels"], cfg["data"]["n_classes"], m.get("width", 16))
+        key = (m["arch"], cfg["data"]["channels"], cfg["data"]["n_classes"], m.get("width", 16), m.get("norm"))
         if self._model is None or self._model_key != key:
-            self._model = build_model(m["arch"], cfg["data"]["channels"], cfg["data"]["n_classes"],
-                                      width=m.get("width", 16), seed=cfg.get("seed", 0))
+            self._model = model_from_config(m, cfg["data"]["channels"], cfg["data"]["n_classes"], seed=cfg.get("seed", 0))
             self._model_key = key
+            self._optimizers = {}
         return self._model
+
+    def optimizer(self, model, cfg: dict, key=None):
+        """The optimizer for the model served as ``key`` (a cluster id); kept between rounds when the
+        recipe says so, so momentum / Adam moments carry over."""
+        from .train import make_optimizer
+
+        t = cfg["train"]
+        if not t.get("keep_optimizer_state", False):
+            return make_optimizer(model, t)
+        if key not in self._optimizers:
+            self._optimizers[key] = make_optimizer(model, t)
+        return self._optimizers[key]
 
     def generator(self, cfg: dict, round_: int):
         import torch
@@ -73,38 +125,46 @@ class SiteRunner:
     # ------------------------------------------------------------------ tasks
     def handle(self, task: str, params: dict, cfg: dict, round_: int = 0) -> tuple[dict, dict, dict]:
         """Run ``task``; returns (params to send, scalar metrics, meta aggregates)."""
-        if task == "train":
-            return self.train(params, cfg, round_)
-        if task == "validate":
-            return self.validate(params, cfg)
-        if task == "signature":
-            return self.signature(cfg)
-        if task == "latent_bounds":
-            return self.latent_bounds(params, cfg)
-        if task == "descriptor":
-            return self.descriptor(params, cfg)
-        if task == "ifca":
-            return self.ifca(params, cfg, round_)
-        if task == "validate_ensemble":
-            return self.validate_ensemble(params, cfg)
-        raise TaskError(f"{self.site}: unknown task {task!r}")
+        handlers = {"train": lambda: self.train(params, cfg, round_), "validate": lambda: self.validate(params, cfg),
+                    "signature": lambda: self.signature(cfg), "latent_bounds": lambda: self.latent_bounds(params, cfg),
+                    "descriptor": lambda: self.descriptor(params, cfg), "ifca": lambda: self.ifca(params, cfg, round_),
+                    "validate_ensemble": lambda: self.validate_ensemble(params, cfg)}
+        if task not in handlers:
+            raise TaskError(f"{self.site}: unknown task {task!r}")
+        return handlers[task]()
 
-    def _eval_split(self, cfg):
+    def _eval_sets(self, cfg):
+        """(name, x, y) of what the served model is scored on: validation and test splits; an unseen
+        site that never trained is scored on all its data."""
         import torch
 
-        xtr, ytr, xte, yte = self.data(cfg["data"]["image_size"], cfg["data"]["channels"])
-        if cfg.get("evaluate_on") == "all":  # an unseen site never trained: all its data is test data
-            return torch.cat([xtr, xte]), torch.cat([ytr, yte])
-        return xte, yte
+        s = self._splits(cfg)
+        if cfg.get("evaluate_on") == "all":
+            return [("test", torch.cat([s.train[0], s.val[0], s.test[0]]), torch.cat([s.train[1], s.val[1], s.test[1]]))]
+        return [("val", *s.val), ("test", *s.test)]
+
+    def _metrics_of(self, prob_fn, cfg):
+        """Metrics of the served model (``prob_fn(x) -> (n, C)`` probabilities) on each evaluation set:
+        test metrics under their plain names, validation metrics prefixed ``val_``."""
+        from .metrics import site_metrics
+
+        metrics, meta = {}, {}
+        k = self.k_min(cfg)
+        n_classes = cfg["data"]["n_classes"]
+        for name, x, y in self._eval_sets(cfg):
+            if x.shape[0] == 0:
+                continue
+            res = site_metrics(y.numpy(), prob_fn(x), n_classes, k_min=k)
+            pre = "" if name == "test" else "val_"
+            metrics.update({pre + m: res[m] for m in ("accuracy", "macro_f1", "auc")})
+            meta.update({pre + "n_test": res["n_test"], pre + "confusion": res["confusion"],
+                         pre + "score_hist": res["score_hist"], pre + "withheld": res["withheld"]})
+        return metrics, meta
 
     def _served_metrics(self, model, cfg):
-        from .train import evaluate
+        from .train import predict_proba
 
-        xte, yte = self._eval_split(cfg)
-        res = evaluate(model, xte, yte, cfg["data"]["n_classes"])
-        metrics = {k: res[k] for k in ("accuracy", "macro_f1", "auc")}
-        meta = {"n_test": res["n_test"], "confusion": res["confusion"], "score_hist": res["score_hist"]}
-        return metrics, meta
+        return self._metrics_of(lambda x: predict_proba(model, x), cfg)
 
     def validate(self, params, cfg):
         from .train import set_params
@@ -114,75 +174,79 @@ class SiteRunner:
         metrics, meta = self._served_metrics(model, cfg)
         return {}, metrics, meta
 
+    def _train(self, model, cfg, round_, key):
+        from .train import train_local
+
+        s = self._splits(cfg)
+        t = cfg["train"]
+        out = train_local(model, s.train[0], s.train[1], epochs=t["local_epochs"], batch_size=t["batch_size"],
+                          optimizer=self.optimizer(model, cfg, key), mu=t.get("fedprox_mu", 0.0),
+                          class_weights=cfg.get("class_weights"), generator=self.generator(cfg, round_),
+                          augment=t.get("augment", "flip"))
+        if not np.isfinite(out["loss"]):
+            raise TaskError(f"{self.site}: training diverged (loss {out['loss']}) in round {round_}")
+        return {"n_train": int(s.train[0].shape[0]), "train_loss": out["loss"], "steps": out["steps"]}
+
     def train(self, params, cfg, round_):
-        from .train import get_params, set_params, train_local
+        from .train import get_params, set_params
 
         model = self.model(cfg)
         set_params(model, params)
         metrics, meta = self._served_metrics(model, cfg)
-        xtr, ytr, _, _ = self.data(cfg["data"]["image_size"], cfg["data"]["channels"])
-        t = cfg["train"]
-        weights = cfg.get("class_weights")
-        out = train_local(model, xtr, ytr, epochs=t["local_epochs"], batch_size=t["batch_size"], lr=t["lr"],
-                          momentum=t["momentum"], weight_decay=t.get("weight_decay", 0.0), mu=t.get("fedprox_mu", 0.0),
-                          class_weights=weights, generator=self.generator(cfg, round_))
-        if not np.isfinite(out["loss"]):
-            raise TaskError(f"{self.site}: training diverged (loss {out['loss']}) in round {round_}")
-        meta.update(n_train=int(xtr.shape[0]), train_loss=out["loss"])
+        meta.update(self._train(model, cfg, round_, cfg.get("cluster")))
+        metrics["train_loss"] = meta["train_loss"]
         return get_params(model), metrics, meta
 
     def signature(self, cfg):
         """One-shot clustering signature of the site's training data (only aggregates leave).
 
         ``cfg["signature"]``: ``kind`` (fmcl | pacfl | fecfl), ``encoder``, ``weights`` (local
-        file or None for seeded random init), ``image_size``, ``n_basis`` (PACFL).
+        file or None for seeded random init), ``image_size``, ``n_basis`` (PACFL); ``cfg["privacy"]``:
+        ``k_min`` (classes with fewer samples are withheld), DP settings (:mod:`fedmed.privacy`).
         """
-        from .baselines import fecfl_signature, pacfl_signature
         from .encoders import build_encoder, extract_features
-        from .fmcl import class_signature
+        from .privacy import signature_payload
 
         sc = cfg["signature"]
-        xtr, ytr, _, _ = self.data(cfg["data"]["image_size"], cfg["data"]["channels"])
+        s = self._splits(cfg)
         enc = build_encoder(sc["encoder"], weights=sc.get("weights"), seed=int(sc.get("seed", 0)),
                             in_channels=cfg["data"]["channels"], image_size=sc.get("image_size"))
-        feats = extract_features(enc, xtr, progress=lambda m: print(f"[{self.site}] {m}", flush=True))
-        y = ytr.numpy()
-        meta = {"encoder": enc.description, "n_train": int(y.size)}
-        kind = sc["kind"]
-        if kind == "fmcl":
-            s = class_signature(feats, y)
-            meta.update(classes=s.classes, means=s.means, counts=s.counts)
-        elif kind == "pacfl":
-            meta["basis"] = pacfl_signature(feats, y, n_basis=int(sc.get("n_basis", 3)))
-        elif kind == "fecfl":
-            meta["mean"] = fecfl_signature(feats)
-        else:
-            raise TaskError(f"{self.site}: unknown signature kind {kind!r}")
-        if np.unique(y).size == 1:
-            meta["note"] = f"{self.site} holds a single class ({int(y[0])})"
-        return {}, {"n_classes_present": float(np.unique(y).size)}, meta
+        feats = extract_features(enc, s.train[0], progress=lambda m: print(f"[{self.site}] {m}", flush=True))
+        y = s.train[1].numpy()
+        rng = np.random.default_rng((int(cfg.get("seed", 0)) * 7919 + zlib.crc32(self.site.encode()) + 17) % (2**32))
+        meta = signature_payload(sc["kind"], feats, y, k_min=self.k_min(cfg), privacy=cfg.get("privacy", {}),
+                                 n_basis=int(sc.get("n_basis", 3)), rng=rng, site=self.site)
+        meta.update(encoder=enc.description, n_train=int(y.size))
+        for note in meta.get("notes", []):
+            print(f"[fedmed] {note}", flush=True)
+        return {}, {"n_classes_sent": float(len(meta.get("classes", [])))}, meta
 
     # ------------------------------------------------------------------ Flux (003_)
     def _latents(self, params, cfg, split: str = "train"):
+        import torch
+
         from .train import latents, set_params
 
         model = self.model(cfg)
         set_params(model, params)
-        xtr, ytr, xte, yte = self.data(cfg["data"]["image_size"], cfg["data"]["channels"])
-        x, y = (xtr, ytr) if split == "train" else (xte, yte)
+        s = self._splits(cfg)
         if split == "all":
-            import torch
-
-            x, y = torch.cat([xtr, xte]), torch.cat([ytr, yte])
+            x, y = torch.cat([s.train[0], s.val[0], s.test[0]]), torch.cat([s.train[1], s.val[1], s.test[1]])
+        else:
+            x, y = s.train
         return latents(model, x), y.numpy()
 
     def latent_bounds(self, params, cfg):
-        """Flux S1: element-wise min and max of the latents (two z-vectors leave the site)."""
-        from .flux import latent_bounds
+        """Flux S1: the box of the latents (two z-vectors leave the site; with DP or k_min they are
+        clipped quantile bounds, :func:`fedmed.privacy.private_bounds`)."""
+        from .privacy import private_bounds
 
-        z, _ = self._latents(params, cfg, "all" if cfg.get("flux", {}).get("label_free") else "train")
-        lo, hi = latent_bounds(z, site=self.site)
-        return {}, {"n_samples": float(z.shape[0])}, {"lo": lo, "hi": hi}
+        f = cfg.get("flux", {})
+        z, _ = self._latents(params, cfg, "all" if f.get("label_free") else "train")
+        rng = np.random.default_rng((int(cfg.get("seed", 0)) * 7919 + zlib.crc32(self.site.encode()) + 3) % (2**32))
+        lo, hi, note = private_bounds(z, k_min=self.k_min(cfg), privacy=cfg.get("privacy", {}), rng=rng,
+                                      site=self.site, box=f.get("box", "elementwise"))
+        return {}, {"n_samples": float(z.shape[0])}, {"lo": lo, "hi": hi, "notes": [note] if note else []}
 
     def descriptor(self, params, cfg):
         """Flux S2-S4: the descriptor (label-free when ``flux.label_free``, e.g. an unseen site)."""
@@ -194,9 +258,10 @@ class SiteRunner:
         pca = shared_pca(np.asarray(f["lo"]), np.asarray(f["hi"]), n_components=int(f.get("n_components", 10)),
                          seed=int(f.get("pca_seed", 0)))
         rng = np.random.default_rng((int(cfg.get("seed", 0)) * 7919 + zlib.crc32(self.site.encode())) % (2**32))
+        priv = cfg.get("privacy", {})
         d = flux_descriptor(z, pca, None if label_free else y, n_classes=None if label_free else cfg["data"]["n_classes"],
-                            second_moment=f.get("second_moment", "std"), dp_epsilon=f.get("dp_epsilon"), rng=rng,
-                            site=self.site)
+                            second_moment=f.get("second_moment", "std"), dp_epsilon=priv.get("dp_epsilon"), rng=rng,
+                            site=self.site, k_min=self.k_min(cfg), absent=f.get("absent_class", "zeros"))
         meta = {"label_free": d.label_free, "n_samples": d.n_samples, "warnings": d.warnings}
         if d.full is not None:
             meta["full"] = d.full
@@ -210,11 +275,11 @@ class SiteRunner:
         lowest loss, and report which (``params`` holds the K models as ``m<k>/<name>``)."""
         import torch
 
-        from .train import get_params, set_params, train_local
+        from .train import get_params, set_params
 
         K = int(cfg["ifca"]["k"])
         model = self.model(cfg)
-        xtr, ytr, _, _ = self.data(cfg["data"]["image_size"], cfg["data"]["channels"])
+        xtr, ytr = self._splits(cfg).train
         losses = []
         for k in range(K):
             set_params(model, {n[len(f"m{k}/"):]: v for n, v in params.items() if n.startswith(f"m{k}/")})
@@ -226,26 +291,26 @@ class SiteRunner:
         metrics, meta = self._served_metrics(model, cfg)
         meta.update(cluster=best, losses=losses)
         if cfg.get("ifca", {}).get("train", True):
-            t = cfg["train"]
-            out = train_local(model, xtr, ytr, epochs=t["local_epochs"], batch_size=t["batch_size"], lr=t["lr"],
-                              momentum=t["momentum"], generator=self.generator(cfg, round_))
-            meta.update(n_train=int(xtr.shape[0]), train_loss=out["loss"])
+            meta.update(self._train(model, cfg, round_, ("ifca", best)))
+            metrics["train_loss"] = meta["train_loss"]
             return get_params(model), metrics, meta
         return {}, metrics, meta
 
     def validate_ensemble(self, params, cfg):
         """Score the weighted average of K models' class probabilities (how the Flux paper gives
         baselines without test-time assignment a prediction on unseen sites)."""
-        from .metrics import site_metrics
         from .train import predict_proba, set_params
 
         model = self.model(cfg)
         weights = np.asarray(cfg["ensemble"]["weights"], dtype=np.float64)
-        xte, yte = self._eval_split(cfg)
-        prob = 0.0
-        for k, w in enumerate(weights / weights.sum()):
-            set_params(model, {n[len(f"m{k}/"):]: v for n, v in params.items() if n.startswith(f"m{k}/")})
-            prob = prob + w * predict_proba(model, xte)
-        res = site_metrics(yte.numpy(), prob, cfg["data"]["n_classes"])
-        return {}, {k: res[k] for k in ("accuracy", "macro_f1", "auc")}, {
-            "n_test": res["n_test"], "confusion": res["confusion"], "score_hist": res["score_hist"]}
+        weights = weights / weights.sum()
+
+        def prob(x):
+            out = 0.0
+            for k, w in enumerate(weights):
+                set_params(model, {n[len(f"m{k}/"):]: v for n, v in params.items() if n.startswith(f"m{k}/")})
+                out = out + w * predict_proba(model, x)
+            return out
+
+        metrics, meta = self._metrics_of(prob, cfg)
+        return {}, metrics, meta

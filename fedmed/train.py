@@ -1,7 +1,11 @@
 """Local training and evaluation of a classifier (torch), framework-free.
 
-SGD with cross-entropy (optionally PreP-weighted, ``001_`` Eq. 3), and FedProx's proximal term
-``mu/2 ||w - w_global||^2`` (Li et al. 2020) when ``mu > 0``.
+The recipe (``TrainConfig``; chosen once on validation data, docs/readings.md "2D recipe"):
+SGD, Adam or AdamW; cross-entropy (optionally PreP-weighted, ``001_`` Eq. 3); FedProx's proximal
+term ``mu/2 ||w - w_global||^2`` (Li et al. 2020) when ``mu > 0``; horizontal flips and random
+crops of a 4-pixel zero-padded image. The optimizer is created by the caller and may be kept
+between rounds (its state then carries over, as NVFlare's Client API examples do by creating it
+once per site).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from torch import nn
 
 from .metrics import site_metrics
 
-__all__ = ["evaluate", "get_params", "set_params", "train_local"]
+__all__ = ["augment_batch", "evaluate", "get_params", "make_optimizer", "set_params", "train_local"]
 
 
 def get_params(model: nn.Module) -> dict[str, np.ndarray]:
@@ -22,7 +26,8 @@ def get_params(model: nn.Module) -> dict[str, np.ndarray]:
 
 
 def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> None:
-    """Load numpy params into ``model``; a missing/unexpected key or shape is a clear error."""
+    """Load numpy params into ``model`` in place (its Parameter objects stay the same, so an optimizer
+    built on them keeps working); a missing/unexpected key or shape is a clear error."""
     state = model.state_dict()
     missing = sorted(set(state) - set(params))
     extra = sorted(set(params) - set(state))
@@ -37,19 +42,54 @@ def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> None:
     model.load_state_dict(new)
 
 
-def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 1, batch_size: int = 16,
-                lr: float = 0.01, momentum: float = 0.9, weight_decay: float = 0.0, mu: float = 0.0,
-                class_weights=None, generator: torch.Generator | None = None, augment: bool = True) -> dict:
-    """Run ``epochs`` of SGD over (x, y) in place; returns ``{"loss": mean loss, "steps": n}``.
+def make_optimizer(model: nn.Module, train: Mapping) -> torch.optim.Optimizer:
+    """The optimizer of a ``train`` config section (``optimizer``, ``lr``, ``momentum``, ``weight_decay``)."""
+    kind = train.get("optimizer", "sgd")
+    lr, wd = float(train["lr"]), float(train.get("weight_decay", 0.0))
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=float(train.get("momentum", 0.0)), weight_decay=wd)
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd)
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    raise ValueError(f"optimizer should be 'sgd', 'adam' or 'adamw', got {kind!r}.")
 
-    ``generator`` (seeded by the caller) drives shuffling and the horizontal-flip augmentation.
-    BatchNorm layers see at least two samples per batch (a trailing batch of one is dropped).
+
+def augment_batch(x: torch.Tensor, mode: str, generator: torch.Generator | None) -> torch.Tensor:
+    """``"flip"``: horizontal flip with p = 0.5; ``"flip_crop"``: plus a random crop of the image padded by
+    4 pixels (zeros), per sample; ``"none"``: unchanged."""
+    if mode == "none":
+        return x
+    if mode not in ("flip", "flip_crop"):
+        raise ValueError(f"augment should be 'none', 'flip' or 'flip_crop', got {mode!r}.")
+    n = x.shape[0]
+    flip = torch.rand(n, generator=generator) < 0.5
+    x = torch.where(flip[:, None, None, None], x.flip(-1), x)
+    if mode == "flip_crop":
+        pad = 4
+        h, w = x.shape[-2:]
+        xp = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+        dy = torch.randint(0, 2 * pad + 1, (n,), generator=generator)
+        dx = torch.randint(0, 2 * pad + 1, (n,), generator=generator)
+        x = torch.stack([xp[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(n)])
+    return x
+
+
+def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 1, batch_size: int = 16,
+                optimizer: torch.optim.Optimizer | None = None, lr: float = 0.01, momentum: float = 0.9,
+                weight_decay: float = 0.0, mu: float = 0.0, class_weights=None,
+                generator: torch.Generator | None = None, augment: str = "flip") -> dict:
+    """Run ``epochs`` over (x, y) in place; returns ``{"loss": mean loss, "steps": n}``.
+
+    ``optimizer`` (kept by the caller between rounds) defaults to a fresh SGD with ``lr``/``momentum``.
+    ``generator`` (seeded by the caller) drives shuffling and augmentation. A trailing batch of one
+    sample is skipped (BatchNorm cannot normalise it in train mode) unless the site has one sample.
     """
     n = x.shape[0]
     if n == 0:
         raise ValueError("no training samples")
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    opt = optimizer or torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     w = None if class_weights is None else torch.as_tensor(np.asarray(class_weights), dtype=torch.float32)
     loss_fn = nn.CrossEntropyLoss(weight=w)
     anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 else None
@@ -60,10 +100,7 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
             idx = order[s:s + batch_size]
             if idx.numel() < 2 and n >= 2:
                 continue
-            xb, yb = x[idx], y[idx]
-            if augment:
-                flip = torch.rand(xb.shape[0], generator=generator) < 0.5
-                xb = torch.where(flip[:, None, None, None], xb.flip(-1), xb)
+            xb, yb = augment_batch(x[idx], augment, generator), y[idx]
             if idx.numel() == 1:
                 model.eval()  # a single sample cannot be batch-normalised in train mode
             out = model((xb - 0.5) / 0.5)
@@ -94,7 +131,7 @@ def latents(model: nn.Module, x: torch.Tensor, batch_size: int = 128) -> np.ndar
     return torch.cat(outs).numpy() if outs else np.zeros((0, 0))
 
 
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n_classes: int) -> dict:
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n_classes: int, *, k_min: int = 1) -> dict:
     """:func:`fedmed.metrics.site_metrics` of the model on (x, y)."""
     prob = predict_proba(model, x) if x.shape[0] else np.zeros((0, n_classes))
-    return site_metrics(y.numpy(), prob, n_classes)
+    return site_metrics(y.numpy(), prob, n_classes, k_min=k_min)

@@ -1,78 +1,191 @@
-"""Build the job for one method of an experiment config (dispatch by the method's workflow).
+"""Build the NVFlare job of one method of an experiment config — from the config alone.
 
-    python jobs/build.py --config app_configs/busi.yaml --datalists DIR --out JOBS --method FedAvg --seed 0
+    python jobs/build.py --config app_configs/busi_fmcl.yaml --method FedAvg --out JOBS [--seed 0]
+        [--sites hospital-a hospital-b | --all-sites] [--set key.path=value ...] [--resume-from RESULT]
 
-Prints the job folder. Used by ``fedmed experiment``; handy by hand for POC or the admin console.
+Prints the job folder, which runs in the simulator (``jobs/run.py``), in POC mode and on provisioned
+sites (admin console ``submit_job``). The config must name the classes (``dataset.classes``) or, for
+segmentation, the modalities; sites find their own data (docs/deployment.md). ``--resume-from`` takes a
+finished/stopped run's result folder (or a downloaded job result) and continues from its last
+checkpointed round. Errors are one line naming the problem.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jobs.common import export  # noqa: E402
+from jobs.common import WEIGHTS_DIR, BuildError, check_encoder, export, fedmed_config, job_name, new_job  # noqa: E402
 
-BUILDERS = {
-    "fedavg": "jobs.fedavg",
-    "fedprox": "jobs.fedavg",
-    "fmcl": "jobs.clustered",
-    "pacfl": "jobs.clustered",
-    "fecfl": "jobs.clustered",
-    "cfl": "jobs.clustered",
-    "ditto": "jobs.fedavg",
-    "seg_assess": "jobs.segmentation",
-    "fedavg_w": "jobs.segmentation",
-    "seg_clusters": "jobs.segmentation",
-    "flux": "jobs.flux",
-    "ifca": "jobs.flux",
-}
+SIGNATURE_WORKFLOWS = ("fmcl", "pacfl", "fecfl")
 
 
-def build_for_method(exp, method, datalists: str, seed: int, name: str | None = None):
-    import importlib
+def find_checkpoint(result) -> Path:
+    """The ``checkpoint/`` folder of a run result (its ``fedmed/`` folder, a run folder of ``fedmed experiment``,
+    or a downloaded FLARE job result)."""
+    root = Path(result)
+    if not root.exists():
+        raise BuildError(f"--resume-from {result}: no such folder")
+    hits = sorted(root.rglob("checkpoint/state.json"))
+    if not hits:
+        raise BuildError(f"--resume-from {result}: no checkpoint (checkpoint/state.json) in it; the run stopped "
+                         f"before its first round completed, so there is nothing to resume")
+    return hits[0].parent
 
-    if method.workflow not in BUILDERS:
-        raise SystemExit(f"workflow {method.workflow!r} of method {method.name!r} has no job builder yet "
-                         f"(available: {sorted(BUILDERS)})")
-    mod = importlib.import_module(BUILDERS[method.workflow])
-    return mod.build(exp, datalists, seed=seed, method=method, name=name)
+
+def controller_for(exp, method, seed: int, cfg: dict, resume: bool):
+    """The server workflow of ``method`` (dispatch on its workflow)."""
+    w = method.workflow
+    rounds = exp.train.rounds
+    if w in ("fedavg", "fedprox", "ditto"):
+        from custom.fedavg import FedAvgController
+
+        return FedAvgController(num_rounds=rounds, fedmed_config=cfg, resume=resume)
+    if w in SIGNATURE_WORKFLOWS:
+        from custom.clustered import ClusteredFedAvgController
+
+        signature = {"kind": w, "encoder": method.encoder, "weights": cfg.get("_weights"),
+                     "image_size": method.encoder_image_size, "n_basis": getattr(method, "n_basis", 3), "seed": seed,
+                     "angle": getattr(method, "angle", "principal")}
+        clustering = {"n_clusters": method.n_clusters, "threshold": method.threshold,
+                      "overlap": getattr(method, "overlap", True), "linkage": method.linkage,
+                      "k1_silhouette": method.k1_silhouette}
+        return ClusteredFedAvgController(num_rounds=rounds, fedmed_config=cfg, signature=signature,
+                                         clustering=clustering, resume=resume)
+    if w == "cfl":
+        from custom.cfl import CFLController
+
+        return CFLController(num_rounds=rounds, fedmed_config=cfg, eps1=method.cfl_eps1, eps2=method.cfl_eps2,
+                             warmup_rounds=method.warmup_rounds, resume=resume)
+    if w in ("seg_assess", "fedavg_w", "seg_clusters"):
+        from custom.seg_assessment import SegAssessmentController
+
+        mode = {"seg_assess": "assess", "fedavg_w": "fedavg_w", "seg_clusters": "clusters"}[w]
+        return SegAssessmentController(num_rounds=rounds, fedmed_config=cfg, mode=mode,
+                                       distance=getattr(method, "distance", "emd"), omega=getattr(method, "omega", 1.0),
+                                       site=getattr(method, "site", ""), clusters=getattr(method, "clusters", []),
+                                       resume=resume)
+    if w == "flux":
+        from custom.flux import FluxController
+
+        flux = {"pca_seed": seed, "n_components": 10, "scale": method.dbscan_scale, "k1_silhouette": method.k1_silhouette,
+                "box": method.box, "scaling": method.scaling, "start_rule": method.start_rule,
+                "absent_class": method.absent_class}
+        return FluxController(num_rounds=rounds, fedmed_config=cfg, flux=flux, participation=method.participation,
+                              n_clusters=method.n_clusters or 0, resume=resume)
+    if w == "ifca":
+        from custom.ifca import IFCAController
+
+        return IFCAController(num_rounds=rounds, fedmed_config=cfg, k=method.n_clusters,
+                              participation=method.participation, resume=resume)
+    raise BuildError(f"method {method.name!r}: workflow {w!r} has no job builder")
 
 
-def main(argv=None):
-    from fedmed.config import load_config
+def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = None, resume_from=None,
+              test_phase: dict | None = None):
+    """The FedJob of ``method`` for ``seed``.
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--datalists", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--method", required=True)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--name")
-    ap.add_argument("--set", action="append", default=[])
-    ap.add_argument("--test-phase", action="store_true", help="build the unseen-site job (Flux Algorithm 2)")
-    ap.add_argument("--training-result", default="", help="the training run's fedmed/ folder (flux_state.npz)")
-    ap.add_argument("--known-clusters", default="", help="JSON {unseen site: cluster of its true group}")
-    ap.add_argument("--cluster-sizes", default="", help="JSON {cluster: training sites} (IFCA ensemble weights)")
-    a = ap.parse_args(argv)
-    exp = load_config(a.config, a.set)
+    Args:
+        sites: ``"config"`` (``federation.site_names`` or site-1..N), ``"all"`` (every connected site), or a list.
+        resume_from: a run result holding ``checkpoint/`` (see :func:`find_checkpoint`).
+        test_phase: ``{"training_result": DIR, "known_clusters": {...}, "cluster_sizes": {...}}`` builds the
+            unseen-site job (Flux Algorithm 2) over ``sites`` instead.
+    """
+    names = exp.site_names() if sites == "config" else (None if sites == "all" else list(sites))
+    cfg = fedmed_config(exp, seed, method, names)
+    client_files, server_files = [], []
+    weights = getattr(method, "encoder_weights", None)
+    if method.workflow in SIGNATURE_WORKFLOWS:
+        check_encoder(method.encoder, weights, in_channels=exp.dataset.channels, image_size=method.encoder_image_size)
+    elif weights:
+        check_encoder("medicalnet_resnet18", weights)
+    if weights:
+        client_files.append((Path(weights).resolve(), WEIGHTS_DIR))
+        cfg["_weights"] = f"{WEIGHTS_DIR}/{Path(weights).name}"
+    if test_phase is not None:
+        from custom.flux_test import TRAINING_DIR, FluxTestController
+
+        tmp = Path(tempfile.mkdtemp(prefix="fedmed_training_"))
+        src = Path(test_phase["training_result"])
+        import shutil
+
+        for f in list((src / "models").glob("*.pt")) + [src / "flux_state.npz"]:
+            if f.is_file():
+                shutil.copy(f, tmp / f.name)
+        if not any(tmp.glob("*.pt")):
+            raise BuildError(f"{src}: the training run saved no final model (models/*.pt); it did not finish")
+        server_files.append((tmp, TRAINING_DIR))
+        mode = {"flux": "flux", "ifca": "ensemble"}.get(method.workflow, "global")
+        ctrl = FluxTestController(num_rounds=1, fedmed_config=cfg, known_clusters=test_phase.get("known_clusters") or {},
+                                  mode=mode, cluster_sizes=test_phase.get("cluster_sizes") or {})
+        return new_job(name or job_name(exp, method, seed, "_test"), exp, ctrl, names, client_files=client_files,
+                       server_files=server_files)
+    if resume_from is not None:
+        from custom.base import RESUME_DIR
+
+        server_files.append((find_checkpoint(resume_from), RESUME_DIR))
+    ctrl = controller_for(exp, method, seed, cfg, resume=resume_from is not None)
+    return new_job(name or job_name(exp, method, seed), exp, ctrl, names, client_files=client_files,
+                   server_files=server_files)
+
+
+def select_method(exp, name: str, source: str):
     methods = {m.name: m for m in exp.methods}
-    if a.method not in methods:
-        raise SystemExit(f"method {a.method!r} is not in {a.config} (has {sorted(methods)})")
-    if a.test_phase:
-        import json
+    if name not in methods:
+        raise BuildError(f"method {name!r} is not in {source} (it has {sorted(methods)})")
+    return methods[name]
 
-        from jobs.flux import build_test
 
-        job = build_test(exp, a.datalists, seed=a.seed, method=methods[a.method], training_result=a.training_result,
-                         known_clusters=json.loads(a.known_clusters) if a.known_clusters else {},
-                         cluster_sizes=json.loads(a.cluster_sizes) if a.cluster_sizes else {}, name=a.name)
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--config", required=True, help="experiment config (YAML/JSON)")
+    ap.add_argument("--method", required=True, help="name of one of the config's methods")
+    ap.add_argument("--out", required=True, help="folder the job folder is written into")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the run (model init, sampling)")
+    ap.add_argument("--name", help="job name (default: <config>_<method>_s<seed>)")
+    ap.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
+    who = ap.add_mutually_exclusive_group()
+    who.add_argument("--sites", nargs="+", help="the sites the job runs on (default: federation.site_names, or "
+                     "site-1..N)")
+    who.add_argument("--all-sites", action="store_true", help="deploy to every connected site")
+    ap.add_argument("--resume-from", help="result folder of an earlier run of this method: continue from its "
+                    "last checkpointed round")
+    ap.add_argument("--test-phase", action="store_true", help="build the unseen-site job (Flux Algorithm 2)")
+    ap.add_argument("--training-result", default="", help="--test-phase: the training run's fedmed/ folder")
+    ap.add_argument("--known-clusters", default="", help="--test-phase: JSON {unseen site: cluster of its true group}")
+    ap.add_argument("--cluster-sizes", default="", help="--test-phase: JSON {cluster: training sites}")
+    return ap
+
+
+def main(argv=None) -> int:
+    import json
+
+    from fedmed.config import ConfigError, load_config
+
+    a = parser().parse_args(argv)
+    try:
+        exp = load_config(a.config, a.set)
+        method = select_method(exp, a.method, a.config)
+        sites = a.sites or ("all" if a.all_sites else "config")
+        test = None
+        if a.test_phase:
+            if not a.training_result:
+                raise BuildError("--test-phase needs --training-result (the training run's fedmed/ folder)")
+            test = {"training_result": a.training_result,
+                    "known_clusters": json.loads(a.known_clusters) if a.known_clusters else {},
+                    "cluster_sizes": json.loads(a.cluster_sizes) if a.cluster_sizes else {}}
+        job = build_job(exp, method, a.seed, sites=sites, name=a.name, resume_from=a.resume_from, test_phase=test)
         print(export(job, a.out))
-        return
-    print(export(build_for_method(exp, methods[a.method], a.datalists, a.seed, a.name), a.out))
+    except (BuildError, ConfigError, ValueError) as e:
+        print(f"jobs/build.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,14 +1,15 @@
-"""Shared job-building code: fedmed config for the FLARE components, and the FedJob scaffold.
+"""Shared job-building code: the fedmed config for the FLARE components, and the FedJob scaffold.
 
-Job folders produced here run unchanged in ``nvflare simulator JOB -w WS -n N -t N``, in POC mode
-(``poc/run_poc.py`` submits through the admin API) and on provisioned sites (admin console
-``submit_job``). Sites need ``fedmed`` installed; the job carries only ``custom/`` (client
-script and controllers).
+A job is built from the experiment config alone: it names its sites (or deploys to every connected
+site) and carries no path to anyone's data — each site finds its own data through its site-local
+settings (``fedmed.site_settings``). Job folders produced here run unchanged in the simulator
+(``jobs/run.py --env sim``), in POC mode and on provisioned sites (admin console ``submit_job``).
+Sites need ``fedmed`` installed; the job carries ``custom/`` (client script and controllers) and, where
+a method uses them, the encoder weights every site must share and a checkpoint to resume from.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from contextlib import contextmanager
@@ -17,6 +18,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+WEIGHTS_DIR = "fedmed_weights"  # inside every site app's custom folder
+
+
+class BuildError(ValueError):
+    """A job that cannot be built from this config; the message names the key or file."""
 
 
 @contextmanager
@@ -30,48 +37,90 @@ def in_repo_root():
         os.chdir(old)
 
 
-def fedmed_config(exp, dataset_meta: dict, seed: int, method=None) -> dict:
-    """The plain-dict config that travels to sites in each task's ``meta['fedmed']``."""
+def job_name(exp, method, seed: int, suffix: str = "") -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in f"{exp.name}_{method.name}{suffix}_s{seed}").lower()
+
+
+def fedmed_config(exp, seed: int, method, sites: list[str] | None) -> dict:
+    """The plain-dict config that travels to sites in each task's ``meta['fedmed']`` (and to the server)."""
     train = exp.train.model_dump()
-    if method is not None and method.fedprox_mu is not None:
+    if method.workflow == "fedprox":
         train["fedprox_mu"] = method.fedprox_mu
-    elif method is not None and method.workflow == "fedprox" and train["fedprox_mu"] == 0:
-        train["fedprox_mu"] = 0.01
+    fed = exp.federation
+    common = {"seed": int(seed), "model": exp.model.model_dump(), "train": train,
+              "privacy": exp.privacy.model_dump(),
+              "federation": {"sites": sites, "min_clients": fed.min_clients, "task_timeout": fed.task_timeout,
+                             "startup_timeout": fed.startup_timeout}}
     if exp.dataset.task == "segmentation":
-        cfg = {"task": "segmentation", "seed": int(seed), "model": exp.model.model_dump(), "train": train,
-               "data": {"shape": exp.dataset.shape, "roi": exp.dataset.roi,
-                        "in_channels": len(dataset_meta["modalities"])}}
-        if method is not None and method.workflow == "ditto":
+        if not exp.dataset.modalities:
+            raise BuildError("dataset.modalities is empty: a segmentation job needs the modality names")
+        cfg = {"task": "segmentation", **common,
+               "data": {"shape": exp.dataset.shape, "roi": exp.dataset.roi, "modalities": list(exp.dataset.modalities),
+                        "in_channels": len(exp.dataset.modalities)}}
+        if method.workflow == "ditto":
             cfg["ditto_lambda"] = method.ditto_lambda
-        if method is not None:
-            cfg["assess"] = {"per_value": method.per_value, "weights": method.encoder_weights}
+        if method.workflow in ("seg_assess", "fedavg_w", "seg_clusters"):
+            cfg["assess"] = {"per_value": method.per_value, "weights": _ship_name(method.encoder_weights)}
         return cfg
-    return {
-        "seed": int(seed),
-        "model": exp.model.model_dump(),
-        "train": train,
-        "data": {"image_size": exp.dataset.image_size, "channels": exp.dataset.channels,
-                 "n_classes": int(dataset_meta["n_classes"])},
-    }
+    if not exp.dataset.classes:
+        raise BuildError("dataset.classes is not set: a job is built from the config alone, so the config must name "
+                         "the classes (fedmed experiment fills it from the data it partitions)")
+    return {"task": "classification", **common, "classes": list(exp.dataset.classes),
+            "data": {"image_size": exp.dataset.image_size, "channels": exp.dataset.channels,
+                     "n_classes": len(exp.dataset.classes)}}
 
 
-def new_job(name: str, sites: list[str], datalist_dir: str, controller, threads_per_site: int = 1):
-    """A FedJob with ``controller`` on the server and the fedmed client script on every site."""
-    from nvflare.app_opt.tracking.tb.tb_receiver import TBAnalyticsReceiver
+def _ship_name(weights: str | None) -> str | None:
+    return f"{WEIGHTS_DIR}/{Path(weights).name}" if weights else None
+
+
+def check_encoder(name: str, weights: str | None, *, in_channels: int = 1, image_size=None):
+    """Catch a bad encoder before anything is sent: an unknown name, a missing or mismatched weights file."""
+    from fedmed.encoders import ENCODERS, EncoderError, build_encoder
+
+    if name not in ENCODERS:
+        try:
+            build_encoder(name)
+        except EncoderError as e:
+            raise BuildError(str(e)) from None
+    if weights:
+        if not Path(weights).is_file():
+            raise BuildError(f"encoder {name}: weights file {weights} not found (it is shipped to every site in the job)")
+        try:
+            build_encoder(name, weights=weights, in_channels=in_channels, image_size=image_size)
+        except EncoderError as e:
+            raise BuildError(str(e)) from None
+
+
+def new_job(name: str, exp, controller, sites: list[str] | None, *, client_files=(), server_files=()):
+    """A FedJob with ``controller`` on the server and the fedmed client script on the named sites (all
+    connected sites when ``sites`` is None)."""
     from nvflare.app_common.widgets.convert_to_fed_event import ConvertToFedEvent
+    from nvflare.app_opt.tracking.tb.tb_receiver import TBAnalyticsReceiver
     from nvflare.job_config.api import FedJob
     from nvflare.job_config.script_runner import FrameworkType, ScriptRunner
 
-    job = FedJob(name=name, min_clients=1)
+    fed = exp.federation
+    job = FedJob(name=name, min_clients=min(fed.min_clients, len(sites)) if sites else fed.min_clients)
     job.set_app_packages(["fedmed"])  # installed at every site; not copied into the job
     job.to_server(controller, id="controller")
     job.to_server(TBAnalyticsReceiver(events=["fed.analytix_log_stats"]), id="tb_receiver")
-    for site in sites:
-        runner = ScriptRunner(script="custom/client.py", framework=FrameworkType.NUMPY,
-                              script_args=f"--datalist-dir {Path(datalist_dir).resolve()} --threads {threads_per_site}")
-        job.to(runner, site)
-        job.to(ConvertToFedEvent(events_to_convert=["analytix_log_stats"], fed_event_prefix="fed."), site,
-               id="event_to_fed")
+    job.to_server({"task_request_interval": fed.task_request_interval})
+    targets = sites if sites else [None]
+    for site in targets:
+        runner = ScriptRunner(script="custom/client.py", framework=FrameworkType.NUMPY, script_args="--threads 1")
+        event = ConvertToFedEvent(events_to_convert=["analytix_log_stats"], fed_event_prefix="fed.")
+        if site is None:
+            job.to_clients(runner)
+            job.to_clients(event, id="event_to_fed")
+        else:
+            job.to(runner, site)
+            job.to(event, site, id="event_to_fed")
+    for src, dest in client_files:
+        for site in targets:
+            job.add_file_to(str(src), site or "@ALL", dest_dir=dest)
+    for src, dest in server_files:
+        job.add_file_to_server(str(src), dest_dir=dest)
     return job
 
 
@@ -81,10 +130,3 @@ def export(job, out_dir) -> Path:
     with in_repo_root():
         job.export_job(str(out))
     return out / job.name
-
-
-def read_dataset_meta(datalist_dir) -> dict:
-    p = Path(datalist_dir) / "dataset.json"
-    if not p.is_file():
-        raise FileNotFoundError(f"{p}: dataset.json not found; write datalists with `fedmed data` first")
-    return json.loads(p.read_text())

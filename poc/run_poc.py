@@ -1,16 +1,21 @@
-"""Run a fedmed job in NVFlare POC mode: N sites on loopback, submitted through the admin API.
+"""Run a fedmed job in NVFlare POC mode: named sites on loopback, submitted through the admin API.
 
 This is the path a clinical team uses from the FLARE admin console (``submit_job``), scripted:
 
-    python poc/run_poc.py JOB_DIR --sites 4 --workspace /tmp/fedmed_poc --result-dir RESULT [--keep]
+    python poc/run_poc.py JOB_DIR --datalists DIR [--workspace WS] [--result-dir RESULT] [--keep]
 
-1. ``nvflare poc prepare -c site-1 ... site-N --force`` (workspace from ``NVFLARE_POC_WORKSPACE``)
-2. ``nvflare poc start`` (server + sites + admin in the background)
-3. admin API: ``new_secure_session`` -> ``submit_job`` -> ``monitor_job`` -> ``download_job_result``
-4. ``nvflare poc stop`` and ``nvflare poc clean`` (always, also on failure, unless ``--keep``)
+1. ``nvflare poc prepare -c <the job's sites> --force`` into the workspace (``--workspace``, else
+   ``NVFLARE_POC_WORKSPACE``, else ``/tmp/fedmed_poc``). The nvflare commands run with ``HOME`` set to a
+   folder inside the workspace, so ``poc prepare`` does not rewrite the user's ``~/.nvflare/config.conf``.
+2. Each site's data setting goes where a hospital would put it: ``<site kit>/local/fedmed_site.json``
+   naming ``DIR/<site>.json`` (docs/deployment.md).
+3. ``nvflare poc start`` (server + sites + admin in the background).
+4. admin API: ``new_secure_session`` -> ``submit_job`` -> ``monitor_job`` -> ``download_job_result``.
+5. ``nvflare poc stop`` and ``nvflare poc clean`` (always, also on failure, unless ``--keep``).
 
-Prints the job id, its final status and where the result was downloaded; exit code 0 only when
-the job finished successfully.
+A job deployed to every connected site (``jobs/build.py --all-sites``) needs ``--sites``. Prints the job
+id, FLARE's final status, the fedmed run status (``metrics.json``) and where the result was downloaded;
+exit code 0 only when the run finished.
 """
 
 from __future__ import annotations
@@ -43,61 +48,81 @@ def sh(args, env, timeout=300, check=True, capture=True):
 
 def job_sites(job_dir: Path) -> list[str]:
     meta = json.loads((job_dir / "meta.json").read_text())
-    sites = sorted({s for targets in meta.get("deploy_map", {}).values() for s in targets if s not in ("server", "@ALL")})
-    return sites
+    return sorted({s for targets in meta.get("deploy_map", {}).values() for s in targets
+                   if s not in ("server", "@ALL", "@all")})
 
 
-def find_admin_kit(ws: Path) -> Path:
-    kits = list(ws.rglob(ADMIN))
-    kits = [k for k in kits if (k / "startup").is_dir()]
+def find_kit(ws: Path, name: str) -> Path:
+    kits = [k for k in ws.rglob(name) if (k / "startup").is_dir()]
     if not kits:
-        raise RuntimeError(f"{ws}: no admin startup kit for {ADMIN} after 'poc prepare'")
+        raise RuntimeError(f"{ws}: no startup kit for {name} after 'poc prepare'")
     return kits[0]
 
 
-def connect(kit: Path, deadline: float, want_sites: int):
+def write_site_settings(ws: Path, sites: list[str], datalists: Path) -> None:
+    """Each site's own data setting, in its startup kit's local/ folder (FLARE's convention)."""
+    for s in sites:
+        dl = datalists / f"{s}.json"
+        if not dl.is_file():
+            raise RuntimeError(f"{dl}: no datalist for site {s}")
+        local = find_kit(ws, s) / "local"
+        local.mkdir(exist_ok=True)
+        (local / "fedmed_site.json").write_text(json.dumps({"datalist": str(dl.resolve())}, indent=1))
+
+
+def connect(kit: Path, deadline: float, want_sites: list[str]):
     from nvflare.fuel.flare_api.flare_api import new_secure_session
 
     last = None
     while time.time() < deadline:
         try:
             sess = new_secure_session(ADMIN, str(kit), timeout=10.0)
-            clients = sess.get_connected_client_list() or []
-            if len(clients) >= want_sites:
+            clients = [c if isinstance(c, str) else c.get("name", "") for c in (sess.get_connected_client_list() or [])]
+            clients = [getattr(c, "name", c) for c in clients]
+            if set(want_sites) <= set(clients):
                 return sess
             sess.close()
-            last = f"{len(clients)}/{want_sites} sites connected"
+            last = f"connected {sorted(clients)}, waiting for {sorted(set(want_sites) - set(clients))}"
         except Exception as e:  # server not up yet
             last = f"{type(e).__name__}: {e}"
         time.sleep(2)
     raise TimeoutError(f"POC did not come up in time ({last})")
 
 
-def run(job_dir: Path, workspace: Path, result_dir: Path, sites: list[str], timeout: int, keep: bool) -> dict:
-    env = dict(os.environ, NVFLARE_POC_WORKSPACE=str(workspace))
+def poc_env(workspace: Path) -> dict:
+    home = workspace / ".home"
+    home.mkdir(parents=True, exist_ok=True)
+    return dict(os.environ, NVFLARE_POC_WORKSPACE=str(workspace), HOME=str(home))
+
+
+def run(job_dir: Path, workspace: Path, result_dir: Path, sites: list[str], datalists: Path | None, timeout: int,
+        keep: bool) -> dict:
+    env = poc_env(workspace)
     nv = nvflare_bin()
-    workspace.mkdir(parents=True, exist_ok=True)
     sh([nv, "poc", "prepare", "-c", *sites, "--force"], env)
+    if datalists is not None:
+        write_site_settings(workspace, sites, datalists)
     out: dict = {"job": str(job_dir)}
     try:
         sh([nv, "poc", "start"], env, timeout=120, check=False, capture=True)
-        kit = find_admin_kit(workspace)
-        sess = connect(kit, time.time() + 180, len(sites))
+        sess = connect(find_kit(workspace, ADMIN), time.time() + 180, sites)
         try:
             job_id = sess.submit_job(str(job_dir))
             print(f"submitted {job_dir.name} as job {job_id}", flush=True)
             t0 = time.time()
             rc = sess.monitor_job(job_id, timeout=timeout)
-            meta = sess.get_job_meta(job_id)
-            status = meta.get("status")
-            print(f"job {job_id}: monitor {rc}, status {status}, {time.time() - t0:.0f} s", flush=True)
+            status = sess.get_job_meta(job_id).get("status")
+            print(f"job {job_id}: monitor {rc}, FLARE status {status}, {time.time() - t0:.0f} s", flush=True)
             downloaded = sess.download_job_result(job_id)
             result_dir.mkdir(parents=True, exist_ok=True)
             target = result_dir / job_id
             if target.exists():
                 shutil.rmtree(target)
             shutil.copytree(downloaded, target)
-            out.update(job_id=job_id, status=str(status), result=str(target))
+            out.update(job_id=job_id, flare_status=str(status), result=str(target))
+            rec = sorted(target.rglob("fedmed/metrics.json"))
+            doc = json.loads(rec[0].read_text()) if rec else {}
+            out.update(status=doc.get("status", "failed"), reason=doc.get("reason", "no fedmed record in the result"))
             print(f"result downloaded to {target}", flush=True)
         finally:
             sess.close()
@@ -110,25 +135,34 @@ def run(job_dir: Path, workspace: Path, result_dir: Path, sites: list[str], time
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("job_dir")
-    ap.add_argument("--sites", type=int, help="number of sites (default: those in the job's deploy map)")
-    ap.add_argument("--workspace", default="/tmp/fedmed_poc")
-    ap.add_argument("--result-dir", default="results/poc")
-    ap.add_argument("--timeout", type=int, default=1800)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("job_dir", help="a job folder from jobs/build.py")
+    ap.add_argument("--datalists", help="folder holding <site>.json for every site (written into each site's "
+                    "local/fedmed_site.json)")
+    ap.add_argument("--sites", nargs="+", help="POC site names (default: those in the job's deploy map)")
+    ap.add_argument("--workspace", default=os.environ.get("NVFLARE_POC_WORKSPACE", "/tmp/fedmed_poc"),
+                    help="POC workspace (default: NVFLARE_POC_WORKSPACE, else /tmp/fedmed_poc)")
+    ap.add_argument("--result-dir", default="results/poc", help="where the downloaded job result goes")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds to wait for the job")
     ap.add_argument("--keep", action="store_true", help="leave the POC running")
     a = ap.parse_args(argv)
     job = Path(a.job_dir).resolve()
     if not (job / "meta.json").is_file():
         print(f"{job}: not a job folder (no meta.json)", file=sys.stderr)
         return 2
-    sites = job_sites(job)
-    if a.sites and a.sites != len(sites):
-        print(f"{job}: deploy map names {len(sites)} sites {sites}, not --sites {a.sites}", file=sys.stderr)
+    named = job_sites(job)
+    sites = a.sites or named
+    if not sites:
+        print(f"{job}: the job deploys to every connected site; pass --sites NAME ...", file=sys.stderr)
         return 2
-    res = run(job, Path(a.workspace).resolve(), Path(a.result_dir).resolve(), sites, a.timeout, a.keep)
+    if named and set(named) - set(sites):
+        print(f"{job}: the job names sites {named} but --sites gives {sites}", file=sys.stderr)
+        return 2
+    res = run(job, Path(a.workspace).resolve(), Path(a.result_dir).resolve(), sites,
+              Path(a.datalists).resolve() if a.datalists else None, a.timeout, a.keep)
     print(json.dumps(res, indent=1))
-    return 0 if "FINISHED_OK" in res.get("status", "") or res.get("status") == "FINISHED:COMPLETED" else 1
+    return 0 if res.get("status") == "finished" else 1
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ from fedmed.data import DataError, discover, write_site_datalists
 from fedmed.site import SiteRunner
 
 CFG = {"seed": 0, "data": {"image_size": 8, "channels": 1, "n_classes": 10},
-       "model": {"arch": "resnet9", "width": 4}, "train": {}}
+       "model": {"arch": "resnet9", "width": 4}, "train": {},
+       "privacy": {"k_min": 1, "accept_k_min_below_2": True}}  # the papers' form: every class is sent
 
 
 @pytest.fixture
@@ -32,11 +33,32 @@ def test_signature_task_edge_sites(sites, kind):
         assert params == {} and "random init" in meta["encoder"]
         assert not any(k in meta for k in ("images", "labels"))
         sigs[s] = meta
-    assert "single class" in sigs["site-1"]["note"]
     if kind == "fmcl":
         assert sigs["site-2"]["counts"].tolist() == [1.0]
     names, D = signature_distances(kind, sigs)
     assert names == ["site-1", "site-2", "site-3"] and D.shape == (3, 3) and np.isfinite(D).all()
+
+
+def test_small_classes_are_withheld_and_clustering_still_runs(sites, capsys):
+    """k_min: a class with fewer samples than k_min never leaves the site; the log says which and why."""
+    pool = discover("builtin:digits", max_per_class=6)
+    idx = np.r_[np.flatnonzero(pool.labels == 2)[:6], np.flatnonzero(pool.labels == 6)[:1]]
+    entries = [{"image": str((sites / "images" / f"x{i}.png")), "label": int(pool.labels[i])} for i in idx]
+    from PIL import Image
+
+    (sites / "images").mkdir(exist_ok=True)
+    for i, e in zip(idx, entries):
+        Image.fromarray(pool.items[i]).save(e["image"])
+    (sites / "site-4.json").write_text(json.dumps({"training": entries, "validation": [], "test": []}))
+    cfg = dict(CFG, privacy={"k_min": 5}, signature={"kind": "fmcl", "encoder": "random_cnn", "seed": 0})
+    _, _, m4 = SiteRunner("site-4", sites).handle("signature", {}, cfg)
+    assert m4["classes"].tolist() == [2] and m4["counts"].tolist() == [6.0] and m4["withheld_classes"] == [6]
+    assert "class(es) [6] withheld" in capsys.readouterr().out  # the site's log says which and why
+    with pytest.raises(ValueError, match="site-2: every class has fewer than k_min=5"):
+        SiteRunner("site-2", sites).handle("signature", {}, cfg)  # one image: nothing may leave
+    _, _, m3 = SiteRunner("site-3", sites).handle("signature", {}, dict(cfg, privacy={"k_min": 2}))
+    names, D = signature_distances("fmcl", {"site-3": m3, "site-4": m4})
+    assert D.shape == (2, 2) and np.isfinite(D).all() and D[0, 1] > 0  # class 6 is absent at site-4; class 2 shared
 
 
 def test_signature_task_corrupt_image(sites):

@@ -82,11 +82,13 @@ def test_auto_k_invariant_to_site_order(rng):
     assert adjusted_rand_score(a.labels[perm], b.labels) == 1.0
 
 
-def test_auto_k_fallback_without_local_maximum():
-    # Two tight pairs, far apart, N=4: window {3,4}? CV is large -> window {3..4}; no interior point
+def test_auto_k_peak_at_the_window_edge():
+    # Two tight pairs, far apart, N=4: CV window {2..4}; K=2 is the window's first value. Its neighbours on the
+    # silhouette curve are S(1)=0 and S(3), so it is a local maximum (the literal, interior-only reading found none
+    # and fell back to the argmax, which here happens to agree).
     D = np.array([[0, .1, 5, 5], [.1, 0, 5, 5], [5, 5, 0, .1], [5, 5, .1, 0]])
     res = auto_k(D)
-    assert res.local_maxima == [] and "argmax" in res.rule
+    assert res.window[0] == 2 and res.local_maxima == [2] and "dominant local maximum" in res.rule
     assert res.k == 2
 
 

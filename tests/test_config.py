@@ -13,7 +13,7 @@ def test_defaults_and_overrides():
 def test_unknown_key_is_named(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("name: t\ndataset: {path: builtin:digits}\nmodel: {arch: resnet9, depth: 5}\n")
-    with pytest.raises(ConfigError, match=r"c.yaml: invalid configuration\n  model.depth: Extra inputs are not permitted"):
+    with pytest.raises(ConfigError, match=r"c.yaml: invalid configuration: model.depth: Extra inputs are not permitted"):
         load_config(f)
 
 

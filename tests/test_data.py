@@ -22,7 +22,7 @@ def test_digits_datalists_roundtrip(tmp_path):
     meta = json.loads((tmp_path / "dataset.json").read_text())
     assert meta["n_classes"] == 10 and meta["sites"] == ["site-1", "site-2"]
     doc = load_datalist(tmp_path / "site-1.json")
-    assert len(doc["training"]) + len(doc["validation"]) == 30 and len(doc["validation"]) >= 1
+    assert len(doc["training"]) + len(doc["validation"]) + len(doc["test"]) == 30 and len(doc["test"]) >= 1
     x, y = load_images(doc["training"], image_size=16, channels=1)
     assert x.shape == (len(doc["training"]), 1, 16, 16) and float(x.max()) <= 1.0
     assert len(pool.labels) == 60

@@ -20,6 +20,7 @@ BASE = {
     "train": {"rounds": 2},
     "methods": [{"name": "FedAvg", "workflow": "fedavg"}, {"name": "Prox", "workflow": "fedprox", "fedprox_mu": 0.01}],
     "seeds": [0, 1],
+    "references": [],  # reference rows are tested in tests/test_references.py
 }
 
 

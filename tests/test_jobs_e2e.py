@@ -1,5 +1,5 @@
-"""Real NVFlare runs: the simulator on a tiny federation, and the same BUSI job folder in the
-simulator and in POC mode (submitted through the admin API)."""
+"""Real NVFlare runs: the simulator on tiny federations, and one BUSI job folder — built from the config alone,
+for sites with hospital names — in the simulator and in POC mode (submitted through the admin API)."""
 
 import json
 import subprocess
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedmed.experiment import REPO_ROOT, prepare_federation, run_job
 from fedmed.config import load_config
+from fedmed.experiment import REPO_ROOT, RunError, classes_override, prepare_federation, run_job
 
 from conftest import shared_path
 
@@ -21,8 +21,9 @@ TINY = {
     "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 8},
     "federation": {"sites": 3, "partition": "iid"},
     "model": {"arch": "resnet9", "width": 4},
-    "train": {"rounds": 2, "local_epochs": 1, "batch_size": 8, "lr": 0.01},
+    "train": {"rounds": 2, "local_epochs": 1, "batch_size": 8},
     "methods": [{"name": "FedAvg", "workflow": "fedavg"}],
+    "privacy": {"k_min": 2},
 }
 
 
@@ -34,7 +35,8 @@ def write_cfg(tmp_path, cfg) -> Path:
 
 def test_simulator_fedavg_one_bad_site_does_not_stop_the_federation(tmp_path):
     cfg_path = write_cfg(tmp_path, TINY)
-    data = prepare_federation(load_config(cfg_path), 0, tmp_path / "data")
+    exp = load_config(cfg_path)
+    data = prepare_federation(exp, 0, tmp_path / "data")
     bad_list = data / "site-3.json"
     doc = json.loads(bad_list.read_text())
     corrupt = tmp_path / "corrupt.png"
@@ -42,7 +44,9 @@ def test_simulator_fedavg_one_bad_site_does_not_stop_the_federation(tmp_path):
     doc["training"][0]["image"] = str(corrupt)
     bad_list.write_text(json.dumps(doc))
 
-    res = run_job(str(cfg_path), [], "FedAvg", 0, data, tmp_path / "run", 3, timeout=600)
+    res = run_job(str(cfg_path), classes_override(data, exp), "FedAvg", 0, data, tmp_path / "run", 3, timeout=600,
+                  log=lambda *a: None)
+    assert res["status"] == "finished"
     rounds = res["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2] and rounds[-1]["task"] == "validate"
     for r in rounds:  # the two healthy sites are scored every round
@@ -51,40 +55,47 @@ def test_simulator_fedavg_one_bad_site_does_not_stop_the_federation(tmp_path):
     errors = res["errors"]
     assert errors and all(e["site"] == "site-3" for e in errors)
     assert "corrupt.png" in errors[0]["error"] and "site-3" in errors[0]["error"]
-    assert (tmp_path / "run" / "workspace").exists() is False  # only metrics and logs kept
+    assert str(tmp_path) not in json.dumps(errors)  # no absolute path leaves the site
+    assert (tmp_path / "run" / "workspace").exists() is False  # only the server output and logs are kept
+    assert (tmp_path / "run" / "server" / "models" / "global.pt").is_file()
 
 
 @pytest.mark.data
-def test_busi_job_runs_in_simulator_and_poc(tmp_path):
+def test_busi_job_for_named_sites_runs_in_simulator_and_poc(tmp_path):
+    """A job built from the config alone (no datalists on the coordinator) for sites named like hospitals."""
     busi = shared_path("busi")
-    cfg = dict(TINY, name="busi_e2e", dataset={"path": str(busi), "image_size": 24, "channels": 1, "max_per_class": 12},
-               federation={"sites": 4, "partition": "dirichlet", "alpha": 0.5})
+    sites = ["hospital-a", "hospital-b"]
+    cfg = dict(TINY, name="busi_e2e", dataset={"path": str(busi), "image_size": 24, "channels": 1, "max_per_class": 12,
+                                               "classes": ["benign", "malignant", "normal"]},
+               federation={"sites": 2, "site_names": sites, "partition": "dirichlet", "alpha": 0.5})
     cfg_path = write_cfg(tmp_path, cfg)
     data = prepare_federation(load_config(cfg_path), 0, tmp_path / "data")
+    assert sorted(p.stem for p in data.glob("hospital-*.json")) == sites
     jobs = tmp_path / "jobs"
     out = subprocess.run([sys.executable, str(REPO_ROOT / "jobs" / "build.py"), "--config", str(cfg_path),
-                          "--datalists", str(data), "--out", str(jobs), "--method", "FedAvg"],
+                          "--out", str(jobs), "--method", "FedAvg"],
                          capture_output=True, text=True, check=True, cwd=REPO_ROOT)
     job = Path(out.stdout.strip().splitlines()[-1])
-    assert (job / "meta.json").is_file()
+    meta = json.loads((job / "meta.json").read_text())
+    assert sorted(s for t in meta["deploy_map"].values() for s in t if s != "server") == sites
+    assert str(tmp_path) not in "".join(p.read_text() for p in job.rglob("*.json"))  # no data path in the job
 
-    nvflare = str(Path(sys.executable).parent / "nvflare")
-    ws = tmp_path / "sim"
-    subprocess.run([nvflare, "simulator", str(job), "-w", str(ws), "-n", "4", "-t", "4"], check=True,
-                   capture_output=True, timeout=600)
-    sim = json.loads((ws / "server" / "simulate_job" / "fedmed" / "metrics.json").read_text())
-    assert len(sim["rounds"]) == 3 and sorted(sim["rounds"][-1]["sites"]) == ["site-1", "site-2", "site-3", "site-4"]
+    sim = subprocess.run([sys.executable, str(REPO_ROOT / "jobs" / "run.py"), "--config", str(cfg_path), "--method",
+                          "FedAvg", "--env", "sim", "--datalists", str(data), "--workspace", str(tmp_path / "sim")],
+                         capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    assert sim.returncode == 0, sim.stdout[-3000:] + sim.stderr[-2000:]
+    res = json.loads(sim.stdout.strip().splitlines()[-1])
+    doc = json.loads((Path(res["result"]) / "metrics.json").read_text())
+    assert doc["status"] == "finished" and len(doc["rounds"]) == 3 and sorted(doc["rounds"][-1]["sites"]) == sites
 
-    poc = subprocess.run([sys.executable, str(REPO_ROOT / "poc" / "run_poc.py"), str(job), "--sites", "4",
+    poc = subprocess.run([sys.executable, str(REPO_ROOT / "poc" / "run_poc.py"), str(job), "--datalists", str(data),
                           "--workspace", str(tmp_path / "poc"), "--result-dir", str(tmp_path / "poc_result")],
                          capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
     assert poc.returncode == 0, poc.stdout[-3000:]
-    result = json.loads(poc.stdout[poc.stdout.rindex("{"):])
-    assert result["status"] == "FINISHED:COMPLETED"
-    got = list(Path(result["result"]).rglob("metrics.json"))
-    assert got, "the downloaded POC result holds fedmed/metrics.json"
-    poc_doc = json.loads(got[0].read_text())
-    assert len(poc_doc["rounds"]) == 3 and not poc_doc["errors"]
+    result = json.loads(poc.stdout[poc.stdout.rindex("{\n"):])
+    assert result["flare_status"] == "FINISHED:COMPLETED" and result["status"] == "finished"
+    poc_doc = json.loads(next(Path(result["result"]).rglob("fedmed/metrics.json")).read_text())
+    assert len(poc_doc["rounds"]) == 3 and not poc_doc["errors"] and sorted(poc_doc["sites"]) == sites
 
 
 def test_fmcl_job_clusters_once_and_survives_edge_sites(tmp_path):
@@ -93,14 +104,14 @@ def test_fmcl_job_clusters_once_and_survives_edge_sites(tmp_path):
     from fedmed.data import discover, write_site_datalists
 
     cfg = dict(TINY, methods=[{"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn"}],
-               federation={"sites": 4, "partition": "iid"})
+               federation={"sites": 4, "partition": "iid"}, privacy={"k_min": 3})
     cfg_path = write_cfg(tmp_path, cfg)
     pool = discover("builtin:digits", max_per_class=8)
     y = pool.labels
     parts = [np.flatnonzero(y == 0),                 # a site holding a single class
-             np.flatnonzero(y == 1)[:1],             # a site with one image
+             np.flatnonzero(y == 1)[:1],             # a site with one image: below k_min, it may send nothing
              np.flatnonzero(np.isin(y, [0, 1, 2])),  # a site whose datalist will name a corrupt image
-             np.flatnonzero(np.isin(y, [1, 2, 3]))]
+             np.flatnonzero(np.isin(y, [0, 2, 3]))]
     data = tmp_path / "data"
     write_site_datalists(pool, parts, data, test_fraction=0.25, seed=0)
     doc = json.loads((data / "site-3.json").read_text())
@@ -108,16 +119,40 @@ def test_fmcl_job_clusters_once_and_survives_edge_sites(tmp_path):
     doc["training"][1]["image"] = str(tmp_path / "corrupt.png")
     (data / "site-3.json").write_text(json.dumps(doc))
 
-    res = run_job(str(cfg_path), [], "FMCL", 0, data, tmp_path / "run", 4, timeout=600)
+    res = run_job(str(cfg_path), [f"dataset.classes={json.dumps(pool.class_names)}"], "FMCL", 0, data,
+                  tmp_path / "run", 4, timeout=600, log=lambda *a: None)
     log = res["task_log"]
     assert log[0]["task"] == "signature" and log[0]["sites"] == ["site-1", "site-2", "site-3", "site-4"]
     assert sum(1 for t in log if t["task"] == "signature") == 1  # clustering happens once
     assert {t["task"] for t in log[1:]} == {"train", "validate"}
     clustered = sorted(s for c in res["clustering"]["clusters"] for s in c)
-    assert clustered == ["site-1", "site-2", "site-4"]  # site-3 sent no signature and is left out
+    assert clustered == ["site-1", "site-4"]  # site-3 sent no signature (corrupt image), site-2 nothing (k_min)
     assert any(e["site"] == "site-3" and "corrupt.png" in e["error"] for e in res["errors"])
+    assert any(e["site"] == "site-2" and "k_min=3" in e["error"] for e in res["errors"])
     assert res["rounds"][-1]["task"] == "validate" and "site-1" in res["rounds"][-1]["sites"]
     assert (tmp_path / "run" / "server" / "distances.csv").is_file()
+    assert res["status"] == "finished"
+
+
+def test_all_sites_failing_is_a_failed_run(tmp_path):
+    """Nothing trained: the run fails with the reason, saves no final model, and fedmed experiment exits non-zero."""
+    from fedmed.cli import main
+
+    cfg_path = write_cfg(tmp_path, dict(TINY, references=[]))
+    exp = load_config(cfg_path)
+    data = prepare_federation(exp, 0, tmp_path / "data")
+    for s in ("site-1", "site-2", "site-3"):
+        doc = json.loads((data / f"{s}.json").read_text())
+        for e in doc["training"]:
+            e["image"] = str(tmp_path / "missing.png")
+        (data / f"{s}.json").write_text(json.dumps(doc))
+    with pytest.raises(RunError) as err:
+        run_job(str(cfg_path), classes_override(data, exp), "FedAvg", 0, data, tmp_path / "run", 3, timeout=600,
+                log=lambda *a: None)
+    assert err.value.status == "failed" and "fewer than min_clients=1" in err.value.reason
+    assert err.value.doc["status"] == "failed" and not list((tmp_path / "run").rglob("global.pt"))
+    json.loads((tmp_path / "run" / "server" / "metrics.json").read_text())  # strict JSON (no bare NaN)
+    assert "NaN" not in (tmp_path / "run" / "server" / "metrics.json").read_text()
 
 
 def test_seg_fedavg_w_job_assesses_then_down_weights(tmp_path):
@@ -130,7 +165,8 @@ def test_seg_fedavg_w_job_assesses_then_down_weights(tmp_path):
                        "roi": [16, 16, 16]},
            "federation": {"sites": 4, "partition": "label_volume", "test_fraction": 0.34},
            "model": {"channels": [4, 8, 16]},
-           "train": {"rounds": 2, "local_epochs": 1, "lr": 0.01},
+           "train": {"rounds": 2, "local_epochs": 1},
+           "privacy": {"k_min": 2},
            "methods": [{"name": "FedAvg_w", "workflow": "fedavg_w", "omega": 0.3}]}
     cfg_path = write_cfg(tmp_path, cfg)
     data = prepare_federation(load_config(cfg_path), 0, tmp_path / "data")
@@ -138,7 +174,7 @@ def test_seg_fedavg_w_job_assesses_then_down_weights(tmp_path):
     doc["training"][0]["label"] = str(tmp_path / "missing_label.nii.gz")  # this site cannot load its data
     (data / "site-2.json").write_text(json.dumps(doc))
 
-    res = run_job(str(cfg_path), [], "FedAvg_w", 0, data, tmp_path / "run", 4, timeout=900)
+    res = run_job(str(cfg_path), [], "FedAvg_w", 0, data, tmp_path / "run", 4, timeout=900, log=lambda *a: None)
     assert res["assessment"]["emd"]["most_distant"] == "site-4"
     assert res["down_weighted"] == {"site": "site-4", "omega": 0.3, "source": "assessment (emd)"}
     assert [t["task"] for t in res["task_log"]][:2] == ["assess", "train"]
@@ -155,11 +191,13 @@ def test_flux_unseen_site_goes_to_its_groups_cluster(tmp_path, method):
     from fedmed.experiment import run_experiment
 
     cfg = {"name": "flux_e2e",
-           "dataset": {"path": "builtin:digits", "image_size": 12, "channels": 3, "max_per_class": 30},
+           "dataset": {"path": "builtin:digits", "image_size": 12, "channels": 3, "max_per_class": 60},
            "federation": {"sites": 6, "unseen_sites": 2, "partition": "anda", "anda_shift": "feature",
                           "anda_level": 5, "anda_groups": 2},
            "model": {"arch": "resnet9", "width": 4},
-           "train": {"rounds": 3, "local_epochs": 1, "batch_size": 16, "lr": 0.01},
+           "train": {"rounds": 3, "local_epochs": 1, "batch_size": 16},
+           "privacy": {"k_min": 2},
+           "references": [],
            "methods": [method]}
     cfg_path = write_cfg(tmp_path, cfg)
     rows = run_experiment(str(cfg_path), tmp_path / "out", log=lambda *a: None)

@@ -11,7 +11,8 @@ from fedmed.site import SiteRunner
 from fedmed.train import get_params
 
 CFG = {"seed": 0, "data": {"image_size": 8, "channels": 1, "n_classes": 10}, "model": {"arch": "resnet9", "width": 4},
-       "train": {"local_epochs": 1, "batch_size": 8, "lr": 0.01, "momentum": 0.9}}
+       "train": {"local_epochs": 1, "batch_size": 8, "lr": 0.01, "momentum": 0.9},
+       "privacy": {"k_min": 1, "accept_k_min_below_2": True}}
 
 
 @pytest.fixture
@@ -47,7 +48,7 @@ def test_nan_latents_are_a_clear_error(site_dir):
 
 
 def test_unseen_site_without_images(tmp_path):
-    (tmp_path / "unseen-1.json").write_text(json.dumps({"training": [], "validation": []}))
+    (tmp_path / "unseen-1.json").write_text(json.dumps({"training": [], "validation": [], "test": []}))
     with pytest.raises(DataError, match="unseen-1: datalist .*unseen-1.json has no training images"):
         SiteRunner("unseen-1", tmp_path).handle("descriptor", params(), dict(CFG, flux={"lo": [0.0] * 32, "hi": [1.0] * 32}))
 

@@ -56,7 +56,7 @@ def test_fedprox_keeps_weights_closer():
     drift = {}
     for mu in (0.0, 10.0):
         m = build_model("resnet9", 1, 2, width=4)
-        train_local(m, x, y, epochs=3, lr=0.1, mu=mu, generator=torch.Generator().manual_seed(1), augment=False)
+        train_local(m, x, y, epochs=3, lr=0.1, mu=mu, generator=torch.Generator().manual_seed(1), augment="none")
         drift[mu] = sum(float(((get_params(m)[k] - base[k]) ** 2).sum()) for k in base if "weight" in k)
     assert drift[10.0] < drift[0.0]
 

@@ -1,0 +1,61 @@
+"""CFL (Sattler, Müller & Samek 2020): FedAvg inside clusters that split by gradient similarity."""
+
+import numpy as np
+
+from custom.base import initial_params
+from custom.fedavg import FedAvgController
+
+
+class CFLController(FedAvgController):
+    """Algorithm box (CFL, Alg. 1): every round each cluster trains from its model; when a cluster's mean
+    update is small but some site's update is large (``fedmed.clustered.cfl_split``), it is bipartitioned
+    by cosine similarity of the updates and each half continues from the cluster's model."""
+
+    def __init__(self, num_rounds: int, fedmed_config: dict, eps1: float = 0.4, eps2: float = 1.6,
+                 warmup_rounds: int = 2, **kw):
+        super().__init__(num_rounds, fedmed_config, **kw)
+        self.eps1, self.eps2, self.warmup_rounds = float(eps1), float(eps2), int(warmup_rounds)
+
+    def workflow(self):
+        from fedmed.clustered import cfl_split
+
+        st = self.resumed.get("state", {})
+        clusters = [[s for s in c if s in self.sites] for c in st.get("clusters", [self.sites])]
+        saved = self.resumed_models()
+        theta = [saved.get(f"cluster{c}") or initial_params(self.cfg) for c in range(len(clusters))]
+        splits = st.get("splits", [])
+        for r in range(self.start_round(), self.num_rounds + 1):
+            task = "train" if r < self.num_rounds else "validate"
+            replies = self.send_groups(task, {c: (self.task(theta[c], r, cluster=c), sites)
+                                              for c, sites in enumerate(clusters) if sites})
+            ok = {row[0] for row in self.record_rows(r, [row for rows in replies.values() for row in rows], task)}
+            if task != "train":
+                break
+            new_clusters, new_theta = [], []
+            for c, sites in enumerate(clusters):
+                good = [row for row in replies.get(c, []) if row[0] in ok]
+                if not good:
+                    new_clusters.append(sites)
+                    new_theta.append(theta[c])
+                    continue
+                updates = [{k: np.asarray(p[k]) - np.asarray(theta[c][k]) for k in theta[c]} for *_, p in good]
+                decision = cfl_split(updates, [meta["n_train"] for _, _, meta, _ in good], eps1=self.eps1,
+                                     eps2=self.eps2)
+                agg = self.aggregate(good)
+                if decision["split"] and r >= self.warmup_rounds:
+                    names = [s for s, *_ in good]
+                    halves = [[n for n, lab in zip(names, decision["labels"]) if lab == h] for h in (0, 1)]
+                    halves[0] += [s for s in sites if s not in names]  # sites that did not answer stay with half 0
+                    new_clusters += halves
+                    new_theta += [agg, agg]
+                    splits.append({"round": r, "cluster": sites, "into": halves, "mean_norm": decision["mean_norm"],
+                                   "max_norm": decision["max_norm"]})
+                    self.info(f"CFL split in round {r}: {halves}")
+                else:
+                    new_clusters.append(sites)
+                    new_theta.append(agg)
+            clusters, theta = new_clusters, new_theta
+            self.checkpoint(r + 1, {f"cluster{c}": t for c, t in enumerate(theta)}, clusters=clusters, splits=splits)
+        self.recorder.note("clustering", {"clusters": clusters, "splits": splits, "rule": "CFL"})
+        for c, sites in enumerate(clusters):
+            self.save_final(theta[c], name=f"cluster{c}", sites=sites, cluster=c)

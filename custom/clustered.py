@@ -1,0 +1,99 @@
+"""One-shot clustered FL: FMCL (``000_`` Fig. 1, Alg. 2-5), and PACFL / FECFL with their signatures."""
+
+from pathlib import Path
+
+from custom.base import initial_params
+from custom.fedavg import FedAvgController
+
+
+class ClusteredFedAvgController(FedAvgController):
+    """Algorithm box (FMCL, Fig. 1):
+
+    1. one ``signature`` task: each site sends its signature (class ids, per-class means and counts of
+       classes with >= k_min samples; PACFL: subspace bases; FECFL: one mean embedding);
+    2. the server computes the distance matrix and clusters once (auto-K, fixed K or threshold) and
+       writes ``clustering.json``, ``distances.csv`` and the heatmap, dendrogram and silhouette plots;
+    3. FedAvg runs independently inside each cluster for R rounds, with no extra communication;
+       each site is scored with its cluster's model, and each cluster's model is saved.
+    """
+
+    def __init__(self, num_rounds: int, fedmed_config: dict, signature: dict, clustering: dict, **kw):
+        super().__init__(num_rounds, fedmed_config, **kw)
+        self.signature = dict(signature)
+        self.clustering = dict(clustering)
+
+    def workflow(self):
+        clusters = self.resumed.get("state", {}).get("clusters") or self.cluster(self.collect_signatures())
+        self.train_clusters(clusters)
+
+    def collect_signatures(self) -> dict:
+        rows = self.send("signature", self.task({}, 0, signature=self.signature))
+        sigs, spent = {}, {}
+        for site, _, meta, _ in rows:
+            if meta.get("error"):
+                self.recorder.error(-1, site, "signature", meta["error"])
+                self.error(f"site {site} sent no signature and is left out: {meta['error']}")
+                continue
+            sigs[site] = meta
+            spent[site] = meta.get("dp", {})
+            for note in meta.get("notes", []) or []:
+                self.warning(f"site {site}: {note}")
+        self.recorder.note("privacy", {"k_min": self.cfg.get("privacy", {}).get("k_min"), "signatures": spent,
+                                       "withheld_classes": {s: m.get("withheld_classes", []) for s, m in sigs.items()}})
+        return sigs
+
+    def cluster(self, sigs: dict) -> list:
+        from fedmed.clustered import choose_clusters, signature_distances
+        from fedmed.io import write_distance_csv
+        from fedmed.plots import plot_dendrogram, plot_heatmap, plot_silhouette
+
+        out = Path(self.get_run_dir()) / "fedmed"
+        if len(sigs) < self.min_clients:
+            from custom.base import RunFailed
+
+            raise RunFailed(f"{len(sigs)} site(s) sent a signature, fewer than min_clients={self.min_clients}")
+        try:
+            names, D = signature_distances(self.signature["kind"], sigs, overlap=self.clustering.get("overlap", True),
+                                           angle=self.signature.get("angle", "principal"))
+            info = choose_clusters(D, names, n_clusters=self.clustering.get("n_clusters"),
+                                   threshold=self.clustering.get("threshold"),
+                                   linkage_method=self.clustering.get("linkage", "average"),
+                                   k1_silhouette=self.clustering.get("k1_silhouette", 0.25))
+        except ValueError as e:  # e.g. fewer than two signatures, or no pair of sites sharing a class
+            names = sorted(sigs)
+            self.error(f"clustering impossible ({e}); training one model for all {len(names)} sites")
+            self.recorder.note("clustering", {"clusters": [names], "rule": f"fallback to one cluster: {e}",
+                                              "sites": names})
+            return [names] if names else []
+        info["encoder"] = sorted({m.get("encoder", "?") for m in sigs.values()})
+        write_distance_csv(out / "distances.csv", names, D)
+        plot_heatmap(D, names, out / "distance_heatmap.png", title=f"{self.signature['kind']} distances",
+                     labels=info["labels"])
+        if len(names) > 2:
+            plot_dendrogram(D, names, out / "dendrogram.png", k=info["k"],
+                            linkage_method=self.clustering.get("linkage", "average"))
+        if "silhouette" in info:
+            plot_silhouette(info["silhouette"], info["window"], info["k"], out / "silhouette.png")
+        self.recorder.note("clustering", {**info, "sites": names})
+        self.info(f"clusters ({info['rule']}): {info['clusters']}")
+        return [list(c) for c in info["clusters"]]
+
+    def train_clusters(self, clusters: list, **state):
+        """Per-cluster FedAvg from the start round to R, then every site scores its cluster's model."""
+        clusters = [[s for s in c if s in self.sites] for c in clusters]
+        saved = self.resumed_models()
+        theta = {c: saved.get(f"cluster{c}") or initial_params(self.cfg) for c in range(len(clusters))}
+        for r in range(self.start_round(), self.num_rounds + 1):
+            task = "train" if r < self.num_rounds else "validate"
+            replies = self.send_groups(task, {c: (self.task(theta[c], r, cluster=c), sites)
+                                              for c, sites in enumerate(clusters) if sites})
+            ok = {row[0] for row in self.record_rows(r, [row for rows in replies.values() for row in rows], task)}
+            if task == "train":
+                for c, rows in replies.items():
+                    good = [row for row in rows if row[0] in ok]
+                    if good:
+                        theta[c] = self.aggregate(good)
+                self.checkpoint(r + 1, {f"cluster{c}": t for c, t in theta.items()}, clusters=clusters, **state)
+        for c, sites in enumerate(clusters):
+            if sites:
+                self.save_final(theta[c], name=f"cluster{c}", sites=sites, cluster=c)

@@ -1,0 +1,138 @@
+"""Flux (``003_`` Algorithm 1) with partial participation."""
+
+from pathlib import Path
+
+import numpy as np
+
+from custom.base import initial_params
+from custom.fedavg import FedAvgController
+
+
+class FluxController(FedAvgController):
+    """Algorithm box (Flux, Alg. 1):
+
+    1. FedAvg rounds (a seeded ``participation`` fraction of sites each round) until the start rule of
+       Eq. 14 fires on the served global model's mean *validation* accuracy;
+    2. S1: sampled sites send the latent box of the global model ``theta*`` (aggregates of k_min samples,
+       or nothing with DP on); the server merges and broadcasts it; S2-S4: sites send descriptors
+       (shared PCA, optional DP);
+    3. clustering: adaptive DBSCAN (Flux) or K-means with ``n_clusters`` (Flux-prior); centroids of the
+       full and the label-free descriptors;
+    4. per-cluster FedAvg for the remaining rounds; a site sampled later without a cluster first sends
+       its descriptor (computed with ``theta*``) and joins the nearest centroid (Eq. 9).
+    Writes ``flux_state.npz`` (``theta*``, the box, centroids) for the test-time job.
+    """
+
+    def __init__(self, num_rounds: int, fedmed_config: dict, flux: dict, participation: float = 1.0,
+                 n_clusters: int = 0, **kw):
+        super().__init__(num_rounds, fedmed_config, **kw)
+        self.flux = dict(flux)
+        self.participation = float(participation)
+        self.n_clusters = int(n_clusters or 0)
+
+    def sample(self, r: int) -> list:
+        k = max(1, int(round(self.participation * len(self.sites))))
+        rng = np.random.default_rng(self.cfg.get("seed", 0) * 100_003 + r)
+        return sorted(rng.choice(self.sites, size=k, replace=False).tolist())
+
+    def descriptors(self, theta_star, sites, label_free=False) -> dict:
+        out = {}
+        for s, _, meta, _ in self.send("descriptor", self.task(theta_star, 0, flux={**self.flux, "label_free": label_free}),
+                                       targets=sites):
+            if meta.get("error"):
+                self.recorder.error(-1, s, "descriptor", meta["error"])
+                self.error(f"site {s} sent no descriptor and stays unassigned: {meta['error']}")
+            else:
+                out[s] = meta
+        return out
+
+    def warmup(self):
+        """FedAvg until Eq. 14 fires; returns (theta*, the round clustering happens at)."""
+        from fedmed.flux import should_start_clustering
+
+        st = self.resumed.get("state", {})
+        theta = self.resumed_models().get("global") or initial_params(self.cfg)
+        acc, r = list(st.get("acc", [])), self.start_round()
+        while r < self.num_rounds - 1:
+            rows = self.record_rows(r, self.send("train", self.task(theta, r), targets=self.sample(r)), "train")
+            theta = self.aggregate(rows)
+            mean = self.recorder.doc["rounds"][-1]["summary"]["mean"]
+            acc.append(mean.get("val_accuracy", mean.get("accuracy", 0.0)))
+            r += 1
+            self.checkpoint(r, {"global": theta}, phase="warmup", acc=acc)
+            if should_start_clustering(acc, self.num_rounds, threshold=self.flux.get("start_threshold", 0.06),
+                                       rule=self.flux.get("start_rule", "paper")):
+                break
+        return theta, r
+
+    def cluster_sites(self, theta_star, r):
+        from fedmed.clustered import flux_cluster
+        from fedmed.flux import merge_bounds
+
+        part = self.sample(r)
+        bounds = [(np.asarray(m["lo"]), np.asarray(m["hi"]))
+                  for s, _, m, _ in self.send("latent_bounds", self.task(theta_star, r, flux=self.flux), targets=part)
+                  if not m.get("error")]
+        if not bounds:
+            from custom.base import RunFailed
+
+            raise RunFailed(f"round {r}: no site sent latent bounds; Flux cannot build its descriptor space")
+        lo, hi = merge_bounds(bounds)
+        self.flux.update(lo=lo.tolist(), hi=hi.tolist())
+        descs = self.descriptors(theta_star, part)
+        info = flux_cluster(descs, n_clusters=self.n_clusters or None, scale=self.flux.get("scale", 1.0),
+                            seed=self.cfg.get("seed", 0), scaling=self.flux.get("scaling", "none"),
+                            k1_silhouette=self.flux.get("k1_silhouette", 0.25))
+        n_params = sum(np.asarray(v).size for v in theta_star.values())
+        self.recorder.note("clustering", {k: v for k, v in info.items() if not k.startswith("centroids")} |
+                           {"start_round": r, "descriptor_to_model_ratio": info["descriptor_length"] / n_params,
+                            "model_params": int(n_params)})
+        self.recorder.note("privacy", {"k_min": self.cfg.get("privacy", {}).get("k_min"),
+                                       "dp_epsilon": self.cfg.get("privacy", {}).get("dp_epsilon"),
+                                       "descriptor_dp": "Laplace, b = Range(g_i) / (n epsilon) (003_ App. C.2)"})
+        self.info(f"Flux clusters at round {r} ({info['rule']}): {info['clusters']}")
+        return lo, hi, info
+
+    def workflow(self):
+        from fedmed.flux import assign_nearest
+
+        st = self.resumed.get("state", {})
+        if st.get("phase") == "clustered":
+            saved = self.resumed_models()
+            theta_star, r0 = saved["theta_star"], self.start_round()
+            lo, hi = np.asarray(st["lo"]), np.asarray(st["hi"])
+            self.flux.update(lo=lo.tolist(), hi=hi.tolist())
+            info = {k: (np.asarray(v) if k.startswith("centroids") else v) for k, v in st["info"].items()}
+            assign = {s: int(c) for s, c in st["assign"].items()}
+            models = {c: saved[f"cluster{c}"] for c in range(info["k"])}
+        else:
+            theta_star, r0 = self.warmup()
+            lo, hi, info = self.cluster_sites(theta_star, r0)
+            assign = {s: lab for s, lab in zip(info["sites"], info["labels"])}
+            models = {c: theta_star for c in range(info["k"])}
+        for rr in range(r0, self.num_rounds + 1):
+            task = "train" if rr < self.num_rounds else "validate"
+            sampled = self.sample(rr) if task == "train" else list(self.sites)
+            new = [s for s in sampled if s not in assign]
+            for s, meta in self.descriptors(theta_star, new).items() if new else []:
+                assign[s] = assign_nearest(meta["full"], info["centroids_full"])
+                self.info(f"{s} joins cluster {assign[s]} (nearest centroid)")
+            groups = {c: (self.task(models[c], rr, cluster=c), [s for s in sampled if assign.get(s) == c])
+                      for c in models}
+            replies = self.send_groups(task, {c: g for c, g in groups.items() if g[1]})
+            ok = {row[0] for row in self.record_rows(rr, [row for rows in replies.values() for row in rows], task)}
+            if task == "train":
+                for c, rows in replies.items():
+                    good = [row for row in rows if row[0] in ok]
+                    if good:
+                        models[c] = self.aggregate(good)
+                self.checkpoint(rr + 1, {"theta_star": theta_star, **{f"cluster{c}": m for c, m in models.items()}},
+                                phase="clustered", lo=lo, hi=hi, assign=assign,
+                                info={k: v for k, v in info.items() if k not in ("labels",)})
+        self.recorder.note("assignment", assign)
+        for c, th in models.items():
+            self.save_final(th, name=f"cluster{c}", sites=[s for s, a in assign.items() if a == c], cluster=c)
+        np.savez(Path(self.get_run_dir()) / "fedmed" / "flux_state.npz", lo=lo, hi=hi,
+                 centroids_label_free=info["centroids_label_free"], centroids_full=info["centroids_full"],
+                 pca_seed=self.flux.get("pca_seed", 0), n_components=self.flux.get("n_components", 10),
+                 **{f"theta_star/{k}": v for k, v in theta_star.items()})

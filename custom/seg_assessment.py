@@ -1,0 +1,70 @@
+"""``004_`` (Alekseenko et al.): assess the federation, then train a model that is better for it."""
+
+from pathlib import Path
+
+from custom.clustered import ClusteredFedAvgController
+
+
+class SegAssessmentController(ClusteredFedAvgController):
+    """Algorithm box (``004_`` §2-3):
+
+    1. one ``assess`` task: sites send metadata histograms and an embedding centroid (aggregates of at
+       least k_min cases); the server computes D_EMD and D_EUC, the most distant site (Eq. 3) and the
+       two-cluster split (Alg. 1) and writes the report (``assessment/``: CSVs, JSON, heatmaps, report.md);
+    2. ``mode``: ``"assess"`` stops there; ``"fedavg_w"`` runs FedAvg with the most distant site (by
+       ``distance``, or ``site`` if given) weighted ``omega`` (Eq. 2); ``"clusters"`` runs FedAvg per cluster
+       (Alg. 1's split by ``distance``, or ``clusters`` if given).
+    With the site or clusters given, the assessment round is skipped.
+    """
+
+    def __init__(self, num_rounds: int, fedmed_config: dict, mode: str = "assess", distance: str = "emd",
+                 omega: float = 1.0, site: str = "", clusters: list = None, **kw):
+        super().__init__(num_rounds, fedmed_config, signature={}, clustering={}, omega=omega, **kw)
+        self.mode, self.distance, self.site, self.clusters = mode, distance, site, clusters or []
+
+    def assess_sites(self) -> dict:
+        from custom.base import RunFailed
+        from fedmed.assessment import assess, write_report
+
+        sites = {}
+        for name, _, meta, _ in self.send("assess", self.task({}, 0)):
+            if meta.get("error"):
+                self.recorder.error(-1, name, "assess", meta["error"])
+                self.error(f"site {name} could not be assessed and is left out: {meta['error']}")
+                continue
+            sites[name] = meta
+            for note in meta.get("notes", []) or []:
+                self.warning(f"site {name}: {note}")
+        if len(sites) < max(2, self.min_clients):
+            raise RunFailed(f"{len(sites)} site(s) sent an assessment; the 004_ assessment needs at least "
+                            f"{max(2, self.min_clients)}")
+        report = assess(sites)
+        write_report(report, Path(self.get_run_dir()) / "fedmed" / "assessment")
+        summary = {k: {kk: vv for kk, vv in v.items() if kk != "matrix"} for k, v in report.items() if k in ("emd", "euc")}
+        self.recorder.note("assessment", {"sites": report["sites"], **summary,
+                                          "privacy": {s: m.get("dp", {}) for s, m in sites.items()}})
+        self.info("assessment: " + "; ".join(f"{k} most distant {v['most_distant']}" for k, v in summary.items()))
+        return report
+
+    def workflow(self):
+        st = self.resumed.get("state", {})
+        if self.mode == "fedavg_w":
+            site = st.get("down_weight_site") or self.site
+            if not site:
+                site = self.assess_sites()[self.distance]["most_distant"]
+            self.down_weight_site = site
+            self.recorder.note("down_weighted", {"site": site, "omega": self.omega,
+                                                 "source": "given" if self.site else f"assessment ({self.distance})"})
+            self.train_global(self.resumed_models().get("global") or self._init(), down_weight_site=site)
+        elif self.mode == "clusters":
+            groups = st.get("clusters") or self.clusters or self.assess_sites()[self.distance]["clusters"]
+            self.recorder.note("clustering", {"clusters": groups, "rule": "given" if self.clusters
+                                              else f"004_ Alg. 1 on D_{self.distance.upper()}"})
+            self.train_clusters([list(g) for g in groups])
+        else:
+            self.assess_sites()
+
+    def _init(self):
+        from custom.base import initial_params
+
+        return initial_params(self.cfg)

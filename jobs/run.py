@@ -1,0 +1,144 @@
+"""Build a method's job and run it with NVFlare 2.9's recipe environments.
+
+    # simulator (SimEnv): one long-lived process per site; sites read FEDMED_DATALIST_DIR/<site>.json
+    python jobs/run.py --config CONFIG --method NAME --env sim --datalists DIR --workspace WS [--seed 0]
+    # a provisioned federation (ProdEnv): submit with the admin's startup kit, wait, download the result
+    python jobs/run.py --config CONFIG --method NAME --env prod --startup-kit ADMIN_KIT --result-dir DIR
+
+(POC mode: ``poc/run_poc.py``, which also writes each POC site's data setting.) Prints one JSON line
+``{"status": ..., "reason": ..., "result": FOLDER}`` last; the exit code is 0 only when the run
+finished (its ``metrics.json`` says ``finished``), 1 when it stopped or failed (the reason is printed),
+2 for bad input, 3 when the simulator died without a record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jobs.build import BuildError, build_job, select_method  # noqa: E402
+
+
+def recipe_of(job):
+    """Wrap a built FedJob as an NVFlare 2.9 Recipe, so it runs in SimEnv / PocEnv / ProdEnv."""
+    from nvflare.recipe.spec import Recipe
+
+    class FedmedRecipe(Recipe):
+        pass
+
+    return FedmedRecipe(job)
+
+
+def find_record(root: Path) -> Path | None:
+    hits = sorted(Path(root).rglob("fedmed/metrics.json"))
+    return hits[0].parent if hits else None
+
+
+def outcome(record_dir: Path | None) -> dict:
+    if record_dir is None:
+        return {"status": "failed", "reason": "the job wrote no fedmed/metrics.json (it never started its workflow; "
+                "see the server log)", "result": None}
+    doc = json.loads((record_dir / "metrics.json").read_text())
+    status = doc.get("status", "running")
+    reason = doc.get("reason", "")
+    if status == "running":
+        status, reason = "failed", "the server process ended while the run was still going (killed or crashed)"
+    return {"status": status, "reason": reason, "result": str(record_dir)}
+
+
+def run_sim(job, sites: list[str], datalists: str | None, workspace: Path) -> dict:
+    from nvflare.recipe import SimEnv
+
+    if datalists:
+        os.environ["FEDMED_DATALIST_DIR"] = str(Path(datalists).resolve())
+    workspace = workspace.resolve()
+    if (workspace / job.name).exists():
+        shutil.rmtree(workspace / job.name)
+    env = SimEnv(clients=sites, num_threads=len(sites), workspace_root=str(workspace))
+    err = None
+    try:
+        recipe_of(job).run(env)
+    except RuntimeError as e:  # the simulator process returned non-zero
+        err = str(e)
+    res = outcome(find_record(workspace / job.name / "server"))
+    if err and res["status"] == "finished":
+        res.update(status="failed", reason=f"the simulator failed after the run finished: {err}")
+    return res
+
+
+def run_prod(job, startup_kit: str, result_dir: Path, timeout: float) -> dict:
+    from nvflare.recipe import ProdEnv
+
+    run = recipe_of(job).run(ProdEnv(startup_kit_location=startup_kit))
+    print(f"submitted job {run.get_job_id()}", flush=True)
+    downloaded = run.get_result(timeout=timeout)
+    status = run.get_status()
+    if downloaded is None:
+        return {"status": "failed", "reason": f"no result within {timeout} s (FLARE status {status})", "result": None}
+    target = result_dir / run.get_job_id()
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(downloaded, target)
+    res = outcome(find_record(target))
+    res["flare_status"] = status
+    return res
+
+
+def main(argv=None) -> int:
+    from fedmed.config import ConfigError, load_config
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--config", required=True, help="experiment config")
+    ap.add_argument("--method", required=True, help="name of one of the config's methods")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the run")
+    ap.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
+    ap.add_argument("--env", choices=["sim", "prod"], default="sim", help="where the job runs")
+    ap.add_argument("--datalists", help="sim: folder of the sites' <site>.json datalists")
+    ap.add_argument("--workspace", default="workspace", help="sim: simulator workspace root")
+    ap.add_argument("--jobs-dir", help="also export the job folder here")
+    ap.add_argument("--startup-kit", help="prod: the admin's startup kit folder")
+    ap.add_argument("--result-dir", default="results/prod", help="prod: where the downloaded result goes")
+    ap.add_argument("--timeout", type=float, default=24 * 3600, help="prod: seconds to wait for the job")
+    ap.add_argument("--sites", nargs="+", help="the sites the job runs on (default: the config's)")
+    ap.add_argument("--resume-from", help="result of an earlier run of this method: continue from its checkpoint")
+    ap.add_argument("--test-phase", help="JSON {training_result, known_clusters, cluster_sizes}: the unseen-site job")
+    a = ap.parse_args(argv)
+    try:
+        exp = load_config(a.config, a.set)
+        method = select_method(exp, a.method, a.config)
+        sites = a.sites or exp.site_names()
+        job = build_job(exp, method, a.seed, sites=sites, resume_from=a.resume_from,
+                        test_phase=json.loads(a.test_phase) if a.test_phase else None)
+        if a.jobs_dir:
+            from jobs.common import export
+
+            export(job, a.jobs_dir)
+        if a.env == "prod" and not a.startup_kit:
+            raise BuildError("--env prod needs --startup-kit (the admin's startup kit folder)")
+    except (BuildError, ConfigError, ValueError) as e:
+        print(f"jobs/run.py: error: {e}", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    if a.env == "sim":
+        res = run_sim(job, sites, a.datalists, Path(a.workspace))
+    else:
+        res = run_prod(job, a.startup_kit, Path(a.result_dir), a.timeout)
+    res["seconds"] = round(time.time() - t0, 1)
+    if res["status"] != "finished":
+        print(f"run {res['status']}: {res['reason']}", file=sys.stderr)
+    print(json.dumps(res))
+    if res["result"] is None and a.env == "sim":
+        return 3
+    return 0 if res["status"] == "finished" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
