@@ -46,8 +46,10 @@ def main(argv=None):
     ap.add_argument("--image-size", type=int, default=32)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--only", nargs="*", default=[], help="key=value filters on the grid, e.g. norm=group")
+    ap.add_argument("--grid", help='JSON replacing the grid, e.g. \'{"norm": ["batch"], "local_epochs": [3, 5]}\'')
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    grid = {**GRID, **(json.loads(a.grid) if a.grid else {})}
     results = []
     tmp = Path(tempfile.mkdtemp(prefix="tune_"))
     for seed in a.seeds:
@@ -57,8 +59,8 @@ def main(argv=None):
         exp = load_config(raw)
         data = prepare_federation(exp, seed, tmp / f"seed{seed}")
         meta = json.loads((data / "dataset.json").read_text())
-        for combo in itertools.product(*GRID.values()):
-            rec = dict(zip(GRID, combo))
+        for combo in itertools.product(*grid.values()):
+            rec = dict(zip(grid, combo))
             if any(str(rec.get(k)) != v for k, v in (f.split("=") for f in a.only)):
                 continue
             cfg = {"seed": seed, "model": {"arch": "resnet9", "width": 16, "norm": rec["norm"]},
@@ -77,7 +79,7 @@ def main(argv=None):
             r = results[-1]
             print(f"{rec} seed {seed}: val final {100 * r['val_final']:.1f}% (pooled {100 * r['pooled_val_final']:.1f}%)"
                   f", best {100 * r['val_best']:.1f}%, {r['seconds']:.0f} s", flush=True)
-    keys = list(GRID)
+    keys = list(grid)
     groups: dict = {}
     for r in results:
         groups.setdefault(tuple(r[k] for k in keys), []).append(r)

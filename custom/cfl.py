@@ -12,8 +12,8 @@ class CFLController(FedAvgController):
     by cosine similarity of the updates and each half continues from the cluster's model."""
 
     def __init__(self, num_rounds: int, fedmed_config: dict, eps1: float = 0.4, eps2: float = 1.6,
-                 warmup_rounds: int = 2, **kw):
-        super().__init__(num_rounds, fedmed_config, **kw)
+                 warmup_rounds: int = 2, resume: bool = False, **kw):
+        super().__init__(num_rounds, fedmed_config, resume=resume, **kw)
         self.eps1, self.eps2, self.warmup_rounds = float(eps1), float(eps2), int(warmup_rounds)
 
     def workflow(self):

@@ -17,8 +17,9 @@ class ClusteredFedAvgController(FedAvgController):
        each site is scored with its cluster's model, and each cluster's model is saved.
     """
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, signature: dict, clustering: dict, **kw):
-        super().__init__(num_rounds, fedmed_config, **kw)
+    def __init__(self, num_rounds: int, fedmed_config: dict, signature: dict, clustering: dict,
+                 resume: bool = False, **kw):
+        super().__init__(num_rounds, fedmed_config, resume=resume, **kw)
         self.signature = dict(signature)
         self.clustering = dict(clustering)
 

@@ -14,8 +14,9 @@ class FedAvgController(FedMedController):
     then every site scores the final theta ("validate"); the final model is saved.
     """
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, down_weight_site: str = "", omega: float = 1.0, **kw):
-        super().__init__(num_rounds, fedmed_config, **kw)
+    def __init__(self, num_rounds: int, fedmed_config: dict, down_weight_site: str = "", omega: float = 1.0,
+                 resume: bool = False, **kw):
+        super().__init__(num_rounds, fedmed_config, resume=resume, **kw)
         self.down_weight_site = down_weight_site
         self.omega = float(omega)
 

@@ -24,8 +24,8 @@ class FluxController(FedAvgController):
     """
 
     def __init__(self, num_rounds: int, fedmed_config: dict, flux: dict, participation: float = 1.0,
-                 n_clusters: int = 0, **kw):
-        super().__init__(num_rounds, fedmed_config, **kw)
+                 n_clusters: int = 0, resume: bool = False, **kw):
+        super().__init__(num_rounds, fedmed_config, resume=resume, **kw)
         self.flux = dict(flux)
         self.participation = float(participation)
         self.n_clusters = int(n_clusters or 0)

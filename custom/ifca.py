@@ -10,8 +10,9 @@ class IFCAController(FedAvgController):
     """Algorithm box (IFCA, Alg. 2): every round each sampled site receives all K models, picks the one
     with the lowest loss on its training data and trains it; the server averages per chosen model."""
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, k: int = 2, participation: float = 1.0, **kw):
-        super().__init__(num_rounds, fedmed_config, **kw)
+    def __init__(self, num_rounds: int, fedmed_config: dict, k: int = 2, participation: float = 1.0,
+                 resume: bool = False, **kw):
+        super().__init__(num_rounds, fedmed_config, resume=resume, **kw)
         self.k = int(k)
         self.participation = float(participation)
 

@@ -18,8 +18,8 @@ class SegAssessmentController(ClusteredFedAvgController):
     """
 
     def __init__(self, num_rounds: int, fedmed_config: dict, mode: str = "assess", distance: str = "emd",
-                 omega: float = 1.0, site: str = "", clusters: list = None, **kw):
-        super().__init__(num_rounds, fedmed_config, signature={}, clustering={}, omega=omega, **kw)
+                 omega: float = 1.0, site: str = "", clusters: list = None, resume: bool = False, **kw):
+        super().__init__(num_rounds, fedmed_config, signature={}, clustering={}, omega=omega, resume=resume, **kw)
         self.mode, self.distance, self.site, self.clusters = mode, distance, site, clusters or []
 
     def assess_sites(self) -> dict:

@@ -391,7 +391,7 @@ def _references(exp, config_path, job_over, seed, data_dir, out, chosen, log, re
     from .references import centralized_rows, majority_rows
 
     wanted = [r for r in exp.references if r != "cluster_majority"]
-    if seg or not wanted:
+    if not wanted:
         return []
     work = out / "runs" / f"seed{seed}" / "_references"
     work.mkdir(parents=True, exist_ok=True)
@@ -401,6 +401,12 @@ def _references(exp, config_path, job_over, seed, data_dir, out, chosen, log, re
         log(f"[seed {seed}] references: reused")
         return saved["rows"]
     meta = json.loads((data_dir / "dataset.json").read_text())
+    if seg:
+        from .references import seg_reference_rows
+
+        rows = seg_reference_rows(exp, data_dir, meta["sites"], seed, log=log) if "centralized" in wanted else []
+        (work / "run.json").write_text(json.dumps({"fingerprint": fp, "status": "finished", "rows": rows}))
+        return rows
     sites, n_classes = meta["sites"], len(meta["class_names"])
     rows: list[dict] = []
     if "majority" in wanted:

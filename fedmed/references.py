@@ -129,3 +129,69 @@ def centralized_rows(exp, datalists, sites: list[str], seed: int, log=print) -> 
     log(f"    centralized reference: {x.shape[0]} pooled training images, {t.rounds} x {t.local_epochs} epochs, "
         f"final test accuracy {100 * rows[-1]['accuracy']:.2f}% (site mean)")
     return rows
+
+
+# --------------------------------------------------------------------------------------------- segmentation
+
+def _seg_row(method: str, seed: int, per_site: dict, round_) -> dict:
+    summ = summarize_sites(per_site)
+    row = {"method": method, "kind": "reference", "seed": seed, "round": round_, "task": "reference",
+           "n_sites": len(per_site), "n_failed": 0}
+    row.update({k: v for k, v in summ["mean"].items()})
+    row["sites"] = {s: dict(v) for s, v in per_site.items()}
+    return row
+
+
+def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -> list[dict]:
+    """Segmentation references, scored on the common test subjects like the federated methods:
+
+    * **Centralized**: one U-Net trained on all sites' pooled training cases, ``rounds x local_epochs`` epochs with
+      the same recipe (one optimizer for the whole run); evaluated after every ``local_epochs`` epochs.
+    * **Each site alone**: every site trains only on its own cases with the same budget; the row is the mean over
+      sites of each site's own model (per-site columns: that site's model).
+    """
+    from .seg import seg_metrics, seg_model
+    from .seg_site import SegSiteRunner
+    from .train import make_optimizer
+
+    cfg = {"task": "segmentation", "seed": int(seed), "model": exp.model.model_dump(), "train": exp.train.model_dump(),
+           "data": {"shape": exp.dataset.shape, "roi": exp.dataset.roi, "in_channels": len(exp.dataset.modalities)},
+           "privacy": exp.privacy.model_dump()}
+    runners = {s: SegSiteRunner(s, datalists) for s in sites}
+    cases = {s: r.cases(cfg) for s, r in runners.items()}
+    test = cases[sites[0]][1]
+    roi = tuple(exp.dataset.roi)
+    t = exp.train
+    rows: list[dict] = []
+
+    def train(model, opt, data, seed_):
+        from .seg import train_seg_local
+
+        return train_seg_local(model, data, epochs=t.local_epochs, optimizer=opt, roi=roi,
+                               patches=t.seg.patches_per_volume, pos_fraction=t.seg.pos_fraction, loss=t.seg.loss,
+                               seed=seed_)
+
+    pooled = [c for s in sites for c in cases[s][0]]
+    model = seg_model(cfg["data"]["in_channels"], channels=exp.model.channels, seed=seed)
+    opt = make_optimizer(model, cfg["train"])
+    for r in range(t.rounds + 1):
+        if r:
+            train(model, opt, pooled, seed * 1000 + r)
+        m = seg_metrics(model, test, roi)
+        rows.append(_seg_row("Centralized", seed, {s: m for s in sites}, r))
+    log(f"    centralized reference: {len(pooled)} pooled training cases, final WT Dice {100 * rows[-1]['dice_wt']:.1f}%")
+    alone: dict = {}
+    per_round: list[dict] = [{} for _ in range(t.rounds + 1)]
+    for k, s in enumerate(sites):
+        model = seg_model(cfg["data"]["in_channels"], channels=exp.model.channels, seed=seed)
+        opt = make_optimizer(model, cfg["train"])
+        for r in range(t.rounds + 1):
+            if r:
+                train(model, opt, cases[s][0], seed * 1000 + 100 * k + r)
+            if r == t.rounds or r == 0:
+                per_round[r][s] = seg_metrics(model, test, roi)
+        alone[s] = per_round[t.rounds][s]
+    rows += [_seg_row("Each site alone", seed, per_round[r], r) for r in (0, t.rounds)]
+    log(f"    each-site-alone reference: final WT Dice per site "
+        + ", ".join(f"{s} {100 * v['dice_wt']:.1f}%" for s, v in alone.items()))
+    return rows

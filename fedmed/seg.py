@@ -6,9 +6,11 @@ A segmentation datalist entry::
      "mask": "/x/brainmask.nii.gz", "modalities": ["FLAIR", "T1c"], "region": "left", "id": "pat0001_L"}
 
 ``region`` (``whole``/``left``/``right``) lets one subject give two samples (its hemispheres):
-with only six BraTS-2013 subjects this makes 12 samples to build federations from. Each case is
-cropped to the brain-mask bounding box (the region's half of it), resampled to ``shape``
-(trilinear image, nearest label) and its label map turned into the BraTS regions
+with only six BraTS-2013 subjects this makes 12 samples to build federations from (a subject's
+samples always stay together: :func:`fedmed.seg_data.check_no_leakage`). Each case is cropped to
+the brain-mask bounding box (the region's half of it), resampled to ``shape`` (trilinear image;
+label map with ``nearest-exact``, which keeps it aligned with the trilinear image grid — plain
+``nearest`` shifts it by about half a voxel) and its label map turned into the BraTS regions
 WT = {1,2,3,4}, TC = {1,3,4}, ET = {4} (labels: 1 necrosis, 2 edema, 3 non-enhancing,
 4 enhancing).
 
@@ -32,8 +34,8 @@ import torch
 
 from .data import DataError
 
-__all__ = ["REGIONS", "SegCase", "case_metadata", "dice_scores", "load_case", "region_masks", "seg_model",
-           "site_embeddings", "train_seg_local"]
+__all__ = ["REGIONS", "SegCase", "case_metadata", "dice_scores", "load_case", "region_masks", "seg_loss", "seg_metrics",
+           "seg_model", "site_embeddings", "train_seg_local"]
 
 REGIONS = {"WT": (1, 2, 3, 4), "TC": (1, 3, 4), "ET": (4,)}
 ALLOWED_LABELS = (0, 1, 2, 3, 4)
@@ -55,6 +57,12 @@ def _load_nifti(path, site: str, what: str):
     if arr.ndim != 3:
         raise DataError(f"{site}: {what} file {p} should be a 3-D volume, got shape {arr.shape}")
     return arr, float(np.prod(img.header.get_zooms()[:3]))
+
+
+def _zooms(path) -> tuple:
+    import nibabel as nib
+
+    return tuple(float(z) for z in nib.load(str(path)).header.get_zooms()[:3])
 
 
 def region_masks(label: np.ndarray) -> np.ndarray:
@@ -123,11 +131,15 @@ def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "
         raise DataError(f"{site}: case {entry.get('id', '?')} region should be whole/left/right, got {region!r}")
     sl = tuple(slice(a, b) for a, b in zip(lo, hi))
     crop_lab = lab[sl]
+    zooms = np.asarray(_zooms(images[0]), dtype=np.float64)
+    extent = (hi - lo) * zooms
     meta = {"id": entry.get("id", Path(images[0]).parent.name + ("" if region == "whole" else f"_{region}")),
+            "subject": entry.get("subject", Path(images[0]).parent.name),
             "max_intensity": {m: float(v[sl].max()) for m, v in zip(mods, vols)},
-            "volume_mm3": {r: float(np.isin(crop_lab, labs).sum() * voxel) for r, labs in REGIONS.items()}}
+            "volume_mm3": {r: float(np.isin(crop_lab, labs).sum() * voxel) for r, labs in REGIONS.items()},
+            "spacing_mm": (extent / np.asarray(shape)).tolist()}
     img = np.stack([_resize(v[sl], shape, "trilinear")[0] for v in vols]).astype(np.float32)
-    lab_small = _resize(crop_lab.astype(np.float32), shape, "nearest")[0].astype(np.int16)
+    lab_small = _resize(crop_lab.astype(np.float32), shape, "nearest-exact")[0].astype(np.int16)
     return SegCase(image=img, label=region_masks(lab_small), meta=meta)
 
 
@@ -166,13 +178,15 @@ def seg_model(in_channels: int, *, channels=(8, 16, 32, 64), seed: int = 0):
                     strides=(2,) * (len(channels) - 1), num_res_units=1)
 
 
-def _train_transforms(roi, seed):
+def _train_transforms(roi, seed, patches: int = 4, pos_fraction: float = 0.5):
     from monai.transforms import (Compose, RandCropByPosNegLabeld, RandFlipd, RandScaleIntensityd,
                                   RandShiftIntensityd)
 
+    pos = max(pos_fraction, 1e-6)
+    neg = max(1.0 - pos_fraction, 0.0)
     t = Compose([
-        RandCropByPosNegLabeld(keys=["image", "label"], label_key="label", spatial_size=roi, pos=1, neg=1,
-                               num_samples=4, allow_smaller=True),
+        RandCropByPosNegLabeld(keys=["image", "label"], label_key="label", spatial_size=roi, pos=pos, neg=neg,
+                               num_samples=int(patches), allow_smaller=True),
         RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=0),
         RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=1),
         RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=2),
@@ -183,18 +197,38 @@ def _train_transforms(roi, seed):
     return t
 
 
-def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, lr: float = 0.01, momentum: float = 0.9,
-                    roi=(32, 32, 32), mu: float = 0.0, anchor=None, seed: int = 0) -> dict:
-    """``004_`` §3.2 / App. A: DiceLoss, SGD (lr 0.01, momentum 0.9), 4 random patches per volume,
-    flips p=0.5 per axis, intensity scale and shift 0.1. ``mu``/``anchor``: proximal term toward
-    ``anchor`` parameters (FedProx, Ditto's personal objective)."""
-    from monai.losses import DiceLoss
+def seg_loss(kind: str = "dice_focal"):
+    """The training loss on the three sigmoid region outputs (WT, TC, ET).
 
+    ``dice``: MONAI ``DiceLoss(sigmoid=True)`` (``004_``'s) — on a patch without foreground it is 1 with a gradient
+    near 0, so tumour-free data teaches nothing; ``dice_focal``: ``DiceFocalLoss(sigmoid=True)`` (fedmed's default);
+    ``dice_bce``: Dice + ``BCEWithLogitsLoss``. (MONAI's ``DiceCELoss(sigmoid=True)`` applies *softmax*
+    cross-entropy over several output channels, which is wrong for overlapping regions, so it is not offered.)
+    """
+    from monai.losses import DiceFocalLoss, DiceLoss
+
+    if kind == "dice":
+        return DiceLoss(sigmoid=True)
+    if kind == "dice_focal":
+        return DiceFocalLoss(sigmoid=True)
+    if kind == "dice_bce":
+        dice, bce = DiceLoss(sigmoid=True), torch.nn.BCEWithLogitsLoss()
+        return lambda out, y: dice(out, y) + bce(out, y)
+    raise ValueError(f"loss should be 'dice', 'dice_focal' or 'dice_bce', got {kind!r}.")
+
+
+def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, optimizer=None, lr: float = 1e-3,
+                    roi=(32, 32, 32), patches: int = 4, pos_fraction: float = 0.5, loss: str = "dice_focal",
+                    mu: float = 0.0, anchor=None, seed: int = 0) -> dict:
+    """Local training: ``patches`` random ``roi`` patches per volume (``pos_fraction`` of them centred on tumour),
+    flips p = 0.5 per axis, intensity scale and shift 0.1 (``004_`` App. A); ``optimizer`` kept by the caller
+    between rounds (default: a fresh Adam). ``mu``/``anchor``: proximal term toward ``anchor`` parameters
+    (FedProx, Ditto's personal objective)."""
     if not cases:
         raise ValueError("no training cases")
-    tf = _train_transforms(roi, seed)
-    loss_fn = DiceLoss(sigmoid=True)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    tf = _train_transforms(roi, seed, patches, pos_fraction)
+    loss_fn = seg_loss(loss)
+    opt = optimizer or torch.optim.Adam(model.parameters(), lr=lr)
     anchor = [a.detach().clone() for a in anchor] if anchor is not None else (
         [p.detach().clone() for p in model.parameters()] if mu > 0 else None)
     model.train()
@@ -203,43 +237,78 @@ def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, lr: flo
     for _ in range(epochs):
         for i in rng.permutation(len(cases)):
             c = cases[i]
-            patches = tf({"image": torch.from_numpy(c["image"]), "label": torch.from_numpy(c["label"])})
-            x = torch.stack([torch.as_tensor(p["image"]) for p in patches]).float()
-            y = torch.stack([torch.as_tensor(p["label"]) for p in patches]).float()
-            loss = loss_fn(model(x), y)
+            out = tf({"image": torch.from_numpy(c["image"]), "label": torch.from_numpy(c["label"])})
+            x = torch.stack([torch.as_tensor(p["image"]) for p in out]).float()
+            y = torch.stack([torch.as_tensor(p["label"]) for p in out]).float()
+            loss_v = loss_fn(model(x), y)
             if anchor is not None and mu > 0:
-                loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+                loss_v = loss_v + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
             opt.zero_grad()
-            loss.backward()
+            loss_v.backward()
             opt.step()
-            total += float(loss.detach())
+            total += float(loss_v.detach())
             steps += 1
     return {"loss": total / max(steps, 1), "steps": steps}
 
 
 @torch.no_grad()
-def dice_scores(model, cases: Sequence[SegCase], roi=(32, 32, 32)) -> dict:
-    """Sliding-window inference, sigmoid > 0.5, MONAI DiceMetric per region, mean over cases.
-
-    A region absent from a case's ground truth scores 1 when the prediction is empty too and 0
-    otherwise (``ignore_empty=False``): with hemisphere samples many cases hold no tumour, and
-    false positives there must count."""
+def predict_masks(model, image: np.ndarray, roi=(32, 32, 32)) -> np.ndarray:
+    """(C, D, H, W) image -> (3, D, H, W) 0/1 masks (sliding-window inference, sigmoid > 0.5)."""
     from monai.inferers import sliding_window_inference
-    from monai.metrics import DiceMetric
 
     model.eval()
-    metric = DiceMetric(include_background=True, reduction="none", ignore_empty=False)
-    rows = []
+    x = torch.from_numpy(image)[None]
+    return (torch.sigmoid(sliding_window_inference(x, roi, 4, model, overlap=0.25)) > 0.5).numpy()[0].astype(np.uint8)
+
+
+@torch.no_grad()
+def seg_metrics(model, cases: Sequence[SegCase], roi=(32, 32, 32)) -> dict:
+    """BraTS-style scores of a model on test cases, per region (WT, TC, ET):
+
+    * ``dice_<r>``: MONAI ``DiceMetric`` on the cases whose ground truth holds the region (``ignore_empty=True``:
+      a tumour-free case is not a perfect 1 or a 0 for the region, it is left out); ``dice_mean`` over regions;
+    * ``hd95_<r>``: MONAI 95th-percentile Hausdorff distance in mm on those cases (the resampled grid's spacing);
+      an empty prediction on a tumour case scores the case's diagonal, as BraTS penalises it;
+    * ``fp_voxels``: predicted whole-tumour voxels on the tumour-free cases (mean; 0 when there are none).
+    """
+    from monai.metrics import DiceMetric, compute_hausdorff_distance
+
+    dice = DiceMetric(include_background=True, reduction="none", ignore_empty=True)
+    d_rows, h_rows, fp = [], [], []
     for c in cases:
-        x = torch.from_numpy(c["image"])[None]
-        pred = (torch.sigmoid(sliding_window_inference(x, roi, 4, model, overlap=0.25)) > 0.5).float()
-        rows.append(metric(pred, torch.from_numpy(c["label"])[None].float())[0].numpy())
-    out = {}
-    if rows:
-        arr = np.stack(rows)
-        for j, r in enumerate(REGIONS):
-            col = arr[:, j][np.isfinite(arr[:, j])]
-            out[f"dice_{r.lower()}"] = float(col.mean()) if col.size else float("nan")
-        vals = [v for v in out.values() if np.isfinite(v)]
-        out["dice_mean"] = float(np.mean(vals)) if vals else float("nan")
+        pred = torch.from_numpy(predict_masks(model, c["image"], roi))[None].float()
+        gt = torch.from_numpy(c["label"])[None].float()
+        if gt[0, 0].sum() == 0:
+            fp.append(float(pred[0, 0].sum()))
+            continue
+        d_rows.append(dice(pred, gt)[0].numpy())
+        spacing = c["meta"].get("spacing_mm") or [1.0, 1.0, 1.0]
+        diag = float(np.linalg.norm(np.asarray(c["image"].shape[1:]) * np.asarray(spacing)))
+        h = []
+        for j in range(3):
+            if gt[0, j].sum() == 0:
+                h.append(np.nan)
+            elif pred[0, j].sum() == 0:
+                h.append(diag)
+            else:
+                h.append(float(compute_hausdorff_distance(pred[:, j:j + 1], gt[:, j:j + 1], percentile=95,
+                                                          spacing=spacing)[0, 0]))
+        h_rows.append(h)
+    out: dict = {"n_tumour_cases": len(d_rows), "n_tumour_free_cases": len(fp)}
+    for j, r in enumerate(REGIONS):
+        col = np.array([row[j] for row in d_rows], dtype=np.float64)
+        col = col[np.isfinite(col)]
+        out[f"dice_{r.lower()}"] = float(col.mean()) if col.size else float("nan")
+        hcol = np.array([row[j] for row in h_rows], dtype=np.float64)
+        hcol = hcol[np.isfinite(hcol)]
+        out[f"hd95_{r.lower()}"] = float(hcol.mean()) if hcol.size else float("nan")
+    vals = [out[f"dice_{r.lower()}"] for r in REGIONS if np.isfinite(out[f"dice_{r.lower()}"])]
+    out["dice_mean"] = float(np.mean(vals)) if vals else float("nan")
+    out["fp_voxels"] = float(np.mean(fp)) if fp else 0.0
     return out
+
+
+def dice_scores(model, cases: Sequence[SegCase], roi=(32, 32, 32)) -> dict:
+    """Per-region Dice of :func:`seg_metrics` (kept for callers that want only Dice)."""
+    m = seg_metrics(model, cases, roi)
+    return {k: v for k, v in m.items() if k.startswith("dice_")}

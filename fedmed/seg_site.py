@@ -1,9 +1,13 @@
 """A segmentation site's tasks (``004_``): assessment, FedAvg/FedProx/FedAvg_w/cluster training, Ditto.
 
 Config keys (``cfg``): ``task: "segmentation"``, ``data.shape``/``data.roi``/``data.in_channels``,
-``model.channels``, ``train`` (epochs, lr, momentum, ``fedprox_mu``), ``ditto_lambda`` (Ditto:
-a personal model trained with a proximal pull toward the served global model), ``assess``
-(encoder, weights, per_value, per_image, edges).
+``model.channels``, ``train`` (local epochs, optimizer and lr, ``fedprox_mu``, ``seg``: loss, patches per
+volume, share of tumour-centred patches), ``ditto_lambda`` (Ditto: a personal model trained with a proximal
+pull toward the served global model), ``assess`` (encoder weights, ``per_value``), ``privacy``.
+
+Each site scores the model it is served on its test cases (:func:`fedmed.seg.seg_metrics`: Dice on
+tumour-bearing cases, HD95, false-positive voxels on tumour-free cases). A site checks that no subject is in
+both its training and its test data.
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ __all__ = ["SegSiteRunner"]
 
 class SegSiteRunner(SiteRunner):
     def cases(self, cfg):
+        """(training cases, test cases) of this site, loaded once per shape."""
         from .seg import load_case
+        from .seg_data import check_no_leakage
 
         shape = tuple(cfg["data"]["shape"])
         if self._data is None or self._data_key != shape:
             doc = self._datalist("segmentation")
+            check_no_leakage(doc["training"] + doc["validation"], doc["test"], where=self.site)
             tr = [load_case(e, shape=shape, site=self.site) for e in doc["training"]]
             te = [load_case(e, shape=shape, site=self.site) for e in doc["test"]]
             if not tr:
@@ -39,6 +46,7 @@ class SegSiteRunner(SiteRunner):
         if self._model is None or self._model_key != key:
             self._model = seg_model(cfg["data"]["in_channels"], channels=cfg["model"]["channels"], seed=cfg.get("seed", 0))
             self._model_key = key
+            self._optimizers = {}
         return self._model
 
     def _seed(self, cfg, round_):
@@ -62,11 +70,10 @@ class SegSiteRunner(SiteRunner):
         return self._model
 
     def _metrics(self, model, cfg):
-        from .seg import dice_scores
+        from .seg import seg_metrics
 
         _, te = self.cases(cfg)
-        roi = tuple(cfg["data"]["roi"])
-        metrics = dice_scores(model, te, roi=roi) if te else {}
+        metrics = seg_metrics(model, te, roi=tuple(cfg["data"]["roi"])) if te else {}
         return metrics, {"n_test": len(te)}
 
     def validate(self, params, cfg):
@@ -76,8 +83,16 @@ class SegSiteRunner(SiteRunner):
         metrics, meta = self._metrics(self._served(cfg), cfg)
         return {}, metrics, meta
 
-    def train(self, params, cfg, round_):
+    def _local(self, model, cases, cfg, seed, key, **kw):
         from .seg import train_seg_local
+
+        t, s = cfg["train"], cfg["train"].get("seg", {})
+        return train_seg_local(model, cases, epochs=t["local_epochs"], optimizer=self.optimizer(model, cfg, key),
+                               roi=tuple(cfg["data"]["roi"]), patches=int(s.get("patches_per_volume", 4)),
+                               pos_fraction=float(s.get("pos_fraction", 0.5)), loss=s.get("loss", "dice_focal"),
+                               seed=seed, **kw)
+
+    def train(self, params, cfg, round_):
         from .train import get_params, set_params
 
         model = self.model(cfg)
@@ -85,28 +100,48 @@ class SegSiteRunner(SiteRunner):
         served = self._served(cfg)
         metrics, meta = self._metrics(served, cfg)
         tr, _ = self.cases(cfg)
-        t, roi, seed = cfg["train"], tuple(cfg["data"]["roi"]), self._seed(cfg, round_)
+        seed = self._seed(cfg, round_)
         anchor = [p.detach().clone() for p in model.parameters()]
-        out = train_seg_local(model, tr, epochs=t["local_epochs"], lr=t["lr"], momentum=t["momentum"], roi=roi,
-                              mu=t.get("fedprox_mu", 0.0), seed=seed)
+        out = self._local(model, tr, cfg, seed, cfg.get("cluster"), mu=cfg["train"].get("fedprox_mu", 0.0))
         if cfg.get("ditto_lambda"):  # Ditto (Li et al. 2021): personal model pulled toward the global one
-            train_seg_local(served, tr, epochs=t["local_epochs"], lr=t["lr"], momentum=t["momentum"], roi=roi,
-                            mu=float(cfg["ditto_lambda"]), anchor=anchor, seed=seed + 1)
+            self._local(served, tr, cfg, seed + 1, "personal", mu=float(cfg["ditto_lambda"]), anchor=anchor)
         if not np.isfinite(out["loss"]):
             raise TaskError(f"{self.site}: training diverged in round {round_}")
         meta.update(n_train=len(tr), train_loss=out["loss"])
+        metrics["train_loss"] = out["loss"]
         return get_params(model), metrics, meta
 
     def assess(self, cfg):
+        """``004_`` assessment of this site's cases (only aggregates unless the site allows per-image data)."""
         from .assessment import site_assessment
         from .encoders import build_encoder
+        from .seg_data import subject_of
 
         a = cfg.get("assess", {})
         tr, te = self.cases(cfg)
+        doc = self._datalist("segmentation")
+        n_subjects = len({subject_of(e) for e in doc["training"] + doc["validation"]})
+        k = self.k_min(cfg)
+        if n_subjects < k:
+            raise TaskError(f"{self.site}: {n_subjects} subject(s) < k_min={k}; the assessment would describe fewer "
+                            f"than k_min patients and is not sent")
+        notes = []
+        per_image = bool(a.get("per_value"))
+        if per_image and not self.settings.allow_per_image:
+            notes.append(f"{self.site}: per-image metadata requested by the job but not allowed by this site's "
+                         f"settings; histograms and an embedding centroid are sent instead")
+            per_image = False
+        elif per_image:
+            notes.append(f"{self.site}: WARNING sending per-image metadata and embeddings (allowed by this site's "
+                         f"settings)")
+        for n in notes:
+            print(f"[fedmed] {n}", flush=True)
         enc = build_encoder("medicalnet_resnet18", weights=a.get("weights"), seed=int(cfg.get("seed", 0)))
-        meta = site_assessment(tr + te, enc, per_value=bool(a.get("per_value")), per_image=bool(a.get("per_image")),
-                               edges=a.get("edges"))
-        return {}, {"n_cases": float(len(tr) + len(te))}, meta
+        rng = np.random.default_rng((int(cfg.get("seed", 0)) * 7919 + zlib.crc32(self.site.encode()) + 5) % (2**32))
+        meta = site_assessment(tr, enc, per_value=per_image, per_image=per_image, privacy=cfg.get("privacy", {}),
+                               rng=rng)
+        meta["notes"] = notes
+        return {}, {"n_cases": float(len(tr))}, meta
 
 
 def load_datalist_seg(path):

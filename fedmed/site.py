@@ -217,6 +217,10 @@ class SiteRunner:
         meta = signature_payload(sc["kind"], feats, y, k_min=self.k_min(cfg), privacy=cfg.get("privacy", {}),
                                  n_basis=int(sc.get("n_basis", 3)), rng=rng, site=self.site)
         meta.update(encoder=enc.description, n_train=int(y.size))
+        if sc["kind"] == "pacfl" and sc["encoder"] == "pixels" and not cfg.get("privacy", {}).get("dp_epsilon"):
+            meta["notes"] = meta.get("notes", []) + [
+                f"{self.site}: WARNING PACFL on raw pixels without DP: each class's leading singular vector is close "
+                f"to an average image of that class (docs/privacy.md); set privacy.dp_epsilon or use an encoder"]
         for note in meta.get("notes", []):
             print(f"[fedmed] {note}", flush=True)
         return {}, {"n_classes_sent": float(len(meta.get("classes", [])))}, meta

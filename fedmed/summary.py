@@ -163,7 +163,8 @@ def classification_table(summ: list[dict], selection: str) -> str:
     body = ""
     for e in summ:
         cm = refs.get(f"{e['method']}: cluster-majority")
-        body += (f"| {e['method']} | {_round_label(e, selection)} | {e['accuracy']} | {e['macro_f1']} | {e['auc']} | "
+        name = e["method"] + (" (reference)" if e["kind"] == "reference" else "")
+        body += (f"| {name} | {_round_label(e, selection)} | {e['accuracy']} | {e['macro_f1']} | {e['auc']} | "
                  f"{e['pooled_accuracy']} | {e['pooled_macro_f1']} | {e['pooled_auc']} | {margin(e, cm)} |\n")
     return head + body
 
@@ -172,7 +173,7 @@ def seg_table(summ: list[dict], selection: str) -> str:
     sites = sorted({s for e in summ for s in e.get("per_site", {})})
     head = ("| Method | Round | WT | TC | ET | Mean Dice | HD95 WT (mm) | FP voxels (tumour-free) |"
             + "".join(f" {s} |" for s in sites) + "\n" + "|---" * (8 + len(sites)) + "|\n")
-    body = "".join(f"| {e['method']} | {_round_label(e, selection)} | {e['dice_wt']} | {e['dice_tc']} | {e['dice_et']} | "
+    body = "".join(f"| {e['method']}{' (reference)' if e['kind'] == 'reference' else ''} | {_round_label(e, selection)} | {e['dice_wt']} | {e['dice_tc']} | {e['dice_et']} | "
                    f"{e['dice_mean']} | {e['hd95_wt']} | {e['fp_voxels']} |"
                    + "".join(f" {e.get('per_site', {}).get(s, 'n/a')} |" for s in sites) + "\n" for e in summ)
     return head + body

@@ -73,10 +73,18 @@ def run_sim(job, sites: list[str], datalists: str | None, workspace: Path) -> di
     return res
 
 
+def admin_name(startup_kit: str) -> str:
+    """The admin user of a startup kit (its ``startup/fed_admin.json``)."""
+    f = Path(startup_kit) / "startup" / "fed_admin.json"
+    if not f.is_file():
+        raise BuildError(f"--startup-kit {startup_kit}: not an admin startup kit (no startup/fed_admin.json)")
+    return json.loads(f.read_text())["admin"]["username"]
+
+
 def run_prod(job, startup_kit: str, result_dir: Path, timeout: float) -> dict:
     from nvflare.recipe import ProdEnv
 
-    run = recipe_of(job).run(ProdEnv(startup_kit_location=startup_kit))
+    run = recipe_of(job).run(ProdEnv(startup_kit_location=startup_kit, username=admin_name(startup_kit)))
     print(f"submitted job {run.get_job_id()}", flush=True)
     downloaded = run.get_result(timeout=timeout)
     status = run.get_status()
@@ -123,6 +131,8 @@ def main(argv=None) -> int:
             export(job, a.jobs_dir)
         if a.env == "prod" and not a.startup_kit:
             raise BuildError("--env prod needs --startup-kit (the admin's startup kit folder)")
+        if a.env == "prod":
+            admin_name(a.startup_kit)
     except (BuildError, ConfigError, ValueError) as e:
         print(f"jobs/run.py: error: {e}", file=sys.stderr)
         return 2

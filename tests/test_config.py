@@ -38,3 +38,28 @@ def test_every_shipped_config_validates():
 
     for f in sorted((Path(__file__).parents[1] / "app_configs").glob("*.yaml")):
         load_config(f)
+
+
+def test_privacy_settings_are_validated_with_their_names():
+    with pytest.raises(ConfigError, match=r"privacy: .*k_min=1 lets a single patient's statistics leave a site.*"
+                                          r"accept_k_min_below_2"):
+        load_config(BASE, ["privacy.k_min=1"])
+    assert load_config(BASE, ["privacy.k_min=1", "privacy.accept_k_min_below_2=true"]).privacy.k_min == 1
+    assert load_config(BASE, ["privacy.k_min=2"]).privacy.k_min == 2
+    for bad in ("0", "-1", ".inf", ".nan"):
+        with pytest.raises(ConfigError, match=r"privacy.dp_epsilon: .*finite number > 0"):
+            load_config(BASE, [f"privacy.dp_epsilon={bad}"])
+
+
+def test_an_option_of_another_workflow_is_a_one_line_error_naming_it():
+    with pytest.raises(ConfigError) as e:
+        load_config(BASE, ["methods=[{name: FMCL, workflow: fmcl, omega: 0.3}]"])
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "methods.FMCL: option 'omega' (an option of fedavg_w) does not apply to workflow 'fmcl'" in msg
+    assert "encoder" in msg  # what fmcl does take
+
+
+def test_duplicate_site_names_rejected():
+    with pytest.raises(ConfigError, match="site names should be unique, got duplicates \\['a'\\]"):
+        load_config(BASE, ["federation.sites=2", "federation.site_names=[a, a]"])

@@ -10,8 +10,8 @@ from fedmed.assessment import assess, site_assessment
 from fedmed.data import DataError
 from fedmed.encoders import build_encoder
 from fedmed.phantoms import write_phantom_subjects
-from fedmed.seg import dice_scores, load_case, seg_model, train_seg_local
-from fedmed.seg_data import discover_subjects, write_seg_federation
+from fedmed.seg import dice_scores, load_case, seg_metrics, seg_model, train_seg_local
+from fedmed.seg_data import check_no_leakage, discover_subjects, write_seg_federation
 
 MODS = {"FLAIR": "Flair*.nii*", "T1c": "T1c*.nii*"}
 
@@ -71,7 +71,8 @@ def test_assessment_names_the_known_most_distant_site(phantoms, tmp_path):
     entries = discover_subjects(phantoms, MODS, "OTMultiClass*", "brainmask*")
     out = write_seg_federation(entries, 4, tmp_path / "fed", partition="label_volume")
     meta = json.loads((out / "dataset.json").read_text())
-    assert meta["site_samples"]["site-4"] == ["phantom_009", "phantom_010", "phantom_011"]
+    assert meta["test_subjects"] == ["phantom_000", "phantom_001", "phantom_002"]  # fold 0 of 4
+    assert meta["site_samples"]["site-4"] == ["phantom_010", "phantom_011"]  # the largest lesions
     enc = build_encoder("medicalnet_resnet18")
     sites = {}
     for s in meta["sites"]:
@@ -85,6 +86,61 @@ def test_assessment_names_the_known_most_distant_site(phantoms, tmp_path):
     # histograms vs per-value metadata: same verdict
     per_value = {s: {k: v for k, v in d.items()} for s, d in sites.items()}
     assert assess(per_value)["emd"]["most_distant"] == "site-4"
+
+
+def test_whole_subject_folds_rotate_the_common_test_set(phantoms, tmp_path):
+    entries = discover_subjects(phantoms, MODS, "OTMultiClass*", "brainmask*", hemispheres=True)
+    tests = []
+    for seed in range(3):
+        out = write_seg_federation(entries, 3, tmp_path / f"f{seed}", partition="label_volume", test_fraction=0.25,
+                                   seed=seed)
+        meta = json.loads((out / "dataset.json").read_text())
+        docs = [json.loads((out / f"{s}.json").read_text()) for s in meta["sites"]]
+        subj = [{e["subject"] for e in d["training"]} for d in docs]
+        assert all(not (a & b) for i, a in enumerate(subj) for b in subj[i + 1:])  # every subject at one site
+        assert all({e["subject"] for e in d["test"]} == set(meta["test_subjects"]) for d in docs)  # common test set
+        assert all(len([e for e in d["training"] if e["subject"] == x]) == 2 for d in docs for x in
+                   {e["subject"] for e in d["training"]})  # both hemispheres of a subject stay together
+        tests.append(set(meta["test_subjects"]))
+    assert all(not (a & b) for i, a in enumerate(tests) for b in tests[i + 1:])  # folds hold out different subjects
+
+
+def test_subject_leakage_raises(phantoms, tmp_path):
+    from fedmed.seg_site import SegSiteRunner
+
+    entries = discover_subjects(phantoms, MODS, "OTMultiClass*", "brainmask*", hemispheres=True)
+    left, right = entries[18], entries[19]  # the two hemispheres of phantom_009
+    assert left["subject"] == right["subject"] == "phantom_009"
+    with pytest.raises(DataError, match=r"subject\(s\) \['phantom_009'\] are in both the training and the test"):
+        check_no_leakage([left], [right])
+    (tmp_path / "site-1.json").write_text(json.dumps({"training": [left, entries[0]], "validation": [], "test": [right]}))
+    cfg = {"task": "segmentation", "data": {"shape": [16, 16, 16], "roi": [16, 16, 16], "in_channels": 2}}
+    with pytest.raises(DataError, match="site-1: subject.*phantom_009.*subject leakage"):
+        SegSiteRunner("site-1", tmp_path).cases(cfg)
+
+
+def test_recipe_learns_untrained_dice_far_below_trained(phantoms):
+    """The default recipe (Dice + focal, Adam kept across calls, tumour-centred patches) learns on a tiny case; the
+    untrained network's whole-tumour Dice is far below a short run's."""
+    from fedmed.train import make_optimizer
+
+    cases = [load_case(e, shape=(16, 16, 16)) for e in discover_subjects(phantoms, MODS, "OTMultiClass*")[6:]]
+    model = seg_model(2, channels=(4, 8, 16), seed=0)
+    before = seg_metrics(model, cases, roi=(16, 16, 16))
+    opt = make_optimizer(model, {"optimizer": "adam", "lr": 3e-3})
+    for s in range(12):
+        train_seg_local(model, cases, optimizer=opt, roi=(16, 16, 16), patches=2, seed=s)
+    after = seg_metrics(model, cases, roi=(16, 16, 16))
+    assert after["dice_wt"] > before["dice_wt"] + 0.3 and after["dice_wt"] > 0.5
+    assert after["n_tumour_cases"] == len(cases) and np.isfinite(after["hd95_wt"])
+
+
+def test_tumour_free_case_is_scored_by_false_positives_not_dice(phantoms):
+    free = load_case(entry(phantoms, 0), shape=(16, 16, 16))  # phantom_000: radius 0, no tumour
+    assert free["label"].sum() == 0
+    m = seg_metrics(seg_model(2, channels=(4, 8, 16)), [free], roi=(16, 16, 16))
+    assert m["n_tumour_cases"] == 0 and m["n_tumour_free_cases"] == 1 and np.isnan(m["dice_wt"])
+    assert m["fp_voxels"] >= 0
 
 
 def test_unet_trains_and_scores(phantoms):

@@ -1,0 +1,106 @@
+"""Memory of a long simulator run: does the federation's RSS grow with the rounds? (issue #7/#10)
+
+    .venv/bin/python benchmarks/bench_memory.py [--rounds 200] [--sites 4]
+
+Runs FedAvg on the bundled digits for ``--rounds`` rounds in NVFlare's simulator (``jobs/run.py --env sim``),
+samples the RSS of every process of the run (the jobs/run.py process, the simulator's server and each site
+process) once a second together with the round the server has recorded, and prints: total RSS at round 20
+and at the last round, the growth in %, each process's own growth, and how many MB a round costs — so where
+growth sits inside NVFlare itself the table shows which process grows. Also prints the peak total RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def role(cmdline: list[str]) -> str:
+    text = " ".join(cmdline)
+    if "jobs/run.py" in text:
+        return "jobs/run.py (builder)"
+    if "simulator_worker" in text:
+        site = cmdline[cmdline.index("--client") + 1] if "--client" in cmdline else "?"
+        return f"site process {site}"
+    if "simulator" in text:
+        return "simulator server"
+    return text[:60]
+
+
+def main(argv=None):
+    import psutil
+
+    from fedmed.config import load_config
+    from fedmed.experiment import classes_override, prepare_federation
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--sites", type=int, default=4)
+    ap.add_argument("--from-round", type=int, default=20)
+    a = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_memory_"))
+    cfg = {"name": "memory", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 20},
+           "federation": {"sites": a.sites, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},
+           "train": {"rounds": a.rounds, "local_epochs": 1, "batch_size": 16}, "privacy": {"k_min": 2},
+           "methods": [{"name": "FedAvg", "workflow": "fedavg"}]}
+    (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    exp = load_config(tmp / "cfg.yaml")
+    data = prepare_federation(exp, 0, tmp / "data")
+    cmd = [sys.executable, str(ROOT / "jobs" / "run.py"), "--config", str(tmp / "cfg.yaml"), "--method", "FedAvg",
+           "--env", "sim", "--datalists", str(data), "--workspace", str(tmp / "ws"),
+           *[x for o in classes_override(data, exp) for x in ("--set", o)]]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    root = psutil.Process(proc.pid)
+    samples = []  # (round, {role: rss})
+    t0 = time.time()
+    while proc.poll() is None:
+        hits = list((tmp / "ws").glob("*/server/simulate_job/fedmed/metrics.json"))
+        rnd = -1
+        if hits:
+            try:
+                rnd = len(json.loads(hits[0].read_text()).get("rounds", [])) - 1
+            except (OSError, ValueError):
+                pass
+        rss = {}
+        try:
+            for p in [root, *root.children(recursive=True)]:
+                try:
+                    rss[role(p.cmdline())] = rss.get(role(p.cmdline()), 0) + p.memory_info().rss
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    pass
+        except psutil.NoSuchProcess:
+            break
+        samples.append((rnd, rss))
+        time.sleep(1.0)
+    at = lambda r: next((s for s in samples if s[0] >= r), None)  # noqa: E731
+    first, last = at(a.from_round), max(samples, key=lambda s: s[0])
+    if first is None or last[0] <= a.from_round:
+        print(f"the run did not reach round {a.from_round} (last recorded {last[0]}); see {tmp}")
+        return 1
+    mb = lambda x: x / 2**20  # noqa: E731
+    tot0, tot1 = sum(first[1].values()), sum(last[1].values())
+    peak = max(sum(s[1].values()) for s in samples)
+    print(f"FedAvg, {a.sites} sites, {a.rounds} rounds in the simulator: {time.time() - t0:.0f} s")
+    print(f"| process | RSS at round {first[0]} (MB) | RSS at round {last[0]} (MB) | growth | MB per round |")
+    print("|---|---|---|---|---|")
+    n = last[0] - first[0]
+    for k in sorted(set(first[1]) | set(last[1])):
+        r0, r1 = mb(first[1].get(k, 0)), mb(last[1].get(k, 0))
+        print(f"| {k} | {r0:.0f} | {r1:.0f} | {100 * (r1 - r0) / max(r0, 1e-9):+.1f}% | {(r1 - r0) / n:.3f} |")
+    print(f"| **total** | {mb(tot0):.0f} | {mb(tot1):.0f} | {100 * (tot1 - tot0) / tot0:+.1f}% | {mb(tot1 - tot0) / n:.3f} |")
+    print(f"peak total RSS {mb(peak):.0f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

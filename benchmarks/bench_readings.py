@@ -1,0 +1,201 @@
+"""The measured effect of every reading in docs/readings.md, each pair of readings on the same inputs.
+
+    .venv/bin/python benchmarks/bench_readings.py [--only pacfl dirichlet flux anda]
+
+* pacfl — PACFL on a BUSI Dirichlet(0.1) federation of 20 sites (raw-pixel class bases, p = 3): the distance
+  matrices under the principal-angle and the official-code angle; agreement of their K = 3 clusterings (ARI),
+  and UPGMA ("average") vs WPGMA ("weighted", the code's "average") on the official matrix.
+* dirichlet — classes per site on 10 balanced classes, 20 sites, alpha = 1: Hsu's Dir(alpha p) vs FedLab's
+  per-client Dir(alpha); and the first vs last ten sites when sites are filled one after the other (the usual
+  code, reproduced here) vs fedmed's turn-taking.
+* flux — FedAvg-trained ResNet-9 on a PneumoniaMNIST ANDA feature-shift federation (10 sites, 3 groups, level 5);
+  the descriptors under each Flux reading (S1 box element-wise vs the code's scalar [0, 1.02 max]; descriptors
+  raw vs min-max scaled; an absent class as zeros vs -1) and the clustering ARI against the true groups; and
+  the round at which the start rule fires under the paper's and the code's reading on the same accuracy curve.
+* anda — the same federation with ANDA's colour reading (channel at full intensity, gray elsewhere) vs fedmed's
+  (gray in one channel): clustering ARI of the Flux descriptors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHARED = ROOT.parent / "shared" / "data"
+
+
+def pacfl():
+    from sklearn.metrics import adjusted_rand_score
+
+    from fedmed.baselines import pacfl_distance_matrix, pacfl_signature
+    from fedmed.clustering import agglomerative
+    from fedmed.data import discover, load_images
+    from fedmed.partition import dirichlet_label_partition
+
+    pool = discover(str(SHARED / "busi"), seed=0)
+    parts = dirichlet_label_partition(pool.labels, 20, 0.1, 0)
+    bases = []
+    for p in parts:
+        x, y = load_images([{"image": pool.items[i], "label": int(pool.labels[i])} for i in p], image_size=32, channels=1)
+        bases.append(pacfl_signature(x.reshape(len(p), -1).numpy(), y.numpy(), n_basis=3))
+    Dp = pacfl_distance_matrix(bases, mode="smallest")
+    Do = pacfl_distance_matrix(bases, mode="official")
+    off = ~np.eye(20, dtype=bool)
+    diff = np.abs(Dp - Do)[off]
+    lp = agglomerative(Dp, n_clusters=3)
+    lo = agglomerative(Do, n_clusters=3)
+    lw = agglomerative(Do, n_clusters=3, linkage_method="weighted")
+    print(f"PACFL angle (BUSI, 20 sites, Dir 0.1, pixels, p=3): principal mean {Dp[off].mean():.2f} deg, official mean "
+          f"{Do[off].mean():.2f} deg; |difference| mean {diff.mean():.2f}, max {diff.max():.2f} deg; K=3 clusterings "
+          f"agree ARI {adjusted_rand_score(lp, lo):.2f}")
+    print(f"PACFL linkage on the official matrix: UPGMA vs WPGMA K=3 clusterings ARI {adjusted_rand_score(lo, lw):.2f}")
+
+
+def _sequential_fill(y, n_sites, alpha, seed, per_client):
+    """The usual per-site Dirichlet code: sites filled one after the other (kept here only to measure it)."""
+    rng = np.random.default_rng(seed)
+    classes = np.unique(y)
+    pools = [list(rng.permutation(np.flatnonzero(y == c))) for c in classes]
+    prior = np.ones(len(classes)) if per_client else np.array([len(p) for p in pools], float) / y.size
+    parts = []
+    for size in [len(a) for a in np.array_split(np.arange(y.size), n_sites)]:
+        q = rng.dirichlet(alpha * prior)
+        got = []
+        while len(got) < size:
+            avail = np.array([len(p) > 0 for p in pools])
+            w = q * avail
+            w = w / w.sum() if w.sum() > 0 else avail / avail.sum()
+            for c, k in enumerate(rng.multinomial(size - len(got), w)):
+                take = min(int(k), len(pools[c]))
+                got += pools[c][:take]
+                del pools[c][:take]
+        parts.append(np.asarray(got))
+    return parts
+
+
+def dirichlet():
+    from fedmed.partition import dirichlet_label_partition
+
+    y = np.repeat(np.arange(10), 100)
+    cps = lambda parts: np.array([len(np.unique(y[p])) for p in parts])  # noqa: E731
+    hsu = np.mean([cps(dirichlet_label_partition(y, 20, 1.0, s, mode="per-site")).mean() for s in range(10)])
+    pc = np.mean([cps(dirichlet_label_partition(y, 20, 1.0, s, mode="per-client")).mean() for s in range(10)])
+    print(f"Dirichlet alpha=1, 10 classes, 20 sites: classes per site Hsu Dir(alpha p) {hsu:.1f}, per-client "
+          f"Dir(alpha) {pc:.1f} (10 seeds)")
+    for per_client, name in ((False, "hsu"), (True, "per_client")):
+        seq = [cps(_sequential_fill(y, 20, 1.0, s, per_client)) for s in range(10)]
+        turn = [cps(dirichlet_label_partition(y, 20, 1.0, s, mode="per-client" if per_client else "per-site"))
+                for s in range(10)]
+        print(f"  {name}: sequential fill first 10 / last 10 sites {np.mean([c[:10].mean() for c in seq]):.1f} / "
+              f"{np.mean([c[10:].mean() for c in seq]):.1f} classes; turn-taking "
+              f"{np.mean([c[:10].mean() for c in turn]):.1f} / {np.mean([c[10:].mean() for c in turn]):.1f}")
+
+
+def _anda_federation(colour: str, tmp: Path):
+    from fedmed.config import load_config
+    from fedmed.experiment import prepare_federation
+
+    raw = {"name": "readings", "dataset": {"path": str(SHARED / "pneumoniamnist" / "pneumoniamnist.npz"),
+                                           "image_size": 28, "channels": 3, "max_per_class": 300},
+           "federation": {"sites": 10, "partition": "anda", "anda_shift": "feature", "anda_level": 5,
+                          "anda_groups": 3, "anda_colour": colour},
+           "model": {"arch": "resnet9", "width": 8}, "privacy": {"k_min": 5}}
+    exp = load_config(raw)
+    return exp, prepare_federation(exp, 0, tmp / colour)
+
+
+def _trained_latents(exp, data, rounds=4):
+    from fedmed.loop import fedavg_loop
+    from fedmed.models import model_from_config
+    from fedmed.site import SiteRunner
+    from fedmed.train import latents, set_params
+
+    meta = json.loads((data / "dataset.json").read_text())
+    cfg = {"seed": 0, "model": exp.model.model_dump(), "train": exp.train.model_dump(),
+           "data": {"image_size": 28, "channels": 3, "n_classes": 2}, "privacy": {"k_min": 5}}
+    theta, summ = fedavg_loop(cfg, data, meta["sites"], rounds=rounds)
+    model = model_from_config(cfg["model"], 3, 2)
+    set_params(model, theta)
+    out = {}
+    for s in meta["sites"]:
+        sp = SiteRunner(s, data).data(28, 3)
+        out[s] = (latents(model, sp.train[0]), sp.train[1].numpy())
+    return meta, out, [x["mean"].get("val_accuracy") for x in summ]
+
+
+def _flux_ari(meta, lat, *, box="elementwise", scaling="none", absent="zeros", k_min=5):
+    from sklearn.metrics import adjusted_rand_score
+
+    from fedmed.clustered import flux_cluster
+    from fedmed.flux import flux_descriptor, merge_bounds, shared_pca
+    from fedmed.privacy import private_bounds
+
+    bounds = [private_bounds(z, k_min=k_min, privacy={}, box=box)[:2] for z, _ in lat.values()]
+    lo, hi = merge_bounds(bounds)
+    pca = shared_pca(lo, hi, n_components=10, seed=0)
+    descs = {}
+    for s, (z, y) in lat.items():
+        d = flux_descriptor(z, pca, y, n_classes=2, k_min=k_min, absent=absent)
+        descs[s] = {"full": d.full, "label_free": d.label_free}
+    info = flux_cluster(descs, scaling=scaling)
+    sites = info["sites"]
+    return adjusted_rand_score([meta["groups"][s] for s in sites], info["labels"]), info["k"]
+
+
+def flux(tmp: Path):
+    from fedmed.flux import should_start_clustering
+
+    exp, data = _anda_federation("channel", tmp)
+    meta, lat, acc = _trained_latents(exp, data)
+    for name, kw in (("paper readings (element-wise box, raw descriptors, absent = 0)", {}),
+                     ("S1 box: official scalar [0, 1.02 max]", {"box": "scalar"}),
+                     ("descriptors min-max scaled (official)", {"scaling": "minmax"}),
+                     ("absent class = -1 (official), k_min 1", {"absent": "minus_one", "k_min": 1}),
+                     ("absent class = 0, k_min 1", {"k_min": 1}),
+                     ("all official readings", {"box": "scalar", "scaling": "minmax", "absent": "minus_one", "k_min": 1})):
+        ari, k = _flux_ari(meta, lat, **kw)
+        print(f"Flux {name}: ARI {ari:.2f}, K {k}")
+    acc = [a for a in acc[1:]]  # accuracy after rounds 1..R
+    for rule in ("paper", "official"):
+        fires = next((r for r in range(1, len(acc) + 1) if should_start_clustering(acc[:r], 8, rule=rule)), None)
+        print(f"start rule ({rule}) on the FedAvg validation-accuracy curve {np.round(acc, 3).tolist()}: fires at "
+              f"round {fires}")
+    return meta, lat
+
+
+def anda(tmp: Path):
+    for colour in ("channel", "anda"):
+        exp, data = _anda_federation(colour, tmp)
+        meta, lat, acc = _trained_latents(exp, data)
+        ari, k = _flux_ari(meta, lat)
+        print(f"ANDA colour '{colour}': FedAvg validation accuracy after 4 rounds {100 * acc[-1]:.1f}%, Flux ARI "
+              f"{ari:.2f} (K {k})")
+
+
+def main(argv=None):
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", default=["pacfl", "dirichlet", "flux", "anda"])
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="readings_"))
+    if "pacfl" in a.only:
+        pacfl()
+    if "dirichlet" in a.only:
+        dirichlet()
+    if "flux" in a.only:
+        flux(tmp)
+    if "anda" in a.only:
+        anda(tmp)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""A provisioned federation on loopback, run as a hospital IT team runs it (docs/deployment.md):
+
+``nvflare provision`` writes startup kits with certificates for a server, three hospitals and an admin; the
+server and two hospitals are started with their kits' ``startup/start.sh`` (hospital-c never starts); each
+hospital's data setting sits in its kit's ``local/fedmed_site.json``; jobs built from the config alone are
+submitted with the admin's startup kit (``jobs/run.py --env prod``: FLARE API submit, wait, download) and their
+results checked. Faults: a site's job process killed mid-round (FLARE ends the job; the run stops cleanly and a
+resumed job finishes without that site), a site suspended mid-round (left out after the task timeout, back when
+resumed), every site failing (a failed run with its reason). Everything started is stopped at the end.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedmed.config import load_config
+from fedmed.experiment import REPO_ROOT, prepare_federation
+
+pytestmark = [pytest.mark.slow, pytest.mark.deploy]
+
+SITES = ["hospital-a", "hospital-b", "hospital-c"]
+ADMIN = "it-admin@hospital-network.org"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def project_yml(fl_port: int, admin_port: int) -> dict:
+    participants = [{"name": "localhost", "type": "server", "org": "network", "fed_learn_port": fl_port,
+                     "admin_port": admin_port}]
+    participants += [{"name": s, "type": "client", "org": s.replace("-", "_")} for s in SITES]
+    participants += [{"name": ADMIN, "type": "admin", "org": "network", "role": "project_admin"}]
+    return {"api_version": 3, "name": "fedmed_deploy_test", "description": "fedmed provisioning test",
+            "participants": participants,
+            "builders": [{"path": "nvflare.lighter.impl.workspace.WorkspaceBuilder"},
+                         {"path": "nvflare.lighter.impl.static_file.StaticFileBuilder", "args": {"config_folder": "config"}},
+                         {"path": "nvflare.lighter.impl.cert.CertBuilder"},
+                         {"path": "nvflare.lighter.impl.signature.SignatureBuilder"}]}
+
+
+class Deployment:
+    def __init__(self, root: Path):
+        self.root = root
+        self.env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", HOME=str(root / "home"))
+        (root / "home").mkdir(parents=True, exist_ok=True)
+        self.kits: dict[str, Path] = {}
+        self.procs: list[subprocess.Popen] = []
+
+    def provision(self):
+        (self.root / "project.yml").write_text(yaml.safe_dump(project_yml(free_port(), free_port())))
+        subprocess.run([str(Path(sys.executable).parent / "nvflare"), "provision", "-p", "project.yml", "-w", "ws",
+                        "--force"], cwd=self.root, env=self.env, check=True, capture_output=True, timeout=120)
+        prod = next((self.root / "ws").rglob("prod_00"))
+        self.kits = {p.name: p for p in prod.iterdir() if (p / "startup").is_dir()}
+        assert {"localhost", ADMIN, *SITES} <= set(self.kits)
+        assert (self.kits["hospital-a"] / "startup" / "client.crt").is_file()  # certificates
+
+    def start(self, name: str):
+        p = subprocess.Popen(["bash", str(self.kits[name] / "startup" / "sub_start.sh")], cwd=self.kits[name],
+                             env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append(p)
+
+    def session(self):
+        from nvflare.fuel.flare_api.flare_api import new_secure_session
+
+        return new_secure_session(ADMIN, str(self.kits[ADMIN]), timeout=10.0)
+
+    def wait_connected(self, sites, timeout=120):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                sess = self.session()
+                try:
+                    names = {getattr(c, "name", c) for c in (sess.get_connected_client_list() or [])}
+                finally:
+                    sess.close()
+                if set(sites) <= names:
+                    return
+            except Exception:
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"sites {sites} did not connect")
+
+    def job_pid(self, site: str) -> int:
+        out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if "worker_process" in line and f"-c {site}" in line and str(self.kits[site]) in line:
+                return int(line.split()[0])
+        raise LookupError(f"no job process of {site}")
+
+    def server_record(self) -> dict:
+        hits = sorted(self.kits["localhost"].glob("*/fedmed/metrics.json"), key=lambda p: p.stat().st_mtime)
+        return json.loads(hits[-1].read_text()) if hits else {}
+
+    def stop(self):
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["pkill", "-9", "-f", str(self.root / "ws")], check=False)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deploy")
+    d = Deployment(root)
+    try:
+        d.provision()
+        d.start("localhost")
+        time.sleep(5)
+        d.start("hospital-a")
+        d.start("hospital-b")
+        d.wait_connected(["hospital-a", "hospital-b"])
+        yield d
+    finally:
+        d.stop()
+
+
+def write_config(path: Path, **over) -> Path:
+    cfg = {"name": "deploy", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 12,
+                                         "classes": [str(c) for c in range(10)]},
+           "federation": {"sites": 3, "site_names": SITES, "partition": "iid", "min_clients": 2, "task_timeout": 60,
+                          "startup_timeout": 10},
+           "model": {"arch": "resnet9", "width": 4}, "train": {"rounds": 3, "local_epochs": 1, "batch_size": 8},
+           "privacy": {"k_min": 2}, "methods": [{"name": "FedAvg", "workflow": "fedavg"},
+                                                {"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn"}]}
+    for k, v in over.items():
+        cfg[k] = {**cfg[k], **v} if isinstance(v, dict) else v
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def site_data(deployment, tmp_path_factory):
+    """Each running hospital's own data setting, in its kit's local/ folder."""
+    root = tmp_path_factory.mktemp("data")
+    cfg = write_config(root / "cfg.yaml")
+    data = prepare_federation(load_config(cfg), 0, root / "federation")
+    for s in ("hospital-a", "hospital-b"):
+        (deployment.kits[s] / "local" / "fedmed_site.json").write_text(json.dumps({"datalist": str(data / f"{s}.json")}))
+    return data
+
+
+def submit(deployment, cfg: Path, method: str, result_dir: Path, *extra, background=False):
+    cmd = [sys.executable, str(REPO_ROOT / "jobs" / "run.py"), "--config", str(cfg), "--method", method, "--env", "prod",
+           "--startup-kit", str(deployment.kits[ADMIN]), "--result-dir", str(result_dir), "--timeout", "600", *extra]
+    if background:
+        return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+
+
+def outcome(text: str) -> dict:
+    return json.loads(next(ln for ln in reversed(text.splitlines()) if ln.startswith("{") and '"status"' in ln))
+
+
+def record(res: dict) -> dict:
+    return json.loads((Path(res["result"]) / "metrics.json").read_text())
+
+
+def test_clustering_job_on_provisioned_sites(deployment, site_data, tmp_path):
+    """An FMCL job named for three hospitals; hospital-c never started: given up on after the start-up timeout."""
+    cfg = write_config(tmp_path / "cfg.yaml")
+    p = submit(deployment, cfg, "FMCL", tmp_path / "result")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = outcome(p.stdout)
+    assert res["status"] == "finished" and res["flare_status"] == "FINISHED:COMPLETED"
+    doc = record(res)
+    assert doc["sites"] == ["hospital-a", "hospital-b"]
+    assert any(e["site"] == "hospital-c" and "never registered" in e["error"] for e in doc["errors"])
+    assert sorted(s for c in doc["clustering"]["clusters"] for s in c) == ["hospital-a", "hospital-b"]
+    assert (Path(res["result"]) / "distance_heatmap.png").is_file() and list(Path(res["result"]).glob("models/*.pt"))
+
+
+def test_killed_site_job_process_stops_cleanly_and_resumes_without_it(deployment, site_data, tmp_path):
+    cfg = write_config(tmp_path / "cfg.yaml", train={"rounds": 10})
+    proc = submit(deployment, cfg, "FedAvg", tmp_path / "first", background=True)
+    deadline = time.time() + 300
+    while len(deployment.server_record().get("rounds", [])) < 3 and time.time() < deadline:
+        time.sleep(0.5)
+    os.kill(deployment.job_pid("hospital-b"), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    first = outcome(out)
+    assert first["status"] == "stopped" and proc.returncode == 1, out[-3000:]
+    doc = record(first)
+    done = [r["round"] for r in doc["rounds"]]
+    assert done == list(range(len(done))) and len(done) >= 3  # every completed round kept, in order
+    assert all(r["sites"] for r in doc["rounds"])  # nothing recorded empty
+    assert not list(Path(first["result"]).glob("models/*.pt"))  # no model called final
+
+    p = submit(deployment, cfg, "FedAvg", tmp_path / "second", "--resume-from", str(Path(first["result"]).parent),
+               "--sites", "hospital-a")
+    second = outcome(p.stdout)
+    assert second["status"] == "finished", p.stdout[-3000:]
+    doc2 = record(second)
+    rounds = [(r["round"], r["attempt"]) for r in doc2["rounds"]]
+    ck = doc["checkpoint_round"]
+    assert [r for r, _ in rounds] == list(range(11))  # rounds 0..R once each
+    assert {a for r, a in rounds if r <= ck} == {1} and {a for r, a in rounds if r > ck} == {2}
+    assert [a["status"] for a in doc2["attempts"]] == ["stopped", "finished"]
+    assert all(sorted(r["sites"]) == ["hospital-a"] for r in doc2["rounds"] if r["attempt"] == 2)
+    assert (Path(second["result"]) / "models" / "global.pt").is_file()
+
+
+def test_suspended_site_is_left_out_after_the_task_timeout_and_rejoins(deployment, site_data, tmp_path):
+    cfg = write_config(tmp_path / "cfg.yaml", train={"rounds": 8},
+                       federation={"task_timeout": 10})
+    proc = submit(deployment, cfg, "FedAvg", tmp_path / "result", background=True)
+    deadline = time.time() + 300
+    while len(deployment.server_record().get("rounds", [])) < 2 and time.time() < deadline:
+        time.sleep(0.5)
+    pid = deployment.job_pid("hospital-b")
+    os.kill(pid, signal.SIGSTOP)
+    t_stop = time.time()
+    while not any(e["site"] == "hospital-b" for e in deployment.server_record().get("errors", [])):
+        assert time.time() - t_stop < 60, "the round waited past the task timeout"
+        time.sleep(0.5)
+    os.kill(pid, signal.SIGCONT)
+    out, _ = proc.communicate(timeout=600)
+    res = outcome(out)
+    assert res["status"] == "finished", out[-3000:]
+    doc = record(res)
+    missed = [e for e in doc["errors"] if e["site"] == "hospital-b"]
+    assert missed and all("task_timeout" in e["error"] or "probation" in e["error"] for e in missed)
+    assert all(sorted(r["sites"]) == ["hospital-a"] for r in doc["rounds"] if r["round"] in {e["round"] for e in missed})
+    assert "hospital-b" in doc["rounds"][-1]["sites"]  # back after SIGCONT
+
+
+def test_every_site_failing_is_a_failed_run(deployment, site_data, tmp_path):
+    """Classes in the config that do not match the sites' labels: every site fails its task; the run fails with
+    the reason, FLARE's status shows the failure too, and no final model is saved."""
+    cfg = write_config(tmp_path / "cfg.yaml", dataset={"classes": ["0", "1"]})
+    p = submit(deployment, cfg, "FedAvg", tmp_path / "result")
+    res = outcome(p.stdout)
+    assert p.returncode == 1 and res["status"] == "failed" and "fewer than min_clients=2" in res["reason"]
+    assert res["flare_status"] != "FINISHED:COMPLETED"
+    assert not list(Path(res["result"]).glob("models/*.pt"))

@@ -1,0 +1,213 @@
+"""The payload audit (docs/privacy.md): every site task of every workflow, run on small real data, replies only with
+documented aggregate fields, and no reply value equals — or is closer than a tolerance to — any single sample's
+image, embedding, latent or per-image value. A negative control shows the audit catches a per-sample reply."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedmed.data import discover, write_site_datalists
+from fedmed.models import build_model
+from fedmed.partition import iid_partition
+from fedmed.site import SiteRunner
+from fedmed.train import get_params, latents, set_params
+
+from conftest import shared_path
+
+# what each task may send besides model parameters (the reply's meta) — docs/privacy.md
+EVAL = {"n_test", "confusion", "score_hist", "withheld", "val_n_test", "val_confusion", "val_score_hist", "val_withheld"}
+FIELDS = {
+    "train": EVAL | {"n_train", "train_loss", "steps"},
+    "validate": EVAL,
+    "validate_ensemble": EVAL,
+    "signature/fmcl": {"classes", "means", "counts", "withheld_classes", "notes", "dp", "encoder", "n_train"},
+    "signature/pacfl": {"basis", "classes", "withheld_classes", "notes", "dp", "encoder", "n_train"},
+    "signature/fecfl": {"mean", "withheld_classes", "notes", "dp", "encoder", "n_train"},
+    "latent_bounds": {"lo", "hi", "notes"},
+    "descriptor": {"full", "label_free", "n_samples", "warnings"},
+    "ifca": EVAL | {"cluster", "losses", "n_train", "train_loss", "steps"},
+    "assess": {"n_cases", "dp", "embedding_centroid", "encoder", "notes"},
+}
+
+
+def _rows(a) -> np.ndarray:
+    a = np.asarray(a, dtype=np.float64)
+    return a.reshape(1, -1) if a.ndim == 1 else a.reshape(-1, a.shape[-1]) if a.ndim >= 2 else a.reshape(1, 1)
+
+
+def closest(reply_vectors, samples) -> float:
+    """Smallest relative distance ||r - s|| / ||s|| between any reply vector and any sample of the same length;
+    for unit vectors (subspace bases) also 1 - |cos|."""
+    best = math.inf
+    for r in _rows(reply_vectors):
+        for S in samples:
+            S = _rows(S)
+            if S.shape[1] != r.size:
+                continue
+            d = np.linalg.norm(S - r, axis=1) / np.maximum(np.linalg.norm(S, axis=1), 1e-12)
+            cos = np.abs(S @ r) / np.maximum(np.linalg.norm(S, axis=1) * np.linalg.norm(r), 1e-12)
+            best = min(best, float(d.min()), float((1 - cos).min()))
+    return best
+
+
+def audit(task: str, meta: dict, samples: list, *, k_min: int, tol: float = 1e-3) -> list[str]:
+    """Problems of one reply: undocumented fields, values that are single samples, rows below k_min."""
+    problems = []
+    extra = set(meta) - FIELDS[task] - {"task", "round", "cluster", "error"}
+    if extra:
+        problems.append(f"{task}: undocumented fields {sorted(extra)}")
+    for key, value in meta.items():
+        if key in ("notes", "warnings", "dp", "encoder", "classes", "withheld_classes", "task") or isinstance(value, str):
+            continue
+        arr = np.asarray(value, dtype=np.float64) if not isinstance(value, dict) else None
+        if arr is None or arr.size < 2:
+            continue
+        if key in ("confusion", "val_confusion"):
+            sums = arr.sum(axis=1)
+            if ((sums > 0) & (sums < k_min)).any():
+                problems.append(f"{task}: {key} has a row of fewer than k_min={k_min} samples")
+            continue
+        if key in ("score_hist", "val_score_hist", "losses", "counts"):
+            continue  # counts over >= k_min samples (checked through the confusion rows) / aggregate losses
+        rows = arr.T if key == "basis" else arr
+        if closest(rows, samples) < tol:
+            problems.append(f"{task}: {key} is (close to) a single sample's data")
+        if key in ("lo", "hi"):  # element-wise: a coordinate that is exactly one sample's value
+            for S in samples:
+                S = _rows(S)
+                if S.shape[1] == arr.size and (np.abs(S - arr[None]).min(axis=0) < 1e-9 * (1 + np.abs(arr))).mean() > 0.5:
+                    problems.append(f"{task}: {key} holds single samples' coordinates")
+    return problems
+
+
+@pytest.fixture(scope="module", params=["digits", "busi"])
+def site(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param == "busi":
+        pool = discover(str(shared_path("busi")), max_per_class=15, seed=0)
+        size, ch = 16, 1
+    else:
+        pool = discover("builtin:digits", max_per_class=10, seed=0)
+        size, ch = 8, 1
+    write_site_datalists(pool, iid_partition(len(pool.labels), 2, 0), root, test_fraction=0.25, val_fraction=0.15)
+    cfg = {"seed": 0, "data": {"image_size": size, "channels": ch, "n_classes": pool.n_classes},
+           "model": {"arch": "resnet9", "width": 4, "norm": "group"},
+           "train": {"local_epochs": 1, "batch_size": 8, "optimizer": "adam", "lr": 1e-3, "augment": "flip"},
+           "privacy": {"k_min": 5}}
+    return SiteRunner("site-1", root), cfg
+
+
+def _samples(runner, cfg, params=None, encoder=None):
+    """The site's own per-sample data at the task's resolution: images, and embeddings / latents when given."""
+    from fedmed.encoders import build_encoder, extract_features
+
+    s = runner._splits(cfg)
+    x = torch.cat([s.train[0], s.val[0], s.test[0]])
+    out = [x.reshape(len(x), -1).numpy()]
+    if encoder:
+        out.append(extract_features(build_encoder(encoder, in_channels=cfg["data"]["channels"]), x))
+    if params is not None:
+        m = runner.model(cfg)
+        set_params(m, params)
+        out.append(latents(m, x))
+    return out
+
+
+def params_of(cfg):
+    d = cfg["data"]
+    return get_params(build_model("resnet9", d["channels"], d["n_classes"], width=4, norm="group"))
+
+
+def test_training_and_evaluation_replies(site):
+    runner, cfg = site
+    p = params_of(cfg)
+    samples = _samples(runner, cfg, p)
+    for task in ("train", "validate"):
+        out, metrics, meta = runner.handle(task, p, cfg, 0)
+        assert not audit(task, meta, samples, k_min=5)
+        assert all(isinstance(v, float) for v in metrics.values())
+    packed = {f"m{k}/{n}": v for k in range(2) for n, v in p.items()}
+    for task, extra in (("ifca", {"ifca": {"k": 2, "train": True}}), ("validate_ensemble", {"ensemble": {"weights": [1, 1]}})):
+        _, _, meta = runner.handle(task, packed, {**cfg, **extra}, 0)
+        assert not audit(task, meta, samples, k_min=5), task
+
+
+@pytest.mark.parametrize("kind,encoder", [("fmcl", "random_cnn"), ("pacfl", "pixels"), ("pacfl", "random_cnn"),
+                                          ("fecfl", "random_cnn")])
+def test_signature_replies(site, kind, encoder):
+    runner, cfg = site
+    samples = _samples(runner, cfg, encoder=encoder if encoder != "pixels" else None)
+    _, _, meta = runner.handle("signature", {}, {**cfg, "signature": {"kind": kind, "encoder": encoder, "seed": 0}})
+    assert not audit(f"signature/{kind}", meta, samples, k_min=5), meta.get("notes")
+
+
+def test_flux_replies(site):
+    runner, cfg = site
+    p = params_of(cfg)
+    samples = _samples(runner, cfg, p)
+    _, _, b = runner.handle("latent_bounds", p, cfg)
+    assert not audit("latent_bounds", b, samples, k_min=5)
+    flux = {"lo": np.asarray(b["lo"]).tolist(), "hi": np.asarray(b["hi"]).tolist(), "pca_seed": 0, "n_components": 5}
+    from fedmed.flux import shared_pca
+
+    proj = shared_pca(np.asarray(flux["lo"]), np.asarray(flux["hi"]), n_components=5).project(samples[-1])
+    for label_free in (False, True):
+        _, _, d = runner.handle("descriptor", p, {**cfg, "flux": {**flux, "label_free": label_free}})
+        assert not audit("descriptor", d, samples + [proj], k_min=5)
+
+
+def test_the_audit_catches_a_per_sample_reply(site):
+    """Negative control: with k_min = 1 a one-image class's FMCL 'mean' is that image's embedding, and S1's exact
+    minimum/maximum are single samples' values — the audit must flag it."""
+    from fedmed.encoders import build_encoder, extract_features
+    from fedmed.privacy import private_bounds, signature_payload
+
+    runner, cfg = site
+    s = runner._splits(cfg)
+    feats = extract_features(build_encoder("random_cnn"), s.train[0])
+    y = s.train[1].numpy().copy()
+    y[0] = 99  # a class holding exactly one image
+    meta = signature_payload("fmcl", feats, y, k_min=1, privacy={})
+    assert audit("signature/fmcl", meta, [feats], k_min=1)
+    meta5 = signature_payload("fmcl", feats, y, k_min=5, privacy={})
+    assert 99 in meta5["withheld_classes"] and not audit("signature/fmcl", meta5, [feats], k_min=5)
+    z = latents(runner.model(cfg), s.train[0])
+    lo, hi, _ = private_bounds(z, k_min=1, privacy={})  # the paper's exact min / max
+    assert audit("latent_bounds", {"lo": lo, "hi": hi}, [z], k_min=1)
+    lo, hi, _ = private_bounds(z, k_min=5, privacy={})
+    assert not audit("latent_bounds", {"lo": lo, "hi": hi}, [z], k_min=5)
+
+
+def test_segmentation_replies(tmp_path):
+    from fedmed.phantoms import write_phantom_subjects
+    from fedmed.seg import load_case, seg_model
+    from fedmed.seg_data import discover_subjects, write_seg_federation
+    from fedmed.seg_site import SegSiteRunner
+
+    root = write_phantom_subjects(tmp_path / "ph", [2, 3, 4, 5, 6, 7, 8, 9], size=24)
+    entries = discover_subjects(root, {"FLAIR": "Flair*", "T1c": "T1c*"}, "OTMultiClass*", "brainmask*")
+    out = write_seg_federation(entries, 2, tmp_path / "fed", test_fraction=0.25)
+    cfg = {"task": "segmentation", "seed": 0, "data": {"shape": [16, 16, 16], "roi": [16, 16, 16], "in_channels": 2},
+           "model": {"channels": [4, 8, 16]}, "privacy": {"k_min": 3},
+           "train": {"local_epochs": 1, "optimizer": "adam", "lr": 1e-3, "seg": {"patches_per_volume": 1}},
+           "assess": {"per_value": True}}  # the job asks for per-image values; the site does not allow them
+    runner = SegSiteRunner("site-1", out)
+    doc = json.loads((out / "site-1.json").read_text())
+    cases = [load_case(e, shape=(16, 16, 16)) for e in doc["training"]]
+    from fedmed.encoders import build_encoder
+    from fedmed.seg import site_embeddings
+
+    per_case = [np.stack([c["image"].ravel() for c in cases]),
+                site_embeddings(cases, build_encoder("medicalnet_resnet18"))]
+    _, _, meta = runner.handle("assess", {}, cfg)
+    assert "per-image metadata requested by the job but not allowed" in meta["notes"][0]
+    hist = {k: v for k, v in meta.items() if k.startswith(("intensity__", "label__", "edges__"))}
+    assert hist and all(not k.startswith("intensity__") or len(np.asarray(v)) > len(cases) for k, v in hist.items())
+    rest = {k: v for k, v in meta.items() if k not in hist}
+    assert not audit("assess", rest, per_case, k_min=3)
+    p = get_params(seg_model(2, channels=(4, 8, 16)))
+    _, metrics, meta = runner.handle("train", p, cfg, 0)
+    assert set(meta) <= {"n_test", "n_train", "train_loss"}

@@ -1,0 +1,71 @@
+"""Tables and console lines never select a round on test data; reference rows and margins are right."""
+
+import numpy as np
+import pytest
+
+from fedmed import summary as S
+
+
+def run_rows(method, seed, tests, vals, kind="method"):
+    """One run whose served model scores ``tests[r]`` on test and ``vals[r]`` on validation in round r."""
+    return [{"method": method, "kind": kind, "seed": seed, "round": r, "task": "train" if r < len(tests) - 1 else "validate",
+             "accuracy": t, "macro_f1": t, "auc": t, "pooled_accuracy": t, "pooled_macro_f1": t, "pooled_auc": t,
+             "val_accuracy": v, "sites": {}} for r, (t, v) in enumerate(zip(tests, vals))]
+
+
+# test accuracy peaks in round 1, validation in round 2, the final round is 3
+ROWS = run_rows("FedAvg", 0, tests=[0.5, 0.9, 0.6, 0.7], vals=[0.5, 0.6, 0.8, 0.7]) + \
+    run_rows("FedAvg", 1, tests=[0.5, 0.95, 0.65, 0.75], vals=[0.5, 0.6, 0.85, 0.7])
+
+
+def test_final_selection_reports_the_last_round():
+    rep = S.reported_rows(ROWS, "final")
+    assert {k: r["round"] for k, r in rep.items()} == {("FedAvg", 0): 3, ("FedAvg", 1): 3}
+    e = S.summarize(ROWS, "final")[0]
+    assert e["accuracy"] == "72.50 ± 2.50" and e["rounds"] == [3]
+
+
+def test_validation_selection_uses_validation_never_test():
+    rep = S.reported_rows(ROWS, "validation")
+    assert {k: r["round"] for k, r in rep.items()} == {("FedAvg", 0): 2, ("FedAvg", 1): 2}
+    e = S.summarize(ROWS, "validation")[0]
+    assert e["accuracy"] == "62.50 ± 2.50"  # test accuracy *at the validation-selected round*
+    assert "90" not in e["accuracy"] and "95" not in e["accuracy"]  # the test-best round 1 is never reported
+
+
+def test_validation_selection_needs_a_validation_split():
+    rows = [dict(r, val_accuracy=None) for r in ROWS]
+    with pytest.raises(ValueError, match="needs validation metrics"):
+        S.reported_rows(rows, "validation")
+
+
+def test_table_and_console_line_use_the_same_round(tmp_path):
+    from fedmed.experiment import _log_done
+
+    lines = []
+    doc = {"wall_seconds": 1.0, "errors": []}
+    for selection, expect in (("final", "final round 3: test accuracy 70.00%"),
+                              ("validation", "validation-selected round 2: test accuracy 60.00%")):
+        lines.clear()
+        _log_done(type("M", (), {"name": "FedAvg"})(), doc, [r for r in ROWS if r["seed"] == 0], selection, lines.append,
+                  tmp_path)
+        assert expect in lines[0]
+        text = S.write_outputs([r for r in ROWS if r["seed"] == 0], tmp_path / selection, title="t", command="c",
+                               selection=selection)
+        row = next(ln for ln in text.splitlines() if ln.startswith("| FedAvg"))
+        assert expect.split("accuracy ")[1].rstrip("%") in row  # same number, same unit (%)
+
+
+def test_cluster_majority_margin_is_paired_over_seeds():
+    rows = run_rows("FMCL", 0, [0.5, 0.80], [0.5, 0.8]) + run_rows("FMCL", 1, [0.5, 0.82], [0.5, 0.8])
+    rows += [{"method": "FMCL: cluster-majority", "kind": "reference", "seed": s, "round": None, "accuracy": a,
+              "sites": {}} for s, a in ((0, 0.78), (1, 0.70))]
+    summ = S.summarize(rows)
+    assert [e["kind"] for e in summ] == ["method", "reference"]  # references after the methods
+    table = S.classification_table(summ, "final")
+    line = next(ln for ln in table.splitlines() if ln.startswith("| FMCL |"))
+    assert line.rstrip(" |").endswith("+7.00 ± 5.00")  # (2 and 12 points): mean 7, std 5 — not within the spread
+
+
+def test_one_seed_prints_no_spread():
+    assert S.fmt([0.5]) == "50.00" and S.fmt([0.5, 0.7]) == "60.00 ± 10.00" and S.fmt([np.nan]) == "n/a"
