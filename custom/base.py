@@ -51,6 +51,10 @@ def initial_params(cfg: dict) -> dict:
     from fedmed.train import get_params
 
     m, d = cfg["model"], cfg["data"]
+    if cfg.get("task") == "mae":
+        from fedmed.ssl import mae_model
+
+        return get_params(mae_model(d["channels"], mask_ratio=cfg["mae"].get("mask_ratio", 0.75), seed=cfg.get("seed", 0)))
     if cfg.get("task") == "segmentation":
         from fedmed.seg import seg_model
 
@@ -284,3 +288,8 @@ class FedMedController(ModelController):
                     "classes": c.get("classes"), "seed": c.get("seed", 0), "cluster": cluster,
                     "sites": sorted(sites) if sites is not None else None, "workflow": type(self).__name__,
                     "rounds": self.num_rounds}, out / f"{name}.pt")
+        if c.get("task") == "mae":  # the encoder the registry loads as "fedmae_vit" (a plain state dict)
+            from fedmed.ssl import encoder_state
+
+            torch.save({k: torch.as_tensor(np.asarray(v)) for k, v in encoder_state(params).items()},
+                       out / "encoder.pt")

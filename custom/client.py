@@ -39,6 +39,10 @@ def make_runner(site: str, cfg: dict):
     from fedmed.site_settings import resolve_site_settings
 
     settings = resolve_site_settings(site)
+    if cfg.get("task") == "mae":
+        from fedmed.ssl_site import MAESiteRunner
+
+        return MAESiteRunner(site, settings)
     if cfg.get("task") == "segmentation":
         from fedmed.seg_site import SegSiteRunner
 

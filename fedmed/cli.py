@@ -29,8 +29,18 @@ def cmd_cluster(a):
     from . import clustering
     from .io import read_distance_csv
 
-    names, D = read_distance_csv(a.dist)
     method = a.method
+    uses = {"--k": method == "agglomerative", "--threshold": method == "agglomerative",
+            "--k-max": method == "auto-k", "--rule": method == "farthest-split", "--scale": method == "dbscan",
+            "--linkage": method in ("agglomerative", "auto-k"), "--k1-silhouette": method == "auto-k"}
+    given = {"--k": a.k is not None, "--threshold": a.threshold is not None, "--k-max": a.k_max is not None,
+             "--rule": a.rule != "objective", "--scale": a.scale != 1.0, "--linkage": a.linkage != "average",
+             "--k1-silhouette": a.k1_silhouette != 0.25}
+    bad = [f for f, g in given.items() if g and not uses[f]]
+    if bad:
+        hint = " (auto-k chooses K itself; --k-max bounds it)" if "--k" in bad and method == "auto-k" else ""
+        raise ValueError(f"{', '.join(bad)} does not apply to --method {method}{hint}")
+    names, D = read_distance_csv(a.dist)
     out: dict = {"method": method, "sites": names}
     if method == "farthest-split":
         res = clustering.farthest_split(D, rule=a.rule)
@@ -42,7 +52,8 @@ def cmd_cluster(a):
         labels = clustering.agglomerative(D, n_clusters=a.k, threshold=a.threshold, linkage_method=a.linkage)
         out.update(clusters=clustering.labels_to_clusters(labels, names), linkage=a.linkage)
     elif method == "auto-k":
-        res = clustering.auto_k(D, linkage_method=a.linkage, k_max=a.k_max)
+        res = clustering.auto_k(D, linkage_method=a.linkage, k_max=a.k_max,
+                                k1_silhouette=a.k1_silhouette if a.k1_silhouette >= 0 else None)
         out.update(clusters=clustering.labels_to_clusters(res.labels, names), k=res.k, cv=res.cv, window=res.window,
                    silhouette={str(k): v for k, v in res.scores.items()}, local_maxima=res.local_maxima, rule=res.rule)
     elif method == "dbscan":
@@ -70,7 +81,8 @@ def cmd_distances(a):
 
         sigs = read_signature_dir(a.signature_dir, ("basis",))
         names = list(sigs)
-        D = pacfl_distance_matrix([s["basis"] for s in sigs.values()], site_names=names)
+        D = pacfl_distance_matrix([s["basis"] for s in sigs.values()], site_names=names,
+                                  mode={"principal": "smallest", "official": "official"}[a.angle])
     elif kind == "fecfl":
         from .baselines import fecfl_distance_matrix
 
@@ -141,7 +153,8 @@ def cmd_partition(a):
             raise ValueError(f"{a.scheme} partition needs --labels FILE (one integer label per sample).")
         y = _read_labels(a.labels)
         if a.scheme == "dirichlet":
-            parts = P.dirichlet_label_partition(y, a.sites, a.alpha, a.seed)
+            parts = P.dirichlet_label_partition(y, a.sites, a.alpha, a.seed,
+                                                mode={"hsu": "per-site", "per_client": "per-client"}[a.dirichlet_scheme])
             out.update(sites=[p.tolist() for p in parts], sizes=[len(p) for p in parts],
                        class_counts=[np.bincount(y[p], minlength=int(y.max()) + 1).tolist() for p in parts])
         else:  # anda
@@ -159,45 +172,61 @@ def cmd_partition(a):
 
 # ------------------------------------------------------------------------------------------- main
 
+HELP = argparse.ArgumentDefaultsHelpFormatter
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedmed", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="fedmed", description=__doc__.splitlines()[0], formatter_class=HELP)
     sub = p.add_subparsers(dest="verb", required=True)
 
-    c = sub.add_parser("cluster", help="cluster sites from a distance-matrix CSV, print JSON")
+    c = sub.add_parser("cluster", help="cluster sites from a distance-matrix CSV, print JSON", formatter_class=HELP)
     c.add_argument("dist", help="square CSV; header row and first column are site names")
-    c.add_argument("--method", required=True, choices=["farthest-split", "agglomerative", "auto-k", "dbscan"])
-    c.add_argument("--k", type=int, help="fixed number of clusters (agglomerative)")
-    c.add_argument("--threshold", type=float, help="merge-distance threshold (agglomerative)")
-    c.add_argument("--linkage", default="average", choices=["single", "complete", "average"])
+    c.add_argument("--method", required=True, choices=["farthest-split", "agglomerative", "auto-k", "dbscan"],
+                   help="004_ Alg. 1 two-cluster split, FMCL Alg. 4 (needs --k or --threshold), FMCL Alg. 5, or Flux's "
+                   "adaptive DBSCAN")
+    c.add_argument("--k", type=int, help="agglomerative: fixed number of clusters")
+    c.add_argument("--threshold", type=float, help="agglomerative: merge-distance threshold")
+    c.add_argument("--linkage", default="average", choices=["single", "complete", "average", "weighted"],
+                   help="agglomerative / auto-k: cluster-to-cluster distance (weighted = WPGMA, PACFL's code)")
     c.add_argument("--k-max", type=int, default=None, help="auto-k: largest K considered (default min(10, N))")
-    c.add_argument("--rule", default="objective", choices=["objective", "printed"], help="farthest-split reading")
+    c.add_argument("--k1-silhouette", type=float, default=0.25, help="auto-k: keep one cluster unless the best "
+                   "silhouette reaches this (a negative value turns the K = 1 test off)")
+    c.add_argument("--rule", default="objective", choices=["objective", "printed"],
+                   help="farthest-split: which reading of 004_ Alg. 1 (docs/readings.md)")
     c.add_argument("--scale", type=float, default=1.0, help="dbscan: eps scale factor")
     c.set_defaults(func=cmd_cluster)
 
-    d = sub.add_parser("distances", help="site-by-site distances from per-site <site>.npz signatures")
-    d.add_argument("kind", choices=["fmcl", "pacfl", "fecfl", "emd", "euclidean"])
-    d.add_argument("signature_dir")
+    d = sub.add_parser("distances", help="site-by-site distances from per-site <site>.npz signatures", formatter_class=HELP)
+    d.add_argument("kind", choices=["fmcl", "pacfl", "fecfl", "emd", "euclidean"], help="which signature and distance")
+    d.add_argument("signature_dir", help="folder of <site>.npz files (see the README for their arrays)")
     d.add_argument("--out", required=True, help="output CSV")
-    d.add_argument("--alpha", type=float, default=1.0)
-    d.add_argument("--beta", type=float, default=100.0)
-    d.add_argument("--eps", type=float, default=1e-3)
-    d.add_argument("--no-overlap", action="store_true", help="FMCL ablation without overlap scaling")
+    d.add_argument("--alpha", type=float, default=1.0, help="fmcl: overlap exponent")
+    d.add_argument("--beta", type=float, default=100.0, help="fmcl: cap of the overlap multiplier")
+    d.add_argument("--eps", type=float, default=1e-3, help="fmcl: numerical floor")
+    d.add_argument("--no-overlap", action="store_true", help="fmcl: the ablation without overlap scaling")
+    d.add_argument("--angle", default="principal", choices=["principal", "official"],
+                   help="pacfl: smallest principal angle, or the official code's arccos of single entries")
     d.set_defaults(func=cmd_distances)
 
-    q = sub.add_parser("partition", help="seeded partition of a label set; prints the assignment and its statistics")
-    q.add_argument("scheme", choices=["dirichlet", "quantity", "predi", "anda"])
-    q.add_argument("--labels", help="labels file (.npy, or text with one integer per line)")
-    q.add_argument("--n-samples", type=int)
-    q.add_argument("--sites", type=int, required=True)
-    q.add_argument("--alpha", type=float, default=0.1)
+    q = sub.add_parser("partition", help="seeded partition of a label set; prints the assignment and its statistics",
+                       formatter_class=HELP)
+    q.add_argument("scheme", choices=["dirichlet", "quantity", "predi", "anda"], help="partition scheme")
+    q.add_argument("--labels", help="labels file (.npy, or text with one integer per line); dirichlet/anda, or the "
+                   "sample count for quantity")
+    q.add_argument("--n-samples", type=int, help="quantity: number of samples (instead of --labels)")
+    q.add_argument("--sites", type=int, required=True, help="number of sites")
+    q.add_argument("--alpha", type=float, default=0.1, help="dirichlet / quantity: concentration")
+    q.add_argument("--dirichlet-scheme", default="hsu", choices=["hsu", "per_client"],
+                   help="dirichlet: Dir(alpha p) per site (Hsu et al.) or Dir(alpha) per site (FedLab)")
     q.add_argument("--classes", type=int, default=36, help="predi: number of classes C")
     q.add_argument("--prevalence", type=float, default=3.0, help="predi: target average prevalence p*")
     q.add_argument("--disparity", type=float, default=0.0, help="predi: target disparity sigma*")
-    q.add_argument("--shift", default="feature", choices=["feature", "label", "p_y_given_x", "p_x_given_y", "quantity"])
-    q.add_argument("--level", type=int, default=3)
-    q.add_argument("--groups", type=int, default=2)
-    q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--json", action="store_true")
+    q.add_argument("--shift", default="feature", choices=["feature", "label", "p_y_given_x", "p_x_given_y", "quantity"],
+                   help="anda: shift type")
+    q.add_argument("--level", type=int, default=3, help="anda: severity level")
+    q.add_argument("--groups", type=int, default=2, help="anda: number of distributions")
+    q.add_argument("--seed", type=int, default=0, help="seed of the partition")
+    q.add_argument("--json", action="store_true", help="print JSON (with the per-site indices)")
     q.set_defaults(func=cmd_partition)
 
     _add_workflow_verbs(sub)

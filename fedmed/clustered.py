@@ -105,7 +105,7 @@ def flux_cluster(descriptors: dict[str, dict], *, n_clusters: int | None = None,
     :func:`fedmed.clustering.auto_k`): a DBSCAN split whose silhouette is below it is merged into one
     cluster, so federations without a shift train one model; ``None`` keeps the paper's literal DBSCAN.
     """
-    from .clustering import adaptive_dbscan, kmeans_prior, silhouette
+    from .clustering import adaptive_dbscan, kmeans_prior, silhouette_points
     from .flux import cluster_centroids
 
     if scaling not in ("none", "minmax"):
@@ -129,9 +129,7 @@ def flux_cluster(descriptors: dict[str, dict], *, n_clusters: int | None = None,
         labels = res["labels"]
         info.update(rule="adaptive DBSCAN", eps=res["eps"], eps_source=res["eps_source"], n_noise=res["n_noise"])
         if k1_silhouette is not None and labels.max() > 0:
-            from scipy.spatial.distance import pdist, squareform
-
-            sil = silhouette(squareform(pdist(Xc)), labels)
+            sil = silhouette_points(Xc, labels)
             info["silhouette"] = sil
             if sil < k1_silhouette:
                 info["rule"] += (f"; {int(labels.max()) + 1} clusters with silhouette {sil:.3f} < {k1_silhouette} "

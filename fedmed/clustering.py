@@ -138,15 +138,62 @@ def agglomerative(D, *, n_clusters: int | None = None, threshold: float | None =
 def silhouette(D, labels) -> float:
     """Mean silhouette on a precomputed matrix; 0.0 when there is one cluster or N clusters.
 
-    Singletons score 0, as in scikit-learn (``s(i)`` is undefined for them).
+    Singletons score 0, as in scikit-learn (``s(i)`` is undefined for them). Computed from one product
+    ``D @ onehot(labels)`` (the per-sample sum of distances to every cluster) — the same numbers as
+    ``sklearn.metrics.silhouette_score(D, labels, metric="precomputed")`` (``tests/test_clustering.py``), without
+    its per-call validation, so auto-K can score many K on a large matrix.
     """
-    from sklearn.metrics import silhouette_score
-
-    labels = np.asarray(labels)
-    k = len(np.unique(labels))
-    if k < 2 or k > len(labels) - 1:
+    labels = canonical_labels(labels)
+    n = labels.size
+    k = int(labels.max()) + 1 if n else 0
+    if k < 2 or k > n - 1:
         return 0.0
-    return float(silhouette_score(D, labels, metric="precomputed"))
+    D = np.asarray(D)
+    onehot = np.zeros((n, k), dtype=D.dtype)
+    onehot[np.arange(n), labels] = 1.0
+    sums = D @ onehot  # (n, k): sum of distances from sample i to cluster c
+    counts = onehot.sum(axis=0)
+    own = counts[labels]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = sums[np.arange(n), labels] / (own - 1)
+        mean_other = sums / counts
+        mean_other[np.arange(n), labels] = np.inf
+        b = mean_other.min(axis=1)
+        s = (b - a) / np.maximum(a, b)
+    # nan values are for clusters of size 1 (and 0/0 on zero distances), and should be 0
+    s = np.where(own > 1, np.nan_to_num(s, nan=0.0), 0.0)
+    return float(s.mean())
+
+
+def silhouette_points(X, labels, *, block: int = 2048) -> float:
+    """:func:`silhouette` of points under the Euclidean distance, computed in row blocks (``cdist`` of a block against
+    all points), so memory stays O(block x N) instead of an (N, N) matrix."""
+    from scipy.spatial.distance import cdist
+
+    X = np.asarray(X, dtype=np.float64)
+    labels = canonical_labels(labels)
+    n = labels.size
+    k = int(labels.max()) + 1 if n else 0
+    if k < 2 or k > n - 1:
+        return 0.0
+    onehot = np.zeros((n, k))
+    onehot[np.arange(n), labels] = 1.0
+    counts = onehot.sum(axis=0)
+    total = 0.0
+    for b0 in range(0, n, block):
+        b1 = min(n, b0 + block)
+        sums = cdist(X[b0:b1], X) @ onehot
+        lab = labels[b0:b1]
+        own = counts[lab]
+        rows = np.arange(b1 - b0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            a = sums[rows, lab] / (own - 1)
+            other = sums / counts
+            other[rows, lab] = np.inf
+            b = other.min(axis=1)
+            sv = (b - a) / np.maximum(a, b)
+        total += float(np.where(own > 1, np.nan_to_num(sv, nan=0.0), 0.0).sum())
+    return total / n
 
 
 def cv_window(cv: float, k_max: int) -> list[int]:

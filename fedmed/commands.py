@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -15,12 +16,15 @@ def cmd_data(a):
     overrides = list(a.set)
     if a.dataset:
         overrides.append(f"dataset.path={a.dataset}")
+    for flag, key in ((a.sites, "federation.sites"), (a.partition, "federation.partition"), (a.alpha, "federation.alpha")):
+        if flag is not None:
+            overrides.append(f"{key}={flag}")
     if a.config:
         exp = load_config(a.config, overrides)
     else:
-        raw = {"name": "data", "dataset": {"path": a.dataset}, "federation": {"sites": a.sites, "partition": a.partition,
-                                                                               "alpha": a.alpha}}
-        exp = load_config(raw, a.set)
+        if not a.dataset:
+            raise ValueError("give --config CONFIG or --dataset PATH")
+        exp = load_config({"name": "data", "dataset": {"path": a.dataset}}, overrides)
     out = prepare_federation(exp, a.seed, a.out)
     import json
 
@@ -52,20 +56,27 @@ def cmd_experiment(a):
 
 
 def cmd_demo(a):
+    """Three small experiments end to end (each a real NVFlare simulator job per method), their tables, one report."""
+    import json
+
     from .experiment import run_experiment
+    from .report import write_report
 
     cfg = REPO_ROOT / "app_configs" / "demo_digits.yaml"
     if not cfg.is_file():
         raise FileNotFoundError(f"{cfg}: the demo config ships with the repository; run from a clone")
     overrides = list(a.set)
+    data_name = "sklearn digits (offline, bundled)"
     if a.data:
-        overrides += [f"dataset.path={a.data}", "dataset.image_size=32", "dataset.max_per_class=40"]
+        overrides += [f"dataset.path={a.data}", "dataset.image_size=32", "dataset.max_per_class=40",
+                      f"name=demo-{Path(a.data).name}"]
+        data_name = a.data
     out = Path(a.out)
-    print(f"fedmed demo: {'sklearn digits (offline, bundled)' if not a.data else a.data} -> {out}", flush=True)
-    print("\n== 1. Classification: FedAvg, FedProx and FMCL (one-shot clustering) ==", flush=True)
-    run_experiment(str(cfg), out / "classification", overrides=overrides)
-    import json
-
+    command = "fedmed demo" + (f" --data {a.data}" if a.data else "") + (f" --out {a.out}" if a.out != "results/demo"
+                                                                          else "")
+    print(f"fedmed demo: {data_name} -> {out}", flush=True)
+    print("\n== 1. Classification: FedAvg, FedProx and FMCL (one-shot clustering), with reference rows ==", flush=True)
+    run_experiment(str(cfg), out / "classification", overrides=overrides, command=command)
     for doc in sorted((out / "classification" / "runs" / "seed0").glob("FMCL*/metrics.json")):
         c = json.loads(doc.read_text()).get("clustering", {})
         print(f"FMCL clusters found once, before training ({c.get('rule')}; encoder {', '.join(c.get('encoder', []))}): "
@@ -73,24 +84,25 @@ def cmd_demo(a):
     print()
     print((out / "classification" / "summary.md").read_text())
 
-    print("== 2. Segmentation: 004_ site assessment (synthetic NIfTI phantoms, 4 sites) ==", flush=True)
+    print("== 2. Segmentation: 004_ site assessment and a trained 3D U-Net (synthetic NIfTI phantoms, 4 sites) ==",
+          flush=True)
     from .phantoms import write_phantom_subjects
 
     phantoms = out / "phantoms"
-    write_phantom_subjects(phantoms, [0, 2, 2, 3, 3, 3, 4, 4, 4, 9, 10, 11], size=24)
+    write_phantom_subjects(phantoms, [0, 2, 3, 3, 4, 4, 5, 6, 6, 9, 10, 11, 3, 5, 8], size=24)
     seg_cfg = REPO_ROOT / "app_configs" / "demo_seg_phantoms.yaml"
-    run_experiment(str(seg_cfg), out / "segmentation", overrides=[f"dataset.path={phantoms.resolve()}"])
+    run_experiment(str(seg_cfg), out / "segmentation", overrides=[f"dataset.path={phantoms.resolve()}"], command=command)
     report = next((out / "segmentation" / "runs").rglob("report.md"), None)
     if report:
         print(report.read_text())
-    print("(site-4 holds the largest lesions by construction, so the metadata EMD names it most distant; the "
-          "embedding distance uses a randomly initialised MedicalNet here and need not agree)")
+    print("(the phantom sites are ordered by lesion volume, so the metadata EMD should name the last site most "
+          "distant; the embedding distance uses a randomly initialised MedicalNet here and need not agree)")
+    print((out / "segmentation" / "summary.md").read_text())
 
     print("\n== 3. Flux: clustering during training and unseen-site assignment (digits, ANDA feature shift) ==",
           flush=True)
     flux_cfg = REPO_ROOT / "app_configs" / "demo_flux_digits.yaml"
-    run_experiment(str(flux_cfg), out / "flux")
-
+    run_experiment(str(flux_cfg), out / "flux", command=command)
     run = out / "flux" / "runs" / "seed0" / "Flux"
     train = json.loads((run / "metrics.json").read_text())
     test = json.loads((run / "test_phase" / "metrics.json").read_text())
@@ -100,34 +112,111 @@ def cmd_demo(a):
     for u, c in test["assignment"]["test_phase"].items():
         print(f"  {u} (true group {groups[u]}, no labels used) -> cluster {c}: {train['clustering']['clusters'][c]}")
     print((out / "flux" / "summary.md").read_text())
+    (out / "summary.md").write_text(f"# fedmed demo\n\nProduced by: `{command}`\n\nData: {data_name}; three parts below "
+                                    f"(each part's own table and runs).\n\n" + "\n\n".join(
+                                        (out / p / "summary.md").read_text() for p in ("classification", "segmentation",
+                                                                                       "flux")))
+    print(f"report: {write_report(out, command=command)} (open it in a browser)")
+
+
+def cmd_ssl(a):
+    from .ssl_experiment import run_ssl
+
+    out = a.out or str(Path("results") / Path(a.config).stem)
+    run_ssl(a.config, out, overrides=a.set, resume=a.resume,
+            command=" ".join(["fedmed ssl", a.config, *[f"--set {x}" for x in a.set]]))
+    print((Path(out) / "summary.md").read_text())
+
+
+def cmd_report(a):
+    from .report import write_report
+
+    print(f"wrote {write_report(a.out_dir)}")
+
+
+def cmd_predict(a):
+    """Apply a trained model: classify images (CSV/JSON out) or segment one NIfTI case (label map out)."""
+    import json
+
+    from .predict import load_model, predict_images, predict_volume
+
+    _, ck = load_model(a.model)
+    if ck["task"] == "segmentation":
+        if a.mask and not Path(a.mask).is_file():
+            raise ValueError(f"--mask {a.mask}: file not found")
+        out = Path(a.out or "prediction.nii.gz")
+        predict_volume(a.model, a.inputs, out, mask=a.mask)
+        print(f"wrote {out} (labels 1 core, 2 edema, 4 enhancing)")
+        return
+    if a.mask:
+        raise ValueError("--mask applies to segmentation models only")
+    rows = predict_images(a.model, a.inputs)
+    if a.out:
+        import csv
+
+        names = list(rows[0]["probabilities"])
+        with open(a.out, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["image", "prediction", *[f"p_{n}" for n in names]])
+            for r in rows:
+                w.writerow([r["image"], r["prediction"], *[r["probabilities"][n] for n in names]])
+        print(f"wrote {a.out} ({len(rows)} images)")
+    else:
+        print(json.dumps(rows, indent=1))
 
 
 def register(sub):
-    d = sub.add_parser("data", help="write per-site datalists (dataset + partition)")
-    d.add_argument("--config", help="experiment config (dataset and federation sections are used)")
-    d.add_argument("--dataset", help="dataset path or builtin:digits (overrides the config's)")
-    d.add_argument("--sites", type=int, default=4)
-    d.add_argument("--partition", default="iid", choices=["iid", "dirichlet", "quantity", "predi", "anda"])
-    d.add_argument("--alpha", type=float, default=0.5)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--out", required=True)
-    d.add_argument("--set", action="append", default=[], help="config override key.path=value")
+    H = argparse.ArgumentDefaultsHelpFormatter
+    d = sub.add_parser("data", help="write per-site datalists (dataset + partition)", formatter_class=H)
+    d.add_argument("--config", help="experiment config (its dataset and federation sections are used; the flags below "
+                   "override them when given)")
+    d.add_argument("--dataset", help="dataset path or builtin:digits (without --config: required)")
+    d.add_argument("--sites", type=int, help="number of sites (config default 4)")
+    d.add_argument("--partition", choices=["iid", "dirichlet", "quantity", "predi", "anda"],
+                   help="how samples are split (config default iid)")
+    d.add_argument("--alpha", type=float, help="Dirichlet concentration (config default 0.5)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the partition and the splits")
+    d.add_argument("--out", required=True, help="folder for <site>.json and dataset.json")
+    d.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
     d.set_defaults(func=cmd_data)
 
-    e = sub.add_parser("experiment", help="run a config's methods over seeds in nvflare simulator")
-    e.add_argument("config")
+    e = sub.add_parser("experiment", help="run a config's methods over seeds in NVFlare's simulator", formatter_class=H)
+    e.add_argument("config", help="experiment config (app_configs/*.yaml)")
     e.add_argument("--out", help="output folder (default results/<config name>)")
-    e.add_argument("--methods", nargs="+", help="run only these methods")
+    e.add_argument("--methods", nargs="+", help="run only these methods (default: all of the config's)")
     e.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
     e.add_argument("--resume", action="store_true", help="reuse runs finished earlier with the same settings; "
                    "continue stopped ones from their checkpoint")
     e.set_defaults(func=cmd_experiment)
 
-    m = sub.add_parser("demo", help="the embedded demo: a small federation, each method's results table")
+    m = sub.add_parser("demo", help="the embedded demo: small federations, every table, an HTML report", formatter_class=H)
     m.add_argument("--data", help="a dataset folder instead of the bundled digits, e.g. ../shared/data/busi")
-    m.add_argument("--out", default="results/demo")
-    m.add_argument("--set", action="append", default=[], help="config override key.path=value")
+    m.add_argument("--out", default="results/demo", help="output folder")
+    m.add_argument("--set", action="append", default=[], help="override of the classification part key.path=value")
     m.set_defaults(func=cmd_demo)
+
+    q = sub.add_parser("ssl", help="the 001_ study: Fed-MAE pre-training, fine-tuning across PreDi prevalence, "
+                       "PreP-WFL, and the Fed-MAE encoder for FMCL", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q.add_argument("config", help="an SSL config (app_configs/ssl_imagenette.yaml)")
+    q.add_argument("--out", help="output folder (default results/<config name>)")
+    q.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
+    q.add_argument("--resume", action="store_true", help="reuse runs finished earlier with the same settings")
+    q.set_defaults(func=cmd_ssl)
+
+    r = sub.add_parser("report", help="write the self-contained HTML report of an experiment or sweep output folder",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r.add_argument("out_dir", help="the --out folder of fedmed experiment / sweep / demo")
+    r.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("predict", help="apply a trained model (a run's models/*.pt) to images or a NIfTI case",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model", help="a model checkpoint written by a finished run (models/global.pt, models/cluster0.pt)")
+    p.add_argument("inputs", nargs="+", help="image files (classification), or one NIfTI file per modality of one "
+                   "case, in the model's modality order (segmentation)")
+    p.add_argument("--out", help="classification: CSV of predictions (default: JSON on stdout); segmentation: the "
+                   "label map to write (default prediction.nii.gz)")
+    p.add_argument("--mask", help="segmentation: brain mask of the case (default: the first modality's non-zero voxels)")
+    p.set_defaults(func=cmd_predict)
     register_assess(sub)
     return sys.modules[__name__]
 
@@ -228,23 +317,26 @@ def cmd_sweep(a):
 
 
 def register_assess(sub):
-    w = sub.add_parser("sweep", help="run a config once per combination of overrides; combined summary.md")
-    w.add_argument("config")
-    w.add_argument("--grid", action="append", default=[], help="key.path=v1,v2 (repeatable)")
-    w.add_argument("--set", action="append", default=[], help="fixed override key.path=value")
+    H = argparse.ArgumentDefaultsHelpFormatter
+    w = sub.add_parser("sweep", help="run a config's sweep cases (or a --grid); one combined summary.md", formatter_class=H)
+    w.add_argument("config", help="experiment config with a sweep: block (or use --grid)")
+    w.add_argument("--grid", action="append", default=[], help="key.path=v1,v2: one case per combination (repeatable; "
+                   "replaces the config's cases)")
+    w.add_argument("--set", action="append", default=[], help="fixed override key.path=value (repeatable)")
     w.add_argument("--methods", nargs="+", help="only these methods (of each case)")
     w.add_argument("--cases", nargs="+", help="only these of the config's sweep cases")
     w.add_argument("--resume", action="store_true", help="reuse runs finished earlier with the same settings")
     w.add_argument("--report-only", action="store_true", help="run nothing; rebuild summary.md/png from OUT")
-    w.add_argument("--out")
+    w.add_argument("--out", help="output folder (default results/<config name>_sweep)")
     w.set_defaults(func=cmd_sweep)
 
-    s = sub.add_parser("assess", help="004_ site heterogeneity assessment of segmentation datalists, locally")
+    s = sub.add_parser("assess", help="004_ site heterogeneity assessment of segmentation datalists, locally",
+                       formatter_class=H)
     s.add_argument("datalists", nargs="+", help="one <site>.json segmentation datalist per site")
-    s.add_argument("--out", default="results/assessment")
-    s.add_argument("--shape", type=int, nargs=3, default=[32, 48, 40])
+    s.add_argument("--out", default="results/assessment", help="report folder")
+    s.add_argument("--shape", type=int, nargs=3, default=[32, 48, 40], help="resampled case shape (D H W)")
     s.add_argument("--weights", help="MedicalNet ResNet-18 weights file (default: seeded random init)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seed of the random-init encoder")
     s.add_argument("--per-value", action="store_true", help="use per-image metadata values, not histograms")
-    s.add_argument("--no-embeddings", action="store_true")
+    s.add_argument("--no-embeddings", action="store_true", help="metadata EMD only (no embedding distance)")
     s.set_defaults(func=cmd_assess)

@@ -79,6 +79,11 @@ class FederationConfig(_Strict):
                                 "training as its validation split (model selection; never the test split)")
     predi_prevalence: float = Field(2.0, ge=1)
     predi_disparity: float = Field(0.0, ge=0)
+    predi_samples_per_cell: Optional[int] = Field(None, ge=1, description="PreDi: labeled images per (class, site) "
+                                                  "cell (001_: 50); None splits each class's images evenly")
+    common_test_fraction: float = Field(0.0, ge=0, lt=1, description="> 0: hold this share of every class out as one "
+                                        "common test set that every site scores (001_ §4.3) instead of per-site test "
+                                        "splits")
     anda_shift: Literal["feature", "label", "p_y_given_x", "p_x_given_y", "quantity"] = "feature"
     anda_level: int = Field(3, ge=1, le=8)
     anda_groups: int = Field(2, ge=1)
@@ -107,10 +112,10 @@ class FederationConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    arch: Literal["resnet9", "resnet18"] = "resnet9"
+    arch: Literal["resnet9", "resnet18", "vit_small"] = "resnet9"
     width: int = Field(16, ge=4, le=512, description="channels of the first ResNet-9 stage")
-    norm: Literal["batch", "group"] = Field("group", description="ResNet-9 normalisation: GroupNorm suits the tiny, "
-                                            "label-skewed local batches of FL; 'batch' is the DAWNBench original")
+    norm: Literal["batch", "group"] = Field("batch", description="ResNet-9 normalisation: BatchNorm (the DAWNBench "
+                                            "original; chosen on validation data, docs/readings.md) or GroupNorm")
     channels: list[int] = Field(default_factory=lambda: [8, 16, 32, 64], min_length=2,
                                 description="3D U-Net channels per level (segmentation)")
 
@@ -124,15 +129,18 @@ class SegTrainConfig(_Strict):
 
 
 class TrainConfig(_Strict):
+    """The training recipe; defaults are the 2D recipe chosen on validation data (benchmarks/tune_recipe.py,
+    docs/readings.md "2D recipe")."""
+
     rounds: int = Field(3, ge=1, le=10000)
-    local_epochs: int = Field(1, ge=1, le=1000)
+    local_epochs: int = Field(3, ge=1, le=1000)
     batch_size: int = Field(16, ge=1)
     optimizer: Literal["sgd", "adam", "adamw"] = "adam"
     lr: float = Field(1e-3, gt=0)
     momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    augment: Literal["none", "flip", "flip_crop"] = Field("flip_crop", description="horizontal flips, plus random "
-                                                          "crops of a 4-pixel padded image")
+    weight_decay: float = Field(5e-4, ge=0)
+    augment: Literal["none", "flip", "flip_crop"] = Field("flip", description="horizontal flips (flip), plus random "
+                                                          "crops of a 4-pixel padded image (flip_crop)")
     keep_optimizer_state: bool = Field(True, description="a site keeps its optimizer state (momentum, Adam moments) "
                                        "between rounds, per served model")
     seg: SegTrainConfig = SegTrainConfig()
@@ -266,13 +274,41 @@ class DittoMethod(_Method):
     ditto_lambda: float = Field(0.1, gt=0)
 
 
+class FedMAEMethod(_Method):
+    """Fed-MAE pre-training (``001_`` §3.2, §4.1) on the sites' unlabeled images."""
+
+    workflow: Literal["fedmae"]
+    mask_ratio: float = Field(0.75, gt=0, lt=1)
+    base_lr: float = Field(1.5e-4, gt=0, description="lr = base_lr x batch / 256 (MAE's scaling rule)")
+    warmup: float = Field(0.05, ge=0, lt=1, description="share of the run spent warming the lr up")
+    unlabeled_alpha: Optional[float] = Field(0.5, gt=0, description="Dirichlet quantity skew of the unlabeled pools "
+                                             "over sites (001_ §3.2); None: IID")
+    rounds: int = Field(40, ge=1, description="pre-training rounds (train.rounds is the fine-tuning's)")
+    local_epochs: int = Field(10, ge=1)
+    batch_size: int = Field(64, ge=2)
+
+
+class FinetuneMethod(_Method):
+    """Federated fine-tuning of a ViT with a linear head (``001_`` §4.2), optionally with PreP-WFL (Alg. 2)."""
+
+    workflow: Literal["finetune"]
+    init: Literal["fedmae", "random"] = Field("fedmae", description="the encoder: Fed-MAE pre-trained or random")
+    encoder_weights: Optional[str] = Field(None, description="init 'fedmae': the Fed-MAE run's models/encoder.pt "
+                                           "(fedmed ssl fills it)")
+    prep_wfl: bool = Field(False, description="PreP-WFL: one class-id round, then prevalence-weighted CE (Eq. 1-3)")
+    layer_decay: float = Field(0.75, gt=0, le=1)
+    warmup: float = Field(0.05, ge=0, lt=1)
+    local_only: bool = Field(True, description="also report every site fine-tuning alone (reference)")
+
+
 MethodConfig = Annotated[Union[FedAvgMethod, FedProxMethod, FMCLMethod, PACFLMethod, FECFLMethod, CFLMethod, FluxMethod,
-                               IFCAMethod, SegAssessMethod, FedAvgWMethod, SegClustersMethod, DittoMethod],
+                               IFCAMethod, SegAssessMethod, FedAvgWMethod, SegClustersMethod, DittoMethod, FedMAEMethod,
+                               FinetuneMethod],
                          Field(discriminator="workflow")]
 
 WORKFLOWS = {m.model_fields["workflow"].annotation.__args__[0]: m for m in
              (FedAvgMethod, FedProxMethod, FMCLMethod, PACFLMethod, FECFLMethod, CFLMethod, FluxMethod, IFCAMethod,
-              SegAssessMethod, FedAvgWMethod, SegClustersMethod, DittoMethod)}
+              SegAssessMethod, FedAvgWMethod, SegClustersMethod, DittoMethod, FedMAEMethod, FinetuneMethod)}
 CLUSTERING_WORKFLOWS = ("fmcl", "pacfl", "fecfl", "cfl", "flux", "ifca", "seg_clusters")
 
 
@@ -342,7 +378,7 @@ class ExperimentConfig(_Strict):
         for m in self.methods:
             if m.workflow in ("seg_assess", "fedavg_w", "seg_clusters", "ditto") and not seg:
                 raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} needs dataset.task: segmentation")
-            if seg and m.workflow in ("fmcl", "pacfl", "fecfl", "cfl", "flux", "ifca"):
+            if seg and m.workflow in ("fmcl", "pacfl", "fecfl", "cfl", "flux", "ifca", "fedmae", "finetune"):
                 raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} is for classification, not segmentation")
         return self
 

@@ -157,13 +157,16 @@ def split_sizes(n: int, test_fraction: float, val_fraction: float) -> tuple[int,
 
 def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, *, test_fraction: float = 0.2,
                          val_fraction: float = 0.0, seed: int = 0, site_names: Sequence[str] | None = None,
-                         transforms: Sequence[Callable] | None = None, extra: dict | None = None) -> list[Path]:
+                         transforms: Sequence[Callable] | None = None, extra: dict | None = None,
+                         common_test: np.ndarray | None = None) -> list[Path]:
     """Write one datalist per site (and ``dataset.json``) for a partition of ``pool``.
 
     Each site's samples are shuffled (seeded); :func:`split_sizes` gives its local ``test`` split and
     a ``validation`` split held out of its training data.
     ``transforms[k](array, label) -> (array, label)`` shifts site ``k``'s images (ANDA); shifted
-    and array images are written as PNGs under ``out_dir/images/<site>/``.
+    and array images are written as PNGs under ``out_dir/images/<site>/``. With ``common_test`` (indices into the
+    pool, disjoint from every part) every site's ``test`` split is that common set and its own samples are split
+    into validation and training only (``001_`` §4.3: one common test set in the global label space).
 
     Returns:
         the site datalist paths.
@@ -173,9 +176,22 @@ def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, 
     names = list(site_names) if site_names else [f"site-{k + 1}" for k in range(len(parts))]
     rng = np.random.default_rng(seed)
     paths = []
+    common_entries = None
+    if common_test is not None:
+        common_entries = []
+        for j, i in enumerate(np.asarray(common_test, dtype=np.int64)):
+            item = pool.items[i]
+            if isinstance(item, np.ndarray):
+                target = out / "images" / "common_test" / f"{j:06d}_{int(i)}.png"
+                _save_png(_read_array(item), target)
+                item = str(target.relative_to(out))
+            common_entries.append({"image": item, "label": int(pool.labels[i])})
     for k, (name, idx) in enumerate(zip(names, parts)):
         idx = rng.permutation(np.asarray(idx, dtype=np.int64))
-        n_test, n_val = split_sizes(idx.size, test_fraction, val_fraction)
+        if common_entries is None:
+            n_test, n_val = split_sizes(idx.size, test_fraction, val_fraction)
+        else:
+            n_test, n_val = 0, split_sizes(idx.size, 0.0, val_fraction)[1] if idx.size >= 3 else 0
         entries = []
         for j, i in enumerate(idx):
             item, label = pool.items[i], int(pool.labels[i])
@@ -189,7 +205,7 @@ def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, 
                 item = str(target.relative_to(out))  # relative to the datalist's folder (the default data root)
             entries.append({"image": item, "label": label})
         doc = {"site": name, "training": entries[n_test + n_val:], "validation": entries[n_test:n_test + n_val],
-               "test": entries[:n_test]}
+               "test": entries[:n_test] if common_entries is None else common_entries}
         path = out / f"{name}.json"
         path.write_text(json.dumps(doc, indent=1))
         paths.append(path)

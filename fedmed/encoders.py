@@ -10,6 +10,7 @@ Registry (architectures of the papers' foundation models; weights never download
 | ``random_cnn`` | a 4-block CNN (FECFL's "randomly initialised lightweight encoder") | C x S x S | 128 |
 | ``pixels`` | raw flattened pixels (PACFL's original input) | C x S x S | C S^2 |
 | ``medicalnet_resnet18`` | MONAI ``resnet18(spatial_dims=3, shortcut_type="A", bias_downsample=True)`` (MedicalNet layout) | 1 x D x H x W | 512 |
+| ``fedmae_vit`` | the encoder of a Fed-MAE run (``fedmed.ssl``, small ViT; weights: its ``models/encoder.pt``) | 3 x 32 x 32 | 128 |
 
 Each encoder either loads a local weights file (``.pt``/``.pth``/``.safetensors``; a wrapping
 ``{"state_dict": ...}`` or ``{"model": ...}`` and ``module.`` prefixes are unwrapped; missing,
@@ -135,6 +136,22 @@ class _MedicalNet18(nn.Module):
         return torch.flatten(self.net.avgpool(self.bottleneck(x)), 1)
 
 
+class _FedMAEViT(nn.Module):
+    """The encoder of a Fed-MAE run (``fedmed.ssl``): patch embedding, class token, blocks; mean patch token."""
+
+    def __init__(self, in_channels, img_size):
+        super().__init__()
+        from .ssl import mae_model
+
+        mae = mae_model(in_channels, spec={"img_size": img_size})
+        self.patch_embedding, self.cls_token, self.blocks = mae.patch_embedding, mae.cls_token, mae.blocks
+
+    def forward(self, x):
+        x = self.patch_embedding(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.blocks(x)[:, 1:].mean(dim=1)
+
+
 def _vit_tiny(c, s):
     return import_timm().create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, img_size=s)
 
@@ -151,6 +168,7 @@ ENCODERS: dict[str, dict] = {
     "random_cnn": {"build": lambda c, s: _RandomCNN(c), "channels": None, "size": None, "dim": 128},
     "pixels": {"build": lambda c, s: _Pixels(), "channels": None, "size": None, "dim": None},
     "medicalnet_resnet18": {"build": lambda c, s: _MedicalNet18(), "channels": 1, "size": None, "dim": 512},
+    "fedmae_vit": {"build": lambda c, s: _FedMAEViT(c, s), "channels": 3, "size": 32, "dim": 128},
 }
 
 

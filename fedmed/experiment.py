@@ -80,6 +80,14 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
     rng = np.random.default_rng(seed)
     transforms = None
     extra: dict = {"partition": part, "seed": seed}
+    common = None
+    if fed.common_test_fraction > 0:  # one stratified test set every site scores; the rest is partitioned
+        common = np.sort(np.concatenate([rng.permutation(np.flatnonzero(pool.labels == c))[
+            :int(round(fed.common_test_fraction * int((pool.labels == c).sum())))] for c in range(pool.n_classes)]))
+        rest = np.setdiff1d(np.arange(len(pool.labels)), common)
+        full, pool = pool, pool.subset(rest)
+        common_items = full.subset(common)
+        extra["common_test"] = int(common.size)
     if part == "iid":
         parts = P.iid_partition(len(pool.labels), fed.sites, rng)
     elif part == "dirichlet":
@@ -89,7 +97,7 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
         parts = P.quantity_partition(len(pool.labels), fed.sites, fed.alpha, rng)
     elif part == "predi":
         res = P.predi(pool.n_classes, fed.sites, fed.predi_prevalence, fed.predi_disparity, rng)
-        parts = P.predi_partition(pool.labels, res.assignment, rng, samples_per_cell=None)
+        parts = P.predi_partition(pool.labels, res.assignment, rng, samples_per_cell=fed.predi_samples_per_cell)
         extra.update(prevalence=res.prevalence, disparity=res.disparity)
     elif part == "anda":
         sites = P.anda_federation(pool.labels, fed.sites + fed.unseen_sites, fed.anda_shift, rng,
@@ -120,8 +128,14 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
             final[k] = f"unseen-{j + 1}"
         names = final
         extra.update(groups=dict(zip(names, groups)), unseen_sites=[f"unseen-{j + 1}" for j in range(len(unseen))])
+    if common is not None:  # the common test images join the pool's end so the datalists can refer to them
+        from .data import ImagePool
+
+        pool = ImagePool(pool.items + common_items.items, np.concatenate([pool.labels, common_items.labels]),
+                         pool.class_names, pool.source)
+        common = np.arange(len(pool.labels) - len(common_items.labels), len(pool.labels))
     write_site_datalists(pool, parts, out, test_fraction=fed.test_fraction, val_fraction=fed.val_fraction, seed=seed,
-                         transforms=transforms, extra=extra, site_names=names)
+                         transforms=transforms, extra=extra, site_names=names, common_test=common)
     meta_path = out / "dataset.json"
     meta = json.loads(meta_path.read_text())
     meta["sites"] = [n for n in names if not n.startswith("unseen-")]
@@ -381,6 +395,9 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
     if [r for r in rows if not r.get("phase")]:  # once more, so that a fully reused experiment has its outputs
         write_outputs(rows, out, title=exp.name, command=command, selection=exp.selection, setup=setup,
                       notes=[f"did not finish: {p}" for p in problems])
+        from .report import write_report
+
+        log(f"report: {write_report(out, command=command)}")
     if problems:
         raise ExperimentError(f"{len(problems)} run(s) did not finish:\n  " + "\n  ".join(problems))
     return rows

@@ -36,6 +36,11 @@ def read_distance_csv(path) -> tuple[list[str], np.ndarray]:
             raise ValueError(f"{path}:{ln}: non-numeric distance ({e}).") from None
     if names != header:
         raise ValueError(f"{path}: first-column site names {names} should equal the header {header}.")
+    if any(not n for n in names):
+        raise ValueError(f"{path}: a site name is empty.")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"{path}: site names should be unique, got duplicates {dup}.")
     return names, np.asarray(values, dtype=np.float64)
 
 

@@ -18,8 +18,10 @@ from .reporting import summarize_sites
 __all__ = ["fedavg_loop"]
 
 
-def fedavg_loop(cfg: dict, datalists, sites: list[str], *, rounds: int, log=None) -> tuple[dict, list[dict]]:
-    """Run FedAvg for ``rounds`` rounds with the task config ``cfg`` (the dict jobs send to sites).
+def fedavg_loop(cfg: dict, datalists, sites: list[str], *, rounds: int, log=None,
+                init: dict | None = None) -> tuple[dict, list[dict]]:
+    """Run FedAvg for ``rounds`` rounds with the task config ``cfg`` (the dict jobs send to sites); ``init``
+    overrides entries of the initial parameters (e.g. a pre-trained encoder).
 
     Returns:
         (final global params, one summary per round — the model served in rounds 0..R, as the workflow records).
@@ -31,6 +33,8 @@ def fedavg_loop(cfg: dict, datalists, sites: list[str], *, rounds: int, log=None
     runners = {s: SiteRunner(s, Path(datalists)) for s in sites}
     d = cfg["data"]
     theta = get_params(model_from_config(cfg["model"], d["channels"], d["n_classes"], seed=cfg.get("seed", 0)))
+    if init:
+        theta.update({k: v for k, v in init.items() if k in theta})
     summaries = []
     for r in range(rounds + 1):
         task = "train" if r < rounds else "validate"

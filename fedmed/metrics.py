@@ -1,7 +1,8 @@
 """Classification metrics per site, and pooled over sites from aggregates only.
 
 Per site (the served model on the site's local test split): accuracy, macro-F1 over the
-classes present in that site's labels or predictions (scikit-learn's default), one-vs-rest AUC
+classes present in that site's labels or predictions (scikit-learn's default), macro accuracy (the
+mean per-class recall over the classes present in the labels, ``001_`` §4.3), one-vs-rest AUC
 over the classes present in the labels (NaN when the test split holds one class).
 
 Pooled over sites, from what sites send — a confusion matrix and, per (true class, output
@@ -41,8 +42,8 @@ def site_metrics(y_true, prob, n_classes: int, *, k_min: int = 1) -> dict:
     conf = np.zeros((C, C), dtype=np.int64)
     hist = np.zeros((C, C, N_BINS), dtype=np.int64)
     if y.size == 0 or y.size < k_min:
-        return {"accuracy": float("nan"), "macro_f1": float("nan"), "auc": float("nan"), "n_test": 0,
-                "confusion": conf, "score_hist": hist, "withheld": int(y.size)}
+        return {"accuracy": float("nan"), "macro_f1": float("nan"), "macro_acc": float("nan"), "auc": float("nan"),
+                "n_test": 0, "confusion": conf, "score_hist": hist, "withheld": int(y.size)}
     pred = p.argmax(1)
     np.add.at(conf, (y, pred), 1)
     bins = np.clip((p * N_BINS).astype(int), 0, N_BINS - 1)
@@ -60,8 +61,11 @@ def site_metrics(y_true, prob, n_classes: int, *, k_min: int = 1) -> dict:
     withheld = int(conf[small].sum())
     conf[small] = 0
     hist[small] = 0
-    return {"accuracy": float((pred == y).mean()), "macro_f1": float(f1_score(y, pred, average="macro")),
-            "auc": auc, "n_test": int(y.size), "confusion": conf, "score_hist": hist, "withheld": withheld}
+    recall = [float((pred[y == c] == c).mean()) for c in present]
+    out = {"accuracy": float((pred == y).mean()), "macro_f1": float(f1_score(y, pred, average="macro")),
+           "macro_acc": float(np.mean(recall)), "auc": auc, "n_test": int(y.size), "confusion": conf, "score_hist": hist,
+           "withheld": withheld}
+    return out
 
 
 def auc_from_histograms(pos: np.ndarray, neg: np.ndarray) -> float:

@@ -1,4 +1,5 @@
-"""Classification networks: ResNet-9 (fedmed) and ResNet-18 (MONAI), 1 or 3 input channels."""
+"""Classification networks: ResNet-9 (fedmed), ResNet-18 (MONAI) and a small ViT (``fedmed.ssl``), 1 or 3 input
+channels."""
 
 from __future__ import annotations
 
@@ -85,12 +86,16 @@ def build_model(arch: str, in_channels: int, num_classes: int, *, width: int = 1
         raise ValueError(f"in_channels should be 1 or 3, got {in_channels}.")
     if num_classes < 2:
         raise ValueError(f"num_classes should be >= 2, got {num_classes}.")
-    if arch not in ("resnet9", "resnet18"):
-        raise ValueError(f"arch should be 'resnet9' or 'resnet18', got {arch!r}.")
+    if arch not in ("resnet9", "resnet18", "vit_small"):
+        raise ValueError(f"arch should be 'resnet9', 'resnet18' or 'vit_small', got {arch!r}.")
     with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's RNG state
         torch.manual_seed(seed)
         if arch == "resnet9":
             return ResNet9(in_channels, num_classes, width, norm)
+        if arch == "vit_small":
+            from .ssl import ViTClassifier
+
+            return ViTClassifier(in_channels, num_classes)
         return _MonaiResNet18(in_channels, num_classes)
 
 

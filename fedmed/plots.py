@@ -27,15 +27,34 @@ def _save(fig, path) -> Path:
 
 
 def plot_heatmap(D, names, path, title="site distances", labels=None) -> Path:
+    """Distance matrix, sites ordered by cluster; values in the cells (up to 30 sites) and a box around each
+    cluster's block."""
+    from matplotlib.patches import Rectangle
+
     plt = _plt()
     D = np.asarray(D)
-    order = np.argsort(labels, kind="mergesort") if labels is not None else np.arange(len(names))
-    fig, ax = plt.subplots(figsize=(0.35 * len(names) + 3, 0.35 * len(names) + 2.5))
-    im = ax.imshow(D[np.ix_(order, order)], cmap="viridis")
-    ax.set_xticks(range(len(names)), [names[i] for i in order], rotation=90, fontsize=7)
-    ax.set_yticks(range(len(names)), [names[i] for i in order], fontsize=7)
-    fig.colorbar(im, ax=ax, fraction=0.046)
-    ax.set_title(title)
+    n = len(names)
+    lab = np.asarray(labels) if labels is not None else np.zeros(n, dtype=int)
+    order = np.argsort(lab, kind="mergesort")
+    fig, ax = plt.subplots(figsize=(0.45 * n + 3, 0.45 * n + 2.5))
+    M = D[np.ix_(order, order)]
+    im = ax.imshow(M, cmap="viridis")
+    ax.set_xticks(range(n), [names[i] for i in order], rotation=90, fontsize=7)
+    ax.set_yticks(range(n), [names[i] for i in order], fontsize=7)
+    if n <= 30:
+        hi = np.nanmax(M) if M.size else 1.0
+        for i in range(n):
+            for j in range(n):
+                ax.text(j, i, f"{M[i, j]:.2g}", ha="center", va="center", fontsize=max(4, 9 - n // 5),
+                        color="white" if M[i, j] < 0.6 * hi else "black")
+    if labels is not None:
+        start = 0
+        for c in np.unique(lab[order]):
+            size = int((lab == c).sum())
+            ax.add_patch(Rectangle((start - 0.5, start - 0.5), size, size, fill=False, edgecolor="red", lw=1.5))
+            start += size
+    fig.colorbar(im, ax=ax, fraction=0.046, label="distance")
+    ax.set_title(title + (" (red boxes: clusters)" if labels is not None else ""))
     return _save(fig, path)
 
 
@@ -55,6 +74,8 @@ def plot_dendrogram(D, names, path, *, k: int, linkage_method="average", title="
         hi = heights[n - k] if n - k < len(heights) else heights[-1]
         ax.axhline((lo + hi) / 2, color="red", ls="--", lw=1, label=f"cut: K={k}")
         ax.legend(fontsize=8)
+    ax.set_ylabel(f"merge distance ({linkage_method} linkage)")
+    ax.set_xlabel("site")
     ax.set_title(title)
     return _save(fig, path)
 

@@ -109,11 +109,35 @@ class SiteRunner:
         from .train import make_optimizer
 
         t = cfg["train"]
-        if not t.get("keep_optimizer_state", False):
+
+        def new():
+            ft = cfg.get("finetune")
+            if ft:  # 001_ fine-tuning: AdamW with layer-wise lr decay groups
+                import torch
+
+                from .ssl import layerwise_param_groups
+
+                return torch.optim.AdamW(layerwise_param_groups(model, float(ft.get("layer_decay", 0.75))),
+                                         lr=float(t["lr"]), weight_decay=float(t.get("weight_decay", 0.0)))
             return make_optimizer(model, t)
+
+        if not t.get("keep_optimizer_state", False):
+            return new()
         if key not in self._optimizers:
-            self._optimizers[key] = make_optimizer(model, t)
+            self._optimizers[key] = new()
         return self._optimizers[key]
+
+    def lr_schedule(self, cfg, round_):
+        """Fine-tuning (``cfg["finetune"]``): warm-up then cosine over the whole federated run, as a function of the
+        fraction of this round's local steps; None otherwise (constant lr)."""
+        ft = cfg.get("finetune")
+        if not ft:
+            return None
+        from .ssl import scheduled_lr
+
+        rounds = max(1, int(ft.get("rounds", 1)))
+        base, warmup = float(cfg["train"]["lr"]), float(ft.get("warmup", 0.05))
+        return lambda f: scheduled_lr(base, (round_ + f) / rounds, warmup)
 
     def generator(self, cfg: dict, round_: int):
         import torch
@@ -128,7 +152,8 @@ class SiteRunner:
         handlers = {"train": lambda: self.train(params, cfg, round_), "validate": lambda: self.validate(params, cfg),
                     "signature": lambda: self.signature(cfg), "latent_bounds": lambda: self.latent_bounds(params, cfg),
                     "descriptor": lambda: self.descriptor(params, cfg), "ifca": lambda: self.ifca(params, cfg, round_),
-                    "validate_ensemble": lambda: self.validate_ensemble(params, cfg)}
+                    "validate_ensemble": lambda: self.validate_ensemble(params, cfg),
+                    "class_set": lambda: self.class_set(cfg)}
         if task not in handlers:
             raise TaskError(f"{self.site}: unknown task {task!r}")
         return handlers[task]()
@@ -156,7 +181,7 @@ class SiteRunner:
                 continue
             res = site_metrics(y.numpy(), prob_fn(x), n_classes, k_min=k)
             pre = "" if name == "test" else "val_"
-            metrics.update({pre + m: res[m] for m in ("accuracy", "macro_f1", "auc")})
+            metrics.update({pre + m: res[m] for m in ("accuracy", "macro_f1", "macro_acc", "auc")})
             meta.update({pre + "n_test": res["n_test"], pre + "confusion": res["confusion"],
                          pre + "score_hist": res["score_hist"], pre + "withheld": res["withheld"]})
         return metrics, meta
@@ -182,7 +207,7 @@ class SiteRunner:
         out = train_local(model, s.train[0], s.train[1], epochs=t["local_epochs"], batch_size=t["batch_size"],
                           optimizer=self.optimizer(model, cfg, key), mu=t.get("fedprox_mu", 0.0),
                           class_weights=cfg.get("class_weights"), generator=self.generator(cfg, round_),
-                          augment=t.get("augment", "flip"))
+                          augment=t.get("augment", "flip"), lr_at=self.lr_schedule(cfg, round_))
         if not np.isfinite(out["loss"]):
             raise TaskError(f"{self.site}: training diverged (loss {out['loss']}) in round {round_}")
         return {"n_train": int(s.train[0].shape[0]), "train_loss": out["loss"], "steps": out["steps"]}
@@ -196,6 +221,11 @@ class SiteRunner:
         meta.update(self._train(model, cfg, round_, cfg.get("cluster")))
         metrics["train_loss"] = meta["train_loss"]
         return get_params(model), metrics, meta
+
+    def class_set(self, cfg):
+        """PreP-WFL's statistics round (``001_`` Alg. 2): only the ids of the classes this site holds leave it."""
+        y = self._splits(cfg).train[1].numpy()
+        return {}, {"n_classes_held": float(np.unique(y).size)}, {"classes": sorted(int(c) for c in np.unique(y))}
 
     def signature(self, cfg):
         """One-shot clustering signature of the site's training data (only aggregates leave).

@@ -78,12 +78,15 @@ def augment_batch(x: torch.Tensor, mode: str, generator: torch.Generator | None)
 def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 1, batch_size: int = 16,
                 optimizer: torch.optim.Optimizer | None = None, lr: float = 0.01, momentum: float = 0.9,
                 weight_decay: float = 0.0, mu: float = 0.0, class_weights=None,
-                generator: torch.Generator | None = None, augment: str = "flip") -> dict:
+                generator: torch.Generator | None = None, augment: str = "flip", lr_at=None) -> dict:
     """Run ``epochs`` over (x, y) in place; returns ``{"loss": mean loss, "steps": n}``.
 
     ``optimizer`` (kept by the caller between rounds) defaults to a fresh SGD with ``lr``/``momentum``.
     ``generator`` (seeded by the caller) drives shuffling and augmentation. A trailing batch of one
     sample is skipped (BatchNorm cannot normalise it in train mode) unless the site has one sample.
+    ``lr_at(f)`` (optional) gives the learning rate at fraction ``f`` of this call's steps; each parameter group's
+    ``lr_scale`` multiplies it (layer-wise decay). ``class_weights`` gives PyTorch's weighted cross-entropy: per batch,
+    ``sum_i w_{y_i} l_i / sum_i w_{y_i}`` (docs/readings.md, PreP-WFL Eq. 3).
     """
     n = x.shape[0]
     if n == 0:
@@ -94,12 +97,17 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
     loss_fn = nn.CrossEntropyLoss(weight=w)
     anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 else None
     total, steps = 0.0, 0
+    per_epoch = sum(1 for s in range(0, n, batch_size) if n - s >= 2 or n < 2)
     for _ in range(epochs):
         order = torch.randperm(n, generator=generator)
         for s in range(0, n, batch_size):
             idx = order[s:s + batch_size]
             if idx.numel() < 2 and n >= 2:
                 continue
+            if lr_at is not None:
+                lr_now = lr_at(steps / max(1, epochs * per_epoch))
+                for g in opt.param_groups:
+                    g["lr"] = lr_now * g.get("lr_scale", 1.0)
             xb, yb = augment_batch(x[idx], augment, generator), y[idx]
             if idx.numel() == 1:
                 model.eval()  # a single sample cannot be batch-normalised in train mode

@@ -41,10 +41,15 @@ def controller_for(exp, method, seed: int, cfg: dict, resume: bool):
     """The server workflow of ``method`` (dispatch on its workflow)."""
     w = method.workflow
     rounds = exp.train.rounds
-    if w in ("fedavg", "fedprox", "ditto"):
+    if w in ("fedavg", "fedprox", "ditto", "fedmae"):
         from custom.fedavg import FedAvgController
 
         return FedAvgController(num_rounds=rounds, fedmed_config=cfg, resume=resume)
+    if w == "finetune":
+        from custom.finetune import FinetuneController
+
+        return FinetuneController(num_rounds=rounds, fedmed_config=cfg, init=method.init, prep_wfl=method.prep_wfl,
+                                  resume=resume)
     if w in SIGNATURE_WORKFLOWS:
         from custom.clustered import ClusteredFedAvgController
 
@@ -99,7 +104,20 @@ def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = 
     cfg = fedmed_config(exp, seed, method, names)
     client_files, server_files = [], []
     weights = getattr(method, "encoder_weights", None)
-    if method.workflow in SIGNATURE_WORKFLOWS:
+    if method.workflow == "finetune":
+        if method.init == "fedmae":
+            if not weights or not Path(weights).is_file():
+                raise BuildError(f"method {method.name!r}: init 'fedmae' needs encoder_weights, the Fed-MAE run's "
+                                 f"models/encoder.pt (got {weights!r})")
+            import shutil
+
+            init_dir = Path(tempfile.mkdtemp(prefix="fedmed_init_"))
+            shutil.copy(weights, init_dir / "encoder.pt")
+            from custom.finetune import INIT_DIR
+
+            server_files.append((init_dir, INIT_DIR))
+        weights = None
+    elif method.workflow in SIGNATURE_WORKFLOWS:
         check_encoder(method.encoder, weights, in_channels=exp.dataset.channels, image_size=method.encoder_image_size)
     elif weights:
         check_encoder("medicalnet_resnet18", weights)

@@ -19,11 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-WEIGHTS_DIR = "fedmed_weights"  # inside every site app's custom folder
-
-
-class BuildError(ValueError):
-    """A job that cannot be built from this config; the message names the key or file."""
+from fedmed.taskconfig import WEIGHTS_DIR, BuildError, fedmed_config  # noqa: E402,F401  (re-exported)
 
 
 @contextmanager
@@ -41,37 +37,6 @@ def job_name(exp, method, seed: int, suffix: str = "") -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in f"{exp.name}_{method.name}{suffix}_s{seed}").lower()
 
 
-def fedmed_config(exp, seed: int, method, sites: list[str] | None) -> dict:
-    """The plain-dict config that travels to sites in each task's ``meta['fedmed']`` (and to the server)."""
-    train = exp.train.model_dump()
-    if method.workflow == "fedprox":
-        train["fedprox_mu"] = method.fedprox_mu
-    fed = exp.federation
-    common = {"seed": int(seed), "model": exp.model.model_dump(), "train": train,
-              "privacy": exp.privacy.model_dump(),
-              "federation": {"sites": sites, "min_clients": fed.min_clients, "task_timeout": fed.task_timeout,
-                             "startup_timeout": fed.startup_timeout}}
-    if exp.dataset.task == "segmentation":
-        if not exp.dataset.modalities:
-            raise BuildError("dataset.modalities is empty: a segmentation job needs the modality names")
-        cfg = {"task": "segmentation", **common,
-               "data": {"shape": exp.dataset.shape, "roi": exp.dataset.roi, "modalities": list(exp.dataset.modalities),
-                        "in_channels": len(exp.dataset.modalities)}}
-        if method.workflow == "ditto":
-            cfg["ditto_lambda"] = method.ditto_lambda
-        if method.workflow in ("seg_assess", "fedavg_w", "seg_clusters"):
-            cfg["assess"] = {"per_value": method.per_value, "weights": _ship_name(method.encoder_weights)}
-        return cfg
-    if not exp.dataset.classes:
-        raise BuildError("dataset.classes is not set: a job is built from the config alone, so the config must name "
-                         "the classes (fedmed experiment fills it from the data it partitions)")
-    return {"task": "classification", **common, "classes": list(exp.dataset.classes),
-            "data": {"image_size": exp.dataset.image_size, "channels": exp.dataset.channels,
-                     "n_classes": len(exp.dataset.classes)}}
-
-
-def _ship_name(weights: str | None) -> str | None:
-    return f"{WEIGHTS_DIR}/{Path(weights).name}" if weights else None
 
 
 def check_encoder(name: str, weights: str | None, *, in_channels: int = 1, image_size=None):

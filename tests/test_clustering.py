@@ -149,3 +149,27 @@ class TestMatrixValidation:
     def test_no_rule(self):
         with pytest.raises(ValueError, match="needs n_clusters or threshold"):
             agglomerative(np.ones((3, 3)) - np.eye(3))
+
+
+def test_silhouette_equals_scikit_learn(rng):
+    from sklearn.metrics import silhouette_score
+
+    from fedmed.clustering import silhouette
+
+    X = rng.normal(size=(40, 3))
+    D = np.sqrt(((X[:, None] - X[None]) ** 2).sum(-1))
+    for k in (2, 3, 7):
+        labels = rng.integers(0, k, size=40)
+        labels[:k] = np.arange(k)
+        assert silhouette(D, labels) == pytest.approx(silhouette_score(D, labels, metric="precomputed"), abs=1e-12)
+    labels = np.r_[0, np.ones(39, int)]  # a singleton scores 0, as in scikit-learn
+    assert silhouette(D, labels) == pytest.approx(silhouette_score(D, labels, metric="precomputed"), abs=1e-12)
+
+
+def test_blocked_point_silhouette_equals_the_matrix_one(rng):
+    from fedmed.clustering import silhouette, silhouette_points
+
+    X = rng.normal(size=(37, 4))
+    D = np.sqrt(((X[:, None] - X[None]) ** 2).sum(-1))
+    labels = rng.integers(0, 3, size=37)
+    assert silhouette_points(X, labels, block=5) == pytest.approx(silhouette(D, labels), abs=1e-12)

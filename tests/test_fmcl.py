@@ -73,6 +73,19 @@ def test_vectorised_equals_loop(rng, overlap):
                                fmcl_distance_matrix_loop(sigs, overlap=overlap), rtol=1e-12, atol=1e-14)
 
 
+def test_blocked_computation_equals_loop_with_no_overlap_pairs(rng):
+    """Row blocks smaller than N (bounded memory) and pairs sharing no class (D_big from the percentiles of both
+    triangles, computed exactly from one): the same matrix as the literal loop."""
+    sigs = []
+    for i in range(23):
+        cls = np.sort(rng.choice(12, size=rng.integers(1, 3), replace=False))
+        sigs.append(ClassSignature(cls, rng.normal(size=(cls.size, 6)), rng.integers(1, 50, size=cls.size).astype(float)))
+    slow = fmcl_distance_matrix_loop(sigs)
+    assert (slow == slow.max()).sum() > 2  # several pairs got D_big
+    for block in (1, 7, 1024):
+        np.testing.assert_allclose(fmcl_distance_matrix(sigs, block=block), slow, rtol=1e-12, atol=1e-14)
+
+
 def test_site_order_invariance(rng):
     sigs = random_federation(rng)
     D = fmcl_distance_matrix(sigs)
