@@ -1,4 +1,5 @@
-"""Segmentation assessment (004_) wall time against one FedAvg round, measured in one run.
+"""Segmentation assessment (004_) against one FedAvg round — two different computations, timed interleaved
+(``benchmarks/_common.py``, no result check).
 
 Both run locally on the same federation (BraTS-2013 from ../shared/data, 12 hemisphere samples
 in 4 label-volume sites; synthetic phantoms when absent):
@@ -6,12 +7,13 @@ in 4 label-volume sites; synthetic phantoms when absent):
   most distant site and the two-cluster split;
 * one FedAvg round = every site trains the 3D U-Net for one local epoch, then the average.
 
-    .venv/bin/python benchmarks/bench_assessment.py
+    .venv/bin/python benchmarks/bench_assessment.py [--pairs 5]
 """
 
+import argparse
 import json
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -21,12 +23,18 @@ from fedmed.assessment import assess, site_assessment
 from fedmed.encoders import build_encoder
 from fedmed.seg import load_case, seg_model, train_seg_local
 from fedmed.seg_data import discover_subjects, write_seg_federation
-from fedmed.train import get_params
+from fedmed.train import get_params, make_optimizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import compare  # noqa: E402
 
 BRATS = Path(__file__).resolve().parents[2] / "shared" / "data" / "brats2013"
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=5)
+    a = ap.parse_args()
     torch.set_num_threads(2)
     tmp = Path(tempfile.mkdtemp())
     if BRATS.exists():
@@ -38,7 +46,7 @@ def main():
         root = write_phantom_subjects(tmp / "ph", [0, 2, 2, 3, 3, 3, 4, 4, 4, 9, 10, 11], size=32)
         entries = discover_subjects(root, {"FLAIR": "Flair*", "T1c": "T1c*"}, "OTMultiClass*", "brainmask*")
         source = "synthetic phantoms"
-    fed = write_seg_federation(entries, 4, tmp / "fed")
+    fed = write_seg_federation(entries, 4, tmp / "fed", test_fraction=0.34)
     meta = json.loads((fed / "dataset.json").read_text())
     shape = (32, 48, 40)
     cases = {}
@@ -47,27 +55,28 @@ def main():
         cases[s] = [load_case(e, shape=shape, site=s) for e in doc["training"] + doc["validation"]]
     print(f"data: {source}; cases resampled to {shape} (loading excluded from both timings)")
 
-    t = time.perf_counter()
     enc = build_encoder("medicalnet_resnet18")
-    rep = assess({s: site_assessment(c, enc) for s, c in cases.items()})
-    t_assess = time.perf_counter() - t
 
-    model = seg_model(2)
-    theta = get_params(model)
-    t = time.perf_counter()
-    states, weights = [], []
-    for k, (s, c) in enumerate(cases.items()):
-        m = seg_model(2)
-        m.load_state_dict({n: torch.as_tensor(v) for n, v in theta.items()})
-        train_seg_local(m, c, epochs=1, seed=k)
-        states.append(get_params(m))
-        weights.append(len(c))
-    weighted_average(states, weights)
-    t_round = time.perf_counter() - t
-    print(f"assessment (metadata EMD + MedicalNet embeddings, {len(cases)} sites): {t_assess:.2f} s "
-          f"(most distant: EMD {rep['emd']['most_distant']}, EUC {rep['euc']['most_distant']})")
-    print(f"one FedAvg round (3D U-Net, 1 local epoch per site): {t_round:.2f} s")
-    print(f"ratio assessment / FedAvg round = {t_assess / t_round:.2f}")
+    def assessment():
+        return assess({s: site_assessment(c, enc) for s, c in cases.items()})
+
+    theta = get_params(seg_model(2))
+
+    def fedavg_round():
+        states, weights = [], []
+        for k, (s, c) in enumerate(cases.items()):
+            m = seg_model(2)
+            m.load_state_dict({n: torch.as_tensor(v) for n, v in theta.items()})
+            train_seg_local(m, c, epochs=1, seed=k, optimizer=make_optimizer(m, {"optimizer": "adam", "lr": 1e-3}))
+            states.append(get_params(m))
+            weights.append(len(c))
+        return weighted_average(states, weights)
+
+    rep = assessment()
+    out = compare("004_ assessment vs one 3D U-Net FedAvg round (different computations)", fedavg_round, assessment,
+                  label_a="FedAvg round", label_b="assessment", pairs=a.pairs, check=False)
+    print(f"assessment ({len(cases)} sites; most distant: EMD {rep['emd']['most_distant']}, EUC "
+          f"{rep['euc']['most_distant']}) costs {out['wall_ratio']:.2f} FedAvg rounds (1 local epoch per site)")
 
 
 if __name__ == "__main__":

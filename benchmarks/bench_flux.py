@@ -1,14 +1,15 @@
-"""Flux costs, measured in one run: descriptor size against model size, and the server's
-clustering step (adaptive DBSCAN on all descriptors + centroids) against one FedAvg round.
+"""Flux costs: descriptor size against model size, and the server's clustering step (adaptive DBSCAN on all
+descriptors, the K = 1 test, centroids) against one FedAvg round — two different computations, timed interleaved
+(``benchmarks/_common.py``, no result check).
 
 Latents come from a ResNet-9 (width 16) on PneumoniaMNIST sites with an ANDA feature shift
 (../shared/data; sklearn digits when absent).
 
-    .venv/bin/python benchmarks/bench_flux.py [--sites 10 --n-classes 2]
+    .venv/bin/python benchmarks/bench_flux.py [--sites 10 --pairs 5]
 """
 
 import argparse
-import time
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,10 @@ from fedmed.data import discover
 from fedmed.flux import descriptor_length, flux_descriptor, latent_bounds, merge_bounds, shared_pca
 from fedmed.models import build_model
 from fedmed.partition import anda_federation, apply_anda_transform
-from fedmed.train import get_params, latents, train_local
+from fedmed.train import get_params, latents, make_optimizer, train_local
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import compare  # noqa: E402
 
 PNEU = Path(__file__).resolve().parents[2] / "shared" / "data" / "pneumoniamnist" / "pneumoniamnist.npz"
 
@@ -29,6 +33,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sites", type=int, default=10)
     ap.add_argument("--per-class", type=int, default=300)
+    ap.add_argument("--pairs", type=int, default=5)
     a = ap.parse_args()
     torch.set_num_threads(2)
     pool = discover(str(PNEU) if PNEU.exists() else "builtin:digits", max_per_class=a.per_class)
@@ -52,29 +57,26 @@ def main():
     print(f"descriptor length L = 2(U+1)l = {L} floats; model p = {n_params} parameters; L/p = {L / n_params:.2e} "
           f"(paper's requirement: <= 1e-2)")
 
-    t = time.perf_counter()
-    states, weights = [], []
-    g = torch.Generator().manual_seed(0)
-    for x, y in data:
-        m = build_model("resnet9", 3, C, width=16)
-        m.load_state_dict({k: torch.as_tensor(v) for k, v in theta.items()})
-        train_local(m, x, y, epochs=1, batch_size=32, lr=0.01, generator=g)
-        states.append(get_params(m))
-        weights.append(len(y))
-    weighted_average(states, weights)
-    t_round = time.perf_counter() - t
+    def fedavg_round():
+        states, weights = [], []
+        for x, y in data:
+            m = build_model("resnet9", 3, C, width=16)
+            m.load_state_dict({k: torch.as_tensor(v) for k, v in theta.items()})
+            train_local(m, x, y, epochs=3, batch_size=16, generator=torch.Generator().manual_seed(0),
+                        optimizer=make_optimizer(m, {"optimizer": "adam", "lr": 1e-3, "weight_decay": 5e-4}))
+            states.append(get_params(m))
+            weights.append(len(y))
+        return weighted_average(states, weights)
 
     lats = [latents(model, x) for x, _ in data]
     lo, hi = merge_bounds([latent_bounds(z) for z in lats])
     pca = shared_pca(lo, hi)
     descs = {f"site-{k + 1}": {"full": d.full, "label_free": d.label_free}
              for k, d in enumerate(flux_descriptor(z, pca, y.numpy(), n_classes=C) for z, (_, y) in zip(lats, data))}
-    flux_cluster(descs)  # warm-up: first call pays scikit-learn/kneed imports
-    t = time.perf_counter()
-    info = flux_cluster(descs)
-    t_cluster = time.perf_counter() - t
-    print(f"clustering step (adaptive DBSCAN + centroids, {a.sites} sites, found K={info['k']}): {1000 * t_cluster:.1f} ms; "
-          f"one FedAvg round ({a.sites} sites x 1 epoch): {t_round:.2f} s; ratio = {t_cluster / t_round:.5f}")
+    out = compare("Flux clustering step vs one FedAvg round (different computations)", fedavg_round,
+                  lambda: flux_cluster(descs), label_a="FedAvg round", label_b="Flux clustering", pairs=a.pairs,
+                  check=False)
+    print(f"clustering ({a.sites} sites, K={flux_cluster(descs)['k']}) costs {out['wall_ratio']:.5f} of a FedAvg round")
 
 
 if __name__ == "__main__":

@@ -276,19 +276,17 @@ class FedMedController(ModelController):
 
     # ------------------------------------------------------------------ final models
     def save_final(self, params: dict, name: str = "global", *, sites=None, cluster=None):
-        """The trained model, as a PyTorch checkpoint: ``state_dict``, what rebuilds the network, what it serves.
-        Only called when the run finished."""
-        import torch
+        """The trained model, as a PyTorch checkpoint (``fedmed.predict.save_model``: ``state_dict``, what rebuilds the
+        network, what it serves). Only called when the run finished."""
+        from fedmed.predict import save_model
 
         out = Path(self.get_run_dir()) / "fedmed" / "models"
         out.mkdir(parents=True, exist_ok=True)
-        c = self.cfg
-        torch.save({"format": "fedmed-model-1", "state_dict": {k: torch.as_tensor(np.asarray(v)) for k, v in params.items()},
-                    "task": c.get("task", "classification"), "model": c["model"], "data": c["data"],
-                    "classes": c.get("classes"), "seed": c.get("seed", 0), "cluster": cluster,
-                    "sites": sorted(sites) if sites is not None else None, "workflow": type(self).__name__,
-                    "rounds": self.num_rounds}, out / f"{name}.pt")
-        if c.get("task") == "mae":  # the encoder the registry loads as "fedmae_vit" (a plain state dict)
+        save_model(out / f"{name}.pt", params, self.cfg, cluster=cluster, sites=sites, workflow=type(self).__name__,
+                   rounds=self.num_rounds)
+        if self.cfg.get("task") == "mae":  # the encoder the registry loads as "fedmae_vit" (a plain state dict)
+            import torch
+
             from fedmed.ssl import encoder_state
 
             torch.save({k: torch.as_tensor(np.asarray(v)) for k, v in encoder_state(params).items()},

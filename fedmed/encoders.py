@@ -261,32 +261,32 @@ def extract_features(encoder: Encoder, images: torch.Tensor, *, batch_size: int 
                      progress: Callable[[str], None] | None = None) -> np.ndarray:
     """Batched, no-grad features of (N, C, H, W) images in [0, 1] -> (N, dim) float64.
 
-    MONAI transforms bring the images to the encoder's input: ``Resize`` to its image size,
-    channel repeat (1 -> 3) for 3-channel models, ``NormalizeIntensity`` to zero mean / unit std
-    per channel (ImageNet-style input scale).
+    Each batch is brought to the encoder's input in one go: bilinear resize to its image size
+    (``torch.nn.functional.interpolate``, as MONAI's ``Resize`` does per image), channel repeat (1 -> 3) for
+    3-channel models, and intensity normalisation ``(x - 0.5) / 0.25`` (ImageNet-style input scale).
     """
-    from monai.transforms import NormalizeIntensity, Resize
-
     n = images.shape[0]
     if n == 0:
         return np.zeros((0, encoder.dim or 0))
     size = encoder.image_size
-    resize = Resize((size, size), mode="bilinear") if size and tuple(images.shape[-2:]) != (size, size) else None
-    norm = NormalizeIntensity(subtrahend=0.5, divisor=0.25)
     outs = []
     t0 = time.time()
     for s in range(0, n, batch_size):
-        xb = images[s:s + batch_size].float()
-        if resize is not None:
-            xb = torch.stack([torch.as_tensor(resize(x)) for x in xb])
-        if encoder.in_channels == 3 and xb.shape[1] == 1:
-            xb = xb.repeat(1, 3, 1, 1)
-        if encoder.name != "pixels":
-            xb = torch.as_tensor(norm(xb))
-        outs.append(encoder.module(xb).reshape(xb.shape[0], -1).double())
+        outs.append(_encode_batch(encoder, images[s:s + batch_size], size))
         if progress and (s // batch_size) % 10 == 9:
             progress(f"{encoder.name}: {min(s + batch_size, n)}/{n} images, {time.time() - t0:.1f} s")
     feats = torch.cat(outs).numpy()
     if not np.isfinite(feats).all():
         raise EncoderError(f"{encoder.name}: features contain NaN or inf")
     return feats
+
+
+def _encode_batch(encoder: Encoder, xb: torch.Tensor, size: int | None) -> torch.Tensor:
+    xb = xb.float()
+    if size and tuple(xb.shape[-2:]) != (size, size):
+        xb = torch.nn.functional.interpolate(xb, size=(size, size), mode="bilinear", align_corners=False)
+    if encoder.in_channels == 3 and xb.shape[1] == 1:
+        xb = xb.repeat(1, 3, 1, 1)
+    if encoder.name != "pixels":
+        xb = (xb - 0.5) / 0.25
+    return encoder.module(xb).reshape(xb.shape[0], -1).double()

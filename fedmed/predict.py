@@ -18,11 +18,22 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ModelFileError", "load_model", "predict_images", "predict_volume"]
+__all__ = ["ModelFileError", "load_model", "predict_images", "predict_volume", "save_model"]
 
 
 class ModelFileError(ValueError):
     """A file that is not a usable fedmed model; the message names it."""
+
+
+def save_model(path, params: dict, cfg: dict, *, cluster=None, sites=None, workflow: str = "", rounds: int = 0):
+    """Write a model checkpoint (the format :func:`load_model` reads) from numpy ``params`` and the task config."""
+    import torch
+
+    torch.save({"format": "fedmed-model-1", "state_dict": {k: torch.as_tensor(np.asarray(v)) for k, v in params.items()},
+                "task": cfg.get("task", "classification"), "model": cfg["model"], "data": cfg["data"],
+                "classes": cfg.get("classes"), "seed": cfg.get("seed", 0), "cluster": cluster,
+                "sites": sorted(sites) if sites is not None else None, "workflow": workflow, "rounds": rounds}, str(path))
+    return Path(path)
 
 
 def load_model(path):
@@ -44,7 +55,12 @@ def load_model(path):
     if not isinstance(ck, dict) or ck.get("format") != "fedmed-model-1":
         raise ModelFileError(f"{p}: not a fedmed model checkpoint (expected a dict with format 'fedmed-model-1', as "
                              f"a run saves in models/*.pt)")
-    if ck["task"] == "segmentation":
+    if ck["task"] == "mae":
+        from .ssl import mae_model
+
+        net = mae_model(ck["data"]["channels"])
+        desc = "a Fed-MAE masked autoencoder"
+    elif ck["task"] == "segmentation":
         from .seg import seg_model
 
         net = seg_model(ck["data"]["in_channels"], channels=ck["model"]["channels"])

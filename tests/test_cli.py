@@ -97,3 +97,45 @@ def test_partition_dirichlet(tmp_path, capsys):
     code, out, _ = run(capsys, "partition", "dirichlet", "--labels", str(f), "--sites", "5", "--alpha", "0.1", "--json")
     res = json.loads(out)
     assert code == 0 and sum(res["sizes"]) == 90
+
+
+def test_inapplicable_flags_and_bad_site_names_are_one_line_errors(tmp_path, capsys):
+    from fedmed.cli import main
+
+    csv = tmp_path / "d.csv"
+    csv.write_text("site,a,b,c\na,0,1,2\nb,1,0,3\nc,2,3,0\n")
+    assert main(["cluster", str(csv), "--method", "auto-k", "--k", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "fedmed cluster: error: --k does not apply to --method auto-k (auto-k chooses K itself; --k-max bounds it)"
+    assert main(["cluster", str(csv), "--method", "agglomerative", "--k", "2", "--scale", "2"]) == 2
+    assert "--scale does not apply to --method agglomerative" in capsys.readouterr().err
+    dup = tmp_path / "dup.csv"
+    dup.write_text("site,a,a\na,0,1\na,1,0\n")
+    assert main(["cluster", str(dup), "--method", "auto-k"]) == 2
+    assert "site names should be unique, got duplicates ['a']" in capsys.readouterr().err
+
+
+def test_data_flags_override_the_config_instead_of_being_ignored(tmp_path):
+    import json
+
+    from fedmed.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("name: t\ndataset: {path: 'builtin:digits', max_per_class: 6}\nfederation: {sites: 4}\n")
+    assert main(["data", "--config", str(cfg), "--sites", "2", "--out", str(tmp_path / "o")]) == 0
+    assert json.loads((tmp_path / "o" / "dataset.json").read_text())["sites"] == ["site-1", "site-2"]
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    import argparse
+
+    from fedmed.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for verb, p in sub.choices.items():
+        assert isinstance(p.formatter_class, type) and issubclass(p.formatter_class, argparse.ArgumentDefaultsHelpFormatter), verb
+        for action in p._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"fedmed {verb} {action.option_strings or action.dest}: no help text"
