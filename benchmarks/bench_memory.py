@@ -6,7 +6,13 @@ Runs FedAvg on the bundled digits for ``--rounds`` rounds in NVFlare's simulator
 samples the RSS of every process of the run (the jobs/run.py process, the simulator's server and each site
 process) once a second together with the round the server has recorded, and prints: total RSS at round 20
 and at the last round, the growth in %, each process's own growth, and how many MB a round costs — so where
-growth sits inside NVFlare itself the table shows which process grows. Also prints the peak total RSS.
+growth sits inside NVFlare itself the table shows which process grows. Also prints the peak total RSS and the peak
+total PSS (proportional set size: a page shared by n processes counts 1/n in each — what the run really holds;
+RSS counts the shared pages of torch and Python once per process). ``--plain`` starts the site processes as FLARE
+does (``FEDMED_SIM_FORK=0``: a fresh interpreter per site) instead of forking them from fedmed's preloaded
+template (jobs/simulator.py), for the before/after figure.
+
+    .venv/bin/python benchmarks/bench_memory.py --sites 20 --rounds 30 [--plain]
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ def role(cmdline: list[str]) -> str:
     text = " ".join(cmdline)
     if "jobs/run.py" in text:
         return "jobs/run.py (builder)"
-    if "simulator_worker" in text:
+    if "forkserver" in text:
+        return "site template (forkserver)"
+    if "simulator_worker" in text or "multiprocessing" in text:
         site = cmdline[cmdline.index("--client") + 1] if "--client" in cmdline else "?"
-        return f"site process {site}"
+        return "site processes" if site != "?" else "multiprocessing helper"
     if "simulator" in text:
         return "simulator server"
     return text[:60]
@@ -47,7 +55,11 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--sites", type=int, default=4)
     ap.add_argument("--from-round", type=int, default=20)
+    ap.add_argument("--plain", action="store_true", help="site processes as FLARE starts them (no fork template)")
     a = ap.parse_args(argv)
+    import os
+
+    env = {**os.environ, "FEDMED_SIM_FORK": "0" if a.plain else "1"}
     tmp = Path(tempfile.mkdtemp(prefix="bench_memory_"))
     cfg = {"name": "memory", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 20},
            "federation": {"sites": a.sites, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},
@@ -59,9 +71,9 @@ def main(argv=None):
     cmd = [sys.executable, str(ROOT / "jobs" / "run.py"), "--config", str(tmp / "cfg.yaml"), "--method", "FedAvg",
            "--env", "sim", "--datalists", str(data), "--workspace", str(tmp / "ws"),
            *[x for o in classes_override(data, exp) for x in ("--set", o)]]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     root = psutil.Process(proc.pid)
-    samples = []  # (round, {role: rss})
+    samples = []  # (round, {role: rss}, total pss)
     t0 = time.time()
     while proc.poll() is None:
         hits = list((tmp / "ws").glob("*/server/simulate_job/fedmed/metrics.json"))
@@ -71,19 +83,25 @@ def main(argv=None):
                 rnd = len(json.loads(hits[0].read_text()).get("rounds", [])) - 1
             except (OSError, ValueError):
                 pass
-        rss = {}
+        rss, pss = {}, 0
         try:
             for p in [root, *root.children(recursive=True)]:
                 try:
-                    rss[role(p.cmdline())] = rss.get(role(p.cmdline()), 0) + p.memory_info().rss
+                    info = p.memory_full_info()
+                    k = role(p.cmdline())
+                    if k.startswith("site template") and p.parent() and "forkserver" in " ".join(p.parent().cmdline()):
+                        k = "site processes (forked)"
+                    rss[k] = rss.get(k, 0) + info.rss
+                    pss += info.pss
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
                     pass
         except psutil.NoSuchProcess:
             break
-        samples.append((rnd, rss))
+        samples.append((rnd, rss, pss))
         time.sleep(1.0)
     at = lambda r: next((s for s in samples if s[0] >= r), None)  # noqa: E731
-    first, last = at(a.from_round), max(samples, key=lambda s: s[0])
+    live = [s for s in samples if any(k.startswith("site processes") and v > 0 for k, v in s[1].items())]
+    first, last = at(a.from_round), max(live or samples, key=lambda s: s[0])
     if first is None or last[0] <= a.from_round:
         print(f"the run did not reach round {a.from_round} (last recorded {last[0]}); see {tmp}")
         return 1
@@ -98,7 +116,8 @@ def main(argv=None):
         r0, r1 = mb(first[1].get(k, 0)), mb(last[1].get(k, 0))
         print(f"| {k} | {r0:.0f} | {r1:.0f} | {100 * (r1 - r0) / max(r0, 1e-9):+.1f}% | {(r1 - r0) / n:.3f} |")
     print(f"| **total** | {mb(tot0):.0f} | {mb(tot1):.0f} | {100 * (tot1 - tot0) / tot0:+.1f}% | {mb(tot1 - tot0) / n:.3f} |")
-    print(f"peak total RSS {mb(peak):.0f} MB")
+    print(f"peak total RSS {mb(peak):.0f} MB; peak total PSS {mb(max(s[2] for s in samples)):.0f} MB "
+          f"({'plain FLARE site processes' if a.plain else 'sites forked from the template'})")
     return 0
 
 

@@ -380,6 +380,10 @@ class ExperimentConfig(_Strict):
                 raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} needs dataset.task: segmentation")
             if seg and m.workflow in ("fmcl", "pacfl", "fecfl", "cfl", "flux", "ifca", "fedmae", "finetune"):
                 raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} is for classification, not segmentation")
+            vit = m.workflow in ("fedmae", "finetune") or self.model.arch == "vit_small"
+            if vit and not seg and self.dataset.image_size != 32:
+                raise ValueError(f"method {m.name!r}: the Fed-MAE / fine-tuning ViT (fedmed.ssl.VIT_SMALL, patch 4) "
+                                 f"takes 32 x 32 images; set dataset.image_size: 32 (got {self.dataset.image_size})")
         return self
 
     def site_names(self) -> list[str]:

@@ -96,8 +96,13 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
     elif part == "quantity":
         parts = P.quantity_partition(len(pool.labels), fed.sites, fed.alpha, rng)
     elif part == "predi":
-        res = P.predi(pool.n_classes, fed.sites, fed.predi_prevalence, fed.predi_disparity, rng)
-        parts = P.predi_partition(pool.labels, res.assignment, rng, samples_per_cell=fed.predi_samples_per_cell)
+        try:
+            res = P.predi(pool.n_classes, fed.sites, fed.predi_prevalence, fed.predi_disparity, rng)
+            parts = P.predi_partition(pool.labels, res.assignment, rng, samples_per_cell=fed.predi_samples_per_cell)
+        except ValueError as e:
+            raise ValueError(f"federation.predi_prevalence={fed.predi_prevalence}, predi_disparity={fed.predi_disparity}, "
+                             f"predi_samples_per_cell={fed.predi_samples_per_cell} with {fed.sites} sites and "
+                             f"{pool.n_classes} classes cannot be met: {e}") from None
         extra.update(prevalence=res.prevalence, disparity=res.disparity)
     elif part == "anda":
         sites = P.anda_federation(pool.labels, fed.sites + fed.unseen_sites, fed.anda_shift, rng,

@@ -60,6 +60,7 @@ class SiteRunner:
         self._optimizers: dict = {}
         self.state: dict = {}  # workflow state kept between tasks (e.g. a personal model)
         self.notes: list[str] = []  # privacy notes for this site's log and the server
+        self._labels_checked = None
 
     @property
     def datalist_path(self) -> Path:
@@ -90,7 +91,21 @@ class SiteRunner:
         return self._data
 
     def _splits(self, cfg) -> Splits:
-        return self.data(cfg["data"]["image_size"], cfg["data"]["channels"])
+        s = self.data(cfg["data"]["image_size"], cfg["data"]["channels"])
+        n = cfg["data"].get("n_classes")
+        if n and self._labels_checked != n:
+            self.check_label_space(s, int(n), cfg.get("classes"))
+            self._labels_checked = n
+        return s
+
+    def check_label_space(self, s: Splits, n: int, names=None) -> None:
+        """Every label must be a class id of the job's global label space ``0..n-1``."""
+        for split, (_, y) in zip(("training", "validation", "test"), (s.train, s.val, s.test)):
+            bad = sorted({int(v) for v in y.tolist() if v >= n})
+            if bad:
+                space = f" ({', '.join(map(str, names))})" if names else ""
+                raise DataError(f"{self.site}: datalist {self.display(self.datalist_path)} {split} has label(s) "
+                                f"{bad[:5]} outside the job's global label space 0..{n - 1}{space}")
 
     def model(self, cfg: dict):
         from .models import model_from_config
@@ -225,7 +240,15 @@ class SiteRunner:
     def class_set(self, cfg):
         """PreP-WFL's statistics round (``001_`` Alg. 2): only the ids of the classes this site holds leave it."""
         y = self._splits(cfg).train[1].numpy()
-        return {}, {"n_classes_held": float(np.unique(y).size)}, {"classes": sorted(int(c) for c in np.unique(y))}
+        ids, counts = np.unique(y, return_counts=True)
+        k = self.k_min(cfg)
+        held = sorted(int(c) for c, n in zip(ids, counts) if n >= k)
+        meta = {"classes": held}
+        if len(held) < ids.size:
+            meta["notes"] = [f"{self.site}: {ids.size - len(held)} class(es) with fewer than k_min={k} training "
+                             f"images not reported (privacy.k_min)"]
+            print(f"[fedmed] {meta['notes'][0]}", flush=True)
+        return {}, {"n_classes_held": float(len(held))}, meta
 
     def signature(self, cfg):
         """One-shot clustering signature of the site's training data (only aggregates leave).

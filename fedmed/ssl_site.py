@@ -34,6 +34,9 @@ class MAESiteRunner(SiteRunner):
                                                       weight_decay=float(cfg["train"].get("weight_decay", 0.05)))
         return self._optimizers[key]
 
+    def check_label_space(self, s, n, names=None) -> None:
+        """Pre-training never reads labels: an unlabeled pool may carry any (or placeholder) labels."""
+
     def _held_out_loss(self, model, cfg):
         import torch
 

@@ -70,7 +70,8 @@ def new_job(name: str, exp, controller, sites: list[str] | None, *, client_files
     job.set_app_packages(["fedmed"])  # installed at every site; not copied into the job
     job.to_server(controller, id="controller")
     job.to_server(TBAnalyticsReceiver(events=["fed.analytix_log_stats"]), id="tb_receiver")
-    job.to_server({"task_request_interval": fed.task_request_interval})
+    # FLARE reads it at the path server.task_request_interval (server_json_config.py); a top-level key is ignored
+    job.to_server({"server": {"task_request_interval": fed.task_request_interval}})
     targets = sites if sites else [None]
     for site in targets:
         runner = ScriptRunner(script="custom/client.py", framework=FrameworkType.NUMPY, script_args="--threads 1")

@@ -53,15 +53,40 @@ def outcome(record_dir: Path | None) -> dict:
     return {"status": status, "reason": reason, "result": str(record_dir)}
 
 
-def run_sim(job, sites: list[str], datalists: str | None, workspace: Path) -> dict:
+def sim_env(sites: list[str], workspace: Path):
+    """NVFlare's ``SimEnv`` (one long-lived process per site: ``num_threads = len(sites)``), launching the simulator
+    through ``jobs/simulator.py`` — FLARE's own simulator with site worker ports off the ephemeral range."""
+    import subprocess
+    import tempfile
+
     from nvflare.recipe import SimEnv
 
+    class FedmedSimEnv(SimEnv):
+        def deploy(self, job):
+            workspace_dir = os.path.join(self.workspace_root, job.name)
+            self._ensure_default_component_policy(workspace_dir)
+            job.clients = list(self.clients)
+            with tempfile.TemporaryDirectory() as root:
+                job.export_job(root)
+                cmd = [sys.executable, str(Path(__file__).with_name("simulator.py")), os.path.join(root, job.name),
+                       "-w", workspace_dir, "-c", ",".join(self.clients), "-n", str(len(self.clients)),
+                       "-t", str(self.num_threads)]
+                rc = subprocess.Popen(cmd, preexec_fn=os.setsid).wait()
+            self.last_run_failed = rc not in (None, 0)
+            if self.last_run_failed:
+                raise RuntimeError(f"Simulation failed with return code {rc}; logs under {workspace_dir}")
+            return job.name
+
+    return FedmedSimEnv(clients=sites, num_threads=len(sites), workspace_root=str(workspace))
+
+
+def run_sim(job, sites: list[str], datalists: str | None, workspace: Path) -> dict:
     if datalists:
         os.environ["FEDMED_DATALIST_DIR"] = str(Path(datalists).resolve())
     workspace = workspace.resolve()
     if (workspace / job.name).exists():
         shutil.rmtree(workspace / job.name)
-    env = SimEnv(clients=sites, num_threads=len(sites), workspace_root=str(workspace))
+    env = sim_env(sites, workspace)
     err = None
     try:
         recipe_of(job).run(env)

@@ -30,6 +30,9 @@ FIELDS = {
     "descriptor": {"full", "label_free", "n_samples", "warnings"},
     "ifca": EVAL | {"cluster", "losses", "n_train", "train_loss", "steps"},
     "assess": {"n_cases", "dp", "embedding_centroid", "encoder", "notes"},
+    "class_set": {"classes", "notes"},
+    "mae/train": {"n_train", "train_loss", "steps"},
+    "mae/validate": {"n_test"},
 }
 
 
@@ -133,6 +136,28 @@ def test_training_and_evaluation_replies(site):
     for task, extra in (("ifca", {"ifca": {"k": 2, "train": True}}), ("validate_ensemble", {"ensemble": {"weights": [1, 1]}})):
         _, _, meta = runner.handle(task, packed, {**cfg, **extra}, 0)
         assert not audit(task, meta, samples, k_min=5), task
+
+
+def test_prep_and_fedmae_replies(site):
+    """PreP-WFL's statistics round sends class ids only (of classes with >= k_min images); Fed-MAE sends the model
+    and aggregate losses."""
+    from fedmed.ssl_site import MAESiteRunner
+
+    runner, cfg = site
+    params, metrics, meta = runner.handle("class_set", {}, cfg)
+    assert params == {} and not audit("class_set", meta, [], k_min=5)
+    y = runner._splits(cfg).train[1].numpy()
+    assert meta["classes"] == sorted(int(c) for c in np.unique(y) if (y == c).sum() >= 5)
+    assert set(metrics) == {"n_classes_held"}
+    mcfg = {**cfg, "task": "mae", "data": {**cfg["data"], "image_size": 32}, "mae": {"rounds": 1}}
+    mae = MAESiteRunner("site-1", runner.settings)
+    samples = _samples(mae, mcfg)
+    p = get_params(mae.model(mcfg))
+    for task in ("train", "validate"):
+        out, metrics, meta = mae.handle(task, p, mcfg, 0)
+        assert not audit(f"mae/{task}", meta, samples, k_min=5), task
+        assert all(isinstance(v, float) and np.isfinite(v) for v in metrics.values())
+        assert set(out) in (set(), set(p))
 
 
 @pytest.mark.parametrize("kind,encoder", [("fmcl", "random_cnn"), ("pacfl", "pixels"), ("pacfl", "random_cnn"),

@@ -1,0 +1,242 @@
+"""NVFlare's simulator, with site worker ports taken outside the OS's ephemeral port range.
+
+    python jobs/simulator.py JOB_FOLDER -w WORKSPACE -c site-a,site-b -t 2
+
+FLARE 2.9's simulator gives each site worker a port from ``get_open_ports`` (bind to port 0, read it, close it)
+and the worker binds it a moment later. Port 0 hands out *ephemeral* ports, the same range the OS uses for
+outgoing connections — and ten site workers and the server open outgoing connections at exactly that moment.
+When one of them takes the port first, the worker dies with ``OSError: [Errno 98] Address already in use``, the
+simulator drops that site for the whole run, and the server waits for its tasks until they time out (seen in
+``results/noshift_pneumonia``: a 10-site run hung in round 0). Here a worker's port is drawn from below the
+ephemeral range (which outgoing connections never use), is checked free by binding it, and is never handed out
+twice by this process.
+
+Start-up: FLARE starts each site worker as a fresh interpreter (``python -m ...simulator_worker``), so every site
+imports torch, NVFlare and fedmed again — ~3 s of CPU and ~250 MB of private memory per site, which on 2 cores
+is most of a small run's wall time. Here the same worker module runs in a process forked from a template process
+(Python's ``forkserver``) that imported those modules once: the worker code and its arguments, environment,
+session and working directory are FLARE's; the imported libraries' pages are shared copy-on-write between the
+sites. ``FEDMED_SIM_FORK=0`` launches workers exactly as FLARE does (``benchmarks/bench_simulator.py`` compares
+both); ``FEDMED_SIM_PRELOAD`` (comma-separated modules) replaces the list the template imports.
+Everything else is NVFlare's own ``simulator`` entry point, unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import types
+
+_LOCK = threading.Lock()
+_GIVEN: set[int] = set()
+_RNG = random.SystemRandom()  # not experiment randomness: only which free port a worker listens on
+
+
+def ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(v) for v in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def open_ports(number: int) -> list[int]:
+    """``number`` free TCP ports below the ephemeral range, none given out before by this process."""
+    lo, _ = ephemeral_range()
+    low = 10000
+    if lo - low < 1000:  # an unusual ephemeral range: fall back to FLARE's own choice
+        from nvflare.fuel.utils.network_utils import get_open_ports
+
+        return get_open_ports(number)
+    out: list[int] = []
+    with _LOCK:
+        for _ in range(100 * number):
+            if len(out) == number:
+                break
+            p = _RNG.randrange(low, lo)
+            if p in _GIVEN:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind(("localhost", p))
+                except OSError:
+                    continue
+            _GIVEN.add(p)
+            out.append(p)
+    if len(out) < number:
+        raise RuntimeError(f"no free port below {lo} for a simulator site worker")
+    return out
+
+
+WORKER_MODULE = "nvflare.private.fed.app.simulator.simulator_worker"
+PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.optim", WORKER_MODULE, "nvflare.client", "nvflare.client.tracking",
+           "nvflare.app_common.executors.client_api.in_process_backend", "PIL.Image", "fedmed.site", "fedmed.train",
+           "fedmed.models", "fedmed.metrics", "fedmed.data"]
+
+
+def preload_list() -> list[str]:
+    env = os.environ.get("FEDMED_SIM_PRELOAD")
+    mods = [m for m in env.split(",") if m] if env is not None else list(PRELOAD)
+    return mods + ["_fork_template"]  # last: gc.freeze() (jobs/_fork_template.py; this folder is on sys.path)
+
+
+def capped_time(cap: float) -> types.ModuleType:
+    """``time`` as a FLARE module sees it, with every ``sleep`` (all of them are polls) at most ``cap`` seconds."""
+    import time
+
+    shim = types.ModuleType("time")
+    shim.__dict__.update({k: v for k, v in vars(time).items() if not k.startswith("__")})
+    shim.sleep = lambda s: time.sleep(min(float(s), cap))
+    return shim
+
+
+RUNNER_POLL_S = 0.1  # simulator_runner polls at 1 s: server started?, first launch of a site, worker listening?
+WORKER_POLL_S = 0.2  # simulator_worker re-asks the server for a task every 0.5 s (the server's own interval: 0.2 s)
+
+
+def _run_worker(module: str, argv: list[str], env: dict) -> None:
+    """In the forked child: what ``Popen(python -m simulator_worker ARGV, preexec_fn=os.setsid, env=ENV)`` does —
+    the worker module's ``__main__`` block (parse its arguments, ``mpm.run(main)``), its polls capped at
+    :data:`WORKER_POLL_S`."""
+    import importlib
+
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    for p in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    sys.argv = [module] + list(argv)
+    worker = importlib.import_module(module)
+    worker.time = capped_time(WORKER_POLL_S)
+    from nvflare.fuel.f3.mpm import MainProcessMonitor as mpm
+
+    args = worker.parse_arguments()
+    mpm.run(main_func=worker.main, run_dir=args.workspace, args=args)
+
+
+class ForkedWorker:
+    """The part of ``subprocess.Popen`` FLARE's simulator uses (pid, poll, wait, terminate, kill, returncode)."""
+
+    _ctx = None
+    _ctx_lock = threading.Lock()
+
+    @classmethod
+    def context(cls):
+        with cls._ctx_lock:
+            if cls._ctx is None:
+                import multiprocessing
+
+                ctx = multiprocessing.get_context("forkserver")
+                ctx.set_forkserver_preload(preload_list())
+                cls._ctx = ctx
+            return cls._ctx
+
+    @classmethod
+    def warm(cls) -> None:
+        """Start the template now (it imports while the server starts), not at the first site's launch."""
+        from multiprocessing import forkserver
+
+        cls.context()
+        forkserver.ensure_running()
+
+    @classmethod
+    def stop(cls) -> None:
+        """Stop the template process (it would otherwise outlive the run)."""
+        if cls._ctx is not None:
+            from multiprocessing import forkserver
+
+            try:
+                forkserver._forkserver._stop()
+            except Exception:  # already gone
+                pass
+
+    def __init__(self, argv: list[str], env: dict, module: str = WORKER_MODULE):
+        self.args = argv
+        self._p = self.context().Process(target=_run_worker, args=(module, argv, env), daemon=False)
+        self._p.start()
+        self.pid = self._p.pid
+        self.returncode = None
+
+    def poll(self):
+        if self.returncode is None and not self._p.is_alive():
+            self.returncode = self._p.exitcode
+        return self.returncode
+
+    def wait(self, timeout=None):
+        self._p.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def terminate(self):
+        self._p.terminate()
+
+    def kill(self):
+        self._p.kill()
+
+
+def _popen(args, *a, **kw):
+    """FLARE's worker command is ``[python, -m, simulator_worker, ...]``: fork it from the template; else Popen."""
+    if isinstance(args, (list, tuple)) and len(args) > 2 and args[1] == "-m" and args[2] == WORKER_MODULE:
+        return ForkedWorker(list(args[3:]), dict(kw.get("env") or os.environ))
+    return subprocess.Popen(args, *a, **kw)
+
+
+def forking_subprocess() -> types.ModuleType:
+    """``subprocess`` as FLARE's simulator runner sees it: Popen forks site workers, the rest is unchanged."""
+    shim = types.ModuleType("subprocess")
+    shim.__dict__.update({k: v for k, v in vars(subprocess).items() if not k.startswith("__")})
+    shim.Popen = _popen
+    return shim
+
+
+SHUTDOWN_GRACE_S = 0.5  # FLARE's simulator sleeps 3 s here before its clean-up, with the server already off
+
+
+def run_process(self, return_dict):
+    """``SimulatorRunner.run_process`` with a shorter shutdown grace time (the rest as FLARE 2.9 has it)."""
+    from nvflare.fuel.common.exit_codes import ProcessExitCode
+    from nvflare.fuel.f3.mpm import MainProcessMonitor as mpm
+
+    try:
+        run_status = mpm.run(main_func=self.simulator_run_main, run_dir=self.workspace,
+                             shutdown_grace_time=SHUTDOWN_GRACE_S, cleanup_grace_time=6)
+    except Exception as e:
+        self.logger.error(f"Simulator main run with exception: {e}")
+        run_status = ProcessExitCode.EXCEPTION
+    return_dict["run_status"] = run_status
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from nvflare.private.fed.app.simulator import simulator, simulator_runner
+
+    simulator_runner.get_open_ports = open_ports  # worker ports off the ephemeral range
+    simulator_runner.time = capped_time(RUNNER_POLL_S)
+    if os.environ.get("FEDMED_SIM_FORK", "1") != "0":
+        simulator_runner.subprocess = forking_subprocess()  # workers forked from a preloaded template
+        run_main = simulator_runner.SimulatorRunner.simulator_run_main
+
+        def simulator_run_main(self):  # in the simulator's run process: start the template first, stop it last
+            ForkedWorker.warm()
+            try:
+                return run_main(self)
+            finally:
+                ForkedWorker.stop()
+
+        simulator_runner.SimulatorRunner.simulator_run_main = simulator_run_main
+    simulator_runner.SimulatorRunner.run_process = run_process
+    parser = argparse.ArgumentParser(description="NVFlare simulator (fedmed: site worker ports off the ephemeral range)")
+    simulator.define_simulator_parser(parser)
+    return simulator.run_simulator(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

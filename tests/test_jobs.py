@@ -1,0 +1,131 @@
+"""jobs/: what a built job tells FLARE, and fedmed's simulator launcher (jobs/simulator.py)."""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jobs import simulator as sim  # noqa: E402
+
+
+def _exp(**fed):
+    from fedmed.config import load_config
+
+    return load_config({"name": "t", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1,
+                                                 "classes": [str(c) for c in range(10)]},
+                        "federation": {"sites": 2, **fed}, "methods": [{"name": "FedAvg", "workflow": "fedavg"}]})
+
+
+def test_job_sets_the_task_request_interval_where_flare_reads_it(tmp_path):
+    """FLARE 2.9 reads ``server.task_request_interval`` (server_json_config.py); a top-level key is silently ignored
+    and sites then wait 2 s between asking for tasks."""
+    from jobs.build import build_job
+
+    exp = _exp(task_request_interval=0.3)
+    job = build_job(exp, exp.methods[0], 0)
+    job.export_job(str(tmp_path))
+    cfg = json.loads(next(tmp_path.rglob("config_fed_server.json")).read_text())
+    assert cfg["server"]["task_request_interval"] == 0.3
+    assert "task_request_interval" not in cfg
+
+    from nvflare.private.fed.server.server_json_config import ServerJsonConfigurator
+
+    assert "server.task_request_interval" in Path(
+        sys.modules[ServerJsonConfigurator.__module__].__file__).read_text()  # the path FLARE reads
+
+
+def test_worker_ports_are_free_distinct_and_below_the_ephemeral_range():
+    lo, hi = sim.ephemeral_range()
+    ports = sim.open_ports(8) + sim.open_ports(8)
+    assert len(set(ports)) == 16 and all(p < lo for p in ports)
+    with socket.socket() as s:  # bindable
+        s.bind(("localhost", ports[0]))
+
+
+def test_fork_template_popen_shim_passes_other_commands_through():
+    shim = sim.forking_subprocess()
+    assert shim.TimeoutExpired is subprocess.TimeoutExpired and shim.PIPE == subprocess.PIPE
+    p = shim.Popen([sys.executable, "-c", "print(1)"], stdout=subprocess.PIPE)
+    assert isinstance(p, subprocess.Popen) and p.communicate()[0].strip() == b"1"
+
+
+def test_forked_worker_runs_the_module_with_the_env_and_reports_exit_codes(tmp_path, monkeypatch):
+    """ForkedWorker is Popen for FLARE: environment, PYTHONPATH, argv, new session, exit status, wait timeout."""
+    (tmp_path / "fake_worker.py").write_text(
+        "import argparse, os, sys\n"
+        "def parse_arguments():\n"
+        "    ap = argparse.ArgumentParser(); ap.add_argument('--workspace'); ap.add_argument('--rc', type=int)\n"
+        "    return ap.parse_args()\n"
+        "def main(args):\n"
+        "    open(os.environ['OUT'], 'w').write(f'{args.workspace} {os.getsid(0) == os.getpid()}')\n"
+        "    if args.rc == 9:\n"
+        "        import time; time.sleep(60)\n"
+        "    sys.exit(args.rc)\n")
+    monkeypatch.setenv("FEDMED_SIM_PRELOAD", "")
+    out = tmp_path / "out.txt"
+    env = {"OUT": str(out), "PYTHONPATH": str(tmp_path)}
+    try:
+        w = sim.ForkedWorker(["--workspace", str(tmp_path), "--rc", "3"], env, module="fake_worker")
+        assert w.wait(timeout=60) == 3 and w.poll() == 3 and w.pid > 0
+        assert out.read_text() == f"{tmp_path} True"
+        slow = sim.ForkedWorker(["--workspace", str(tmp_path), "--rc", "9"], env, module="fake_worker")
+        with pytest.raises(subprocess.TimeoutExpired):
+            slow.wait(timeout=0.5)
+        slow.terminate()
+        assert slow.wait(timeout=30) == -15
+    finally:
+        sim.ForkedWorker.stop()
+
+
+@pytest.mark.slow
+def test_forked_and_plain_site_processes_train_the_same_model(tmp_path):
+    """The simulator with sites forked from the template and with FLARE's own process start end with the same
+    global model, bit for bit (and the template process does not outlive the run)."""
+    import os
+
+    import torch
+    import yaml
+
+    from fedmed.config import load_config
+    from fedmed.experiment import classes_override, prepare_federation
+
+    raw = {"name": "fork", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 12},
+           "federation": {"sites": 3, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},
+           "train": {"rounds": 2, "local_epochs": 1, "batch_size": 16}, "privacy": {"k_min": 2},
+           "methods": [{"name": "FedAvg", "workflow": "fedavg"}]}
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    data = prepare_federation(load_config(cfg), 0, tmp_path / "data")
+    models = {}
+    before = orphan_templates()
+    for mode in ("1", "0"):
+        cmd = [sys.executable, str(ROOT / "jobs" / "run.py"), "--config", str(cfg), "--method", "FedAvg", "--env",
+               "sim", "--datalists", str(data), "--workspace", str(tmp_path / f"ws{mode}"),
+               *[x for o in classes_override(data, load_config(cfg)) for x in ("--set", o)]]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "FEDMED_SIM_FORK": mode},
+                           timeout=600)
+        res = json.loads(p.stdout.strip().splitlines()[-1])
+        assert res["status"] == "finished", p.stdout[-3000:]
+        models[mode] = torch.load(Path(res["result"]) / "models" / "global.pt", weights_only=True)["state_dict"]
+    assert set(models["1"]) == set(models["0"])
+    assert all(np.array_equal(models["1"][k].numpy(), models["0"][k].numpy()) for k in models["1"])
+    assert not orphan_templates() - before  # a template whose run ended would be re-parented to init
+
+
+def orphan_templates() -> set:
+    out = subprocess.run(["pgrep", "-f", "multiprocessing.forkserver"], capture_output=True, text=True).stdout.split()
+    orphans = set()
+    for pid in out:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[1] == "1":
+                orphans.add(pid)
+        except OSError:
+            pass
+    return orphans
