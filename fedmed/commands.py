@@ -266,7 +266,7 @@ def cmd_sweep(a):
     import itertools
 
     from .config import load_config
-    from .experiment import read_results, run_experiment, sweep_stats, sweep_table
+    from .experiment import clustering_agreement, read_results, run_experiment, sweep_stats, sweep_table
 
     if a.grid:
         grid = []
@@ -300,6 +300,11 @@ def cmd_sweep(a):
     cmd = " ".join(["fedmed sweep", a.config, *[f"--grid {g}" for g in a.grid], *[f"--set {x}" for x in a.set]])
     text = (f"# {Path(a.config).stem} sweep\n\nProduced by: `{cmd}` (cases below; `--resume` reuses finished runs)"
             f"\n\n" + sweep_table(results) + "\n")
+    agreement = clustering_agreement(parts)
+    if agreement:
+        text += ("### Clusters found, and agreement with the first case\n\nEach clustering method's clusters per seed "
+                 "(at its final round) and the adjusted Rand index against the clusters the same method found for "
+                 "the same seed in the first case it runs in.\n\n" + agreement + "\n")
     missing = [n for n, _, d in parts if not (d / "results.csv").is_file()]
     if missing:
         text += f"Not run yet: {', '.join(missing)}.\n\n"

@@ -247,13 +247,25 @@ def build_encoder(name: str, *, weights: str | None = None, seed: int = 0, in_ch
         module = spec["build"](chans, size)
     if weights:
         load_weights(module, weights, name)
-        desc = f"weights {weights}"
+        desc = f"weights {weights_id(weights)}"
     else:
         desc = "none (raw pixels)" if name == "pixels" else f"random init (seed={seed}), no pretrained weights"
     module.eval()
     for p in module.parameters():
         p.requires_grad_(False)
     return Encoder(name, module, chans, size, desc, spec["dim"])
+
+
+def weights_id(path) -> str:
+    """How a weights file is named in a description that leaves a site: its file name and the first 12 hex
+    digits of its SHA-256 — the same file gives the same id at every site, and no folder is shown."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return f"{Path(path).name} (sha256 {h.hexdigest()[:12]})"
 
 
 @torch.no_grad()

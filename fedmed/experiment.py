@@ -364,6 +364,9 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
             resume_from = None
             if resume and saved.get("fingerprint") == fp:
                 if saved.get("status") == "finished":
+                    if m.workflow in CLUSTERING_WORKFLOWS and not seg and "clusters" not in saved:
+                        _add_clusters(saved, work, meta)  # a run recorded before K / ARI were rows' fields
+                        (work / "run.json").write_text(json.dumps(saved))
                     rows.extend(saved["rows"])
                     log(f"[{k}/{total}] seed {seed} {m.name}: finished earlier with the same settings, reused")
                     continue
@@ -385,16 +388,25 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
                 log(f"    {e.status}: {e.reason}")
                 continue
             new = rows_from_metrics(m.name, seed, doc)
-            if m.workflow in CLUSTERING_WORKFLOWS and not seg and "cluster_majority" in exp.references:
+            clusters = None
+            if m.workflow in CLUSTERING_WORKFLOWS and not seg:
                 from .references import cluster_majority_rows, run_clusters
 
-                new += cluster_majority_rows(m.name, data_dir, run_clusters(doc), len(meta["class_names"]), seed)
+                clusters = run_clusters(doc)
+                for r in new:
+                    if r.get("phase"):
+                        continue
+                    r["n_clusters"] = len(clusters)
+                    if meta.get("groups"):
+                        r["ari"] = clusters_ari(clusters, meta["groups"])
+                if "cluster_majority" in exp.references:
+                    new += cluster_majority_rows(m.name, data_dir, clusters, len(meta["class_names"]), seed)
             if meta.get("unseen_sites") and m.workflow in ("flux", "ifca", "fedavg", "fedprox"):
                 new += _unseen(config_path, job_over, m, seed, data_dir, work, doc, meta, log)
             rows.extend(new)
             _log_done(m, doc, new, exp.selection, log, work)
             (work / "run.json").write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed,
-                                                       "status": "finished", "rows": new}))
+                                                       "status": "finished", "rows": new, "clusters": clusters}))
             if [r for r in rows if not r.get("phase")]:
                 write_outputs(rows, out, title=exp.name, command=command, selection=exp.selection, setup=setup)
     if [r for r in rows if not r.get("phase")]:  # once more, so that a fully reused experiment has its outputs
@@ -406,6 +418,61 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
     if problems:
         raise ExperimentError(f"{len(problems)} run(s) did not finish:\n  " + "\n  ".join(problems))
     return rows
+
+
+def _add_clusters(saved: dict, work: Path, meta: dict) -> None:
+    from .references import run_clusters
+
+    hits = [f for f in (work / "server" / "metrics.json", work / "metrics.json") if f.is_file()]
+    hits = hits or sorted(work.rglob("fedmed/metrics.json"))
+    if not hits:
+        return
+    clusters = run_clusters(json.loads(hits[0].read_text()))
+    saved["clusters"] = clusters
+    for r in saved["rows"]:
+        if r.get("kind") == "reference" or r.get("phase"):
+            continue
+        r["n_clusters"] = len(clusters)
+        if meta.get("groups"):
+            r["ari"] = clusters_ari(clusters, meta["groups"])
+
+
+def clustering_agreement(parts: list[tuple[str, list, Path]]) -> str:
+    """Markdown: per sweep case and clustering method, the clusters found per seed and the ARI against the
+    clustering the same method found for the same seed in the first case it runs in (e.g. without DP).
+    Empty when no case has recorded clusters."""
+    found: dict = {}  # method -> case -> seed -> clusters
+    for name, _, d in parts:
+        for f in sorted(Path(d).glob("runs/seed*/*/run.json")):
+            doc = _load_saved(f)
+            if doc.get("status") == "finished" and doc.get("clusters"):
+                found.setdefault(doc["method"], {}).setdefault(name, {})[int(doc["seed"])] = doc["clusters"]
+    lines = []
+    for method, cases in found.items():
+        first = next(n for n, _, _ in parts if n in cases)
+        base = cases[first]
+        for name, _, _ in parts:
+            if name not in cases:
+                continue
+            seeds = sorted(cases[name])
+            ks = ", ".join(str(len(cases[name][s])) for s in seeds)
+            aris = [clusters_ari(cases[name][s], {x: k for k, c in enumerate(base[s]) for x in c})
+                    for s in seeds if s in base]
+            cell = f"{np.mean(aris):.2f} ± {np.std(aris):.2f}" if aris else "n/a"
+            lines.append(f"| {name} | {method} | {ks} | {first} | {cell} |")
+    if not lines:
+        return ""
+    return ("| Case | Method | K (per seed) | Compared with | ARI vs that case's clustering (same seed) |\n"
+            "|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+
+
+def clusters_ari(clusters: list[list[str]], labels: dict) -> float:
+    """Adjusted Rand index of a clustering (lists of site names) against a site -> label map (the sites in both)."""
+    from sklearn.metrics import adjusted_rand_score
+
+    assign = {s: k for k, c in enumerate(clusters) for s in c}
+    sites = sorted(set(assign) & set(labels))
+    return float(adjusted_rand_score([labels[s] for s in sites], [assign[s] for s in sites]))
 
 
 def _references(exp, config_path, job_over, seed, data_dir, out, chosen, log, resume, seg) -> list[dict]:

@@ -30,8 +30,8 @@ CLS_METRICS = ("accuracy", "macro_f1", "auc")
 SEG_METRICS = ("dice_wt", "dice_tc", "dice_et", "dice_mean", "hd95_wt", "hd95_tc", "hd95_et", "fp_voxels")
 FIELDS = ["method", "kind", "seed", "round", "task", "phase", "attempt", *CLS_METRICS, *[f"{m}_std" for m in CLS_METRICS],
           *[f"pooled_{m}" for m in CLS_METRICS], "val_accuracy", "val_macro_f1", "pooled_val_accuracy",
-          *SEG_METRICS, "val_dice_mean", "train_loss", "ari", "n_sites", "n_failed", "n_test", "withheld"]
-_INT = ("seed", "round", "attempt", "n_sites", "n_failed", "n_test", "withheld")
+          *SEG_METRICS, "val_dice_mean", "train_loss", "ari", "n_clusters", "n_sites", "n_failed", "n_test", "withheld"]
+_INT = ("seed", "round", "attempt", "n_clusters", "n_sites", "n_failed", "n_test", "withheld")
 _STR = ("method", "kind", "task", "phase")
 
 
@@ -125,6 +125,8 @@ def summarize(rows: list[dict], selection: str = "final") -> list[dict]:
                  **{k: fmt([r.get(k) for r in runs], 1.0 if k.startswith("hd95") or k == "fp_voxels" else 100.0)
                     for k in metrics},
                  "_values": {k: _finite([r.get(k) for r in runs]) for k in metrics},
+                 "k": _k_cell([r.get("n_clusters") for r in runs]),
+                 "ari": fmt([r.get("ari") for r in runs], 1.0),
                  "n_test": int(np.median([r.get("n_test") or 0 for r in runs])),
                  "withheld": int(np.median([r.get("withheld") or 0 for r in runs]))}
         if is_seg(rows):
@@ -133,6 +135,12 @@ def summarize(rows: list[dict], selection: str = "final") -> list[dict]:
                                  for s in sites}
         out.append(entry)
     return sorted(out, key=lambda e: e["kind"] == "reference")
+
+
+def _k_cell(ks) -> str:
+    """The number of clusters per seed, e.g. ``1, 1, 2`` (blank for methods that do not cluster)."""
+    ks = [int(k) for k in ks if k is not None and not (isinstance(k, float) and math.isnan(k))]
+    return ", ".join(map(str, ks))
 
 
 def margin(entry: dict, ref: dict | None, key: str = "accuracy") -> str:
@@ -158,13 +166,18 @@ def _round_label(e, selection) -> str:
 
 def classification_table(summ: list[dict], selection: str) -> str:
     refs = {e["method"]: e for e in summ if e["kind"] == "reference"}
-    head = ("| Method | Round | Acc (site mean) | Macro-F1 | AUC | Pooled Acc | Pooled F1 | Pooled AUC | "
-            "vs cluster-majority (pp) |\n|---|---|---|---|---|---|---|---|---|\n")
+    has_k = any(e.get("k") for e in summ)
+    has_ari = any(e.get("ari") not in (None, "", "n/a") for e in summ if e["kind"] != "reference")
+    extra = (" K (per seed) |" if has_k else "") + (" ARI vs true groups |" if has_ari else "")
+    head = (f"| Method | Round |{extra} Acc (site mean) | Macro-F1 | AUC | Pooled Acc | Pooled F1 | Pooled AUC | "
+            f"vs cluster-majority (pp) |\n" + "|---" * (9 + has_k + has_ari) + "|\n")
     body = ""
     for e in summ:
         cm = refs.get(f"{e['method']}: cluster-majority")
         name = e["method"] + (" (reference)" if e["kind"] == "reference" else "")
-        body += (f"| {name} | {_round_label(e, selection)} | {e['accuracy']} | {e['macro_f1']} | {e['auc']} | "
+        cells = (f" {e.get('k', '')} |" if has_k else "") + (
+            f" {e.get('ari') if e['kind'] != 'reference' and e.get('ari') != 'n/a' else ''} |" if has_ari else "")
+        body += (f"| {name} | {_round_label(e, selection)} |{cells} {e['accuracy']} | {e['macro_f1']} | {e['auc']} | "
                  f"{e['pooled_accuracy']} | {e['pooled_macro_f1']} | {e['pooled_auc']} | {margin(e, cm)} |\n")
     return head + body
 

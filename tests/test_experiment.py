@@ -171,3 +171,30 @@ def test_sweep_stats_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="nothing to plot"):
         plot_sweep({}, tmp_path / "t.png")
+
+
+def test_clustering_agreement_compares_each_case_with_the_methods_first_case(tmp_path):
+    """The DP table's ARI: each case's clusters against the same method and seed in its first case (no DP)."""
+    import json
+
+    from fedmed.experiment import clustering_agreement
+
+    def put(case, method, seed, clusters):
+        d = tmp_path / case / "runs" / f"seed{seed}" / method.replace(" ", "_")
+        d.mkdir(parents=True)
+        (d / "run.json").write_text(json.dumps({"method": method, "seed": seed, "status": "finished",
+                                                "clusters": clusters}))
+
+    a, b = [["s1", "s2"], ["s3", "s4"]], [["s1", "s3"], ["s2", "s4"]]
+    for seed in (0, 1):
+        put("eps-inf", "FMCL", seed, a)
+        put("eps-1", "FMCL", seed, a if seed == 0 else b)
+        put("eps-0.1", "FMCL", seed, [["s1", "s2", "s3", "s4"]])
+    parts = [(n, [], tmp_path / n) for n in ("eps-inf", "eps-1", "eps-0.1")]
+    lines = clustering_agreement(parts).splitlines()[2:]
+    assert lines[0] == "| eps-inf | FMCL | 2, 2 | eps-inf | 1.00 ± 0.00 |"
+    assert lines[1].startswith("| eps-1 | FMCL | 2, 2 | eps-inf | ")
+    ari_b = float(lines[1].split("|")[5].split("±")[0])
+    assert ari_b == pytest.approx((1.0 + (-0.5)) / 2)  # seed 1: a vs b is ARI -0.5
+    assert lines[2] == "| eps-0.1 | FMCL | 1, 1 | eps-inf | 0.00 ± 0.00 |"
+    assert clustering_agreement([("x", [], tmp_path / "missing")]) == ""

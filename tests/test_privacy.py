@@ -4,6 +4,7 @@ image, embedding, latent or per-image value. A negative control shows the audit 
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -56,9 +57,27 @@ def closest(reply_vectors, samples) -> float:
     return best
 
 
+ABS_PATH = re.compile(r"(?:^|[\s'\"(\[=:,])/(?:[\w.+-]+/)+")
+
+
+def _strings(v):
+    if isinstance(v, str):
+        yield v
+    elif isinstance(v, dict):
+        for x in v.values():
+            yield from _strings(x)
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _strings(x)
+
+
 def audit(task: str, meta: dict, samples: list, *, k_min: int, tol: float = 1e-3) -> list[str]:
-    """Problems of one reply: undocumented fields, values that are single samples, rows below k_min."""
+    """Problems of one reply: undocumented fields, values that are single samples, rows below k_min, text that
+    names an absolute path (a site's folders never leave it)."""
     problems = []
+    for key, value in meta.items():
+        if any(ABS_PATH.search(t) for t in _strings(value)):
+            problems.append(f"{task}: {key} carries an absolute path")
     extra = set(meta) - FIELDS[task] - {"task", "round", "cluster", "error"}
     if extra:
         problems.append(f"{task}: undocumented fields {sorted(extra)}")
@@ -182,6 +201,21 @@ def test_flux_replies(site):
     for label_free in (False, True):
         _, _, d = runner.handle("descriptor", p, {**cfg, "flux": {**flux, "label_free": label_free}})
         assert not audit("descriptor", d, samples + [proj], k_min=5)
+
+
+def test_signature_with_a_weights_file_names_no_folder(site, tmp_path):
+    """An encoder loaded from a file at the site is described by file name and hash, not by its path."""
+    from fedmed.encoders import build_encoder
+
+    runner, cfg = site
+    f = tmp_path / "deep" / "folder" / "enc.pt"
+    f.parent.mkdir(parents=True)
+    torch.save(build_encoder("random_cnn", seed=3, in_channels=cfg["data"]["channels"]).module.state_dict(), f)
+    _, _, meta = runner.handle("signature", {}, {**cfg, "signature": {"kind": "fmcl", "encoder": "random_cnn",
+                                                                      "weights": str(f)}})
+    assert "enc.pt (sha256 " in meta["encoder"]
+    assert not audit("signature/fmcl", meta, [], k_min=5)
+    assert audit("signature/fmcl", {**meta, "encoder": f"weights {f}"}, [], k_min=5)  # negative control
 
 
 def test_the_audit_catches_a_per_sample_reply(site):

@@ -69,3 +69,19 @@ def test_cluster_majority_margin_is_paired_over_seeds():
 
 def test_one_seed_prints_no_spread():
     assert S.fmt([0.5]) == "50.00" and S.fmt([0.5, 0.7]) == "60.00 ± 10.00" and S.fmt([np.nan]) == "n/a"
+
+
+def test_table_states_the_clusters_found_per_seed_and_their_ari():
+    """The no-shift table must say which K each clustering method found (issue: 'K found')."""
+    rows = []
+    for seed, k, ari in ((0, 1, 1.0), (1, 2, 0.5)):
+        rows += [{"method": "FedAvg", "kind": "method", "seed": seed, "round": 3, "accuracy": 0.9},
+                 {"method": "FMCL", "kind": "method", "seed": seed, "round": 3, "accuracy": 0.9, "n_clusters": k,
+                  "ari": ari}]
+    table = S.classification_table(S.summarize(rows), "final")
+    head, _, fedavg, fmcl = table.splitlines()[:4]
+    assert "K (per seed)" in head and "ARI vs true groups" in head
+    assert "| 1, 2 | 0.75 ± 0.25 |" in fmcl  # ARI on its own 0-1 scale
+    assert fedavg.startswith("| FedAvg | final (3) |  |  |")
+    plain = S.classification_table(S.summarize([r for r in rows if r["method"] == "FedAvg"]), "final")
+    assert "K (per seed)" not in plain
