@@ -27,7 +27,9 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m "not slow"
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_fmcl_distance.py
+	$(BIN)/python benchmarks/bench_server_math.py
+	$(BIN)/python benchmarks/bench_simulator.py
+	$(BIN)/python benchmarks/bench_memory.py --sites 20 --rounds 30 --from-round 5
 
 clean:
 	rm -rf $(VENV) workspace results .pytest_cache

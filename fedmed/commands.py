@@ -112,10 +112,13 @@ def cmd_demo(a):
     for u, c in test["assignment"]["test_phase"].items():
         print(f"  {u} (true group {groups[u]}, no labels used) -> cluster {c}: {train['clustering']['clusters'][c]}")
     print((out / "flux" / "summary.md").read_text())
+    parts = (("Classification: FedAvg, FedProx, FMCL", "classification"),
+             ("Segmentation: 004_ assessment and a 3D U-Net", "segmentation"),
+             ("Flux: clustering during training, unseen sites", "flux"))
     (out / "summary.md").write_text(f"# fedmed demo\n\nProduced by: `{command}`\n\nData: {data_name}; three parts below "
                                     f"(each part's own table and runs).\n\n" + "\n\n".join(
-                                        (out / p / "summary.md").read_text() for p in ("classification", "segmentation",
-                                                                                       "flux")))
+                                        f"## {k + 1}. {title}\n\n" + (out / p / "summary.md").read_text().replace(
+                                            "## ", "### ", 1) for k, (title, p) in enumerate(parts)))
     print(f"report: {write_report(out, command=command)} (open it in a browser)")
 
 

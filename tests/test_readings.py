@@ -168,3 +168,52 @@ def test_dirichlet_last_sites_are_not_more_skewed():
         first.append(cps[:10].mean())
         last.append(cps[10:].mean())
     assert abs(np.mean(first) - np.mean(last)) < 0.5
+
+
+def test_flux_scaling_raw_vs_minmax_changes_which_dimension_decides(rng):
+    """The paper clusters raw descriptors; the official code min-max scales each dimension first. A dimension
+    with a tiny range but a clean two-group split decides the minmax clustering and is noise to the raw one."""
+    from fedmed.clustered import flux_cluster
+
+    n = 12
+    groups = np.repeat([0, 1], n // 2)
+    big = rng.normal(0, 5.0, n)  # large-range noise
+    small = groups * 1e-3 + rng.normal(0, 1e-5, n)  # tiny-range, perfectly split
+    desc = {f"s{i:02d}": {"full": [big[i], small[i]], "label_free": [big[i]]} for i in range(n)}
+    raw = flux_cluster(desc, n_clusters=2, scaling="none", seed=0)
+    mm = flux_cluster(desc, n_clusters=2, scaling="minmax", seed=0)
+    truth = [f"s{i:02d}" for i in range(n) if groups[i] == 1]
+    assert truth in mm["clusters"] or sorted(set(desc) - set(truth)) in mm["clusters"]
+    assert truth not in raw["clusters"]
+
+
+def test_flux_box_elementwise_vs_the_codes_scalar_box(rng):
+    """S1: fedmed sends per-coordinate bounds (means of the k_min extremes); the official code one scalar box
+    [0, 1.02 max] for all coordinates."""
+    from fedmed.privacy import private_bounds
+
+    z = np.abs(rng.normal(0, 1, (40, 3))) * np.array([1.0, 10.0, 100.0])
+    lo, hi, _ = private_bounds(z, k_min=5, privacy={})
+    lo_s, hi_s, _ = private_bounds(z, k_min=5, privacy={}, box="scalar")
+    srt = np.sort(z, axis=0)
+    np.testing.assert_allclose(hi, srt[-5:].mean(axis=0))
+    np.testing.assert_allclose(lo, srt[:5].mean(axis=0))
+    assert np.all(lo_s == 0) and np.allclose(hi_s, 1.02 * hi.max())
+    assert hi[0] < 0.2 * hi_s[0]  # the scalar box is two orders too wide for the first coordinate
+
+
+def test_flux_absent_class_zeros_vs_minus_one(rng):
+    """A class the site does not hold (or, in the code, holds once) fills its slot with 0 (fedmed) or -1."""
+    from fedmed.flux import flux_descriptor, shared_pca
+
+    z = np.abs(rng.normal(0, 1, (30, 6)))
+    pca = shared_pca(np.zeros(6), np.full(6, 4.0), n_components=2, seed=0)
+    y = np.r_[np.zeros(29, int), [1]]  # class 1: one sample; class 2: absent
+    d0 = flux_descriptor(z, pca, y, n_classes=3, k_min=1, absent="zeros")
+    d1 = flux_descriptor(z, pca, y, n_classes=3, k_min=1, absent="minus_one")
+    full0, full1 = np.asarray(d0.full), np.asarray(d1.full)
+    assert full0.shape == full1.shape
+    slot = full0.size // 4  # marginal + 3 class blocks, each mean and second moment of 2 components
+    assert np.all(full0[-slot:] == 0) and np.all(full1[-slot:] == -1)  # class 2 absent
+    assert not np.all(full0[-2 * slot:-slot] == 0)  # one-sample class 1 is kept by fedmed (k_min=1) ...
+    assert np.all(full1[-2 * slot:-slot] == -1)  # ... and -1 in the code
