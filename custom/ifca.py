@@ -3,18 +3,21 @@
 import numpy as np
 
 from custom.base import initial_params
+from fedmed.aggregation import ifca_models
 from custom.fedavg import FedAvgController
 
 
 class IFCAController(FedAvgController):
     """Algorithm box (IFCA, Alg. 2): every round each sampled site receives all K models, picks the one
-    with the lowest loss on its training data and trains it; the server averages per chosen model."""
+    with the lowest loss on its training data and trains it; the server averages per chosen model
+    (:func:`fedmed.aggregation.ifca_models`; a model nobody chose: ``empty_cluster``)."""
 
     def __init__(self, num_rounds: int, fedmed_config: dict, k: int = 2, participation: float = 1.0,
-                 resume: bool = False, **kw):
+                 empty_cluster: str = "global", resume: bool = False, **kw):
         super().__init__(num_rounds, fedmed_config, resume=resume, **kw)
         self.k = int(k)
         self.participation = float(participation)
+        self.empty_cluster = empty_cluster
 
     def sample(self, r: int) -> list:
         n = max(1, int(round(self.participation * len(self.sites))))
@@ -32,10 +35,12 @@ class IFCAController(FedAvgController):
             rows = self.record_rows(r, self.send("ifca", self.task(packed, r, ifca={"k": self.k, "train": train}),
                                                  targets=sites), "train" if train else "validate")
             if train:
-                for j in range(self.k):
-                    chosen = [row for row in rows if row[2].get("cluster") == j]
-                    if chosen:
-                        models[j] = self.aggregate(chosen)
+                models, refilled = ifca_models(
+                    models, [p for *_, p in rows], [meta["n_train"] for _, _, meta, _ in rows],
+                    [meta.get("cluster") for _, _, meta, _ in rows], empty=self.empty_cluster,
+                    all_answered=len(rows) == len(self.sites), names=[s for s, *_ in rows])
+                if refilled:
+                    self.info(f"IFCA round {r}: no site chose model(s) {refilled}; set to this round's average")
                 self.checkpoint(r + 1, {f"cluster{j}": m for j, m in enumerate(models)})
         last = self.recorder.doc["rounds"][-1]["sites"]
         self.recorder.note("clustering", {"k": self.k, "rule": "IFCA (lowest local loss)"})

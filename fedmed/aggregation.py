@@ -16,6 +16,7 @@ from .validation import check_finite_number
 __all__ = [
     "cluster_average",
     "down_weight",
+    "ifca_models",
     "prep_weights",
     "weighted_average",
 ]
@@ -104,6 +105,39 @@ def cluster_average(states: Sequence[Mapping], weights: Sequence[float], labels:
         idx = np.flatnonzero(labels == m)
         out[int(m)] = weighted_average([states[i] for i in idx], [weights[i] for i in idx], names=[names[i] for i in idx])
     return out
+
+
+def ifca_models(models: Sequence[Mapping], states: Sequence[Mapping], weights: Sequence[float],
+                choices: Sequence[int], *, empty: str = "keep", all_answered: bool = True,
+                names=None) -> tuple[list, list[int]]:
+    """IFCA's server step (Ghosh et al. 2020, Alg. 2): model ``j`` becomes the weighted average of the updates of
+    the sites that chose it.
+
+    A model no site chose: ``empty="keep"`` leaves it unchanged (the paper); ``empty="global"`` (fedmed) sets it
+    to the weighted average of *all* updates of the round, but only when every site answered
+    (``all_answered``): then no site's data prefers that model, and a stale copy would only steal later rounds
+    from the live one when sites alternate between equally good models (docs/readings.md, "IFCA"). With
+    partial participation a cluster can be empty because its sites were not sampled, so it is kept.
+
+    Returns:
+        (the K models, the ids of the models refilled this round).
+    """
+    if empty not in ("keep", "global"):
+        raise ValueError(f"empty should be 'keep' or 'global', got {empty!r}.")
+    out = list(models)
+    for j in range(len(models)):
+        idx = [i for i, c in enumerate(choices) if c == j]
+        if idx:
+            out[j] = weighted_average([states[i] for i in idx], [weights[i] for i in idx],
+                                      names=[names[i] for i in idx] if names else None)
+    refilled = [j for j in range(len(models)) if j not in set(choices)]
+    if empty == "global" and all_answered and states and refilled:
+        glob = weighted_average(states, weights, names=names)
+        for j in refilled:
+            out[j] = glob
+    else:
+        refilled = []
+    return out, refilled
 
 
 def prep_weights(label_sets: Sequence, n_classes: int) -> tuple[np.ndarray, np.ndarray]:

@@ -247,6 +247,9 @@ class IFCAMethod(_Method):
     workflow: Literal["ifca"]
     n_clusters: int = Field(2, ge=1, description="K models")
     participation: float = Field(1.0, gt=0, le=1)
+    empty_cluster: Literal["global", "keep"] = Field(
+        "global", description="a model no site chose in a round with every site answering: replaced by that "
+        "round's average of all updates (fedmed; docs/readings.md), or kept unchanged (the paper)")
 
 
 class SegAssessMethod(_Method):

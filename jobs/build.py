@@ -86,7 +86,8 @@ def controller_for(exp, method, seed: int, cfg: dict, resume: bool):
         from custom.ifca import IFCAController
 
         return IFCAController(num_rounds=rounds, fedmed_config=cfg, k=method.n_clusters,
-                              participation=method.participation, resume=resume)
+                              participation=method.participation, empty_cluster=method.empty_cluster,
+                              resume=resume)
     raise BuildError(f"method {method.name!r}: workflow {w!r} has no job builder")
 
 

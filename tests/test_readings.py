@@ -217,3 +217,23 @@ def test_flux_absent_class_zeros_vs_minus_one(rng):
     assert np.all(full0[-slot:] == 0) and np.all(full1[-slot:] == -1)  # class 2 absent
     assert not np.all(full0[-2 * slot:-slot] == 0)  # one-sample class 1 is kept by fedmed (k_min=1) ...
     assert np.all(full1[-2 * slot:-slot] == -1)  # ... and -1 in the code
+
+
+def test_ifca_unchosen_model_is_refilled_only_when_every_site_answered():
+    """IFCA: a model no site chose stays unchanged in the paper; fedmed sets it to the round's average of all
+    updates when every site answered (so alike sites that alternate between two models lose no rounds), and
+    keeps it under partial participation (its sites may just not have been sampled)."""
+    from fedmed.aggregation import ifca_models
+
+    m0, m1 = {"w": np.zeros(2)}, {"w": np.full(2, 9.0)}
+    ups = [{"w": np.array([1.0, 1.0])}, {"w": np.array([3.0, 3.0])}]
+    kept, r = ifca_models([m0, m1], ups, [1, 1], [0, 0], empty="keep")
+    assert r == [] and np.allclose(kept[0]["w"], 2.0) and np.allclose(kept[1]["w"], 9.0)  # the paper: stale
+    new, r = ifca_models([m0, m1], ups, [1, 1], [0, 0], empty="global")
+    assert r == [1] and np.allclose(new[1]["w"], 2.0) and np.allclose(new[0]["w"], 2.0)
+    part, r = ifca_models([m0, m1], ups, [1, 1], [0, 0], empty="global", all_answered=False)
+    assert r == [] and np.allclose(part[1]["w"], 9.0)
+    both, r = ifca_models([m0, m1], ups, [1, 3], [0, 1], empty="global")
+    assert r == [] and np.allclose(both[0]["w"], 1.0) and np.allclose(both[1]["w"], 3.0)
+    with pytest.raises(ValueError, match="empty should be"):
+        ifca_models([m0], ups, [1, 1], [0, 0], empty="stale")
