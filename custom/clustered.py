@@ -59,7 +59,7 @@ class ClusteredFedAvgController(FedAvgController):
             info = choose_clusters(D, names, n_clusters=self.clustering.get("n_clusters"),
                                    threshold=self.clustering.get("threshold"),
                                    linkage_method=self.clustering.get("linkage", "average"),
-                                   k1_silhouette=self.clustering.get("k1_silhouette", 0.25))
+                                   k1_silhouette=self.clustering.get("k1_silhouette", 0.5))
         except ValueError as e:  # e.g. fewer than two signatures, or no pair of sites sharing a class
             names = sorted(sigs)
             self.error(f"clustering impossible ({e}); training one model for all {len(names)} sites")

@@ -35,7 +35,7 @@ def cmd_cluster(a):
             "--linkage": method in ("agglomerative", "auto-k"), "--k1-silhouette": method == "auto-k"}
     given = {"--k": a.k is not None, "--threshold": a.threshold is not None, "--k-max": a.k_max is not None,
              "--rule": a.rule != "objective", "--scale": a.scale != 1.0, "--linkage": a.linkage != "average",
-             "--k1-silhouette": a.k1_silhouette != 0.25}
+             "--k1-silhouette": a.k1_silhouette != 0.5}
     bad = [f for f, g in given.items() if g and not uses[f]]
     if bad:
         hint = " (auto-k chooses K itself; --k-max bounds it)" if "--k" in bad and method == "auto-k" else ""
@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--linkage", default="average", choices=["single", "complete", "average", "weighted"],
                    help="agglomerative / auto-k: cluster-to-cluster distance (weighted = WPGMA, PACFL's code)")
     c.add_argument("--k-max", type=int, default=None, help="auto-k: largest K considered (default min(10, N))")
-    c.add_argument("--k1-silhouette", type=float, default=0.25, help="auto-k: keep one cluster unless the best "
+    c.add_argument("--k1-silhouette", type=float, default=0.5, help="auto-k: keep one cluster unless the best "
                    "silhouette reaches this (a negative value turns the K = 1 test off)")
     c.add_argument("--rule", default="objective", choices=["objective", "printed"],
                    help="farthest-split: which reading of 004_ Alg. 1 (docs/readings.md)")

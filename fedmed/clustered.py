@@ -40,7 +40,7 @@ def signature_distances(kind: str, signatures: dict[str, dict], *, overlap: bool
 
 
 def choose_clusters(D, names, *, n_clusters: int | None = None, threshold: float | None = None,
-                    linkage_method: str = "average", k1_silhouette: float | None = 0.25) -> dict:
+                    linkage_method: str = "average", k1_silhouette: float | None = 0.5) -> dict:
     """Auto-K when neither ``n_clusters`` nor ``threshold`` is given, else Algorithm 4.
 
     Returns ``{"labels", "clusters" (lists of names), "rule", "k", and auto-K's cv/window/silhouette}``.

@@ -221,7 +221,7 @@ class AutoKResult:
 
 
 def auto_k(D, *, linkage_method: str = "average", k_max: int | None = None,
-           k1_silhouette: float | None = 0.25) -> AutoKResult:
+           k1_silhouette: float | None = 0.5) -> AutoKResult:
     """FMCL Algorithm 5: choose K from the CV window and the silhouette curve.
 
     1. ``CV = std(D_ij) / mean(D_ij)`` over off-diagonal entries (population std).
@@ -238,8 +238,9 @@ def auto_k(D, *, linkage_method: str = "average", k_max: int | None = None,
        algorithm box prints it (ties -> smaller K).
     6. **K = 1 test** (fedmed's addition, docs/readings.md): S(1) is fixed at 0, so any positive
        silhouette "wins" and Algorithm 5 can never keep sites together. With ``k1_silhouette`` set,
-       K* > 1 is kept only when ``S(K*) >= k1_silhouette`` (Kaufman & Rousseeuw 1990: below 0.25 "no
-       substantial structure has been found"); otherwise K* = 1. ``None`` is the paper's literal rule.
+       K* > 1 is kept only when ``S(K*) >= k1_silhouette`` (default 0.5; Kaufman & Rousseeuw 1990: 0.26-0.50
+       "the structure is weak and could be artificial", 0.51-0.70 "a reasonable structure has been found");
+       otherwise K* = 1. ``None`` is the paper's literal rule.
 
     Raises:
         ValueError: bad matrix or fewer than 2 sites; ``k_max`` out of range.

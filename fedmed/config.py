@@ -189,8 +189,9 @@ class _Clusters(_Strict):
     n_clusters: Optional[int] = Field(None, ge=1, description="fixed K; None = auto-K")
     threshold: Optional[float] = Field(None, ge=0, description="agglomerative merge threshold instead of K")
     linkage: Literal["average", "weighted", "complete", "single"] = "average"
-    k1_silhouette: float = Field(0.25, ge=-1, le=1, description="auto-K keeps one cluster unless the best "
-                                 "silhouette reaches this (Kaufman & Rousseeuw: < 0.25 = no substantial structure)")
+    k1_silhouette: float = Field(0.5, ge=-1, le=1, description="auto-K keeps one cluster unless the chosen K's "
+                                 "silhouette reaches this (Kaufman & Rousseeuw: 0.26-0.50 weak, could be artificial; "
+                                 "docs/readings.md)")
 
 
 class FedAvgMethod(_Method):

@@ -153,6 +153,21 @@ def test_all_sites_failing_is_a_failed_run(tmp_path):
     assert err.value.doc["status"] == "failed" and not list((tmp_path / "run").rglob("global.pt"))
     json.loads((tmp_path / "run" / "server" / "metrics.json").read_text())  # strict JSON (no bare NaN)
     assert "NaN" not in (tmp_path / "run" / "server" / "metrics.json").read_text()
+    # the same federation through `fedmed experiment`: exit status 1 and the reason on stderr
+    import fedmed.experiment as E
+
+    orig = E.prepare_federation
+    E.prepare_federation = lambda exp_, seed, out, **kw: data
+    try:
+        import contextlib
+        import io
+
+        err_text = io.StringIO()
+        with contextlib.redirect_stderr(err_text):
+            rc = main(["experiment", str(cfg_path), "--out", str(tmp_path / "exp")])
+    finally:
+        E.prepare_federation = orig
+    assert rc == 1 and "did not finish" in err_text.getvalue() and "failed" in err_text.getvalue()
 
 
 def test_seg_fedavg_w_job_assesses_then_down_weights(tmp_path):

@@ -237,3 +237,23 @@ def test_ifca_unchosen_model_is_refilled_only_when_every_site_answered():
     assert r == [] and np.allclose(both[0]["w"], 1.0) and np.allclose(both[1]["w"], 3.0)
     with pytest.raises(ValueError, match="empty should be"):
         ifca_models([m0], ups, [1, 1], [0, 0], empty="stale")
+
+
+def test_k1_threshold_is_kaufman_rousseeuws_reasonable_structure_not_their_no_structure():
+    """The K = 1 threshold: 0.5 (K & R: 0.26-0.50 'weak, could be artificial'), not 0.25 ('no substantial
+    structure'). Uniform points in the plane have weak structure (S(K*) in 0.39-0.49): 0.25 splits them, 0.5 keeps
+    them; three planted groups (S >= 0.5) are kept apart under both. Measured on BUSI with FMCL's signatures
+    (no-shift table): IID federations S(K*) = 0.34-0.38, Dirichlet(0.1) label skew 0.62-0.83."""
+    from scipy.spatial.distance import cdist
+
+    for seed in range(6):
+        X = np.random.default_rng(seed).uniform(size=(20, 2))
+        D = cdist(X, X)
+        lit = auto_k(D, k1_silhouette=None)
+        assert 0.25 < lit.scores[lit.k] < 0.5
+        assert auto_k(D, k1_silhouette=0.25).k == lit.k > 1
+        assert auto_k(D).k == 1
+    rng = np.random.default_rng(0)
+    X = np.r_[rng.normal(0, 1, (7, 2)), rng.normal(8, 1, (7, 2)), rng.normal((0, 8), 1, (6, 2))]
+    D = cdist(X, X)
+    assert auto_k(D).k == 3 and auto_k(D).scores[3] >= 0.5
