@@ -180,6 +180,18 @@ def _explain_exit(rc: int, tail: str, n_sites: int) -> str:
     return f"the simulator exited with code {rc}"
 
 
+def _stop(proc, grace: float = 30.0) -> None:
+    """SIGTERM ``jobs/run.py`` (it stops its simulator's process group), SIGKILL after ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def run_job(config_path: str, overrides: list[str], method: str, seed: int, datalists: Path, work: Path,
             n_sites: int = 0, timeout: int = 24 * 3600, *, log=print, resume_from: Path | None = None,
             sites: list[str] | None = None, test_phase: dict | None = None) -> dict:
@@ -217,20 +229,23 @@ def run_job(config_path: str, overrides: list[str], method: str, seed: int, data
     log_path = work / "simulator.log"
     with log_path.open("w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
-        while proc.poll() is None:
-            time.sleep(1.0)
-            if time.time() - t0 > timeout:
-                proc.kill()
-                proc.wait()
-                raise RunError("failed", f"no end after {timeout} s; killed (see {log_path})")
-            hits = list(ws.glob("*/server/simulate_job/fedmed/metrics.json"))
-            if hits:
-                try:
-                    doc = json.loads(hits[0].read_text())
-                except (OSError, ValueError):
-                    continue
-                total = total or doc.get("meta", {}).get("config", {}).get("train", {}).get("rounds")
-                seen = _progress(doc, total or 0, t0, seen, log)
+        try:
+            while proc.poll() is None:
+                time.sleep(1.0)
+                if time.time() - t0 > timeout:
+                    _stop(proc)
+                    raise RunError("failed", f"no end after {timeout} s; stopped (see {log_path})")
+                hits = list(ws.glob("*/server/simulate_job/fedmed/metrics.json"))
+                if hits:
+                    try:
+                        doc = json.loads(hits[0].read_text())
+                    except (OSError, ValueError):
+                        continue
+                    total = total or doc.get("meta", {}).get("config", {}).get("train", {}).get("rounds")
+                    seen = _progress(doc, total or 0, t0, seen, log)
+        except BaseException:  # interrupted or killed: do not leave the job (and its simulator) running
+            _stop(proc)
+            raise
     text = log_path.read_text()
     last = next((ln for ln in reversed(text.splitlines()) if ln.startswith("{") and '"status"' in ln), None)
     if proc.returncode == 2:

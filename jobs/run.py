@@ -53,6 +53,34 @@ def outcome(record_dir: Path | None) -> dict:
     return {"status": status, "reason": reason, "result": str(record_dir)}
 
 
+def wait_forwarding_signals(proc, grace: float = 10.0) -> int:
+    """Wait for the simulator (its own session, as FLARE starts it); on SIGTERM / SIGINT stop its whole process
+    group (SIGTERM, SIGKILL after ``grace`` s) instead of leaving it running without us, then exit 143 / 130."""
+    import signal
+
+    def stop(signum, frame):
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        raise SystemExit(128 + signum)
+
+    import subprocess
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def sim_env(sites: list[str], workspace: Path):
     """NVFlare's ``SimEnv`` (one long-lived process per site: ``num_threads = len(sites)``), launching the simulator
     through ``jobs/simulator.py`` — FLARE's own simulator with site worker ports off the ephemeral range."""
@@ -71,7 +99,7 @@ def sim_env(sites: list[str], workspace: Path):
                 cmd = [sys.executable, str(Path(__file__).with_name("simulator.py")), os.path.join(root, job.name),
                        "-w", workspace_dir, "-c", ",".join(self.clients), "-n", str(len(self.clients)),
                        "-t", str(self.num_threads)]
-                rc = subprocess.Popen(cmd, preexec_fn=os.setsid).wait()
+                rc = wait_forwarding_signals(subprocess.Popen(cmd, preexec_fn=os.setsid))
             self.last_run_failed = rc not in (None, 0)
             if self.last_run_failed:
                 raise RuntimeError(f"Simulation failed with return code {rc}; logs under {workspace_dir}")

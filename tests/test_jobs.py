@@ -129,3 +129,54 @@ def orphan_templates() -> set:
         except OSError:
             pass
     return orphans
+
+
+@pytest.mark.slow
+def test_stopping_the_job_stops_its_simulator(tmp_path):
+    """SIGTERM to jobs/run.py (what fedmed experiment sends on a timeout or interrupt) stops the simulator, which
+    runs in its own session, and the site processes with it: nothing of the run is left behind."""
+    import os
+    import signal
+    import time
+
+    import yaml
+
+    from fedmed.config import load_config
+    from fedmed.experiment import classes_override, prepare_federation
+
+    raw = {"name": "stopme", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1,
+                                         "max_per_class": 12},
+           "federation": {"sites": 2, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},
+           "train": {"rounds": 200, "local_epochs": 1, "batch_size": 16}, "privacy": {"k_min": 2},
+           "methods": [{"name": "FedAvg", "workflow": "fedavg"}]}
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    data = prepare_federation(load_config(cfg), 0, tmp_path / "data")
+    ws = tmp_path / "ws"
+    cmd = [sys.executable, str(ROOT / "jobs" / "run.py"), "--config", str(cfg), "--method", "FedAvg", "--env", "sim",
+           "--datalists", str(data), "--workspace", str(ws),
+           *[x for o in classes_override(data, load_config(cfg)) for x in ("--set", o)]]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not list(ws.glob("*/server/simulate_job/fedmed/metrics.json")) and time.time() < deadline:
+        time.sleep(1)
+
+    def ours():
+        out = []
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:  # the simulator names the workspace; a forked site worker runs in its folder
+                    if str(ws) in Path(f"/proc/{pid}/cmdline").read_text(errors="ignore") or \
+                            os.readlink(f"/proc/{pid}/cwd").startswith(str(ws)):
+                        out.append(pid)
+                except OSError:
+                    pass
+        return out
+
+    assert ours(), "the run did not start"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    deadline = time.time() + 90
+    while ours() and time.time() < deadline:
+        time.sleep(2)
+    assert not ours()
