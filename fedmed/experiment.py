@@ -341,6 +341,29 @@ def _load_saved(path: Path) -> dict:
         return {}
 
 
+def select_methods(available, wanted, config_path) -> list:
+    """The config's methods named by ``wanted`` (all when empty), in config order. A token matches a method's
+    name exactly, else case-insensitively, else its workflow (``FMCL`` selects ``FMCL (Auto-K)``; ``fmcl`` every
+    FMCL variant)."""
+    if not wanted:
+        return list(available)
+    picked: set[int] = set()
+    unknown = []
+    for token in wanted:
+        for rule in (lambda m: m.name == token, lambda m: m.name.lower() == token.lower(),
+                     lambda m: m.workflow.lower() == token.lower()):
+            hits = {i for i, m in enumerate(available) if rule(m)}
+            if hits:
+                picked |= hits
+                break
+        else:
+            unknown.append(token)
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown} in {config_path}; its methods are "
+                         f"{[m.name for m in available]} (a workflow name such as 'fmcl' also selects)")
+    return [m for i, m in enumerate(available) if i in picked]
+
+
 def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = None, methods: list[str] | None = None,
                    log=print, resume: bool = False, command: str | None = None) -> list[dict]:
     """Run every (seed, method) of the config and the reference rows; returns the result rows and writes the
@@ -353,9 +376,7 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
 
     overrides = list(overrides or [])
     exp = load_config(config_path, overrides)
-    chosen = [m for m in exp.methods if not methods or m.name in methods]
-    if methods and len(chosen) != len(methods):
-        raise ValueError(f"unknown method(s) {sorted(set(methods) - {m.name for m in exp.methods})} in {config_path}")
+    chosen = select_methods(exp.methods, methods, config_path)
     out = Path(out_dir)
     command = command or _command(config_path, overrides)
     rows: list[dict] = []

@@ -252,13 +252,32 @@ def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, optimiz
 
 
 @torch.no_grad()
-def predict_masks(model, image: np.ndarray, roi=(32, 32, 32)) -> np.ndarray:
-    """(C, D, H, W) image -> (3, D, H, W) 0/1 masks (sliding-window inference, sigmoid > 0.5)."""
+def predict_masks(model, image: np.ndarray, roi=(32, 32, 32), largest_component: bool = True) -> np.ndarray:
+    """(C, D, H, W) image -> (3, D, H, W) 0/1 masks (sliding-window inference, sigmoid > 0.5).
+
+    ``largest_component`` (default): a glioma is one lesion, so only the largest 26-connected component of the
+    whole-tumour mask is kept and TC / ET are restricted to it (:func:`keep_largest_component`; chosen on an
+    inner validation subject, docs/readings.md "3D recipe")."""
     from monai.inferers import sliding_window_inference
 
     model.eval()
     x = torch.from_numpy(image)[None]
-    return (torch.sigmoid(sliding_window_inference(x, roi, 4, model, overlap=0.25)) > 0.5).numpy()[0].astype(np.uint8)
+    masks = (torch.sigmoid(sliding_window_inference(x, roi, 4, model, overlap=0.25)) > 0.5).numpy()[0].astype(np.uint8)
+    return keep_largest_component(masks) if largest_component else masks
+
+
+def keep_largest_component(masks: np.ndarray) -> np.ndarray:
+    """(3, D, H, W) WT / TC / ET masks -> the same with WT reduced to its largest 26-connected component and TC,
+    ET set to 0 outside it."""
+    from scipy import ndimage
+
+    wt = masks[0] > 0
+    lab, n = ndimage.label(wt, structure=np.ones((3, 3, 3)))
+    if n <= 1:
+        return masks
+    sizes = ndimage.sum_labels(wt, lab, index=np.arange(1, n + 1))
+    keep = lab == 1 + int(np.argmax(sizes))
+    return (masks * keep[None]).astype(masks.dtype)
 
 
 @torch.no_grad()

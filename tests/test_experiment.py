@@ -198,3 +198,18 @@ def test_clustering_agreement_compares_each_case_with_the_methods_first_case(tmp
     assert ari_b == pytest.approx((1.0 + (-0.5)) / 2)  # seed 1: a vs b is ARI -0.5
     assert lines[2] == "| eps-0.1 | FMCL | 1, 1 | eps-inf | 0.00 ± 0.00 |"
     assert clustering_agreement([("x", [], tmp_path / "missing")]) == ""
+
+
+def test_methods_are_selected_by_name_case_or_workflow():
+    from types import SimpleNamespace as M
+
+    from fedmed.experiment import select_methods
+
+    ms = [M(name="FedAvg", workflow="fedavg"), M(name="FMCL (Auto-K)", workflow="fmcl"),
+          M(name="FMCL (K=2)", workflow="fmcl"), M(name="Flux", workflow="flux")]
+    assert [m.name for m in select_methods(ms, None, "c.yaml")] == [m.name for m in ms]
+    assert [m.name for m in select_methods(ms, ["FMCL (K=2)"], "c.yaml")] == ["FMCL (K=2)"]
+    assert [m.name for m in select_methods(ms, ["flux", "fedavg"], "c.yaml")] == ["FedAvg", "Flux"]  # config order
+    assert [m.name for m in select_methods(ms, ["FMCL"], "c.yaml")] == ["FMCL (Auto-K)", "FMCL (K=2)"]
+    with pytest.raises(ValueError, match=r"unknown method\(s\) \['Nope'\] in c.yaml; its methods are"):
+        select_methods(ms, ["FedAvg", "Nope"], "c.yaml")

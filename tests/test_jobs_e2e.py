@@ -87,6 +87,17 @@ def test_busi_job_for_named_sites_runs_in_simulator_and_poc(tmp_path):
     res = json.loads(sim.stdout.strip().splitlines()[-1])
     doc = json.loads((Path(res["result"]) / "metrics.json").read_text())
     assert doc["status"] == "finished" and len(doc["rounds"]) == 3 and sorted(doc["rounds"][-1]["sites"]) == sites
+    # the finished run's model on BUSI images, as a clinician would apply it
+    from fedmed.cli import main
+
+    model = Path(res["result"]).parent / "models" / "global.pt"
+    if not model.is_file():
+        model = next(Path(res["result"]).parent.rglob("models/global.pt"))
+    imgs = sorted(p for p in busi.rglob("malignant/*.png") if "_mask" not in p.name)[:2]
+    assert main(["predict", str(model), *map(str, imgs), "--out", str(tmp_path / "pred.csv")]) == 0
+    lines = (tmp_path / "pred.csv").read_text().splitlines()
+    assert lines[0].startswith("image,prediction,p_benign") and len(lines) == 1 + len(imgs)
+    assert all(row.split(",")[1] in ("benign", "malignant", "normal") for row in lines[1:])
 
     poc = subprocess.run([sys.executable, str(REPO_ROOT / "poc" / "run_poc.py"), str(job), "--datalists", str(data),
                           "--workspace", str(tmp_path / "poc"), "--result-dir", str(tmp_path / "poc_result")],

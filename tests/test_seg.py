@@ -168,3 +168,19 @@ def test_assess_cli_skips_bad_site(phantoms, tmp_path, capsys):
     rep = json.loads((tmp_path / "rep" / "assessment.json").read_text())
     assert rep["sites"] == ["site-1", "site-3", "site-4"] and rep["emd"]["most_distant"] == "site-4"
     assert (tmp_path / "rep" / "heatmap_emd.png").is_file() and (tmp_path / "rep" / "report.md").is_file()
+
+
+def test_largest_component_keeps_the_main_lesion_and_restricts_tc_et():
+    from fedmed.seg import keep_largest_component
+
+    m = np.zeros((3, 12, 12, 12), np.uint8)
+    m[0, 2:7, 2:7, 2:7] = 1  # main lesion, 125 voxels
+    m[0, 10:12, 10:12, 10:12] = 1  # a far-away false positive, 8 voxels
+    m[1, 3:5, 3:5, 3:5] = 1
+    m[1, 10, 10, 10] = 1  # TC inside the false positive
+    m[2, 4, 4, 4] = 1
+    out = keep_largest_component(m)
+    assert out[0].sum() == 125 and out[0, 10:, 10:, 10:].sum() == 0
+    assert out[1].sum() == 8 and out[1, 10, 10, 10] == 0 and out[2].sum() == 1
+    assert keep_largest_component(out).tolist() == out.tolist()  # one component: unchanged
+    assert keep_largest_component(np.zeros_like(m)).sum() == 0
