@@ -15,6 +15,12 @@ class BuildError(ValueError):
     """A job that cannot be built from this config; the message names the key or file."""
 
 
+def min_clients(configured: int, sites: list[str] | None) -> int:
+    """The quorum of a job: ``federation.min_clients``, lowered to the number of sites when the job is aimed at
+    fewer named sites (a resumed run without a dead site); FLARE's job meta gets the same number."""
+    return min(int(configured), len(sites)) if sites else int(configured)
+
+
 def fedmed_config(exp, seed: int, method, sites: list[str] | None) -> dict:
     """The plain-dict config that travels to sites in each task's ``meta['fedmed']`` (and to the server)."""
     train = exp.train.model_dump()
@@ -23,7 +29,7 @@ def fedmed_config(exp, seed: int, method, sites: list[str] | None) -> dict:
     fed = exp.federation
     common = {"seed": int(seed), "model": exp.model.model_dump(), "train": train,
               "privacy": exp.privacy.model_dump(),
-              "federation": {"sites": sites, "min_clients": fed.min_clients, "task_timeout": fed.task_timeout,
+              "federation": {"sites": sites, "min_clients": min_clients(fed.min_clients, sites), "task_timeout": fed.task_timeout,
                              "startup_timeout": fed.startup_timeout}}
     if exp.dataset.task == "segmentation":
         if not exp.dataset.modalities:

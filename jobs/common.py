@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fedmed.taskconfig import WEIGHTS_DIR, BuildError, fedmed_config  # noqa: E402,F401  (re-exported)
+from fedmed.taskconfig import WEIGHTS_DIR, BuildError, fedmed_config, min_clients  # noqa: E402,F401  (re-exported)
 
 
 @contextmanager
@@ -66,7 +66,11 @@ def new_job(name: str, exp, controller, sites: list[str] | None, *, client_files
     from nvflare.job_config.script_runner import FrameworkType, ScriptRunner
 
     fed = exp.federation
-    job = FedJob(name=name, min_clients=min(fed.min_clients, len(sites)) if sites else fed.min_clients)
+    quorum = min_clients(fed.min_clients, sites)
+    if quorum < fed.min_clients:
+        print(f"note: federation.min_clients={fed.min_clients} lowered to {quorum}: the job targets {len(sites)} "
+              f"named site(s) {sites}", file=sys.stderr)
+    job = FedJob(name=name, min_clients=quorum)
     job.set_app_packages(["fedmed"])  # installed at every site; not copied into the job
     job.to_server(controller, id="controller")
     job.to_server(TBAnalyticsReceiver(events=["fed.analytix_log_stats"]), id="tb_receiver")

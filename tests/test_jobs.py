@@ -180,3 +180,20 @@ def test_stopping_the_job_stops_its_simulator(tmp_path):
     while ours() and time.time() < deadline:
         time.sleep(2)
     assert not ours()
+
+
+def test_job_aimed_at_fewer_sites_than_min_clients_has_one_quorum(tmp_path, capsys):
+    """FLARE's job meta and fedmed's controller agree on the quorum: a resumed job aimed only at the surviving
+    site must not be scheduled with min_clients=1 and then fail in the controller with min_clients=2."""
+    from jobs.build import build_job
+
+    exp = _exp(min_clients=2, site_names=["hospital-a", "hospital-b"])
+    job = build_job(exp, exp.methods[0], 0, sites=["hospital-a"])
+    assert "lowered to 1" in capsys.readouterr().err
+    job.export_job(str(tmp_path))
+    meta = json.loads(next(tmp_path.rglob("meta.json")).read_text())
+    server = json.loads(next(tmp_path.rglob("config_fed_server.json")).read_text())
+    ctrl = next(w for w in server["workflows"] if w["id"] == "controller")
+    assert meta["min_clients"] == 1 and ctrl["args"]["fedmed_config"]["federation"]["min_clients"] == 1
+    build_job(exp, exp.methods[0], 0)  # both sites: the configured quorum
+    assert "lowered" not in capsys.readouterr().err
