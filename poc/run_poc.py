@@ -75,16 +75,19 @@ def connect(kit: Path, deadline: float, want_sites: list[str]):
 
     last = None
     while time.time() < deadline:
+        sess = None
         try:
             sess = new_secure_session(ADMIN, str(kit), timeout=10.0)
-            clients = [c if isinstance(c, str) else c.get("name", "") for c in (sess.get_connected_client_list() or [])]
-            clients = [getattr(c, "name", c) for c in clients]
+            # ClientInfo objects (FLARE 2.9), dicts or names
+            clients = [c.get("name", "") if isinstance(c, dict) else getattr(c, "name", c)
+                       for c in (sess.get_connected_client_list() or [])]
             if set(want_sites) <= set(clients):
                 return sess
-            sess.close()
             last = f"connected {sorted(clients)}, waiting for {sorted(set(want_sites) - set(clients))}"
         except Exception as e:  # server not up yet
             last = f"{type(e).__name__}: {e}"
+        if sess is not None:
+            sess.close()
         time.sleep(2)
     raise TimeoutError(f"POC did not come up in time ({last})")
 
