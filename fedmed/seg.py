@@ -281,7 +281,7 @@ def keep_largest_component(masks: np.ndarray) -> np.ndarray:
 
 
 @torch.no_grad()
-def seg_metrics(model, cases: Sequence[SegCase], roi=(32, 32, 32)) -> dict:
+def seg_metrics(model, cases: Sequence[SegCase], roi=(32, 32, 32), largest_component: bool = True) -> dict:
     """BraTS-style scores of a model on test cases, per region (WT, TC, ET):
 
     * ``dice_<r>``: MONAI ``DiceMetric`` on the cases whose ground truth holds the region (``ignore_empty=True``:
@@ -295,7 +295,7 @@ def seg_metrics(model, cases: Sequence[SegCase], roi=(32, 32, 32)) -> dict:
     dice = DiceMetric(include_background=True, reduction="none", ignore_empty=True)
     d_rows, h_rows, fp = [], [], []
     for c in cases:
-        pred = torch.from_numpy(predict_masks(model, c["image"], roi))[None].float()
+        pred = torch.from_numpy(predict_masks(model, c["image"], roi, largest_component))[None].float()
         gt = torch.from_numpy(c["label"])[None].float()
         if gt[0, 0].sum() == 0:
             fp.append(float(pred[0, 0].sum()))
