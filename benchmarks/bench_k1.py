@@ -1,0 +1,59 @@
+"""The auto-K K = 1 test's threshold (docs/readings.md, FMCL "Alg. 5: K = 1"): FMCL's silhouette at the chosen K
+on IID vs label-skewed BUSI federations.
+
+    .venv/bin/python benchmarks/bench_k1.py [--partitions iid dirichlet] [--seeds 0 1 2]
+
+For each partition and seed, builds ``app_configs/busi_fmcl.yaml``'s federation (20 sites; ``iid`` overrides the
+partition), has every site compute its FMCL signature exactly as in a job (``SiteRunner.handle("signature")``:
+random ViT-Tiny at 112 px, classes under k_min withheld), and runs auto-K *without* the K = 1 test
+(``k1_silhouette=None``, the paper's literal rule). Prints K*, S(K*) and the silhouette curve: a federation without
+structure (IID) should score below the threshold, a label-skewed one above. No training; about a minute per
+federation on one CPU thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv=None):
+    import torch
+
+    from fedmed.clustered import signature_distances
+    from fedmed.clustering import auto_k
+    from fedmed.config import load_config
+    from fedmed.experiment import prepare_federation
+    from fedmed.site import SiteRunner
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--partitions", nargs="+", default=["iid", "dirichlet"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_k1_"))
+    print("partition | seed | K* | S(K*) | silhouette per K")
+    for part in a.partitions:
+        for seed in a.seeds:
+            over = ["federation.partition=iid"] if part == "iid" else []
+            exp = load_config(ROOT / "app_configs" / "busi_fmcl.yaml", over)
+            data = prepare_federation(exp, seed, tmp / f"{part}{seed}")
+            sites = json.loads((data / "dataset.json").read_text())["sites"]
+            cfg = {"seed": seed, "data": {"image_size": 32, "channels": 1, "n_classes": 3},
+                   "signature": {"kind": "fmcl", "encoder": "vit_tiny", "image_size": 112, "seed": 0},
+                   "privacy": {"k_min": exp.privacy.k_min}}
+            sigs = {s: SiteRunner(s, data).handle("signature", {}, cfg)[2] for s in sites}
+            _, D = signature_distances("fmcl", sigs)
+            res = auto_k(D, k1_silhouette=None)
+            curve = {int(k): round(float(v), 3) for k, v in sorted(res.scores.items())}
+            print(f"{part} | {seed} | {res.k} | {curve.get(res.k)} | {curve}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
