@@ -13,6 +13,7 @@ does (``FEDMED_SIM_FORK=0``: a fresh interpreter per site) instead of forking th
 template (jobs/simulator.py), for the before/after figure.
 
     .venv/bin/python benchmarks/bench_memory.py --sites 20 --rounds 30 [--plain]
+    .venv/bin/python benchmarks/bench_memory.py --loop      # the same site calls without FLARE, one process
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def main(argv=None):
     ap.add_argument("--sites", type=int, default=4)
     ap.add_argument("--from-round", type=int, default=20)
     ap.add_argument("--plain", action="store_true", help="site processes as FLARE starts them (no fork template)")
+    ap.add_argument("--loop", action="store_true",
+                    help="reference without FLARE: the same SiteRunner calls in one process (fedmed.loop.fedavg_loop); "
+                         "flat RSS there puts the simulator's growth in FLARE's path, not in fedmed's site code")
     a = ap.parse_args(argv)
     import os
 
@@ -68,6 +72,8 @@ def main(argv=None):
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     exp = load_config(tmp / "cfg.yaml")
     data = prepare_federation(exp, 0, tmp / "data")
+    if a.loop:
+        return loop_reference(tmp / "cfg.yaml", data, a)
     cmd = [sys.executable, str(ROOT / "jobs" / "run.py"), "--config", str(tmp / "cfg.yaml"), "--method", "FedAvg",
            "--env", "sim", "--datalists", str(data), "--workspace", str(tmp / "ws"),
            *[x for o in classes_override(data, exp) for x in ("--set", o)]]
@@ -118,6 +124,31 @@ def main(argv=None):
     print(f"| **total** | {mb(tot0):.0f} | {mb(tot1):.0f} | {100 * (tot1 - tot0) / tot0:+.1f}% | {mb(tot1 - tot0) / n:.3f} |")
     print(f"peak total RSS {mb(peak):.0f} MB; peak total PSS {mb(max(s[2] for s in samples)):.0f} MB "
           f"({'plain FLARE site processes' if a.plain else 'sites forked from the template'})")
+    return 0
+
+
+def loop_reference(cfg_path, data, a) -> int:
+    """The bare loop's own RSS after every round (all sites' SiteRunner calls in this one process)."""
+    import psutil
+    import torch
+
+    from fedmed.config import load_config
+    from fedmed.experiment import classes_override
+    from fedmed.loop import fedavg_loop
+    from fedmed.taskconfig import fedmed_config
+
+    torch.set_num_threads(1)
+    exp = load_config(cfg_path, classes_override(data, load_config(cfg_path)))
+    meta = json.loads((data / "dataset.json").read_text())
+    cfg = fedmed_config(exp, 0, exp.methods[0], meta["sites"])
+    me, rss = psutil.Process(), []
+    t0 = time.time()
+    fedavg_loop(cfg, data, meta["sites"], rounds=a.rounds, log=lambda _line: rss.append(me.memory_info().rss))
+    mb = lambda x: x / 2**20  # noqa: E731
+    r0, r1, n = rss[a.from_round], rss[-1], len(rss) - 1 - a.from_round
+    print(f"FedAvg, {a.sites} sites, {a.rounds} rounds as a bare loop in one process: {time.time() - t0:.0f} s")
+    print(f"RSS at round {a.from_round} {mb(r0):.0f} MB, at round {len(rss) - 1} {mb(r1):.0f} MB: "
+          f"{100 * (r1 - r0) / r0:+.1f}%, {mb(r1 - r0) / n:.3f} MB per round ({mb(r1 - r0) / n / a.sites:.3f} per site)")
     return 0
 
 
