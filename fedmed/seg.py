@@ -268,7 +268,8 @@ def predict_masks(model, image: np.ndarray, roi=(32, 32, 32), largest_component:
 
 def keep_largest_component(masks: np.ndarray) -> np.ndarray:
     """(3, D, H, W) WT / TC / ET masks -> the same with WT reduced to its largest 26-connected component and TC,
-    ET set to 0 outside it."""
+    ET set to 0 outside it. (MONAI's ``KeepLargestConnectedComponent`` does the same but needs scikit-image on
+    CPU, which fedmed does not install.)"""
     from scipy import ndimage
 
     wt = masks[0] > 0

@@ -84,6 +84,26 @@ def test_forked_worker_runs_the_module_with_the_env_and_reports_exit_codes(tmp_p
         sim.ForkedWorker.stop()
 
 
+def digits_sim_command(tmp_path, *, sites: int, rounds: int, workspace) -> list[str]:
+    """``jobs/run.py --env sim`` for FedAvg on an IID federation of the bundled digits (written under tmp_path)."""
+    import yaml
+
+    from fedmed.config import load_config
+    from fedmed.experiment import classes_override, prepare_federation
+
+    raw = {"name": "simjob", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 12},
+           "federation": {"sites": sites, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},
+           "train": {"rounds": rounds, "local_epochs": 1, "batch_size": 16}, "privacy": {"k_min": 2},
+           "methods": [{"name": "FedAvg", "workflow": "fedavg"}]}
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    exp = load_config(cfg)
+    data = prepare_federation(exp, 0, tmp_path / "data")
+    return [sys.executable, str(ROOT / "jobs" / "run.py"), "--config", str(cfg), "--method", "FedAvg", "--env", "sim",
+            "--datalists", str(data), "--workspace", str(workspace),
+            *[x for o in classes_override(data, exp) for x in ("--set", o)]]
+
+
 @pytest.mark.slow
 def test_forked_and_plain_site_processes_train_the_same_model(tmp_path):
     """The simulator with sites forked from the template and with FLARE's own process start end with the same
@@ -91,24 +111,11 @@ def test_forked_and_plain_site_processes_train_the_same_model(tmp_path):
     import os
 
     import torch
-    import yaml
 
-    from fedmed.config import load_config
-    from fedmed.experiment import classes_override, prepare_federation
-
-    raw = {"name": "fork", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 12},
-           "federation": {"sites": 3, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},
-           "train": {"rounds": 2, "local_epochs": 1, "batch_size": 16}, "privacy": {"k_min": 2},
-           "methods": [{"name": "FedAvg", "workflow": "fedavg"}]}
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump(raw))
-    data = prepare_federation(load_config(cfg), 0, tmp_path / "data")
     models = {}
     before = orphan_templates()
     for mode in ("1", "0"):
-        cmd = [sys.executable, str(ROOT / "jobs" / "run.py"), "--config", str(cfg), "--method", "FedAvg", "--env",
-               "sim", "--datalists", str(data), "--workspace", str(tmp_path / f"ws{mode}"),
-               *[x for o in classes_override(data, load_config(cfg)) for x in ("--set", o)]]
+        cmd = digits_sim_command(tmp_path, sites=3, rounds=2, workspace=tmp_path / f"ws{mode}")
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "FEDMED_SIM_FORK": mode},
                            timeout=600)
         res = json.loads(p.stdout.strip().splitlines()[-1])
@@ -139,23 +146,8 @@ def test_stopping_the_job_stops_its_simulator(tmp_path):
     import signal
     import time
 
-    import yaml
-
-    from fedmed.config import load_config
-    from fedmed.experiment import classes_override, prepare_federation
-
-    raw = {"name": "stopme", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1,
-                                         "max_per_class": 12},
-           "federation": {"sites": 2, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},
-           "train": {"rounds": 200, "local_epochs": 1, "batch_size": 16}, "privacy": {"k_min": 2},
-           "methods": [{"name": "FedAvg", "workflow": "fedavg"}]}
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump(raw))
-    data = prepare_federation(load_config(cfg), 0, tmp_path / "data")
     ws = tmp_path / "ws"
-    cmd = [sys.executable, str(ROOT / "jobs" / "run.py"), "--config", str(cfg), "--method", "FedAvg", "--env", "sim",
-           "--datalists", str(data), "--workspace", str(ws),
-           *[x for o in classes_override(data, load_config(cfg)) for x in ("--set", o)]]
+    cmd = digits_sim_command(tmp_path, sites=2, rounds=200, workspace=ws)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not list(ws.glob("*/server/simulate_job/fedmed/metrics.json")) and time.time() < deadline:
