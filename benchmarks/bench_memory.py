@@ -14,6 +14,12 @@ template (jobs/simulator.py), for the before/after figure.
 
     .venv/bin/python benchmarks/bench_memory.py --sites 20 --rounds 30 [--plain]
     .venv/bin/python benchmarks/bench_memory.py --loop      # the same site calls without FLARE, one process
+    .venv/bin/python benchmarks/bench_memory.py --trace     # + tracemalloc in the site scripts and the controller
+    .venv/bin/python benchmarks/bench_memory.py --env MALLOC_ARENA_MAX=2   # an environment setting for the run
+
+``--trace`` (``fedmed.memtrace``) has every site script and the server's controller snapshot its live Python
+allocations every 10 rounds; the script then prints, per process, RSS growth next to the growth of traced Python
+memory, and the source lines whose live allocations grew most (tracing slows the run).
 """
 
 from __future__ import annotations
@@ -60,11 +66,15 @@ def main(argv=None):
     ap.add_argument("--loop", action="store_true",
                     help="reference without FLARE: the same SiteRunner calls in one process (fedmed.loop.fedavg_loop); "
                          "flat RSS there puts the simulator's growth in FLARE's path, not in fedmed's site code")
+    ap.add_argument("--trace", action="store_true", help="tracemalloc in the site scripts and the controller")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment setting for the run")
     a = ap.parse_args(argv)
     import os
 
-    env = {**os.environ, "FEDMED_SIM_FORK": "0" if a.plain else "1"}
+    env = {**os.environ, "FEDMED_SIM_FORK": "0" if a.plain else "1", **dict(e.split("=", 1) for e in a.env)}
     tmp = Path(tempfile.mkdtemp(prefix="bench_memory_"))
+    if a.trace:
+        env.update({"FEDMED_MEMTRACE": str(tmp / "trace"), "FEDMED_MEMTRACE_EVERY": "10"})
     cfg = {"name": "memory", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 20},
            "federation": {"sites": a.sites, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},
            "train": {"rounds": a.rounds, "local_epochs": 1, "batch_size": 16}, "privacy": {"k_min": 2},
@@ -123,8 +133,31 @@ def main(argv=None):
         print(f"| {k} | {r0:.0f} | {r1:.0f} | {100 * (r1 - r0) / max(r0, 1e-9):+.1f}% | {(r1 - r0) / n:.3f} |")
     print(f"| **total** | {mb(tot0):.0f} | {mb(tot1):.0f} | {100 * (tot1 - tot0) / tot0:+.1f}% | {mb(tot1 - tot0) / n:.3f} |")
     print(f"peak total RSS {mb(peak):.0f} MB; peak total PSS {mb(max(s[2] for s in samples)):.0f} MB "
-          f"({'plain FLARE site processes' if a.plain else 'sites forked from the template'})")
+          f"({'plain FLARE site processes' if a.plain else 'sites forked from the template'})"
+          f"{''.join(f'; {e}' for e in a.env)}")
+    if a.trace:
+        print_trace(tmp / "trace", a.from_round)
     return 0
+
+
+def print_trace(folder: Path, from_round: int) -> None:
+    """Per traced process: RSS growth vs traced-Python growth, and the lines whose live allocations grew."""
+    from fedmed import memtrace
+
+    mb = lambda x: x / 2**20  # noqa: E731
+    for log in sorted(folder.glob("*.jsonl")):
+        tag = log.stem
+        rounds = sorted(json.loads(line)["round"] for line in log.read_text().splitlines())
+        first = min((r for r in rounds if r >= from_round), default=None)
+        if first is None or rounds[-1] <= first:
+            continue
+        rows, tot = memtrace.compare(folder, tag, first, rounds[-1])
+        n = rounds[-1] - first
+        print(f"\n{tag}, rounds {first} -> {rounds[-1]}: RSS {mb(tot['rss'][0]):.0f} -> {mb(tot['rss'][1]):.0f} MB "
+              f"({mb(tot['rss'][1] - tot['rss'][0]) / n:.3f} MB/round); traced Python {mb(tot['traced'][0]):.1f} -> "
+              f"{mb(tot['traced'][1]):.1f} MB ({mb(tot['traced'][1] - tot['traced'][0]) / n:.3f} MB/round)")
+        for where, size, count in rows:
+            print(f"  {size / 1024:+9.1f} KiB {count:+7d} blocks  {where}")
 
 
 def loop_reference(cfg_path, data, a) -> int:

@@ -28,6 +28,7 @@ import numpy as np
 from nvflare.app_common.abstract.fl_model import FLModel
 from nvflare.app_common.workflows.model_controller import ModelController
 
+from fedmed import memtrace
 from fedmed.reporting import Recorder
 
 RESUME_DIR = "fedmed_resume"  # inside the server app's custom folder of a resumed job
@@ -123,6 +124,7 @@ class FedMedController(ModelController):
         raise NotImplementedError
 
     def start_recording(self):
+        memtrace.start()
         self.recorder = Recorder(Path(self.get_run_dir()) / "fedmed", meta={"config": self.cfg,
                                                                              "workflow": type(self).__name__})
 
@@ -246,6 +248,7 @@ class FedMedController(ModelController):
         (out / "state.tmp.json").write_text(json.dumps(doc, default=json_default, allow_nan=True))
         (out / "state.tmp.json").replace(out / "state.json")
         self.recorder.doc["checkpoint_round"] = int(next_round) - 1
+        memtrace.checkpoint("server", int(next_round) - 1)  # no-op unless benchmarks/bench_memory.py --trace
 
     def restore(self):
         """Load the checkpoint a resumed job carries (``resume=True``): ``self.resumed`` holds

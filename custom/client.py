@@ -87,6 +87,9 @@ def main():
     import torch
 
     torch.set_num_threads(max(1, args.threads))
+    from fedmed import memtrace
+
+    tracing = memtrace.start()  # benchmarks/bench_memory.py --trace only
     fast_polling(flare.init())
     site = flare.get_site_name()
     runner = None
@@ -120,6 +123,8 @@ def main():
                 writer.add_scalar(f"{site}/{tag}", float(v), global_step=int(rnd))
         flare.send(FLModel(params=params, metrics=metrics, meta=to_meta({**meta, "task": task, "round": rnd,
                                                                           "cluster": meta.get("cluster", cfg.get("cluster"))})))
+        if tracing:
+            memtrace.checkpoint(site, rnd)
 
 
 if __name__ == "__main__":
