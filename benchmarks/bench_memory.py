@@ -16,6 +16,10 @@ template (jobs/simulator.py), for the before/after figure.
     .venv/bin/python benchmarks/bench_memory.py --loop      # the same site calls without FLARE, one process
     .venv/bin/python benchmarks/bench_memory.py --trace     # + tracemalloc in the site scripts and the controller
     .venv/bin/python benchmarks/bench_memory.py --env MALLOC_ARENA_MAX=2   # an environment setting for the run
+    .venv/bin/python benchmarks/bench_memory.py --env FEDMED_SIM_MALLOC=0  # without the simulator's fixed mmap threshold
+
+The simulator starts with ``MALLOC_MMAP_THRESHOLD_=131072`` (``jobs/run.py``: FLARE's freed 1 MiB stream buffers
+go back to the system instead of staying in glibc's per-thread heaps); ``FEDMED_SIM_MALLOC=0`` measures without it.
 
 ``--trace`` (``fedmed.memtrace``) has every site script and the server's controller snapshot its live Python
 allocations every 10 rounds; the script then prints, per process, RSS growth next to the growth of traced Python
@@ -132,6 +136,11 @@ def main(argv=None):
         r0, r1 = mb(first[1].get(k, 0)), mb(last[1].get(k, 0))
         print(f"| {k} | {r0:.0f} | {r1:.0f} | {100 * (r1 - r0) / max(r0, 1e-9):+.1f}% | {(r1 - r0) / n:.3f} |")
     print(f"| **total** | {mb(tot0):.0f} | {mb(tot1):.0f} | {100 * (tot1 - tot0) / tot0:+.1f}% | {mb(tot1 - tot0) / n:.3f} |")
+    step = max(10, last[0] // 10)
+    marks = [s for r in range(step, last[0] + 1, step) if (s := at(r)) is not None and s[0] <= last[0]]
+    print("total RSS by round (MB): " + ", ".join(f"{s[0]}: {mb(sum(s[1].values())):.0f}" for s in marks))
+    sites = lambda s: sum(v for k, v in s[1].items() if k.startswith("site processes"))  # noqa: E731
+    print("site processes' RSS by round (MB): " + ", ".join(f"{s[0]}: {mb(sites(s)):.0f}" for s in marks))
     print(f"peak total RSS {mb(peak):.0f} MB; peak total PSS {mb(max(s[2] for s in samples)):.0f} MB "
           f"({'plain FLARE site processes' if a.plain else 'sites forked from the template'})"
           f"{''.join(f'; {e}' for e in a.env)}")
