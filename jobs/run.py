@@ -81,25 +81,6 @@ def wait_forwarding_signals(proc, grace: float = 10.0) -> int:
             signal.signal(s, h)
 
 
-# glibc's malloc raises its mmap threshold after the first large block is freed, so FLARE's 1 MiB streaming buffers
-# (one per message, byte_streamer.py) then come from the heap arenas of its many threads and are not given back:
-# the simulator's RSS grew 10-12% from round 20 to 200 (benchmarks/bench_memory.py). A fixed threshold keeps such
-# blocks in mmap, returned to the system when freed (server +0.7%, total +4.4%; docs/results.md "Memory").
-# Applied to the simulator only, as a default: a value already in the environment wins; FEDMED_SIM_MALLOC=0 leaves
-# glibc's own behaviour (the "before" of the benchmark).
-SIM_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-
-
-def simulator_environment(base=None) -> dict:
-    """The simulator process's environment: ``base`` (default ``os.environ``) plus :data:`SIM_MALLOC` defaults."""
-    env = dict(os.environ if base is None else base)
-    if env.get("FEDMED_SIM_MALLOC") == "0":
-        return env
-    for k, v in SIM_MALLOC.items():
-        env.setdefault(k, v)
-    return env
-
-
 def sim_env(sites: list[str], workspace: Path):
     """NVFlare's ``SimEnv`` (one long-lived process per site: ``num_threads = len(sites)``), launching the simulator
     through ``jobs/simulator.py`` — FLARE's own simulator with site worker ports off the ephemeral range."""
@@ -118,7 +99,7 @@ def sim_env(sites: list[str], workspace: Path):
                 cmd = [sys.executable, str(Path(__file__).with_name("simulator.py")), os.path.join(root, job.name),
                        "-w", workspace_dir, "-c", ",".join(self.clients), "-n", str(len(self.clients)),
                        "-t", str(self.num_threads)]
-                rc = wait_forwarding_signals(subprocess.Popen(cmd, preexec_fn=os.setsid, env=simulator_environment()))
+                rc = wait_forwarding_signals(subprocess.Popen(cmd, preexec_fn=os.setsid))
             self.last_run_failed = rc not in (None, 0)
             if self.last_run_failed:
                 raise RuntimeError(f"Simulation failed with return code {rc}; logs under {workspace_dir}")

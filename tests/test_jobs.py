@@ -190,16 +190,3 @@ def test_job_aimed_at_fewer_sites_than_min_clients_has_one_quorum(tmp_path, caps
     build_job(exp, exp.methods[0], 0)  # both sites: the configured quorum
     assert "lowered" not in capsys.readouterr().err
 
-
-def test_simulator_gets_a_fixed_mmap_threshold_unless_the_user_set_one():
-    """glibc's dynamic mmap threshold kept FLARE's freed 1 MiB stream buffers in the heap (RSS +10-12% over 200
-    rounds); the simulator starts with a fixed threshold by default, and a value the user set is kept."""
-    from jobs.run import SIM_MALLOC, simulator_environment
-
-    env = simulator_environment({"PATH": "/usr/bin"})
-    assert env["MALLOC_MMAP_THRESHOLD_"] == SIM_MALLOC["MALLOC_MMAP_THRESHOLD_"] == "131072"
-    assert env["PATH"] == "/usr/bin"
-    mine = {"MALLOC_MMAP_THRESHOLD_": "4194304"}
-    assert simulator_environment(mine)["MALLOC_MMAP_THRESHOLD_"] == "4194304"
-    assert mine == {"MALLOC_MMAP_THRESHOLD_": "4194304"}  # the caller's mapping is not changed
-    assert "MALLOC_MMAP_THRESHOLD_" not in simulator_environment({"FEDMED_SIM_MALLOC": "0"})
