@@ -1,11 +1,11 @@
-"""Opt-in memory tracing for ``benchmarks/bench_memory.py --trace`` (off unless ``FEDMED_MEMTRACE`` names a folder).
+"""Memory of long runs: :func:`trim` (once per round in the site script and the controller) and opt-in tracing for
+``benchmarks/bench_memory.py --trace`` (off unless ``FEDMED_MEMTRACE`` names a folder).
 
 Where does a long run's RSS growth come from? Each traced process (the site script, the server's controller)
 starts :mod:`tracemalloc` and, every ``FEDMED_MEMTRACE_EVERY`` rounds, writes a snapshot of its live Python
 allocations plus one JSON line with its RSS and the traced total. Comparing two snapshots names the source lines
 whose live allocations grew; RSS growing while the traced total stays flat puts the growth outside Python objects
-(native buffers, allocator fragmentation). Nothing here runs, and nothing is imported at a site, when the variable
-is unset.
+(native buffers, allocator fragmentation). Without the variable the tracing functions do nothing.
 """
 
 from __future__ import annotations
@@ -71,3 +71,27 @@ def compare(folder, tag: str, first: int, last: int, top: int = 8) -> tuple[list
     lines = {r["round"]: r for r in map(json.loads, (folder / f"{tag}.jsonl").read_text().splitlines())}
     totals = {k: (lines[first][k], lines[last][k]) for k in ("rss", "traced")}
     return rows, totals
+
+
+_LIBC = None
+
+
+def trim() -> bool:
+    """Give memory that glibc holds but no longer uses back to the system (``malloc_trim(0)``: every arena, whole
+    free pages inside them too). FLARE's site and server processes free a 1 MiB stream buffer per message from many
+    threads, which glibc then keeps in their heaps: calling this once per round halved the site processes' RSS
+    growth over 200 rounds (+14.9% -> +7.8%, ``benchmarks/bench_memory.py``; docs/results.md "Memory"). It does not
+    change how memory is allocated. Returns False where there is no glibc (nothing done)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 - glibc only
+        except (OSError, AttributeError):
+            _LIBC = False
+    if not _LIBC:
+        return False
+    _LIBC.malloc_trim(0)
+    return True

@@ -32,3 +32,41 @@ def test_names_the_line_whose_allocations_grow(tmp_path, monkeypatch):
     assert 20 * 64 * 1024 <= grown < 21 * 64 * 1024
     assert totals["traced"][1] - totals["traced"][0] >= 20 * 64 * 1024
     assert totals["rss"][0] > 0
+
+
+TRIM_CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from fedmed import memtrace
+big = bytearray(8 << 20)
+del big  # after this free glibc raises its mmap threshold: later 1 MiB blocks come from the heap
+blocks, keep = [], []
+for _ in range(400):  # 400 MiB of 1 MiB heap blocks, pinned apart by small live ones (like FLARE's stream buffers)
+    blocks.append(bytearray(1 << 20))
+    keep.append(bytearray(64))
+for b in blocks:
+    b[::4096] = b"\1" * len(b[::4096])
+del blocks
+freed = memtrace.rss_bytes()
+print(freed, memtrace.trim(), memtrace.rss_bytes())
+"""
+
+
+def test_trim_gives_freed_heap_blocks_back():
+    """The mechanism behind the simulator's RSS growth and its fix: freed 1 MiB heap blocks stay resident until
+    ``trim`` (``malloc_trim``) returns them."""
+    import platform
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+    out = subprocess.run([sys.executable, "-c", TRIM_CHILD, str(Path(__file__).resolve().parents[1])],
+                         capture_output=True, text=True, check=True).stdout.split()
+    freed, trimmed, after = int(out[0]), out[1] == "True", int(out[2])
+    assert trimmed
+    assert freed > 350 * 2**20  # glibc kept the freed blocks
+    assert after < freed - 300 * 2**20  # trim gave them back
