@@ -16,10 +16,10 @@ template (jobs/simulator.py), for the before/after figure.
     .venv/bin/python benchmarks/bench_memory.py --loop      # the same site calls without FLARE, one process
     .venv/bin/python benchmarks/bench_memory.py --trace     # + tracemalloc in the site scripts and the controller
     .venv/bin/python benchmarks/bench_memory.py --env MALLOC_ARENA_MAX=2   # an environment setting for the run
-    .venv/bin/python benchmarks/bench_memory.py --env FEDMED_SIM_MALLOC=0  # without the simulator's fixed mmap threshold
 
-The simulator starts with ``MALLOC_MMAP_THRESHOLD_=131072`` (``jobs/run.py``: FLARE's freed 1 MiB stream buffers
-go back to the system instead of staying in glibc's per-thread heaps); ``FEDMED_SIM_MALLOC=0`` measures without it.
+The site script and the controller call ``fedmed.memtrace.trim`` (glibc ``malloc_trim``) once per round, giving back
+the heap pages of FLARE's freed 1 MiB stream buffers; ``--env MALLOC_MMAP_THRESHOLD_=1048576`` is the allocator
+setting compared with it in docs/results.md ("Memory"; its training cost: ``benchmarks/bench_malloc.py``).
 
 ``--trace`` (``fedmed.memtrace``) has every site script and the server's controller snapshot its live Python
 allocations every 10 rounds; the script then prints, per process, RSS growth next to the growth of traced Python
