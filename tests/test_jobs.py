@@ -189,4 +189,3 @@ def test_job_aimed_at_fewer_sites_than_min_clients_has_one_quorum(tmp_path, caps
     assert meta["min_clients"] == 1 and ctrl["args"]["fedmed_config"]["federation"]["min_clients"] == 1
     build_job(exp, exp.methods[0], 0)  # both sites: the configured quorum
     assert "lowered" not in capsys.readouterr().err
-
