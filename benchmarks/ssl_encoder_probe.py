@@ -1,0 +1,137 @@
+"""What the Fed-MAE encoder of a finished ``fedmed ssl`` study is worth, outside the federation.
+
+    .venv/bin/python benchmarks/ssl_encoder_probe.py --study results/ssl_imagenette [--cases p2.5] [--seeds 0]
+        [--finetune-lr 1e-3 6.25e-5] [--epochs 100]
+
+For every seed whose pre-training finished and every fine-tuning case, on the case's pooled labeled training
+images (all sites) and its common test set:
+
+* **linear probe** — logistic regression (C = 0.1, fixed, features standardized on the training images) on the
+  frozen pooled encoder features, the random ViT (seeded as the classifier is) vs the Fed-MAE encoder;
+* **centralized fine-tuning** (``--finetune-lr``, optional) — the encoder plus a linear head trained on the pooled
+  labeled images as the sites do (AdamW with layer-wise decay 0.75, warm-up 5% then cosine, flips, batch 16),
+  from each init, for each learning rate given: the final epoch's test accuracy (no selection). ``1e-3`` is the
+  study's reading of ``001_``'s fine-tuning "base learning rate"; ``1e-3 x 16 / 256 = 6.25e-5`` is MAE's scaling
+  rule applied to it (docs/readings.md).
+
+Nothing is tuned on the test set: every setting is fixed above. Prints a table per seed and the paired
+differences (Fed-MAE minus random).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _pooled(case_dir: Path):
+    from fedmed.data import load_datalist, load_images
+
+    meta = json.loads((case_dir / "dataset.json").read_text())
+    train, test = [], None
+    for s in meta["sites"]:
+        doc = load_datalist(case_dir / f"{s}.json", root=case_dir)
+        train += doc["training"]
+        test = doc["test"]
+    xtr, ytr = load_images(train, image_size=32, channels=3)
+    xte, yte = load_images(test, image_size=32, channels=3)
+    return xtr, ytr, xte, yte, int(meta["n_classes"])
+
+
+def _classifier(init: str, encoder: Path, n_classes: int):
+    import torch
+
+    from fedmed.ssl import ViTClassifier
+
+    torch.manual_seed(0)
+    m = ViTClassifier(3, n_classes)
+    if init == "fedmae":
+        missing, unexpected = m.load_state_dict(torch.load(encoder, weights_only=True), strict=False)
+        assert not unexpected and set(missing) == {"head.weight", "head.bias"}, (missing, unexpected)
+    return m
+
+
+def linear_probe(init, encoder, data) -> float:
+    import torch
+    from sklearn.linear_model import LogisticRegression
+
+    xtr, ytr, xte, yte, n_classes = data
+    m = _classifier(init, encoder, n_classes).eval()
+    with torch.no_grad():
+        ftr = m.forward_features((xtr - 0.5) / 0.5).numpy()
+        fte = m.forward_features((xte - 0.5) / 0.5).numpy()
+    mu, sd = ftr.mean(0), ftr.std(0) + 1e-6
+    clf = LogisticRegression(max_iter=3000, C=0.1).fit((ftr - mu) / sd, ytr.numpy())
+    return float(clf.score((fte - mu) / sd, yte.numpy()))
+
+
+def finetune(init, encoder, data, lr: float, epochs: int) -> float:
+    import torch
+
+    from fedmed.ssl import layerwise_param_groups, scheduled_lr
+    from fedmed.train import predict_proba, train_local
+
+    xtr, ytr, xte, yte, n_classes = data
+    m = _classifier(init, encoder, n_classes)
+    opt = torch.optim.AdamW(layerwise_param_groups(m, 0.75), lr=lr, weight_decay=0.05)
+    train_local(m, xtr, ytr, epochs=epochs, batch_size=16, optimizer=opt, generator=torch.Generator().manual_seed(0),
+                augment="flip", lr_at=lambda f: scheduled_lr(lr, f, 0.05))
+    return float((predict_proba(m, xte).argmax(1) == yte.numpy()).mean())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--study", default="results/ssl_imagenette")
+    ap.add_argument("--cases", nargs="*", default=None, help="fine-tuning cases (default: all with data)")
+    ap.add_argument("--seeds", nargs="*", type=int, default=None)
+    ap.add_argument("--finetune-lr", nargs="*", type=float, default=[])
+    ap.add_argument("--epochs", type=int, default=100, help="fine-tuning epochs (the study: 20 rounds x 5)")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    study = Path(args.study)
+    seeds = args.seeds if args.seeds is not None else sorted(
+        int(p.name[4:]) for p in (study / "runs").glob("seed*") if (p / "pretrain/server/models/encoder.pt").is_file())
+    rows = []
+    for seed in seeds:
+        encoder = study / "runs" / f"seed{seed}" / "pretrain" / "server" / "models" / "encoder.pt"
+        if not encoder.is_file():
+            print(f"seed {seed}: no finished pre-training ({encoder.relative_to(study)}), skipped")
+            continue
+        cases = args.cases or sorted(p.name for p in (study / "data" / f"seed{seed}").iterdir()
+                                     if p.name.startswith("p") and (p / "dataset.json").is_file())
+        for case in cases:
+            data = _pooled(study / "data" / f"seed{seed}" / case)
+            t0 = time.time()
+            row = {"seed": seed, "case": case, "n_train": len(data[1])}
+            for init in ("random", "fedmae"):
+                row[f"probe_{init}"] = linear_probe(init, encoder, data)
+                for lr in args.finetune_lr:
+                    row[f"ft{lr:g}_{init}"] = finetune(init, encoder, data, lr, args.epochs)
+            rows.append(row)
+            print(json.dumps({k: (round(100 * v, 1) if isinstance(v, float) else v) for k, v in row.items()})
+                  + f"  ({time.time() - t0:.0f} s)", flush=True)
+    if not rows:
+        return 1
+    keys = [k[:-len("_random")] for k in rows[0] if k.endswith("_random")]
+    print("\n| measure | random ViT | Fed-MAE encoder | Fed-MAE minus random (pp, paired) |\n|---|---|---|---|")
+    for k in keys:
+        a = np.array([100 * r[f"{k}_random"] for r in rows])
+        b = np.array([100 * r[f"{k}_fedmae"] for r in rows])
+        d = b - a
+        print(f"| {k} (n = {len(rows)} seed-case pairs) | {a.mean():.1f} ± {a.std():.1f} | {b.mean():.1f} ± {b.std():.1f} | "
+              f"{d.mean():+.1f} ± {d.std():.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
