@@ -14,6 +14,11 @@ images (all sites) and its common test set:
   study's reading of ``001_``'s fine-tuning "base learning rate"; ``1e-3 x 16 / 256 = 6.25e-5`` is MAE's scaling
   rule applied to it (docs/readings.md).
 
+``--clustering`` reads the FMCL runs of the encoder-comparison case instead (no training): from each run's site
+distance matrix (``server/distances.csv``) and the true ANDA groups, the separation (mean distance between sites of
+different groups / mean distance within a group; 1 = the encoder does not see the shift) and the ARI of the
+average-linkage cut at the true number of groups (what a user who knew K would get; auto-K decides the table's K).
+
 Nothing is tuned on the test set: every setting is fixed above. Prints a table per seed and the paired
 differences (Fed-MAE minus random).
 """
@@ -87,6 +92,47 @@ def finetune(init, encoder, data, lr: float, epochs: int) -> float:
     return float((predict_proba(m, xte).argmax(1) == yte.numpy()).mean())
 
 
+def clustering(study: Path, seeds) -> list[dict]:
+    """Separation and fixed-K ARI of each encoder-comparison FMCL run's site distances."""
+    import csv
+
+    from sklearn.metrics import adjusted_rand_score
+
+    from fedmed.clustering import agglomerative
+
+    rows = []
+    for seed in seeds:
+        for case_dir in sorted((study / "runs" / f"seed{seed}").iterdir()):
+            for run in sorted(case_dir.glob("FMCL*")):
+                f = run / "server" / "distances.csv"
+                if not f.is_file():
+                    continue
+                table = list(csv.reader(f.open()))
+                sites = table[0][1:]
+                D = np.array([[float(v) for v in r[1:]] for r in table[1:]])
+                meta = study / "data" / f"seed{seed}" / case_dir.name / "dataset.json"
+                groups = json.loads(meta.read_text())["groups"]
+                g = np.array([groups[s] for s in sites])
+                off = ~np.eye(len(sites), dtype=bool)
+                same, diff = (g[:, None] == g[None, :]) & off, g[:, None] != g[None, :]
+                k = len(set(g.tolist()))
+                labels = agglomerative(D, n_clusters=k, linkage_method="average")
+                doc = json.loads((run / "metrics.json").read_text())["clustering"]
+                rows.append({"seed": seed, "case": case_dir.name, "run": run.name,
+                             "separation": D[diff].mean() / D[same].mean(),
+                             "ari_true_k": adjusted_rand_score(g, labels), "auto_k": doc["k"],
+                             "silhouette_2": doc.get("silhouette", {}).get("2")})
+                print(json.dumps({k2: (round(v, 3) if isinstance(v, float) else v) for k2, v in rows[-1].items()}))
+    runs = sorted({r["run"] for r in rows})
+    print("\n| FMCL run | separation (between / within) | ARI at the true K | auto-K |\n|---|---|---|---|")
+    for name in runs:
+        rs = [r for r in rows if r["run"] == name]
+        sep, ari = np.array([r["separation"] for r in rs]), np.array([r["ari_true_k"] for r in rs])
+        print(f"| {name} (n = {len(rs)}) | {sep.mean():.3f} ± {sep.std():.3f} | {ari.mean():.2f} ± {ari.std():.2f} | "
+              f"{sorted(r['auto_k'] for r in rs)} |")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--study", default="results/ssl_imagenette")
@@ -94,6 +140,7 @@ def main(argv=None):
     ap.add_argument("--seeds", nargs="*", type=int, default=None)
     ap.add_argument("--finetune-lr", nargs="*", type=float, default=[])
     ap.add_argument("--epochs", type=int, default=100, help="fine-tuning epochs (the study: 20 rounds x 5)")
+    ap.add_argument("--clustering", action="store_true", help="the encoder-comparison FMCL runs' distances instead")
     args = ap.parse_args(argv)
     import torch
 
@@ -101,6 +148,8 @@ def main(argv=None):
     study = Path(args.study)
     seeds = args.seeds if args.seeds is not None else sorted(
         int(p.name[4:]) for p in (study / "runs").glob("seed*") if (p / "pretrain/server/models/encoder.pt").is_file())
+    if args.clustering:
+        return 0 if clustering(study, seeds) else 1
     rows = []
     for seed in seeds:
         encoder = study / "runs" / f"seed{seed}" / "pretrain" / "server" / "models" / "encoder.pt"
@@ -128,7 +177,8 @@ def main(argv=None):
         a = np.array([100 * r[f"{k}_random"] for r in rows])
         b = np.array([100 * r[f"{k}_fedmae"] for r in rows])
         d = b - a
-        print(f"| {k} (n = {len(rows)} seed-case pairs) | {a.mean():.1f} ± {a.std():.1f} | {b.mean():.1f} ± {b.std():.1f} | "
+        print(f"| {k} (n = {len(rows)} seed-case pairs) | {a.mean():.1f} ± {a.std():.1f} | "
+              f"{b.mean():.1f} ± {b.std():.1f} | "
               f"{d.mean():+.1f} ± {d.std():.1f} |")
     return 0
 
