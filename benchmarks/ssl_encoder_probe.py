@@ -136,7 +136,7 @@ def clustering(study: Path, seeds) -> list[dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--study", default="results/ssl_imagenette")
-    ap.add_argument("--cases", nargs="*", default=None, help="fine-tuning cases (default: all with data)")
+    ap.add_argument("--cases", nargs="*", default=None, help="fine-tuning cases (default: every PreDi split)")
     ap.add_argument("--seeds", nargs="*", type=int, default=None)
     ap.add_argument("--finetune-lr", nargs="*", type=float, default=[])
     ap.add_argument("--epochs", type=int, default=100, help="fine-tuning epochs (the study: 20 rounds x 5)")
@@ -156,8 +156,9 @@ def main(argv=None):
         if not encoder.is_file():
             print(f"seed {seed}: no finished pre-training ({encoder.relative_to(study)}), skipped")
             continue
-        cases = args.cases or sorted(p.name for p in (study / "data" / f"seed{seed}").iterdir()
-                                     if p.name.startswith("p") and (p / "dataset.json").is_file())
+        cases = args.cases or sorted(  # the fine-tuning cases: PreDi splits
+            p.name for p in (study / "data" / f"seed{seed}").iterdir() if (p / "dataset.json").is_file()
+            and json.loads((p / "dataset.json").read_text()).get("partition") == "predi")
         for case in cases:
             data = _pooled(study / "data" / f"seed{seed}" / case)
             t0 = time.time()
