@@ -107,7 +107,7 @@ def clustering(study: Path, seeds) -> list[dict]:
                 f = run / "server" / "distances.csv"
                 if not f.is_file():
                     continue
-                table = list(csv.reader(f.open()))
+                table = list(csv.reader(f.read_text().splitlines()))
                 sites = table[0][1:]
                 D = np.array([[float(v) for v in r[1:]] for r in table[1:]])
                 meta = study / "data" / f"seed{seed}" / case_dir.name / "dataset.json"
