@@ -183,36 +183,49 @@ def fmcl_distance_matrix(signatures: Sequence[ClassSignature], *, alpha: float =
     _check_hparams(alpha, beta, eps)
     sigs, _ = _check_signatures(signatures, site_names)
     n = len(sigs)
-    # per class: the holding sites, their means, norms and weights
-    holders: dict = {}
+    # per class (in order of first appearance): every site's mean (zeros where the site lacks the class), its norm and
+    # weight (0 where it lacks the class: min(w_i, 0) = 0, so a missing class adds exactly 0 to num and omega)
+    order: dict = {}
     for i, s in enumerate(sigs):
-        w = s.weights
         for k, c in enumerate(s.classes.tolist()):
-            holders.setdefault(c, ([], [], []))
-            holders[c][0].append(i)
-            holders[c][1].append(s.means[k])
-            holders[c][2].append(w[k])
-    classes = {c: (np.asarray(ix), np.stack(mu), np.asarray(ws)) for c, (ix, mu, ws) in holders.items() if len(ix) >= 2}
-    for c, (ix, mu, ws) in classes.items():
-        classes[c] = (ix, mu, ws, np.linalg.norm(mu, axis=1))
+            order.setdefault(c, []).append((i, k))
+    d = sigs[0].means.shape[1]
+    classes = []
+    for c, members in order.items():
+        if len(members) < 2:
+            continue
+        mu, w = np.zeros((n, d)), np.zeros(n)
+        for i, k in members:
+            mu[i], w[i] = sigs[i].means[k], sigs[i].weights[k]
+        classes.append((mu, np.linalg.norm(mu, axis=1), w))
     D = np.empty((n, n))
+    num, omega, tmp = (np.empty((min(block, n), n)) for _ in range(3))
     for b0 in range(0, n, block):
         b1 = min(n, b0 + block)
-        num = np.zeros((b1 - b0, n))
-        omega = np.zeros((b1 - b0, n))
-        for ix, mu, w, norms in classes.values():
-            rows = np.flatnonzero((ix >= b0) & (ix < b1))
-            if rows.size == 0:
-                continue
-            dcos = 1.0 - (mu[rows] @ mu.T) / (np.outer(norms[rows], norms) + eps)
-            wt = np.minimum(w[rows][:, None], w[None, :])
-            sel = np.ix_(ix[rows] - b0, ix)
-            num[sel] += wt * dcos
-            omega[sel] += wt
+        nb, ob, t = num[:b1 - b0], omega[:b1 - b0], tmp[:b1 - b0]
+        nb.fill(0.0)
+        ob.fill(0.0)
+        for mu, norms, w in classes:
+            g = mu[b0:b1] @ mu.T                              # mu_i . mu_j
+            np.multiply(norms[b0:b1, None], norms[None, :], out=t)
+            t += eps
+            np.divide(g, t, out=g)
+            np.subtract(1.0, g, out=g)                        # d_cos
+            np.minimum(w[b0:b1, None], w[None, :], out=t)     # w~_c
+            ob += t
+            g *= t
+            nb += g
         with np.errstate(divide="ignore", invalid="ignore"):
-            dcap = num / (omega + eps)
-            mult = np.minimum(np.maximum(omega, eps) ** (-alpha), beta) if overlap else 1.0
-            D[b0:b1] = np.where(omega > 0, dcap * mult, np.inf)
+            dcap = D[b0:b1]
+            np.add(ob, eps, out=t)
+            np.divide(nb, t, out=dcap)
+            if overlap:
+                np.maximum(ob, eps, out=t)
+                np.power(t, -alpha, out=t)
+                np.minimum(t, beta, out=t)
+                dcap *= t
+            dcap[ob <= 0] = np.inf
+    del num, omega, tmp
     _symmetrize_inplace(D, block)
     np.fill_diagonal(D, np.inf)  # excluded from the percentiles; set to 0 below
     return _fill_no_overlap_inplace(D)
@@ -234,27 +247,30 @@ def _fill_no_overlap_inplace(D: np.ndarray) -> np.ndarray:
     """D_big = min(2 P95, P99) of the finite off-diagonal entries of both triangles (as Algorithm 3's V), computed
     exactly from the upper triangle (each value appears twice in V); inf entries -> D_big; diagonal -> 0."""
     n = D.shape[0]
-    iu = np.triu_indices(n, 1)
-    upper = D[iu]
-    finite = upper[np.isfinite(upper)]
-    del upper
-    if finite.size == 0:
+    finite = np.empty(n * (n - 1) // 2)  # the upper triangle, row by row (no index arrays)
+    pos = 0
+    for i in range(n - 1):
+        finite[pos:pos + n - 1 - i] = D[i, i + 1:]
+        pos += n - 1 - i
+    m = int(np.count_nonzero(np.isfinite(finite)))  # inf (no shared class) sorts after every finite value
+    if m == 0:
         raise ValueError(
             "no pair of sites shares a class, so the FMCL distance is undefined (Algorithm 3 needs at "
             "least one finite pair to set D_big)."
         )
-    m = finite.size
     big = 2 * m  # |V|: every value twice
-    pct = []
-    for q in (95, 99):  # numpy's "linear" percentile of the doubled sorted array b[k] = a[k // 2]
-        pos = q / 100 * (big - 1)
-        lo, hi = int(np.floor(pos)), int(np.ceil(pos))
-        part = np.partition(finite, sorted({lo // 2, hi // 2}))
-        a_lo, a_hi = part[lo // 2], part[hi // 2]
-        pct.append(a_lo + (a_hi - a_lo) * (pos - lo))
+    wanted = []  # numpy's "linear" percentile of the doubled sorted array b[k] = a[k // 2]
+    for q in (95, 99):
+        p = q / 100 * (big - 1)
+        lo, hi = int(np.floor(p)), int(np.ceil(p))
+        wanted.append((p, lo, hi))
+    finite.partition(sorted({k // 2 for _, lo, hi in wanted for k in (lo, hi)}))
+    pct = [finite[lo // 2] + (finite[hi // 2] - finite[lo // 2]) * (p - lo) for p, lo, hi in wanted]
     del finite
     d_big = min(2.0 * pct[0], pct[1])
-    D[~np.isfinite(D)] = d_big
+    for b0 in range(0, n, 1024):
+        rows = D[b0:b0 + 1024]
+        rows[~np.isfinite(rows)] = d_big
     np.fill_diagonal(D, 0.0)
     return D
 

@@ -151,6 +151,41 @@ class TestMatrixValidation:
             agglomerative(np.ones((3, 3)) - np.eye(3))
 
 
+def test_blocked_matrix_validation_equals_the_whole_matrix_checks(rng):
+    """check_distance_matrix scans in 1024-row blocks: the same symmetrised matrix as (D + D.T) / 2, bit for bit,
+    and the same first-problem errors when the problem lies in a later block."""
+    from fedmed.validation import _distance_matrix_error, check_distance_matrix
+
+    n = 2500  # three row blocks
+    X = rng.normal(size=(n, 4))
+    D = np.sqrt(((X[:, None] - X[None]) ** 2).sum(-1))
+    D[1500, 2400] += 1e-13  # asymmetric within the tolerance: averaged
+    got = check_distance_matrix(D)
+    assert np.array_equal(got, (D + D.T) / 2.0) and got is not D and D[1500, 2400] != D[2400, 1500]
+    assert check_distance_matrix(D, symmetric=False) is D
+    for i, j, v, msg in [(2100, 5, np.inf, r"finite, got D\[2100, 5\]=inf"),
+                         (1900, 2200, -0.5, r"non-negative, got D\[1900, 2200\]=-0.5"),
+                         (2300, 2300, 1.0, r"zero diagonal, got D\[2300, 2300\]=1.0"),
+                         (1200, 2450, 99.0, r"symmetric, got D\[1200, 2450\]=99.0 but D\[2450, 1200\]")]:
+        bad = D.copy()
+        bad[i, j] = v
+        with pytest.raises(ValueError, match=msg):
+            check_distance_matrix(bad)
+        with pytest.raises(ValueError, match=msg):
+            _distance_matrix_error(bad, "distance matrix", True, 1e-8)
+
+
+def test_blocked_off_diagonal_cv_equals_the_masked_copy(rng):
+    from fedmed.clustering import off_diagonal_cv
+
+    for n in (2, 5, 1300):
+        X = rng.normal(size=(n, 3))
+        D = np.sqrt(((X[:, None] - X[None]) ** 2).sum(-1))
+        off = D[~np.eye(n, dtype=bool)]
+        assert off_diagonal_cv(D, block=256) == pytest.approx(off.std() / off.mean(), rel=1e-12)
+    assert off_diagonal_cv(np.zeros((3, 3))) == 0.0
+
+
 def test_silhouette_equals_scikit_learn(rng):
     from sklearn.metrics import silhouette_score
 

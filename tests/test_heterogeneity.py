@@ -83,3 +83,21 @@ def test_vectorised_emd_matrix_equals_the_scipy_loop(rng):
     centres = (edges[:-1] + edges[1:]) / 2
     loop_h = np.array([[wasserstein_distance(centres, centres, a, b) for b in hists] for a in hists])
     np.testing.assert_allclose(emd_matrix(hists, edges=edges), loop_h, rtol=1e-12, atol=1e-12)
+
+
+def test_blocked_threaded_weighted_l1_equals_pdist(rng):
+    """The blocked, two-thread all-pairs L1 (constant columns dropped, upper triangle mirrored) is pdist's matrix."""
+    from scipy.spatial.distance import pdist, squareform
+
+    from fedmed.heterogeneity import _pairwise_weighted_l1
+
+    F = np.cumsum(rng.dirichlet(np.ones(12), size=53), axis=1)
+    F[:, :3] = 0.0  # columns every row shares: dropped, must not change the result
+    widths = rng.uniform(0.5, 2.0, size=12)
+    want = squareform(pdist(F, "minkowski", p=1, w=widths))
+    for block in (1, 7, 53, 512):
+        got = _pairwise_weighted_l1(F, widths, block=block)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+        assert np.array_equal(got, got.T) and not np.diag(got).any()
+    assert _pairwise_weighted_l1(F[:1], widths).shape == (1, 1)
+    assert not _pairwise_weighted_l1(np.ones((4, 3)), np.ones(3)).any()
