@@ -84,6 +84,28 @@ def test_forked_worker_runs_the_module_with_the_env_and_reports_exit_codes(tmp_p
         sim.ForkedWorker.stop()
 
 
+def test_template_imports_its_preload_from_any_working_directory_and_stops_at_once(tmp_path, monkeypatch):
+    """Python 3.11's forkserver drops the parent's sys.path: the template must still import jobs/_fork_template (so a
+    forked site's objects start in gc's permanent generation) and the preload modules, wherever the simulator runs."""
+    (tmp_path / "probe_worker.py").write_text(
+        "import gc, os, sys\n"
+        "def parse_arguments():\n"
+        "    import argparse; ap = argparse.ArgumentParser(); ap.add_argument('--workspace'); return ap.parse_args()\n"
+        "def main(args):\n"
+        "    open(os.environ['OUT'], 'w').write(f\"{gc.get_freeze_count() > 0} {'_fork_template' in sys.modules} \"\n"
+        "                                       f\"{'fedmed.memtrace' in sys.modules}\")\n")
+    monkeypatch.setenv("FEDMED_SIM_PRELOAD", "fedmed.memtrace")
+    monkeypatch.chdir(tmp_path)  # neither the repository nor jobs/ is the working directory
+    out = tmp_path / "out.txt"
+    try:
+        w = sim.ForkedWorker(["--workspace", str(tmp_path)], {"OUT": str(out), "PYTHONPATH": str(tmp_path)},
+                             module="probe_worker")
+        assert w.wait(timeout=60) == 0
+        assert out.read_text() == "True True True"
+    finally:
+        sim.ForkedWorker.stop()
+
+
 def digits_sim_command(tmp_path, *, sites: int, rounds: int, workspace) -> list[str]:
     """``jobs/run.py --env sim`` for FedAvg on an IID federation of the bundled digits (written under tmp_path)."""
     import yaml
@@ -189,3 +211,16 @@ def test_job_aimed_at_fewer_sites_than_min_clients_has_one_quorum(tmp_path, caps
     assert meta["min_clients"] == 1 and ctrl["args"]["fedmed_config"]["federation"]["min_clients"] == 1
     build_job(exp, exp.methods[0], 0)  # both sites: the configured quorum
     assert "lowered" not in capsys.readouterr().err
+
+
+def test_simulator_ends_a_run_after_a_short_quiet_period_not_flares_two_seconds():
+    """In the simulator's run process the server's fed-event runner waits FED_EVENT_QUIET_S (not 2 s) for late events
+    before and at END_RUN, and checks readiness every END_RUN_CHECK_S; unprocessed events still hold the run open."""
+    code = ("import sys; sys.path.insert(0, 'jobs'); import simulator as sim; sim.quick_end_run()\n"
+            "from nvflare.widgets.fed_event import ServerFedEventRunner\n"
+            "from nvflare.fuel.utils.app_config_utils import get_positive_float_var\n"
+            "r = ServerFedEventRunner()\n"
+            "print(r.queue_empty_period, r.grace_period, get_positive_float_var('end_run_readiness_check_interval', 0.5))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [str(sim.FED_EVENT_QUIET_S), str(sim.FED_EVENT_QUIET_S), str(sim.END_RUN_CHECK_S)]
+    assert sim.FED_EVENT_QUIET_S < 2.0
