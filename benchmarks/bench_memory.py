@@ -8,7 +8,8 @@ process) once a second together with the round the server has recorded, and prin
 and at the last round, the growth in %, each process's own growth, and how many MB a round costs — so where
 growth sits inside NVFlare itself the table shows which process grows. Also prints the peak total RSS and the peak
 total PSS (proportional set size: a page shared by n processes counts 1/n in each — what the run really holds;
-RSS counts the shared pages of torch and Python once per process). ``--plain`` starts the site processes as FLARE
+RSS counts the shared pages of torch and Python once per process), and the kernel's view: how far the machine's
+available memory (``MemAvailable``) fell during the run below its level at the start. ``--plain`` starts the site processes as FLARE
 does (``FEDMED_SIM_FORK=0``: a fresh interpreter per site) instead of forking them from fedmed's preloaded
 template (jobs/simulator.py), for the before/after figure.
 
@@ -91,9 +92,11 @@ def main(argv=None):
     cmd = [sys.executable, str(ROOT / "jobs" / "run.py"), "--config", str(tmp / "cfg.yaml"), "--method", "FedAvg",
            "--env", "sim", "--datalists", str(data), "--workspace", str(tmp / "ws"),
            *[x for o in classes_override(data, exp) for x in ("--set", o)]]
+    avail0 = psutil.virtual_memory().available  # the kernel's view: how much the run takes from the machine
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     root = psutil.Process(proc.pid)
     samples = []  # (round, {role: rss}, total pss)
+    avail_min = avail0
     t0 = time.time()
     while proc.poll() is None:
         hits = list((tmp / "ws").glob("*/server/simulate_job/fedmed/metrics.json"))
@@ -118,6 +121,7 @@ def main(argv=None):
         except psutil.NoSuchProcess:
             break
         samples.append((rnd, rss, pss))
+        avail_min = min(avail_min, psutil.virtual_memory().available)
         time.sleep(1.0)
     at = lambda r: next((s for s in samples if s[0] >= r), None)  # noqa: E731
     live = [s for s in samples if any(k.startswith("site processes") and v > 0 for k, v in s[1].items())]
@@ -144,6 +148,8 @@ def main(argv=None):
     print(f"peak total RSS {mb(peak):.0f} MB; peak total PSS {mb(max(s[2] for s in samples)):.0f} MB "
           f"({'plain FLARE site processes' if a.plain else 'sites forked from the template'})"
           f"{''.join(f'; {e}' for e in a.env)}")
+    print(f"peak drop of the machine's available memory during the run (MemAvailable, all processes): "
+          f"{mb(avail0 - avail_min):.0f} MB")
     if a.trace:
         print_trace(tmp / "trace", a.from_round)
     return 0
