@@ -81,7 +81,7 @@ def wait_forwarding_signals(proc, grace: float = 10.0) -> int:
             signal.signal(s, h)
 
 
-def sim_env(sites: list[str], workspace: Path):
+def sim_env(sites: list[str], workspace: Path, template=None):
     """NVFlare's ``SimEnv`` (one long-lived process per site: ``num_threads = len(sites)``), launching the simulator
     through ``jobs/simulator.py`` — FLARE's own simulator with site worker ports off the ephemeral range."""
     import subprocess
@@ -99,7 +99,11 @@ def sim_env(sites: list[str], workspace: Path):
                 cmd = [sys.executable, str(Path(__file__).with_name("simulator.py")), os.path.join(root, job.name),
                        "-w", workspace_dir, "-c", ",".join(self.clients), "-n", str(len(self.clients)),
                        "-t", str(self.num_threads)]
-                rc = wait_forwarding_signals(subprocess.Popen(cmd, preexec_fn=os.setsid))
+                env, fds = dict(os.environ), []
+                if template is not None:  # the site template jobs/run.py started early (jobs/simulator.py)
+                    env.update(template[0])
+                    fds = template[1]
+                rc = wait_forwarding_signals(subprocess.Popen(cmd, preexec_fn=os.setsid, env=env, pass_fds=fds))
             self.last_run_failed = rc not in (None, 0)
             if self.last_run_failed:
                 raise RuntimeError(f"Simulation failed with return code {rc}; logs under {workspace_dir}")
@@ -108,13 +112,13 @@ def sim_env(sites: list[str], workspace: Path):
     return FedmedSimEnv(clients=sites, num_threads=len(sites), workspace_root=str(workspace))
 
 
-def run_sim(job, sites: list[str], datalists: str | None, workspace: Path) -> dict:
+def run_sim(job, sites: list[str], datalists: str | None, workspace: Path, template=None) -> dict:
     if datalists:
         os.environ["FEDMED_DATALIST_DIR"] = str(Path(datalists).resolve())
     workspace = workspace.resolve()
     if (workspace / job.name).exists():
         shutil.rmtree(workspace / job.name)
-    env = sim_env(sites, workspace)
+    env = sim_env(sites, workspace, template)
     err = None
     try:
         recipe_of(job).run(env)
@@ -172,6 +176,21 @@ def main(argv=None) -> int:
     ap.add_argument("--resume-from", help="result of an earlier run of this method: continue from its checkpoint")
     ap.add_argument("--test-phase", help="JSON {training_result, known_clusters, cluster_sizes}: the unseen-site job")
     a = ap.parse_args(argv)
+    template = None
+    if a.env == "sim" and os.environ.get("FEDMED_SIM_FORK", "1") != "0":
+        from jobs.simulator import ForkedWorker
+
+        template = ForkedWorker.early_start()  # imports torch and NVFlare while this process builds the job
+    try:
+        return _main(a, template)
+    finally:
+        if template is not None:
+            ForkedWorker.stop()  # after the simulator ended (or the job failed to build): the template ends too
+
+
+def _main(a, template) -> int:
+    from fedmed.config import ConfigError, load_config
+
     try:
         exp = load_config(a.config, a.set)
         method = select_method(exp, a.method, a.config)
@@ -191,7 +210,7 @@ def main(argv=None) -> int:
         return 2
     t0 = time.time()
     if a.env == "sim":
-        res = run_sim(job, sites, a.datalists, Path(a.workspace))
+        res = run_sim(job, sites, a.datalists, Path(a.workspace), template)
     else:
         res = run_prod(job, a.startup_kit, Path(a.result_dir), a.timeout)
     res["seconds"] = round(time.time() - t0, 1)

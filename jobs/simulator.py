@@ -23,6 +23,7 @@ Everything else is NVFlare's own ``simulator`` entry point, unchanged.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -74,6 +75,7 @@ def open_ports(number: int) -> list[int]:
 
 
 WORKER_MODULE = "nvflare.private.fed.app.simulator.simulator_worker"
+TEMPLATE_ENV = "FEDMED_SIM_TEMPLATE"  # {"pid", "fd", "address"} of a template started by jobs/run.py
 PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.optim", WORKER_MODULE, "nvflare.client", "nvflare.client.tracking",
            "nvflare.app_common.executors.client_api.in_process_backend", "PIL.Image", "fedmed.site", "fedmed.train",
            "fedmed.models", "fedmed.metrics", "fedmed.data",
@@ -106,13 +108,15 @@ RUNNER_POLL_S = 0.1  # simulator_runner polls at 1 s: server started?, first lau
 WORKER_POLL_S = 0.2  # simulator_worker re-asks the server for a task every 0.5 s (the server's own interval: 0.2 s)
 
 
-def _run_worker(module: str, argv: list[str], env: dict) -> None:
+def _run_worker(module: str, argv: list[str], env: dict, cwd: str | None = None) -> None:
     """In the forked child: what ``Popen(python -m simulator_worker ARGV, preexec_fn=os.setsid, env=ENV)`` does —
     the worker module's ``__main__`` block (parse its arguments, ``mpm.run(main)``), its polls capped at
     :data:`WORKER_POLL_S`."""
     import importlib
 
     os.setsid()
+    if cwd:
+        os.chdir(cwd)  # as Popen's child: the launching process's working directory, not the template's
     os.environ.clear()
     os.environ.update(env)
     for p in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
@@ -144,12 +148,68 @@ class ForkedWorker:
                 cls._ctx = ctx
             return cls._ctx
 
+    _adopted: int | None = None  # pid of a template jobs/run.py started (not this process's child)
+
+    @classmethod
+    def early_start(cls) -> tuple[dict, list[int]]:
+        """In ``jobs/run.py``, before it imports NVFlare and builds the job: start the template there, so its imports
+        (torch, NVFlare: ~4 s of CPU) overlap the job building and the simulator's start instead of following them.
+        Returns the environment entry and the file descriptor the simulator process must inherit to use it."""
+        from multiprocessing import forkserver
+
+        cls.warm()
+        fs = forkserver._forkserver
+        spec = {"pid": fs._forkserver_pid, "fd": fs._forkserver_alive_fd, "address": fs._forkserver_address}
+        return {TEMPLATE_ENV: json.dumps(spec)}, [fs._forkserver_alive_fd]
+
+    @classmethod
+    def _adopt(cls) -> bool:
+        """Use the template named by ``FEDMED_SIM_TEMPLATE`` (started by ``jobs/run.py``, our grandparent): its pid,
+        the write end of its "alive" pipe (inherited) and its socket address. False when there is none or it is gone
+        (then this process starts its own)."""
+        from multiprocessing import forkserver, resource_tracker
+
+        spec = os.environ.get(TEMPLATE_ENV)
+        fs = forkserver._forkserver
+        if cls._adopted is not None or not spec:
+            return cls._adopted is not None and fs._forkserver_pid == cls._adopted
+        try:
+            d = json.loads(spec)
+            os.kill(int(d["pid"]), 0)
+            os.fstat(int(d["fd"]))
+        except (ValueError, KeyError, TypeError, OSError):
+            return False
+        with fs._lock:
+            if fs._forkserver_pid is not None:
+                return False
+            fs._forkserver_pid, fs._forkserver_alive_fd, fs._forkserver_address = int(d["pid"]), int(d["fd"]), d["address"]
+            cls._adopted = int(d["pid"])
+        own = fs.ensure_running
+
+        def ensure_running():  # the stdlib's would waitpid() a process that is not our child
+            if fs._forkserver_pid is not None and fs._forkserver_pid == cls._adopted:
+                resource_tracker.ensure_running()
+                try:
+                    os.kill(cls._adopted, 0)
+                    return
+                except OSError:  # gone: forget it and start our own
+                    with fs._lock:
+                        os.close(fs._forkserver_alive_fd)
+                        fs._forkserver_pid = fs._forkserver_alive_fd = fs._forkserver_address = None
+            return own()
+
+        fs.ensure_running = ensure_running
+        return True
+
     @classmethod
     def warm(cls) -> None:
-        """Start the template now (it imports while the server starts), not at the first site's launch."""
+        """Start the template now (it imports while the server starts), not at the first site's launch — or adopt the
+        one ``jobs/run.py`` started."""
         from multiprocessing import forkserver
 
         cls.context()
+        if cls._adopt():
+            return
         # Python 3.11's forkserver ignores the parent's sys.path (its main() takes sys_path and drops it) and skips a
         # preload module it cannot import without a word: put this folder (jobs._fork_template) and the repository
         # (fedmed) on the template's path through its environment, for the template only
@@ -170,16 +230,23 @@ class ForkedWorker:
         if cls._ctx is not None:
             from multiprocessing import forkserver
 
-            try:
-                forkserver._forkserver._stop()
-            except Exception:  # already gone
-                pass
+            fs = forkserver._forkserver
+            if cls._adopted is not None and fs._forkserver_pid == cls._adopted:
+                with fs._lock:  # not ours to wait for: drop our end of its pipe; it ends when jobs/run.py drops its end
+                    os.close(fs._forkserver_alive_fd)
+                    fs._forkserver_pid = fs._forkserver_alive_fd = fs._forkserver_address = None
+                cls._adopted = None
+            else:
+                try:
+                    fs._stop()
+                except Exception:  # already gone
+                    pass
             cls._ctx = None  # a later run starts a new template (with the preload list of its time)
 
     def __init__(self, argv: list[str], env: dict, module: str = WORKER_MODULE):
         self.args = argv
         self.warm()  # the template, started with its path (a no-op once it runs)
-        self._p = self.context().Process(target=_run_worker, args=(module, argv, env), daemon=False)
+        self._p = self.context().Process(target=_run_worker, args=(module, argv, env, os.getcwd()), daemon=False)
         self._p.start()
         self.pid = self._p.pid
         self.returncode = None

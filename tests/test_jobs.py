@@ -1,6 +1,7 @@
 """jobs/: what a built job tells FLARE, and fedmed's simulator launcher (jobs/simulator.py)."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -224,3 +225,43 @@ def test_simulator_ends_a_run_after_a_short_quiet_period_not_flares_two_seconds(
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.split() == [str(sim.FED_EVENT_QUIET_S), str(sim.FED_EVENT_QUIET_S), str(sim.END_RUN_CHECK_S)]
     assert sim.FED_EVENT_QUIET_S < 2.0
+
+
+def test_simulator_adopts_the_template_jobs_run_started_and_workers_keep_the_launchers_cwd(tmp_path):
+    """jobs/run.py starts the site template before it builds the job and hands it to the simulator (environment +
+    inherited pipe end): the simulator's workers are then forked by that template (their parent), run in the
+    launching process's working directory (as Popen's children would), and the template ends with the run."""
+    (tmp_path / "probe_worker.py").write_text(
+        "import os\n"
+        "def parse_arguments():\n"
+        "    import argparse; ap = argparse.ArgumentParser(); ap.add_argument('--workspace'); return ap.parse_args()\n"
+        "def main(args):\n"
+        "    open(os.environ['OUT'], 'w').write(f'{os.getppid()} {os.getcwd()}')\n")
+    (tmp_path / "wd").mkdir()
+    child = (f"import os, sys, json; sys.path.insert(0, {str(ROOT / 'jobs')!r}); import simulator as sim\n"
+             f"os.chdir({str(tmp_path / 'wd')!r})\n"
+             f"w = sim.ForkedWorker(['--workspace', 'x'], {{'OUT': {str(tmp_path / 'out.txt')!r}, "
+             f"'PYTHONPATH': {str(tmp_path)!r}}}, module='probe_worker')\n"
+             "assert w.wait(timeout=60) == 0\n"
+             "print(sim.ForkedWorker._adopted)\n"
+             "sim.ForkedWorker.stop()\n")
+    parent = ("import os, sys, subprocess; sys.path.insert(0, 'jobs'); import simulator as sim\n"
+              "env, fds = sim.ForkedWorker.early_start()\n"
+              f"out = subprocess.run([sys.executable, '-c', {child!r}], env={{**os.environ, **env}}, pass_fds=fds, "
+              "capture_output=True, text=True)\n"
+              "from multiprocessing import forkserver\n"
+              "pid = forkserver._forkserver._forkserver_pid\n"
+              "sim.ForkedWorker.stop()\n"
+              "gone = True\n"
+              "try:\n"
+              "    os.kill(pid, 0); gone = False\n"
+              "except ProcessLookupError:\n"
+              "    pass\n"
+              "print(out.returncode, out.stdout.strip(), pid, gone, out.stderr[-500:])\n")
+    env = {k: v for k, v in os.environ.items() if k != "FEDMED_SIM_PRELOAD"}
+    env["FEDMED_SIM_PRELOAD"] = "json"
+    res = subprocess.run([sys.executable, "-c", parent], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    rc, adopted, pid, gone = res.stdout.split()[:4]
+    assert rc == "0" and adopted == pid and gone == "True", res.stdout + res.stderr
+    ppid, cwd = (tmp_path / "out.txt").read_text().split(" ", 1)
+    assert ppid == pid and cwd == str(tmp_path / "wd")
