@@ -81,7 +81,7 @@ def main(argv=None):
     loop_emd = lambda: np.array([[wasserstein_distance(centres, centres, x, y) if x is not y else 0.0  # noqa: E731
                                   for y in H] for x in H])
     compare("004_ EMD matrix (N=400)", loop_emd, lambda: emd_matrix(list(H), edges=edges), label_a="scipy loop",
-            label_b="CDF pdist", pairs=min(a.pairs, 3), same=lambda x, y: np.allclose(x, y, rtol=1e-10, atol=1e-8))
+            label_b="all-pairs CDF form", pairs=min(a.pairs, 3), same=lambda x, y: np.allclose(x, y, rtol=1e-10, atol=1e-8))
     sigs = federation(400)
     compare("FMCL distances (N=400)", lambda: fmcl_distance_matrix_loop(sigs), lambda: fmcl_distance_matrix(sigs),
             label_a="literal loop", label_b="blocked products", pairs=min(a.pairs, 3),

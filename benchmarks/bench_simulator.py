@@ -5,10 +5,10 @@
 Both sides run as a fresh subprocess (so both pay Python and torch start-up and CPU time includes children):
 A = ``fedmed.loop.fedavg_loop`` in one process, B = ``jobs/run.py --env sim`` (one process per site). The script
 first checks that both end with the same final model (bit for bit), then times interleaved pairs and prints the
-median and range of the wall and CPU ratios B / A, and B's fixed start-up and per-round wait (from the server's
-per-round timestamps against the loop's compute). Cases: ``demo`` — app_configs/demo_digits.yaml's FedAvg
+median and range of the wall and CPU ratios B / A, and the median and range over the pairs of B's fixed start-up
+and per-round wait (each pair: the server's per-round timestamps against that pair's loop's compute). Cases: ``demo`` — app_configs/demo_digits.yaml's FedAvg
 (4 sites, 5 rounds); ``busi`` — BUSI with the busi_fmcl.yaml recipe, 20 rounds, 5 sites of up to 60 images per
-class (so five pairs fit in an hour on 2 cores).
+class (five pairs: ~15 min on 2 cores).
 """
 
 from __future__ import annotations
@@ -89,32 +89,39 @@ def main(argv=None):
         sim_cmd = [sys.executable, str(ROOT / "jobs" / "run.py"), "--config", str(cfg_path), "--method", "FedAvg",
                    "--env", "sim", "--datalists", str(data), "--workspace", str(tmp / "ws"),
                    *[x for o in over for x in ("--set", o)]]
-        state = {}
+        loops, sims = [], []  # per call: the loop's per-round times; (the sim's wall time, its rounds' elapsed)
 
         def run_loop():
             subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT)
+            loops.append(json.loads((tmp / "loop.npz.times.json").read_text()))
             return dict(np.load(loop_out))
 
         def run_sim():
+            t = time.time()
             p = subprocess.run(sim_cmd, check=True, cwd=ROOT, capture_output=True, text=True)
+            wall = time.time() - t
             res = json.loads(p.stdout.strip().splitlines()[-1])
-            state["record"] = json.loads((Path(res["result"]) / "metrics.json").read_text())
+            record = json.loads((Path(res["result"]) / "metrics.json").read_text())
+            sims.append((wall, [r["elapsed"] for r in record["rounds"]]))
             sd = torch.load(Path(res["result"]) / "models" / "global.pt", weights_only=True)["state_dict"]
             return {k: v.numpy() for k, v in sd.items()}
 
         def same(x, y):
             return set(x) == set(y) and all(np.array_equal(x[k], y[k]) for k in x)
 
-        out = compare(f"FedAvg {case}: {len(sites)} sites, {rounds} rounds", run_loop, run_sim, label_a="bare loop",
-                      label_b="NVFlare simulator", pairs=a.pairs, same=same)
-        steps = json.loads((tmp / "loop.npz.times.json").read_text())  # per round: the loop's compute
-        el = [r["elapsed"] for r in state["record"]["rounds"]]
-        compute = float(np.sum(steps[1:]))
-        per_round_wait = ((el[-1] - el[0]) - compute) / max(rounds, 1)
-        # outside the controller's run (process start, deploy, shutdown) + the wait before round 0's results
-        startup = (out["b_wall"] - el[-1]) + (el[0] - steps[0])
-        print(f"[{case}] simulator fixed start-up ~{startup:.1f} s (process start to the first round's results, less the "
-              f"loop's round-0 compute); per-round wait ~{per_round_wait:.2f} s beyond the loop's compute\n", flush=True)
+        compare(f"FedAvg {case}: {len(sites)} sites, {rounds} rounds", run_loop, run_sim, label_a="bare loop",
+                label_b="NVFlare simulator", pairs=a.pairs, same=same)
+        # per pair (the same-result check's calls excluded): the sim's fixed start-up — outside the controller's run
+        # (process start, deploy, shutdown) plus the wait before round 0's results, less the loop's round-0 compute —
+        # and its per-round wait beyond the loop's compute (the loop's rounds 1.. against the sim's)
+        startups, waits = [], []
+        for steps, (wall, el) in zip(loops[-a.pairs:], sims[-a.pairs:]):
+            compute = float(np.sum(steps[1:]))
+            waits.append(((el[-1] - el[0]) - compute) / max(rounds, 1))
+            startups.append((wall - el[-1]) + (el[0] - steps[0]))
+        print(f"[{case}] simulator fixed start-up median {np.median(startups):.1f} s (range {min(startups):.1f}-"
+              f"{max(startups):.1f}); per-round wait beyond the loop's compute median {np.median(waits):.2f} s "
+              f"(range {min(waits):.2f}-{max(waits):.2f}), over {len(waits)} pairs\n", flush=True)
 
 
 if __name__ == "__main__":
