@@ -181,11 +181,13 @@ def main(argv=None) -> int:
         from jobs.simulator import ForkedWorker
 
         template = ForkedWorker.early_start()  # imports torch and NVFlare while this process builds the job
+    rc = 2
     try:
-        return _main(a, template)
+        rc = _main(a, template)
+        return rc
     finally:
-        if template is not None:
-            ForkedWorker.stop()  # after the simulator ended (or the job failed to build): the template ends too
+        if template is not None:  # after the simulator ended the template ends too; a job that failed to build
+            ForkedWorker.stop(kill=rc == 2)  # does not wait for the template's imports
 
 
 def _main(a, template) -> int:

@@ -240,8 +240,9 @@ class ForkedWorker:
                 os.environ["PYTHONPATH"] = old
 
     @classmethod
-    def stop(cls) -> None:
-        """Stop the template process (it would otherwise outlive the run)."""
+    def stop(cls, kill: bool = False) -> None:
+        """Stop the template process (it would otherwise outlive the run); ``kill``: without letting it finish its
+        imports first (a job that failed to build)."""
         if cls._ctx is not None:
             from multiprocessing import forkserver
 
@@ -252,6 +253,11 @@ class ForkedWorker:
                     fs._forkserver_pid = fs._forkserver_alive_fd = fs._forkserver_address = None
                 cls._adopted = None
             else:
+                if kill and fs._forkserver_pid is not None:
+                    try:
+                        os.kill(fs._forkserver_pid, 9)
+                    except OSError:
+                        pass
                 try:
                     fs._stop()
                 except Exception:  # already gone

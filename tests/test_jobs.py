@@ -4,6 +4,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -265,3 +266,18 @@ def test_simulator_adopts_the_template_jobs_run_started_and_workers_keep_the_lau
     assert rc == "0" and adopted == pid and gone == "True", res.stdout + res.stderr
     ppid, cwd = (tmp_path / "out.txt").read_text().split(" ", 1)
     assert ppid == pid and cwd == str(tmp_path / "wd")
+
+
+def test_a_job_that_fails_to_build_leaves_no_site_template_behind():
+    """jobs/run.py starts the site template before it builds the job; on bad input it stops it (without waiting for
+    its imports) and answers with exit code 2."""
+    import psutil
+
+    t0 = time.time()
+    p = subprocess.run([sys.executable, str(ROOT / "jobs" / "run.py"), "--config",
+                        str(ROOT / "app_configs" / "demo_digits.yaml"), "--method", "Nope", "--env", "sim"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "method 'Nope' is not in" in p.stderr
+    left = [q for q in psutil.process_iter(["cmdline", "create_time"])
+            if q.info["create_time"] >= t0 - 1 and "multiprocessing.forkserver" in " ".join(q.info["cmdline"] or [])]
+    assert not left
