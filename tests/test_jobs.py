@@ -86,7 +86,7 @@ def test_forked_worker_runs_the_module_with_the_env_and_reports_exit_codes(tmp_p
         sim.ForkedWorker.stop()
 
 
-def test_template_imports_its_preload_from_any_working_directory_and_stops_at_once(tmp_path, monkeypatch):
+def test_template_imports_its_preload_from_any_working_directory(tmp_path, monkeypatch):
     """Python 3.11's forkserver drops the parent's sys.path: the template must still import jobs/_fork_template (so a
     forked site's objects start in gc's permanent generation) and the preload modules, wherever the simulator runs."""
     (tmp_path / "probe_worker.py").write_text(
