@@ -130,11 +130,9 @@ def _pairwise_weighted_l1(F: np.ndarray, widths: np.ndarray, *, block: int = 512
 
     with ThreadPoolExecutor(max_workers=2) as ex:
         list(ex.map(rows, range(0, n, block)))
-    for b0 in range(0, n, block):  # mirror the upper triangle; the diagonal is exactly 0
+    for b0 in range(0, n, block):  # mirror the upper triangle (diagonal blocks are whole: |a - b| = |b - a|)
         b1 = min(n, b0 + block)
         D[b1:, b0:b1] = D[b0:b1, b1:].T
-        tile = D[b0:b1, b0:b1]
-        tile[:] = np.triu(tile, 1) + np.triu(tile, 1).T
     return D
 
 

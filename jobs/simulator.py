@@ -121,15 +121,13 @@ RUNNER_POLL_S = 0.1  # simulator_runner polls at 1 s: server started?, first lau
 WORKER_POLL_S = 0.05  # simulator_worker re-asks the server for a task every 0.5 s (a site idles ~0.25 s a round)
 
 
-def _run_worker(module: str, argv: list[str], env: dict, cwd: str | None = None) -> None:
+def _run_worker(module: str, argv: list[str], env: dict) -> None:
     """In the forked child: what ``Popen(python -m simulator_worker ARGV, preexec_fn=os.setsid, env=ENV)`` does —
     the worker module's ``__main__`` block (parse its arguments, ``mpm.run(main)``), its polls capped at
     :data:`WORKER_POLL_S`."""
     import importlib
 
-    os.setsid()
-    if cwd:
-        os.chdir(cwd)  # as Popen's child: the launching process's working directory, not the template's
+    os.setsid()  # (the working directory is the launching process's: multiprocessing's spawn preparation sets it)
     os.environ.clear()
     os.environ.update(env)
     for p in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
@@ -267,7 +265,7 @@ class ForkedWorker:
     def __init__(self, argv: list[str], env: dict, module: str = WORKER_MODULE):
         self.args = argv
         self.warm()  # the template, started with its path (a no-op once it runs)
-        self._p = self.context().Process(target=_run_worker, args=(module, argv, env, os.getcwd()), daemon=False)
+        self._p = self.context().Process(target=_run_worker, args=(module, argv, env), daemon=False)
         self._p.start()
         self.pid = self._p.pid
         self.returncode = None
