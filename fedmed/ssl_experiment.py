@@ -30,7 +30,7 @@ import numpy as np
 from .experiment import RunError, classes_override, prepare_federation, run_fingerprint, run_job
 from .summary import fmt
 
-__all__ = ["run_ssl"]
+__all__ = ["run_key", "run_ssl"]
 
 
 def _cached(work: Path, fp: str, resume: bool, fn, log, label: str):
@@ -44,6 +44,19 @@ def _cached(work: Path, fp: str, resume: bool, fn, log, label: str):
     res = fn()
     saved.write_text(json.dumps({"fingerprint": fp, "result": res}))
     return res
+
+
+def run_key(exp, method, seed: int, case_set, encoder: Path | None = None) -> str:
+    """What ``--resume`` compares for a run after pre-training: :func:`run_fingerprint`, the sweep case's overrides
+    and, when the run starts from the Fed-MAE encoder, a digest of that file's bytes — its path alone is the same for
+    every pre-training run into one output folder, so a pre-training rerun with other settings must not let a
+    fine-tuning made from the old encoder be reused."""
+    import hashlib
+
+    key = run_fingerprint(exp, method, seed) + ":" + json.dumps(list(case_set))
+    if encoder is not None:
+        key += ":encoder:" + hashlib.sha256(Path(encoder).read_bytes()).hexdigest()
+    return key
 
 
 def _final(doc: dict, keys=("macro_acc", "macro_f1", "accuracy")) -> dict:
@@ -182,7 +195,7 @@ def run_ssl(config_path: str, out_dir, *, overrides: list[str] | None = None, re
                     doc = run_job(str(config_path), mover, mm.name, seed, cdata, mwork, log=log)
                     return {**_final(doc), "prep_wfl": doc.get("prep_wfl")}
 
-                fp = run_fingerprint(mexp, mm, seed) + ":" + json.dumps(case.set)
+                fp = run_key(mexp, mm, seed, case.set, encoder if m.init == "fedmae" else None)
                 try:
                     r = _cached(mwork, fp, resume, finetune, log, f"[seed {seed}] {case.name} {m.name}")
                 except RunError as e:
@@ -194,7 +207,8 @@ def run_ssl(config_path: str, out_dir, *, overrides: list[str] | None = None, re
                 rwork = out / "runs" / f"seed{seed}" / case.name / "_references"
                 rexp = load_config(config_path, cover + classes_override(cdata, cexp))
                 rm = next(x for x in rexp.methods if x.name == ref_m.name)
-                r = _cached(rwork, run_fingerprint(rexp, rm, seed) + ":ref:" + json.dumps(case.set), resume,
+                r = _cached(rwork, "ref:" + run_key(rexp, rm, seed, case.set, encoder if rm.init == "fedmae" else None),
+                            resume,
                             lambda: _loop_reference(rexp, rm, seed, cdata, meta["sites"],
                                                     encoder if ref_m.init == "fedmae" else None, log),
                             log, f"[seed {seed}] {case.name} references")
@@ -208,7 +222,8 @@ def run_ssl(config_path: str, out_dir, *, overrides: list[str] | None = None, re
             for name in case.methods:
                 m = next(x for x in cexp.methods if x.name == name)
                 mover = cover + classes_override(cdata, cexp)
-                if m.encoder == "fedmae_vit" and "Fed-MAE" in m.name:
+                trained = m.encoder == "fedmae_vit" and "Fed-MAE" in m.name
+                if trained:
                     mover = mover + [f"methods.{m.name}.encoder_weights={encoder}"]
                 mwork = out / "runs" / f"seed{seed}" / case.name / "".join(c if c.isalnum() else "_" for c in name)
                 mexp = load_config(config_path, mover)
@@ -225,8 +240,8 @@ def run_ssl(config_path: str, out_dir, *, overrides: list[str] | None = None, re
                     ari = adjusted_rand_score([meta["groups"][s] for s in sites], [lab[s] for s in sites])
                     return {"ari": float(ari), "k": len(clusters), **_final(doc), "encoder": doc["clustering"].get("encoder")}
 
-                r = _cached(mwork, run_fingerprint(mexp, mm, seed) + ":" + json.dumps(case.set), resume, fmcl_run, log,
-                            f"[seed {seed}] {case.name} {name}")
+                r = _cached(mwork, run_key(mexp, mm, seed, case.set, encoder if trained else None), resume, fmcl_run,
+                            log, f"[seed {seed}] {case.name} {name}")
                 res["encoders"].setdefault(case.name, {}).setdefault(name, {})[seed] = r
     text = ssl_tables(res, exp, command or f"fedmed ssl {config_path}")
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """Fed-MAE, fine-tuning and PreP-WFL (``001_``): the math, the site tasks and the bad inputs."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from fedmed.ssl import (ViTClassifier, encoder_state, layerwise_param_groups, ma
 from fedmed.ssl_site import MAESiteRunner
 from fedmed.train import get_params, train_local
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = {"img_size": 16, "patch_size": 4, "hidden_size": 32, "mlp_dim": 64, "num_layers": 2, "num_heads": 2,
         "decoder_hidden_size": 32, "decoder_mlp_dim": 64, "decoder_num_layers": 1, "decoder_num_heads": 2}
 
@@ -231,3 +233,23 @@ def test_finetuning_lr_is_the_configured_lr_not_maes_batch_scaled_one(tmp_path):
     opt = runner.optimizer(clf, cfg)
     assert max(g["lr"] for g in opt.param_groups) == pytest.approx(1e-3)
     assert {g["lr_scale"] for g in opt.param_groups} == {0.75 ** d for d in range(6)}
+
+
+def test_resume_key_follows_the_encoders_bytes_not_only_its_path(tmp_path):
+    """Every pre-training run into one output folder writes the encoder to the same path: a fine-tuning made from an
+    older encoder must not be reused after a pre-training rerun with other settings (it once was)."""
+    from fedmed.config import load_config
+    from fedmed.ssl_experiment import run_key
+
+    exp = load_config(ROOT / "app_configs" / "ssl_imagenette.yaml")
+    ft = next(m for m in exp.methods if m.name == "Fed-MAE init")
+    enc = tmp_path / "encoder.pt"
+    torch.save({"w": torch.zeros(3)}, enc)
+    before = run_key(exp, ft, 0, ["federation.predi_prevalence=1.5"], enc)
+    assert run_key(exp, ft, 0, ["federation.predi_prevalence=1.5"], enc) == before  # stable: --resume can reuse
+    torch.save({"w": torch.ones(3)}, enc)
+    assert run_key(exp, ft, 0, ["federation.predi_prevalence=1.5"], enc) != before
+    assert run_key(exp, ft, 0, ["federation.predi_prevalence=2.5"], enc) != run_key(
+        exp, ft, 0, ["federation.predi_prevalence=1.5"], enc)
+    rnd = next(m for m in exp.methods if m.name == "Random init")
+    assert run_key(exp, rnd, 0, []) == run_key(exp, rnd, 0, [])  # no encoder: the settings alone
