@@ -65,11 +65,23 @@ def initial_params(cfg: dict) -> dict:
     return get_params(model_from_config(m, d["channels"], d["n_classes"], seed=cfg.get("seed", 0)))
 
 
+TASK_CHECK_PERIOD_S = 0.05  # how often FLARE's task monitor looks for finished tasks (its default: 0.2 s)
+
+
 class FedMedController(ModelController):
     """Config, recording, fault handling, checkpoints; subclasses implement :meth:`workflow`."""
 
+    def set_communicator(self, communicator):
+        """FLARE 2.9's ``Controller.set_communicator`` hands the controller's ``task_check_period`` to
+        ``communicator.task_check_period``, but ``WFCommServer``'s monitor sleeps ``_task_check_period`` (set only by
+        its constructor, 0.2 s): a finished round waited up to 0.2 s (0.1 s on average) before the workflow saw it.
+        Set the attribute the monitor reads."""
+        super().set_communicator(communicator)
+        if hasattr(communicator, "_task_check_period"):
+            communicator._task_check_period = self._task_check_period
+
     def __init__(self, num_rounds: int, fedmed_config: dict, resume: bool = False, **kwargs):
-        super().__init__(persistor_id="", ignore_result_error=True, task_check_period=0.1, **kwargs)
+        super().__init__(persistor_id="", ignore_result_error=True, task_check_period=TASK_CHECK_PERIOD_S, **kwargs)
         # attribute names equal the constructor arguments: FedJob exports them from the instance
         self.num_rounds = int(num_rounds)
         self.fedmed_config = dict(fedmed_config)

@@ -281,3 +281,19 @@ def test_a_job_that_fails_to_build_leaves_no_site_template_behind():
     left = [q for q in psutil.process_iter(["cmdline", "create_time"])
             if q.info["create_time"] >= t0 - 1 and "multiprocessing.forkserver" in " ".join(q.info["cmdline"] or [])]
     assert not left
+
+
+def test_flares_task_monitor_checks_at_the_controllers_period_not_its_default():
+    """FLARE 2.9 hands a controller's task_check_period to an attribute its WFCommServer never reads (the monitor
+    sleeps ``_task_check_period``, 0.2 s): fedmed's controllers set the one the monitor reads, so a finished round is
+    seen within TASK_CHECK_PERIOD_S."""
+    code = ("import sys; sys.path.insert(0, '.')\n"
+            "from nvflare.apis.impl.wf_comm_server import WFCommServer\n"
+            "from custom.base import TASK_CHECK_PERIOD_S\n"
+            "from custom.fedavg import FedAvgController\n"
+            "w = WFCommServer()\n"
+            "FedAvgController(num_rounds=1, fedmed_config={}).set_communicator(w)\n"
+            "print(w._task_check_period, TASK_CHECK_PERIOD_S)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    monitor, ours = map(float, out.split())
+    assert monitor == ours < 0.2
