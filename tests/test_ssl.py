@@ -253,3 +253,28 @@ def test_resume_key_follows_the_encoders_bytes_not_only_its_path(tmp_path):
         exp, ft, 0, ["federation.predi_prevalence=1.5"], enc)
     rnd = next(m for m in exp.methods if m.name == "Random init")
     assert run_key(exp, rnd, 0, []) == run_key(exp, rnd, 0, [])  # no encoder: the settings alone
+
+
+def test_ssl_validation_draws_pool_images_outside_the_labeled_split_and_refuses_test_images(tmp_path):
+    """benchmarks/ssl_validation.py chooses a study's settings on pool images no site holds as labeled training
+    images, and refuses to go on if any of them is a common-test image."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from ssl_validation import validation_datalists
+
+    case, pool = tmp_path / "case", tmp_path / "pool"
+    case.mkdir(), pool.mkdir()
+    e = lambda site, i: {"image": f"images/{site}/{i:06d}_{i}.png", "label": i % 2}  # noqa: E731
+    for s, lab, pl in (("site-1", [1, 2], [1, 2, 3, 4]), ("site-2", [5], [5, 6, 7])):
+        (case / f"{s}.json").write_text(json.dumps({"training": [e(s, i) for i in lab], "validation": [],
+                                                    "test": [e("common_test", 9)]}))
+        (pool / f"{s}.json").write_text(json.dumps({"training": [e(s, i) for i in pl], "validation": []}))
+    (case / "dataset.json").write_text("{}")
+    assert validation_datalists(case, pool, ["site-1", "site-2"], 10, 0, tmp_path / "val") == 4
+    doc = json.loads((tmp_path / "val" / "site-1.json").read_text())
+    assert sorted(Path(x["image"]).stem.split("_")[-1] for x in doc["test"]) == ["3", "4", "6", "7"]
+    assert [Path(x["image"]).name for x in doc["training"]] == ["000001_1.png", "000002_2.png"]
+    (pool / "site-2.json").write_text(json.dumps({"training": [e("site-2", 9)], "validation": []}))
+    with pytest.raises(SystemExit, match="in the common test set"):
+        validation_datalists(case, pool, ["site-1", "site-2"], 10, 0, tmp_path / "val2")
