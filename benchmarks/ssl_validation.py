@@ -7,7 +7,8 @@
 For one seed of a study whose Fed-MAE pre-training finished, the federated fine-tuning of a sweep case (the same
 ``SiteRunner`` calls as the workflow, in one process: ``fedmed.loop.fedavg_loop``, the study's recipe and budget)
 is scored on **validation images**: ``--val`` images drawn (seeded) from the seed's unlabeled pools outside every
-site's labeled split. The common test set is never read. Encoders: ``fedmae`` (the study's
+site's labeled split. No common-test image is ever scored (only the test split's file names are read, to refuse
+them). Encoders: ``fedmae`` (the study's
 ``runs/seed<S>/pretrain/server/models/encoder.pt``), ``random`` (the classifier's seeded init), or a path to another
 encoder file (``fedmed.ssl.encoder_state`` of a MAE). ``--set`` changes the study's settings for this check only
 (e.g. the labels per (class, site) or ``train.lr``). Prints the validation macro accuracy of every round (the served
