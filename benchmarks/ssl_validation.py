@@ -86,7 +86,10 @@ def main(argv=None):
     torch.set_num_threads(1)
     study = Path(a.study).resolve()
     exp = load_config(a.config)
-    case = next((c for c in exp.sweep if c.name == a.case), None) if a.case else exp.sweep[0]
+    cases = [c for c in exp.sweep if c.name == a.case] if a.case else exp.sweep[:1]
+    if not cases:
+        raise SystemExit(f"{a.config}: no sweep case {a.case!r} (cases: {[c.name for c in exp.sweep]})")
+    case = cases[0]
     over = list(case.set) + list(a.set)
     exp = load_config(a.config, over)
     tmp = Path(tempfile.mkdtemp(prefix="ssl_validation_"))

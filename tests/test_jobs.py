@@ -4,8 +4,8 @@ import json
 import os
 import socket
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
