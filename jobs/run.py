@@ -99,11 +99,15 @@ def sim_env(sites: list[str], workspace: Path, template=None):
                 cmd = [sys.executable, str(Path(__file__).with_name("simulator.py")), os.path.join(root, job.name),
                        "-w", workspace_dir, "-c", ",".join(self.clients), "-n", str(len(self.clients)),
                        "-t", str(self.num_threads)]
-                env, fds = dict(os.environ), []
-                if template is not None:  # the site template jobs/run.py started early (jobs/simulator.py)
+                env = dict(os.environ)
+                if template is None:
+                    proc = subprocess.Popen(cmd, preexec_fn=os.setsid, env=env)
+                else:  # forked from the site template started early (jobs/simulator.py), which it hands to FLARE
+                    from jobs.simulator import ForkedWorker
+
                     env.update(template[0])
-                    fds = template[1]
-                rc = wait_forwarding_signals(subprocess.Popen(cmd, preexec_fn=os.setsid, env=env, pass_fds=fds))
+                    proc = ForkedWorker(cmd[2:], env, simulator=True)
+                rc = wait_forwarding_signals(proc)
             self.last_run_failed = rc not in (None, 0)
             if self.last_run_failed:
                 raise RuntimeError(f"Simulation failed with return code {rc}; logs under {workspace_dir}")

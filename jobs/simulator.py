@@ -76,7 +76,8 @@ def open_ports(number: int) -> list[int]:
 
 WORKER_MODULE = "nvflare.private.fed.app.simulator.simulator_worker"
 TEMPLATE_ENV = "FEDMED_SIM_TEMPLATE"  # {"pid", "fd", "address"} of a template started by jobs/run.py
-PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.optim", WORKER_MODULE, "nvflare.client", "nvflare.client.tracking",
+PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.optim", WORKER_MODULE, "nvflare.private.fed.app.simulator.simulator",
+           "nvflare.private.fed.app.simulator.simulator_runner", "nvflare.client", "nvflare.client.tracking",
            "nvflare.app_common.executors.client_api.in_process_backend", "PIL.Image", "fedmed.site", "fedmed.train",
            "fedmed.models", "fedmed.metrics", "fedmed.data",
            # what a site worker still imported after the fork (FLARE's driver scan imports every f3 driver, with
@@ -144,6 +145,20 @@ def _run_worker(module: str, argv: list[str], env: dict) -> None:
     mpm.run(main_func=worker.main, run_dir=args.workspace, args=args)
 
 
+def _run_simulator(argv: list[str], env: dict) -> None:
+    """In a process forked from the template by ``jobs/run.py``: what ``Popen([python, jobs/simulator.py, *ARGV],
+    preexec_fn=os.setsid, env=ENV)`` does, without importing NVFlare's simulator again — and without the ~2 s of CPU
+    FLARE's server process (forked from this one) spends importing torch for the initial model and checkpoints."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    for p in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    sys.argv = [os.path.abspath(__file__)] + list(argv)
+    sys.exit(main(list(argv)))
+
+
 class ForkedWorker:
     """The part of ``subprocess.Popen`` FLARE's simulator uses (pid, poll, wait, terminate, kill, returncode)."""
 
@@ -189,13 +204,18 @@ class ForkedWorker:
         try:
             d = json.loads(spec)
             os.kill(int(d["pid"]), 0)
-            os.fstat(int(d["fd"]))
+            if fs.get_inherited_fds() is None:
+                os.fstat(int(d["fd"]))
         except (ValueError, KeyError, TypeError, OSError):
             return False
         with fs._lock:
             if fs._forkserver_pid is not None:
                 return False
-            fs._forkserver_pid, fs._forkserver_alive_fd, fs._forkserver_address = int(d["pid"]), int(d["fd"]), d["address"]
+            # forked by that template itself (jobs/run.py launches the simulator so): the template handed this process
+            # its own copy of the pipe end at the fork, under another number
+            forked = fs.get_inherited_fds() is not None and fs._forkserver_alive_fd is not None
+            fd = fs._forkserver_alive_fd if forked else int(d["fd"])
+            fs._forkserver_pid, fs._forkserver_alive_fd, fs._forkserver_address = int(d["pid"]), fd, d["address"]
             cls._adopted = int(d["pid"])
         own = fs.ensure_running
 
@@ -262,10 +282,13 @@ class ForkedWorker:
                     pass
             cls._ctx = None  # a later run starts a new template (with the preload list of its time)
 
-    def __init__(self, argv: list[str], env: dict, module: str = WORKER_MODULE):
+    def __init__(self, argv: list[str], env: dict, module: str = WORKER_MODULE, simulator: bool = False):
+        """A site worker running ``module`` with ``argv``; ``simulator``: this file's simulator itself (``argv`` are
+        its arguments), as ``jobs/run.py`` launches it."""
         self.args = argv
         self.warm()  # the template, started with its path (a no-op once it runs)
-        self._p = self.context().Process(target=_run_worker, args=(module, argv, env), daemon=False)
+        target, args = (_run_simulator, (argv, env)) if simulator else (_run_worker, (module, argv, env))
+        self._p = self.context().Process(target=target, args=args, daemon=False)
         self._p.start()
         self.pid = self._p.pid
         self.returncode = None

@@ -268,6 +268,44 @@ def test_simulator_adopts_the_template_jobs_run_started_and_workers_keep_the_lau
     assert ppid == pid and cwd == str(tmp_path / "wd")
 
 
+def test_a_simulator_forked_by_the_template_forks_its_site_workers_from_that_template_too(tmp_path):
+    """jobs/run.py forks the simulator itself from the site template (so neither the simulator nor FLARE's server,
+    forked from it, imports NVFlare and torch again): that process has the template's pipe end under another number
+    than jobs/run.py's, and must still adopt the template for its site workers rather than start a second one."""
+    (tmp_path / "inner_worker.py").write_text(
+        "import os\n"
+        "def parse_arguments():\n"
+        "    import argparse; ap = argparse.ArgumentParser(); ap.add_argument('--workspace'); return ap.parse_args()\n"
+        "def main(args):\n"
+        "    open(os.environ['OUT'], 'w').write(str(os.getppid()))\n")
+    (tmp_path / "outer_worker.py").write_text(
+        "import os, sys\n"
+        "def parse_arguments():\n"
+        "    import argparse; ap = argparse.ArgumentParser(); ap.add_argument('--workspace'); return ap.parse_args()\n"
+        "def main(args):\n"
+        f"    sys.path.insert(0, {str(ROOT / 'jobs')!r}); import simulator as sim\n"
+        f"    w = sim.ForkedWorker(['--workspace', 'x'], {{'OUT': {str(tmp_path / 'inner.txt')!r}, "
+        f"'PYTHONPATH': {str(tmp_path)!r}}}, module='inner_worker')\n"
+        "    rc = w.wait(timeout=60)\n"
+        f"    open({str(tmp_path / 'outer.txt')!r}, 'w').write(f'{{rc}} {{sim.ForkedWorker._adopted}} {{os.getppid()}}')\n"
+        "    sim.ForkedWorker.stop()\n")
+    parent = ("import os, sys; sys.path.insert(0, 'jobs'); import simulator as sim\n"
+              "env, fds = sim.ForkedWorker.early_start()\n"
+              f"w = sim.ForkedWorker(['--workspace', 'y'], {{**os.environ, **env, 'PYTHONPATH': {str(tmp_path)!r}}}, "
+              "module='outer_worker')\n"
+              "rc = w.wait(timeout=90)\n"
+              "from multiprocessing import forkserver\n"
+              "print(rc, forkserver._forkserver._forkserver_pid)\n"
+              "sim.ForkedWorker.stop()\n")
+    env = {**{k: v for k, v in os.environ.items() if k != "FEDMED_SIM_PRELOAD"}, "FEDMED_SIM_PRELOAD": "json"}
+    res = subprocess.run([sys.executable, "-c", parent], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    rc, template = res.stdout.split()[:2]
+    assert rc == "0", res.stdout + res.stderr
+    inner_rc, adopted, outer_parent = (tmp_path / "outer.txt").read_text().split()
+    assert outer_parent == template and inner_rc == "0" and adopted == template
+    assert (tmp_path / "inner.txt").read_text() == template  # not a second template started by the outer process
+
+
 def test_a_job_that_fails_to_build_leaves_no_site_template_behind():
     """jobs/run.py starts the site template before it builds the job; on bad input it stops it (without waiting for
     its imports) and answers with exit code 2."""
