@@ -16,8 +16,10 @@ imports torch, NVFlare and fedmed again — ~3 s of CPU and ~250 MB of private m
 is most of a small run's wall time. Here the same worker module runs in a process forked from a template process
 (Python's ``forkserver``) that imported those modules once: the worker code and its arguments, environment,
 session and working directory are FLARE's; the imported libraries' pages are shared copy-on-write between the
-sites. ``FEDMED_SIM_FORK=0`` launches workers exactly as FLARE does (``benchmarks/bench_simulator.py`` compares
-both); ``FEDMED_SIM_PRELOAD`` (comma-separated modules) replaces the list the template imports.
+sites. ``jobs/run.py`` starts that template before it builds the job and forks this simulator itself from it
+(``ForkedWorker(..., simulator=True)``), so neither the simulator nor FLARE's server process, which FLARE forks from
+it, imports NVFlare and torch again. ``FEDMED_SIM_FORK=0`` launches the simulator and its workers exactly as FLARE
+does (``benchmarks/bench_memory.py --plain`` compares both); ``FEDMED_SIM_PRELOAD`` (comma-separated modules) replaces the list the template imports.
 Everything else is NVFlare's own ``simulator`` entry point, unchanged.
 """
 
