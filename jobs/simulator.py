@@ -151,6 +151,8 @@ def _run_simulator(argv: list[str], env: dict) -> None:
     """In a process forked from the template by ``jobs/run.py``: what ``Popen([python, jobs/simulator.py, *ARGV],
     preexec_fn=os.setsid, env=ENV)`` does, without importing NVFlare's simulator again — and without the ~2 s of CPU
     FLARE's server process (forked from this one) spends importing torch for the initial model and checkpoints."""
+    import multiprocessing
+
     os.setsid()
     os.environ.clear()
     os.environ.update(env)
@@ -158,6 +160,10 @@ def _run_simulator(argv: list[str], env: dict) -> None:
         if p not in sys.path:
             sys.path.insert(0, p)
     sys.argv = [os.path.abspath(__file__)] + list(argv)
+    # FLARE's Manager and server process fork from this one, as in a fresh interpreter on Linux; multiprocessing
+    # hands a forkserver child its parent's start method, and a forkserver-started server would re-import all and run
+    # without this module's changes to FLARE (its sites then start as fresh interpreters)
+    multiprocessing.set_start_method("fork", force=True)
     sys.exit(main(list(argv)))
 
 

@@ -136,15 +136,32 @@ def test_forked_and_plain_site_processes_train_the_same_model(tmp_path):
 
     import torch
 
-    models = {}
+    import psutil
+
+    models, trees = {}, {}
     before = orphan_templates()
     for mode in ("1", "0"):
         cmd = digits_sim_command(tmp_path, sites=3, rounds=2, workspace=tmp_path / f"ws{mode}")
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "FEDMED_SIM_FORK": mode},
-                           timeout=600)
-        res = json.loads(p.stdout.strip().splitlines()[-1])
-        assert res["status"] == "finished", p.stdout[-3000:]
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             env={**os.environ, "FEDMED_SIM_FORK": mode})
+        tree, root = {}, psutil.Process(p.pid)
+        while p.poll() is None:  # every process of the run: pid -> command line (a forked one keeps its parent's)
+            try:
+                for c in root.children(recursive=True):
+                    tree.setdefault(c.pid, " ".join(c.cmdline()))
+            except psutil.Error:
+                pass
+            time.sleep(0.05)
+        trees[mode] = tree
+        res = json.loads(p.stdout.read().strip().splitlines()[-1])
+        assert res["status"] == "finished", res
         models[mode] = torch.load(Path(res["result"]) / "models" / "global.pt", weights_only=True)["state_dict"]
+    # forked: no process of the run but the template (and multiprocessing's resource tracker) is a fresh interpreter —
+    # the simulator, FLARE's server process and every site are forks of the one template; plain: FLARE's own start
+    fresh = {c for c in trees["1"].values() if "resource_tracker" not in c}
+    assert len(fresh) == 1 and "multiprocessing.forkserver" in fresh.pop(), trees["1"]
+    assert len(trees["1"]) >= 1 + 1 + 2 + 3, trees["1"]  # tracker, template, simulator + its server, 3 sites
+    assert sum("simulator_worker" in c for c in trees["0"].values()) == 3, trees["0"]
     assert set(models["1"]) == set(models["0"])
     assert all(np.array_equal(models["1"][k].numpy(), models["0"][k].numpy()) for k in models["1"])
     assert not orphan_templates() - before  # a template whose run ended would be re-parented to init
