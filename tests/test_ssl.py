@@ -278,3 +278,17 @@ def test_ssl_validation_draws_pool_images_outside_the_labeled_split_and_refuses_
     (pool / "site-2.json").write_text(json.dumps({"training": [e("site-2", 9)], "validation": []}))
     with pytest.raises(SystemExit, match="in the common test set"):
         validation_datalists(case, pool, ["site-1", "site-2"], 10, 0, tmp_path / "val2")
+
+
+def test_a_studys_fedmae_lr_reaches_the_sites_not_the_papers_default():
+    """app_configs/ssl_pneumonia.yaml pre-trains at base lr 6e-3 (chosen on validation, docs/results.md), not 001_'s
+    1.5e-4: the method's value is what the sites' task configuration carries (the site falls back to 1.5e-4 only
+    when none is given)."""
+    from fedmed.config import load_config
+    from fedmed.taskconfig import fedmed_config
+
+    root = Path(__file__).resolve().parents[1]
+    exp = load_config(root / "app_configs" / "ssl_pneumonia.yaml", ['dataset.classes=["normal","pneumonia"]'])
+    method = next(m for m in exp.methods if m.workflow == "fedmae")
+    cfg = fedmed_config(exp, 0, method, exp.site_names())
+    assert cfg["task"] == "mae" and cfg["mae"]["base_lr"] == pytest.approx(6e-3)
