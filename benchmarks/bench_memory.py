@@ -113,7 +113,15 @@ def main(argv=None):
                     info = p.memory_full_info()
                     k = role(p.cmdline())
                     if k.startswith("site template") and p.parent() and "forkserver" in " ".join(p.parent().cmdline()):
-                        k = "site processes (forked)"
+                        # forked from the template: the simulator (jobs/run.py forks it; its server and Manager are
+                        # its children, forks of a fork) or a site
+                        grand = p.parent().parent()
+                        if grand is not None and "forkserver" in " ".join(grand.cmdline()):
+                            k = "simulator server and Manager (forked)"
+                        elif p.children():
+                            k = "simulator (forked)"
+                        else:
+                            k = "site processes (forked)"
                     rss[k] = rss.get(k, 0) + info.rss
                     pss += info.pss
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
