@@ -29,7 +29,10 @@ from nvflare.app_common.abstract.fl_model import FLModel
 from nvflare.app_common.workflows.model_controller import ModelController
 
 from fedmed import memtrace
+from fedmed.compat import serialize_ast_parse
 from fedmed.reporting import Recorder
+
+serialize_ast_parse()  # the server decodes several sites' arrays at once (np.load -> ast.parse): fedmed/compat.py
 
 RESUME_DIR = "fedmed_resume"  # inside the server app's custom folder of a resumed job
 

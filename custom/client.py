@@ -15,6 +15,10 @@ from pathlib import Path
 import nvflare.client as flare
 from nvflare.app_common.abstract.fl_model import FLModel
 
+from fedmed.compat import serialize_ast_parse
+
+serialize_ast_parse()  # FLARE decodes arrays in its own threads (np.load -> ast.parse): fedmed/compat.py
+
 
 def to_meta(d: dict) -> dict:
     """Arrays travel in FLModel.meta (not params)."""

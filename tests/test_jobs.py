@@ -147,10 +147,16 @@ def test_forked_and_plain_site_processes_train_the_same_model(tmp_path):
         tree, root = {}, psutil.Process(p.pid)
         while p.poll() is None:  # every process of the run: pid -> command line (a forked one keeps its parent's)
             try:
-                for c in root.children(recursive=True):
-                    tree.setdefault(c.pid, " ".join(c.cmdline()))
+                kids = root.children(recursive=True)
             except psutil.Error:
-                pass
+                kids = []
+            for c in kids:
+                try:
+                    line = " ".join(c.cmdline())
+                except psutil.Error:
+                    continue
+                if line:  # the latest: a process seen between fork and exec still shows its parent's command
+                    tree[c.pid] = line
             time.sleep(0.05)
         trees[mode] = tree
         res = json.loads(p.stdout.read().strip().splitlines()[-1])
