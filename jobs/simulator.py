@@ -19,7 +19,8 @@ session and working directory are FLARE's; the imported libraries' pages are sha
 sites. ``jobs/run.py`` starts that template before it builds the job and forks this simulator itself from it
 (``ForkedWorker(..., simulator=True)``), so neither the simulator nor FLARE's server process, which FLARE forks from
 it, imports NVFlare and torch again. ``FEDMED_SIM_FORK=0`` launches the simulator and its workers exactly as FLARE
-does (``benchmarks/bench_memory.py --plain`` compares both); ``FEDMED_SIM_PRELOAD`` (comma-separated modules) replaces the list the template imports.
+does (``benchmarks/bench_memory.py --plain`` compares both); ``FEDMED_SIM_PRELOAD`` (comma-separated modules)
+replaces the list the template imports.
 Everything else is NVFlare's own ``simulator`` entry point, unchanged.
 """
 
@@ -124,18 +125,25 @@ RUNNER_POLL_S = 0.1  # simulator_runner polls at 1 s: server started?, first lau
 WORKER_POLL_S = 0.05  # simulator_worker re-asks the server for a task every 0.5 s (a site idles ~0.25 s a round)
 
 
+def _as_popen_child(env: dict) -> None:
+    """In a process forked from the template: the new session and environment ``Popen(..., preexec_fn=os.setsid,
+    env=ENV)`` would give it, ``PYTHONPATH`` included (the working directory is the launching process's already:
+    multiprocessing's spawn preparation sets it)."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    for p in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
 def _run_worker(module: str, argv: list[str], env: dict) -> None:
     """In the forked child: what ``Popen(python -m simulator_worker ARGV, preexec_fn=os.setsid, env=ENV)`` does —
     the worker module's ``__main__`` block (parse its arguments, ``mpm.run(main)``), its polls capped at
     :data:`WORKER_POLL_S`."""
     import importlib
 
-    os.setsid()  # (the working directory is the launching process's: multiprocessing's spawn preparation sets it)
-    os.environ.clear()
-    os.environ.update(env)
-    for p in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
-        if p not in sys.path:
-            sys.path.insert(0, p)
+    _as_popen_child(env)
     sys.argv = [module] + list(argv)
     worker = importlib.import_module(module)
     worker.time = capped_time(WORKER_POLL_S)
@@ -153,12 +161,7 @@ def _run_simulator(argv: list[str], env: dict) -> None:
     FLARE's server process (forked from this one) spends importing torch for the initial model and checkpoints."""
     import multiprocessing
 
-    os.setsid()
-    os.environ.clear()
-    os.environ.update(env)
-    for p in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
-        if p not in sys.path:
-            sys.path.insert(0, p)
+    _as_popen_child(env)
     sys.argv = [os.path.abspath(__file__)] + list(argv)
     # FLARE's Manager and server process fork from this one, as in a fresh interpreter on Linux; multiprocessing
     # hands a forkserver child its parent's start method, and a forkserver-started server would re-import all and run
