@@ -193,7 +193,8 @@ class ForkedWorker:
     def early_start(cls) -> tuple[dict, list[int]]:
         """In ``jobs/run.py``, before it imports NVFlare and builds the job: start the template there, so its imports
         (torch, NVFlare: ~4 s of CPU) overlap the job building and the simulator's start instead of following them.
-        Returns the environment entry and the file descriptor the simulator process must inherit to use it."""
+        Returns the environment entry and the template's pipe end: a simulator forked from the template (what
+        ``jobs/run.py`` does) gets that pipe end at the fork; one started otherwise must inherit the descriptor."""
         from multiprocessing import forkserver
 
         cls.warm()
