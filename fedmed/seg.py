@@ -34,7 +34,7 @@ import torch
 
 from .data import DataError
 
-__all__ = ["REGIONS", "SegCase", "case_metadata", "dice_scores", "load_case", "region_masks", "seg_loss", "seg_metrics",
+__all__ = ["REGIONS", "SegCase", "case_metadata", "dice_scores", "load_case", "region_masks", "score_masks", "seg_loss", "seg_metrics",
            "seg_model", "site_embeddings", "train_seg_local"]
 
 REGIONS = {"WT": (1, 2, 3, 4), "TC": (1, 3, 4), "ET": (4,)}
@@ -137,7 +137,9 @@ def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "
             "subject": entry.get("subject", Path(images[0]).parent.name),
             "max_intensity": {m: float(v[sl].max()) for m, v in zip(mods, vols)},
             "volume_mm3": {r: float(np.isin(crop_lab, labs).sum() * voxel) for r, labs in REGIONS.items()},
-            "spacing_mm": (extent / np.asarray(shape)).tolist()}
+            "spacing_mm": (extent / np.asarray(shape)).tolist(), "region": region,
+            # centre of the resampled voxel (0, 0, 0) in the original grid's mm (trilinear, align_corners=False)
+            "origin_mm": ((lo - 0.5) * zooms + 0.5 * extent / np.asarray(shape)).tolist()}
     img = np.stack([_resize(v[sl], shape, "trilinear")[0] for v in vols]).astype(np.float32)
     lab_small = _resize(crop_lab.astype(np.float32), shape, "nearest-exact")[0].astype(np.int16)
     return SegCase(image=img, label=region_masks(lab_small), meta=meta)
@@ -283,47 +285,99 @@ def keep_largest_component(masks: np.ndarray) -> np.ndarray:
 
 @torch.no_grad()
 def seg_metrics(model, cases: Sequence[SegCase], roi=(32, 32, 32), largest_component: bool = True) -> dict:
-    """BraTS-style scores of a model on test cases, per region (WT, TC, ET):
+    """BraTS-style scores of a model on test cases (:func:`score_masks` of its :func:`predict_masks`)."""
+    return score_masks([predict_masks(model, c["image"], roi, largest_component) for c in cases], cases)
 
-    * ``dice_<r>``: MONAI ``DiceMetric`` on the cases whose ground truth holds the region (``ignore_empty=True``:
-      a tumour-free case is not a perfect 1 or a 0 for the region, it is left out); ``dice_mean`` over regions;
-    * ``hd95_<r>``: MONAI 95th-percentile Hausdorff distance in mm on those cases (the resampled grid's spacing);
-      an empty prediction on a tumour case scores the case's diagonal, as BraTS penalises it;
-    * ``fp_voxels``: predicted whole-tumour voxels on the tumour-free cases (mean; 0 when there are none).
+
+def _edge_points_mm(mask: np.ndarray, meta: dict) -> np.ndarray:
+    """Surface voxels of a (D, H, W) mask (the mask minus its erosion, as MONAI's ``get_mask_edges``) as (n, 3)
+    voxel centres in the original volume's mm. A hemisphere's mask is padded by its own cut face before the
+    erosion, so the cut through the brain's midline is not taken for the lesion's surface."""
+    from scipy import ndimage
+
+    region = meta.get("region", "whole")
+    pad = [(0, 0)] * 3
+    if region in ("left", "right"):
+        pad[0] = (0, 1) if region == "left" else (1, 0)
+    m = np.pad(mask > 0, pad, mode="edge")
+    edges = m & ~ndimage.binary_erosion(m)
+    edges = edges[pad[0][0]:edges.shape[0] - pad[0][1]]
+    spacing = np.asarray(meta.get("spacing_mm") or [1.0, 1.0, 1.0], dtype=np.float64)
+    origin = np.asarray(meta.get("origin_mm") or [0.0, 0.0, 0.0], dtype=np.float64)
+    return origin + np.argwhere(edges) * spacing
+
+
+def _hd95(pred_pts: np.ndarray, gt_pts: np.ndarray) -> float:
+    """Symmetric 95th-percentile Hausdorff distance between two point sets (MONAI's ``directed=False``: the larger
+    of the two directed 95th percentiles)."""
+    from scipy.spatial import cKDTree
+
+    d_pg = cKDTree(gt_pts).query(pred_pts)[0]
+    d_gp = cKDTree(pred_pts).query(gt_pts)[0]
+    return float(max(np.percentile(d_pg, 95), np.percentile(d_gp, 95)))
+
+
+def score_masks(preds: Sequence[np.ndarray], cases: Sequence[SegCase]) -> dict:
+    """BraTS scores of predicted (3, D, H, W) masks, **per subject** (BraTS and ``004_`` score a patient; a subject's
+    hemisphere samples are put back together — ``meta["subject"]``, each sample weighted by its voxel volume and
+    placed by ``meta["origin_mm"]``), per region (WT, TC, ET):
+
+    * ``dice_<r>``: Dice on the subjects whose ground truth holds the region (as ``DiceMetric(ignore_empty=True)``:
+      a subject without the region is left out, not scored 0 or 1); ``dice_mean`` over regions;
+    * ``hd95_<r>``: symmetric 95th-percentile Hausdorff distance in mm on those subjects (MONAI's definition, on
+      the resampled grids placed in the original volume's mm); an empty prediction scores the subject's diagonal,
+      as BraTS penalises it;
+    * ``dice_wt_per_sample``: WT Dice averaged over the tumour-bearing *samples* (hemispheres) instead — a
+      hemisphere holding a few voxels of a lesion centred in the other one weighs as much as the lesion;
+    * ``fp_voxels``: predicted whole-tumour voxels on the tumour-free samples (mean; 0 when there are none).
     """
-    from monai.metrics import DiceMetric, compute_hausdorff_distance
-
-    dice = DiceMetric(include_background=True, reduction="none", ignore_empty=True)
-    d_rows, h_rows, fp = [], [], []
-    for c in cases:
-        pred = torch.from_numpy(predict_masks(model, c["image"], roi, largest_component))[None].float()
-        gt = torch.from_numpy(c["label"])[None].float()
-        if gt[0, 0].sum() == 0:
-            fp.append(float(pred[0, 0].sum()))
+    if len(preds) != len(cases):
+        raise ValueError(f"{len(preds)} predictions for {len(cases)} cases")
+    subjects: dict[str, list[int]] = {}
+    for k, c in enumerate(cases):
+        subjects.setdefault(str(c["meta"].get("subject") or c["meta"].get("id", k)), []).append(k)
+    fp, per_sample = [], []
+    for p, c in zip(preds, cases):
+        if c["label"][0].sum() == 0:
+            fp.append(float(p[0].sum()))
+        else:
+            per_sample.append(2.0 * float((p[0] * c["label"][0]).sum()) / float(p[0].sum() + c["label"][0].sum()))
+    dice_rows, hd_rows = [], []
+    for ks in subjects.values():
+        vox = [float(np.prod(cases[k]["meta"].get("spacing_mm") or [1.0, 1.0, 1.0])) for k in ks]
+        if sum(float(cases[k]["label"][0].sum()) for k in ks) == 0:
             continue
-        d_rows.append(dice(pred, gt)[0].numpy())
-        spacing = c["meta"].get("spacing_mm") or [1.0, 1.0, 1.0]
-        diag = float(np.linalg.norm(np.asarray(c["image"].shape[1:]) * np.asarray(spacing)))
-        h = []
+        d, h = [], []
         for j in range(3):
-            if gt[0, j].sum() == 0:
+            gt_n = sum(v * float(cases[k]["label"][j].sum()) for k, v in zip(ks, vox))
+            pr_n = sum(v * float(preds[k][j].sum()) for k, v in zip(ks, vox))
+            if gt_n == 0:
+                d.append(np.nan)
                 h.append(np.nan)
-            elif pred[0, j].sum() == 0:
-                h.append(diag)
+                continue
+            tp = sum(v * float((preds[k][j] * cases[k]["label"][j]).sum()) for k, v in zip(ks, vox))
+            d.append(2.0 * tp / (gt_n + pr_n))
+            gt_pts = np.concatenate([_edge_points_mm(cases[k]["label"][j], cases[k]["meta"]) for k in ks])
+            if pr_n == 0:
+                lo = np.min([np.asarray(cases[k]["meta"].get("origin_mm") or [0.0] * 3) for k in ks], axis=0)
+                hi = np.max([np.asarray(cases[k]["meta"].get("origin_mm") or [0.0] * 3)
+                             + np.asarray(cases[k]["label"].shape[1:])
+                             * np.asarray(cases[k]["meta"].get("spacing_mm") or [1.0] * 3) for k in ks], axis=0)
+                h.append(float(np.linalg.norm(hi - lo)))
             else:
-                h.append(float(compute_hausdorff_distance(pred[:, j:j + 1], gt[:, j:j + 1], percentile=95,
-                                                          spacing=spacing)[0, 0]))
-        h_rows.append(h)
-    out: dict = {"n_tumour_cases": len(d_rows), "n_tumour_free_cases": len(fp)}
+                pr_pts = np.concatenate([_edge_points_mm(preds[k][j], cases[k]["meta"]) for k in ks])
+                h.append(_hd95(pr_pts, gt_pts))
+        dice_rows.append(d)
+        hd_rows.append(h)
+    out: dict = {"n_tumour_cases": len(dice_rows), "n_tumour_free_cases": len(fp)}
     for j, r in enumerate(REGIONS):
-        col = np.array([row[j] for row in d_rows], dtype=np.float64)
-        col = col[np.isfinite(col)]
-        out[f"dice_{r.lower()}"] = float(col.mean()) if col.size else float("nan")
-        hcol = np.array([row[j] for row in h_rows], dtype=np.float64)
-        hcol = hcol[np.isfinite(hcol)]
-        out[f"hd95_{r.lower()}"] = float(hcol.mean()) if hcol.size else float("nan")
+        for key, rows in ((f"dice_{r.lower()}", dice_rows), (f"hd95_{r.lower()}", hd_rows)):
+            col = np.array([row[j] for row in rows], dtype=np.float64)
+            col = col[np.isfinite(col)]
+            out[key] = float(col.mean()) if col.size else float("nan")
     vals = [out[f"dice_{r.lower()}"] for r in REGIONS if np.isfinite(out[f"dice_{r.lower()}"])]
     out["dice_mean"] = float(np.mean(vals)) if vals else float("nan")
+    out["dice_wt_per_sample"] = float(np.mean(per_sample)) if per_sample else float("nan")
     out["fp_voxels"] = float(np.mean(fp)) if fp else 0.0
     return out
 
@@ -331,4 +385,4 @@ def seg_metrics(model, cases: Sequence[SegCase], roi=(32, 32, 32), largest_compo
 def dice_scores(model, cases: Sequence[SegCase], roi=(32, 32, 32)) -> dict:
     """Per-region Dice of :func:`seg_metrics` (kept for callers that want only Dice)."""
     m = seg_metrics(model, cases, roi)
-    return {k: v for k, v in m.items() if k.startswith("dice_")}
+    return {k: m[k] for k in ("dice_wt", "dice_tc", "dice_et", "dice_mean")}

@@ -27,7 +27,8 @@ __all__ = ["CLS_METRICS", "FIELDS", "SEG_METRICS", "read_results", "reported_row
            "sweep_stats", "sweep_table", "write_outputs"]
 
 CLS_METRICS = ("accuracy", "macro_f1", "auc")
-SEG_METRICS = ("dice_wt", "dice_tc", "dice_et", "dice_mean", "hd95_wt", "hd95_tc", "hd95_et", "fp_voxels")
+SEG_METRICS = ("dice_wt", "dice_tc", "dice_et", "dice_mean", "hd95_wt", "hd95_tc", "hd95_et", "dice_wt_per_sample",
+               "fp_voxels")
 FIELDS = ["method", "kind", "seed", "round", "task", "phase", "attempt", *CLS_METRICS, *[f"{m}_std" for m in CLS_METRICS],
           *[f"pooled_{m}" for m in CLS_METRICS], "val_accuracy", "val_macro_f1", "pooled_val_accuracy",
           *SEG_METRICS, "val_dice_mean", "train_loss", "ari", "n_clusters", "n_sites", "n_failed", "n_test", "withheld"]
@@ -184,10 +185,10 @@ def classification_table(summ: list[dict], selection: str) -> str:
 
 def seg_table(summ: list[dict], selection: str) -> str:
     sites = sorted({s for e in summ for s in e.get("per_site", {})})
-    head = ("| Method | Round | WT | TC | ET | Mean Dice | HD95 WT (mm) | FP voxels (tumour-free) |"
-            + "".join(f" {s} |" for s in sites) + "\n" + "|---" * (8 + len(sites)) + "|\n")
+    head = ("| Method | Round | WT | TC | ET | Mean Dice | HD95 WT (mm) | WT per hemisphere | FP voxels (tumour-free) |"
+            + "".join(f" {s} |" for s in sites) + "\n" + "|---" * (9 + len(sites)) + "|\n")
     body = "".join(f"| {e['method']}{' (reference)' if e['kind'] == 'reference' else ''} | {_round_label(e, selection)} | {e['dice_wt']} | {e['dice_tc']} | {e['dice_et']} | "
-                   f"{e['dice_mean']} | {e['hd95_wt']} | {e['fp_voxels']} |"
+                   f"{e['dice_mean']} | {e['hd95_wt']} | {e.get('dice_wt_per_sample', 'n/a')} | {e['fp_voxels']} |"
                    + "".join(f" {e.get('per_site', {}).get(s, 'n/a')} |" for s in sites) + "\n" for e in summ)
     return head + body
 
@@ -229,9 +230,11 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
             "at each run's validation-selected round (best site-mean accuracy on the sites' validation splits, "
             "held out of training; test data never selects)")
     if is_seg(rows):
-        intro = (f"Dice in %, mean ± std over {seeds} seed(s)/fold(s) {rule}; Dice on tumour-bearing test cases "
-                 f"(MONAI DiceMetric, ignore_empty=True), HD95 in mm, false-positive voxels on tumour-free test "
-                 f"cases; per-site columns: each site's mean Dice with the model it is served.")
+        intro = (f"Dice in %, mean ± std over {seeds} seed(s)/fold(s) {rule}; Dice and HD95 (mm) per test subject "
+                 f"(a subject's hemisphere samples scored together, as BraTS scores a patient; regions a subject "
+                 f"lacks left out, as DiceMetric's ignore_empty=True); WT per hemisphere: the WT Dice averaged over "
+                 f"tumour-bearing hemisphere samples instead; false-positive voxels on tumour-free hemispheres; "
+                 f"per-site columns: each site's mean Dice with the model it is served.")
         table = seg_table(summ, selection)
     else:
         intro = (f"Values in %, mean ± std over {seeds} seed(s) {rule}. Per-site metrics are averaged over sites "

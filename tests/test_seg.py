@@ -184,3 +184,79 @@ def test_largest_component_keeps_the_main_lesion_and_restricts_tc_et():
     assert out[1].sum() == 8 and out[1, 10, 10, 10] == 0 and out[2].sum() == 1
     assert keep_largest_component(out).tolist() == out.tolist()  # one component: unchanged
     assert keep_largest_component(np.zeros_like(m)).sum() == 0
+
+
+def _ball(shape, centre, r):
+    g = np.indices(shape).astype(np.float64)
+    return (np.sqrt(sum((g[i] - centre[i]) ** 2 for i in range(3))) <= r).astype(np.uint8)
+
+
+def _case(label3, meta):
+    return {"image": np.zeros((1, *label3.shape[1:]), np.float32), "label": label3, "meta": meta}
+
+
+def test_a_subject_is_scored_once_not_per_hemisphere():
+    """BraTS scores a patient: a hemisphere with a 3-voxel fragment of a lesion centred in the other one must not
+    weigh as much as the lesion (the per-sample reading gives ~0.5 for a near-perfect segmentation)."""
+    from fedmed.seg import score_masks
+
+    left = np.zeros((3, 10, 20, 20), np.uint8)
+    left[:, 2:9, 5:15, 5:15] = 1
+    right = np.zeros((3, 10, 20, 20), np.uint8)
+    right[:, 0, 9, 9:12] = 1  # 3 voxels across the midline
+    meta = {"subject": "p1", "spacing_mm": [1.0, 1.0, 1.0]}
+    cases = [_case(left, {**meta, "region": "left", "origin_mm": [0.0, 0.0, 0.0]}),
+             _case(right, {**meta, "region": "right", "origin_mm": [10.0, 0.0, 0.0]})]
+    m = score_masks([left, np.zeros_like(right)], cases)
+    assert m["n_tumour_cases"] == 1 and m["dice_wt"] > 0.99 and m["dice_mean"] > 0.99
+    assert m["dice_wt_per_sample"] == pytest.approx(0.5)
+
+
+def test_subject_scores_of_hemispheres_equal_the_whole_volume_and_monai():
+    """Split into hemispheres (placed by origin_mm) or whole, a subject gets the same Dice and HD95, and the whole
+    volume's HD95 is MONAI's; a lesion crossing the midline keeps its real surface (the cut is not an edge)."""
+    import torch
+    from monai.metrics import compute_hausdorff_distance
+
+    from fedmed.seg import score_masks
+
+    shape, sp = (24, 20, 18), [1.5, 1.0, 2.0]
+    gt = np.stack([_ball(shape, (11, 9, 8), 6), _ball(shape, (11, 9, 8), 4), _ball(shape, (12, 9, 8), 2)])
+    pred = np.stack([_ball(shape, (13, 10, 8), 5), _ball(shape, (10, 9, 9), 4), np.zeros(shape, np.uint8)])
+    whole = [_case(gt, {"subject": "s", "region": "whole", "spacing_mm": sp, "origin_mm": [0.0, 0.0, 0.0]})]
+    halves = [_case(gt[:, :12], {"subject": "s", "region": "left", "spacing_mm": sp, "origin_mm": [0.0, 0.0, 0.0]}),
+              _case(gt[:, 12:], {"subject": "s", "region": "right", "spacing_mm": sp, "origin_mm": [18.0, 0.0, 0.0]})]
+    a = score_masks([pred], whole)
+    b = score_masks([pred[:, :12], pred[:, 12:]], halves)
+    for k in ("dice_wt", "dice_tc", "dice_et", "hd95_wt", "hd95_tc", "hd95_et"):
+        assert a[k] == pytest.approx(b[k], abs=1e-9), k
+    for j, r in enumerate(("wt", "tc")):
+        ref = compute_hausdorff_distance(torch.from_numpy(pred[None, j:j + 1]).float(),
+                                         torch.from_numpy(gt[None, j:j + 1]).float(), percentile=95, spacing=sp)
+        assert a[f"hd95_{r}"] == pytest.approx(float(ref[0, 0]), rel=1e-5)
+    assert a["dice_et"] == 0 and a["hd95_et"] == pytest.approx(np.linalg.norm(np.asarray(shape) * sp))
+    assert a["n_tumour_cases"] == 1 and b["dice_wt_per_sample"] != pytest.approx(a["dice_wt"])
+
+
+def test_loaded_hemispheres_are_placed_where_the_whole_case_is(phantoms):
+    """load_case's origin_mm puts each hemisphere's voxels at their place in the original volume: a prediction
+    scored on the two loaded halves gets the whole loaded case's Dice and HD95 (no resampling: shape = crop)."""
+    from fedmed.seg import score_masks
+
+    ents = discover_subjects(phantoms, MODS, "OTMultiClass*", "brainmask*", hemispheres=True)
+    left_e, right_e = ents[20], ents[21]  # phantom_010, radius 10: crosses the midline
+    whole_e = {**left_e, "region": "whole", "id": "phantom_010"}
+    brain = np.asarray(nib.load(whole_e["mask"]).dataobj) > 0
+    idx = [np.flatnonzero(brain.any(axis=tuple(j for j in range(3) if j != i))) for i in range(3)]
+    lo, hi = np.array([v.min() for v in idx]), np.array([v.max() + 1 for v in idx])
+    mid = (lo[0] + hi[0]) // 2
+    whole = load_case(whole_e, shape=tuple(hi - lo))
+    left = load_case(left_e, shape=(mid - lo[0], *(hi - lo)[1:]))
+    right = load_case(right_e, shape=(hi[0] - mid, *(hi - lo)[1:]))
+    assert left["label"][0].sum() > 0 and right["label"][0].sum() > 0
+    pred = np.roll(whole["label"], 3, axis=1)  # across the midline: pairs of surface points cross the cut
+    a = score_masks([pred], [whole])
+    b = score_masks([pred[:, :mid - lo[0]], pred[:, mid - lo[0]:]], [left, right])
+    assert 0.2 < a["dice_wt"] < 0.95
+    for k in ("dice_wt", "dice_tc", "dice_et", "hd95_wt", "hd95_tc", "hd95_et"):
+        assert a[k] == pytest.approx(b[k], abs=1e-9), k
