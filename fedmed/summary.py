@@ -36,6 +36,9 @@ _INT = ("seed", "round", "attempt", "n_clusters", "n_sites", "n_failed", "n_test
 _STR = ("method", "kind", "task", "phase")
 
 
+UNTRAINED = "Untrained network"
+
+
 def is_seg(rows) -> bool:
     return any("dice_mean" in r and r.get("dice_mean") is not None for r in rows)
 
@@ -114,7 +117,12 @@ def reported_rows(rows: list[dict], selection: str = "final") -> dict:
 
 
 def summarize(rows: list[dict], selection: str = "final") -> list[dict]:
-    """Per method (methods first, then references): the reported round(s) and mean ± std over seeds."""
+    """Per method (methods first, then references): the reported round(s) and mean ± std over seeds. A
+    segmentation table also gets the untrained network's row (the centralized reference before its first round:
+    the same seeded initial model every method starts from)."""
+    if is_seg(rows):
+        rows = list(rows) + [{**r, "method": UNTRAINED} for r in rows
+                             if r.get("method") == "Centralized" and r.get("round") == 0 and not r.get("phase")]
     rep = reported_rows(rows, selection)
     metrics = SEG_METRICS if is_seg(rows) else (*CLS_METRICS, *[f"pooled_{m}" for m in CLS_METRICS])
     order = list(dict.fromkeys(r["method"] for r in rows if not r.get("phase")))

@@ -85,3 +85,19 @@ def test_table_states_the_clusters_found_per_seed_and_their_ari():
     assert fedavg.startswith("| FedAvg | final (3) |  |  |")
     plain = S.classification_table(S.summarize([r for r in rows if r["method"] == "FedAvg"]), "final")
     assert "K (per seed)" not in plain
+
+
+def test_a_segmentation_table_has_the_untrained_networks_row():
+    """The untrained row is the centralized reference before its first round, not a method's round 0 or final
+    round; it is listed with the references."""
+    def seg(method, seed, dices, kind="method"):
+        return [{"method": method, "kind": kind, "seed": seed, "round": r, "task": "train", "dice_wt": d,
+                 "dice_tc": d, "dice_et": d, "dice_mean": d, "sites": {}} for r, d in enumerate(dices)]
+
+    rows = (seg("FedAvg", 0, [0.03, 0.5, 0.7]) + seg("FedAvg", 1, [0.04, 0.6, 0.8])
+            + seg("Centralized", 0, [0.05, 0.6, 0.75], "reference") + seg("Centralized", 1, [0.07, 0.7, 0.85], "reference"))
+    summ = {e["method"]: e for e in S.summarize(rows, "final")}
+    assert summ[S.UNTRAINED]["dice_wt"] == "6.00 ± 1.00" and summ[S.UNTRAINED]["rounds"] == [0]
+    assert summ[S.UNTRAINED]["kind"] == "reference" and summ["Centralized"]["dice_wt"] == "80.00 ± 5.00"
+    assert [e["method"] for e in S.summarize(rows, "final")][-1] == S.UNTRAINED
+    assert S.UNTRAINED not in {e["method"] for e in S.summarize(ROWS, "final")}  # classification: no such row
