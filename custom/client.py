@@ -109,6 +109,7 @@ def main():
             if runner is None:
                 runner = make_runner(site, cfg)
             params, metrics, meta = runner.handle(task, incoming.params or {}, cfg, rnd)
+            meta = runner.settings.scrub_reply(meta)  # no absolute path in any text that leaves the site
         except Exception as e:  # reported to the server by name; the federation goes on
             msg = scrubbed(site, runner, e)
             print(f"[fedmed] {msg}\n{traceback.format_exc()}", flush=True)

@@ -30,7 +30,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SETTINGS_FILE", "SiteConfigError", "SiteSettings", "resolve_site_settings", "scrub"]
+__all__ = ["SETTINGS_FILE", "SiteConfigError", "SiteSettings", "path_spans", "resolve_site_settings", "scrub",
+           "scrub_strings"]
 
 SETTINGS_FILE = "fedmed_site.json"
 _KEYS = {"datalist", "data_root", "allow_per_image", "k_min"}
@@ -54,8 +55,16 @@ class SiteSettings:
         """``path`` as a message that leaves the site may name it (relative to the data root, else its name)."""
         return _relative(Path(path), self.data_root)
 
+    @property
+    def scrub_roots(self) -> list:
+        return [self.data_root, self.datalist.parent, *self.roots]
+
     def scrub(self, message: str) -> str:
-        return scrub(message, [self.data_root, self.datalist.parent, *self.roots])
+        return scrub(message, self.scrub_roots)
+
+    def scrub_reply(self, meta: dict) -> dict:
+        """Every string of a reply, scrubbed (the last step before anything leaves the site)."""
+        return scrub_strings(meta, self.scrub_roots)
 
 
 def _relative(p: Path, root: Path) -> str:
@@ -65,26 +74,98 @@ def _relative(p: Path, root: Path) -> str:
         return p.name
 
 
-_ABS = re.compile(r"(?<![\w.~])(/[^\s'\"(),:;]+)")
+_OPENERS = frozenset(" \t\r\n'\"([{=:,;<")  # what may stand right before an absolute path in a message
+_QUOTES = "'\""
+_NAME_STOP = frozenset(" \t\r\n'\"),;]}>")  # what ends the file name of an unquoted path
+_NEXT_PATH = re.compile(r"\s['\"]?~?/")  # where the next absolute path of a line starts
+
+
+def _closing_quote(text: str, q: str, start: int, line_end: int) -> int:
+    """Where a path opened by quote ``q`` ends: the first ``q`` followed by a non-word character (an apostrophe
+    inside a folder name, ``O'Brien``, is followed by a letter); the end of the line when there is none."""
+    k = text.find(q, start, line_end)
+    while k >= 0:
+        if k + 1 >= len(text) or not (text[k + 1].isalnum() or text[k + 1] == "_"):
+            return k
+        k = text.find(q, k + 1, line_end)
+    return line_end
+
+
+def path_spans(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of every absolute path (``/...`` or ``~/...``) in ``text``, whatever characters its
+    folders hold (spaces, parentheses, commas, quotes, non-ASCII).
+
+    A path in quotes runs to its closing quote (or further, when a ``/`` follows that quote). An unquoted path runs to its last ``/`` before the end of the
+    line or the next absolute path (a blank followed by ``/``), then through the file name (up to a blank, a
+    quote or ``),;]}>``); trailing ``.:,;`` are left out. The rule is greedy on purpose: a message that has a
+    ``/`` later on the same line loses the text in between, rather than leaving a folder name behind."""
+    spans = []
+    i, n = 0, len(text)
+    while i < n:
+        j = text.find("/", i)
+        if j < 0:
+            break
+        start = j
+        if j > 0 and text[j - 1] == "~" and (j == 1 or text[j - 2] in _OPENERS):
+            start = j - 1
+        elif j > 0 and text[j - 1] not in _OPENERS:
+            i = j + 1
+            continue
+        line_end = text.find("\n", j)
+        line_end = n if line_end < 0 else line_end
+        m = _NEXT_PATH.search(text, j + 1, line_end)
+        stop = m.start() if m else line_end
+        end = text.rfind("/", j, stop) + 1
+        while end < stop and text[end] not in _NAME_STOP:
+            end += 1
+        while end > j + 1 and text[end - 1] in ".:,;":
+            end -= 1
+        opener = text[start - 1] if start > 0 else ""
+        if opener and opener in _QUOTES:  # to its closing quote, unless a "/" comes after that quote (a quote in a
+            end = max(end, _closing_quote(text, opener, j, line_end))  # folder's name): then the longer span
+        spans.append((start, end))
+        i = max(end, j + 1)
+    return spans
+
+
+def _shown(path: str, roots) -> str:
+    """What a message may show of ``path``: relative to the first root that holds it, else its last name."""
+    p = Path(os.path.expanduser(path)) if path.startswith("~") else Path(path)
+    for r in roots:
+        try:
+            return str(p.relative_to(r)) if p != r else "."
+        except ValueError:
+            try:
+                rel = p.resolve().relative_to(r.resolve())
+                return str(rel) if str(rel) != "." else "."
+            except (ValueError, OSError, RuntimeError):
+                continue
+    return p.name or "/"
 
 
 def scrub(message: str, roots) -> str:
-    """Replace absolute paths in ``message``: under one of ``roots`` -> relative to it, else the file name."""
-    roots = [Path(r) for r in roots if r]
+    """``message`` with every absolute path replaced whole (:func:`path_spans`): under one of ``roots`` by the
+    path relative to it, else by the file's name. Nothing of a folder outside the roots is left."""
+    text = str(message)
+    roots = sorted((Path(r) for r in roots if r), key=lambda r: -len(str(r)))
+    out, last = [], 0
+    for a, b in path_spans(text):
+        out.append(text[last:a])
+        out.append(_shown(text[a:b], roots))
+        last = b
+    out.append(text[last:])
+    return "".join(out)
 
-    def repl(m):
-        p = Path(m.group(1))
-        for r in roots:
-            try:
-                return str(p.relative_to(r)) if p != r else "."
-            except ValueError:
-                try:
-                    return str(p.resolve().relative_to(r.resolve()))
-                except (ValueError, OSError):
-                    continue
-        return p.name or "/"
 
-    return _ABS.sub(repl, str(message))
+def scrub_strings(obj, roots):
+    """A reply's meta with :func:`scrub` applied to every string in it (notes, warnings, errors)."""
+    if isinstance(obj, str):
+        return scrub(obj, roots)
+    if isinstance(obj, dict):
+        return {k: scrub_strings(v, roots) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(scrub_strings(v, roots) for v in obj)
+    return obj
 
 
 def _kit_settings(start: Path) -> Path | None:
