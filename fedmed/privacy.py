@@ -37,8 +37,20 @@ import math
 import numpy as np
 from scipy.special import ndtr
 
-__all__ = ["analytic_gaussian_sigma", "clip_rows", "private_bounds", "private_histogram", "private_mean",
+__all__ = ["analytic_gaussian_sigma", "clip_rows", "k_min_consent_note", "private_bounds", "private_histogram", "private_mean",
            "signature_payload", "withhold_small"]
+
+
+def k_min_consent_note(privacy) -> str | None:
+    """The line a run states wherever it is read (its record, the console, the report) when the config accepted
+    ``k_min < 2`` (``privacy.accept_k_min_below_2``); None otherwise. ``privacy``: the config's section (a dict or
+    the typed model)."""
+    get = privacy.get if isinstance(privacy, dict) else (lambda k, d=None: getattr(privacy, k, d))
+    k = int(get("k_min", 5))
+    if k >= 2:
+        return None
+    return (f"WARNING privacy.k_min={k} < 2, accepted by privacy.accept_k_min_below_2: statistics of single samples "
+            f"(one image's update, loss or embedding) may leave a site")
 
 
 def clip_rows(X, clip: float) -> np.ndarray:
@@ -109,10 +121,11 @@ def withhold_small(y, k_min: int) -> tuple[np.ndarray, list[int], list[int]]:
 
 
 def _withheld_note(site, dropped, y, k_min, what):
+    """The note a site logs and sends when classes are withheld: which classes and the rule, never their counts (a
+    count below k_min is itself a statistic of fewer than k_min samples)."""
     if not dropped:
         return []
-    counts = {c: int((np.asarray(y) == c).sum()) for c in dropped}
-    return [f"{site}: class(es) {dropped} withheld from the {what} (sample counts {counts} < k_min={k_min}); "
+    return [f"{site}: class(es) {dropped} withheld from the {what} (each has fewer than k_min={k_min} samples); "
             f"the server treats them as absent"]
 
 

@@ -39,6 +39,12 @@ class SegSiteRunner(SiteRunner):
             self._data, self._data_key = (tr, te), shape
         return self._data
 
+    def _n_training_subjects(self) -> int:
+        from .seg_data import subject_of
+
+        doc = self._datalist("segmentation")
+        return len({subject_of(e) for e in doc["training"]})
+
     def model(self, cfg):
         from .seg import seg_model
 
@@ -52,7 +58,7 @@ class SegSiteRunner(SiteRunner):
     def _seed(self, cfg, round_):
         return (int(cfg.get("seed", 0)) * 1_000_003 + int(round_) * 7919 + zlib.crc32(self.site.encode())) % (2**31)
 
-    def handle(self, task, params, cfg, round_=0):
+    def run_task(self, task, params, cfg, round_=0):
         if task == "assess":
             return self.assess(cfg)
         if task in ("train", "validate"):
@@ -73,6 +79,8 @@ class SegSiteRunner(SiteRunner):
         from .seg import seg_metrics
 
         _, te = self.cases(cfg)
+        if len({str(c["meta"].get("subject") or c["meta"].get("id")) for c in te}) < self.k_min(cfg):
+            return {}, {"n_test": 0}  # scores of fewer than k_min test subjects are not sent (privacy.k_min)
         metrics = seg_metrics(model, te, roi=tuple(cfg["data"]["roi"])) if te else {}
         return metrics, {"n_test": len(te)}
 
@@ -100,6 +108,7 @@ class SegSiteRunner(SiteRunner):
         served = self._served(cfg)
         metrics, meta = self._metrics(served, cfg)
         tr, _ = self.cases(cfg)
+        self.require_k_min(self._n_training_subjects(), "training subjects", cfg, "training")
         seed = self._seed(cfg, round_)
         anchor = [p.detach().clone() for p in model.parameters()]
         out = self._local(model, tr, cfg, seed, cfg.get("cluster"), mu=cfg["train"].get("fedprox_mu", 0.0))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import DataError, load_datalist, load_images
+from .data import DataError, conversion_note, load_datalist, load_images
 from .site_settings import SiteSettings, settings_for_dir
 
 __all__ = ["SiteRunner", "Splits", "TaskError"]
@@ -59,7 +59,7 @@ class SiteRunner:
         self._model_key = None
         self._optimizers: dict = {}
         self.state: dict = {}  # workflow state kept between tasks (e.g. a personal model)
-        self.notes: list[str] = []  # privacy notes for this site's log and the server
+        self.notes: list[str] = []  # notes for this site's log and the server, sent with the next reply
         self._labels_checked = None
 
     @property
@@ -74,6 +74,14 @@ class SiteRunner:
         k = int(cfg.get("privacy", {}).get("k_min", 5))
         return max(k, int(self.settings.k_min or 0))
 
+    def require_k_min(self, n: int, what: str, cfg: dict, task: str) -> None:
+        """A reply computed from ``n`` samples leaves only when ``n >= k_min``; else this site sits out ``task``
+        (the error, which names no count below k_min but this site's own total, is what the server records)."""
+        k = self.k_min(cfg)
+        if n < k:
+            raise TaskError(f"{self.site}: sits out {task}: fewer {what} than k_min={k} (privacy.k_min): its reply "
+                            f"would describe fewer than k_min samples")
+
     # ------------------------------------------------------------------ data and model
     def _datalist(self, task: str = "classification") -> dict:
         return load_datalist(self.datalist_path, task=task, root=self.settings.data_root,
@@ -83,8 +91,13 @@ class SiteRunner:
         key = (image_size, channels)
         if self._data is None or self._data_key != key:
             doc = self._datalist()
-            kw = dict(image_size=image_size, channels=channels, site=self.site, display=self.display)
+            done: set = set()
+            kw = dict(image_size=image_size, channels=channels, site=self.site, display=self.display, conversions=done)
             splits = Splits(*(load_images(doc[k], **kw) for k in ("training", "validation", "test")))
+            note = conversion_note(self.site, done)
+            if note:  # said once per site: its log and the server's (the next reply's notes)
+                print(f"[fedmed] {note}", flush=True)
+                self.notes.append(note)
             if splits.train[0].shape[0] == 0:
                 raise DataError(f"{self.site}: datalist {self.display(self.datalist_path)} has no training images")
             self._data, self._data_key = splits, key
@@ -163,7 +176,15 @@ class SiteRunner:
 
     # ------------------------------------------------------------------ tasks
     def handle(self, task: str, params: dict, cfg: dict, round_: int = 0) -> tuple[dict, dict, dict]:
-        """Run ``task``; returns (params to send, scalar metrics, meta aggregates)."""
+        """Run ``task``; returns (params to send, scalar metrics, meta aggregates). Notes the site has not sent yet
+        (e.g. what its image loading converted) go with the reply."""
+        out, metrics, meta = self.run_task(task, params, cfg, round_)
+        if self.notes:
+            meta = {**meta, "notes": list(meta.get("notes") or []) + self.notes}
+            self.notes = []
+        return out, metrics, meta
+
+    def run_task(self, task: str, params: dict, cfg: dict, round_: int = 0) -> tuple[dict, dict, dict]:
         handlers = {"train": lambda: self.train(params, cfg, round_), "validate": lambda: self.validate(params, cfg),
                     "signature": lambda: self.signature(cfg), "latent_bounds": lambda: self.latent_bounds(params, cfg),
                     "descriptor": lambda: self.descriptor(params, cfg), "ifca": lambda: self.ifca(params, cfg, round_),
@@ -218,6 +239,7 @@ class SiteRunner:
         from .train import train_local
 
         s = self._splits(cfg)
+        self.require_k_min(int(s.train[0].shape[0]), "training images", cfg, "training")
         t = cfg["train"]
         out = train_local(model, s.train[0], s.train[1], epochs=t["local_epochs"], batch_size=t["batch_size"],
                           optimizer=self.optimizer(model, cfg, key), mu=t.get("fedprox_mu", 0.0),
@@ -337,6 +359,7 @@ class SiteRunner:
         K = int(cfg["ifca"]["k"])
         model = self.model(cfg)
         xtr, ytr = self._splits(cfg).train
+        self.require_k_min(int(xtr.shape[0]), "training images", cfg, "IFCA")  # the K losses average them
         losses = []
         for k in range(K):
             set_params(model, {n[len(f"m{k}/"):]: v for n, v in params.items() if n.startswith(f"m{k}/")})

@@ -43,8 +43,13 @@ class MAESiteRunner(SiteRunner):
         from .ssl import mae_eval_loss
 
         s = self._splits(cfg)
-        return {"val_mae_loss": mae_eval_loss(model, s.val[0], seed=1),
-                "mae_loss": mae_eval_loss(model, torch.cat([s.test[0]]), seed=2)}
+        k = self.k_min(cfg)  # a loss over fewer than k_min images is not sent (privacy.k_min)
+        out = {}
+        if s.val[0].shape[0] >= k:
+            out["val_mae_loss"] = mae_eval_loss(model, s.val[0], seed=1)
+        if s.test[0].shape[0] >= k:
+            out["mae_loss"] = mae_eval_loss(model, torch.cat([s.test[0]]), seed=2)
+        return out
 
     def validate(self, params, cfg):
         from .train import set_params
@@ -61,6 +66,7 @@ class MAESiteRunner(SiteRunner):
         set_params(model, params)
         metrics = self._held_out_loss(model, cfg)
         x = self._splits(cfg).train[0]
+        self.require_k_min(int(x.shape[0]), "training images", cfg, "training")
         m, t = cfg["mae"], cfg["train"]
         rounds = max(1, int(m.get("rounds", 1)))
         out = train_mae_local(model, x, epochs=t["local_epochs"], batch_size=t["batch_size"],

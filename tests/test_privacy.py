@@ -60,6 +60,9 @@ def closest(reply_vectors, samples) -> float:
 ABS_PATH = re.compile(r"(?:^|[\s'\"(\[=:,])/(?:[\w.+-]+/)+")
 
 
+COUNTS = re.compile(r"\{\s*\d+\s*:\s*\d+|counts?\s*\{")  # "sample counts {1: 1, 2: 1}"
+
+
 def _strings(v):
     if isinstance(v, str):
         yield v
@@ -78,7 +81,10 @@ def audit(task: str, meta: dict, samples: list, *, k_min: int, tol: float = 1e-3
     for key, value in meta.items():
         if any(ABS_PATH.search(t) for t in _strings(value)):
             problems.append(f"{task}: {key} carries an absolute path")
-    extra = set(meta) - FIELDS[task] - {"task", "round", "cluster", "error"}
+        if key in ("notes", "warnings", "error") and any(COUNTS.search(t) for t in _strings(value)):
+            problems.append(f"{task}: {key} carries per-class counts")
+    # "notes": lines for the server's log (what the site withheld or converted), on any reply (docs/privacy.md)
+    extra = set(meta) - FIELDS[task] - {"task", "round", "cluster", "error", "notes"}
     if extra:
         problems.append(f"{task}: undocumented fields {sorted(extra)}")
     for key, value in meta.items():
@@ -270,3 +276,150 @@ def test_segmentation_replies(tmp_path):
     p = get_params(seg_model(2, channels=(4, 8, 16)))
     _, metrics, meta = runner.handle("train", p, cfg, 0)
     assert set(meta) <= {"n_test", "n_train", "train_loss"}
+
+
+# ------------------------------------------------------------------------------------------------- names and paths
+
+HOSPITAL_FOLDERS = ["PACS export/Doe John MRN12345", "Müller, Jörg (MRN 1,2)", "O'Brien \"Pat\" (MRN 77)",
+                    "scans, 2024/Ünal Ayşe"]
+
+
+@pytest.mark.parametrize("folder", HOSPITAL_FOLDERS)
+def test_scrub_removes_a_whole_absolute_path_whatever_it_holds(folder):
+    """An absolute path leaves a message whole — spaces, parentheses, commas, quotes and non-ASCII included: outside
+    the site's roots only the file's name stays, under its data root the path relative to it."""
+    from fedmed.site_settings import scrub
+
+    path = f"/mnt/{folder}/T1c.nii.gz"
+    secrets = [w for w in re.split(r"[\s/(),'\"]+", folder) if len(w) >= 3]
+    for msg in (f"site-2: T1c image file {path} not found",
+                f"[Errno 2] No such file or directory: {path!r}",
+                f"cannot read \"{path}\": bad header; see {path}.",
+                f"{path}: shape (1, 2) (expected 3/4)\nnext line stays"):
+        out = scrub(msg, ["/data/site root"])
+        assert not [w for w in secrets if w in out], (msg, out)
+        assert "/mnt" not in out and "next line stays" in out or "T1c" in out
+    # greedy on purpose: a later "/" on the same line takes the text before it along (never a folder name)
+    assert scrub(f"{path}: shape (1, 2) (expected 3/4)\nnext line stays", []) == "4)\nnext line stays"
+    assert scrub(f"{path} x\nnext line stays", []) == "T1c.nii.gz x\nnext line stays"
+    root = f"/srv/{folder}"
+    assert scrub(f"cannot read image {root}/sub dir/a b.png (corrupt)", [root]) == \
+        "cannot read image sub dir/a b.png (corrupt)"
+    assert scrub(f"see ~/{folder}/x.png, then", []) == "see x.png, then"
+    assert scrub("ratio 1/3 and a/b/c.png stay", []) == "ratio 1/3 and a/b/c.png stay"  # relative: kept
+
+
+def test_a_sites_error_reply_names_no_folder_outside_its_data_root(tmp_path):
+    """The probe's case end to end: a datalist naming an image under a folder with a patient's name and record number
+    — the error a site sends (what the server's log and metrics.json receive) keeps none of it."""
+    import custom.client as client
+
+    root = tmp_path / "site data (MRI), ünïcode"
+    root.mkdir()
+    outside = tmp_path / "PACS export" / "Doe John MRN12345"
+    outside.mkdir(parents=True)
+    doc = {"training": [{"image": str(outside / "T1c.png"), "label": 0}], "validation": [], "test": []}
+    (root / "site-2.json").write_text(json.dumps(doc))
+    runner = SiteRunner("site-2", root)
+    cfg = {"seed": 0, "data": {"image_size": 8, "channels": 1, "n_classes": 2}, "privacy": {"k_min": 1},
+           "model": {"arch": "resnet9", "width": 4}, "train": {"local_epochs": 1, "batch_size": 2}}
+    with pytest.raises(Exception) as err:
+        runner._splits(cfg)
+    msg = client.scrubbed("site-2", runner, err.value)
+    assert msg == "site-2: cannot read image T1c.png (file not found)"
+    doc["training"][0]["image"] = "sub folder/T1c.png"  # under the data root: relative to it
+    (root / "site-2.json").write_text(json.dumps(doc))
+    runner = SiteRunner("site-2", root)
+    with pytest.raises(Exception) as err:
+        runner._splits(cfg)
+    assert client.scrubbed("site-2", runner, err.value) == "site-2: cannot read image sub folder/T1c.png (file not found)"
+    reply = runner.settings.scrub_reply({"notes": [f"wrote {outside}/x.png"], "dp": {"why": f"see {root}/a b.txt"}})
+    assert reply == {"notes": ["wrote x.png"], "dp": {"why": "see a b.txt"}}
+
+
+# ------------------------------------------------------------------------------------------------- k_min on every reply
+
+def _tiny_site(tmp_path, n_train, *, k_min=5, n_test=6):
+    pool = discover("builtin:digits", max_per_class=10, seed=0)
+    idx = np.arange(n_train + n_test)
+    write_site_datalists(pool.subset(idx), [idx], tmp_path, test_fraction=n_test / (n_train + n_test), seed=0)
+    cfg = {"seed": 0, "data": {"image_size": 8, "channels": 1, "n_classes": pool.n_classes},
+           "model": {"arch": "resnet9", "width": 4, "norm": "group"},
+           "train": {"local_epochs": 1, "batch_size": 8, "optimizer": "adam", "lr": 1e-3, "augment": "flip"},
+           "privacy": {"k_min": k_min}}
+    return SiteRunner("site-1", tmp_path), cfg
+
+
+def test_a_site_below_k_min_sends_no_update_and_no_loss(tmp_path):
+    """A one-image site used to send the update trained on that image and its train_loss (n_train 1). It sits out
+    every training task with its reason; with the job's k_min met it trains."""
+    from fedmed.site import TaskError
+
+    runner, cfg = _tiny_site(tmp_path, 1)
+    assert runner._splits(cfg).train[0].shape[0] == 1
+    p = params_of(cfg)
+    for task, extra in (("train", {}), ("ifca", {"ifca": {"k": 2, "train": True}}),
+                        ("ifca", {"ifca": {"k": 2, "train": False}})):
+        params = p if task == "train" else {f"m{k}/{n}": v for k in range(2) for n, v in p.items()}
+        with pytest.raises(TaskError, match=r"site-1: sits out .*fewer training images than k_min=5"):
+            runner.handle(task, params, {**cfg, **extra}, 0)
+    ok = dict(cfg, privacy={"k_min": 1, "accept_k_min_below_2": True})  # consented: the paper's form
+    out, metrics, meta = runner.handle("train", p, ok, 0)
+    assert meta["n_train"] == 1 and set(out) == set(p)
+    site_k, _ = _tiny_site(tmp_path / "big", 6)
+    out, _, meta = site_k.handle("train", p, cfg, 0)
+    assert meta["n_train"] == 6 and set(out) == set(p)
+
+
+def test_fedmae_and_segmentation_sites_below_k_min_sit_out(tmp_path):
+    from fedmed.site import TaskError
+    from fedmed.ssl_site import MAESiteRunner
+
+    runner, cfg = _tiny_site(tmp_path, 2, n_test=3)
+    mcfg = {**cfg, "task": "mae", "data": {**cfg["data"], "image_size": 32}, "mae": {"rounds": 1}}
+    mae = MAESiteRunner("site-1", runner.settings)
+    p = get_params(mae.model(mcfg))
+    with pytest.raises(TaskError, match="sits out training: fewer training images than k_min=5"):
+        mae.handle("train", p, mcfg, 0)
+    _, metrics, _ = mae.handle("validate", p, mcfg, 0)
+    assert metrics == {}  # 3 test images, 0 validation images: no loss over fewer than k_min images
+
+    from fedmed.phantoms import write_phantom_subjects
+    from fedmed.seg import seg_model
+    from fedmed.seg_data import discover_subjects, write_seg_federation
+    from fedmed.seg_site import SegSiteRunner
+
+    root = write_phantom_subjects(tmp_path / "ph", [2, 3, 4, 5], size=24)
+    entries = discover_subjects(root, {"FLAIR": "Flair*", "T1c": "T1c*"}, "OTMultiClass*", "brainmask*")
+    out = write_seg_federation(entries, 2, tmp_path / "fed", test_fraction=0.25)
+    scfg = {"task": "segmentation", "seed": 0, "data": {"shape": [16, 16, 16], "roi": [16, 16, 16], "in_channels": 2},
+            "model": {"channels": [4, 8, 16]}, "privacy": {"k_min": 3},
+            "train": {"local_epochs": 1, "optimizer": "adam", "lr": 1e-3, "seg": {"patches_per_volume": 1}}}
+    seg = SegSiteRunner("site-1", out)  # 3 training subjects over 2 sites, 1 test subject
+    sp = get_params(seg_model(2, channels=(4, 8, 16)))
+    with pytest.raises(TaskError, match="sits out training: fewer training subjects than k_min=3"):
+        seg.handle("train", sp, scfg, 0)
+    _, metrics, meta = seg.handle("validate", sp, scfg, 0)  # one test subject < k_min: no scores leave
+    assert metrics == {} and meta["n_test"] == 0
+
+
+def test_withheld_classes_are_named_without_their_counts(tmp_path):
+    """The server's log received 'sample counts {1: 1, 2: 1}': counts below k_min are statistics of fewer than k_min
+    samples. The note names the classes and the rule only."""
+    from fedmed.privacy import signature_payload
+
+    feats = np.random.default_rng(0).normal(size=(12, 4))
+    y = np.array([0] * 10 + [1, 2])
+    meta = signature_payload("fmcl", feats, y, k_min=5, privacy={}, site="site-3")
+    assert meta["withheld_classes"] == [1, 2]
+    (note,) = meta["notes"]
+    assert "[1, 2]" in note and "k_min=5" in note and "count" not in note and ": 1" not in note
+    assert "1}" not in note
+
+
+def test_a_consented_k_min_below_2_is_stated_in_the_setup_the_console_and_the_record(tmp_path):
+    from fedmed.privacy import k_min_consent_note
+
+    assert k_min_consent_note({"k_min": 2}) is None
+    note = k_min_consent_note({"k_min": 1, "accept_k_min_below_2": True})
+    assert "WARNING" in note and "k_min=1" in note and "single" in note
