@@ -28,7 +28,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["DataError", "ImagePool", "discover", "load_datalist", "load_images", "write_site_datalists"]
+__all__ = ["DataError", "ImagePool", "conversion_note", "decode_image", "discover", "load_datalist", "load_images",
+           "check_readable", "unreadable_images", "write_site_datalists"]
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff"}
 
@@ -125,6 +126,41 @@ def discover(path: str, *, max_per_class: int | None = None, seed: int = 0) -> I
             keep.extend(rng.choice(idx, size=min(max_per_class, idx.size), replace=False).tolist())
         pool = pool.subset(np.sort(keep))
     return pool
+
+
+def unreadable_images(items) -> list[tuple[str, str]]:
+    """``(path, reason)`` of every image file in ``items`` that cannot be read (missing, truncated, not an image,
+    several frames); arrays are skipped. PIL's ``verify`` checks a file's structure without decoding it."""
+    from PIL import Image
+
+    bad = []
+    for item in items:
+        if isinstance(item, np.ndarray):
+            continue
+        try:
+            with Image.open(item) as im:
+                frames = getattr(im, "n_frames", 1)
+                im.verify()
+            if frames > 1:
+                bad.append((str(item), f"{frames} frames"))
+        except FileNotFoundError:
+            bad.append((str(item), "not found"))
+        except Exception as e:  # PIL raises many kinds for a broken file
+            bad.append((str(item), f"corrupt or not an image: {type(e).__name__}"))
+    return bad
+
+
+def check_readable(pool: ImagePool) -> None:
+    """Raise before any datalist is written when a file of ``pool`` cannot be read (named, up to five).
+
+    Raises:
+        DataError: ``"<n> image file(s) of <source> cannot be read: a.png (corrupt ...), ...; fix or remove them"``.
+    """
+    bad = unreadable_images(pool.items)
+    if bad:
+        shown = ", ".join(f"{p} ({why})" for p, why in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise DataError(f"{len(bad)} image file(s) of {pool.source} cannot be read: {shown}; fix or remove them "
+                        f"(a datalist lists only files its site can read)")
 
 
 def _save_png(arr: np.ndarray, path: Path) -> None:
@@ -266,32 +302,94 @@ def _resolve(v, root: Path):
     return v
 
 
+WIDE_MODES = {"I;16": "16-bit", "I;16L": "16-bit", "I;16B": "16-bit", "I;16N": "16-bit", "I": "32-bit integer",
+              "F": "32-bit float"}
+
+
+def decode_image(path, *, image_size: int, channels: int) -> tuple[np.ndarray, list[str]]:
+    """One image file as float32 in [0, 1], ``(C, H, W)`` at ``image_size``, and what was converted to get there.
+
+    * 8-bit grayscale / colour: ``/ 255`` (colour to grayscale by PIL's ITU-R 601-2 luma, grayscale to RGB by
+      repeating it; a palette image through its palette; an alpha channel dropped).
+    * 16-bit, 32-bit integer and float images keep their dynamic range: each image is scaled by its own range,
+      ``(v - min) / (max - min)`` (a constant image gives zeros), then resized in floating point. PIL's
+      ``convert("L")`` would clip them at 255 (a full-range 16-bit image turns almost white).
+    * Any other size: bilinear resize to ``image_size`` x ``image_size``.
+
+    Raises:
+        FileNotFoundError, OSError, ValueError: what PIL raises for a missing or unreadable file.
+        DataError: a multi-frame image (a stack or a video is not one image).
+    """
+    from PIL import Image
+
+    done: list[str] = []
+    with Image.open(path) as im:
+        if getattr(im, "n_frames", 1) > 1:
+            raise DataError(f"has {im.n_frames} frames; one image per file is expected")
+        size = (image_size, image_size)
+        if im.size != size:
+            done.append(f"resized to {image_size}x{image_size} (bilinear)")
+        if im.mode in WIDE_MODES:
+            a = np.asarray(im, dtype=np.float64)
+            if a.ndim == 3:  # e.g. a multi-channel float TIFF read as one band per channel
+                a = a.mean(axis=2)
+            lo, hi = float(np.nanmin(a)), float(np.nanmax(a))
+            if not (np.isfinite(lo) and np.isfinite(hi)):
+                raise DataError("has NaN or infinite pixel values")
+            a = (a - lo) / (hi - lo) if hi > lo else np.zeros_like(a)
+            done.append(f"{WIDE_MODES[im.mode]} ({im.mode}) scaled by each image's own range to [0, 1]")
+            f = Image.fromarray(a.astype(np.float32), mode="F").resize(size, Image.BILINEAR)
+            arr = np.clip(np.asarray(f, dtype=np.float32), 0.0, 1.0)
+            if channels != 1:
+                arr = np.repeat(arr[..., None], 3, axis=2)
+                done.append("grayscale repeated to 3 channels")
+        else:
+            mode = "L" if channels == 1 else "RGB"
+            if im.mode != mode:
+                done.append({("L", "RGB"): "grayscale repeated to 3 channels", ("RGB", "L"): "colour to grayscale (ITU-R "
+                             "601-2 luma)", ("RGBA", "L"): "colour to grayscale (ITU-R 601-2 luma), alpha dropped",
+                             ("RGBA", "RGB"): "alpha channel dropped", ("LA", "L"): "alpha channel dropped",
+                             ("1", "L"): "1-bit to 8-bit"}.get((im.mode, mode), f"{im.mode} converted to {mode}"))
+            im = im.convert(mode).resize(size, Image.BILINEAR)
+            arr = np.asarray(im, dtype=np.float32) / 255.0
+    return (arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)), done
+
+
 def load_images(entries: Sequence[dict], *, image_size: int, channels: int, site: str = "site",
-                display: Callable[[str], str] = str):
-    """Decode, resize and stack a datalist's images: ``(N, C, H, W)`` float32 in [0, 1], labels (N,).
+                display: Callable[[str], str] = str, conversions: set | None = None):
+    """Decode, resize and stack a datalist's images (:func:`decode_image`): ``(N, C, H, W)`` float32 in [0, 1],
+    labels (N,). ``conversions``, when given, collects what was converted (each kind once).
 
     Raises:
         DataError: ``"<site>: cannot read image <path> (<reason>)"`` for a missing or corrupt file
             (``display`` turns the path into what the message may show).
     """
     import torch
-    from PIL import Image, UnidentifiedImageError
+    from PIL import UnidentifiedImageError
 
     xs, ys = [], []
-    mode = "L" if channels == 1 else "RGB"
     for e in entries:
         f = e["image"]
         try:
-            with Image.open(f) as im:
-                im = im.convert(mode).resize((image_size, image_size), Image.BILINEAR)
-                arr = np.asarray(im, dtype=np.float32) / 255.0
+            arr, done = decode_image(f, image_size=image_size, channels=channels)
         except FileNotFoundError:
             raise DataError(f"{site}: cannot read image {display(f)} (file not found)") from None
+        except DataError as err:
+            raise DataError(f"{site}: image {display(f)} {err}") from None
         except (UnidentifiedImageError, OSError, ValueError) as err:
             raise DataError(f"{site}: cannot read image {display(f)} (corrupt or not an image: "
                             f"{type(err).__name__})") from None
-        xs.append(arr[None] if channels == 1 else arr.transpose(2, 0, 1))
+        if conversions is not None:
+            conversions.update(done)
+        xs.append(arr)
         ys.append(int(e["label"]))
     if not xs:
         return torch.zeros((0, channels, image_size, image_size)), torch.zeros(0, dtype=torch.long)
     return torch.from_numpy(np.stack(xs)), torch.tensor(ys, dtype=torch.long)
+
+
+def conversion_note(site: str, conversions) -> str:
+    """One line saying what a site's image loading converted (empty when nothing was)."""
+    if not conversions:
+        return ""
+    return f"{site}: images converted on loading: " + "; ".join(sorted(conversions))

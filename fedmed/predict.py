@@ -97,8 +97,15 @@ def predict_images(model_path, images) -> list[dict]:
     if ck["task"] != "classification":
         raise ModelFileError(f"{model_path}: a segmentation model; give NIfTI files of one case instead")
     d = ck["data"]
+    done: set = set()
     x, _ = load_images([{"image": str(f), "label": 0} for f in images], image_size=d["image_size"],
-                       channels=d["channels"], site="predict")
+                       channels=d["channels"], site="predict", conversions=done)
+    if done:  # the same conversions as training, said once
+        import sys
+
+        from .data import conversion_note
+
+        print(conversion_note("predict", done), file=sys.stderr)
     prob = predict_proba(net, x)
     names = ck.get("classes") or [str(c) for c in range(d["n_classes"])]
     return [{"image": str(f), "prediction": names[int(p.argmax())],

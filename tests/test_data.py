@@ -72,3 +72,68 @@ def test_discover_busi():
 def test_discover_imagenette_splits_pooled():
     pool = discover(str(shared_path("imagenette_subset")))
     assert pool.n_classes == 10 and len(pool.items) == 700
+
+
+def _png16(path, arr):
+    from PIL import Image
+
+    Image.fromarray(np.asarray(arr, dtype=np.uint16)).save(path)
+
+
+def test_a_16_bit_image_keeps_its_dynamic_range_and_the_site_says_so(tmp_path):
+    """A full-range 16-bit PNG: PIL's convert("L") clipped 99.6% of its pixels to 255. Scaled by its own range, its
+    ramp stays a ramp, and the site's first reply says what it converted (once)."""
+    from PIL import Image
+
+    ramp = np.tile(np.linspace(0, 65535, 64), (64, 1)).round()
+    f = tmp_path / "ramp16.png"
+    _png16(f, ramp)
+    with Image.open(f) as im:
+        assert im.mode.startswith("I")  # really a 16-bit file
+    done: set = set()
+    x, _ = load_images([{"image": str(f), "label": 0}], image_size=64, channels=1, conversions=done)
+    v = x[0, 0].numpy()
+    assert (v >= 0.999).mean() < 0.05 and abs(float(v.mean()) - 0.5) < 0.02
+    assert np.allclose(v[0], np.linspace(0, 1, 64), atol=1e-3)
+    assert any("16-bit" in d and "own range" in d for d in done)
+    # a 12-bit image in a 16-bit file (a CT / X-ray export): the same rule, no clipping either
+    _png16(tmp_path / "twelve.png", np.tile(np.linspace(0, 4095, 32), (32, 1)))
+    x12, _ = load_images([{"image": str(tmp_path / "twelve.png"), "label": 0}], image_size=32, channels=3)
+    assert x12.shape == (1, 3, 32, 32) and float(x12.max()) == pytest.approx(1.0) and float(x12.min()) == 0.0
+    # an 8-bit image is read exactly as before: / 255, nothing said but the resize
+    Image.fromarray((ramp / 257).astype(np.uint8)).save(tmp_path / "ramp8.png")
+    done8: set = set()
+    x8, _ = load_images([{"image": str(tmp_path / "ramp8.png"), "label": 0}], image_size=64, channels=1,
+                        conversions=done8)
+    assert np.allclose(x8[0, 0].numpy(), (ramp / 257).astype(np.uint8) / 255.0) and not done8
+
+    doc = {"training": [{"image": str(f), "label": 0}] * 3, "validation": [], "test": [{"image": str(f), "label": 0}]}
+    (tmp_path / "site-1.json").write_text(json.dumps(doc))
+    runner = SiteRunner("site-1", tmp_path)
+    cfg = {"seed": 0, "data": {"image_size": 32, "channels": 1, "n_classes": 2}, "privacy": {"k_min": 1},
+           "model": {"arch": "resnet9", "width": 4, "norm": "group"}}
+    from fedmed.models import model_from_config
+    from fedmed.train import get_params
+
+    p = get_params(model_from_config(cfg["model"], 1, 2))
+    _, _, first = runner.handle("validate", p, cfg)
+    _, _, second = runner.handle("validate", p, cfg)
+    said = [n for n in first.get("notes", []) if "converted on loading" in n]
+    assert len(said) == 1 and "16-bit" in said[0] and "resized to 32x32" in said[0]
+    assert not second.get("notes")
+
+
+def test_colour_alpha_and_multi_frame_images_are_handled_on_purpose(tmp_path):
+    from PIL import Image
+
+    rgba = np.zeros((8, 8, 4), np.uint8)
+    rgba[..., 0], rgba[..., 3] = 200, 10
+    Image.fromarray(rgba, mode="RGBA").save(tmp_path / "a.png")
+    done: set = set()
+    x, _ = load_images([{"image": str(tmp_path / "a.png"), "label": 0}], image_size=8, channels=1, conversions=done)
+    assert done == {"colour to grayscale (ITU-R 601-2 luma), alpha dropped"}
+    assert float(x.max()) == pytest.approx(round(200 * 299 / 1000) / 255, abs=1 / 255)
+    frames = [Image.fromarray(np.full((8, 8), v, np.uint8)) for v in (0, 255)]
+    frames[0].save(tmp_path / "stack.tif", save_all=True, append_images=frames[1:])
+    with pytest.raises(DataError, match=r"site-9: image .*stack.tif has 2 frames; one image per file"):
+        load_images([{"image": str(tmp_path / "stack.tif"), "label": 0}], image_size=8, channels=1, site="site-9")
