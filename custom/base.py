@@ -21,6 +21,7 @@ the same behaviour at a hospital:
 """
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from fedmed.reporting import Recorder
 serialize_ast_parse()  # the server decodes several sites' arrays at once (np.load -> ast.parse): fedmed/compat.py
 
 RESUME_DIR = "fedmed_resume"  # inside the server app's custom folder of a resumed job
+DEAD_SITES_ENV = "FEDMED_DEAD_SITES"  # set by jobs/simulator.py: a folder where it notes the sites whose worker died
 
 
 class RunStopped(Exception):
@@ -73,6 +75,8 @@ TASK_CHECK_PERIOD_S = 0.05  # how often FLARE's task monitor looks for finished 
 
 class FedMedController(ModelController):
     """Config, recording, fault handling, checkpoints; subclasses implement :meth:`workflow`."""
+
+    stable_cluster_ids = True  # a cluster id names the same model in every round (CFL renumbers when it splits)
 
     def set_communicator(self, communicator):
         """FLARE 2.9's ``Controller.set_communicator`` hands the controller's ``task_check_period`` to
@@ -142,6 +146,12 @@ class FedMedController(ModelController):
         memtrace.start()
         self.recorder = Recorder(Path(self.get_run_dir()) / "fedmed", meta={"config": self.cfg,
                                                                              "workflow": type(self).__name__})
+        from fedmed.privacy import k_min_consent_note
+
+        consent = k_min_consent_note(self.cfg.get("privacy", {}))
+        if consent:  # stated in the run's record and the server's log
+            self.recorder.note("privacy_consent", consent)
+            self.warning(consent)
 
     def aborted(self) -> bool:
         return self.abort_signal is not None and self.abort_signal.triggered
@@ -175,6 +185,20 @@ class FedMedController(ModelController):
         return sites
 
     # ------------------------------------------------------------------ exchanges
+    def dead_sites(self) -> dict:
+        """``{site: exit code}`` of the sites whose process died (noted by the simulator, ``jobs/simulator.py``;
+        a provisioned site's dead job process ends the job through FLARE instead)."""
+        folder = os.environ.get(DEAD_SITES_ENV)
+        if not folder or not os.path.isdir(folder):
+            return {}
+        out = {}
+        for f in Path(folder).glob("*.json"):
+            try:
+                out[f.stem] = json.loads(f.read_text()).get("returncode")
+            except (OSError, ValueError):
+                continue
+        return out
+
     def send(self, task_name: str, data: FLModel, targets=None) -> list:
         """One task to ``targets`` (default: the run's sites); the (site, metrics, meta, params) rows."""
         return self.send_groups(task_name, {None: (data, list(targets) if targets is not None else self.sites)})[None]
@@ -197,11 +221,15 @@ class FedMedController(ModelController):
                             callback=lambda model, key=key: replies[key].append(model))
         t0 = time.time()
         active_done_at = None
+        dead: dict = {}
         while self.get_num_standing_tasks():
             self.check_abort(f"during {task_name}")
             answered = {r.meta.get("client_name") for rs in replies.values() for r in rs}
+            dead = self.dead_sites()
+            if targets <= answered | set(dead):
+                break  # every site has answered or its process is gone: nothing left to wait for
             now = time.time()
-            if active_done_at is None and (targets & self.active) <= answered:
+            if active_done_at is None and (targets & self.active) <= answered | set(dead):
                 active_done_at = now
             if active_done_at is not None and now - active_done_at > 2 * (active_done_at - t0) + 10:
                 break  # the active sites are done; probation sites had their chance
@@ -215,11 +243,18 @@ class FedMedController(ModelController):
         answered = {r[0] for rs in rows.values() for r in rs}
         r_ = next((d.current_round for d, _ in groups.values()), None)
         for s in sorted(targets - answered):
+            if s in dead:
+                why = (f"its process died (exit code {dead[s]}) and it is left out of the rest of the run")
+                self.recorder.error(r_, s, task_name, f"{s}: {why}")
+                self.error(f"site {s}: its process died (exit code {dead[s]}); the run goes on without it")
+                continue
             why = "no answer within task_timeout" if time.time() - t0 >= timeout else \
                 "no answer while the other sites finished (on probation since an earlier round)"
             self.recorder.error(r_, s, task_name, f"{s}: {why} ({time.time() - t0:.0f} s); left out of this round")
             self.warning(f"site {s} did not answer {task_name} in round {r_}; left out")
         self.active = (self.active - (targets - answered)) | answered
+        if dead:  # a dead simulated site never comes back: no later task goes to it
+            self.sites = [s for s in self.sites if s not in dead]
         return rows
 
     def record_rows(self, round_, rows, task) -> list:
@@ -294,11 +329,25 @@ class FedMedController(ModelController):
         return self.resumed.get("models", {})
 
     # ------------------------------------------------------------------ final models
+    def trained_sites(self, sites, cluster=None) -> list:
+        """Of ``sites``, those that sent at least one training update (``n_train`` in a recorded round; for a cluster
+        model, an update to that cluster): a site that sat out every round did not train the model."""
+        if not self.stable_cluster_ids:
+            cluster = None
+        done = set()
+        for r in self.recorder.doc["rounds"]:
+            for s, entry in r["sites"].items():
+                if entry.get("n_train") is not None and (cluster is None or entry.get("cluster") in (cluster, None)):
+                    done.add(s)
+        return [s for s in sites if s in done]
+
     def save_final(self, params: dict, name: str = "global", *, sites=None, cluster=None):
         """The trained model, as a PyTorch checkpoint (``fedmed.predict.save_model``: ``state_dict``, what rebuilds the
         network, what it serves). Only called when the run finished."""
         from fedmed.predict import save_model
 
+        if sites is not None:  # only the sites whose updates went into it
+            sites = self.trained_sites(sites, cluster)
         out = Path(self.get_run_dir()) / "fedmed" / "models"
         out.mkdir(parents=True, exist_ok=True)
         save_model(out / f"{name}.pt", params, self.cfg, cluster=cluster, sites=sites, workflow=type(self).__name__,

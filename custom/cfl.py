@@ -11,6 +11,8 @@ class CFLController(FedAvgController):
     update is small but some site's update is large (``fedmed.clustered.cfl_split``), it is bipartitioned
     by cosine similarity of the updates and each half continues from the cluster's model."""
 
+    stable_cluster_ids = False
+
     def __init__(self, num_rounds: int, fedmed_config: dict, eps1: float = 0.4, eps2: float = 1.6,
                  warmup_rounds: int = 2, resume: bool = False, **kw):
         super().__init__(num_rounds, fedmed_config, resume=resume, **kw)

@@ -35,4 +35,4 @@ class FedAvgController(FedMedController):
             theta = self.aggregate(updates)
             self.checkpoint(r + 1, {"global": theta}, **state)
         self.record_rows(self.num_rounds, self.send("validate", self.task(theta, self.num_rounds)), "validate")
-        self.save_final(theta, sites=self.sites)
+        self.save_final(theta, sites=self.recorder.doc["sites"])  # those that trained it: save_final

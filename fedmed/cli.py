@@ -240,9 +240,20 @@ def _add_workflow_verbs(sub):
     commands.register(sub)
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM ends ``fedmed`` as Ctrl-C does (``SystemExit``), so a running job is stopped and its record marked
+    ``stopped`` on the way out, instead of the job being left running without its launcher."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
+    _exit_on_sigterm()
     try:
         a.func(a)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:

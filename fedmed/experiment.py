@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import CLUSTERING_WORKFLOWS, ExperimentConfig
+from .reporting import missing_sentence
 from .summary import read_results, rows_from_metrics, sweep_stats, sweep_table, write_outputs  # noqa: F401 (re-exported)
 
 __all__ = ["ExperimentError", "REPO_ROOT", "RunError", "classes_override", "prepare_federation", "run_experiment",
@@ -58,7 +59,7 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
     """Partition the dataset for ``seed`` and write the site datalists into ``out_dir`` (``partition``
     overrides the config's, e.g. ``"iid"`` for the IID reference)."""
     from . import partition as P
-    from .data import discover, write_site_datalists
+    from .data import check_readable, discover, write_site_datalists
 
     fed = exp.federation
     part = partition or fed.partition
@@ -74,6 +75,7 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
                                     else "label_volume", region=fed.volume_region, test_fraction=fed.test_fraction,
                                     val_fraction=fed.val_fraction, seed=seed, site_names=exp.site_names())
     pool = discover(exp.dataset.path, max_per_class=exp.dataset.max_per_class, seed=seed)
+    check_readable(pool)  # nothing unreadable goes into a datalist
     if exp.dataset.classes and exp.dataset.classes != pool.class_names:
         raise ValueError(f"dataset.classes {exp.dataset.classes} differ from the classes found in {exp.dataset.path} "
                          f"{pool.class_names}")
@@ -323,6 +325,11 @@ def _setup(exp, data_dir: Path) -> list[str]:
     out += [f"{t.rounds} rounds x {t.local_epochs} local epochs, {t.optimizer} lr {t.lr}, batch {t.batch_size}, "
             f"augment {t.augment}", f"seeds {exp.seeds}", f"k_min {exp.privacy.k_min}, DP "
             + (f"epsilon {exp.privacy.dp_epsilon}" if exp.privacy.dp_epsilon else "off")]
+    from .privacy import k_min_consent_note
+
+    consent = k_min_consent_note(exp.privacy)
+    if consent:
+        out.append(f"**{consent}**")
     return out
 
 
@@ -381,10 +388,15 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
     command = command or _command(config_path, overrides)
     rows: list[dict] = []
     problems: list[str] = []
+    missing: list[str] = []  # finished runs in which a site sat out: said on the console and in the report
     total = len(exp.seeds) * len(chosen)
     k = 0
     setup: list[str] = []
     seg = exp.dataset.task == "segmentation"
+    from .privacy import k_min_consent_note
+
+    if k_min_consent_note(exp.privacy):
+        log(k_min_consent_note(exp.privacy))
     for seed in exp.seeds:
         data_dir = prepare_federation(exp, seed, out / "data" / f"seed{seed}")
         meta = json.loads((data_dir / "dataset.json").read_text())
@@ -405,6 +417,9 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
                         (work / "run.json").write_text(json.dumps(saved))
                     rows.extend(saved["rows"])
                     log(f"[{k}/{total}] seed {seed} {m.name}: finished earlier with the same settings, reused")
+                    if saved.get("sites_missing"):
+                        missing.append(f"seed {seed} {m.name}: {missing_sentence(saved['sites_missing'])}")
+                        log(f"    {missing_sentence(saved['sites_missing'])}")
                     continue
                 if saved.get("status") == "stopped" and (work / "server" / "checkpoint" / "state.json").is_file():
                     resume_from = work / "server"
@@ -441,13 +456,18 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
                 new += _unseen(config_path, job_over, m, seed, data_dir, work, doc, meta, log)
             rows.extend(new)
             _log_done(m, doc, new, exp.selection, log, work)
+            if doc.get("sites_missing"):
+                missing.append(f"seed {seed} {m.name}: {missing_sentence(doc['sites_missing'])}")
+                log(f"    {missing_sentence(doc['sites_missing'])}")
             (work / "run.json").write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed,
-                                                       "status": "finished", "rows": new, "clusters": clusters}))
+                                                       "status": "finished", "rows": new, "clusters": clusters,
+                                                       "sites_missing": doc.get("sites_missing") or {}}))
             if [r for r in rows if not r.get("phase")]:
-                write_outputs(rows, out, title=exp.name, command=command, selection=exp.selection, setup=setup)
+                write_outputs(rows, out, title=exp.name, command=command, selection=exp.selection, setup=setup,
+                              notes=missing)
     if [r for r in rows if not r.get("phase")]:  # once more, so that a fully reused experiment has its outputs
         write_outputs(rows, out, title=exp.name, command=command, selection=exp.selection, setup=setup,
-                      notes=[f"did not finish: {p}" for p in problems])
+                      notes=missing + [f"did not finish: {p}" for p in problems])
         from .report import write_report
 
         log(f"report: {write_report(out, command=command)}")

@@ -23,7 +23,7 @@ import numpy as np
 
 from .metrics import pooled_metrics
 
-__all__ = ["METRICS", "Recorder", "strict_json", "summarize_sites"]
+__all__ = ["METRICS", "Recorder", "missing_sentence", "strict_json", "summarize_sites"]
 
 METRICS = ("accuracy", "macro_f1", "auc")
 _AGGREGATES = ("confusion", "score_hist", "val_confusion", "val_score_hist")
@@ -78,6 +78,26 @@ def strict_json(obj) -> object:
     return obj
 
 
+def _spans(rounds: list[int]) -> str:
+    rounds = sorted(rounds)
+    parts, a = [], None
+    for i, r in enumerate(rounds):
+        a = r if a is None else a
+        if i + 1 == len(rounds) or rounds[i + 1] != r + 1:
+            parts.append(str(a) if a == r else f"{a}-{r}")
+            a = None
+    return ", ".join(parts)
+
+
+def missing_sentence(missing: dict) -> str:
+    """``"finished without every site: site-3 sat out rounds 0-9 (site-3: cannot read image a.png)"``."""
+    parts = []
+    for site, m in sorted(missing.items()):
+        where = f"round(s) {_spans(m['rounds'])}" if m["rounds"] else "/".join(m["tasks"])
+        parts.append(f"{site} sat out {where} ({m['reason']})")
+    return "finished without every site: " + "; ".join(parts)
+
+
 class Recorder:
     """Collects each round's site results; writes ``metrics.json`` and TensorBoard scalars."""
 
@@ -111,7 +131,23 @@ class Recorder:
                 a["status"] = "stopped"
         self.begin_attempt(next_round)
 
+    def sites_missing(self) -> dict:
+        """``{site: {"rounds": [...], "tasks": [...], "reason": first error}}`` of every site that sat out a round or a
+        task of this run (left out: an error reply, no answer, never registered, no signature)."""
+        out: dict = {}
+        for e in self.doc["errors"]:
+            m = out.setdefault(e["site"], {"rounds": [], "tasks": [], "reason": e["error"]})
+            if e.get("round") is not None and e["round"] >= 0 and e["round"] not in m["rounds"]:
+                m["rounds"].append(e["round"])
+            if e["task"] not in m["tasks"]:
+                m["tasks"].append(e["task"])
+        return out
+
     def finish(self, status: str, reason: str = "") -> None:
+        missing = self.sites_missing()
+        self.doc["sites_missing"] = missing
+        if status == "finished" and missing and not reason:
+            reason = missing_sentence(missing)
         self.doc["status"], self.doc["reason"] = status, reason
         if self.doc["attempts"]:
             self.doc["attempts"][-1].update(status=status, reason=reason)

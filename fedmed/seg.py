@@ -99,6 +99,10 @@ def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "
         if f is None:
             raise DataError(f"{site}: case {entry.get('id', '?')} is missing modality {m}")
         a, voxel = _load_nifti(f, site, f"{m} image")
+        bad = int(a.size - np.isfinite(a).sum())
+        if bad:
+            raise DataError(f"{site}: case {entry.get('id', Path(str(f)).parent.name)}: {m} image {f} has {bad} NaN or "
+                            f"infinite voxel(s)")
         vols.append(a)
     lab, _ = _load_nifti(entry["label"], site, "label")
     for m, f, a in zip(mods, images, vols):

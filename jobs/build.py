@@ -102,6 +102,13 @@ def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = 
             unseen-site job (Flux Algorithm 2) over ``sites`` instead.
     """
     names = exp.site_names() if sites == "config" else (None if sites == "all" else list(sites))
+    if names is not None:
+        twice = sorted({s for s in names if names.count(s) > 1})
+        if twice:
+            raise BuildError(f"--sites names {', '.join(twice)} more than once; name each site once")
+        bad = [s for s in names if not isinstance(s, str) or not s.strip()]
+        if bad:
+            raise BuildError("--sites has an empty site name")
     cfg = fedmed_config(exp, seed, method, names)
     client_files, server_files = [], []
     weights = getattr(method, "encoder_weights", None)

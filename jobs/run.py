@@ -41,21 +41,43 @@ def find_record(root: Path) -> Path | None:
     return hits[0].parent if hits else None
 
 
+def mark_record(record_dir: Path | None, status: str, reason: str) -> bool:
+    """Write ``status`` and ``reason`` into a record the server left at ``running`` (its process was stopped or died
+    before it could); the current attempt too. True when the record was changed."""
+    if record_dir is None or not (record_dir / "metrics.json").is_file():
+        return False
+    f = record_dir / "metrics.json"
+    try:
+        doc = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return False
+    if doc.get("status", "running") != "running":
+        return False
+    doc["status"], doc["reason"] = status, reason
+    if doc.get("attempts"):
+        doc["attempts"][-1].update(status=status, reason=reason)
+    tmp = f.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(f)
+    return True
+
+
 def outcome(record_dir: Path | None) -> dict:
     if record_dir is None:
         return {"status": "failed", "reason": "the job wrote no fedmed/metrics.json (it never started its workflow; "
                 "see the server log)", "result": None}
+    mark_record(record_dir, "failed", "the server process ended while the run was still going (killed or crashed)")
     doc = json.loads((record_dir / "metrics.json").read_text())
-    status = doc.get("status", "running")
-    reason = doc.get("reason", "")
-    if status == "running":
-        status, reason = "failed", "the server process ended while the run was still going (killed or crashed)"
-    return {"status": status, "reason": reason, "result": str(record_dir)}
+    res = {"status": doc.get("status", "failed"), "reason": doc.get("reason", ""), "result": str(record_dir)}
+    if doc.get("sites_missing"):
+        res["sites_missing"] = doc["sites_missing"]
+    return res
 
 
-def wait_forwarding_signals(proc, grace: float = 10.0) -> int:
+def wait_forwarding_signals(proc, grace: float = 10.0, on_stop=None) -> int:
     """Wait for the simulator (its own session, as FLARE starts it); on SIGTERM / SIGINT stop its whole process
-    group (SIGTERM, SIGKILL after ``grace`` s) instead of leaving it running without us, then exit 143 / 130."""
+    group (SIGTERM, SIGKILL after ``grace`` s) instead of leaving it running without us, call ``on_stop(signal
+    name)`` (which marks the run's record ``stopped``), then exit 143 / 130."""
     import signal
 
     def stop(signum, frame):
@@ -69,6 +91,8 @@ def wait_forwarding_signals(proc, grace: float = 10.0) -> int:
                 break
             except subprocess.TimeoutExpired:
                 continue
+        if on_stop is not None:
+            on_stop(signal.Signals(signum).name)
         raise SystemExit(128 + signum)
 
     import subprocess
@@ -107,7 +131,10 @@ def sim_env(sites: list[str], workspace: Path, template=None):
 
                     env.update(template[0])
                     proc = ForkedWorker(cmd[2:], env, simulator=True)
-                rc = wait_forwarding_signals(proc)
+                rc = wait_forwarding_signals(proc, on_stop=lambda sig: mark_record(
+                    find_record(Path(workspace_dir) / "server"), "stopped",
+                    f"jobs/run.py received {sig} and stopped the simulator; a --resume continues from the last "
+                    f"checkpoint"))
             self.last_run_failed = rc not in (None, 0)
             if self.last_run_failed:
                 raise RuntimeError(f"Simulation failed with return code {rc}; logs under {workspace_dir}")
@@ -130,7 +157,14 @@ def run_sim(job, sites: list[str], datalists: str | None, workspace: Path, templ
         err = str(e)
     res = outcome(find_record(workspace / job.name / "server"))
     if err and res["status"] == "finished":
-        res.update(status="failed", reason=f"the simulator failed after the run finished: {err}")
+        dead = sorted(f.stem for f in (workspace / job.name / "fedmed_dead_sites").glob("*.json"))
+        if dead and set(dead) <= set(res.get("sites_missing") or {}):
+            # FLARE's server exits non-zero at shutdown when a site died while uploading its update (it cannot decode
+            # the stream); the workflow had already left that site out and finished every round without it
+            res["notes"] = [f"the simulator exited non-zero after the run finished ({err.split(';')[0]}): its server "
+                            f"could not decode the last upload of {', '.join(dead)}, whose process died"]
+        else:
+            res.update(status="failed", reason=f"the simulator failed after the run finished: {err}")
     return res
 
 
@@ -220,7 +254,7 @@ def _main(a, template) -> int:
     else:
         res = run_prod(job, a.startup_kit, Path(a.result_dir), a.timeout)
     res["seconds"] = round(time.time() - t0, 1)
-    if res["status"] != "finished":
+    if res["status"] != "finished" or res.get("sites_missing"):
         print(f"run {res['status']}: {res['reason']}", file=sys.stderr)
     print(json.dumps(res))
     if res["result"] is None and a.env == "sim":

@@ -323,15 +323,81 @@ class ForkedWorker:
         self._p.kill()
 
 
+DEAD_SITES_ENV = "FEDMED_DEAD_SITES"  # folder where the simulator notes each site worker that died (one file a site)
+
+
+def note_dead_site(site: str, returncode) -> None:
+    """Write ``<FEDMED_DEAD_SITES>/<site>.json``: the workflow (custom/base.py) stops waiting for that site."""
+    folder = os.environ.get(DEAD_SITES_ENV)
+    if not folder or not site:
+        return
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{site}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump({"site": site, "returncode": returncode}, fh)
+    os.replace(tmp, os.path.join(folder, f"{site}.json"))
+
+
+class WatchedWorker:
+    """A site worker's process (``Popen`` or :class:`ForkedWorker`) as FLARE's simulator sees it, which notes its site
+    as dead (:func:`note_dead_site`) when the process ended by itself with a non-zero code — killed, crashed, out of
+    memory. FLARE's simulator then ends that site's thread and never tells its server: a workflow would wait for the
+    site's answer until ``task_timeout``. A worker FLARE stops itself (``terminate``: exit code -15, or ``kill``) is
+    not noted; FLARE often calls ``terminate`` on a worker that has already died, before its exit code is known, so
+    the code decides: -9 after a ``terminate`` was not FLARE's doing."""
+
+    def __init__(self, proc, site: str):
+        self._proc, self.site, self._terminated, self._killed, self._noted = proc, site, False, False, False
+        self.pid, self.args = proc.pid, getattr(proc, "args", None)
+
+    @property
+    def returncode(self):
+        return self._proc.returncode
+
+    def _check(self, rc):
+        import signal
+
+        ours = self._killed or (self._terminated and rc == -signal.SIGTERM)
+        if rc is not None and rc != 0 and not ours and not self._noted:
+            self._noted = True
+            note_dead_site(self.site, rc)
+        return rc
+
+    def poll(self):
+        return self._check(self._proc.poll())
+
+    def wait(self, timeout=None):
+        return self._check(self._proc.wait(timeout))
+
+    def terminate(self):
+        self._terminated = True
+        self._proc.terminate()
+
+    def kill(self):
+        self._killed = True
+        self._proc.kill()
+
+
+def _site_of(argv) -> str:
+    argv = list(argv)
+    return argv[argv.index("--client") + 1] if "--client" in argv[:-1] else ""
+
+
 def _popen(args, *a, **kw):
-    """FLARE's worker command is ``[python, -m, simulator_worker, ...]``: fork it from the template; else Popen."""
+    """FLARE's worker command is ``[python, -m, simulator_worker, ...]``: fork it from the template (unless
+    ``FEDMED_SIM_FORK=0``) and watch it (:class:`WatchedWorker`); anything else is a plain Popen."""
     if isinstance(args, (list, tuple)) and len(args) > 2 and args[1] == "-m" and args[2] == WORKER_MODULE:
-        return ForkedWorker(list(args[3:]), dict(kw.get("env") or os.environ))
+        if os.environ.get("FEDMED_SIM_FORK", "1") != "0":
+            proc = ForkedWorker(list(args[3:]), dict(kw.get("env") or os.environ))
+        else:
+            proc = subprocess.Popen(args, *a, **kw)
+        return WatchedWorker(proc, _site_of(args))
     return subprocess.Popen(args, *a, **kw)
 
 
 def forking_subprocess() -> types.ModuleType:
-    """``subprocess`` as FLARE's simulator runner sees it: Popen forks site workers, the rest is unchanged."""
+    """``subprocess`` as FLARE's simulator runner sees it: Popen forks and watches site workers, the rest is
+    unchanged."""
     shim = types.ModuleType("subprocess")
     shim.__dict__.update({k: v for k, v in vars(subprocess).items() if not k.startswith("__")})
     shim.Popen = _popen
@@ -381,8 +447,13 @@ def main(argv=None) -> int:
 
     simulator_runner.get_open_ports = open_ports  # worker ports off the ephemeral range
     simulator_runner.time = capped_time(RUNNER_POLL_S)
+    simulator_runner.subprocess = forking_subprocess()  # workers forked from a preloaded template, and watched
+    parser = argparse.ArgumentParser(description="NVFlare simulator (fedmed: site worker ports off the ephemeral range)")
+    simulator.define_simulator_parser(parser)
+    args = parser.parse_args(argv)
+    # the workflow (in this process's run process) learns here of a site worker that died
+    os.environ[DEAD_SITES_ENV] = os.path.join(os.path.abspath(args.workspace), "fedmed_dead_sites")
     if os.environ.get("FEDMED_SIM_FORK", "1") != "0":
-        simulator_runner.subprocess = forking_subprocess()  # workers forked from a preloaded template
         run_main = simulator_runner.SimulatorRunner.simulator_run_main
 
         def simulator_run_main(self):  # in the simulator's run process: start the template first, stop it last
@@ -394,9 +465,7 @@ def main(argv=None) -> int:
 
         simulator_runner.SimulatorRunner.simulator_run_main = simulator_run_main
     simulator_runner.SimulatorRunner.run_process = run_process
-    parser = argparse.ArgumentParser(description="NVFlare simulator (fedmed: site worker ports off the ephemeral range)")
-    simulator.define_simulator_parser(parser)
-    return simulator.run_simulator(parser.parse_args(argv))
+    return simulator.run_simulator(args)
 
 
 if __name__ == "__main__":

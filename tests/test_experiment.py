@@ -213,3 +213,54 @@ def test_methods_are_selected_by_name_case_or_workflow():
     assert [m.name for m in select_methods(ms, ["FMCL"], "c.yaml")] == ["FMCL (Auto-K)", "FMCL (K=2)"]
     with pytest.raises(ValueError, match=r"unknown method\(s\) \['Nope'\] in c.yaml; its methods are"):
         select_methods(ms, ["FedAvg", "Nope"], "c.yaml")
+
+
+def test_a_finished_run_with_a_missing_site_says_so_on_the_console_and_in_the_report(tmp_path, monkeypatch):
+    """'finished' with a site that sat out every round used to read like a clean run: the console line, summary.md
+    and a reused run (--resume) all name the site, its rounds and the reason."""
+    from fedmed.reporting import Recorder
+
+    def run_job(config_path, overrides, method, seed, datalists, work, n_sites=0, *a, **k):
+        work.mkdir(parents=True, exist_ok=True)
+        rec = Recorder(work / "rec", tensorboard=False)
+        rec.begin_attempt(0)
+        for r in (0, 1):
+            rec.error(r, "site-3", "train", "site-3: cannot read image a.png (file not found)")
+            rec.record(r, [(s, {"accuracy": 0.5}, {"n_train": 4}) for s in ("site-1", "site-2")])
+        rec.finish("finished")
+        return rec.doc
+
+    monkeypatch.setattr(E, "run_job", run_job)
+    cfg = write_cfg(tmp_path, seeds=[0])
+    lines = []
+    E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], log=lines.append)
+    said = "site-3 sat out round(s) 0-1 (site-3: cannot read image a.png (file not found))"
+    assert any(said in ln for ln in lines), lines
+    assert said in (tmp_path / "out" / "summary.md").read_text()
+    lines.clear()
+    E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], log=lines.append, resume=True)
+    assert any("reused" in ln for ln in lines) and any(said in ln for ln in lines)
+    assert said in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_a_consented_k_min_below_2_is_said_on_the_console_and_in_the_setup(tmp_path, fake_job):
+    cfg = write_cfg(tmp_path, seeds=[0], privacy={"k_min": 1, "accept_k_min_below_2": True})
+    lines = []
+    E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], log=lines.append)
+    assert any(ln.startswith("WARNING privacy.k_min=1 < 2") for ln in lines)
+    assert "WARNING privacy.k_min=1 < 2" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_fedmed_data_refuses_files_it_cannot_read(tmp_path, capsys):
+    from PIL import Image
+
+    root = tmp_path / "ds"
+    for c in ("a", "b"):
+        (root / c).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(np.full((8, 8), 40 * i, np.uint8)).save(root / c / f"{i}.png")
+    (root / "b" / "1.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    rc = main(["data", "--dataset", str(root), "--out", str(tmp_path / "dl"), "--sites", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "1 image file(s)" in err and "1.png (corrupt or not an image" in err
+    assert not (tmp_path / "dl" / "site-1.json").exists()

@@ -358,3 +358,101 @@ def test_flares_task_monitor_checks_at_the_controllers_period_not_its_default():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     monitor, ours = map(float, out.split())
     assert monitor == ours < 0.2
+
+
+def _site_worker_pids(ws: Path, site: str) -> list[int]:
+    """Processes of ``site``'s simulator worker: a forked worker runs in the site's folder of the workspace, a plain
+    one names the site on its command line."""
+    import psutil
+
+    out = []
+    for q in psutil.process_iter(["pid", "cmdline", "cwd"]):
+        cwd, cmd = q.info.get("cwd") or "", " ".join(q.info.get("cmdline") or [])
+        if (cwd.startswith(str(ws)) and Path(cwd).name == site) or (str(ws) in cmd and f"--client {site}" in cmd):
+            out.append(q.info["pid"])
+    return out
+
+
+@pytest.mark.slow
+def test_a_killed_simulated_site_is_left_out_at_once_and_the_run_finishes_without_it(tmp_path):
+    """kill -9 of one simulated site's process used to leave the run waiting the whole task_timeout with no progress
+    line (FLARE's simulator only ends that site's thread). Now the workflow stops waiting for it at once, records
+    that its process died, sends it nothing more, finishes with the others and says which site is missing — and
+    the model names only the sites that trained it."""
+    import signal
+
+    import torch
+
+    ws = tmp_path / "ws"
+    cmd = digits_sim_command(tmp_path, sites=3, rounds=40, workspace=ws) + ["--set", "federation.task_timeout=900"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    record = None
+    while time.time() < deadline and proc.poll() is None:
+        hits = list(ws.glob("*/server/simulate_job/fedmed/metrics.json"))
+        if hits:
+            try:
+                doc = json.loads(hits[0].read_text())
+            except ValueError:
+                doc = {}
+            if len(doc.get("rounds", [])) >= 2:
+                record = hits[0]
+                break
+        time.sleep(0.2)
+    assert record is not None, "the run did not reach round 2"
+    pids = _site_worker_pids(ws, "site-2")
+    assert pids, "site-2's worker process not found"
+    t_kill = time.time()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=600)
+    took = time.time() - t_kill
+    assert proc.returncode == 0, err[-2000:]
+    assert took < 120, f"the run waited {took:.0f} s after the kill (task_timeout 900 s)"
+    res = json.loads(out.strip().splitlines()[-1])
+    doc = json.loads((Path(res["result"]) / "metrics.json").read_text())
+    assert doc["status"] == "finished" and res["status"] == "finished"
+    assert set(doc["sites_missing"]) == {"site-2"} and "process died (exit code -9)" in doc["sites_missing"]["site-2"]["reason"]
+    assert "site-2 sat out round(s)" in doc["reason"] and "site-2 sat out round(s)" in err
+    last = doc["rounds"][-1]
+    assert last["task"] == "validate" and sorted(last["sites"]) == ["site-1", "site-3"]
+    died = [e for e in doc["errors"] if "process died" in e["error"]]
+    assert len(died) == 1  # recorded once: no later task went to it
+    model = torch.load(Path(res["result"]) / "models" / "global.pt", weights_only=True)
+    assert model["sites"] == ["site-1", "site-2", "site-3"]  # site-2 trained rounds 0-1 before it died
+    assert model["sites"] == sorted({s for r in doc["rounds"] for s, e in r["sites"].items() if e.get("n_train")})
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_leaves_a_record_that_says_stopped(tmp_path):
+    """SIGTERM to jobs/run.py stopped the simulator but left metrics.json at 'running'. (The run also accepts
+    k_min = 1: its record states the consent.)"""
+    import signal
+
+    ws = tmp_path / "ws"
+    consent = ["--set", "privacy.k_min=1", "--set", "privacy.accept_k_min_below_2=true"]
+    proc = subprocess.Popen(digits_sim_command(tmp_path, sites=2, rounds=200, workspace=ws) + consent, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    hits = []
+    while time.time() < deadline:
+        hits = list(ws.glob("*/server/simulate_job/fedmed/metrics.json"))
+        if hits and json.loads(hits[0].read_text() or "{}").get("rounds"):
+            break
+        time.sleep(0.5)
+    assert hits, "the run did not start"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 143
+    doc = json.loads(hits[0].read_text())
+    assert doc["status"] == "stopped" and "SIGTERM" in doc["reason"]
+    assert doc["attempts"][-1]["status"] == "stopped"
+    assert doc["privacy_consent"].startswith("WARNING privacy.k_min=1 < 2")
+
+
+def test_a_site_named_twice_is_a_one_line_error(tmp_path):
+    cmd = digits_sim_command(tmp_path, sites=3, rounds=1, workspace=tmp_path / "ws")
+    res = subprocess.run(cmd + ["--sites", "site-1", "site-1", "site-3"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1] == \
+        "jobs/run.py: error: --sites names site-1 more than once; name each site once"

@@ -246,3 +246,31 @@ def test_flux_unseen_site_goes_to_its_groups_cluster(tmp_path, method):
         assert train["clustering"]["descriptor_to_model_ratio"] < 1e-2
     assert "summary.md" in {p.name for p in (tmp_path / "out").iterdir()}
     assert "Test phase" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_a_site_that_sat_out_every_round_is_named_in_the_status_and_not_in_the_model(tmp_path):
+    """One missing image made site-3 sit out every round, yet the run said {"status": "finished", "reason": ""}
+    and models/global.pt listed all three sites. Now: finished, with the missing site and why in the reason, the
+    record's sites_missing and jobs/run.py's console; the model names the two sites that trained it."""
+    import torch
+
+    cfg_path = write_cfg(tmp_path, TINY)
+    exp = load_config(cfg_path)
+    data = prepare_federation(exp, 0, tmp_path / "data")
+    doc = json.loads((data / "site-3.json").read_text())
+    doc["training"][0]["image"] = "images/site-3/gone.png"
+    (data / "site-3.json").write_text(json.dumps(doc))
+    cmd = [sys.executable, str(REPO_ROOT / "jobs" / "run.py"), "--config", str(cfg_path), "--method", "FedAvg",
+           "--env", "sim", "--datalists", str(data), "--workspace", str(tmp_path / "ws"),
+           *[x for o in classes_override(data, exp) for x in ("--set", o)]]
+    res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    said = "site-3 sat out round(s) 0-2 (site-3: cannot read image images/site-3/gone.png (file not found))"
+    assert out["status"] == "finished" and said in out["reason"]
+    assert set(out["sites_missing"]) == {"site-3"} and out["sites_missing"]["site-3"]["rounds"] == [0, 1, 2]
+    assert said in res.stderr  # the console
+    record = json.loads((Path(out["result"]) / "metrics.json").read_text())
+    assert record["status"] == "finished" and said in record["reason"]
+    model = torch.load(Path(out["result"]) / "models" / "global.pt", weights_only=True)
+    assert model["sites"] == ["site-1", "site-2"]

@@ -69,3 +69,23 @@ def test_demo_report_in_a_headless_browser():
     for part in ("Classification", "demo-seg-phantoms", "demo-flux", "Centralized", "cluster-majority", "Command:",
                  "test cases: image, ground truth, prediction"):
         assert part in html, part
+
+
+def test_every_json_example_in_the_docs_is_valid_json_and_the_site_settings_example_loads(tmp_path):
+    """docs/deployment.md's local/fedmed_site.json had // comments: copied verbatim it was invalid JSON."""
+    import json
+
+    from fedmed.site_settings import resolve_site_settings
+
+    blocks = [(f.name, b) for f in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+              for b in re.findall(r"```json\n(.*?)```", f.read_text(), flags=re.S)]
+    assert blocks
+    for name, block in blocks:
+        json.loads(block)  # raises on a comment, a trailing comma, ...
+    example = json.loads(next(b for n, b in blocks if n == "deployment.md" and '"datalist"' in b))
+    (tmp_path / "local").mkdir()
+    (tmp_path / "site.json").write_text('{"training": []}')
+    example.update(datalist=str(tmp_path / "site.json"), data_root=str(tmp_path))
+    (tmp_path / "local" / "fedmed_site.json").write_text(json.dumps(example))
+    s = resolve_site_settings("hospital-a", cwd=tmp_path, env={})
+    assert s.datalist == tmp_path / "site.json" and s.k_min == example["k_min"]

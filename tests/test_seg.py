@@ -67,6 +67,19 @@ class TestBadCases:
             discover_subjects(phantoms, {"T2": "T2*.nii*"}, "OTMultiClass*")
 
 
+def test_nan_voxels_name_the_case_not_training_diverged(phantoms, tmp_path):
+    """NaN voxels in one modality used to surface rounds later as 'training diverged' with no case named."""
+    e = entry(phantoms, 3)
+    img = nib.load(e["image"][0])
+    arr = np.asarray(img.dataobj, dtype=np.float32).copy()
+    arr[3, 4, 5] = np.nan
+    nib.save(nib.Nifti1Image(arr, img.affine), str(tmp_path / "Flair_nan.nii.gz"))
+    e["image"][0] = str(tmp_path / "Flair_nan.nii.gz")
+    with pytest.raises(DataError, match=r"site-4: case phantom_003: FLAIR image .*Flair_nan.nii.gz has 1 NaN or "
+                                        r"infinite voxel"):
+        load_case(e, site="site-4")
+
+
 def test_assessment_names_the_known_most_distant_site(phantoms, tmp_path):
     entries = discover_subjects(phantoms, MODS, "OTMultiClass*", "brainmask*")
     out = write_seg_federation(entries, 4, tmp_path / "fed", partition="label_volume")
