@@ -12,6 +12,9 @@
   the descriptors under each Flux reading (S1 box element-wise vs the code's scalar [0, 1.02 max]; descriptors
   raw vs min-max scaled; an absent class as zeros vs -1) and the clustering ARI against the true groups; and
   the round at which the start rule fires under the paper's and the code's reading on the same accuracy curve.
+* encoders — MedicalNet: features of the same BraTS volumes with a zero vs an N(0, 1) background, with the
+  non-zero vs the whole-volume z-score, and of the official dilated network vs MONAI's resnet18 with the same
+  weights; USFM: the final-norm CLS token vs the mean patch token (random weights: no release is stored here).
 * anda — the same federation with ANDA's colour reading (channel at full intensity, gray elsewhere) vs fedmed's
   (gray in one channel): clustering ARI of the Flux descriptors.
 """
@@ -179,11 +182,59 @@ def anda(tmp: Path):
               f"{ari:.2f} (K {k})")
 
 
+def encoders():
+    """MedicalNet's background and network, USFM's pooling — on BraTS cases (random weights: no release is here)."""
+    import torch
+
+    from fedmed.encoders import build_encoder, preprocess_volume
+    from fedmed.seg import load_case
+    from fedmed.seg_data import discover_subjects
+
+    def cos(a, b):
+        a, b = a.ravel().double(), b.ravel().double()
+        return float(a @ b / (a.norm() * b.norm()))
+
+    entries = discover_subjects(SHARED / "brats2013", {"FLAIR": "*Flair*", "T1c": "*T1c*"}, "*OT*", None)[:3]
+    enc = build_encoder("medicalnet_resnet18", seed=0)
+    gen = torch.Generator().manual_seed(0)
+    from monai.networks.nets import resnet18
+
+    monai = resnet18(spatial_dims=3, n_input_channels=1, feed_forward=False, shortcut_type="A", bias_downsample=True)
+    monai.load_state_dict({k[len("net."):]: v for k, v in enc.module.state_dict().items()})
+    monai.eval()
+    rows = []
+    for e in entries:
+        v = torch.from_numpy(load_case(e, shape=(64, 64, 64))["image"][:1])[None]
+        zero = preprocess_volume(v)
+        noise = torch.where(v != 0, zero, torch.randn(v.shape, generator=gen))
+        noise2 = torch.where(v != 0, zero, torch.randn(v.shape, generator=gen))
+        whole = (v - v.mean()) / v.std()
+        with torch.no_grad():
+            f = {k: enc.module(x) for k, x in (("zero", zero), ("noise", noise), ("noise2", noise2), ("whole", whole))}
+            fm = monai(zero)
+        rows.append((cos(f["zero"], f["noise"]), cos(f["noise"], f["noise2"]), cos(f["zero"], f["whole"]),
+                     cos(f["zero"], fm)))
+    r = np.asarray(rows)
+    print(f"MedicalNet (3 BraTS cases, FLAIR at 64^3, random weights): cosine of the 512-d features, zero vs N(0,1) "
+          f"background {r[:, 0].mean():.6f} (two noise draws of the same volume {r[:, 1].mean():.6f}); non-zero vs "
+          f"whole-volume z-score {r[:, 2].mean():.6f}; official dilated network vs MONAI resnet18 with the same weights "
+          f"{r[:, 3].mean():.4f}")
+    usfm = build_encoder("usfm", seed=0)
+    x = torch.rand(4, 3, 224, 224, generator=gen)
+    from fedmed.encoders import _normalize
+
+    with torch.no_grad():
+        tokens = usfm.module.forward_features(_normalize(usfm, x))
+    cls, mean = tokens[:, 0], tokens[:, 1:].mean(1)
+    print(f"USFM (random weights, 4 random images): cosine of the final-norm CLS token vs the mean patch token "
+          f"{np.mean([cos(a, b) for a, b in zip(cls, mean)]):.4f}")
+
+
 def main(argv=None):
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", default=["pacfl", "dirichlet", "flux", "anda"])
+    ap.add_argument("--only", nargs="*", default=["pacfl", "dirichlet", "flux", "anda", "encoders"])
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="readings_"))
@@ -195,6 +246,8 @@ def main(argv=None):
         flux(tmp)
     if "anda" in a.only:
         anda(tmp)
+    if "encoders" in a.only:
+        encoders()
 
 
 if __name__ == "__main__":

@@ -168,8 +168,37 @@ def cmd_predict(a):
         print(json.dumps(rows, indent=1))
 
 
+def cmd_encoders(a):
+    from .encoders import ENCODERS, NORMALIZE_TEXT, EncoderError, check_weights
+
+    if a.action == "check":
+        if not a.file or not a.encoder:
+            raise ValueError("fedmed encoders check FILE --encoder NAME")
+        try:
+            print(check_weights(a.file, a.encoder))
+        except EncoderError as e:
+            raise ValueError(str(e)) from None
+        return
+    rows = [("name", "architecture", "input", "preprocessing", "feature (dim)", "the authors' file")]
+    for name, s in ENCODERS.items():
+        inp = "1 x D x H x W" if s.spatial_dims == 3 else (f"{s.channels or 'C'} x {s.size or 'S'} x {s.size or 'S'}")
+        rows.append((name, s.architecture, inp, NORMALIZE_TEXT[s.normalize], f"{s.feature} ({s.dim or 'C S^2'})",
+                     s.release or "-"))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
 def register(sub):
     H = argparse.ArgumentDefaultsHelpFormatter
+    n = sub.add_parser("encoders", help="the registered encoders; 'check FILE --encoder NAME': does a weights file load",
+                       formatter_class=H)
+    n.add_argument("action", nargs="?", choices=["list", "check"], default="list",
+                   help="list the registered encoders, or check a weights file")
+    n.add_argument("file", nargs="?", help="check: a weights file as its authors release it")
+    n.add_argument("--encoder", help="check: the registered encoder the file is for")
+    n.set_defaults(func=cmd_encoders)
+
     d = sub.add_parser("data", help="write per-site datalists (dataset + partition)", formatter_class=H)
     d.add_argument("--config", help="experiment config (its dataset and federation sections are used; the flags below "
                    "override them when given)")

@@ -162,14 +162,17 @@ def case_metadata(cases: Sequence[SegCase]) -> dict[str, np.ndarray]:
 
 @torch.no_grad()
 def site_embeddings(cases: Sequence[SegCase], encoder) -> np.ndarray:
-    """``004_`` Eq. 1 input: per case, the MedicalNet bottleneck of channel 0 -> PCA(2) -> 1024."""
+    """``004_`` Eq. 1 input: per case, the MedicalNet bottleneck of channel 0 (MedicalNet's own intensity
+    normalisation, :func:`fedmed.encoders.preprocess_volume`) -> PCA(2) -> 1024."""
+    from .encoders import preprocess_volume
     from .heterogeneity import pca2_embedding
 
     vecs = []
+    device = next(encoder.module.parameters()).device
     for c in cases:
-        x = torch.from_numpy(c["image"][:1])[None]
-        x = (x - x.mean()) / (x.std() + 1e-6)
-        fmap = encoder.module.bottleneck(x)[0].numpy()
+        x = preprocess_volume(torch.from_numpy(c["image"][:1])[None]).to(device)
+        with torch.no_grad():
+            fmap = encoder.module.bottleneck(x)[0].cpu().numpy()
         vecs.append(pca2_embedding(fmap))
     return np.stack(vecs)
 

@@ -61,3 +61,181 @@ def test_medicalnet_layout_loads_monai_state(tmp_path):
     x = torch.rand(1, 1, 16, 16, 16)
     with torch.no_grad():
         assert loaded.module(x).shape == (1, 512)
+
+
+# --------------------------------------------------------------------------------------- the authors' releases
+
+def _cos(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def _images(seed=0, n=2, size=224):
+    return torch.rand(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def _imagenet(x):
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+@pytest.mark.parametrize("name, release", [("ctranspath", "ctranspath.pth"), ("chief", "CHIEF_CTransPath.pth")])
+def test_ctranspath_and_chief_load_as_released_and_compute_the_official_forward(tmp_path, name, release, caplog):
+    """{"model": state_dict} of timm 0.5.4's Swin-T + ConvStem (PatchMerging at the end of a stage, attn_mask and
+    relative_position_index saved): loads through build_encoder (timm's filter converts the layout; the buffers
+    are dropped with a log line) and gives the features of the official forward pass, ImageNet-normalised."""
+    import logging
+
+    from reference_nets import CTransPath054, randomize
+
+    ref = randomize(CTransPath054(), seed=1)
+    sd = ref.state_dict()
+    assert "layers.0.downsample.reduction.weight" in sd and "layers.0.blocks.1.attn_mask" in sd
+    assert "layers.3.downsample.reduction.weight" not in sd and not any(k.startswith("head") for k in sd)
+    f = tmp_path / release
+    torch.save({"model": sd}, f)
+    with caplog.at_level(logging.INFO, logger="fedmed.encoders"):
+        enc = build_encoder(name, weights=str(f))
+    assert any("relative_position_index, attn_mask" in r.message for r in caplog.records)
+    x = _images(2)
+    got = extract_features(enc, x)
+    with torch.no_grad():
+        want = ref.features(_imagenet(x)).numpy()
+    assert got.shape == (2, 768)
+    for g, w in zip(got, want):
+        assert _cos(g, w) >= 0.9999
+    assert np.allclose(got, want, rtol=1e-3, atol=1e-4)
+    assert enc.preprocessing == "ImageNet mean/std" and f"{release} (sha256 " in enc.description
+
+
+def test_usfm_loads_as_released_and_gives_the_normed_cls_token(tmp_path, caplog):
+    """USFM_latest.pth: a flat BEiT-style state dict (shared relative position bias, gamma_1/2, q_bias/v_bias,
+    mask_token, no absolute position embedding) -> timm's BEiT so configured; the feature is the final-norm CLS
+    token of the official forward pass on ImageNet-normalised input. mask_token is dropped with a log line."""
+    import logging
+
+    from reference_nets import USFMViT, randomize
+
+    ref = randomize(USFMViT(), seed=2)
+    sd = ref.state_dict()
+    assert {"mask_token", "rel_pos_bias.relative_position_bias_table", "blocks.0.gamma_1",
+            "blocks.0.attn.q_bias", "blocks.0.attn.v_bias"} <= set(sd) and "pos_embed" not in sd
+    f = tmp_path / "USFM_latest.pth"
+    torch.save(sd, f)
+    with caplog.at_level(logging.INFO, logger="fedmed.encoders"):
+        enc = build_encoder("usfm", weights=str(f))
+    assert any("mask_token" in r.message for r in caplog.records)
+    x = _images(3)
+    got = extract_features(enc, x)
+    with torch.no_grad():
+        want = ref.features(_imagenet(x)).numpy()
+    for g, w in zip(got, want):
+        assert _cos(g, w) >= 0.9999
+    assert np.allclose(got, want, rtol=1e-3, atol=1e-4)  # random images embed alike (cosine ~0.95): values too
+    # the other pooling (mean of the patch tokens) is another feature: the CLS reading is what is pinned here
+    with torch.no_grad():
+        t = ref.patch_embed.proj(_imagenet(x)).flatten(2).transpose(1, 2)
+        t = torch.cat([ref.cls_token.expand(2, -1, -1), t], 1)
+        for blk in ref.blocks:
+            t = blk(t, ref.rel_pos_bias())
+        mean_tok = ref.norm(t)[:, 1:].mean(1).numpy()
+    assert _cos(got[0], mean_tok[0]) < 0.99
+
+
+def _medicalnet_volume(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    v = 100 + 30 * torch.rand(1, 1, 24, 28, 20, generator=g)
+    v[..., :4, :, :] = 0  # background
+    return v
+
+
+@pytest.mark.parametrize("kind", ["release", "train.py"])
+def test_medicalnet_loads_as_released_and_computes_the_dilated_network(tmp_path, kind, caplog):
+    """resnet_18_23dataset.pth ({"state_dict": {"module.*"}}, no head) and a checkpoint its train.py writes
+    ({"ecpoch", "batch_id", "state_dict" with conv_seg, "optimizer"}) both load; the features are those of the
+    official network (conv1 stride 2, layer3/4 dilated), not MONAI's strided resnet18."""
+    import logging
+
+    from reference_nets import MedicalNetResNet18, randomize
+
+    ref = randomize(MedicalNetResNet18(with_seg_head=kind == "train.py"), seed=3)
+    sd = {f"module.{k}": v for k, v in ref.state_dict().items()}
+    f = tmp_path / ("resnet_18_23dataset.pth" if kind == "release" else "trails_epoch_10_batch_0.pth.tar")
+    if kind == "release":
+        torch.save({"state_dict": sd}, f)
+    else:
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        ref.train()
+        ref.features(torch.rand(1, 1, 16, 16, 16)).sum().backward()
+        opt.step()
+        ref.eval()
+        sd = {f"module.{k}": v for k, v in ref.state_dict().items()}
+        torch.save({"ecpoch": 10, "batch_id": 0, "state_dict": sd, "optimizer": opt.state_dict()}, f)
+    with caplog.at_level(logging.INFO, logger="fedmed.encoders"):
+        enc = build_encoder("medicalnet_resnet18", weights=str(f))
+    text = " ".join(r.message for r in caplog.records)
+    assert "'module.' prefix" in text
+    if kind == "train.py":
+        assert "14 key(s) of MedicalNet's segmentation head (conv_seg)" in text and "optimizer" in text
+    from fedmed.encoders import preprocess_volume
+
+    v = _medicalnet_volume()
+    x = preprocess_volume(v)
+    with torch.no_grad():
+        got = enc.module(x).numpy()
+        want = ref.features(x).numpy()
+    assert _cos(got, want) >= 0.9999
+    assert np.allclose(got, want, rtol=1e-3, atol=1e-4)
+    # MONAI's resnet18 with the same weights computes another network (the reason for fedmed's own module)
+    from monai.networks.nets import resnet18
+
+    monai = resnet18(spatial_dims=3, n_input_channels=1, feed_forward=False, shortcut_type="A", bias_downsample=True)
+    monai.load_state_dict({k[len("module."):]: t for k, t in sd.items() if "conv_seg" not in k})
+    with torch.no_grad():
+        other = monai.eval()(x).numpy()
+    assert _cos(other, want) < 0.999
+
+
+def test_medicalnet_preprocessing_is_a_zscore_over_non_zero_voxels_with_a_zero_background():
+    """MedicalNet's loader: z-score with the mean / std of the non-zero voxels; its N(0, 1) background noise is
+    replaced by 0 (docs/readings.md) — the same volume embeds the same every time."""
+    from fedmed.encoders import preprocess_volume
+
+    v = _medicalnet_volume()
+    x = preprocess_volume(v)
+    fg = v != 0
+    assert torch.allclose(x[fg].mean(), torch.tensor(0.0), atol=1e-5)
+    assert torch.allclose(x[fg].std(unbiased=False), torch.tensor(1.0), atol=1e-5)
+    assert (x[~fg] == 0).all() and torch.equal(preprocess_volume(v), x)
+
+
+def test_a_weights_file_of_another_model_is_one_clear_line(tmp_path):
+    from reference_nets import MedicalNetResNet18, randomize
+
+    f = tmp_path / "resnet_18_23dataset.pth"
+    torch.save({"state_dict": randomize(MedicalNetResNet18(), 0).state_dict()}, f)
+    with pytest.raises(EncoderError) as err:
+        build_encoder("usfm", weights=str(f))
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("usfm: weights file") and "resnet_18_23dataset.pth" in msg
+    assert "a weights file of another model?" in msg
+
+
+def test_fedmed_encoders_lists_and_checks(tmp_path, capsys):
+    from fedmed.cli import main
+    from reference_nets import USFMViT, randomize
+
+    assert main(["encoders"]) == 0
+    out = capsys.readouterr().out
+    for name in ("usfm", "ctranspath", "chief", "medicalnet_resnet18", "vit_tiny", "random_cnn"):
+        assert name in out
+    f = tmp_path / "USFM_latest.pth"
+    torch.save(randomize(USFMViT(), 0).state_dict(), f)
+    assert main(["encoders", "check", str(f), "--encoder", "usfm"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "\n" not in line and line.startswith("ok: USFM_latest.pth loads as usfm")
+    assert "768-d final-norm CLS token" in line and "ImageNet mean/std" in line and "mask_token" in line
+    assert main(["encoders", "check", str(f), "--encoder", "ctranspath"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "ctranspath: weights file" in err

@@ -274,3 +274,26 @@ def test_a_site_that_sat_out_every_round_is_named_in_the_status_and_not_in_the_m
     assert record["status"] == "finished" and said in record["reason"]
     model = torch.load(Path(out["result"]) / "models" / "global.pt", weights_only=True)
     assert model["sites"] == ["site-1", "site-2"]
+
+
+@pytest.mark.data
+def test_fmcl_on_busi_with_the_usfm_encoder_and_its_preprocessing(tmp_path):
+    """FMCL's signatures from USFM (its ViT-B/16 as released; random weights here) at 224 px with ImageNet
+    normalisation, end to end in the simulator: every site sends a signature, the server clusters, clusters train."""
+    busi = shared_path("busi")
+    cfg = dict(TINY, name="busi_usfm", dataset={"path": str(busi), "image_size": 24, "channels": 1, "max_per_class": 9,
+                                                "classes": ["benign", "malignant", "normal"]},
+               federation={"sites": 3, "partition": "dirichlet", "alpha": 0.3},
+               methods=[{"name": "FMCL", "workflow": "fmcl", "encoder": "usfm", "n_clusters": 2}],
+               train={"rounds": 1, "local_epochs": 1, "batch_size": 8}, privacy={"k_min": 2})
+    cfg_path = write_cfg(tmp_path, cfg)
+    exp = load_config(cfg_path)
+    data = prepare_federation(exp, 0, tmp_path / "data")
+    res = run_job(str(cfg_path), classes_override(data, exp), "FMCL", 0, data, tmp_path / "run", 3, timeout=900,
+                  log=lambda *a: None)
+    assert res["status"] == "finished" and not res["errors"], res.get("errors")
+    clustering = res["clustering"]
+    assert sorted(s for c in clustering["clusters"] for s in c) == ["site-1", "site-2", "site-3"]
+    (enc,) = clustering["encoder"]
+    assert enc.startswith("usfm [random init (seed=0)") and "input ImageNet mean/std" in enc
+    assert res["rounds"][-1]["task"] == "validate"
