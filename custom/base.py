@@ -22,6 +22,7 @@ the same behaviour at a hospital:
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from nvflare.app_common.workflows.model_controller import ModelController
 
 from fedmed import memtrace
 from fedmed.compat import serialize_ast_parse
+from fedmed.models import USER_CODE_DIR
 from fedmed.reporting import Recorder
 
 serialize_ast_parse()  # the server decodes several sites' arrays at once (np.load -> ast.parse): fedmed/compat.py
@@ -53,7 +55,9 @@ def unpack(results) -> list:
     return sorted(out, key=lambda t: t[0])
 
 
-def initial_params(cfg: dict) -> dict:
+def initial_params(cfg: dict, app_custom=None) -> dict:
+    """The model every site starts from (the seeded network, or ``model.init_weights``, which the job carries in the
+    server app's custom folder ``app_custom``)."""
     from fedmed.train import get_params
 
     m, d = cfg["model"], cfg["data"]
@@ -62,12 +66,12 @@ def initial_params(cfg: dict) -> dict:
 
         return get_params(mae_model(d["channels"], mask_ratio=cfg["mae"].get("mask_ratio", 0.75), seed=cfg.get("seed", 0)))
     if cfg.get("task") == "segmentation":
-        from fedmed.seg import seg_model
+        from fedmed.models import seg_model_from_config
 
-        return get_params(seg_model(d["in_channels"], channels=m["channels"], seed=cfg.get("seed", 0)))
+        return get_params(seg_model_from_config(m, d["in_channels"], seed=cfg.get("seed", 0), init_root=app_custom))
     from fedmed.models import model_from_config
 
-    return get_params(model_from_config(m, d["channels"], d["n_classes"], seed=cfg.get("seed", 0)))
+    return get_params(model_from_config(m, d["channels"], d["n_classes"], seed=cfg.get("seed", 0), init_root=app_custom))
 
 
 TASK_CHECK_PERIOD_S = 0.05  # how often FLARE's task monitor looks for finished tasks (its default: 0.2 s)
@@ -117,7 +121,15 @@ class FedMedController(ModelController):
                        meta={"fedmed": {**self.cfg, **extra}})
 
     # ------------------------------------------------------------------ the run
+    @property
+    def app_custom(self) -> Path:
+        """This job's custom folder at the server (what the job carries: init weights, a user's network code)."""
+        return Path(self.get_app_dir()) / "custom"
+
     def run(self):
+        user_code = str(self.app_custom / USER_CODE_DIR)
+        if user_code not in sys.path:  # a user's network class travels in the job (fedmed.models)
+            sys.path.insert(0, user_code)
         self.start_recording()
         try:
             self.restore()

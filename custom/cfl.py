@@ -24,7 +24,7 @@ class CFLController(FedAvgController):
         st = self.resumed.get("state", {})
         clusters = [[s for s in c if s in self.sites] for c in st.get("clusters", [self.sites])]
         saved = self.resumed_models()
-        theta = [saved.get(f"cluster{c}") or initial_params(self.cfg) for c in range(len(clusters))]
+        theta = [saved.get(f"cluster{c}") or initial_params(self.cfg, self.app_custom) for c in range(len(clusters))]
         splits = st.get("splits", [])
         for r in range(self.start_round(), self.num_rounds + 1):
             task = "train" if r < self.num_rounds else "validate"

@@ -9,6 +9,7 @@ crashing, so the rest of the federation finishes.
 """
 
 import argparse
+import sys
 import traceback
 from pathlib import Path
 
@@ -28,6 +29,8 @@ def to_meta(d: dict) -> dict:
 
 
 APP_CUSTOM = Path(__file__).resolve().parents[1]  # this job's custom folder at the site (shipped weights live here)
+if str(APP_CUSTOM / "fedmed_user_code") not in sys.path:  # a user's network class travels in the job (fedmed.models)
+    sys.path.insert(0, str(APP_CUSTOM / "fedmed_user_code"))
 
 
 def localize(cfg: dict) -> dict:

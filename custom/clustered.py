@@ -83,7 +83,7 @@ class ClusteredFedAvgController(FedAvgController):
         """Per-cluster FedAvg from the start round to R, then every site scores its cluster's model."""
         clusters = [[s for s in c if s in self.sites] for c in clusters]
         saved = self.resumed_models()
-        theta = {c: saved.get(f"cluster{c}") or initial_params(self.cfg) for c in range(len(clusters))}
+        theta = {c: saved.get(f"cluster{c}") or initial_params(self.cfg, self.app_custom) for c in range(len(clusters))}
         for r in range(self.start_round(), self.num_rounds + 1):
             task = "train" if r < self.num_rounds else "validate"
             replies = self.send_groups(task, {c: (self.task(theta[c], r, cluster=c), sites)

@@ -27,7 +27,7 @@ class FedAvgController(FedMedController):
         return weighted_average([p for *_, p in rows], down_weight(n, site, self.omega), names=names)
 
     def workflow(self):
-        self.train_global(self.resumed_models().get("global") or initial_params(self.cfg))
+        self.train_global(self.resumed_models().get("global") or initial_params(self.cfg, self.app_custom))
 
     def train_global(self, theta, **state):
         for r in range(self.start_round(), self.num_rounds):

@@ -24,7 +24,7 @@ class FinetuneController(FedAvgController):
         self.prep_wfl = bool(prep_wfl)
 
     def start_params(self) -> dict:
-        params = initial_params(self.cfg)
+        params = initial_params(self.cfg, self.app_custom)
         if self.init == "fedmae":
             import torch
 

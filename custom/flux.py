@@ -51,7 +51,7 @@ class FluxController(FedAvgController):
         from fedmed.flux import should_start_clustering
 
         st = self.resumed.get("state", {})
-        theta = self.resumed_models().get("global") or initial_params(self.cfg)
+        theta = self.resumed_models().get("global") or initial_params(self.cfg, self.app_custom)
         acc, r = list(st.get("acc", [])), self.start_round()
         while r < self.num_rounds - 1:
             rows = self.record_rows(r, self.send("train", self.task(theta, r), targets=self.sample(r)), "train")

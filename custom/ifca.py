@@ -26,7 +26,7 @@ class IFCAController(FedAvgController):
 
     def workflow(self):
         saved = self.resumed_models()
-        models = [saved.get(f"cluster{j}") or initial_params({**self.cfg, "seed": self.cfg.get("seed", 0) * 1000 + j})
+        models = [saved.get(f"cluster{j}") or initial_params({**self.cfg, "seed": self.cfg.get("seed", 0) * 1000 + j}, self.app_custom)
                   for j in range(self.k)]
         for r in range(self.start_round(), self.num_rounds + 1):
             train = r < self.num_rounds

@@ -67,4 +67,4 @@ class SegAssessmentController(ClusteredFedAvgController):
     def _init(self):
         from custom.base import initial_params
 
-        return initial_params(self.cfg)
+        return initial_params(self.cfg, self.app_custom)

@@ -112,12 +112,39 @@ class FederationConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    arch: Literal["resnet9", "resnet18", "vit_small"] = "resnet9"
+    arch: str = Field("resnet9", description="resnet9 | resnet18 | vit_small (fedmed's; for segmentation fedmed's 3D "
+                      "U-Net), a network of monai.networks.nets by name (DenseNet121, SegResNet, ...), or "
+                      "package.module:Class (fedmed.models)")
+    args: dict = Field(default_factory=dict, description="arguments of a MONAI or user network (spatial_dims, input "
+                       "channels and outputs are filled from the task)")
+    init_weights: Optional[str] = Field(None, description="start the network from this local state-dict file (the "
+                                        "job carries it)")
     width: int = Field(16, ge=4, le=512, description="channels of the first ResNet-9 stage")
     norm: Literal["batch", "group"] = Field("batch", description="ResNet-9 normalisation: BatchNorm (the DAWNBench "
                                             "original; chosen on validation data, docs/readings.md) or GroupNorm")
     channels: list[int] = Field(default_factory=lambda: [8, 16, 32, 64], min_length=2,
                                 description="3D U-Net channels per level (segmentation)")
+
+
+    @field_validator("arch")
+    @classmethod
+    def _known_arch(cls, v):
+        if v in ("resnet9", "resnet18", "vit_small", "unet"):
+            return v
+        from .models import ArchError, resolve_arch
+
+        try:
+            resolve_arch(v)
+        except ArchError as e:
+            raise ValueError(str(e)) from None
+        return v
+
+    @field_validator("init_weights")
+    @classmethod
+    def _init_file(cls, v):
+        if v is not None and not Path(v).is_file():
+            raise ValueError(f"model.init_weights: file {v} not found")
+        return v
 
 
 class SegTrainConfig(_Strict):
@@ -144,6 +171,12 @@ class TrainConfig(_Strict):
     keep_optimizer_state: bool = Field(True, description="a site keeps its optimizer state (momentum, Adam moments) "
                                        "between rounds, per served model")
     seg: SegTrainConfig = SegTrainConfig()
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto (a CUDA GPU when there is one), "
+                        "cpu, cuda or cuda:N; a site may override it in its own settings (fedmed.device)")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast precision of training and "
+                                                       "inference (fp16 with a gradient scaler on a GPU)")
+    workers: int = Field(0, ge=0, le=64, description="data-loader processes that cut 3D training patches (0: in the "
+                         "site's process)")
 
 
 class PrivacyConfig(_Strict):
@@ -384,6 +417,9 @@ class ExperimentConfig(_Strict):
                 raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} needs dataset.task: segmentation")
             if seg and m.workflow in ("fmcl", "pacfl", "fecfl", "cfl", "flux", "ifca", "fedmae", "finetune"):
                 raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} is for classification, not segmentation")
+            if m.workflow == "flux" and self.model.arch not in ("resnet9", "resnet18", "vit_small"):
+                raise ValueError(f"method {m.name!r}: Flux describes a site by the latents of fedmed's networks "
+                                 f"(forward_features); model.arch {self.model.arch!r} has none")
             vit = m.workflow in ("fedmae", "finetune") or self.model.arch == "vit_small"
             if vit and not seg and self.dataset.image_size != 32:
                 raise ValueError(f"method {m.name!r}: the Fed-MAE / fine-tuning ViT (fedmed.ssl.VIT_SMALL, patch 4) "

@@ -61,16 +61,21 @@ def load_model(path):
         net = mae_model(ck["data"]["channels"])
         desc = "a Fed-MAE masked autoencoder"
     elif ck["task"] == "segmentation":
-        from .seg import seg_model
+        from .models import seg_model_from_config
 
-        net = seg_model(ck["data"]["in_channels"], channels=ck["model"]["channels"])
-        desc = f"a 3D U-Net with channels {ck['model']['channels']} and {ck['data']['in_channels']} input channels"
+        net = seg_model_from_config({**ck["model"], "init_weights": None}, ck["data"]["in_channels"])
+        arch = ck["model"].get("arch")
+        desc = (f"a 3D U-Net with channels {ck['model']['channels']}" if arch in (None, "unet", "resnet9", "resnet18",
+                "vit_small") else f"a {arch} ({ck['model'].get('args') or {}})") + \
+            f" and {ck['data']['in_channels']} input channels"
     else:
         from .models import model_from_config
 
-        net = model_from_config(ck["model"], ck["data"]["channels"], ck["data"]["n_classes"])
-        desc = (f"a {ck['model']['arch']} (width {ck['model'].get('width')}, {ck['model'].get('norm', 'batch')} norm) "
-                f"with {ck['data']['channels']} input channels and {ck['data']['n_classes']} classes")
+        net = model_from_config({**ck["model"], "init_weights": None}, ck["data"]["channels"], ck["data"]["n_classes"])
+        arch = ck["model"]["arch"]
+        shape = (f"width {ck['model'].get('width')}, {ck['model'].get('norm', 'batch')} norm" if arch in ("resnet9", "resnet18",
+                 "vit_small") else f"{ck['model'].get('args') or {}}")
+        desc = f"a {arch} ({shape}) with {ck['data']['channels']} input channels and {ck['data']['n_classes']} classes"
     own = net.state_dict()
     sd = ck["state_dict"]
     missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))

@@ -105,7 +105,10 @@ def centralized_rows(exp, datalists, sites: list[str], seed: int, log=print) -> 
     x = torch.cat([d.train[0] for d in data.values()])
     y = torch.cat([d.train[1] for d in data.values()])
     n_classes = len(exp.dataset.classes)
-    model = model_from_config(exp.model.model_dump(), exp.dataset.channels, n_classes, seed=seed)
+    from .device import resolve_device
+
+    model = model_from_config(exp.model.model_dump(), exp.dataset.channels, n_classes, seed=seed).to(
+        resolve_device(exp.train.device, where="the centralized reference"))
     t = exp.train
     opt = make_optimizer(model, t.model_dump())
     g = torch.Generator()
@@ -114,13 +117,13 @@ def centralized_rows(exp, datalists, sites: list[str], seed: int, log=print) -> 
     for r in range(t.rounds + 1):
         if r > 0:
             train_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt, generator=g,
-                        augment=t.augment)
+                        augment=t.augment, precision=t.precision)
         per_site = {}
         for s, d in data.items():
             e = {}
             for pre, (xs, ys) in (("", d.test), ("val_", d.val)):
                 if xs.shape[0]:
-                    res = site_metrics(ys.numpy(), predict_proba(model, xs), n_classes)
+                    res = site_metrics(ys.numpy(), predict_proba(model, xs, precision=t.precision), n_classes)
                     e.update({pre + k: res[k] for k in ("accuracy", "macro_f1", "auc")})
                     e.update({pre + "n_test": res["n_test"], pre + "confusion": res["confusion"],
                               pre + "score_hist": res["score_hist"]})
@@ -150,7 +153,9 @@ def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -
     * **Each site alone**: every site trains only on its own cases with the same budget; the row is the mean over
       sites of each site's own model (per-site columns: that site's model).
     """
-    from .seg import seg_metrics, seg_model
+    from .device import resolve_device
+    from .models import seg_model_from_config
+    from .seg import seg_metrics
     from .seg_site import SegSiteRunner
     from .train import make_optimizer
 
@@ -169,10 +174,11 @@ def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -
 
         return train_seg_local(model, data, epochs=t.local_epochs, optimizer=opt, roi=roi,
                                patches=t.seg.patches_per_volume, pos_fraction=t.seg.pos_fraction, loss=t.seg.loss,
-                               seed=seed_)
+                               seed=seed_, precision=t.precision, workers=t.workers)
 
+    device = resolve_device(exp.train.device, where="the centralized reference")
     pooled = [c for s in sites for c in cases[s][0]]
-    model = seg_model(cfg["data"]["in_channels"], channels=exp.model.channels, seed=seed)
+    model = seg_model_from_config(exp.model.model_dump(), cfg["data"]["in_channels"], seed=seed).to(device)
     opt = make_optimizer(model, cfg["train"])
     for r in range(t.rounds + 1):
         if r:
@@ -183,7 +189,7 @@ def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -
     alone: dict = {}
     per_round: list[dict] = [{} for _ in range(t.rounds + 1)]
     for k, s in enumerate(sites):
-        model = seg_model(cfg["data"]["in_channels"], channels=exp.model.channels, seed=seed)
+        model = seg_model_from_config(exp.model.model_dump(), cfg["data"]["in_channels"], seed=seed).to(device)
         opt = make_optimizer(model, cfg["train"])
         for r in range(t.rounds + 1):
             if r:

@@ -228,13 +228,19 @@ def seg_loss(kind: str = "dice_focal"):
 
 def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, optimizer=None, lr: float = 1e-3,
                     roi=(32, 32, 32), patches: int = 4, pos_fraction: float = 0.5, loss: str = "dice_focal",
-                    mu: float = 0.0, anchor=None, seed: int = 0) -> dict:
+                    mu: float = 0.0, anchor=None, seed: int = 0, precision: str = "fp32", workers: int = 0) -> dict:
     """Local training: ``patches`` random ``roi`` patches per volume (``pos_fraction`` of them centred on tumour),
     flips p = 0.5 per axis, intensity scale and shift 0.1 (``004_`` App. A); ``optimizer`` kept by the caller
     between rounds (default: a fresh Adam). ``mu``/``anchor``: proximal term toward ``anchor`` parameters
-    (FedProx, Ditto's personal objective)."""
+    (FedProx, Ditto's personal objective). Patches go to the model's device; ``precision``: fp32 / bf16 / fp16
+    autocast (:mod:`fedmed.device`); ``workers`` > 0: patches are cut in that many data-loader processes (MONAI's
+    ``DataLoader``, which seeds each worker's transforms from ``seed``)."""
+    from .device import autocast, backward_step, grad_scaler, model_device
+
     if not cases:
         raise ValueError("no training cases")
+    device = model_device(model)
+    scaler = grad_scaler(device, precision)
     tf = _train_transforms(roi, seed, patches, pos_fraction)
     loss_fn = seg_loss(loss)
     opt = optimizer or torch.optim.Adam(model.parameters(), lr=lr)
@@ -243,21 +249,44 @@ def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, optimiz
     model.train()
     total, steps = 0.0, 0
     rng = np.random.default_rng(seed)
-    for _ in range(epochs):
-        for i in rng.permutation(len(cases)):
-            c = cases[i]
-            out = tf({"image": torch.from_numpy(c["image"]), "label": torch.from_numpy(c["label"])})
-            x = torch.stack([torch.as_tensor(p["image"]) for p in out]).float()
-            y = torch.stack([torch.as_tensor(p["label"]) for p in out]).float()
-            loss_v = loss_fn(model(x), y)
+    for epoch in range(epochs):
+        for x, y in _patch_batches(cases, rng.permutation(len(cases)), tf, workers, seed + epoch):
+            x, y = x.to(device), y.to(device)
+            with autocast(device, precision):
+                loss_v = loss_fn(model(x).float(), y)
             if anchor is not None and mu > 0:
                 loss_v = loss_v + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
-            opt.zero_grad()
-            loss_v.backward()
-            opt.step()
+            backward_step(loss_v, opt, scaler)
             total += float(loss_v.detach())
             steps += 1
     return {"loss": total / max(steps, 1), "steps": steps}
+
+
+def _stack(out):
+    return (torch.stack([torch.as_tensor(p["image"]) for p in out]).float(),
+            torch.stack([torch.as_tensor(p["label"]) for p in out]).float())
+
+
+def _first(batch):
+    return batch[0]  # one case's list of patches (a module-level function: data-loader processes pickle it)
+
+
+def _patch_batches(cases, order, tf, workers: int, seed: int):
+    """(image, label) patch batches, one per case in ``order``: in this process (``workers == 0``: the transform's
+    own seeded random state, case after case) or in ``workers`` data-loader processes."""
+    if workers <= 0:
+        for i in order:
+            c = cases[i]
+            yield _stack(tf({"image": torch.from_numpy(c["image"]), "label": torch.from_numpy(c["label"])}))
+        return
+    from monai.data import DataLoader, Dataset
+
+    data = [{"image": torch.from_numpy(cases[i]["image"]), "label": torch.from_numpy(cases[i]["label"])} for i in order]
+    g = torch.Generator().manual_seed(int(seed))
+    loader = DataLoader(Dataset(data, transform=tf), batch_size=1, num_workers=int(workers), shuffle=False,
+                        generator=g, collate_fn=_first)
+    for out in loader:
+        yield _stack(out)
 
 
 @torch.no_grad()
@@ -269,9 +298,13 @@ def predict_masks(model, image: np.ndarray, roi=(32, 32, 32), largest_component:
     inner validation subject, docs/readings.md "3D recipe")."""
     from monai.inferers import sliding_window_inference
 
+    from .device import model_device
+
     model.eval()
+    dev = model_device(model)
     x = torch.from_numpy(image)[None]
-    masks = (torch.sigmoid(sliding_window_inference(x, roi, 4, model, overlap=0.25)) > 0.5).numpy()[0].astype(np.uint8)
+    logits = sliding_window_inference(x, roi, 4, model, overlap=0.25, sw_device=dev, device=torch.device("cpu"))
+    masks = (torch.sigmoid(logits.float()) > 0.5).numpy()[0].astype(np.uint8)
     return keep_largest_component(masks) if largest_component else masks
 
 

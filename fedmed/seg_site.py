@@ -46,11 +46,13 @@ class SegSiteRunner(SiteRunner):
         return len({subject_of(e) for e in doc["training"]})
 
     def model(self, cfg):
-        from .seg import seg_model
+        from .models import seg_model_from_config
 
-        key = (cfg["data"]["in_channels"], tuple(cfg["model"]["channels"]))
-        if self._model is None or self._model_key != key:
-            self._model = seg_model(cfg["data"]["in_channels"], channels=cfg["model"]["channels"], seed=cfg.get("seed", 0))
+        m = cfg["model"]
+        key = (cfg["data"]["in_channels"], tuple(m["channels"]), m.get("arch"), repr(sorted((m.get("args") or {}).items())))
+        if self._model is None or self._model_key != key:  # the server sends the (initialised) weights every round
+            self._model = seg_model_from_config({**m, "init_weights": None}, cfg["data"]["in_channels"],
+                                                seed=cfg.get("seed", 0)).to(self.device(cfg))
             self._model_key = key
             self._optimizers = {}
         return self._model
@@ -98,7 +100,7 @@ class SegSiteRunner(SiteRunner):
         return train_seg_local(model, cases, epochs=t["local_epochs"], optimizer=self.optimizer(model, cfg, key),
                                roi=tuple(cfg["data"]["roi"]), patches=int(s.get("patches_per_volume", 4)),
                                pos_fraction=float(s.get("pos_fraction", 0.5)), loss=s.get("loss", "dice_focal"),
-                               seed=seed, **kw)
+                               seed=seed, precision=self.precision(cfg), workers=int(t.get("workers", 0)), **kw)
 
     def train(self, params, cfg, round_):
         from .train import get_params, set_params
@@ -145,7 +147,8 @@ class SegSiteRunner(SiteRunner):
                          f"settings)")
         for n in notes:
             print(f"[fedmed] {n}", flush=True)
-        enc = build_encoder("medicalnet_resnet18", weights=a.get("weights"), seed=int(cfg.get("seed", 0)))
+        enc = build_encoder("medicalnet_resnet18", weights=a.get("weights"), seed=int(cfg.get("seed", 0)),
+                            device=self.device(cfg))
         rng = np.random.default_rng((int(cfg.get("seed", 0)) * 7919 + zlib.crc32(self.site.encode()) + 5) % (2**32))
         meta = site_assessment(tr, enc, per_value=per_image, per_image=per_image, privacy=cfg.get("privacy", {}),
                                rng=rng)

@@ -74,6 +74,19 @@ class SiteRunner:
         k = int(cfg.get("privacy", {}).get("k_min", 5))
         return max(k, int(self.settings.k_min or 0))
 
+    def device(self, cfg: dict):
+        """This site's torch device: its own setting, else the job's ``train.device`` (:mod:`fedmed.device`)."""
+        from .device import resolve_device
+
+        spec = self.settings.device or cfg.get("train", {}).get("device", "auto")
+        if self.state.get("_device_spec") != spec:
+            self.state["_device"] = resolve_device(spec, where=self.site)
+            self.state["_device_spec"] = spec
+        return self.state["_device"]
+
+    def precision(self, cfg: dict) -> str:
+        return cfg.get("train", {}).get("precision", "fp32")
+
     def require_k_min(self, n: int, what: str, cfg: dict, task: str) -> None:
         """A reply computed from ``n`` samples leaves only when ``n >= k_min``; else this site sits out ``task``
         (the error, which names no count below k_min but this site's own total, is what the server records)."""
@@ -124,9 +137,11 @@ class SiteRunner:
         from .models import model_from_config
 
         m = cfg["model"]
-        key = (m["arch"], cfg["data"]["channels"], cfg["data"]["n_classes"], m.get("width", 16), m.get("norm"))
+        key = (m["arch"], cfg["data"]["channels"], cfg["data"]["n_classes"], m.get("width", 16), m.get("norm"),
+               repr(sorted((m.get("args") or {}).items())))
         if self._model is None or self._model_key != key:
-            self._model = model_from_config(m, cfg["data"]["channels"], cfg["data"]["n_classes"], seed=cfg.get("seed", 0))
+            self._model = model_from_config({**m, "init_weights": None}, cfg["data"]["channels"], cfg["data"]["n_classes"],
+                                            seed=cfg.get("seed", 0)).to(self.device(cfg))  # the server sends the weights
             self._model_key = key
             self._optimizers = {}
         return self._model
@@ -225,7 +240,7 @@ class SiteRunner:
     def _served_metrics(self, model, cfg):
         from .train import predict_proba
 
-        return self._metrics_of(lambda x: predict_proba(model, x), cfg)
+        return self._metrics_of(lambda x: predict_proba(model, x, precision=self.precision(cfg)), cfg)
 
     def validate(self, params, cfg):
         from .train import set_params
@@ -244,7 +259,8 @@ class SiteRunner:
         out = train_local(model, s.train[0], s.train[1], epochs=t["local_epochs"], batch_size=t["batch_size"],
                           optimizer=self.optimizer(model, cfg, key), mu=t.get("fedprox_mu", 0.0),
                           class_weights=cfg.get("class_weights"), generator=self.generator(cfg, round_),
-                          augment=t.get("augment", "flip"), lr_at=self.lr_schedule(cfg, round_))
+                          augment=t.get("augment", "flip"), lr_at=self.lr_schedule(cfg, round_),
+                          precision=self.precision(cfg))
         if not np.isfinite(out["loss"]):
             raise TaskError(f"{self.site}: training diverged (loss {out['loss']}) in round {round_}")
         return {"n_train": int(s.train[0].shape[0]), "train_loss": out["loss"], "steps": out["steps"]}
@@ -285,7 +301,7 @@ class SiteRunner:
         sc = cfg["signature"]
         s = self._splits(cfg)
         enc = build_encoder(sc["encoder"], weights=sc.get("weights"), seed=int(sc.get("seed", 0)),
-                            in_channels=cfg["data"]["channels"], image_size=sc.get("image_size"))
+                            in_channels=cfg["data"]["channels"], image_size=sc.get("image_size"), device=self.device(cfg))
         feats = extract_features(enc, s.train[0], progress=lambda m: print(f"[{self.site}] {m}", flush=True))
         y = s.train[1].numpy()
         rng = np.random.default_rng((int(cfg.get("seed", 0)) * 7919 + zlib.crc32(self.site.encode()) + 17) % (2**32))
@@ -365,7 +381,8 @@ class SiteRunner:
             set_params(model, {n[len(f"m{k}/"):]: v for n, v in params.items() if n.startswith(f"m{k}/")})
             model.eval()
             with torch.no_grad():
-                losses.append(float(torch.nn.functional.cross_entropy(model((xtr - 0.5) / 0.5), ytr)))
+                dev = self.device(cfg)
+                losses.append(float(torch.nn.functional.cross_entropy(model((xtr.to(dev) - 0.5) / 0.5), ytr.to(dev))))
         best = int(np.argmin(losses))
         set_params(model, {n[len(f"m{best}/"):]: v for n, v in params.items() if n.startswith(f"m{best}/")})
         metrics, meta = self._served_metrics(model, cfg)
@@ -389,7 +406,7 @@ class SiteRunner:
             out = 0.0
             for k, w in enumerate(weights):
                 set_params(model, {n[len(f"m{k}/"):]: v for n, v in params.items() if n.startswith(f"m{k}/")})
-                out = out + w * predict_proba(model, x)
+                out = out + w * predict_proba(model, x, precision=self.precision(cfg))
             return out
 
         metrics, meta = self._metrics_of(prob, cfg)

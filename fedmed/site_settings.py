@@ -14,9 +14,11 @@ The settings file (JSON)::
      "data_root": "/data/imaging",       # optional: relative image paths resolve here (default: the
                                          #   datalist's folder); messages name files relative to it
      "allow_per_image": false,           # optional: may per-image values/embeddings leave (004_ paper form)?
-     "k_min": 10}                        # optional: raise the job's minimum group size at this site
+     "k_min": 10,                        # optional: raise the job's minimum group size at this site
+     "device": "cuda:1"}                 # optional: this site's device (overrides the job's train.device)
 
-``FEDMED_ALLOW_PER_IMAGE=1`` is the environment form of ``allow_per_image`` (simulations).
+``FEDMED_ALLOW_PER_IMAGE=1`` is the environment form of ``allow_per_image`` (simulations), ``FEDMED_DEVICE`` of
+``device``.
 
 Messages that leave a site go through :func:`scrub`: absolute paths become paths relative to the
 site's data root, or just the file name when outside it.
@@ -34,7 +36,7 @@ __all__ = ["SETTINGS_FILE", "SiteConfigError", "SiteSettings", "path_spans", "re
            "scrub_strings"]
 
 SETTINGS_FILE = "fedmed_site.json"
-_KEYS = {"datalist", "data_root", "allow_per_image", "k_min"}
+_KEYS = {"datalist", "data_root", "allow_per_image", "k_min", "device"}
 
 
 class SiteConfigError(ValueError):
@@ -50,6 +52,7 @@ class SiteSettings:
     k_min: int | None = None
     source: str = ""
     roots: list[Path] = field(default_factory=list)  # folders whose absolute paths are scrubbed from messages
+    device: str | None = None  # this site's train.device (overrides the job's)
 
     def display(self, path) -> str:
         """``path`` as a message that leaves the site may name it (relative to the data root, else its name)."""
@@ -224,8 +227,18 @@ def resolve_site_settings(site: str, *, cwd=None, env=None) -> SiteSettings:
         k_min = doc.get("k_min")
         if k_min is not None and (isinstance(k_min, bool) or not isinstance(k_min, int) or k_min < 1):
             raise SiteConfigError(f"{site}: {source} k_min should be a positive integer, got {k_min!r}")
+        device = doc.get("device")
+        if device is not None:
+            import re
+
+            from .device import DEVICE_PATTERN
+
+            if not isinstance(device, str) or not re.match(DEVICE_PATTERN, device):
+                raise SiteConfigError(f"{site}: {source} device should be auto, cpu, cuda or cuda:N, got {device!r}")
         settings = SiteSettings(site, dl, root, bool(doc.get("allow_per_image", False)) or per_image_env, k_min,
-                                source, roots=[f.parent])
+                                source, roots=[f.parent], device=device)
+    if settings.device is None and env.get("FEDMED_DEVICE"):
+        settings.device = env["FEDMED_DEVICE"]
     if not settings.datalist.is_file():
         raise SiteConfigError(f"{site}: the datalist named by {settings.source} does not exist "
                               f"({settings.display(settings.datalist)})")

@@ -98,10 +98,13 @@ def train_mae_local(model, x: torch.Tensor, *, epochs: int, batch_size: int, opt
     ``progress = (start, end)``: where this round sits in the whole federated run (for the lr schedule);
     lr = ``base_lr x batch_size / 256`` following MAE's scaling rule, warmed up then cosine-decayed.
     """
+    from .device import model_device
+
     n = x.shape[0]
     if n == 0:
         raise ValueError("no unlabeled images")
     model.train()
+    dev = model_device(model)
     peak = base_lr * batch_size / 256
     steps_total = epochs * max(1, math.ceil(n / batch_size))
     total, steps = 0.0, 0
@@ -111,7 +114,7 @@ def train_mae_local(model, x: torch.Tensor, *, epochs: int, batch_size: int, opt
             frac = progress[0] + (progress[1] - progress[0]) * steps / steps_total
             for g in optimizer.param_groups:
                 g["lr"] = scheduled_lr(peak, frac, warmup) * g.get("lr_scale", 1.0)
-            xb = augment_ssl(x[order[s:s + batch_size]], generator)
+            xb = augment_ssl(x[order[s:s + batch_size]], generator).to(dev)
             loss = mae_loss(model, (xb - 0.5) / 0.5)
             optimizer.zero_grad()
             loss.backward()
@@ -126,10 +129,13 @@ def mae_eval_loss(model, x: torch.Tensor, seed: int = 0, batch_size: int = 128) 
     """Reconstruction loss on held-out images with a fixed random mask (comparable across rounds)."""
     if x.shape[0] == 0:
         return float("nan")
+    from .device import model_device
+
     model.eval()
+    dev = model_device(model)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        vals = [float(mae_loss(model, (x[s:s + batch_size] - 0.5) / 0.5)) * min(batch_size, x.shape[0] - s)
+        vals = [float(mae_loss(model, (x[s:s + batch_size].to(dev) - 0.5) / 0.5)) * min(batch_size, x.shape[0] - s)
                 for s in range(0, x.shape[0], batch_size)]
     return sum(vals) / x.shape[0]
 

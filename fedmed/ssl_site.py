@@ -21,7 +21,7 @@ class MAESiteRunner(SiteRunner):
         key = ("mae", cfg["data"]["channels"], cfg["mae"].get("mask_ratio", 0.75))
         if self._model is None or self._model_key != key:
             self._model = mae_model(cfg["data"]["channels"], mask_ratio=cfg["mae"].get("mask_ratio", 0.75),
-                                    seed=cfg.get("seed", 0))
+                                    seed=cfg.get("seed", 0)).to(self.device(cfg))
             self._model_key = key
             self._optimizers = {}
         return self._model

@@ -78,7 +78,8 @@ def augment_batch(x: torch.Tensor, mode: str, generator: torch.Generator | None)
 def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 1, batch_size: int = 16,
                 optimizer: torch.optim.Optimizer | None = None, lr: float = 0.01, momentum: float = 0.9,
                 weight_decay: float = 0.0, mu: float = 0.0, class_weights=None,
-                generator: torch.Generator | None = None, augment: str = "flip", lr_at=None) -> dict:
+                generator: torch.Generator | None = None, augment: str = "flip", lr_at=None,
+                precision: str = "fp32") -> dict:
     """Run ``epochs`` over (x, y) in place; returns ``{"loss": mean loss, "steps": n}``.
 
     ``optimizer`` (kept by the caller between rounds) defaults to a fresh SGD with ``lr``/``momentum``.
@@ -86,14 +87,20 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
     sample is skipped (BatchNorm cannot normalise it in train mode) unless the site has one sample.
     ``lr_at(f)`` (optional) gives the learning rate at fraction ``f`` of this call's steps; each parameter group's
     ``lr_scale`` multiplies it (layer-wise decay). ``class_weights`` gives PyTorch's weighted cross-entropy: per batch,
-    ``sum_i w_{y_i} l_i / sum_i w_{y_i}`` (docs/readings.md, PreP-WFL Eq. 3).
+    ``sum_i w_{y_i} l_i / sum_i w_{y_i}`` (docs/readings.md, PreP-WFL Eq. 3). Batches go to the model's device
+    (shuffling and augmentation stay on the CPU, so a seed gives the same batches anywhere); ``precision``: fp32,
+    bf16 or fp16 autocast (:mod:`fedmed.device`).
     """
+    from .device import autocast, backward_step, grad_scaler, model_device
+
     n = x.shape[0]
     if n == 0:
         raise ValueError("no training samples")
     model.train()
     opt = optimizer or torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-    w = None if class_weights is None else torch.as_tensor(np.asarray(class_weights), dtype=torch.float32)
+    device = model_device(model)
+    scaler = grad_scaler(device, precision)
+    w = None if class_weights is None else torch.as_tensor(np.asarray(class_weights), dtype=torch.float32, device=device)
     loss_fn = nn.CrossEntropyLoss(weight=w)
     anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 else None
     total, steps = 0.0, 0
@@ -108,16 +115,15 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
                 lr_now = lr_at(steps / max(1, epochs * per_epoch))
                 for g in opt.param_groups:
                     g["lr"] = lr_now * g.get("lr_scale", 1.0)
-            xb, yb = augment_batch(x[idx], augment, generator), y[idx]
+            xb, yb = augment_batch(x[idx], augment, generator).to(device), y[idx].to(device)
             if idx.numel() == 1:
                 model.eval()  # a single sample cannot be batch-normalised in train mode
-            out = model((xb - 0.5) / 0.5)
-            loss = loss_fn(out, yb)
+            with autocast(device, precision):
+                out = model((xb - 0.5) / 0.5)
+                loss = loss_fn(out.float(), yb)
             if anchor is not None:
                 loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            backward_step(loss, opt, scaler)
             model.train()
             total += float(loss.detach())
             steps += 1
@@ -125,17 +131,28 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
 
 
 @torch.no_grad()
-def predict_proba(model: nn.Module, x: torch.Tensor, batch_size: int = 128) -> np.ndarray:
+def predict_proba(model: nn.Module, x: torch.Tensor, batch_size: int = 128, precision: str = "fp32") -> np.ndarray:
+    from .device import autocast, model_device
+
     model.eval()
-    outs = [torch.softmax(model((x[s:s + batch_size] - 0.5) / 0.5), dim=1) for s in range(0, x.shape[0], batch_size)]
+    dev = model_device(model)
+    outs = []
+    for s in range(0, x.shape[0], batch_size):
+        with autocast(dev, precision):
+            out = model((x[s:s + batch_size].to(dev) - 0.5) / 0.5)
+        outs.append(torch.softmax(out.float(), dim=1).cpu())
     return torch.cat(outs).numpy() if outs else np.zeros((0, 0))
 
 
 @torch.no_grad()
 def latents(model: nn.Module, x: torch.Tensor, batch_size: int = 128) -> np.ndarray:
     """Final-hidden-layer activations (Flux's latents)."""
+    from .device import model_device
+
     model.eval()
-    outs = [model.forward_features((x[s:s + batch_size] - 0.5) / 0.5) for s in range(0, x.shape[0], batch_size)]
+    dev = model_device(model)
+    outs = [model.forward_features((x[s:s + batch_size].to(dev) - 0.5) / 0.5).cpu()
+            for s in range(0, x.shape[0], batch_size)]
     return torch.cat(outs).numpy() if outs else np.zeros((0, 0))
 
 

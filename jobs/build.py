@@ -111,6 +111,7 @@ def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = 
             raise BuildError("--sites has an empty site name")
     cfg = fedmed_config(exp, seed, method, names)
     client_files, server_files = [], []
+    _network_files(exp, cfg, client_files, server_files)
     weights = getattr(method, "encoder_weights", None)
     if method.workflow == "finetune":
         if method.init == "fedmae":
@@ -157,6 +158,40 @@ def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = 
     ctrl = controller_for(exp, method, seed, cfg, resume=resume_from is not None)
     return new_job(name or job_name(exp, method, seed), exp, ctrl, names, client_files=client_files,
                    server_files=server_files)
+
+
+MODEL_INIT_DIR = "fedmed_model_init"  # inside the server app's custom folder: model.init_weights
+
+
+def _network_files(exp, cfg: dict, client_files: list, server_files: list) -> None:
+    """Check the configured network once (an unknown arch, a bad argument, an output of the wrong shape is one line
+    here, before anything runs); ship ``model.init_weights`` to the server (which sends the initial model to every
+    site) and a user's network class to the server and the sites."""
+    from fedmed.models import USER_CODE_DIR, ArchError, check_arch, user_code_files
+
+    m = cfg["model"]
+    seg = cfg.get("task") == "segmentation"
+    if cfg.get("task") in ("classification", "segmentation"):
+        try:
+            if seg:
+                check_arch(m, task="segmentation", in_channels=cfg["data"]["in_channels"], n_out=3,
+                           size=tuple(cfg["data"]["roi"]))
+            else:
+                check_arch(m, task="classification", in_channels=cfg["data"]["channels"], n_out=cfg["data"]["n_classes"],
+                           size=cfg["data"]["image_size"])
+            code = user_code_files(m["arch"])
+        except ArchError as e:
+            raise BuildError(str(e)) from None
+        for src, name in code:
+            dest = f"{USER_CODE_DIR}/{name}" if Path(src).is_dir() else USER_CODE_DIR
+            client_files.append((Path(src), dest))
+            server_files.append((Path(src), dest))
+    if m.get("init_weights"):
+        src = Path(m["init_weights"]).resolve()
+        if not src.is_file():
+            raise BuildError(f"model.init_weights: file {m['init_weights']} not found")
+        server_files.append((src, MODEL_INIT_DIR))
+        cfg["model"] = {**m, "init_weights": f"{MODEL_INIT_DIR}/{src.name}"}
 
 
 def select_method(exp, name: str, source: str):

@@ -241,6 +241,14 @@ def _main(a, template) -> int:
             from jobs.common import export
 
             export(job, a.jobs_dir)
+        if a.env == "sim":  # the simulator runs every site on this machine: a device it lacks fails here, not at round 0
+            from fedmed.device import DeviceError, resolve_device
+
+            spec = os.environ.get("FEDMED_DEVICE") or exp.train.device
+            try:
+                resolve_device(spec, where=", ".join(sites))
+            except DeviceError as e:
+                raise BuildError(f"{e} (the simulator runs every site on this machine)") from None
         if a.env == "prod" and not a.startup_kit:
             raise BuildError("--env prod needs --startup-kit (the admin's startup kit folder)")
         if a.env == "prod":

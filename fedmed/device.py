@@ -1,0 +1,78 @@
+"""Where a site computes and at what precision: ``train.device`` and ``train.precision``.
+
+``train.device``: ``auto`` (a CUDA GPU when this machine has one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; a
+site may override it in its own settings (``"device"`` in ``local/fedmed_site.json``, or ``FEDMED_DEVICE``) — which
+GPU it has is the site's business. ``cuda`` on a machine without one is a :class:`DeviceError` of one line naming the
+site, raised at its first task, before it trains anything.
+
+``train.precision``: ``fp32``; ``bf16`` (``torch.autocast`` with bfloat16 — on the CPU too); ``fp16`` (autocast with
+float16 and, on a GPU, a ``GradScaler`` so that small gradients do not underflow). Parameters, optimizer state and
+everything that leaves a site stay float32 (``get_params``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+
+__all__ = ["DeviceError", "PRECISIONS", "autocast", "backward_step", "grad_scaler", "model_device", "resolve_device"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
+
+
+class DeviceError(RuntimeError):
+    """A device this machine does not have; the message names the site and the setting."""
+
+
+def resolve_device(spec: str = "auto", *, where: str = "this machine") -> torch.device:
+    """The ``torch.device`` of a ``train.device`` value (see the module notes)."""
+    spec = str(spec or "auto").strip()
+    if not re.match(DEVICE_PATTERN, spec):
+        raise DeviceError(f"{where}: train.device should be auto, cpu, cuda or cuda:N, got {spec!r}")
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"{where}: train.device is {spec} but this machine has no CUDA GPU "
+                          f"(torch.cuda.is_available() is False); use auto or cpu")
+    dev = torch.device(spec)
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise DeviceError(f"{where}: train.device is {spec} but this machine has {torch.cuda.device_count()} GPU(s)")
+    return dev
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def autocast(device: torch.device, precision: str = "fp32"):
+    """The mixed-precision context of ``precision`` on ``device`` (a no-op for fp32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision not in PRECISIONS:
+        raise ValueError(f"train.precision should be one of {PRECISIONS}, got {precision!r}")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def grad_scaler(device: torch.device, precision: str):
+    """A ``GradScaler`` for fp16 on a GPU; None otherwise."""
+    if precision == "fp16" and device.type == "cuda":
+        return torch.amp.GradScaler("cuda")
+    return None
+
+
+def backward_step(loss: torch.Tensor, optimizer, scaler=None) -> None:
+    """``zero_grad``, backward and step — through ``scaler`` when there is one."""
+    optimizer.zero_grad()
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()

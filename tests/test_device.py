@@ -1,0 +1,153 @@
+"""fedmed.device: the device and precision plumbing, on the CPU (the GPU benchmark is benchmarks/bench_gpu.py)."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from fedmed.data import discover, write_site_datalists
+from fedmed.device import DeviceError, autocast, resolve_device
+from fedmed.partition import iid_partition
+from fedmed.site import SiteRunner, TaskError
+from fedmed.site_settings import resolve_site_settings
+
+NO_GPU = not torch.cuda.is_available()
+
+
+@pytest.fixture
+def site(tmp_path):
+    pool = discover("builtin:digits", max_per_class=8, seed=0)
+    write_site_datalists(pool, iid_partition(len(pool.labels), 1, 0), tmp_path, test_fraction=0.25, seed=0)
+    cfg = {"seed": 0, "data": {"image_size": 16, "channels": 1, "n_classes": 10},
+           "model": {"arch": "resnet9", "width": 4, "norm": "batch"}, "privacy": {"k_min": 2},
+           "train": {"local_epochs": 1, "batch_size": 8, "optimizer": "adam", "lr": 1e-3, "device": "auto",
+                     "precision": "fp32"}}
+    return tmp_path, cfg
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the error of a machine without a GPU")
+def test_cuda_without_a_gpu_is_one_line_naming_the_site_before_it_trains(site):
+    root, cfg = site
+    runner = SiteRunner("site-1", root)
+    cuda = {**cfg, "train": {**cfg["train"], "device": "cuda"}}
+    from fedmed.models import model_from_config
+    from fedmed.train import get_params
+
+    p = get_params(model_from_config(cfg["model"], 1, 10))
+    with pytest.raises(DeviceError) as err:
+        runner.handle("train", p, cuda, 0)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("site-1: train.device is cuda but this machine has no CUDA GPU")
+    assert runner._model is None  # nothing was built, nothing trained
+    with pytest.raises(DeviceError, match="site-2: train.device is cuda:1"):
+        resolve_device("cuda:1", where="site-2")
+    with pytest.raises(DeviceError, match="should be auto, cpu, cuda or cuda:N, got 'gpu'"):
+        resolve_device("gpu")
+    assert resolve_device("auto") == torch.device("cpu")
+
+
+def test_a_sites_own_device_setting_wins_over_the_jobs(site, tmp_path):
+    root, cfg = site
+    (tmp_path / "kit" / "local").mkdir(parents=True)
+    (tmp_path / "kit" / "local" / "fedmed_site.json").write_text(
+        '{"datalist": "%s", "device": "cpu"}' % (root / "site-1.json"))
+    settings = resolve_site_settings("site-1", cwd=tmp_path / "kit", env={})
+    assert settings.device == "cpu"
+    runner = SiteRunner("site-1", settings)
+    cuda = {**cfg, "train": {**cfg["train"], "device": "cuda"}}
+    from fedmed.models import model_from_config
+    from fedmed.train import get_params
+
+    out, metrics, meta = runner.handle("train", get_params(model_from_config(cfg["model"], 1, 10)), cuda, 0)
+    assert next(runner._model.parameters()).device.type == "cpu" and np.isfinite(meta["train_loss"])
+    (tmp_path / "kit" / "local" / "fedmed_site.json").write_text('{"datalist": "x.json", "device": "tpu"}')
+    with pytest.raises(Exception, match="site-1: local/fedmed_site.json device should be auto, cpu, cuda or cuda:N"):
+        resolve_site_settings("site-1", cwd=tmp_path / "kit", env={})
+    assert resolve_site_settings("site-1", cwd=tmp_path, env={"FEDMED_DATALIST": str(root / "site-1.json"),
+                                                            "FEDMED_DEVICE": "cpu"}).device == "cpu"
+
+
+def _record_dtypes(model):
+    seen = []
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Linear)):
+            m.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    return seen
+
+
+def test_bf16_autocast_reaches_training_and_inference_and_parameters_stay_fp32(site):
+    root, cfg = site
+    from fedmed.models import model_from_config
+    from fedmed.train import get_params
+
+    p = get_params(model_from_config(cfg["model"], 1, 10))
+    results = {}
+    for precision in ("fp32", "bf16"):
+        runner = SiteRunner("site-1", root)
+        c = {**cfg, "train": {**cfg["train"], "precision": precision}}
+        runner.model(c)
+        seen = _record_dtypes(runner._model)
+        out, metrics, meta = runner.handle("train", p, c, 0)
+        assert {str(d) for d in seen} == {"torch.bfloat16" if precision == "bf16" else "torch.float32"}
+        assert all(v.dtype == np.float32 for v in out.values() if v.dtype.kind == "f")  # what leaves the site
+        assert np.isfinite(meta["train_loss"]) and 0 <= metrics["accuracy"] <= 1
+        results[precision] = out
+    diff = max(float(np.abs(results["bf16"][k] - results["fp32"][k]).max()) for k in results["fp32"])
+    assert 0 < diff < 0.5  # the same recipe at another precision: close, not identical
+
+
+def test_3d_training_with_bf16_and_a_data_loader_worker(tmp_path):
+    from fedmed.phantoms import write_phantom_subjects
+    from fedmed.seg import load_case, seg_metrics, train_seg_local
+    from fedmed.seg_data import discover_subjects
+    from fedmed.models import seg_model_from_config
+
+    root = write_phantom_subjects(tmp_path / "ph", [3, 4, 5], size=24)
+    cases = [load_case(e, shape=(16, 16, 16)) for e in discover_subjects(root, {"FLAIR": "Flair*", "T1c": "T1c*"},
+                                                                          "OTMultiClass*")]
+    model = seg_model_from_config({"arch": "SegResNet", "args": {"init_filters": 8}}, 2)
+    seen = _record_dtypes(model)
+    out = train_seg_local(model, cases, roi=(16, 16, 16), patches=2, seed=0, precision="bf16", workers=1)
+    assert np.isfinite(out["loss"]) and out["steps"] == 3 and "torch.bfloat16" in {str(d) for d in seen}
+    m = seg_metrics(model, cases, roi=(16, 16, 16))
+    assert set(m) >= {"dice_wt", "dice_mean"}
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the error of a machine without a GPU")
+def test_a_simulator_job_asking_for_cuda_on_a_machine_without_one_stops_before_it_starts(tmp_path):
+    from test_jobs import ROOT, digits_sim_command
+
+    cmd = digits_sim_command(tmp_path, sites=2, rounds=1, workspace=tmp_path / "ws") + ["--set", "train.device=cuda"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and not (tmp_path / "ws").exists()
+    assert res.stderr.strip().splitlines()[-1] == (
+        "jobs/run.py: error: site-1, site-2: train.device is cuda but this machine has no CUDA GPU "
+        "(torch.cuda.is_available() is False); use auto or cpu (the simulator runs every site on this machine)")
+
+
+def test_autocast_is_a_no_op_in_fp32_and_refuses_an_unknown_precision():
+    with autocast(torch.device("cpu"), "fp32"):
+        assert torch.ones(2, 2).matmul(torch.ones(2, 2)).dtype == torch.float32
+    with pytest.raises(ValueError, match="train.precision should be one of"):
+        autocast(torch.device("cpu"), "int8")
+
+
+def test_the_gpu_benchmark_compares_the_same_training_and_says_when_there_is_no_gpu(tmp_path):
+    from test_jobs import ROOT
+
+    out = tmp_path / "r.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--device", "cpu", "--arch",
+                          "resnet9", "--image-size", "16", "--n", "32", "--pairs", "1", "--json", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "largest weight difference after one round: 0" in res.stdout and "give the same result" in res.stdout
+    import json
+
+    doc = json.loads(out.read_text())
+    assert doc["a_images_per_s"] > 0 and doc["b_images_per_s"] > 0 and doc["device"].endswith("on CPU")
+    if NO_GPU:
+        res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0 and "no CUDA GPU on this machine; nothing measured" in res.stdout
