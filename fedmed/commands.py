@@ -148,12 +148,12 @@ def cmd_predict(a):
         if a.mask and not Path(a.mask).is_file():
             raise ValueError(f"--mask {a.mask}: file not found")
         out = Path(a.out or "prediction.nii.gz")
-        predict_volume(a.model, a.inputs, out, mask=a.mask)
+        predict_volume(a.model, a.inputs, out, mask=a.mask, device=a.device)
         print(f"wrote {out} (labels 1 core, 2 edema, 4 enhancing)")
         return
     if a.mask:
         raise ValueError("--mask applies to segmentation models only")
-    rows = predict_images(a.model, a.inputs)
+    rows = predict_images(a.model, a.inputs, device=a.device)
     if a.out:
         import csv
 
@@ -248,6 +248,7 @@ def register(sub):
     p.add_argument("--out", help="classification: CSV of predictions (default: JSON on stdout); segmentation: the "
                    "label map to write (default prediction.nii.gz)")
     p.add_argument("--mask", help="segmentation: brain mask of the case (default: the first modality's non-zero voxels)")
+    p.add_argument("--device", default="auto", help="auto (a CUDA GPU when there is one), cpu, cuda or cuda:N")
     p.set_defaults(func=cmd_predict)
     register_assess(sub)
     return sys.modules[__name__]

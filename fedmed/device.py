@@ -27,21 +27,22 @@ class DeviceError(RuntimeError):
     """A device this machine does not have; the message names the site and the setting."""
 
 
-def resolve_device(spec: str = "auto", *, where: str = "this machine") -> torch.device:
-    """The ``torch.device`` of a ``train.device`` value (see the module notes)."""
+def resolve_device(spec: str = "auto", *, where: str = "this machine", setting: str = "train.device") -> torch.device:
+    """The ``torch.device`` of a ``train.device`` value (see the module notes); messages name ``where`` and
+    ``setting``."""
     spec = str(spec or "auto").strip()
     if not re.match(DEVICE_PATTERN, spec):
-        raise DeviceError(f"{where}: train.device should be auto, cpu, cuda or cuda:N, got {spec!r}")
+        raise DeviceError(f"{where}: {setting} should be auto, cpu, cuda or cuda:N, got {spec!r}")
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if spec == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise DeviceError(f"{where}: train.device is {spec} but this machine has no CUDA GPU "
+        raise DeviceError(f"{where}: {setting} is {spec} but this machine has no CUDA GPU "
                           f"(torch.cuda.is_available() is False); use auto or cpu")
     dev = torch.device(spec)
     if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise DeviceError(f"{where}: train.device is {spec} but this machine has {torch.cuda.device_count()} GPU(s)")
+        raise DeviceError(f"{where}: {setting} is {spec} but this machine has {torch.cuda.device_count()} GPU(s)")
     return dev
 
 

@@ -89,7 +89,7 @@ def load_model(path):
     return net, ck
 
 
-def predict_images(model_path, images) -> list[dict]:
+def predict_images(model_path, images, *, device: str = "auto") -> list[dict]:
     """Classify image files; one dict per image: ``image``, ``prediction`` (class name), ``probabilities``.
 
     Raises:
@@ -98,7 +98,10 @@ def predict_images(model_path, images) -> list[dict]:
     from .data import load_images
     from .train import predict_proba
 
+    from .device import resolve_device
+
     net, ck = load_model(model_path)
+    net = net.to(resolve_device(device, where="fedmed predict", setting="--device"))
     if ck["task"] != "classification":
         raise ModelFileError(f"{model_path}: a segmentation model; give NIfTI files of one case instead")
     d = ck["data"]
@@ -117,7 +120,7 @@ def predict_images(model_path, images) -> list[dict]:
              "probabilities": {n: round(float(v), 6) for n, v in zip(names, p)}} for f, p in zip(images, prob)]
 
 
-def predict_volume(model_path, modality_files, out_path, *, mask=None) -> Path:
+def predict_volume(model_path, modality_files, out_path, *, mask=None, device: str = "auto") -> Path:
     """Segment one case and write its label map (NIfTI, the first modality's grid and affine).
 
     The case is prepared as in training (crop to the brain mask — ``mask`` or the first modality's non-zero
@@ -130,6 +133,9 @@ def predict_volume(model_path, modality_files, out_path, *, mask=None) -> Path:
     from .seg import _load_nifti, _resize, predict_masks
 
     net, ck = load_model(model_path)
+    from .device import resolve_device
+
+    net = net.to(resolve_device(device, where="fedmed predict", setting="--device"))
     if ck["task"] != "segmentation":
         raise ModelFileError(f"{model_path}: a classification model; give image files instead")
     files = [Path(f) for f in modality_files]

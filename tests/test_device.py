@@ -151,3 +151,22 @@ def test_the_gpu_benchmark_compares_the_same_training_and_says_when_there_is_no_
         res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py")], cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
         assert res.returncode == 0 and "no CUDA GPU on this machine; nothing measured" in res.stdout
+
+
+def test_predict_runs_on_the_chosen_device_and_names_a_missing_one(tmp_path, capsys):
+    from fedmed.cli import main
+    from fedmed.models import model_from_config
+    from fedmed.predict import save_model
+    from fedmed.train import get_params
+
+    cfg = {"model": {"arch": "resnet9", "width": 4, "norm": "batch"}, "data": {"image_size": 16, "channels": 1,
+                                                                             "n_classes": 2}, "classes": ["a", "b"]}
+    f = save_model(tmp_path / "m.pt", get_params(model_from_config(cfg["model"], 1, 2)), cfg)
+    from PIL import Image
+
+    Image.fromarray(np.zeros((16, 16), np.uint8)).save(tmp_path / "x.png")
+    assert main(["predict", str(f), str(tmp_path / "x.png"), "--device", "cpu"]) == 0
+    if NO_GPU:
+        assert main(["predict", str(f), str(tmp_path / "x.png"), "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "fedmed predict: --device is cuda but this machine has no CUDA GPU" in err
