@@ -1,0 +1,46 @@
+"""fedmed/ never imports nvflare: statically (no import statement names it) and at run time (importing every module
+of the package leaves nvflare out of sys.modules)."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append(node.module)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+                "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+            out.append(str(node.args[0].value))
+    return out
+
+
+def test_no_module_of_fedmed_names_nvflare_in_an_import():
+    files = sorted((ROOT / "fedmed").rglob("*.py"))
+    assert len(files) > 30
+    bad = [f"{f.relative_to(ROOT)}: {m}" for f in files for m in _imports(f) if m == "nvflare" or m.startswith("nvflare.")]
+    assert bad == []
+
+
+def test_the_static_check_would_catch_one(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from nvflare.app_common.abstract.fl_model import FLModel\n    import importlib\n"
+                 "    importlib.import_module('nvflare.client')\n")
+    assert _imports(f) == ["nvflare.app_common.abstract.fl_model", "importlib", "nvflare.client"]
+
+
+def test_importing_every_fedmed_module_leaves_nvflare_out():
+    code = ("import importlib, pkgutil, sys, fedmed\n"
+            "names = [m.name for m in pkgutil.walk_packages(fedmed.__path__, 'fedmed.') if not m.name.endswith('__main__')]\n"
+            "[importlib.import_module(n) for n in names]\n"
+            "print(len(names), sorted(m for m in sys.modules if m == 'nvflare' or m.startswith('nvflare.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    n, mods = out.split(" ", 1)
+    assert int(n) > 30 and mods.strip() == "[]"
