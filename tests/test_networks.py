@@ -49,7 +49,7 @@ def test_fedavg_trains_monai_densenet121_on_pneumoniamnist(tmp_path):
     doc = run_job(str(cfg_path), classes_override(fed, exp), "FedAvg", 0, fed, tmp_path / "run", 2, timeout=900,
                   log=lambda *a: None)
     first, last = _learned(doc)
-    assert doc["status"] == "finished" and last >= 0.75 and last >= first + 0.15, (first, last)
+    assert doc["status"] == "finished" and last >= 0.7 and last >= first + 0.15, (first, last)  # measured 0.47 -> 0.78
     ck = torch.load(tmp_path / "run" / "server" / "models" / "global.pt", weights_only=True)
     assert ck["model"]["arch"] == "DenseNet121" and any(k.startswith("features.denseblock4") for k in ck["state_dict"])
     from fedmed.predict import load_model
@@ -98,7 +98,7 @@ def test_fedavg_trains_a_user_class_from_a_file_outside_fedmed_carried_in_the_jo
     doc = run_job(str(cfg_path), classes_override(fed, exp), "FedAvg", 0, fed, tmp_path / "run", 2, timeout=900,
                   log=lambda *a: None)
     first, last = _learned(doc)
-    assert doc["status"] == "finished" and last >= first + 0.1 and last >= 0.7, (first, last)
+    assert doc["status"] == "finished" and last >= first + 0.15 and last >= 0.65, (first, last)  # measured 0.47 -> 0.72
     job = tmp_path / "run" / "job"
     carried = sorted(p.relative_to(job) for p in job.rglob("fedmed_user_code/hospital_nets/small.py"))
     assert len(carried) == 3 and any("server" in str(p) for p in carried)  # the two sites' apps and the server's
@@ -132,7 +132,7 @@ def test_fedavg_trains_monai_segresnet_on_brats(tmp_path):
     fed = prepare_federation(load_config(cfg_path), 0, tmp_path / "data")
     doc = run_job(str(cfg_path), [], "FedAvg", 0, fed, tmp_path / "run", 2, timeout=1200, log=lambda *a: None)
     first, last = _learned(doc, "dice_wt")
-    assert doc["status"] == "finished" and last >= first + 0.3 and last >= 0.45, (first, last)
+    assert doc["status"] == "finished" and last >= first + 0.3 and last >= 0.45, (first, last)  # measured 0.08 -> 0.66
     ck = torch.load(tmp_path / "run" / "server" / "models" / "global.pt", weights_only=True)
     assert ck["model"]["arch"] == "SegResNet"
 
