@@ -222,8 +222,13 @@ class FedMedController(ModelController):
         replies = {key: [] for key in groups}
         timeout = float(self.fed.get("task_timeout", 1800))
         targets = set()
+        r_ = next((d.current_round for d, _ in groups.values()), None)
+        gone = self.dead_sites()  # a dead simulated site never comes back: it sits out every later task
         for key, (data, sites) in groups.items():
-            sites = sorted(s for s in sites)
+            for s in sorted(set(sites) & set(gone)):
+                self.recorder.error(r_, s, task_name, f"{s}: its process died (exit code {gone[s]}); left out of this "
+                                    f"round and the rest of the run")
+            sites = sorted(s for s in sites if s not in gone)
             if not sites:
                 continue
             targets |= set(sites)
@@ -253,11 +258,10 @@ class FedMedController(ModelController):
         self.check_abort(f"during {task_name}")
         rows = {key: unpack(rs) for key, rs in replies.items()}
         answered = {r[0] for rs in rows.values() for r in rs}
-        r_ = next((d.current_round for d, _ in groups.values()), None)
         for s in sorted(targets - answered):
             if s in dead:
-                why = (f"its process died (exit code {dead[s]}) and it is left out of the rest of the run")
-                self.recorder.error(r_, s, task_name, f"{s}: {why}")
+                self.recorder.error(r_, s, task_name, f"{s}: its process died (exit code {dead[s]}); left out of this "
+                                    f"round and the rest of the run")
                 self.error(f"site {s}: its process died (exit code {dead[s]}); the run goes on without it")
                 continue
             why = "no answer within task_timeout" if time.time() - t0 >= timeout else \
@@ -265,8 +269,6 @@ class FedMedController(ModelController):
             self.recorder.error(r_, s, task_name, f"{s}: {why} ({time.time() - t0:.0f} s); left out of this round")
             self.warning(f"site {s} did not answer {task_name} in round {r_}; left out")
         self.active = (self.active - (targets - answered)) | answered
-        if dead:  # a dead simulated site never comes back: no later task goes to it
-            self.sites = [s for s in self.sites if s not in dead]
         return rows
 
     def record_rows(self, round_, rows, task) -> list:
