@@ -457,3 +457,20 @@ def test_a_site_named_twice_is_a_one_line_error(tmp_path):
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1] == \
         "jobs/run.py: error: --sites names site-1 more than once; name each site once"
+
+
+def test_a_record_left_running_by_a_crashed_server_is_marked_failed_on_disk(tmp_path):
+    """The JSON line of jobs/run.py said 'failed' for a record the server left at 'running', but the record itself
+    kept saying 'running'; now both say failed, with the reason (and a finished record is never touched)."""
+    from jobs.run import mark_record, outcome
+
+    rec = tmp_path / "fedmed"
+    rec.mkdir()
+    (rec / "metrics.json").write_text(json.dumps({"status": "running", "reason": "", "rounds": [],
+                                                  "attempts": [{"attempt": 1, "status": "running"}]}))
+    res = outcome(rec)
+    doc = json.loads((rec / "metrics.json").read_text())
+    assert res["status"] == doc["status"] == "failed" and "ended while the run was still going" in doc["reason"]
+    assert doc["attempts"][-1]["status"] == "failed"
+    assert not mark_record(rec, "stopped", "later")  # only a running record is changed
+    assert json.loads((rec / "metrics.json").read_text())["status"] == "failed"
