@@ -17,6 +17,7 @@ import nvflare.client as flare
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from fedmed.compat import serialize_ast_parse
+from fedmed.models import USER_CODE_DIR
 
 serialize_ast_parse()  # FLARE decodes arrays in its own threads (np.load -> ast.parse): fedmed/compat.py
 
@@ -29,8 +30,8 @@ def to_meta(d: dict) -> dict:
 
 
 APP_CUSTOM = Path(__file__).resolve().parents[1]  # this job's custom folder at the site (shipped weights live here)
-if str(APP_CUSTOM / "fedmed_user_code") not in sys.path:  # a user's network class travels in the job (fedmed.models)
-    sys.path.insert(0, str(APP_CUSTOM / "fedmed_user_code"))
+if str(APP_CUSTOM / USER_CODE_DIR) not in sys.path:  # a user's network class travels in the job (fedmed.models)
+    sys.path.insert(0, str(APP_CUSTOM / USER_CODE_DIR))
 
 
 def localize(cfg: dict) -> dict:

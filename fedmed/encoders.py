@@ -358,7 +358,7 @@ def load_weights(module: nn.Module, path: str, name: str, spec: EncoderSpec | No
     if not state:
         raise EncoderError(f"{name}: weights file {p} holds no state dict (a dict of tensors)")
     own = module.state_dict()
-    if spec is not None and spec.convert is not None and not (set(state) <= set(own) and set(own) <= set(state)):
+    if spec is not None and spec.convert is not None and set(state) != set(own):
         try:
             state = spec.convert(dict(state), module, dropped)
         except Exception as e:  # the release's converter met a file of another layout

@@ -395,8 +395,9 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
     seg = exp.dataset.task == "segmentation"
     from .privacy import k_min_consent_note
 
-    if k_min_consent_note(exp.privacy):
-        log(k_min_consent_note(exp.privacy))
+    consent = k_min_consent_note(exp.privacy)
+    if consent:
+        log(consent)
     for seed in exp.seeds:
         data_dir = prepare_federation(exp, seed, out / "data" / f"seed{seed}")
         meta = json.loads((data_dir / "dataset.json").read_text())

@@ -171,8 +171,7 @@ def site_embeddings(cases: Sequence[SegCase], encoder) -> np.ndarray:
     device = next(encoder.module.parameters()).device
     for c in cases:
         x = preprocess_volume(torch.from_numpy(c["image"][:1])[None]).to(device)
-        with torch.no_grad():
-            fmap = encoder.module.bottleneck(x)[0].cpu().numpy()
+        fmap = encoder.module.bottleneck(x)[0].cpu().numpy()
         vecs.append(pca2_embedding(fmap))
     return np.stack(vecs)
 

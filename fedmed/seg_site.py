@@ -39,12 +39,6 @@ class SegSiteRunner(SiteRunner):
             self._data, self._data_key = (tr, te), shape
         return self._data
 
-    def _n_training_subjects(self) -> int:
-        from .seg_data import subject_of
-
-        doc = self._datalist("segmentation")
-        return len({subject_of(e) for e in doc["training"]})
-
     def model(self, cfg):
         from .models import seg_model_from_config
 
@@ -105,12 +99,12 @@ class SegSiteRunner(SiteRunner):
     def train(self, params, cfg, round_):
         from .train import get_params, set_params
 
+        tr, _ = self.cases(cfg)
+        self.require_k_min(len({c["meta"]["subject"] for c in tr}), "training subjects", cfg, "training")
         model = self.model(cfg)
         set_params(model, params)
         served = self._served(cfg)
         metrics, meta = self._metrics(served, cfg)
-        tr, _ = self.cases(cfg)
-        self.require_k_min(self._n_training_subjects(), "training subjects", cfg, "training")
         seed = self._seed(cfg, round_)
         anchor = [p.detach().clone() for p in model.parameters()]
         out = self._local(model, tr, cfg, seed, cfg.get("cluster"), mu=cfg["train"].get("fedprox_mu", 0.0))

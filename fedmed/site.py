@@ -61,6 +61,7 @@ class SiteRunner:
         self.state: dict = {}  # workflow state kept between tasks (e.g. a personal model)
         self.notes: list[str] = []  # notes for this site's log and the server, sent with the next reply
         self._labels_checked = None
+        self._device = self._device_spec = None
 
     @property
     def datalist_path(self) -> Path:
@@ -79,10 +80,9 @@ class SiteRunner:
         from .device import resolve_device
 
         spec = self.settings.device or cfg.get("train", {}).get("device", "auto")
-        if self.state.get("_device_spec") != spec:
-            self.state["_device"] = resolve_device(spec, where=self.site)
-            self.state["_device_spec"] = spec
-        return self.state["_device"]
+        if self._device_spec != spec:
+            self._device, self._device_spec = resolve_device(spec, where=self.site), spec
+        return self._device
 
     def precision(self, cfg: dict) -> str:
         return cfg.get("train", {}).get("precision", "fp32")
@@ -376,13 +376,14 @@ class SiteRunner:
         model = self.model(cfg)
         xtr, ytr = self._splits(cfg).train
         self.require_k_min(int(xtr.shape[0]), "training images", cfg, "IFCA")  # the K losses average them
+        dev = self.device(cfg)
+        xd, yd = (xtr.to(dev) - 0.5) / 0.5, ytr.to(dev)
         losses = []
         for k in range(K):
             set_params(model, {n[len(f"m{k}/"):]: v for n, v in params.items() if n.startswith(f"m{k}/")})
             model.eval()
             with torch.no_grad():
-                dev = self.device(cfg)
-                losses.append(float(torch.nn.functional.cross_entropy(model((xtr.to(dev) - 0.5) / 0.5), ytr.to(dev))))
+                losses.append(float(torch.nn.functional.cross_entropy(model(xd), yd)))
         best = int(np.argmin(losses))
         set_params(model, {n[len(f"m{best}/"):]: v for n, v in params.items() if n.startswith(f"m{best}/")})
         metrics, meta = self._served_metrics(model, cfg)
