@@ -69,7 +69,7 @@ def main(argv=None):
     ap.add_argument("--from-round", type=int, default=20)
     ap.add_argument("--plain", action="store_true", help="site processes as FLARE starts them (no fork template)")
     ap.add_argument("--loop", action="store_true",
-                    help="reference without FLARE: the same SiteRunner calls in one process (fedmed.loop.fedavg_loop); "
+                    help="reference without FLARE: the same SiteRunner calls in one process (fedmed.workflows.fedavg_in_process); "
                          "flat RSS there puts the simulator's growth in FLARE's path, not in fedmed's site code")
     ap.add_argument("--trace", action="store_true", help="tracemalloc in the site scripts and the controller")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment setting for the run")
@@ -190,7 +190,7 @@ def loop_reference(cfg_path, data, a) -> int:
 
     from fedmed.config import load_config
     from fedmed.experiment import classes_override
-    from fedmed.loop import fedavg_loop
+    from fedmed.workflows import fedavg_in_process
     from fedmed.taskconfig import fedmed_config
 
     torch.set_num_threads(1)
@@ -199,7 +199,7 @@ def loop_reference(cfg_path, data, a) -> int:
     cfg = fedmed_config(exp, 0, exp.methods[0], meta["sites"])
     me, rss = psutil.Process(), []
     t0 = time.time()
-    fedavg_loop(cfg, data, meta["sites"], rounds=a.rounds, log=lambda _line: rss.append(me.memory_info().rss))
+    fedavg_in_process(cfg, data, meta["sites"], rounds=a.rounds, log=lambda _line: rss.append(me.memory_info().rss))
     mb = lambda x: x / 2**20  # noqa: E731
     r0, r1, n = rss[a.from_round], rss[-1], len(rss) - 1 - a.from_round
     print(f"FedAvg, {a.sites} sites, {a.rounds} rounds as a bare loop in one process: {time.time() - t0:.0f} s")

@@ -115,7 +115,7 @@ def _anda_federation(colour: str, tmp: Path):
 
 
 def _trained_latents(exp, data, rounds=4):
-    from fedmed.loop import fedavg_loop
+    from fedmed.workflows import fedavg_in_process
     from fedmed.models import model_from_config
     from fedmed.site import SiteRunner
     from fedmed.train import latents, set_params
@@ -123,7 +123,7 @@ def _trained_latents(exp, data, rounds=4):
     meta = json.loads((data / "dataset.json").read_text())
     cfg = {"seed": 0, "model": exp.model.model_dump(), "train": exp.train.model_dump(),
            "data": {"image_size": 28, "channels": 3, "n_classes": 2}, "privacy": {"k_min": 5}}
-    theta, summ = fedavg_loop(cfg, data, meta["sites"], rounds=rounds)
+    theta, summ = fedavg_in_process(cfg, data, meta["sites"], rounds=rounds)
     model = model_from_config(cfg["model"], 3, 2)
     set_params(model, theta)
     out = {}

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_simulator.py [--cases demo busi] [--pairs 5]
 
 Both sides run as a fresh subprocess (so both pay Python and torch start-up and CPU time includes children):
-A = ``fedmed.loop.fedavg_loop`` in one process, B = ``jobs/run.py --env sim`` (one process per site). The script
+A = ``fedmed.workflows.fedavg_in_process`` in one process, B = ``jobs/run.py --env sim`` (one process per site). The script
 first checks that both end with the same final model (bit for bit), then times interleaved pairs and prints the
 median and range of the wall and CPU ratios B / A, and the median and range over the pairs of B's fixed start-up
 and per-round wait (each pair: the server's per-round timestamps against that pair's loop's compute). Cases: ``demo`` — app_configs/demo_digits.yaml's FedAvg
@@ -34,10 +34,10 @@ LOOP = """
 import json, sys, time, numpy as np, torch
 torch.set_num_threads(1)
 sys.path.insert(0, {root!r})
-from fedmed.loop import fedavg_loop
+from fedmed.workflows import fedavg_in_process
 cfg = json.load(open({cfg!r}))
 t = [time.time()]
-theta, summ = fedavg_loop(cfg, {data!r}, {sites!r}, rounds={rounds}, log=lambda *_: t.append(time.time()))
+theta, summ = fedavg_in_process(cfg, {data!r}, {sites!r}, rounds={rounds}, log=lambda *_: t.append(time.time()))
 np.savez({out!r}, **theta)
 json.dump([b - a for a, b in zip(t, t[1:])], open({out!r} + ".times.json", "w"))
 """

@@ -5,7 +5,7 @@
         [--encoders fedmae random PATH.pt ...] [--val 500]
 
 For one seed of a study whose Fed-MAE pre-training finished, the federated fine-tuning of a sweep case (the same
-``SiteRunner`` calls as the workflow, in one process: ``fedmed.loop.fedavg_loop``, the study's recipe and budget)
+``SiteRunner`` calls as the workflow, in one process: ``fedmed.workflows.fedavg_in_process``, the study's recipe and budget)
 is scored on **validation images**: ``--val`` images drawn (seeded) from the seed's unlabeled pools outside every
 site's labeled split. No common-test image is ever scored (only the test split's file names are read, to refuse
 them). Encoders: ``fedmae`` (the study's
@@ -71,7 +71,7 @@ def main(argv=None):
 
     from fedmed.config import load_config
     from fedmed.experiment import classes_override, prepare_federation
-    from fedmed.loop import fedavg_loop
+    from fedmed.workflows import fedavg_in_process
     from fedmed.taskconfig import fedmed_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -107,7 +107,7 @@ def main(argv=None):
         method = next(m for m in exp.methods if m.name == name)
         path = None if enc == "random" else (trained if enc == "fedmae" else Path(enc))
         init = {k: v.numpy() for k, v in torch.load(path, weights_only=True).items()} if path else None
-        _, summ = fedavg_loop(fedmed_config(exp, a.seed, method, sites), tmp / "val", sites, rounds=exp.train.rounds,
+        _, summ = fedavg_in_process(fedmed_config(exp, a.seed, method, sites), tmp / "val", sites, rounds=exp.train.rounds,
                               init=init)
         curve = [round(100 * s["mean"]["macro_acc"], 1) for s in summ]
         print(f"  {enc}: validation macro accuracy, final {curve[-1]}%; by round {curve}", flush=True)

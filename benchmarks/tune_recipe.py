@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/tune_recipe.py [--data ../shared/data/busi] [--sites 20] [--rounds 20] [--seeds 0]
 
 For every recipe in the grid, FedAvg runs as an in-process loop over the same SiteRunner calls as the NVFlare
-workflow (``fedmed.loop``) and the table ranks recipes by the final round's site-mean accuracy on the sites'
+workflow (``fedmed.workflows.fedavg_in_process``) and the table ranks recipes by the final round's site-mean accuracy on the sites'
 *validation* splits (held out of their training data). Test metrics are not computed for the ranking: they are
 printed only for the chosen recipe, after the choice. The chosen recipe is what ``TrainConfig`` / ``ModelConfig``
 default to (docs/readings.md, "2D recipe").
@@ -37,7 +37,7 @@ def main(argv=None):
 
     from fedmed.config import load_config
     from fedmed.experiment import prepare_federation
-    from fedmed.loop import fedavg_loop
+    from fedmed.workflows import fedavg_in_process
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "busi"))
@@ -70,7 +70,7 @@ def main(argv=None):
                              "augment": rec["augment"], "keep_optimizer_state": True},
                    "privacy": {"k_min": 1}}
             t0 = time.time()
-            _, summ = fedavg_loop(cfg, data, meta["sites"], rounds=a.rounds)
+            _, summ = fedavg_in_process(cfg, data, meta["sites"], rounds=a.rounds)
             val = [s["mean"].get("val_accuracy", np.nan) for s in summ]
             pooled_val = [s.get("pooled_val", {}).get("accuracy", np.nan) for s in summ]
             results.append({**rec, "seed": seed, "val_final": val[-1], "pooled_val_final": pooled_val[-1],

@@ -2,7 +2,7 @@
 
 The job names no data: the site finds its datalist through its own settings
 (``fedmed.site_settings``: ``FEDMED_DATALIST`` / ``FEDMED_DATALIST_DIR`` / ``FEDMED_SITE_CONFIG`` or the
-startup kit's ``local/fedmed_site.json``) and hands each task to ``fedmed.site.SiteRunner``. A task the
+startup kit's ``local/fedmed_site.json``) and hands each task to ``fedmed.site.answer`` (the same reply loop the in-process federation runs). A task the
 site cannot do (no data configured, missing/corrupt image, bad datalist) is answered with an error
 message — naming the site and files relative to its data root, never an absolute path — instead of
 crashing, so the rest of the federation finishes.
@@ -10,7 +10,6 @@ crashing, so the rest of the federation finishes.
 
 import argparse
 import sys
-import traceback
 from pathlib import Path
 
 import nvflare.client as flare
@@ -18,15 +17,9 @@ from nvflare.app_common.abstract.fl_model import FLModel
 
 from fedmed.compat import serialize_ast_parse
 from fedmed.models import USER_CODE_DIR
+from fedmed.site import answer
 
 serialize_ast_parse()  # FLARE decodes arrays in its own threads (np.load -> ast.parse): fedmed/compat.py
-
-
-def to_meta(d: dict) -> dict:
-    """Arrays travel in FLModel.meta (not params)."""
-    import numpy as np
-
-    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in d.items()}
 
 
 APP_CUSTOM = Path(__file__).resolve().parents[1]  # this job's custom folder at the site (shipped weights live here)
@@ -41,30 +34,6 @@ def localize(cfg: dict) -> dict:
         if isinstance(sec, dict) and sec.get("weights") and not Path(sec["weights"]).is_absolute():
             sec["weights"] = str(APP_CUSTOM / sec["weights"])
     return cfg
-
-
-def make_runner(site: str, cfg: dict):
-    from fedmed.site_settings import resolve_site_settings
-
-    settings = resolve_site_settings(site)
-    if cfg.get("task") == "mae":
-        from fedmed.ssl_site import MAESiteRunner
-
-        return MAESiteRunner(site, settings)
-    if cfg.get("task") == "segmentation":
-        from fedmed.seg_site import SegSiteRunner
-
-        return SegSiteRunner(site, settings)
-    from fedmed.site import SiteRunner
-
-    return SiteRunner(site, settings)
-
-
-def scrubbed(site: str, runner, err: Exception) -> str:
-    from fedmed.site_settings import scrub
-
-    msg = str(err) if str(err).startswith(site) else f"{site}: {type(err).__name__}: {err}"
-    return runner.settings.scrub(msg) if runner is not None else scrub(msg, [])
 
 
 POLL_S = 0.02  # seconds between the in-process Client API's checks (FLARE 2.9: 0.5, no public setting)
@@ -109,15 +78,10 @@ def main():
         task = flare.get_task_name()
         cfg = localize(incoming.meta.get("fedmed", {}))
         rnd = incoming.current_round or 0
-        try:
-            if runner is None:
-                runner = make_runner(site, cfg)
-            params, metrics, meta = runner.handle(task, incoming.params or {}, cfg, rnd)
-            meta = runner.settings.scrub_reply(meta)  # no absolute path in any text that leaves the site
-        except Exception as e:  # reported to the server by name; the federation goes on
-            msg = scrubbed(site, runner, e)
-            print(f"[fedmed] {msg}\n{traceback.format_exc()}", flush=True)
-            flare.send(FLModel(params={}, metrics={"failed": 1.0}, meta={"error": msg, "task": task}))
+        runner, params, metrics, meta, error = answer(site, runner, task, incoming.params or {}, cfg, rnd)
+        if error is not None:  # reported to the server by name; the federation goes on
+            print(f"[fedmed] {error}", flush=True)
+            flare.send(FLModel(params={}, metrics=metrics, meta=meta))
             continue
         if writer is None:
             from nvflare.client.tracking import SummaryWriter
@@ -130,8 +94,7 @@ def main():
                 tag = f"train/{k}" if k == "train_loss" else f"{'val' if k.startswith('val_') else 'test'}/" \
                       f"{k[4:] if k.startswith('val_') else k}"
                 writer.add_scalar(f"{site}/{tag}", float(v), global_step=int(rnd))
-        flare.send(FLModel(params=params, metrics=metrics, meta=to_meta({**meta, "task": task, "round": rnd,
-                                                                          "cluster": meta.get("cluster", cfg.get("cluster"))})))
+        flare.send(FLModel(params=params, metrics=metrics, meta=meta))
         memtrace.trim()  # FLARE's freed stream buffers back to the system (halves the sites' RSS growth)
         if tracing:
             memtrace.checkpoint(site, rnd)

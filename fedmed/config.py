@@ -346,7 +346,6 @@ MethodConfig = Annotated[Union[FedAvgMethod, FedProxMethod, FMCLMethod, PACFLMet
 WORKFLOWS = {m.model_fields["workflow"].annotation.__args__[0]: m for m in
              (FedAvgMethod, FedProxMethod, FMCLMethod, PACFLMethod, FECFLMethod, CFLMethod, FluxMethod, IFCAMethod,
               SegAssessMethod, FedAvgWMethod, SegClustersMethod, DittoMethod, FedMAEMethod, FinetuneMethod)}
-CLUSTERING_WORKFLOWS = ("fmcl", "pacfl", "fecfl", "cfl", "flux", "ifca", "seg_clusters")
 
 
 def method_options(workflow: str) -> list[str]:
@@ -411,11 +410,14 @@ class ExperimentConfig(_Strict):
         if fed.min_clients > fed.sites:
             raise ValueError(f"federation.min_clients ({fed.min_clients}) should not exceed federation.sites "
                              f"({fed.sites})")
+        from .workflows.registry import method_entry
+
         seg = self.dataset.task == "segmentation"
         for m in self.methods:
-            if m.workflow in ("seg_assess", "fedavg_w", "seg_clusters", "ditto") and not seg:
+            serves = method_entry(m.workflow).serves
+            if "classification" not in serves and not seg:
                 raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} needs dataset.task: segmentation")
-            if seg and m.workflow in ("fmcl", "pacfl", "fecfl", "cfl", "flux", "ifca", "fedmae", "finetune"):
+            if seg and "segmentation" not in serves:
                 raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} is for classification, not segmentation")
             if m.workflow == "flux" and self.model.arch not in ("resnet9", "resnet18", "vit_small"):
                 raise ValueError(f"method {m.name!r}: Flux describes a site by the latents of fedmed's networks "

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import CLUSTERING_WORKFLOWS, ExperimentConfig
+from .config import ExperimentConfig
+from .workflows.registry import clustering_workflows, method_entry
 from .reporting import missing_sentence
 from .summary import read_results, rows_from_metrics, sweep_stats, sweep_table, write_outputs  # noqa: F401 (re-exported)
 
@@ -413,7 +414,7 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
             resume_from = None
             if resume and saved.get("fingerprint") == fp:
                 if saved.get("status") == "finished":
-                    if m.workflow in CLUSTERING_WORKFLOWS and not seg and "clusters" not in saved:
+                    if m.workflow in clustering_workflows() and not seg and "clusters" not in saved:
                         _add_clusters(saved, work, meta)  # a run recorded before K / ARI were rows' fields
                         (work / "run.json").write_text(json.dumps(saved))
                     rows.extend(saved["rows"])
@@ -441,7 +442,7 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
                 continue
             new = rows_from_metrics(m.name, seed, doc)
             clusters = None
-            if m.workflow in CLUSTERING_WORKFLOWS and not seg:
+            if m.workflow in clustering_workflows() and not seg:
                 from .references import cluster_majority_rows, run_clusters
 
                 clusters = run_clusters(doc)
@@ -453,7 +454,7 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
                         r["ari"] = clusters_ari(clusters, meta["groups"])
                 if "cluster_majority" in exp.references:
                     new += cluster_majority_rows(m.name, data_dir, clusters, len(meta["class_names"]), seed)
-            if meta.get("unseen_sites") and m.workflow in ("flux", "ifca", "fedavg", "fedprox"):
+            if meta.get("unseen_sites") and method_entry(m.workflow).test_phase_on_unseen:
                 new += _unseen(config_path, job_over, m, seed, data_dir, work, doc, meta, log)
             rows.extend(new)
             _log_done(m, doc, new, exp.selection, log, work)

@@ -26,7 +26,7 @@ import numpy as np
 from .data import DataError, conversion_note, load_datalist, load_images
 from .site_settings import SiteSettings, settings_for_dir
 
-__all__ = ["SiteRunner", "Splits", "TaskError"]
+__all__ = ["SiteRunner", "Splits", "TaskError", "answer", "make_runner", "scrubbed", "to_meta"]
 
 
 class TaskError(RuntimeError):
@@ -412,3 +412,58 @@ class SiteRunner:
 
         metrics, meta = self._metrics_of(prob, cfg)
         return {}, metrics, meta
+
+
+# ---------------------------------------------------------------------- one reply loop, for every federation
+def make_runner(site: str, settings, cfg: dict) -> SiteRunner:
+    """The runner of the site tasks ``cfg`` asks for (image classification, Fed-MAE or segmentation)."""
+    if cfg.get("task") == "mae":
+        from .ssl_site import MAESiteRunner
+
+        return MAESiteRunner(site, settings)
+    if cfg.get("task") == "segmentation":
+        from .seg_site import SegSiteRunner
+
+        return SegSiteRunner(site, settings)
+    return SiteRunner(site, settings)
+
+
+def to_meta(d: dict) -> dict:
+    """Arrays travel in the reply's meta as lists (NVFlare: ``FLModel.meta``)."""
+    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in d.items()}
+
+
+def scrubbed(site: str, runner: SiteRunner | None, err: Exception) -> str:
+    """The one-line error a site sends for ``err``: named by the site, no absolute path (files under the site's data
+    roots relative to them, others by file name)."""
+    from .site_settings import scrub
+
+    msg = str(err) if str(err).startswith(site) else f"{site}: {type(err).__name__}: {err}"
+    return runner.settings.scrub(msg) if runner is not None else scrub(msg, [])
+
+
+def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: dict, round_: int,
+           settings=None) -> tuple[SiteRunner | None, dict, dict, dict, str | None]:
+    """One task at one site, as every federation runs it: (runner, params, metrics, meta, error).
+
+    The runner is made at the site's first task (``settings``: its :class:`~fedmed.site_settings.SiteSettings` or a
+    folder holding ``<site>.json``; by default what :func:`~fedmed.site_settings.resolve_site_settings` finds). A
+    task the site cannot do is answered with ``meta = {"error": message}`` naming the site and files relative to its
+    data root; every string of a reply is scrubbed of absolute paths. ``error`` is the message with the traceback's
+    summary for the site's own log (``None`` when the task succeeded)."""
+    import traceback
+
+    try:
+        if runner is None:
+            if settings is None:  # the site's own settings (FEDMED_* variables or its startup kit)
+                from .site_settings import resolve_site_settings
+
+                settings = resolve_site_settings(site)
+            runner = make_runner(site, settings, cfg)
+        out, metrics, meta = runner.handle(task, params or {}, cfg, round_)
+        meta = runner.settings.scrub_reply(meta)  # no absolute path in any text that leaves the site
+    except Exception as e:  # reported to the server by name; the federation goes on
+        msg = scrubbed(site, runner, e)
+        return runner, {}, {"failed": 1.0}, {"error": msg, "task": task}, f"{msg}\n{traceback.format_exc()}"
+    meta = to_meta({**meta, "task": task, "round": round_, "cluster": meta.get("cluster", cfg.get("cluster"))})
+    return runner, out, metrics, meta, None

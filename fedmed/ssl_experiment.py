@@ -108,10 +108,10 @@ def _recon_png(model_pt: Path, data_dir: Path, out_png: Path, n: int = 6) -> Pat
 
 
 def _loop_reference(exp, method, seed, data_dir: Path, sites: list[str], encoder: Path | None, log) -> dict:
-    """Each site alone and centralized: ``fedmed.loop.fedavg_loop`` over one site (or a pooled datalist)."""
+    """Each site alone and centralized: ``fedmed.workflows.fedavg_in_process`` over one site (or a pooled datalist)."""
     import torch
 
-    from .loop import fedavg_loop
+    from .workflows import fedavg_in_process
     from .taskconfig import fedmed_config
 
     cfg = fedmed_config(exp, seed, method, sites)
@@ -120,7 +120,7 @@ def _loop_reference(exp, method, seed, data_dir: Path, sites: list[str], encoder
         init = {k: v.numpy() for k, v in torch.load(encoder, weights_only=True).items()}
     out = {"alone": {}}
     for s in sites:
-        _, summ = fedavg_loop(cfg, data_dir, [s], rounds=exp.train.rounds, init=init)
+        _, summ = fedavg_in_process(cfg, data_dir, [s], rounds=exp.train.rounds, init=init)
         out["alone"][s] = {k: summ[-1]["mean"].get(k) for k in ("macro_acc", "macro_f1", "accuracy")}
     pooled = {"training": [], "validation": [], "test": None}
     for s in sites:
@@ -129,7 +129,7 @@ def _loop_reference(exp, method, seed, data_dir: Path, sites: list[str], encoder
         pooled["validation"] += doc["validation"]
         pooled["test"] = doc["test"]
     (data_dir / "central.json").write_text(json.dumps(pooled))
-    _, summ = fedavg_loop(cfg, data_dir, ["central"], rounds=exp.train.rounds, init=init)
+    _, summ = fedavg_in_process(cfg, data_dir, ["central"], rounds=exp.train.rounds, init=init)
     out["centralized"] = {k: summ[-1]["mean"].get(k) for k in ("macro_acc", "macro_f1", "accuracy")}
     log(f"    references: each site alone (Fed-MAE init) macro acc "
         + ", ".join(f"{s} {100 * v['macro_acc']:.1f}%" for s, v in out["alone"].items())

@@ -1,12 +1,14 @@
 """The task config: what a job sends to the sites (and its server workflow reads) for one method and seed.
 
 A plain dict built from the experiment config alone — no site's data or paths — so the same job runs anywhere.
-``jobs/`` builds FLARE jobs around it; :mod:`fedmed.loop` and the references run the same site code with it.
+``jobs/`` builds FLARE jobs around it; :func:`fedmed.workflows.fedavg_in_process` and the references run the same site code with it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from .workflows.registry import method_entry
 
 WEIGHTS_DIR = "fedmed_weights"  # inside every site app's custom folder
 
@@ -39,7 +41,7 @@ def fedmed_config(exp, seed: int, method, sites: list[str] | None) -> dict:
                         "in_channels": len(exp.dataset.modalities)}}
         if method.workflow == "ditto":
             cfg["ditto_lambda"] = method.ditto_lambda
-        if method.workflow in ("seg_assess", "fedavg_w", "seg_clusters"):
+        if method_entry(method.workflow).server == "assessment":
             cfg["assess"] = {"per_value": method.per_value, "weights": _ship_name(method.encoder_weights)}
         return cfg
     if not exp.dataset.classes:

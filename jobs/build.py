@@ -19,10 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fedmed.workflows.registry import method_entry  # noqa: E402
 from jobs.common import WEIGHTS_DIR, BuildError, check_encoder, export, fedmed_config, job_name, new_job  # noqa: E402
-
-SIGNATURE_WORKFLOWS = ("fmcl", "pacfl", "fecfl")
-
 
 def find_checkpoint(result) -> Path:
     """The ``checkpoint/`` folder of a run result (its ``fedmed/`` folder, a run folder of ``fedmed experiment``,
@@ -38,57 +36,16 @@ def find_checkpoint(result) -> Path:
 
 
 def controller_for(exp, method, seed: int, cfg: dict, resume: bool):
-    """The server workflow of ``method`` (dispatch on its workflow)."""
-    w = method.workflow
-    rounds = exp.train.rounds
-    if w in ("fedavg", "fedprox", "ditto", "fedmae"):
-        from custom.fedavg import FedAvgController
+    """The server side of ``method``: FLARE's adapter running its workflow (``fedmed.workflows.METHODS``)."""
+    from custom.controller import WorkflowController
+    from fedmed.workflows import workflow_args
 
-        return FedAvgController(num_rounds=rounds, fedmed_config=cfg, resume=resume)
-    if w == "finetune":
-        from custom.finetune import FinetuneController
-
-        return FinetuneController(num_rounds=rounds, fedmed_config=cfg, init=method.init, prep_wfl=method.prep_wfl,
-                                  resume=resume)
-    if w in SIGNATURE_WORKFLOWS:
-        from custom.clustered import ClusteredFedAvgController
-
-        signature = {"kind": w, "encoder": method.encoder, "weights": cfg.get("_weights"),
-                     "image_size": method.encoder_image_size, "n_basis": getattr(method, "n_basis", 3), "seed": seed,
-                     "angle": getattr(method, "angle", "principal")}
-        clustering = {"n_clusters": method.n_clusters, "threshold": method.threshold,
-                      "overlap": getattr(method, "overlap", True), "linkage": method.linkage,
-                      "k1_silhouette": method.k1_silhouette}
-        return ClusteredFedAvgController(num_rounds=rounds, fedmed_config=cfg, signature=signature,
-                                         clustering=clustering, resume=resume)
-    if w == "cfl":
-        from custom.cfl import CFLController
-
-        return CFLController(num_rounds=rounds, fedmed_config=cfg, eps1=method.cfl_eps1, eps2=method.cfl_eps2,
-                             warmup_rounds=method.warmup_rounds, resume=resume)
-    if w in ("seg_assess", "fedavg_w", "seg_clusters"):
-        from custom.seg_assessment import SegAssessmentController
-
-        mode = {"seg_assess": "assess", "fedavg_w": "fedavg_w", "seg_clusters": "clusters"}[w]
-        return SegAssessmentController(num_rounds=rounds, fedmed_config=cfg, mode=mode,
-                                       distance=getattr(method, "distance", "emd"), omega=getattr(method, "omega", 1.0),
-                                       site=getattr(method, "site", ""), clusters=getattr(method, "clusters", []),
-                                       resume=resume)
-    if w == "flux":
-        from custom.flux import FluxController
-
-        flux = {"pca_seed": seed, "n_components": 10, "scale": method.dbscan_scale, "k1_silhouette": method.k1_silhouette,
-                "box": method.box, "scaling": method.scaling, "start_rule": method.start_rule,
-                "absent_class": method.absent_class}
-        return FluxController(num_rounds=rounds, fedmed_config=cfg, flux=flux, participation=method.participation,
-                              n_clusters=method.n_clusters or 0, resume=resume)
-    if w == "ifca":
-        from custom.ifca import IFCAController
-
-        return IFCAController(num_rounds=rounds, fedmed_config=cfg, k=method.n_clusters,
-                              participation=method.participation, empty_cluster=method.empty_cluster,
+    try:
+        name, args = workflow_args(exp, method, seed, cfg)
+    except KeyError:
+        raise BuildError(f"method {method.name!r}: workflow {method.workflow!r} has no job builder") from None
+    return WorkflowController(num_rounds=exp.train.rounds, fedmed_config=cfg, workflow_name=name, workflow_args=args,
                               resume=resume)
-    raise BuildError(f"method {method.name!r}: workflow {w!r} has no job builder")
 
 
 def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = None, resume_from=None,
@@ -122,11 +79,11 @@ def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = 
 
             init_dir = Path(tempfile.mkdtemp(prefix="fedmed_init_"))
             shutil.copy(weights, init_dir / "encoder.pt")
-            from custom.finetune import INIT_DIR
+            from fedmed.workflows.finetune import INIT_DIR
 
             server_files.append((init_dir, INIT_DIR))
         weights = None
-    elif method.workflow in SIGNATURE_WORKFLOWS:
+    elif method_entry(method.workflow).signature:
         check_encoder(method.encoder, weights, in_channels=exp.dataset.channels, image_size=method.encoder_image_size)
     elif weights:
         check_encoder("medicalnet_resnet18", weights)
@@ -134,7 +91,8 @@ def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = 
         client_files.append((Path(weights).resolve(), WEIGHTS_DIR))
         cfg["_weights"] = f"{WEIGHTS_DIR}/{Path(weights).name}"
     if test_phase is not None:
-        from custom.flux_test import TRAINING_DIR, FluxTestController
+        from custom.controller import WorkflowController
+        from fedmed.workflows.test_phase import TRAINING_DIR
 
         tmp = Path(tempfile.mkdtemp(prefix="fedmed_training_"))
         src = Path(test_phase["training_result"])
@@ -146,13 +104,13 @@ def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = 
         if not any(tmp.glob("*.pt")):
             raise BuildError(f"{src}: the training run saved no final model (models/*.pt); it did not finish")
         server_files.append((tmp, TRAINING_DIR))
-        mode = {"flux": "flux", "ifca": "ensemble"}.get(method.workflow, "global")
-        ctrl = FluxTestController(num_rounds=1, fedmed_config=cfg, known_clusters=test_phase.get("known_clusters") or {},
-                                  mode=mode, cluster_sizes=test_phase.get("cluster_sizes") or {})
+        ctrl = WorkflowController(num_rounds=1, fedmed_config=cfg, workflow_name="test_phase", workflow_args={
+            "known_clusters": test_phase.get("known_clusters") or {}, "mode": method_entry(method.workflow).test_phase,
+            "cluster_sizes": test_phase.get("cluster_sizes") or {}})
         return new_job(name or job_name(exp, method, seed, "_test"), exp, ctrl, names, client_files=client_files,
                        server_files=server_files)
     if resume_from is not None:
-        from custom.base import RESUME_DIR
+        from fedmed.workflows import RESUME_DIR
 
         server_files.append((find_checkpoint(resume_from), RESUME_DIR))
     ctrl = controller_for(exp, method, seed, cfg, resume=resume_from is not None)

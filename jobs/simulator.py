@@ -327,7 +327,7 @@ DEAD_SITES_ENV = "FEDMED_DEAD_SITES"  # folder where the simulator notes each si
 
 
 def note_dead_site(site: str, returncode) -> None:
-    """Write ``<FEDMED_DEAD_SITES>/<site>.json``: the workflow (custom/base.py) stops waiting for that site."""
+    """Write ``<FEDMED_DEAD_SITES>/<site>.json``: the workflow (custom/controller.py) stops waiting for that site."""
     folder = os.environ.get(DEAD_SITES_ENV)
     if not folder or not site:
         return

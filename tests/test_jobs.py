@@ -350,8 +350,8 @@ def test_flares_task_monitor_checks_at_the_controllers_period_not_its_default():
     seen within TASK_CHECK_PERIOD_S."""
     code = ("import sys; sys.path.insert(0, '.')\n"
             "from nvflare.apis.impl.wf_comm_server import WFCommServer\n"
-            "from custom.base import TASK_CHECK_PERIOD_S\n"
-            "from custom.fedavg import FedAvgController\n"
+            "from custom.controller import TASK_CHECK_PERIOD_S\n"
+            "from custom.controller import WorkflowController as FedAvgController\n"
             "w = WFCommServer()\n"
             "FedAvgController(num_rounds=1, fedmed_config={}).set_communicator(w)\n"
             "print(w._task_check_period, TASK_CHECK_PERIOD_S)")

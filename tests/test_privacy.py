@@ -312,7 +312,7 @@ def test_scrub_removes_a_whole_absolute_path_whatever_it_holds(folder):
 def test_a_sites_error_reply_names_no_folder_outside_its_data_root(tmp_path):
     """The probe's case end to end: a datalist naming an image under a folder with a patient's name and record number
     — the error a site sends (what the server's log and metrics.json receive) keeps none of it."""
-    import custom.client as client
+    from fedmed import site as client
 
     root = tmp_path / "site data (MRI), ünïcode"
     root.mkdir()

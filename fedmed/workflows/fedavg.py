@@ -1,12 +1,12 @@
 """FedAvg (McMahan et al. 2017), FedProx (Li et al. 2020; the proximal term is local, ``train.fedprox_mu``),
 FedAvg_w (``004_`` Eq. 2) and Ditto (Li et al. 2021; the personal models live at the sites)."""
 
-from fedmed.aggregation import down_weight, weighted_average
+from ..aggregation import down_weight, weighted_average
 
-from custom.base import FedMedController, initial_params
+from .base import Workflow
 
 
-class FedAvgController(FedMedController):
+class FedAvg(Workflow):
     """Algorithm box (FedAvg):
 
     for r = 0..R-1: send theta to every site; each trains locally and returns theta_k, n_k;
@@ -14,9 +14,10 @@ class FedAvgController(FedMedController):
     then every site scores the final theta ("validate"); the final model is saved.
     """
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, down_weight_site: str = "", omega: float = 1.0,
-                 resume: bool = False, **kw):
-        super().__init__(num_rounds, fedmed_config, resume=resume, **kw)
+    record_name = "FedAvgController"
+
+    def __init__(self, num_rounds: int, fedmed_config: dict, down_weight_site: str = "", omega: float = 1.0, **kw):
+        super().__init__(num_rounds, fedmed_config, **kw)
         self.down_weight_site = down_weight_site
         self.omega = float(omega)
 
@@ -26,8 +27,8 @@ class FedAvgController(FedMedController):
         site = names.index(self.down_weight_site) if self.down_weight_site in names else None
         return weighted_average([p for *_, p in rows], down_weight(n, site, self.omega), names=names)
 
-    def workflow(self):
-        self.train_global(self.resumed_models().get("global") or initial_params(self.cfg, self.app_custom))
+    def run(self):
+        self.train_global(self.resumed_models().get("global") or self.initial_params())
 
     def train_global(self, theta, **state):
         for r in range(self.start_round(), self.num_rounds):

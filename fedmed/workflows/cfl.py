@@ -2,29 +2,30 @@
 
 import numpy as np
 
-from custom.base import initial_params
-from custom.fedavg import FedAvgController
+from .fedavg import FedAvg
 
 
-class CFLController(FedAvgController):
+class CFL(FedAvg):
     """Algorithm box (CFL, Alg. 1): every round each cluster trains from its model; when a cluster's mean
     update is small but some site's update is large (``fedmed.clustered.cfl_split``), it is bipartitioned
     by cosine similarity of the updates and each half continues from the cluster's model."""
 
+    record_name = "CFLController"
+
     stable_cluster_ids = False
 
     def __init__(self, num_rounds: int, fedmed_config: dict, eps1: float = 0.4, eps2: float = 1.6,
-                 warmup_rounds: int = 2, resume: bool = False, **kw):
-        super().__init__(num_rounds, fedmed_config, resume=resume, **kw)
+                 warmup_rounds: int = 2, **kw):
+        super().__init__(num_rounds, fedmed_config, **kw)
         self.eps1, self.eps2, self.warmup_rounds = float(eps1), float(eps2), int(warmup_rounds)
 
-    def workflow(self):
-        from fedmed.clustered import cfl_split
+    def run(self):
+        from ..clustered import cfl_split
 
         st = self.resumed.get("state", {})
         clusters = [[s for s in c if s in self.sites] for c in st.get("clusters", [self.sites])]
         saved = self.resumed_models()
-        theta = [saved.get(f"cluster{c}") or initial_params(self.cfg, self.app_custom) for c in range(len(clusters))]
+        theta = [saved.get(f"cluster{c}") or self.initial_params() for c in range(len(clusters))]
         splits = st.get("splits", [])
         for r in range(self.start_round(), self.num_rounds + 1):
             task = "train" if r < self.num_rounds else "validate"

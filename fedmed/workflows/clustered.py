@@ -2,11 +2,11 @@
 
 from pathlib import Path
 
-from custom.base import initial_params
-from custom.fedavg import FedAvgController
+from .federation import RunFailed
+from .fedavg import FedAvg
 
 
-class ClusteredFedAvgController(FedAvgController):
+class OneShotClustered(FedAvg):
     """Algorithm box (FMCL, Fig. 1):
 
     1. one ``signature`` task: each site sends its signature (class ids, per-class means and counts of
@@ -17,13 +17,14 @@ class ClusteredFedAvgController(FedAvgController):
        each site is scored with its cluster's model, and each cluster's model is saved.
     """
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, signature: dict, clustering: dict,
-                 resume: bool = False, **kw):
-        super().__init__(num_rounds, fedmed_config, resume=resume, **kw)
+    record_name = "ClusteredFedAvgController"
+
+    def __init__(self, num_rounds: int, fedmed_config: dict, signature: dict, clustering: dict, **kw):
+        super().__init__(num_rounds, fedmed_config, **kw)
         self.signature = dict(signature)
         self.clustering = dict(clustering)
 
-    def workflow(self):
+    def run(self):
         clusters = self.resumed.get("state", {}).get("clusters") or self.cluster(self.collect_signatures())
         self.train_clusters(clusters)
 
@@ -44,14 +45,12 @@ class ClusteredFedAvgController(FedAvgController):
         return sigs
 
     def cluster(self, sigs: dict) -> list:
-        from fedmed.clustered import choose_clusters, signature_distances
-        from fedmed.io import write_distance_csv
-        from fedmed.plots import plot_dendrogram, plot_heatmap, plot_silhouette
+        from ..clustered import choose_clusters, signature_distances
+        from ..io import write_distance_csv
+        from ..plots import plot_dendrogram, plot_heatmap, plot_silhouette
 
-        out = Path(self.get_run_dir()) / "fedmed"
+        out = self.out_dir
         if len(sigs) < self.min_clients:
-            from custom.base import RunFailed
-
             raise RunFailed(f"{len(sigs)} site(s) sent a signature, fewer than min_clients={self.min_clients}")
         try:
             names, D = signature_distances(self.signature["kind"], sigs, overlap=self.clustering.get("overlap", True),
@@ -83,7 +82,7 @@ class ClusteredFedAvgController(FedAvgController):
         """Per-cluster FedAvg from the start round to R, then every site scores its cluster's model."""
         clusters = [[s for s in c if s in self.sites] for c in clusters]
         saved = self.resumed_models()
-        theta = {c: saved.get(f"cluster{c}") or initial_params(self.cfg, self.app_custom) for c in range(len(clusters))}
+        theta = {c: saved.get(f"cluster{c}") or self.initial_params() for c in range(len(clusters))}
         for r in range(self.start_round(), self.num_rounds + 1):
             task = "train" if r < self.num_rounds else "validate"
             replies = self.send_groups(task, {c: (self.task(theta[c], r, cluster=c), sites)

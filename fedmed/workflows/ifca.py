@@ -2,19 +2,20 @@
 
 import numpy as np
 
-from custom.base import initial_params
-from fedmed.aggregation import ifca_models
-from custom.fedavg import FedAvgController
+from ..aggregation import ifca_models
+from .fedavg import FedAvg
 
 
-class IFCAController(FedAvgController):
+class IFCA(FedAvg):
     """Algorithm box (IFCA, Alg. 2): every round each sampled site receives all K models, picks the one
     with the lowest loss on its training data and trains it; the server averages per chosen model
     (:func:`fedmed.aggregation.ifca_models`; a model nobody chose: ``empty_cluster``)."""
 
+    record_name = "IFCAController"
+
     def __init__(self, num_rounds: int, fedmed_config: dict, k: int = 2, participation: float = 1.0,
-                 empty_cluster: str = "global", resume: bool = False, **kw):
-        super().__init__(num_rounds, fedmed_config, resume=resume, **kw)
+                 empty_cluster: str = "global", **kw):
+        super().__init__(num_rounds, fedmed_config, **kw)
         self.k = int(k)
         self.participation = float(participation)
         self.empty_cluster = empty_cluster
@@ -24,9 +25,9 @@ class IFCAController(FedAvgController):
         rng = np.random.default_rng(self.cfg.get("seed", 0) * 100_003 + r)
         return sorted(rng.choice(self.sites, size=n, replace=False).tolist())
 
-    def workflow(self):
+    def run(self):
         saved = self.resumed_models()
-        models = [saved.get(f"cluster{j}") or initial_params({**self.cfg, "seed": self.cfg.get("seed", 0) * 1000 + j}, self.app_custom)
+        models = [saved.get(f"cluster{j}") or self.initial_params({**self.cfg, "seed": self.cfg.get("seed", 0) * 1000 + j})
                   for j in range(self.k)]
         for r in range(self.start_round(), self.num_rounds + 1):
             train = r < self.num_rounds

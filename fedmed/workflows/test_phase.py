@@ -4,7 +4,8 @@ from pathlib import Path
 
 import numpy as np
 
-from custom.base import FedMedController, RunFailed
+from .base import Workflow
+from .federation import RunFailed
 
 TRAINING_DIR = "fedmed_training"  # inside the server app's custom folder: the training run's models and flux_state
 
@@ -20,7 +21,7 @@ def load_models(root: Path) -> dict:
     return out
 
 
-class FluxTestController(FedMedController):
+class FluxTest(Workflow):
     """Algorithm box (Flux, Alg. 2), with the training run's result carried in the job:
 
     ``mode="flux"``: each unseen site sends its label-free descriptor ``d'`` (computed with ``theta*`` and the
@@ -32,6 +33,8 @@ class FluxTestController(FedMedController):
     Unseen sites are scored on all their data.
     """
 
+    record_name = "FluxTestController"
+
     def __init__(self, num_rounds: int, fedmed_config: dict, known_clusters: dict = None, mode: str = "flux",
                  cluster_sizes: dict = None, **kw):
         super().__init__(num_rounds, fedmed_config, **kw)
@@ -39,11 +42,11 @@ class FluxTestController(FedMedController):
         self.mode = mode
         self.cluster_sizes = dict(cluster_sizes or {})
 
-    def workflow(self):
-        from fedmed.flux import assign_nearest
+    def run(self):
+        from ..flux import assign_nearest
 
-        self.fedmed_config = {**self.cfg, "evaluate_on": "all"}
-        root = Path(self.get_app_dir()) / "custom" / TRAINING_DIR
+        self.cfg = {**self.cfg, "evaluate_on": "all"}
+        root = Path(self.app_custom) / TRAINING_DIR
         models = load_models(root)
         if not models:
             raise RunFailed(f"the job carries no trained models ({TRAINING_DIR}/)")

@@ -4,11 +4,11 @@ from pathlib import Path
 
 import numpy as np
 
-from custom.base import initial_params
-from custom.fedavg import FedAvgController
+from .federation import RunFailed
+from .fedavg import FedAvg
 
 
-class FluxController(FedAvgController):
+class Flux(FedAvg):
     """Algorithm box (Flux, Alg. 1):
 
     1. FedAvg rounds (a seeded ``participation`` fraction of sites each round) until the start rule of
@@ -23,9 +23,11 @@ class FluxController(FedAvgController):
     Writes ``flux_state.npz`` (``theta*``, the box, centroids) for the test-time job.
     """
 
+    record_name = "FluxController"
+
     def __init__(self, num_rounds: int, fedmed_config: dict, flux: dict, participation: float = 1.0,
-                 n_clusters: int = 0, resume: bool = False, **kw):
-        super().__init__(num_rounds, fedmed_config, resume=resume, **kw)
+                 n_clusters: int = 0, **kw):
+        super().__init__(num_rounds, fedmed_config, **kw)
         self.flux = dict(flux)
         self.participation = float(participation)
         self.n_clusters = int(n_clusters or 0)
@@ -48,10 +50,10 @@ class FluxController(FedAvgController):
 
     def warmup(self):
         """FedAvg until Eq. 14 fires; returns (theta*, the round clustering happens at)."""
-        from fedmed.flux import should_start_clustering
+        from ..flux import should_start_clustering
 
         st = self.resumed.get("state", {})
-        theta = self.resumed_models().get("global") or initial_params(self.cfg, self.app_custom)
+        theta = self.resumed_models().get("global") or self.initial_params()
         acc, r = list(st.get("acc", [])), self.start_round()
         while r < self.num_rounds - 1:
             rows = self.record_rows(r, self.send("train", self.task(theta, r), targets=self.sample(r)), "train")
@@ -66,16 +68,14 @@ class FluxController(FedAvgController):
         return theta, r
 
     def cluster_sites(self, theta_star, r):
-        from fedmed.clustered import flux_cluster
-        from fedmed.flux import merge_bounds
+        from ..clustered import flux_cluster
+        from ..flux import merge_bounds
 
         part = self.sample(r)
         bounds = [(np.asarray(m["lo"]), np.asarray(m["hi"]))
                   for s, _, m, _ in self.send("latent_bounds", self.task(theta_star, r, flux=self.flux), targets=part)
                   if not m.get("error")]
         if not bounds:
-            from custom.base import RunFailed
-
             raise RunFailed(f"round {r}: no site sent latent bounds; Flux cannot build its descriptor space")
         lo, hi = merge_bounds(bounds)
         self.flux.update(lo=lo.tolist(), hi=hi.tolist())
@@ -93,8 +93,8 @@ class FluxController(FedAvgController):
         self.info(f"Flux clusters at round {r} ({info['rule']}): {info['clusters']}")
         return lo, hi, info
 
-    def workflow(self):
-        from fedmed.flux import assign_nearest
+    def run(self):
+        from ..flux import assign_nearest
 
         st = self.resumed.get("state", {})
         if st.get("phase") == "clustered":
@@ -132,7 +132,7 @@ class FluxController(FedAvgController):
         self.recorder.note("assignment", assign)
         for c, th in models.items():
             self.save_final(th, name=f"cluster{c}", sites=[s for s, a in assign.items() if a == c], cluster=c)
-        np.savez(Path(self.get_run_dir()) / "fedmed" / "flux_state.npz", lo=lo, hi=hi,
+        np.savez(self.out_dir / "flux_state.npz", lo=lo, hi=hi,
                  centroids_label_free=info["centroids_label_free"], centroids_full=info["centroids_full"],
                  pca_seed=self.flux.get("pca_seed", 0), n_components=self.flux.get("n_components", 10),
                  **{f"theta_star/{k}": v for k, v in theta_star.items()})

@@ -2,13 +2,13 @@
 
 from pathlib import Path
 
-from custom.base import initial_params
-from custom.fedavg import FedAvgController
+from .federation import RunFailed
+from .fedavg import FedAvg
 
 INIT_DIR = "fedmed_init"  # inside the server app's custom folder: the pre-trained encoder (encoder.pt)
 
 
-class FinetuneController(FedAvgController):
+class Finetune(FedAvg):
     """Algorithm box (``001_`` Alg. 2):
 
     (PreP-WFL only) each site sends its set of class ids; the server computes the prevalence
@@ -17,20 +17,19 @@ class FinetuneController(FedAvgController):
     (``init="fedmae"``, carried in the job) or from random weights.
     """
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, init: str = "random", prep_wfl: bool = False,
-                 resume: bool = False, **kw):
-        super().__init__(num_rounds, fedmed_config, resume=resume, **kw)
+    record_name = "FinetuneController"
+
+    def __init__(self, num_rounds: int, fedmed_config: dict, init: str = "random", prep_wfl: bool = False, **kw):
+        super().__init__(num_rounds, fedmed_config, **kw)
         self.init = init
         self.prep_wfl = bool(prep_wfl)
 
     def start_params(self) -> dict:
-        params = initial_params(self.cfg, self.app_custom)
+        params = self.initial_params()
         if self.init == "fedmae":
             import torch
 
-            from custom.base import RunFailed
-
-            f = Path(self.get_app_dir()) / "custom" / INIT_DIR / "encoder.pt"
+            f = Path(self.app_custom) / INIT_DIR / "encoder.pt"
             if not f.is_file():
                 raise RunFailed(f"init 'fedmae' but the job carries no pre-trained encoder ({INIT_DIR}/encoder.pt)")
             enc = torch.load(f, weights_only=True)
@@ -41,7 +40,7 @@ class FinetuneController(FedAvgController):
         return params
 
     def prevalence_round(self):
-        from fedmed.aggregation import prep_weights
+        from ..aggregation import prep_weights
 
         sets = {}
         for site, _, meta, _ in self.send("class_set", self.task({}, 0)):
@@ -50,15 +49,15 @@ class FinetuneController(FedAvgController):
             else:
                 sets[site] = meta["classes"]
         p, w = prep_weights(list(sets.values()), self.cfg["data"]["n_classes"])
-        self.fedmed_config = {**self.cfg, "class_weights": w.tolist()}
+        self.cfg = {**self.cfg, "class_weights": w.tolist()}
         self.recorder.note("prep_wfl", {"class_sets": sets, "prevalence": p.tolist(), "weights": w.tolist()})
         self.info(f"PreP-WFL: prevalence {p.tolist()}, weights {[round(x, 3) for x in w]}")
 
-    def workflow(self):
+    def run(self):
         st = self.resumed.get("state", {})
         if self.prep_wfl:
             if st.get("class_weights"):
-                self.fedmed_config = {**self.cfg, "class_weights": st["class_weights"]}
+                self.cfg = {**self.cfg, "class_weights": st["class_weights"]}
             else:
                 self.prevalence_round()
         theta = self.resumed_models().get("global") or self.start_params()

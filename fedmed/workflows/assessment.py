@@ -2,10 +2,11 @@
 
 from pathlib import Path
 
-from custom.clustered import ClusteredFedAvgController
+from .federation import RunFailed
+from .clustered import OneShotClustered
 
 
-class SegAssessmentController(ClusteredFedAvgController):
+class SegAssessment(OneShotClustered):
     """Algorithm box (``004_`` §2-3):
 
     1. one ``assess`` task: sites send metadata histograms and an embedding centroid (aggregates of at
@@ -17,14 +18,15 @@ class SegAssessmentController(ClusteredFedAvgController):
     With the site or clusters given, the assessment round is skipped.
     """
 
+    record_name = "SegAssessmentController"
+
     def __init__(self, num_rounds: int, fedmed_config: dict, mode: str = "assess", distance: str = "emd",
-                 omega: float = 1.0, site: str = "", clusters: list = None, resume: bool = False, **kw):
-        super().__init__(num_rounds, fedmed_config, signature={}, clustering={}, omega=omega, resume=resume, **kw)
+                 omega: float = 1.0, site: str = "", clusters: list = None, **kw):
+        super().__init__(num_rounds, fedmed_config, signature={}, clustering={}, omega=omega, **kw)
         self.mode, self.distance, self.site, self.clusters = mode, distance, site, clusters or []
 
     def assess_sites(self) -> dict:
-        from custom.base import RunFailed
-        from fedmed.assessment import assess, write_report
+        from ..assessment import assess, write_report
 
         sites = {}
         for name, _, meta, _ in self.send("assess", self.task({}, 0)):
@@ -39,14 +41,14 @@ class SegAssessmentController(ClusteredFedAvgController):
             raise RunFailed(f"{len(sites)} site(s) sent an assessment; the 004_ assessment needs at least "
                             f"{max(2, self.min_clients)}")
         report = assess(sites)
-        write_report(report, Path(self.get_run_dir()) / "fedmed" / "assessment")
+        write_report(report, self.out_dir / "assessment")
         summary = {k: {kk: vv for kk, vv in v.items() if kk != "matrix"} for k, v in report.items() if k in ("emd", "euc")}
         self.recorder.note("assessment", {"sites": report["sites"], **summary,
                                           "privacy": {s: m.get("dp", {}) for s, m in sites.items()}})
         self.info("assessment: " + "; ".join(f"{k} most distant {v['most_distant']}" for k, v in summary.items()))
         return report
 
-    def workflow(self):
+    def run(self):
         st = self.resumed.get("state", {})
         if self.mode == "fedavg_w":
             site = st.get("down_weight_site") or self.site
@@ -55,7 +57,7 @@ class SegAssessmentController(ClusteredFedAvgController):
             self.down_weight_site = site
             self.recorder.note("down_weighted", {"site": site, "omega": self.omega,
                                                  "source": "given" if self.site else f"assessment ({self.distance})"})
-            self.train_global(self.resumed_models().get("global") or self._init(), down_weight_site=site)
+            self.train_global(self.resumed_models().get("global") or self.initial_params(), down_weight_site=site)
         elif self.mode == "clusters":
             groups = st.get("clusters") or self.clusters or self.assess_sites()[self.distance]["clusters"]
             self.recorder.note("clustering", {"clusters": groups, "rule": "given" if self.clusters
@@ -63,8 +65,3 @@ class SegAssessmentController(ClusteredFedAvgController):
             self.train_clusters([list(g) for g in groups])
         else:
             self.assess_sites()
-
-    def _init(self):
-        from custom.base import initial_params
-
-        return initial_params(self.cfg, self.app_custom)

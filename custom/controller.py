@@ -1,0 +1,206 @@
+"""The NVFlare side of every fedmed server workflow: one controller that runs a workflow of
+``fedmed.workflows`` (named in the job, with its options) as a :class:`fedmed.workflows.Federation` on FLARE.
+
+The workflows read like their papers' algorithm boxes; this adapter gives all of them the same behaviour at a
+hospital:
+
+* **Sites by name.** The job names its sites (``federation.sites``) or takes every connected one.
+  The run waits up to ``startup_timeout`` for the named sites to register and starts without the
+  missing ones (each named in the record) when at least ``min_clients`` are there.
+* **Faults.** Every task has a response timeout (``task_timeout``). A site that does not answer is
+  left out of that round (recorded as an error naming it) and put on probation: later rounds still
+  send it the task, but wait for it only as long as the others took (twice, plus 10 s); when it
+  answers again it rejoins. A round with fewer than ``min_clients`` answers fails the run.
+* **Stop.** When FLARE ends the job (e.g. a site's job process died), ``abort_signal`` fires and the
+  controller stops at once: no empty round is written and the run is marked ``stopped``.
+* **Honest status.** ``metrics.json`` says ``finished``, ``stopped`` or ``failed`` with the reason; a run
+  that did not finish saves no model called final, and a failed run panics so FLARE's job status
+  shows the failure too.
+* **Checkpoint and resume.** After every completed round the server writes ``fedmed/checkpoint/``
+  (models, workflow state, the record so far). A job built with ``--resume-from`` carries it and
+  continues from the next round; the record says which rounds ran in which attempt.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+from nvflare.app_common.abstract.fl_model import FLModel
+from nvflare.app_common.workflows.model_controller import ModelController
+
+from fedmed.compat import serialize_ast_parse
+from fedmed.workflows import RESUME_DIR, Federation, RunFailed, RunStopped, server_workflow
+
+serialize_ast_parse()  # the server decodes several sites' arrays at once (np.load -> ast.parse): fedmed/compat.py
+
+__all__ = ["DEAD_SITES_ENV", "RESUME_DIR", "TASK_CHECK_PERIOD_S", "WorkflowController", "unpack"]
+
+DEAD_SITES_ENV = "FEDMED_DEAD_SITES"  # set by jobs/simulator.py: a folder where it notes the sites whose worker died
+TASK_CHECK_PERIOD_S = 0.05  # how often FLARE's task monitor looks for finished tasks (its default: 0.2 s)
+
+
+def unpack(results) -> list:
+    """FLModel results -> (site, metrics, meta, params) tuples, sorted by site."""
+    out = [(r.meta.get("client_name", "?"), dict(r.metrics or {}), dict(r.meta or {}), r.params) for r in results]
+    return sorted(out, key=lambda t: t[0])
+
+
+class WorkflowController(Federation, ModelController):
+    """Runs the server workflow ``workflow_name`` (a key of ``fedmed.workflows.SERVER_WORKFLOWS``) with
+    ``workflow_args`` for ``num_rounds`` rounds; ``fedmed_config`` is the task config every task carries."""
+
+    def set_communicator(self, communicator):
+        """FLARE 2.9's ``Controller.set_communicator`` hands the controller's ``task_check_period`` to
+        ``communicator.task_check_period``, but ``WFCommServer``'s monitor sleeps ``_task_check_period`` (set only by
+        its constructor, 0.2 s): a finished round waited up to 0.2 s (0.1 s on average) before the workflow saw it.
+        Set the attribute the monitor reads."""
+        super().set_communicator(communicator)
+        if hasattr(communicator, "_task_check_period"):
+            communicator._task_check_period = self._task_check_period
+
+    def __init__(self, num_rounds: int, fedmed_config: dict, workflow_name: str = "fedavg",
+                 workflow_args: dict | None = None, resume: bool = False, **kwargs):
+        super().__init__(persistor_id="", ignore_result_error=True, task_check_period=TASK_CHECK_PERIOD_S, **kwargs)
+        # attribute names equal the constructor arguments: FedJob exports them from the instance
+        self.num_rounds = int(num_rounds)
+        self.fedmed_config = dict(fedmed_config)
+        self.workflow_name = str(workflow_name)
+        self.workflow_args = dict(workflow_args or {})
+        self.resume = bool(resume)
+        self.sites: list = []
+        self.active: set = set()
+
+    # ------------------------------------------------------------------ the Federation on FLARE
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.get_run_dir()) / "fedmed"
+
+    @property
+    def app_custom(self) -> Path:
+        """This job's custom folder at the server (what the job carries: init weights, a user's network code)."""
+        return Path(self.get_app_dir()) / "custom"
+
+    @property
+    def federation_settings(self) -> dict:
+        return self.fedmed_config.get("federation", {})
+
+    def resume_dir(self):
+        return self.app_custom / RESUME_DIR if self.resume else None
+
+    def message(self, params: dict, round_: int, config: dict) -> FLModel:
+        return FLModel(params=params, current_round=round_, total_rounds=self.num_rounds, meta={"fedmed": config})
+
+    def log(self, level: str, msg: str) -> None:
+        {"info": ModelController.info, "warning": ModelController.warning}.get(level, ModelController.error)(self, msg)
+
+    def failed(self, reason: str) -> None:
+        self.panic(reason)
+
+    def run(self):
+        """FLARE's entry point: the named workflow, run on this federation."""
+        workflow = server_workflow(self.workflow_name)(self.num_rounds, self.fedmed_config, **self.workflow_args)
+        Federation.run(self, workflow)
+
+    def aborted(self) -> bool:
+        return self.abort_signal is not None and self.abort_signal.triggered
+
+    def check_abort(self, where: str = ""):
+        if self.aborted():
+            raise RunStopped(f"FLARE ended the job{' ' + where if where else ''} (a site's job process may have "
+                             f"died; resume from the last checkpoint without it)")
+
+    def connected(self) -> list:
+        return sorted(c.name for c in self.engine.get_clients())
+
+    def wait_for_sites(self) -> list:
+        """The sites this run uses: the job's named sites that registered within ``startup_timeout``
+        (all connected sites when the job names none)."""
+        expected = list(self.federation_settings.get("sites") or [])
+        deadline = time.time() + float(self.federation_settings.get("startup_timeout", 300))
+        present = self.connected()
+        while expected and any(s not in present for s in expected) and time.time() < deadline:
+            self.check_abort("while waiting for sites")
+            time.sleep(0.5)
+            present = self.connected()
+        sites = [s for s in present if not expected or s in expected]
+        for s in sorted(set(expected) - set(present)):
+            self.recorder.error(-1, s, "startup", f"{s}: never registered within startup_timeout "
+                                f"{self.federation_settings.get('startup_timeout', 300)} s; the run goes on without it")
+            self.error(f"site {s} never registered; going on without it")
+        if len(sites) < self.min_clients:
+            raise RunFailed(f"{len(sites)} site(s) registered {sites}, fewer than min_clients={self.min_clients}")
+        self.recorder.doc["sites"] = sites
+        return sites
+
+    # ------------------------------------------------------------------ exchanges
+    def dead_sites(self) -> dict:
+        """``{site: exit code}`` of the sites whose process died (noted by the simulator, ``jobs/simulator.py``;
+        a provisioned site's dead job process ends the job through FLARE instead)."""
+        folder = os.environ.get(DEAD_SITES_ENV)
+        if not folder or not os.path.isdir(folder):
+            return {}
+        out = {}
+        for f in Path(folder).glob("*.json"):
+            try:
+                out[f.stem] = json.loads(f.read_text()).get("returncode")
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def send_groups(self, task_name: str, groups: dict) -> dict:
+        """Send one task to several groups of sites at once (``{key: (FLModel, sites)}``), each group with
+        its own model; wait as the module notes say; ``{key: [rows]}``. Sites that did not answer are
+        recorded as errors of this round and put on probation."""
+        replies = {key: [] for key in groups}
+        timeout = float(self.federation_settings.get("task_timeout", 1800))
+        targets = set()
+        r_ = next((d.current_round for d, _ in groups.values()), None)
+        gone = self.dead_sites()  # a dead simulated site never comes back: it sits out every later task
+        for key, (data, sites) in groups.items():
+            for s in sorted(set(sites) & set(gone)):
+                self.recorder.error(r_, s, task_name, f"{s}: its process died (exit code {gone[s]}); left out of this "
+                                    f"round and the rest of the run")
+            sites = sorted(s for s in sites if s not in gone)
+            if not sites:
+                continue
+            targets |= set(sites)
+            self.recorder.doc.setdefault("task_log", []).append(
+                {"task": task_name, "round": data.current_round, "sites": sites, "cluster": key})
+            self.send_model(task_name=task_name, data=data, targets=sites, timeout=max(1, int(round(timeout))),
+                            callback=lambda model, key=key: replies[key].append(model))
+        t0 = time.time()
+        active_done_at = None
+        dead: dict = {}
+        while self.get_num_standing_tasks():
+            self.check_abort(f"during {task_name}")
+            answered = {r.meta.get("client_name") for rs in replies.values() for r in rs}
+            dead = self.dead_sites()
+            if targets <= answered | set(dead):
+                break  # every site has answered or its process is gone: nothing left to wait for
+            now = time.time()
+            if active_done_at is None and (targets & self.active) <= answered | set(dead):
+                active_done_at = now
+            if active_done_at is not None and now - active_done_at > 2 * (active_done_at - t0) + 10:
+                break  # the active sites are done; probation sites had their chance
+            if now - t0 > timeout + 5:
+                break
+            time.sleep(0.05)
+        if self.get_num_standing_tasks():
+            self.cancel_all_tasks()
+        self.check_abort(f"during {task_name}")
+        rows = {key: unpack(rs) for key, rs in replies.items()}
+        answered = {r[0] for rs in rows.values() for r in rs}
+        for s in sorted(targets - answered):
+            if s in dead:
+                self.recorder.error(r_, s, task_name, f"{s}: its process died (exit code {dead[s]}); left out of this "
+                                    f"round and the rest of the run")
+                self.error(f"site {s}: its process died (exit code {dead[s]}); the run goes on without it")
+                continue
+            why = "no answer within task_timeout" if time.time() - t0 >= timeout else \
+                "no answer while the other sites finished (on probation since an earlier round)"
+            self.recorder.error(r_, s, task_name, f"{s}: {why} ({time.time() - t0:.0f} s); left out of this round")
+            self.warning(f"site {s} did not answer {task_name} in round {r_}; left out")
+        self.active = (self.active - (targets - answered)) | answered
+        return rows
+
