@@ -18,12 +18,14 @@ from pathlib import Path
 
 import torch
 
-from fedmed.aggregation import weighted_average
-from fedmed.assessment import assess, site_assessment
-from fedmed.encoders import build_encoder
-from fedmed.seg import load_case, seg_model, train_seg_local
-from fedmed.seg_data import discover_subjects, write_seg_federation
-from fedmed.train import get_params, make_optimizer
+from fedmed.algorithms.aggregation import weighted_average
+from fedmed.algorithms.assessment import assess
+from fedmed.site.assessment import site_assessment
+from fedmed.nn.encoders import build_encoder
+from fedmed.data.nifti import load_case
+from fedmed.nn.seg import seg_model, train_seg_local
+from fedmed.data.seg_federation import discover_subjects, write_seg_federation
+from fedmed.nn.train import get_params, make_optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import compare  # noqa: E402
@@ -41,7 +43,7 @@ def main():
         entries = discover_subjects(BRATS, {"FLAIR": "Flair*", "T1c": "T1c*"}, "OTMultiClass*", "brainmask*", True)
         source = "BraTS-2013 (12 hemisphere samples)"
     else:
-        from fedmed.phantoms import write_phantom_subjects
+        from fedmed.data.phantoms import write_phantom_subjects
 
         root = write_phantom_subjects(tmp / "ph", [0, 2, 2, 3, 3, 3, 4, 4, 4, 9, 10, 11], size=32)
         entries = discover_subjects(root, {"FLAIR": "Flair*", "T1c": "T1c*"}, "OTMultiClass*", "brainmask*")

@@ -11,7 +11,7 @@ group ~ centre + N(0, 0.05^2 I).
 import numpy as np
 from sklearn.metrics import adjusted_rand_score
 
-from fedmed.clustering import adaptive_dbscan
+from fedmed.algorithms.clustering import adaptive_dbscan
 
 CONFIGS = [(5, 5), (4, 3, 3), (3, 3, 2, 2), (2, 2, 2, 2, 2), (4, 5, 6), (10, 10), (25, 25, 25, 25),
            (5, 5, 1), (6, 6, 1, 1), (20,), (3, 2)]

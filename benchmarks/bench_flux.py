@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedmed.aggregation import weighted_average
-from fedmed.clustered import flux_cluster
-from fedmed.data import discover
-from fedmed.flux import descriptor_length, flux_descriptor, latent_bounds, merge_bounds, shared_pca
-from fedmed.models import build_model
-from fedmed.partition import anda_federation, apply_anda_transform
-from fedmed.train import get_params, latents, make_optimizer, train_local
+from fedmed.algorithms.aggregation import weighted_average
+from fedmed.algorithms.clustered import flux_cluster
+from fedmed.data.images import discover
+from fedmed.algorithms.flux import descriptor_length, flux_descriptor, latent_bounds, merge_bounds, shared_pca
+from fedmed.nn.models import build_model
+from fedmed.data.partition import anda_federation, apply_anda_transform
+from fedmed.nn.train import get_params, latents, make_optimizer, train_local
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import compare  # noqa: E402

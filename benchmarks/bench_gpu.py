@@ -33,7 +33,7 @@ BUSI = Path(__file__).resolve().parents[2] / "shared" / "data" / "busi"
 
 
 def federation(n: int, tmp: Path) -> tuple[Path, int]:
-    from fedmed.data import discover, write_site_datalists
+    from fedmed.data.images import discover, write_site_datalists
 
     src = str(BUSI) if BUSI.exists() else "builtin:digits"
     pool = discover(src, seed=0)
@@ -44,7 +44,7 @@ def federation(n: int, tmp: Path) -> tuple[Path, int]:
 
 def bare_round(model, x, y, *, epochs, batch_size, lr, seed, precision, device):
     """One round of plain PyTorch training, the operations a site's ``train_local`` does (same order, same RNG use)."""
-    from fedmed.train import augment_batch
+    from fedmed.nn.train import augment_batch
 
     g = torch.Generator()
     g.manual_seed(seed)
@@ -92,9 +92,9 @@ def main(argv=None) -> int:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("bench_gpu: no CUDA GPU on this machine; nothing measured (give --device cpu for a smoke run)")
         return 0
-    from fedmed.models import model_from_config
-    from fedmed.site import SiteRunner
-    from fedmed.train import get_params, set_params
+    from fedmed.nn.models import model_from_config
+    from fedmed.site.runner import SiteRunner
+    from fedmed.nn.train import get_params, set_params
 
     device = torch.device(a.device)
     tmp = Path(tempfile.mkdtemp(prefix="bench_gpu_"))

@@ -26,11 +26,11 @@ sys.path.insert(0, str(ROOT))
 def main(argv=None):
     import torch
 
-    from fedmed.clustered import signature_distances
-    from fedmed.clustering import auto_k
+    from fedmed.algorithms.clustered import signature_distances
+    from fedmed.algorithms.clustering import auto_k
     from fedmed.config import load_config
-    from fedmed.experiment import prepare_federation
-    from fedmed.site import SiteRunner
+    from fedmed.run.experiment import prepare_federation
+    from fedmed.site.runner import SiteRunner
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--partitions", nargs="+", default=["iid", "dirichlet"])

@@ -26,8 +26,8 @@ WORK = r"""
 import hashlib, json, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 torch.set_num_threads(1)
-from fedmed.models import model_from_config
-from fedmed.train import make_optimizer, train_local
+from fedmed.nn.models import model_from_config
+from fedmed.nn.train import make_optimizer, train_local
 g = torch.Generator(); g.manual_seed(0)
 x = torch.rand(300, 1, 32, 32, generator=g); y = torch.randint(0, 3, (300,), generator=g)
 m = model_from_config({"arch": "resnet9", "width": 16}, 1, 3, seed=0)
@@ -35,7 +35,7 @@ opt = make_optimizer(m, {"optimizer": "adam", "lr": 1e-3})
 t0 = time.perf_counter()
 train_local(m, x, y, epochs=3, batch_size=16, optimizer=opt, generator=g, augment="flip")
 t2d = time.perf_counter() - t0
-from fedmed.seg import seg_model
+from fedmed.nn.seg import seg_model
 net = seg_model(4, channels=[8, 16, 32], seed=0)
 opt3 = torch.optim.Adam(net.parameters(), 1e-3)
 xs = torch.rand(2, 4, 32, 32, 32, generator=g); ys = (torch.rand(2, 3, 32, 32, 32, generator=g) > 0.7).float()

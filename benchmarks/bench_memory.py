@@ -18,11 +18,11 @@ template (jobs/simulator.py), for the before/after figure.
     .venv/bin/python benchmarks/bench_memory.py --trace     # + tracemalloc in the site scripts and the controller
     .venv/bin/python benchmarks/bench_memory.py --env MALLOC_ARENA_MAX=2   # an environment setting for the run
 
-The site script and the controller call ``fedmed.memtrace.trim`` (glibc ``malloc_trim``) once per round, giving back
+The site script and the controller call ``fedmed.core.memtrace.trim`` (glibc ``malloc_trim``) once per round, giving back
 the heap pages of FLARE's freed 1 MiB stream buffers; ``--env MALLOC_MMAP_THRESHOLD_=1048576`` is the allocator
 setting compared with it in docs/results.md ("Memory"; its training cost: ``benchmarks/bench_malloc.py``).
 
-``--trace`` (``fedmed.memtrace``) has every site script and the server's controller snapshot its live Python
+``--trace`` (``fedmed.core.memtrace``) has every site script and the server's controller snapshot its live Python
 allocations every 10 rounds; the script then prints, per process, RSS growth next to the growth of traced Python
 memory, and the source lines whose live allocations grew most (tracing slows the run).
 """
@@ -61,7 +61,7 @@ def main(argv=None):
     import psutil
 
     from fedmed.config import load_config
-    from fedmed.experiment import classes_override, prepare_federation
+    from fedmed.run.experiment import classes_override, prepare_federation
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=200)
@@ -165,7 +165,7 @@ def main(argv=None):
 
 def print_trace(folder: Path, from_round: int) -> None:
     """Per traced process: RSS growth vs traced-Python growth, and the lines whose live allocations grew."""
-    from fedmed import memtrace
+    from fedmed.core import memtrace
 
     mb = lambda x: x / 2**20  # noqa: E731
     for log in sorted(folder.glob("*.jsonl")):
@@ -189,9 +189,9 @@ def loop_reference(cfg_path, data, a) -> int:
     import torch
 
     from fedmed.config import load_config
-    from fedmed.experiment import classes_override
+    from fedmed.run.experiment import classes_override
     from fedmed.workflows import fedavg_in_process
-    from fedmed.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import fedmed_config
 
     torch.set_num_threads(1)
     exp = load_config(cfg_path, classes_override(data, load_config(cfg_path)))

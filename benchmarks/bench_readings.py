@@ -37,10 +37,10 @@ SHARED = ROOT.parent / "shared" / "data"
 def pacfl():
     from sklearn.metrics import adjusted_rand_score
 
-    from fedmed.baselines import pacfl_distance_matrix, pacfl_signature
-    from fedmed.clustering import agglomerative
-    from fedmed.data import discover, load_images
-    from fedmed.partition import dirichlet_label_partition
+    from fedmed.algorithms.baselines import pacfl_distance_matrix, pacfl_signature
+    from fedmed.algorithms.clustering import agglomerative
+    from fedmed.data.images import discover, load_images
+    from fedmed.data.partition import dirichlet_label_partition
 
     pool = discover(str(SHARED / "busi"), seed=0)
     parts = dirichlet_label_partition(pool.labels, 20, 0.1, 0)
@@ -84,7 +84,7 @@ def _sequential_fill(y, n_sites, alpha, seed, per_client):
 
 
 def dirichlet():
-    from fedmed.partition import dirichlet_label_partition
+    from fedmed.data.partition import dirichlet_label_partition
 
     y = np.repeat(np.arange(10), 100)
     cps = lambda parts: np.array([len(np.unique(y[p])) for p in parts])  # noqa: E731
@@ -103,7 +103,7 @@ def dirichlet():
 
 def _anda_federation(colour: str, tmp: Path):
     from fedmed.config import load_config
-    from fedmed.experiment import prepare_federation
+    from fedmed.run.experiment import prepare_federation
 
     raw = {"name": "readings", "dataset": {"path": str(SHARED / "pneumoniamnist" / "pneumoniamnist.npz"),
                                            "image_size": 28, "channels": 3, "max_per_class": 300},
@@ -116,9 +116,9 @@ def _anda_federation(colour: str, tmp: Path):
 
 def _trained_latents(exp, data, rounds=4):
     from fedmed.workflows import fedavg_in_process
-    from fedmed.models import model_from_config
-    from fedmed.site import SiteRunner
-    from fedmed.train import latents, set_params
+    from fedmed.nn.models import model_from_config
+    from fedmed.site.runner import SiteRunner
+    from fedmed.nn.train import latents, set_params
 
     meta = json.loads((data / "dataset.json").read_text())
     cfg = {"seed": 0, "model": exp.model.model_dump(), "train": exp.train.model_dump(),
@@ -136,9 +136,9 @@ def _trained_latents(exp, data, rounds=4):
 def _flux_ari(meta, lat, *, box="elementwise", scaling="none", absent="zeros", k_min=5):
     from sklearn.metrics import adjusted_rand_score
 
-    from fedmed.clustered import flux_cluster
-    from fedmed.flux import flux_descriptor, merge_bounds, shared_pca
-    from fedmed.privacy import private_bounds
+    from fedmed.algorithms.clustered import flux_cluster
+    from fedmed.algorithms.flux import flux_descriptor, merge_bounds, shared_pca
+    from fedmed.algorithms.privacy import private_bounds
 
     bounds = [private_bounds(z, k_min=k_min, privacy={}, box=box)[:2] for z, _ in lat.values()]
     lo, hi = merge_bounds(bounds)
@@ -153,7 +153,7 @@ def _flux_ari(meta, lat, *, box="elementwise", scaling="none", absent="zeros", k
 
 
 def flux(tmp: Path):
-    from fedmed.flux import should_start_clustering
+    from fedmed.algorithms.flux import should_start_clustering
 
     exp, data = _anda_federation("channel", tmp)
     meta, lat, acc = _trained_latents(exp, data)
@@ -186,9 +186,9 @@ def encoders():
     """MedicalNet's background and network, USFM's pooling — on BraTS cases (random weights: no release is here)."""
     import torch
 
-    from fedmed.encoders import build_encoder, preprocess_volume
-    from fedmed.seg import load_case
-    from fedmed.seg_data import discover_subjects
+    from fedmed.nn.encoders import build_encoder, preprocess_volume
+    from fedmed.data.nifti import load_case
+    from fedmed.data.seg_federation import discover_subjects
 
     def cos(a, b):
         a, b = a.ravel().double(), b.ravel().double()
@@ -221,7 +221,7 @@ def encoders():
           f"{r[:, 3].mean():.4f}")
     usfm = build_encoder("usfm", seed=0)
     x = torch.rand(4, 3, 224, 224, generator=gen)
-    from fedmed.encoders import _normalize
+    from fedmed.nn.encoders import _normalize
 
     with torch.no_grad():
         tokens = usfm.module.forward_features(_normalize(usfm, x))

@@ -29,7 +29,7 @@ from _common import compare, scaling_exponent  # noqa: E402
 
 
 def federation(n, C=3, d=192, seed=0):
-    from fedmed.fmcl import ClassSignature
+    from fedmed.algorithms.fmcl import ClassSignature
 
     rng = np.random.default_rng(seed)
     protos = rng.normal(size=(C, d))
@@ -65,10 +65,10 @@ def main(argv=None):
     from sklearn.metrics import silhouette_score
     from scipy.stats import wasserstein_distance
 
-    from fedmed.clustered import flux_cluster
-    from fedmed.clustering import agglomerative, auto_k, silhouette
-    from fedmed.fmcl import fmcl_distance_matrix, fmcl_distance_matrix_loop
-    from fedmed.heterogeneity import emd_matrix
+    from fedmed.algorithms.clustered import flux_cluster
+    from fedmed.algorithms.clustering import agglomerative, auto_k, silhouette
+    from fedmed.algorithms.fmcl import fmcl_distance_matrix, fmcl_distance_matrix_loop
+    from fedmed.algorithms.heterogeneity import emd_matrix
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 3000, 10000])

@@ -1,6 +1,6 @@
 """Signature extraction and FMCL's clustering step, measured honestly (``benchmarks/_common.py``).
 
-1. ``fedmed.encoders.extract_features`` against a bare torch loop doing the same operations (same batches, resize,
+1. ``fedmed.nn.encoders.extract_features`` against a bare torch loop doing the same operations (same batches, resize,
    channel repeat, normalisation, forward): both must give the same features (checked), then interleaved timing.
 2. The server's clustering step (FMCL distances + auto-K on 20 sites' signatures) against one FedAvg round's compute
    (every site trains ResNet-9 for the recipe's local epochs, then the average): a cost ratio of two different
@@ -21,14 +21,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import compare  # noqa: E402
 
-from fedmed.aggregation import weighted_average  # noqa: E402
-from fedmed.clustered import choose_clusters, signature_distances  # noqa: E402
-from fedmed.data import discover  # noqa: E402
-from fedmed.encoders import build_encoder, extract_features  # noqa: E402
-from fedmed.fmcl import class_signature  # noqa: E402
-from fedmed.models import build_model  # noqa: E402
-from fedmed.partition import dirichlet_label_partition  # noqa: E402
-from fedmed.train import get_params, make_optimizer, train_local  # noqa: E402
+from fedmed.algorithms.aggregation import weighted_average  # noqa: E402
+from fedmed.algorithms.clustered import choose_clusters, signature_distances  # noqa: E402
+from fedmed.data.images import discover  # noqa: E402
+from fedmed.nn.encoders import build_encoder, extract_features  # noqa: E402
+from fedmed.algorithms.fmcl import class_signature  # noqa: E402
+from fedmed.nn.models import build_model  # noqa: E402
+from fedmed.data.partition import dirichlet_label_partition  # noqa: E402
+from fedmed.nn.train import get_params, make_optimizer, train_local  # noqa: E402
 
 BUSI = Path(__file__).resolve().parents[2] / "shared" / "data" / "busi"
 

@@ -65,7 +65,7 @@ def main(argv=None):
     import torch
 
     from fedmed.config import load_config
-    from fedmed.experiment import classes_override, prepare_federation
+    from fedmed.run.experiment import classes_override, prepare_federation
     from jobs.common import fedmed_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

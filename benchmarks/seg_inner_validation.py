@@ -5,7 +5,7 @@
 Builds ``app_configs/brats_seg.yaml``'s federation for ``--seed`` and uses **only its training cases**: site-2's
 training subject is held out as the validation case, the other sites' training cases are pooled and trained
 centrally with the config's recipe (the same ``train_seg_local`` the sites run). After each round the validation
-case is scored with and without :func:`fedmed.seg.keep_largest_component` (WT / TC / ET Dice, WT HD95 in mm,
+case is scored with and without :func:`fedmed.nn.seg.keep_largest_component` (WT / TC / ET Dice, WT HD95 in mm,
 false-positive voxels on tumour-free halves). The test subjects of the federation are never read. About one
 minute per round on one CPU thread.
 """
@@ -26,11 +26,11 @@ sys.path.insert(0, str(ROOT))
 def main(argv=None):
     import torch
 
-    from fedmed import seg as S
+    from fedmed.nn import seg as S
     from fedmed.config import load_config
-    from fedmed.experiment import prepare_federation
-    from fedmed.seg_site import SegSiteRunner
-    from fedmed.train import make_optimizer
+    from fedmed.run.experiment import prepare_federation
+    from fedmed.site.seg import SegSiteRunner
+    from fedmed.nn.train import make_optimizer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "app_configs" / "brats_seg.yaml"))

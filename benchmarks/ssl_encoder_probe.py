@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def _pooled(case_dir: Path):
-    from fedmed.data import load_datalist, load_images
+    from fedmed.data.images import load_datalist, load_images
 
     meta = json.loads((case_dir / "dataset.json").read_text())
     train, test = [], None
@@ -54,7 +54,7 @@ def _pooled(case_dir: Path):
 def _classifier(init: str, encoder: Path, n_classes: int):
     import torch
 
-    from fedmed.ssl import ViTClassifier
+    from fedmed.nn.mae import ViTClassifier
 
     torch.manual_seed(0)
     m = ViTClassifier(3, n_classes)
@@ -81,8 +81,8 @@ def linear_probe(init, encoder, data) -> float:
 def finetune(init, encoder, data, lr: float, epochs: int) -> float:
     import torch
 
-    from fedmed.ssl import layerwise_param_groups, scheduled_lr
-    from fedmed.train import predict_proba, train_local
+    from fedmed.nn.mae import layerwise_param_groups, scheduled_lr
+    from fedmed.nn.train import predict_proba, train_local
 
     xtr, ytr, xte, yte, n_classes = data
     m = _classifier(init, encoder, n_classes)
@@ -98,7 +98,7 @@ def clustering(study: Path, seeds) -> list[dict]:
 
     from sklearn.metrics import adjusted_rand_score
 
-    from fedmed.clustering import agglomerative
+    from fedmed.algorithms.clustering import agglomerative
 
     rows = []
     for seed in seeds:

@@ -10,7 +10,7 @@ is scored on **validation images**: ``--val`` images drawn (seeded) from the see
 site's labeled split. No common-test image is ever scored (only the test split's file names are read, to refuse
 them). Encoders: ``fedmae`` (the study's
 ``runs/seed<S>/pretrain/server/models/encoder.pt``), ``random`` (the classifier's seeded init), or a path to another
-encoder file (``fedmed.ssl.encoder_state`` of a MAE). ``--set`` changes the study's settings for this check only
+encoder file (``fedmed.nn.mae.encoder_state`` of a MAE). ``--set`` changes the study's settings for this check only
 (e.g. the labels per (class, site) or ``train.lr``). Prints the validation macro accuracy of every round (the served
 model) and the final one.
 """
@@ -70,9 +70,9 @@ def main(argv=None):
     import torch
 
     from fedmed.config import load_config
-    from fedmed.experiment import classes_override, prepare_federation
+    from fedmed.run.experiment import classes_override, prepare_federation
     from fedmed.workflows import fedavg_in_process
-    from fedmed.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import fedmed_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)

@@ -36,7 +36,7 @@ def main(argv=None):
     import torch
 
     from fedmed.config import load_config
-    from fedmed.experiment import prepare_federation
+    from fedmed.run.experiment import prepare_federation
     from fedmed.workflows import fedavg_in_process
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

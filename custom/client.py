@@ -1,8 +1,8 @@
 """NVFlare Client API script: one site's side of every fedmed workflow.
 
 The job names no data: the site finds its datalist through its own settings
-(``fedmed.site_settings``: ``FEDMED_DATALIST`` / ``FEDMED_DATALIST_DIR`` / ``FEDMED_SITE_CONFIG`` or the
-startup kit's ``local/fedmed_site.json``) and hands each task to ``fedmed.site.answer`` (the same reply loop the in-process federation runs). A task the
+(``fedmed.site.settings``: ``FEDMED_DATALIST`` / ``FEDMED_DATALIST_DIR`` / ``FEDMED_SITE_CONFIG`` or the
+startup kit's ``local/fedmed_site.json``) and hands each task to ``fedmed.site.runner.answer`` (the same reply loop the in-process federation runs). A task the
 site cannot do (no data configured, missing/corrupt image, bad datalist) is answered with an error
 message — naming the site and files relative to its data root, never an absolute path — instead of
 crashing, so the rest of the federation finishes.
@@ -15,15 +15,15 @@ from pathlib import Path
 import nvflare.client as flare
 from nvflare.app_common.abstract.fl_model import FLModel
 
-from fedmed.compat import serialize_ast_parse
-from fedmed.models import USER_CODE_DIR
-from fedmed.site import answer
+from fedmed.core.compat import serialize_ast_parse
+from fedmed.nn.models import USER_CODE_DIR
+from fedmed.site.runner import answer
 
 serialize_ast_parse()  # FLARE decodes arrays in its own threads (np.load -> ast.parse): fedmed/compat.py
 
 
 APP_CUSTOM = Path(__file__).resolve().parents[1]  # this job's custom folder at the site (shipped weights live here)
-if str(APP_CUSTOM / USER_CODE_DIR) not in sys.path:  # a user's network class travels in the job (fedmed.models)
+if str(APP_CUSTOM / USER_CODE_DIR) not in sys.path:  # a user's network class travels in the job (fedmed.nn.models)
     sys.path.insert(0, str(APP_CUSTOM / USER_CODE_DIR))
 
 
@@ -64,7 +64,7 @@ def main():
     import torch
 
     torch.set_num_threads(max(1, args.threads))
-    from fedmed import memtrace
+    from fedmed.core import memtrace
 
     tracing = memtrace.start()  # benchmarks/bench_memory.py --trace only
     fast_polling(flare.init())

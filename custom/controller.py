@@ -29,7 +29,7 @@ from pathlib import Path
 from nvflare.app_common.abstract.fl_model import FLModel
 from nvflare.app_common.workflows.model_controller import ModelController
 
-from fedmed.compat import serialize_ast_parse
+from fedmed.core.compat import serialize_ast_parse
 from fedmed.workflows import RESUME_DIR, Federation, RunFailed, RunStopped, server_workflow
 
 serialize_ast_parse()  # the server decodes several sites' arrays at once (np.load -> ast.parse): fedmed/compat.py

@@ -2,6 +2,6 @@
 
 import sys
 
-from fedmed.cli import main
+from fedmed.cli.main import main
 
 sys.exit(main())

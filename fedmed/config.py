@@ -114,7 +114,7 @@ class FederationConfig(_Strict):
 class ModelConfig(_Strict):
     arch: str = Field("resnet9", description="resnet9 | resnet18 | vit_small (fedmed's; for segmentation fedmed's 3D "
                       "U-Net), a network of monai.networks.nets by name (DenseNet121, SegResNet, ...), or "
-                      "package.module:Class (fedmed.models)")
+                      "package.module:Class (fedmed.nn.models)")
     args: dict = Field(default_factory=dict, description="arguments of a MONAI or user network (spatial_dims, input "
                        "channels and outputs are filled from the task)")
     init_weights: Optional[str] = Field(None, description="start the network from this local state-dict file (the "
@@ -131,7 +131,7 @@ class ModelConfig(_Strict):
     def _known_arch(cls, v):
         if v in ("resnet9", "resnet18", "vit_small", "unet"):
             return v
-        from .models import ArchError, resolve_arch
+        from fedmed.nn.models import ArchError, resolve_arch
 
         try:
             resolve_arch(v)
@@ -172,7 +172,7 @@ class TrainConfig(_Strict):
                                        "between rounds, per served model")
     seg: SegTrainConfig = SegTrainConfig()
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto (a CUDA GPU when there is one), "
-                        "cpu, cuda or cuda:N; a site may override it in its own settings (fedmed.device)")
+                        "cpu, cuda or cuda:N; a site may override it in its own settings (fedmed.core.device)")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast precision of training and "
                                                        "inference (fp16 with a gradient scaler on a GPU)")
     workers: int = Field(0, ge=0, le=64, description="data-loader processes that cut 3D training patches (0: in the "
@@ -213,7 +213,7 @@ class _Method(_Strict):
 
 
 class _Encoder(_Strict):
-    encoder: str = Field("random_cnn", description="see fedmed.encoders.ENCODERS")
+    encoder: str = Field("random_cnn", description="see fedmed.nn.encoders.ENCODERS")
     encoder_weights: Optional[str] = Field(None, description="local weights file; None = seeded random init")
     encoder_image_size: Optional[int] = Field(None, gt=7)
 
@@ -410,7 +410,7 @@ class ExperimentConfig(_Strict):
         if fed.min_clients > fed.sites:
             raise ValueError(f"federation.min_clients ({fed.min_clients}) should not exceed federation.sites "
                              f"({fed.sites})")
-        from .workflows.registry import method_entry
+        from fedmed.workflows.registry import method_entry
 
         seg = self.dataset.task == "segmentation"
         for m in self.methods:
@@ -424,7 +424,7 @@ class ExperimentConfig(_Strict):
                                  f"(forward_features); model.arch {self.model.arch!r} has none")
             vit = m.workflow in ("fedmae", "finetune") or self.model.arch == "vit_small"
             if vit and not seg and self.dataset.image_size != 32:
-                raise ValueError(f"method {m.name!r}: the Fed-MAE / fine-tuning ViT (fedmed.ssl.VIT_SMALL, patch 4) "
+                raise ValueError(f"method {m.name!r}: the Fed-MAE / fine-tuning ViT (fedmed.nn.mae.VIT_SMALL, patch 4) "
                                  f"takes 32 x 32 images; set dataset.image_size: 32 (got {self.dataset.image_size})")
         return self
 

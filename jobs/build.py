@@ -125,7 +125,7 @@ def _network_files(exp, cfg: dict, client_files: list, server_files: list) -> No
     """Check the configured network once (an unknown arch, a bad argument, an output of the wrong shape is one line
     here, before anything runs); ship ``model.init_weights`` to the server (which sends the initial model to every
     site) and a user's network class to the server and the sites."""
-    from fedmed.models import USER_CODE_DIR, ArchError, check_arch, user_code_files
+    from fedmed.nn.models import USER_CODE_DIR, ArchError, check_arch, user_code_files
 
     m = cfg["model"]
     seg = cfg.get("task") == "segmentation"

@@ -2,7 +2,7 @@
 
 A job is built from the experiment config alone: it names its sites (or deploys to every connected
 site) and carries no path to anyone's data — each site finds its own data through its site-local
-settings (``fedmed.site_settings``). Job folders produced here run unchanged in the simulator
+settings (``fedmed.site.settings``). Job folders produced here run unchanged in the simulator
 (``jobs/run.py --env sim``), in POC mode and on provisioned sites (admin console ``submit_job``).
 Sites need ``fedmed`` installed; the job carries ``custom/`` (client script and controllers) and, where
 a method uses them, the encoder weights every site must share and a checkpoint to resume from.
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fedmed.taskconfig import WEIGHTS_DIR, BuildError, fedmed_config, min_clients  # noqa: E402,F401  (re-exported)
+from fedmed.run.taskconfig import WEIGHTS_DIR, BuildError, fedmed_config, min_clients  # noqa: E402,F401  (re-exported)
 
 
 @contextmanager
@@ -41,7 +41,7 @@ def job_name(exp, method, seed: int, suffix: str = "") -> str:
 
 def check_encoder(name: str, weights: str | None, *, in_channels: int = 1, image_size=None):
     """Catch a bad encoder before anything is sent: an unknown name, a missing or mismatched weights file."""
-    from fedmed.encoders import ENCODERS, EncoderError, build_encoder
+    from fedmed.nn.encoders import ENCODERS, EncoderError, build_encoder
 
     if name not in ENCODERS:
         try:

@@ -242,7 +242,7 @@ def _main(a, template) -> int:
 
             export(job, a.jobs_dir)
         if a.env == "sim":  # the simulator runs every site on this machine: a device it lacks fails here, not at round 0
-            from fedmed.device import DeviceError, resolve_device
+            from fedmed.core.device import DeviceError, resolve_device
 
             spec = os.environ.get("FEDMED_DEVICE") or exp.train.device
             try:

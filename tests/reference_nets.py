@@ -2,7 +2,7 @@
 
 Each is written from the authors' released code (read, not copied), with the same parameter and buffer names, so
 that its ``state_dict`` is a checkpoint in the authors' layout. The tests save these state dicts wrapped exactly as
-the authors release them and check that ``fedmed.encoders.build_encoder`` computes the same features. Nothing here
+the authors release them and check that ``fedmed.nn.encoders.build_encoder`` computes the same features. Nothing here
 imports fedmed or timm.
 
 * MedicalNet (Tencent/MedicalNet ``models/resnet.py``): 3D ResNet-18, shortcut "A" (avg-pool + zero-padded

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedmed.aggregation import cluster_average, down_weight, prep_weights, weighted_average
+from fedmed.algorithms.aggregation import cluster_average, down_weight, prep_weights, weighted_average
 
 
 def test_weighted_average_numpy_and_torch():

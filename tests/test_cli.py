@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from fedmed.cli import main
-from fedmed.io import write_distance_csv
+from fedmed.cli.main import main
+from fedmed.core.io import write_distance_csv
 
 KITS_EMD = np.array([[0, .92, 1.45, 2.46, 13.86], [.92, 0, 1.03, 2.37, 12.55], [1.45, 1.03, 0, 1.15, 11.03],
                      [2.46, 2.37, 1.15, 0, 4.89], [13.86, 12.55, 11.03, 4.89, 0]])
@@ -100,7 +100,7 @@ def test_partition_dirichlet(tmp_path, capsys):
 
 
 def test_inapplicable_flags_and_bad_site_names_are_one_line_errors(tmp_path, capsys):
-    from fedmed.cli import main
+    from fedmed.cli.main import main
 
     csv = tmp_path / "d.csv"
     csv.write_text("site,a,b,c\na,0,1,2\nb,1,0,3\nc,2,3,0\n")
@@ -118,7 +118,7 @@ def test_inapplicable_flags_and_bad_site_names_are_one_line_errors(tmp_path, cap
 def test_data_flags_override_the_config_instead_of_being_ignored(tmp_path):
     import json
 
-    from fedmed.cli import main
+    from fedmed.cli.main import main
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("name: t\ndataset: {path: 'builtin:digits', max_per_class: 6}\nfederation: {sites: 4}\n")
@@ -129,7 +129,7 @@ def test_data_flags_override_the_config_instead_of_being_ignored(tmp_path):
 def test_every_flag_has_help_and_shows_its_default():
     import argparse
 
-    from fedmed.cli import build_parser
+    from fedmed.cli.main import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedmed.clustered import cfl_split, choose_clusters, signature_distances
-from fedmed.data import DataError, discover, write_site_datalists
-from fedmed.site import SiteRunner
+from fedmed.algorithms.clustered import cfl_split, choose_clusters, signature_distances
+from fedmed.data.images import DataError, discover, write_site_datalists
+from fedmed.site.runner import SiteRunner
 
 CFG = {"seed": 0, "data": {"image_size": 8, "channels": 1, "n_classes": 10},
        "model": {"arch": "resnet9", "width": 4}, "train": {},

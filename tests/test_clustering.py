@@ -5,9 +5,9 @@ import pytest
 from sklearn.cluster import AgglomerativeClustering
 from sklearn.metrics import adjusted_rand_score
 
-from fedmed.clustering import (adaptive_dbscan, agglomerative, auto_k, canonical_labels, cv_window, kmeans_prior,
+from fedmed.algorithms.clustering import (adaptive_dbscan, agglomerative, auto_k, canonical_labels, cv_window, kmeans_prior,
                                silhouette)
-from fedmed.fmcl import ClassSignature, fmcl_distance_matrix
+from fedmed.algorithms.fmcl import ClassSignature, fmcl_distance_matrix
 
 
 def planted_fmcl_federation(rng, group_sizes=(5, 6, 7), C=9, d=32):
@@ -154,7 +154,7 @@ class TestMatrixValidation:
 def test_blocked_matrix_validation_equals_the_whole_matrix_checks(rng):
     """check_distance_matrix scans in 1024-row blocks: the same symmetrised matrix as (D + D.T) / 2, bit for bit,
     and the same first-problem errors when the problem lies in a later block."""
-    from fedmed.validation import _distance_matrix_error, check_distance_matrix
+    from fedmed.core.validation import _distance_matrix_error, check_distance_matrix
 
     n = 2500  # three row blocks
     X = rng.normal(size=(n, 4))
@@ -176,7 +176,7 @@ def test_blocked_matrix_validation_equals_the_whole_matrix_checks(rng):
 
 
 def test_blocked_off_diagonal_cv_equals_the_masked_copy(rng):
-    from fedmed.clustering import off_diagonal_cv
+    from fedmed.algorithms.clustering import off_diagonal_cv
 
     for n in (2, 5, 1300):
         X = rng.normal(size=(n, 3))
@@ -189,7 +189,7 @@ def test_blocked_off_diagonal_cv_equals_the_masked_copy(rng):
 def test_silhouette_equals_scikit_learn(rng):
     from sklearn.metrics import silhouette_score
 
-    from fedmed.clustering import silhouette
+    from fedmed.algorithms.clustering import silhouette
 
     X = rng.normal(size=(40, 3))
     D = np.sqrt(((X[:, None] - X[None]) ** 2).sum(-1))
@@ -202,7 +202,7 @@ def test_silhouette_equals_scikit_learn(rng):
 
 
 def test_blocked_point_silhouette_equals_the_matrix_one(rng):
-    from fedmed.clustering import silhouette, silhouette_points
+    from fedmed.algorithms.clustering import silhouette, silhouette_points
 
     X = rng.normal(size=(37, 4))
     D = np.sqrt(((X[:, None] - X[None]) ** 2).sum(-1))

@@ -1,4 +1,4 @@
-"""fedmed.compat: the runtime work-arounds fedmed's FLARE processes install."""
+"""fedmed.core.compat: the runtime work-arounds fedmed's FLARE processes install."""
 
 import subprocess
 import sys
@@ -11,7 +11,7 @@ import ast, gc, io, sys, threading
 import numpy as np
 sys.path.insert(0, {root!r})
 if {serialize}:
-    from fedmed.compat import serialize_ast_parse
+    from fedmed.core.compat import serialize_ast_parse
     serialize_ast_parse(); serialize_ast_parse()  # idempotent: one lock, not two wrappers
     assert ast.parse.__wrapped__.__module__ == "ast"
 gc.set_threshold(50, 1, 1)  # frequent collections of cycles whose finalizers run Python code (a thread switch)
@@ -43,7 +43,7 @@ print(len(errors), errors[:1])
 def test_arrays_decoded_in_many_threads_at_once_never_fail_once_ast_parse_is_serialized():
     """np.load in 8 threads under cyclic-GC finalizers — FLARE's server taking several sites' arrays at once — hits
     CPython 3.11's shared AST recursion counter ("AST constructor recursion depth mismatch") a few times per 24,000
-    loads without the lock (this machine, Python 3.11.7); with fedmed.compat's lock: never."""
+    loads without the lock (this machine, Python 3.11.7); with fedmed.core.compat's lock: never."""
     out = subprocess.run([sys.executable, "-c", RACE.format(root=str(ROOT), serialize=True)], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -3,9 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from fedmed.data import DataError, discover, load_datalist, load_images, write_site_datalists
-from fedmed.partition import iid_partition
-from fedmed.site import SiteRunner
+from fedmed.data.images import DataError, discover, load_datalist, load_images, write_site_datalists
+from fedmed.data.partition import iid_partition
+from fedmed.site.runner import SiteRunner
 
 from conftest import shared_path
 
@@ -112,8 +112,8 @@ def test_a_16_bit_image_keeps_its_dynamic_range_and_the_site_says_so(tmp_path):
     runner = SiteRunner("site-1", tmp_path)
     cfg = {"seed": 0, "data": {"image_size": 32, "channels": 1, "n_classes": 2}, "privacy": {"k_min": 1},
            "model": {"arch": "resnet9", "width": 4, "norm": "group"}}
-    from fedmed.models import model_from_config
-    from fedmed.train import get_params
+    from fedmed.nn.models import model_from_config
+    from fedmed.nn.train import get_params
 
     p = get_params(model_from_config(cfg["model"], 1, 2))
     _, _, first = runner.handle("validate", p, cfg)

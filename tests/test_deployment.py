@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from fedmed.config import load_config
-from fedmed.experiment import REPO_ROOT, prepare_federation
+from fedmed.run.experiment import REPO_ROOT, prepare_federation
 
 pytestmark = [pytest.mark.slow, pytest.mark.deploy]
 

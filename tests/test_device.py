@@ -1,4 +1,4 @@
-"""fedmed.device: the device and precision plumbing, on the CPU (the GPU benchmark is benchmarks/bench_gpu.py)."""
+"""fedmed.core.device: the device and precision plumbing, on the CPU (the GPU benchmark is benchmarks/bench_gpu.py)."""
 
 import subprocess
 import sys
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedmed.data import discover, write_site_datalists
-from fedmed.device import DeviceError, autocast, resolve_device
-from fedmed.partition import iid_partition
-from fedmed.site import SiteRunner, TaskError
-from fedmed.site_settings import resolve_site_settings
+from fedmed.data.images import discover, write_site_datalists
+from fedmed.core.device import DeviceError, autocast, resolve_device
+from fedmed.data.partition import iid_partition
+from fedmed.site.runner import SiteRunner, TaskError
+from fedmed.site.settings import resolve_site_settings
 
 NO_GPU = not torch.cuda.is_available()
 
@@ -32,8 +32,8 @@ def test_cuda_without_a_gpu_is_one_line_naming_the_site_before_it_trains(site):
     root, cfg = site
     runner = SiteRunner("site-1", root)
     cuda = {**cfg, "train": {**cfg["train"], "device": "cuda"}}
-    from fedmed.models import model_from_config
-    from fedmed.train import get_params
+    from fedmed.nn.models import model_from_config
+    from fedmed.nn.train import get_params
 
     p = get_params(model_from_config(cfg["model"], 1, 10))
     with pytest.raises(DeviceError) as err:
@@ -57,8 +57,8 @@ def test_a_sites_own_device_setting_wins_over_the_jobs(site, tmp_path):
     assert settings.device == "cpu"
     runner = SiteRunner("site-1", settings)
     cuda = {**cfg, "train": {**cfg["train"], "device": "cuda"}}
-    from fedmed.models import model_from_config
-    from fedmed.train import get_params
+    from fedmed.nn.models import model_from_config
+    from fedmed.nn.train import get_params
 
     out, metrics, meta = runner.handle("train", get_params(model_from_config(cfg["model"], 1, 10)), cuda, 0)
     assert next(runner._model.parameters()).device.type == "cpu" and np.isfinite(meta["train_loss"])
@@ -79,8 +79,8 @@ def _record_dtypes(model):
 
 def test_bf16_autocast_reaches_training_and_inference_and_parameters_stay_fp32(site):
     root, cfg = site
-    from fedmed.models import model_from_config
-    from fedmed.train import get_params
+    from fedmed.nn.models import model_from_config
+    from fedmed.nn.train import get_params
 
     p = get_params(model_from_config(cfg["model"], 1, 10))
     results = {}
@@ -99,10 +99,11 @@ def test_bf16_autocast_reaches_training_and_inference_and_parameters_stay_fp32(s
 
 
 def test_3d_training_with_bf16_and_a_data_loader_worker(tmp_path):
-    from fedmed.phantoms import write_phantom_subjects
-    from fedmed.seg import load_case, seg_metrics, train_seg_local
-    from fedmed.seg_data import discover_subjects
-    from fedmed.models import seg_model_from_config
+    from fedmed.data.phantoms import write_phantom_subjects
+    from fedmed.data.nifti import load_case
+    from fedmed.nn.seg import seg_metrics, train_seg_local
+    from fedmed.data.seg_federation import discover_subjects
+    from fedmed.nn.models import seg_model_from_config
 
     root = write_phantom_subjects(tmp_path / "ph", [3, 4, 5], size=24)
     cases = [load_case(e, shape=(16, 16, 16)) for e in discover_subjects(root, {"FLAIR": "Flair*", "T1c": "T1c*"},
@@ -154,10 +155,10 @@ def test_the_gpu_benchmark_compares_the_same_training_and_says_when_there_is_no_
 
 
 def test_predict_runs_on_the_chosen_device_and_names_a_missing_one(tmp_path, capsys):
-    from fedmed.cli import main
-    from fedmed.models import model_from_config
-    from fedmed.predict import save_model
-    from fedmed.train import get_params
+    from fedmed.cli.main import main
+    from fedmed.nn.models import model_from_config
+    from fedmed.nn.predict import save_model
+    from fedmed.nn.train import get_params
 
     cfg = {"model": {"arch": "resnet9", "width": 4, "norm": "batch"}, "data": {"image_size": 16, "channels": 1,
                                                                              "n_classes": 2}, "classes": ["a", "b"]}

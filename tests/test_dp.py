@@ -1,10 +1,10 @@
-"""DP mechanisms of fedmed.privacy, checked against independent computations."""
+"""DP mechanisms of fedmed.algorithms.privacy, checked against independent computations."""
 
 import numpy as np
 import pytest
 from scipy.stats import norm
 
-from fedmed.privacy import analytic_gaussian_sigma, private_histogram, private_mean, signature_payload
+from fedmed.algorithms.privacy import analytic_gaussian_sigma, private_histogram, private_mean, signature_payload
 
 
 def gaussian_delta(sigma, sens, eps):

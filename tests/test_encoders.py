@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedmed.encoders import EncoderError, build_encoder, extract_features
+from fedmed.nn.encoders import EncoderError, build_encoder, extract_features
 
 
 def test_random_mode_is_seeded_and_reported():
@@ -95,7 +95,7 @@ def test_ctranspath_and_chief_load_as_released_and_compute_the_official_forward(
     assert "layers.3.downsample.reduction.weight" not in sd and not any(k.startswith("head") for k in sd)
     f = tmp_path / release
     torch.save({"model": sd}, f)
-    with caplog.at_level(logging.INFO, logger="fedmed.encoders"):
+    with caplog.at_level(logging.INFO, logger="fedmed.nn.encoders"):
         enc = build_encoder(name, weights=str(f))
     assert any("relative_position_index, attn_mask" in r.message for r in caplog.records)
     x = _images(2)
@@ -123,7 +123,7 @@ def test_usfm_loads_as_released_and_gives_the_normed_cls_token(tmp_path, caplog)
             "blocks.0.attn.q_bias", "blocks.0.attn.v_bias"} <= set(sd) and "pos_embed" not in sd
     f = tmp_path / "USFM_latest.pth"
     torch.save(sd, f)
-    with caplog.at_level(logging.INFO, logger="fedmed.encoders"):
+    with caplog.at_level(logging.INFO, logger="fedmed.nn.encoders"):
         enc = build_encoder("usfm", weights=str(f))
     assert any("mask_token" in r.message for r in caplog.records)
     x = _images(3)
@@ -172,13 +172,13 @@ def test_medicalnet_loads_as_released_and_computes_the_dilated_network(tmp_path,
         ref.eval()
         sd = {f"module.{k}": v for k, v in ref.state_dict().items()}
         torch.save({"ecpoch": 10, "batch_id": 0, "state_dict": sd, "optimizer": opt.state_dict()}, f)
-    with caplog.at_level(logging.INFO, logger="fedmed.encoders"):
+    with caplog.at_level(logging.INFO, logger="fedmed.nn.encoders"):
         enc = build_encoder("medicalnet_resnet18", weights=str(f))
     text = " ".join(r.message for r in caplog.records)
     assert "'module.' prefix" in text
     if kind == "train.py":
         assert "14 key(s) of MedicalNet's segmentation head (conv_seg)" in text and "optimizer" in text
-    from fedmed.encoders import preprocess_volume
+    from fedmed.nn.encoders import preprocess_volume
 
     v = _medicalnet_volume()
     x = preprocess_volume(v)
@@ -200,7 +200,7 @@ def test_medicalnet_loads_as_released_and_computes_the_dilated_network(tmp_path,
 def test_medicalnet_preprocessing_is_a_zscore_over_non_zero_voxels_with_a_zero_background():
     """MedicalNet's loader: z-score with the mean / std of the non-zero voxels; its N(0, 1) background noise is
     replaced by 0 (docs/readings.md) — the same volume embeds the same every time."""
-    from fedmed.encoders import preprocess_volume
+    from fedmed.nn.encoders import preprocess_volume
 
     v = _medicalnet_volume()
     x = preprocess_volume(v)
@@ -223,7 +223,7 @@ def test_a_weights_file_of_another_model_is_one_clear_line(tmp_path):
 
 
 def test_fedmed_encoders_lists_and_checks(tmp_path, capsys):
-    from fedmed.cli import main
+    from fedmed.cli.main import main
     from reference_nets import USFMViT, randomize
 
     assert main(["encoders"]) == 0

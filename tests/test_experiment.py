@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import yaml
 
-from fedmed import experiment as E
-from fedmed.cli import main
+from fedmed.run import experiment as E
+from fedmed.cli.main import main
 from fedmed.config import ConfigError, load_config
 
 BASE = {
@@ -159,7 +159,7 @@ def test_read_results_roundtrip_and_table(tmp_path):
 
 
 def test_sweep_stats_and_plot(tmp_path):
-    from fedmed.plots import plot_sweep
+    from fedmed.report.plots import plot_sweep
 
     rows = [{"method": m, "seed": s, "round": 3, "phase": ph, "accuracy": a + 0.1 * s, "ari": ari}
             for m, ari in (("Flux", 1.0), ("FedAvg", 0.0)) for s in (0, 1)
@@ -177,7 +177,7 @@ def test_clustering_agreement_compares_each_case_with_the_methods_first_case(tmp
     """The DP table's ARI: each case's clusters against the same method and seed in its first case (no DP)."""
     import json
 
-    from fedmed.experiment import clustering_agreement
+    from fedmed.run.experiment import clustering_agreement
 
     def put(case, method, seed, clusters):
         d = tmp_path / case / "runs" / f"seed{seed}" / method.replace(" ", "_")
@@ -203,7 +203,7 @@ def test_clustering_agreement_compares_each_case_with_the_methods_first_case(tmp
 def test_methods_are_selected_by_name_case_or_workflow():
     from types import SimpleNamespace as M
 
-    from fedmed.experiment import select_methods
+    from fedmed.run.experiment import select_methods
 
     ms = [M(name="FedAvg", workflow="fedavg"), M(name="FMCL (Auto-K)", workflow="fmcl"),
           M(name="FMCL (K=2)", workflow="fmcl"), M(name="Flux", workflow="flux")]
@@ -218,7 +218,7 @@ def test_methods_are_selected_by_name_case_or_workflow():
 def test_a_finished_run_with_a_missing_site_says_so_on_the_console_and_in_the_report(tmp_path, monkeypatch):
     """'finished' with a site that sat out every round used to read like a clean run: the console line, summary.md
     and a reused run (--resume) all name the site, its rounds and the reason."""
-    from fedmed.reporting import Recorder
+    from fedmed.report.record import Recorder
 
     def run_job(config_path, overrides, method, seed, datalists, work, n_sites=0, *a, **k):
         work.mkdir(parents=True, exist_ok=True)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from sklearn.metrics import adjusted_rand_score
 
-from fedmed.clustering import adaptive_dbscan
-from fedmed.flux import (assign_nearest, cluster_centroids, descriptor_length, flux_descriptor, latent_bounds,
+from fedmed.algorithms.clustering import adaptive_dbscan
+from fedmed.algorithms.flux import (assign_nearest, cluster_centroids, descriptor_length, flux_descriptor, latent_bounds,
                          merge_bounds, shared_pca, should_start_clustering)
 
 

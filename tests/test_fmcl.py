@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fedmed.fmcl import ClassSignature, class_signature, fmcl_distance_matrix, fmcl_distance_matrix_loop
+from fedmed.algorithms.fmcl import ClassSignature, class_signature, fmcl_distance_matrix, fmcl_distance_matrix_loop
 
 
 def sig(classes, means, counts):

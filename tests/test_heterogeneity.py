@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 from scipy.linalg import orth
 
-from fedmed.baselines import fecfl_distance_matrix, fecfl_signature, pacfl_distance_matrix, pacfl_signature
-from fedmed.heterogeneity import (emd_1d, emd_matrix, embedding_distance_matrix, metadata_histogram,
+from fedmed.algorithms.baselines import fecfl_distance_matrix, fecfl_signature, pacfl_distance_matrix, pacfl_signature
+from fedmed.algorithms.heterogeneity import (emd_1d, emd_matrix, embedding_distance_matrix, metadata_histogram,
                                   pca2_embedding)
 
 
@@ -73,7 +73,7 @@ def test_vectorised_emd_matrix_equals_the_scipy_loop(rng):
     """Every changed computation gives the same result: the all-pairs CDF form vs scipy per pair (1e-12)."""
     from scipy.stats import wasserstein_distance
 
-    from fedmed.heterogeneity import emd_matrix
+    from fedmed.algorithms.heterogeneity import emd_matrix
 
     vals = [rng.normal(loc=rng.uniform(-2, 2), size=rng.integers(3, 40)) for _ in range(9)]
     loop = np.array([[wasserstein_distance(a, b) for b in vals] for a in vals])
@@ -89,7 +89,7 @@ def test_blocked_threaded_weighted_l1_equals_pdist(rng):
     """The blocked, two-thread all-pairs L1 (constant columns dropped, upper triangle mirrored) is pdist's matrix."""
     from scipy.spatial.distance import pdist, squareform
 
-    from fedmed.heterogeneity import _pairwise_weighted_l1
+    from fedmed.algorithms.heterogeneity import _pairwise_weighted_l1
 
     F = np.cumsum(rng.dirichlet(np.ones(12), size=53), axis=1)
     F[:, :3] = 0.0  # columns every row shares: dropped, must not change the result

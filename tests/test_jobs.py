@@ -95,8 +95,8 @@ def test_template_imports_its_preload_from_any_working_directory(tmp_path, monke
         "    import argparse; ap = argparse.ArgumentParser(); ap.add_argument('--workspace'); return ap.parse_args()\n"
         "def main(args):\n"
         "    open(os.environ['OUT'], 'w').write(f\"{gc.get_freeze_count() > 0} {'_fork_template' in sys.modules} \"\n"
-        "                                       f\"{'fedmed.memtrace' in sys.modules}\")\n")
-    monkeypatch.setenv("FEDMED_SIM_PRELOAD", "fedmed.memtrace")
+        "                                       f\"{'fedmed.core.memtrace' in sys.modules}\")\n")
+    monkeypatch.setenv("FEDMED_SIM_PRELOAD", "fedmed.core.memtrace")
     monkeypatch.chdir(tmp_path)  # neither the repository nor jobs/ is the working directory
     out = tmp_path / "out.txt"
     try:
@@ -113,7 +113,7 @@ def digits_sim_command(tmp_path, *, sites: int, rounds: int, workspace) -> list[
     import yaml
 
     from fedmed.config import load_config
-    from fedmed.experiment import classes_override, prepare_federation
+    from fedmed.run.experiment import classes_override, prepare_federation
 
     raw = {"name": "simjob", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 12},
            "federation": {"sites": sites, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from fedmed.config import load_config
-from fedmed.experiment import REPO_ROOT, RunError, classes_override, prepare_federation, run_job
+from fedmed.run.experiment import REPO_ROOT, RunError, classes_override, prepare_federation, run_job
 
 from conftest import shared_path
 
@@ -88,7 +88,7 @@ def test_busi_job_for_named_sites_runs_in_simulator_and_poc(tmp_path):
     doc = json.loads((Path(res["result"]) / "metrics.json").read_text())
     assert doc["status"] == "finished" and len(doc["rounds"]) == 3 and sorted(doc["rounds"][-1]["sites"]) == sites
     # the finished run's model on BUSI images, as a clinician would apply it
-    from fedmed.cli import main
+    from fedmed.cli.main import main
 
     model = Path(res["result"]).parent / "models" / "global.pt"
     if not model.is_file():
@@ -112,7 +112,7 @@ def test_busi_job_for_named_sites_runs_in_simulator_and_poc(tmp_path):
 def test_fmcl_job_clusters_once_and_survives_edge_sites(tmp_path):
     import numpy as np
 
-    from fedmed.data import discover, write_site_datalists
+    from fedmed.data.images import discover, write_site_datalists
 
     cfg = dict(TINY, methods=[{"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn"}],
                federation={"sites": 4, "partition": "iid"}, privacy={"k_min": 3})
@@ -147,7 +147,7 @@ def test_fmcl_job_clusters_once_and_survives_edge_sites(tmp_path):
 
 def test_all_sites_failing_is_a_failed_run(tmp_path):
     """Nothing trained: the run fails with the reason, saves no final model, and fedmed experiment exits non-zero."""
-    from fedmed.cli import main
+    from fedmed.cli.main import main
 
     cfg_path = write_cfg(tmp_path, dict(TINY, references=[]))
     exp = load_config(cfg_path)
@@ -165,7 +165,7 @@ def test_all_sites_failing_is_a_failed_run(tmp_path):
     json.loads((tmp_path / "run" / "server" / "metrics.json").read_text())  # strict JSON (no bare NaN)
     assert "NaN" not in (tmp_path / "run" / "server" / "metrics.json").read_text()
     # the same federation through `fedmed experiment`: exit status 1 and the reason on stderr
-    import fedmed.experiment as E
+    import fedmed.run.experiment as E
 
     orig = E.prepare_federation
     E.prepare_federation = lambda exp_, seed, out, **kw: data
@@ -182,7 +182,7 @@ def test_all_sites_failing_is_a_failed_run(tmp_path):
 
 
 def test_seg_fedavg_w_job_assesses_then_down_weights(tmp_path):
-    from fedmed.phantoms import write_phantom_subjects
+    from fedmed.data.phantoms import write_phantom_subjects
 
     root = write_phantom_subjects(tmp_path / "phantoms", [0, 2, 2, 3, 3, 3, 4, 4, 4, 9, 10, 11], size=24)
     cfg = {"name": "seg_e2e",
@@ -214,7 +214,7 @@ def test_seg_fedavg_w_job_assesses_then_down_weights(tmp_path):
 @pytest.mark.parametrize("method", [{"name": "Flux", "workflow": "flux"},
                                     {"name": "IFCA", "workflow": "ifca", "n_clusters": 2}])
 def test_flux_unseen_site_goes_to_its_groups_cluster(tmp_path, method):
-    from fedmed.experiment import run_experiment
+    from fedmed.run.experiment import run_experiment
 
     cfg = {"name": "flux_e2e",
            "dataset": {"path": "builtin:digits", "image_size": 12, "channels": 3, "max_per_class": 60},

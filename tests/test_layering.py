@@ -44,3 +44,55 @@ def test_importing_every_fedmed_module_leaves_nvflare_out():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     n, mods = out.split(" ", 1)
     assert int(n) > 30 and mods.strip() == "[]"
+
+
+# the layers of fedmed, lowest first: a module may import from its own layer and those below it, never above
+LAYERS = ["core", "data", "algorithms", "nn", "site", "report", "workflows", "config", "run", "cli"]
+
+
+def _layer(path: Path) -> str:
+    rel = path.relative_to(ROOT / "fedmed").parts
+    return rel[0] if len(rel) > 1 else path.stem
+
+
+def _upward_imports(files) -> list[str]:
+    bad = []
+    for f in files:
+        src = _layer(f)
+        if src not in LAYERS:
+            continue
+        for m in _imports(f):
+            parts = m.split(".")
+            if parts[0] != "fedmed" or len(parts) < 2 or parts[1] not in LAYERS:
+                continue
+            if LAYERS.index(parts[1]) > LAYERS.index(src):
+                bad.append(f"{f.relative_to(ROOT)} ({src}) imports {m}")
+    return bad
+
+
+def test_fedmeds_subpackages_import_only_their_own_layer_and_those_below():
+    """core < data < algorithms (the papers' math) < nn < site < report < workflows < config < run < cli — also in
+    function-level imports."""
+    files = sorted((ROOT / "fedmed").rglob("*.py"))
+    assert {_layer(f) for f in files} >= set(LAYERS)
+    assert _upward_imports(files) == []
+
+
+def test_the_layer_check_would_catch_an_upward_import(tmp_path, monkeypatch):
+    pkg = tmp_path / "fedmed" / "algorithms"
+    pkg.mkdir(parents=True)
+    (pkg / "x.py").write_text("def f():\n    from fedmed.site.runner import SiteRunner\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _upward_imports([pkg / "x.py"]) == ["fedmed/algorithms/x.py (algorithms) imports fedmed.site.runner"]
+
+
+def test_every_subpackage_has_a_public_face():
+    """Each subpackage's ``__init__`` names what it offers (``__all__``), and every name there resolves."""
+    code = ("import importlib\n"
+            f"for pkg in {LAYERS[:-4] + ['workflows', 'run', 'cli']!r}:\n"
+            "    m = importlib.import_module('fedmed.' + pkg)\n"
+            "    assert m.__all__, pkg\n"
+            "    [getattr(m, n) for n in m.__all__]\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -1,8 +1,8 @@
-"""fedmed.memtrace: the opt-in tracing behind ``benchmarks/bench_memory.py --trace``."""
+"""fedmed.core.memtrace: the opt-in tracing behind ``benchmarks/bench_memory.py --trace``."""
 
 import tracemalloc
 
-from fedmed import memtrace
+from fedmed.core import memtrace
 
 
 def test_off_without_the_variable(tmp_path, monkeypatch):
@@ -37,7 +37,7 @@ def test_names_the_line_whose_allocations_grow(tmp_path, monkeypatch):
 TRIM_CHILD = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
-from fedmed import memtrace
+from fedmed.core import memtrace
 big = bytearray(8 << 20)
 del big  # after this free glibc raises its mmap threshold: later 1 MiB blocks come from the heap
 blocks, keep = [], []

@@ -1,5 +1,5 @@
 """Any MONAI network by name, or the user's own class, trained by FedAvg in FLARE's simulator on small real data
-(fedmed.models); bad arch / arguments / weights are one line before anything runs."""
+(fedmed.nn.models); bad arch / arguments / weights are one line before anything runs."""
 
 import json
 import subprocess
@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from fedmed.config import load_config
-from fedmed.experiment import REPO_ROOT, classes_override, prepare_federation, run_job
+from fedmed.run.experiment import REPO_ROOT, classes_override, prepare_federation, run_job
 
 from conftest import shared_path
 
@@ -52,7 +52,7 @@ def test_fedavg_trains_monai_densenet121_on_pneumoniamnist(tmp_path):
     assert doc["status"] == "finished" and last >= 0.7 and last >= first + 0.15, (first, last)  # measured 0.47 -> 0.78
     ck = torch.load(tmp_path / "run" / "server" / "models" / "global.pt", weights_only=True)
     assert ck["model"]["arch"] == "DenseNet121" and any(k.startswith("features.denseblock4") for k in ck["state_dict"])
-    from fedmed.predict import load_model
+    from fedmed.nn.predict import load_model
 
     net, info = load_model(tmp_path / "run" / "server" / "models" / "global.pt")
     assert type(net).__name__ == "DenseNet121"
@@ -104,7 +104,7 @@ def test_fedavg_trains_a_user_class_from_a_file_outside_fedmed_carried_in_the_jo
     assert len(carried) == 3 and any("server" in str(p) for p in carried)  # the two sites' apps and the server's
     assert list(job.rglob("fedmed_model_init/init.pt"))
     # the served model of round 0 is the init file's network, not a fresh seed's
-    from fedmed.models import model_from_config
+    from fedmed.nn.models import model_from_config
 
     started = model_from_config({"arch": "hospital_nets.small:TinyNet", "args": {"width": 12},
                                  "init_weights": str(init)}, 1, 2)
@@ -161,7 +161,7 @@ def test_a_bad_network_is_one_line_before_anything_runs(tmp_path, model, msg):
 
 
 def test_init_weights_of_another_network_is_one_line(tmp_path):
-    from fedmed.models import ArchError, model_from_config
+    from fedmed.nn.models import ArchError, model_from_config
 
     f = tmp_path / "w.pt"
     torch.save({"model": {"conv.weight": torch.zeros(3)}}, f)

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from fedmed.clustering import farthest_split, most_distant_site
-from fedmed.heterogeneity import d_emd, emd_summary, select_max_feature
+from fedmed.algorithms.clustering import farthest_split, most_distant_site
+from fedmed.algorithms.heterogeneity import d_emd, emd_summary, select_max_feature
 
 
 def sym(upper, n):

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedmed.cli import main
-from fedmed.data import discover, write_site_datalists
-from fedmed.models import build_model
-from fedmed.predict import ModelFileError, load_model, predict_images, predict_volume, save_model
-from fedmed.train import get_params
+from fedmed.cli.main import main
+from fedmed.data.images import discover, write_site_datalists
+from fedmed.nn.models import build_model
+from fedmed.nn.predict import ModelFileError, load_model, predict_images, predict_volume, save_model
+from fedmed.nn.train import get_params
 
 CFG = {"task": "classification", "model": {"arch": "resnet9", "width": 8, "norm": "batch"},
        "data": {"image_size": 16, "channels": 1, "n_classes": 10}, "classes": [f"digit {c}" for c in range(10)]}
@@ -52,8 +52,8 @@ def test_a_model_file_from_another_architecture_is_a_one_line_error(tmp_path, ca
 
 
 def test_segmentation_prediction_writes_a_label_map(tmp_path):
-    from fedmed.phantoms import write_phantom_subjects
-    from fedmed.seg import seg_model
+    from fedmed.data.phantoms import write_phantom_subjects
+    from fedmed.nn.seg import seg_model
 
     root = write_phantom_subjects(tmp_path / "ph", [6], size=24)
     cfg = {"task": "segmentation", "model": {"channels": [4, 8, 16]},

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedmed.data import discover, write_site_datalists
-from fedmed.models import build_model
-from fedmed.partition import iid_partition
-from fedmed.site import SiteRunner
-from fedmed.train import get_params, latents, set_params
+from fedmed.data.images import discover, write_site_datalists
+from fedmed.nn.models import build_model
+from fedmed.data.partition import iid_partition
+from fedmed.site.runner import SiteRunner
+from fedmed.nn.train import get_params, latents, set_params
 
 from conftest import shared_path
 
@@ -130,7 +130,7 @@ def site(request, tmp_path_factory):
 
 def _samples(runner, cfg, params=None, encoder=None):
     """The site's own per-sample data at the task's resolution: images, and embeddings / latents when given."""
-    from fedmed.encoders import build_encoder, extract_features
+    from fedmed.nn.encoders import build_encoder, extract_features
 
     s = runner._splits(cfg)
     x = torch.cat([s.train[0], s.val[0], s.test[0]])
@@ -166,7 +166,7 @@ def test_training_and_evaluation_replies(site):
 def test_prep_and_fedmae_replies(site):
     """PreP-WFL's statistics round sends class ids only (of classes with >= k_min images); Fed-MAE sends the model
     and aggregate losses."""
-    from fedmed.ssl_site import MAESiteRunner
+    from fedmed.site.mae import MAESiteRunner
 
     runner, cfg = site
     params, metrics, meta = runner.handle("class_set", {}, cfg)
@@ -201,7 +201,7 @@ def test_flux_replies(site):
     _, _, b = runner.handle("latent_bounds", p, cfg)
     assert not audit("latent_bounds", b, samples, k_min=5)
     flux = {"lo": np.asarray(b["lo"]).tolist(), "hi": np.asarray(b["hi"]).tolist(), "pca_seed": 0, "n_components": 5}
-    from fedmed.flux import shared_pca
+    from fedmed.algorithms.flux import shared_pca
 
     proj = shared_pca(np.asarray(flux["lo"]), np.asarray(flux["hi"]), n_components=5).project(samples[-1])
     for label_free in (False, True):
@@ -211,7 +211,7 @@ def test_flux_replies(site):
 
 def test_signature_with_a_weights_file_names_no_folder(site, tmp_path):
     """An encoder loaded from a file at the site is described by file name and hash, not by its path."""
-    from fedmed.encoders import build_encoder
+    from fedmed.nn.encoders import build_encoder
 
     runner, cfg = site
     f = tmp_path / "deep" / "folder" / "enc.pt"
@@ -227,8 +227,8 @@ def test_signature_with_a_weights_file_names_no_folder(site, tmp_path):
 def test_the_audit_catches_a_per_sample_reply(site):
     """Negative control: with k_min = 1 a one-image class's FMCL 'mean' is that image's embedding, and S1's exact
     minimum/maximum are single samples' values — the audit must flag it."""
-    from fedmed.encoders import build_encoder, extract_features
-    from fedmed.privacy import private_bounds, signature_payload
+    from fedmed.nn.encoders import build_encoder, extract_features
+    from fedmed.algorithms.privacy import private_bounds, signature_payload
 
     runner, cfg = site
     s = runner._splits(cfg)
@@ -247,10 +247,11 @@ def test_the_audit_catches_a_per_sample_reply(site):
 
 
 def test_segmentation_replies(tmp_path):
-    from fedmed.phantoms import write_phantom_subjects
-    from fedmed.seg import load_case, seg_model
-    from fedmed.seg_data import discover_subjects, write_seg_federation
-    from fedmed.seg_site import SegSiteRunner
+    from fedmed.data.phantoms import write_phantom_subjects
+    from fedmed.data.nifti import load_case
+    from fedmed.nn.seg import seg_model
+    from fedmed.data.seg_federation import discover_subjects, write_seg_federation
+    from fedmed.site.seg import SegSiteRunner
 
     root = write_phantom_subjects(tmp_path / "ph", [2, 3, 4, 5, 6, 7, 8, 9], size=24)
     entries = discover_subjects(root, {"FLAIR": "Flair*", "T1c": "T1c*"}, "OTMultiClass*", "brainmask*")
@@ -262,8 +263,8 @@ def test_segmentation_replies(tmp_path):
     runner = SegSiteRunner("site-1", out)
     doc = json.loads((out / "site-1.json").read_text())
     cases = [load_case(e, shape=(16, 16, 16)) for e in doc["training"]]
-    from fedmed.encoders import build_encoder
-    from fedmed.seg import site_embeddings
+    from fedmed.nn.encoders import build_encoder
+    from fedmed.nn.encoders import site_embeddings
 
     per_case = [np.stack([c["image"].ravel() for c in cases]),
                 site_embeddings(cases, build_encoder("medicalnet_resnet18"))]
@@ -288,7 +289,7 @@ HOSPITAL_FOLDERS = ["PACS export/Doe John MRN12345", "Müller, Jörg (MRN 1,2)",
 def test_scrub_removes_a_whole_absolute_path_whatever_it_holds(folder):
     """An absolute path leaves a message whole — spaces, parentheses, commas, quotes and non-ASCII included: outside
     the site's roots only the file's name stays, under its data root the path relative to it."""
-    from fedmed.site_settings import scrub
+    from fedmed.site.settings import scrub
 
     path = f"/mnt/{folder}/T1c.nii.gz"
     secrets = [w for w in re.split(r"[\s/(),'\"]+", folder) if len(w) >= 3]
@@ -312,7 +313,7 @@ def test_scrub_removes_a_whole_absolute_path_whatever_it_holds(folder):
 def test_a_sites_error_reply_names_no_folder_outside_its_data_root(tmp_path):
     """The probe's case end to end: a datalist naming an image under a folder with a patient's name and record number
     — the error a site sends (what the server's log and metrics.json receive) keeps none of it."""
-    from fedmed import site as client
+    from fedmed.site import runner as client
 
     root = tmp_path / "site data (MRI), ünïcode"
     root.mkdir()
@@ -353,7 +354,7 @@ def _tiny_site(tmp_path, n_train, *, k_min=5, n_test=6):
 def test_a_site_below_k_min_sends_no_update_and_no_loss(tmp_path):
     """A one-image site used to send the update trained on that image and its train_loss (n_train 1). It sits out
     every training task with its reason; with the job's k_min met it trains."""
-    from fedmed.site import TaskError
+    from fedmed.site.runner import TaskError
 
     runner, cfg = _tiny_site(tmp_path, 1)
     assert runner._splits(cfg).train[0].shape[0] == 1
@@ -372,8 +373,8 @@ def test_a_site_below_k_min_sends_no_update_and_no_loss(tmp_path):
 
 
 def test_fedmae_and_segmentation_sites_below_k_min_sit_out(tmp_path):
-    from fedmed.site import TaskError
-    from fedmed.ssl_site import MAESiteRunner
+    from fedmed.site.runner import TaskError
+    from fedmed.site.mae import MAESiteRunner
 
     runner, cfg = _tiny_site(tmp_path, 2, n_test=3)
     mcfg = {**cfg, "task": "mae", "data": {**cfg["data"], "image_size": 32}, "mae": {"rounds": 1}}
@@ -384,10 +385,10 @@ def test_fedmae_and_segmentation_sites_below_k_min_sit_out(tmp_path):
     _, metrics, _ = mae.handle("validate", p, mcfg, 0)
     assert metrics == {}  # 3 test images, 0 validation images: no loss over fewer than k_min images
 
-    from fedmed.phantoms import write_phantom_subjects
-    from fedmed.seg import seg_model
-    from fedmed.seg_data import discover_subjects, write_seg_federation
-    from fedmed.seg_site import SegSiteRunner
+    from fedmed.data.phantoms import write_phantom_subjects
+    from fedmed.nn.seg import seg_model
+    from fedmed.data.seg_federation import discover_subjects, write_seg_federation
+    from fedmed.site.seg import SegSiteRunner
 
     root = write_phantom_subjects(tmp_path / "ph", [2, 3, 4, 5], size=24)
     entries = discover_subjects(root, {"FLAIR": "Flair*", "T1c": "T1c*"}, "OTMultiClass*", "brainmask*")
@@ -406,7 +407,7 @@ def test_fedmae_and_segmentation_sites_below_k_min_sit_out(tmp_path):
 def test_withheld_classes_are_named_without_their_counts(tmp_path):
     """The server's log received 'sample counts {1: 1, 2: 1}': counts below k_min are statistics of fewer than k_min
     samples. The note names the classes and the rule only."""
-    from fedmed.privacy import signature_payload
+    from fedmed.algorithms.privacy import signature_payload
 
     feats = np.random.default_rng(0).normal(size=(12, 4))
     y = np.array([0] * 10 + [1, 2])
@@ -418,7 +419,7 @@ def test_withheld_classes_are_named_without_their_counts(tmp_path):
 
 
 def test_a_consented_k_min_below_2_is_stated_in_the_setup_the_console_and_the_record(tmp_path):
-    from fedmed.privacy import k_min_consent_note
+    from fedmed.algorithms.privacy import k_min_consent_note
 
     assert k_min_consent_note({"k_min": 2}) is None
     note = k_min_consent_note({"k_min": 1, "accept_k_min_below_2": True})

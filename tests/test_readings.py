@@ -8,10 +8,10 @@ import pytest
 from scipy.cluster.hierarchy import linkage
 from scipy.spatial.distance import squareform
 
-from fedmed.baselines import pacfl_distance_matrix
-from fedmed.clustering import agglomerative, auto_k
-from fedmed.flux import flux_descriptor, shared_pca, should_start_clustering
-from fedmed.partition import SiteShift, apply_anda_transform, dirichlet_label_partition
+from fedmed.algorithms.baselines import pacfl_distance_matrix
+from fedmed.algorithms.clustering import agglomerative, auto_k
+from fedmed.algorithms.flux import flux_descriptor, shared_pca, should_start_clustering
+from fedmed.data.partition import SiteShift, apply_anda_transform, dirichlet_label_partition
 
 
 # ----------------------------------------------------------------------------------------- Flux Eq. 14
@@ -173,7 +173,7 @@ def test_dirichlet_last_sites_are_not_more_skewed():
 def test_flux_scaling_raw_vs_minmax_changes_which_dimension_decides(rng):
     """The paper clusters raw descriptors; the official code min-max scales each dimension first. A dimension
     with a tiny range but a clean two-group split decides the minmax clustering and is noise to the raw one."""
-    from fedmed.clustered import flux_cluster
+    from fedmed.algorithms.clustered import flux_cluster
 
     n = 12
     groups = np.repeat([0, 1], n // 2)
@@ -190,7 +190,7 @@ def test_flux_scaling_raw_vs_minmax_changes_which_dimension_decides(rng):
 def test_flux_box_elementwise_vs_the_codes_scalar_box(rng):
     """S1: fedmed sends per-coordinate bounds (means of the k_min extremes); the official code one scalar box
     [0, 1.02 max] for all coordinates."""
-    from fedmed.privacy import private_bounds
+    from fedmed.algorithms.privacy import private_bounds
 
     z = np.abs(rng.normal(0, 1, (40, 3))) * np.array([1.0, 10.0, 100.0])
     lo, hi, _ = private_bounds(z, k_min=5, privacy={})
@@ -204,7 +204,7 @@ def test_flux_box_elementwise_vs_the_codes_scalar_box(rng):
 
 def test_flux_absent_class_zeros_vs_minus_one(rng):
     """A class the site does not hold (or, in the code, holds once) fills its slot with 0 (fedmed) or -1."""
-    from fedmed.flux import flux_descriptor, shared_pca
+    from fedmed.algorithms.flux import flux_descriptor, shared_pca
 
     z = np.abs(rng.normal(0, 1, (30, 6)))
     pca = shared_pca(np.zeros(6), np.full(6, 4.0), n_components=2, seed=0)
@@ -223,7 +223,7 @@ def test_ifca_unchosen_model_is_refilled_only_when_every_site_answered():
     """IFCA: a model no site chose stays unchanged in the paper; fedmed sets it to the round's average of all
     updates when every site answered (so alike sites that alternate between two models lose no rounds), and
     keeps it under partial participation (its sites may just not have been sampled)."""
-    from fedmed.aggregation import ifca_models
+    from fedmed.algorithms.aggregation import ifca_models
 
     m0, m1 = {"w": np.zeros(2)}, {"w": np.full(2, 9.0)}
     ups = [{"w": np.array([1.0, 1.0])}, {"w": np.array([3.0, 3.0])}]

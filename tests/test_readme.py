@@ -92,7 +92,7 @@ def test_every_json_example_in_the_docs_is_valid_json_and_the_site_settings_exam
     """docs/deployment.md's local/fedmed_site.json had // comments: copied verbatim it was invalid JSON."""
     import json
 
-    from fedmed.site_settings import resolve_site_settings
+    from fedmed.site.settings import resolve_site_settings
 
     blocks = [(f.name, b) for f in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
               for b in re.findall(r"```json\n(.*?)```", f.read_text(), flags=re.S)]
@@ -106,3 +106,24 @@ def test_every_json_example_in_the_docs_is_valid_json_and_the_site_settings_exam
     (tmp_path / "local" / "fedmed_site.json").write_text(json.dumps(example))
     s = resolve_site_settings("hospital-a", cwd=tmp_path, env={})
     assert s.datalist == tmp_path / "site.json" and s.k_min == example["k_min"]
+
+
+def test_what_is_where_matches_the_tree():
+    """The README's "What is where" names every top-level folder of the repository and every subpackage of fedmed,
+    and nothing that is not there."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## What is where"):text.index("\n## ", text.index("## What is where") + 5)]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    named = {re.match(r"\| `([^`]+)/`", r).group(1) for r in rows}
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    folders = {p.split("/")[0] for p in tracked if "/" in p and not p.startswith(".")}
+    assert named == folders
+    fedmed_row = next(r for r in rows if r.startswith("| `fedmed/`"))
+    subpackages = set(re.findall(r"`(\w+)/`", fedmed_row)) - {"fedmed"}
+    on_disk = {p.parent.name for p in (ROOT / "fedmed").glob("*/__init__.py")}
+    assert subpackages == on_disk
+    custom_row = next(r for r in rows if r.startswith("| `custom/`"))
+    assert set(re.findall(r"`(\w+\.py)`", custom_row)) == {p.name for p in (ROOT / "custom").glob("*.py")
+                                                           if p.name != "__init__.py"}

@@ -6,12 +6,14 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from fedmed.assessment import assess, site_assessment
-from fedmed.data import DataError
-from fedmed.encoders import build_encoder
-from fedmed.phantoms import write_phantom_subjects
-from fedmed.seg import dice_scores, load_case, seg_metrics, seg_model, train_seg_local
-from fedmed.seg_data import check_no_leakage, discover_subjects, write_seg_federation
+from fedmed.algorithms.assessment import assess
+from fedmed.site.assessment import site_assessment
+from fedmed.data.images import DataError
+from fedmed.nn.encoders import build_encoder
+from fedmed.data.phantoms import write_phantom_subjects
+from fedmed.nn.seg import dice_scores, seg_metrics, seg_model, train_seg_local
+from fedmed.data.nifti import load_case
+from fedmed.data.seg_federation import check_no_leakage, discover_subjects, write_seg_federation
 
 MODS = {"FLAIR": "Flair*.nii*", "T1c": "T1c*.nii*"}
 
@@ -119,7 +121,7 @@ def test_whole_subject_folds_rotate_the_common_test_set(phantoms, tmp_path):
 
 
 def test_subject_leakage_raises(phantoms, tmp_path):
-    from fedmed.seg_site import SegSiteRunner
+    from fedmed.site.seg import SegSiteRunner
 
     entries = discover_subjects(phantoms, MODS, "OTMultiClass*", "brainmask*", hemispheres=True)
     left, right = entries[18], entries[19]  # the two hemispheres of phantom_009
@@ -135,7 +137,7 @@ def test_subject_leakage_raises(phantoms, tmp_path):
 def test_recipe_learns_untrained_dice_far_below_trained(phantoms):
     """The default recipe (Dice + focal, Adam kept across calls, tumour-centred patches) learns on a tiny case; the
     untrained network's whole-tumour Dice is far below a short run's."""
-    from fedmed.train import make_optimizer
+    from fedmed.nn.train import make_optimizer
 
     cases = [load_case(e, shape=(16, 16, 16)) for e in discover_subjects(phantoms, MODS, "OTMultiClass*")[6:]]
     model = seg_model(2, channels=(4, 8, 16), seed=0)
@@ -168,7 +170,7 @@ def test_unet_trains_and_scores(phantoms):
 
 
 def test_assess_cli_skips_bad_site(phantoms, tmp_path, capsys):
-    from fedmed.cli import main
+    from fedmed.cli.main import main
 
     entries = discover_subjects(phantoms, MODS, "OTMultiClass*", "brainmask*")
     out = write_seg_federation(entries, 4, tmp_path / "fed", partition="label_volume")
@@ -184,7 +186,7 @@ def test_assess_cli_skips_bad_site(phantoms, tmp_path, capsys):
 
 
 def test_largest_component_keeps_the_main_lesion_and_restricts_tc_et():
-    from fedmed.seg import keep_largest_component
+    from fedmed.nn.seg import keep_largest_component
 
     m = np.zeros((3, 12, 12, 12), np.uint8)
     m[0, 2:7, 2:7, 2:7] = 1  # main lesion, 125 voxels
@@ -211,7 +213,7 @@ def _case(label3, meta):
 def test_a_subject_is_scored_once_not_per_hemisphere():
     """BraTS scores a patient: a hemisphere with a 3-voxel fragment of a lesion centred in the other one must not
     weigh as much as the lesion (the per-sample reading gives ~0.5 for a near-perfect segmentation)."""
-    from fedmed.seg import score_masks
+    from fedmed.nn.seg import score_masks
 
     left = np.zeros((3, 10, 20, 20), np.uint8)
     left[:, 2:9, 5:15, 5:15] = 1
@@ -231,7 +233,7 @@ def test_subject_scores_of_hemispheres_equal_the_whole_volume_and_monai():
     import torch
     from monai.metrics import compute_hausdorff_distance
 
-    from fedmed.seg import score_masks
+    from fedmed.nn.seg import score_masks
 
     shape, sp = (24, 20, 18), [1.5, 1.0, 2.0]
     gt = np.stack([_ball(shape, (11, 9, 8), 6), _ball(shape, (11, 9, 8), 4), _ball(shape, (12, 9, 8), 2)])
@@ -254,7 +256,7 @@ def test_subject_scores_of_hemispheres_equal_the_whole_volume_and_monai():
 def test_loaded_hemispheres_are_placed_where_the_whole_case_is(phantoms):
     """load_case's origin_mm puts each hemisphere's voxels at their place in the original volume: a prediction
     scored on the two loaded halves gets the whole loaded case's Dice and HD95 (no resampling: shape = crop)."""
-    from fedmed.seg import score_masks
+    from fedmed.nn.seg import score_masks
 
     ents = discover_subjects(phantoms, MODS, "OTMultiClass*", "brainmask*", hemispheres=True)
     left_e, right_e = ents[20], ents[21]  # phantom_010, radius 10: crosses the midline

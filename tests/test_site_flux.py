@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from fedmed.data import DataError, discover, write_site_datalists
-from fedmed.models import build_model
-from fedmed.site import SiteRunner
-from fedmed.train import get_params
+from fedmed.data.images import DataError, discover, write_site_datalists
+from fedmed.nn.models import build_model
+from fedmed.site.runner import SiteRunner
+from fedmed.nn.train import get_params
 
 CFG = {"seed": 0, "data": {"image_size": 8, "channels": 1, "n_classes": 10}, "model": {"arch": "resnet9", "width": 4},
        "train": {"local_epochs": 1, "batch_size": 8, "lr": 0.01, "momentum": 0.9},

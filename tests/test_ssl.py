@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedmed.data import DataError, discover, write_site_datalists
-from fedmed.ssl import (ViTClassifier, encoder_state, layerwise_param_groups, mae_eval_loss, mae_loss, mae_model,
+from fedmed.data.images import DataError, discover, write_site_datalists
+from fedmed.nn.mae import (ViTClassifier, encoder_state, layerwise_param_groups, mae_eval_loss, mae_loss, mae_model,
                         patchify, scheduled_lr, train_mae_local)
-from fedmed.ssl_site import MAESiteRunner
-from fedmed.train import get_params, train_local
+from fedmed.site.mae import MAESiteRunner
+from fedmed.nn.train import get_params, train_local
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"img_size": 16, "patch_size": 4, "hidden_size": 32, "mlp_dim": 64, "num_layers": 2, "num_heads": 2,
@@ -131,7 +131,7 @@ def test_fedmae_encoder_is_the_classifiers_and_the_registrys_encoder(tmp_path):
     assert not unexpected and set(missing) == {"head.weight", "head.bias"}
     f = tmp_path / "encoder.pt"
     torch.save(enc, f)
-    from fedmed.encoders import build_encoder
+    from fedmed.nn.encoders import build_encoder
 
     e = build_encoder("fedmae_vit", weights=str(f), seed=0, in_channels=3)
     assert "random" not in e.description.lower()
@@ -172,7 +172,7 @@ def test_mae_site_ignores_labels_and_trains(tmp_path):
 
 
 def test_site_with_labels_outside_the_global_label_space_is_named(tmp_path):
-    from fedmed.site import SiteRunner
+    from fedmed.site.runner import SiteRunner
 
     d = _federation(tmp_path, lambda y: [np.flatnonzero(y < 3)])
     cfg = {"seed": 0, "classes": ["0", "1"], "data": {"image_size": 8, "channels": 1, "n_classes": 2},
@@ -183,7 +183,7 @@ def test_site_with_labels_outside_the_global_label_space_is_named(tmp_path):
 
 
 def test_prep_round_sends_only_class_ids_of_large_enough_classes(tmp_path):
-    from fedmed.site import SiteRunner
+    from fedmed.site.runner import SiteRunner
 
     d = _federation(tmp_path, lambda y: [np.r_[np.flatnonzero(y == 1), np.flatnonzero(y == 4)[:2]]])
     cfg = {"seed": 0, "data": {"image_size": 8, "channels": 1, "n_classes": 10}, "privacy": {"k_min": 5}}
@@ -195,7 +195,7 @@ def test_prep_round_sends_only_class_ids_of_large_enough_classes(tmp_path):
 
 def test_predi_target_that_cannot_be_met_names_the_parameter(tmp_path):
     from fedmed.config import load_config
-    from fedmed.experiment import prepare_federation
+    from fedmed.run.experiment import prepare_federation
 
     base = {"name": "t", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 20},
             "federation": {"sites": 4, "partition": "predi", "predi_prevalence": 3.5, "predi_samples_per_cell": 10,
@@ -220,7 +220,7 @@ def test_vit_workflows_need_the_vits_image_size():
 def test_finetuning_lr_is_the_configured_lr_not_maes_batch_scaled_one(tmp_path):
     """docs/readings.md (001_ §4.2 "base learning rate 1e-3"): fine-tuning peaks at ``train.lr`` itself (x the
     layer's decay), whatever the batch size; MAE's ``x batch / 256`` rule is applied to pre-training only."""
-    from fedmed.site import SiteRunner
+    from fedmed.site.runner import SiteRunner
 
     cfg = {"seed": 0, "data": {"image_size": 32, "channels": 3, "n_classes": 10},
            "train": {"lr": 1e-3, "batch_size": 16, "weight_decay": 0.05},
@@ -239,7 +239,7 @@ def test_resume_key_follows_the_encoders_bytes_not_only_its_path(tmp_path):
     """Every pre-training run into one output folder writes the encoder to the same path: a fine-tuning made from an
     older encoder must not be reused after a pre-training rerun with other settings (it once was)."""
     from fedmed.config import load_config
-    from fedmed.ssl_experiment import run_key
+    from fedmed.run.ssl import run_key
 
     exp = load_config(ROOT / "app_configs" / "ssl_imagenette.yaml")
     ft = next(m for m in exp.methods if m.name == "Fed-MAE init")
@@ -285,7 +285,7 @@ def test_a_studys_fedmae_lr_reaches_the_sites_not_the_papers_default():
     1.5e-4: the method's value is what the sites' task configuration carries (the site falls back to 1.5e-4 only
     when none is given)."""
     from fedmed.config import load_config
-    from fedmed.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import fedmed_config
 
     root = Path(__file__).resolve().parents[1]
     exp = load_config(root / "app_configs" / "ssl_pneumonia.yaml", ['dataset.classes=["normal","pneumonia"]'])

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fedmed import summary as S
+from fedmed.report import summary as S
 
 
 def run_rows(method, seed, tests, vals, kind="method"):
@@ -40,7 +40,7 @@ def test_validation_selection_needs_a_validation_split():
 
 
 def test_table_and_console_line_use_the_same_round(tmp_path):
-    from fedmed.experiment import _log_done
+    from fedmed.run.experiment import _log_done
 
     lines = []
     doc = {"wall_seconds": 1.0, "errors": []}

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedmed.metrics import auc_from_histograms, pooled_metrics, site_metrics
-from fedmed.models import build_model
-from fedmed.train import get_params, set_params, train_local
+from fedmed.algorithms.metrics import auc_from_histograms, pooled_metrics, site_metrics
+from fedmed.nn.models import build_model
+from fedmed.nn.train import get_params, set_params, train_local
 
 
 def test_pooled_equals_concatenated(rng):
@@ -82,7 +82,7 @@ def test_site_metrics_match_scikit_learn_without_importing_it():
     1e-12, ties included, on binary and multi-class cases."""
     from sklearn.metrics import f1_score, roc_auc_score
 
-    from fedmed.metrics import binary_auc, macro_f1
+    from fedmed.algorithms.metrics import binary_auc, macro_f1
 
     rng = np.random.default_rng(0)
     for trial in range(50):
@@ -104,14 +104,14 @@ def test_a_site_process_imports_neither_scikit_learn_nor_scipy_to_train_and_vali
 
     code = f"""
 import sys, numpy as np
-from fedmed.data import write_site_datalists, ImagePool
+from fedmed.data.images import write_site_datalists, ImagePool
 rng = np.random.default_rng(0)
 pool = ImagePool(list((rng.random((24, 8, 8)) * 255).astype(np.uint8)), np.arange(24) % 2, ["a", "b"], "t")
 write_site_datalists(pool, [np.arange(24)], {str(tmp_path)!r}, test_fraction=0.25, val_fraction=0.2)
 before = {{m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')}}
-from fedmed.site import SiteRunner
-from fedmed.models import build_model
-from fedmed.train import get_params
+from fedmed.site.runner import SiteRunner
+from fedmed.nn.models import build_model
+from fedmed.nn.train import get_params
 cfg = {{"seed": 0, "data": {{"image_size": 8, "channels": 1, "n_classes": 2}}, "model": {{"arch": "resnet9", "width": 4}},
        "train": {{"local_epochs": 1, "batch_size": 8, "optimizer": "adam", "lr": 1e-3}}}}
 r = SiteRunner("site-1", {str(tmp_path)!r})

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _fmcl_federation(tmp_path, rounds=2):
     from fedmed.config import load_config
-    from fedmed.experiment import classes_override, prepare_federation
+    from fedmed.run.experiment import classes_override, prepare_federation
 
     raw = {"name": "wf", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 16},
            "federation": {"sites": 4, "partition": "dirichlet", "alpha": 0.1},
@@ -42,7 +42,7 @@ def test_a_clustered_workflow_gives_the_same_models_in_process_and_in_flares_sim
     loop)."""
     import subprocess
 
-    from fedmed.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import fedmed_config
     from fedmed.workflows import InProcessFederation, server_workflow, workflow_args
 
     cfg_path, exp, data, overrides = _fmcl_federation(tmp_path)

@@ -6,10 +6,10 @@ simulator, POC, provisioned sites) and in this process (:class:`InProcessFederat
 its site tasks and whether it ends with clusters.
 """
 
-from .base import Workflow, initial_params
-from .federation import RESUME_DIR, Federation, RunFailed, RunStopped
-from .inprocess import InProcessFederation, fedavg_in_process, run_in_process
-from .registry import (METHODS, SERVER_WORKFLOWS, MethodEntry, clustering_workflows, method_entry, server_workflow,
+from fedmed.workflows.base import Workflow, initial_params
+from fedmed.workflows.federation import RESUME_DIR, Federation, RunFailed, RunStopped
+from fedmed.workflows.inprocess import InProcessFederation, fedavg_in_process, run_in_process
+from fedmed.workflows.registry import (METHODS, SERVER_WORKFLOWS, MethodEntry, clustering_workflows, method_entry, server_workflow,
                        workflow_args, workflows_for)
 
 __all__ = ["METHODS", "RESUME_DIR", "SERVER_WORKFLOWS", "Federation", "InProcessFederation", "MethodEntry", "RunFailed",

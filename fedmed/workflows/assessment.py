@@ -1,9 +1,8 @@
 """``004_`` (Alekseenko et al.): assess the federation, then train a model that is better for it."""
 
-from pathlib import Path
 
-from .federation import RunFailed
-from .clustered import OneShotClustered
+from fedmed.workflows.federation import RunFailed
+from fedmed.workflows.clustered import OneShotClustered
 
 
 class SegAssessment(OneShotClustered):
@@ -26,7 +25,8 @@ class SegAssessment(OneShotClustered):
         self.mode, self.distance, self.site, self.clusters = mode, distance, site, clusters or []
 
     def assess_sites(self) -> dict:
-        from ..assessment import assess, write_report
+        from fedmed.algorithms.assessment import assess
+        from fedmed.report.assessment import write_assessment_report
 
         sites = {}
         for name, _, meta, _ in self.send("assess", self.task({}, 0)):
@@ -41,7 +41,7 @@ class SegAssessment(OneShotClustered):
             raise RunFailed(f"{len(sites)} site(s) sent an assessment; the 004_ assessment needs at least "
                             f"{max(2, self.min_clients)}")
         report = assess(sites)
-        write_report(report, self.out_dir / "assessment")
+        write_assessment_report(report, self.out_dir / "assessment")
         summary = {k: {kk: vv for kk, vv in v.items() if kk != "matrix"} for k, v in report.items() if k in ("emd", "euc")}
         self.recorder.note("assessment", {"sites": report["sites"], **summary,
                                           "privacy": {s: m.get("dp", {}) for s, m in sites.items()}})

@@ -11,18 +11,18 @@ __all__ = ["Workflow", "initial_params"]
 def initial_params(cfg: dict, app_custom=None) -> dict:
     """The model every site starts from (the seeded network, or ``model.init_weights``, which the job carries in the
     server app's custom folder ``app_custom``)."""
-    from ..train import get_params
+    from fedmed.nn.train import get_params
 
     m, d = cfg["model"], cfg["data"]
     if cfg.get("task") == "mae":
-        from ..ssl import mae_model
+        from fedmed.nn.mae import mae_model
 
         return get_params(mae_model(d["channels"], mask_ratio=cfg["mae"].get("mask_ratio", 0.75), seed=cfg.get("seed", 0)))
     if cfg.get("task") == "segmentation":
-        from ..models import seg_model_from_config
+        from fedmed.nn.models import seg_model_from_config
 
         return get_params(seg_model_from_config(m, d["in_channels"], seed=cfg.get("seed", 0), init_root=app_custom))
-    from ..models import model_from_config
+    from fedmed.nn.models import model_from_config
 
     return get_params(model_from_config(m, d["channels"], d["n_classes"], seed=cfg.get("seed", 0), init_root=app_custom))
 
@@ -33,7 +33,7 @@ class Workflow:
 
     Args:
         num_rounds: training rounds R (a final ``validate`` round R follows).
-        fedmed_config: the task config every task carries to the sites (:func:`fedmed.taskconfig.fedmed_config`).
+        fedmed_config: the task config every task carries to the sites (:func:`fedmed.run.taskconfig.fedmed_config`).
         **args: the workflow's own options (the registry builds them from the method's config).
     """
 

@@ -2,12 +2,12 @@
 
 import numpy as np
 
-from .fedavg import FedAvg
+from fedmed.workflows.fedavg import FedAvg
 
 
 class CFL(FedAvg):
     """Algorithm box (CFL, Alg. 1): every round each cluster trains from its model; when a cluster's mean
-    update is small but some site's update is large (``fedmed.clustered.cfl_split``), it is bipartitioned
+    update is small but some site's update is large (``fedmed.algorithms.clustered.cfl_split``), it is bipartitioned
     by cosine similarity of the updates and each half continues from the cluster's model."""
 
     record_name = "CFLController"
@@ -20,7 +20,7 @@ class CFL(FedAvg):
         self.eps1, self.eps2, self.warmup_rounds = float(eps1), float(eps2), int(warmup_rounds)
 
     def run(self):
-        from ..clustered import cfl_split
+        from fedmed.algorithms.clustered import cfl_split
 
         st = self.resumed.get("state", {})
         clusters = [[s for s in c if s in self.sites] for c in st.get("clusters", [self.sites])]

@@ -1,9 +1,8 @@
 """One-shot clustered FL: FMCL (``000_`` Fig. 1, Alg. 2-5), and PACFL / FECFL with their signatures."""
 
-from pathlib import Path
 
-from .federation import RunFailed
-from .fedavg import FedAvg
+from fedmed.workflows.federation import RunFailed
+from fedmed.workflows.fedavg import FedAvg
 
 
 class OneShotClustered(FedAvg):
@@ -45,9 +44,9 @@ class OneShotClustered(FedAvg):
         return sigs
 
     def cluster(self, sigs: dict) -> list:
-        from ..clustered import choose_clusters, signature_distances
-        from ..io import write_distance_csv
-        from ..plots import plot_dendrogram, plot_heatmap, plot_silhouette
+        from fedmed.algorithms.clustered import choose_clusters, signature_distances
+        from fedmed.core.io import write_distance_csv
+        from fedmed.report.plots import plot_dendrogram, plot_heatmap, plot_silhouette
 
         out = self.out_dir
         if len(sigs) < self.min_clients:

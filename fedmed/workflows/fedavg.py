@@ -1,9 +1,9 @@
 """FedAvg (McMahan et al. 2017), FedProx (Li et al. 2020; the proximal term is local, ``train.fedprox_mu``),
 FedAvg_w (``004_`` Eq. 2) and Ditto (Li et al. 2021; the personal models live at the sites)."""
 
-from ..aggregation import down_weight, weighted_average
+from fedmed.algorithms.aggregation import down_weight, weighted_average
 
-from .base import Workflow
+from fedmed.workflows.base import Workflow
 
 
 class FedAvg(Workflow):

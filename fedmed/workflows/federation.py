@@ -13,7 +13,7 @@ small surface:
 
 Two implementations: ``custom/controller.py`` on NVFlare (simulator, POC, provisioned sites: timeouts,
 probation, dead sites) and :class:`fedmed.workflows.inprocess.InProcessFederation` (every site's
-:class:`~fedmed.site.SiteRunner` in this process: benchmarks, references, fast tests). The shared parts — the run
+:class:`~fedmed.site.runner.SiteRunner` in this process: benchmarks, references, fast tests). The shared parts — the run
 driver with its honest status, recording, checkpoint and resume, final models — live here, so both record, stop
 and save the same way.
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import memtrace
-from ..reporting import Recorder
+from fedmed.core import memtrace
+from fedmed.report.record import Recorder
 
 __all__ = ["RESUME_DIR", "Federation", "RunFailed", "RunStopped"]
 
@@ -112,10 +112,10 @@ class Federation:
         self.workflow = workflow
         workflow.fed = self
         if self.app_custom is not None:
-            from ..models import USER_CODE_DIR
+            from fedmed.nn.models import USER_CODE_DIR
 
             user_code = str(Path(self.app_custom) / USER_CODE_DIR)
-            if user_code not in sys.path:  # a user's network class travels in the job (fedmed.models)
+            if user_code not in sys.path:  # a user's network class travels in the job (fedmed.nn.models)
                 sys.path.insert(0, user_code)
         self.start_recording()
         try:
@@ -144,7 +144,7 @@ class Federation:
     def start_recording(self):
         memtrace.start()
         self.recorder = Recorder(self.out_dir, tensorboard=self.tensorboard, meta={"config": self.cfg, "workflow": self.workflow.record_name})
-        from ..privacy import k_min_consent_note
+        from fedmed.algorithms.privacy import k_min_consent_note
 
         consent = k_min_consent_note(self.cfg.get("privacy", {}))
         if consent:  # stated in the run's record and the server's log
@@ -186,7 +186,7 @@ class Federation:
         arrays = {f"{name}/{k}": np.asarray(v) for name, p in models.items() for k, v in p.items()}
         np.savez(out / "models.tmp.npz", **arrays)
         (out / "models.tmp.npz").replace(out / "models.npz")
-        from ..io import json_default
+        from fedmed.core.io import json_default
 
         doc = {"workflow": self.workflow.record_name, "next_round": int(next_round), "state": state,
                "record": self.recorder.doc, "models": sorted(models)}
@@ -236,9 +236,9 @@ class Federation:
         return [s for s in sites if s in done]
 
     def save_final(self, params: dict, name: str = "global", *, sites=None, cluster=None):
-        """The trained model, as a PyTorch checkpoint (``fedmed.predict.save_model``: ``state_dict``, what rebuilds the
+        """The trained model, as a PyTorch checkpoint (``fedmed.nn.predict.save_model``: ``state_dict``, what rebuilds the
         network, what it serves). Only called when the run finished."""
-        from ..predict import save_model
+        from fedmed.nn.predict import save_model
 
         if sites is not None:  # only the sites whose updates went into it
             sites = self.trained_sites(sites, cluster)
@@ -249,7 +249,7 @@ class Federation:
         if self.cfg.get("task") == "mae":  # the encoder the registry loads as "fedmae_vit" (a plain state dict)
             import torch
 
-            from ..ssl import encoder_state
+            from fedmed.nn.mae import encoder_state
 
             torch.save({k: torch.as_tensor(np.asarray(v)) for k, v in encoder_state(params).items()},
                        out / "encoder.pt")

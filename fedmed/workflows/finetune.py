@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from .federation import RunFailed
-from .fedavg import FedAvg
+from fedmed.workflows.federation import RunFailed
+from fedmed.workflows.fedavg import FedAvg
 
 INIT_DIR = "fedmed_init"  # inside the server app's custom folder: the pre-trained encoder (encoder.pt)
 
@@ -40,7 +40,7 @@ class Finetune(FedAvg):
         return params
 
     def prevalence_round(self):
-        from ..aggregation import prep_weights
+        from fedmed.algorithms.aggregation import prep_weights
 
         sets = {}
         for site, _, meta, _ in self.send("class_set", self.task({}, 0)):

@@ -1,11 +1,10 @@
 """Flux (``003_`` Algorithm 1) with partial participation."""
 
-from pathlib import Path
 
 import numpy as np
 
-from .federation import RunFailed
-from .fedavg import FedAvg
+from fedmed.workflows.federation import RunFailed
+from fedmed.workflows.fedavg import FedAvg
 
 
 class Flux(FedAvg):
@@ -50,7 +49,7 @@ class Flux(FedAvg):
 
     def warmup(self):
         """FedAvg until Eq. 14 fires; returns (theta*, the round clustering happens at)."""
-        from ..flux import should_start_clustering
+        from fedmed.algorithms.flux import should_start_clustering
 
         st = self.resumed.get("state", {})
         theta = self.resumed_models().get("global") or self.initial_params()
@@ -68,8 +67,8 @@ class Flux(FedAvg):
         return theta, r
 
     def cluster_sites(self, theta_star, r):
-        from ..clustered import flux_cluster
-        from ..flux import merge_bounds
+        from fedmed.algorithms.clustered import flux_cluster
+        from fedmed.algorithms.flux import merge_bounds
 
         part = self.sample(r)
         bounds = [(np.asarray(m["lo"]), np.asarray(m["hi"]))
@@ -94,7 +93,7 @@ class Flux(FedAvg):
         return lo, hi, info
 
     def run(self):
-        from ..flux import assign_nearest
+        from fedmed.algorithms.flux import assign_nearest
 
         st = self.resumed.get("state", {})
         if st.get("phase") == "clustered":

@@ -2,14 +2,14 @@
 
 import numpy as np
 
-from ..aggregation import ifca_models
-from .fedavg import FedAvg
+from fedmed.algorithms.aggregation import ifca_models
+from fedmed.workflows.fedavg import FedAvg
 
 
 class IFCA(FedAvg):
     """Algorithm box (IFCA, Alg. 2): every round each sampled site receives all K models, picks the one
     with the lowest loss on its training data and trains it; the server averages per chosen model
-    (:func:`fedmed.aggregation.ifca_models`; a model nobody chose: ``empty_cluster``)."""
+    (:func:`fedmed.algorithms.aggregation.ifca_models`; a model nobody chose: ``empty_cluster``)."""
 
     record_name = "IFCAController"
 

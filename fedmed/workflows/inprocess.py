@@ -2,7 +2,7 @@
 workflows without FLARE, for benchmarks, references (each site alone, centralized) and fast tests.
 
 It runs the *same* workflow code as the FLARE adapter (``custom/controller.py``) and each site's task through the
-same reply loop as the FLARE client script (:func:`fedmed.site.answer`), one site after the other with one torch
+same reply loop as the FLARE client script (:func:`fedmed.site.runner.answer`), one site after the other with one torch
 thread each, as a simulated site runs; tasks carry copies of their config and parameters as FLARE's messages do.
 A clustered workflow run here and in FLARE's simulator gives the same models bit for bit
 (``tests/test_workflows.py``).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .federation import Federation, RunFailed
+from fedmed.workflows.federation import Federation, RunFailed
 
 __all__ = ["InProcessFederation", "Message", "fedavg_in_process", "run_in_process"]
 
@@ -101,7 +101,7 @@ class InProcessFederation(Federation):
         return sites
 
     def send_groups(self, task_name: str, groups: dict) -> dict:
-        from ..site import answer
+        from fedmed.site.runner import answer
 
         import torch
 
@@ -152,7 +152,7 @@ def fedavg_in_process(cfg: dict, datalists, sites: list[str], *, rounds: int, in
 
     import torch
 
-    from .fedavg import FedAvg
+    from fedmed.workflows.fedavg import FedAvg
 
     cfg = {**cfg, "federation": {**cfg.get("federation", {}), "sites": list(sites), "min_clients": len(sites)}}
     final = {}

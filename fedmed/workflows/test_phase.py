@@ -4,8 +4,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .base import Workflow
-from .federation import RunFailed
+from fedmed.workflows.base import Workflow
+from fedmed.workflows.federation import RunFailed
 
 TRAINING_DIR = "fedmed_training"  # inside the server app's custom folder: the training run's models and flux_state
 
@@ -43,7 +43,7 @@ class FluxTest(Workflow):
         self.cluster_sizes = dict(cluster_sizes or {})
 
     def run(self):
-        from ..flux import assign_nearest
+        from fedmed.algorithms.flux import assign_nearest
 
         self.cfg = {**self.cfg, "evaluate_on": "all"}
         root = Path(self.app_custom) / TRAINING_DIR

@@ -1,0 +1,400 @@
+"""Workflow verbs of the CLI: ``data``, ``experiment``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fedmed.core.resources import shipped_config
+
+
+def cmd_data(a):
+    from fedmed.config import load_config
+    from fedmed.run.experiment import prepare_federation
+
+    overrides = list(a.set)
+    if a.dataset:
+        overrides.append(f"dataset.path={a.dataset}")
+    for flag, key in ((a.sites, "federation.sites"), (a.partition, "federation.partition"), (a.alpha, "federation.alpha")):
+        if flag is not None:
+            overrides.append(f"{key}={flag}")
+    if a.config:
+        exp = load_config(a.config, overrides)
+    else:
+        if not a.dataset:
+            raise ValueError("give --config CONFIG or --dataset PATH")
+        exp = load_config({"name": "data", "dataset": {"path": a.dataset}}, overrides)
+    out = prepare_federation(exp, a.seed, a.out)
+    import json
+
+    meta = json.loads((out / "dataset.json").read_text())
+    print(f"wrote {len(meta['sites'])} site datalists to {out}")
+    if meta.get("task") == "segmentation":
+        for s in meta["sites"]:
+            vols = meta.get("site_volumes_mm3", {}).get(s)
+            print(f"  {s}: samples {meta['site_samples'][s]}" + (f", {meta['region']} volumes (mm^3) {vols}" if vols else ""))
+        return
+    for s in meta["sites"] + meta.get("unseen_sites", []):
+        doc = json.loads((out / f"{s}.json").read_text())
+        counts = {}
+        for e in doc["training"] + doc["validation"] + doc["test"]:
+            counts[e["label"]] = counts.get(e["label"], 0) + 1
+        print(f"  {s}: {len(doc['training'])} train / {len(doc['validation'])} validation / {len(doc['test'])} test, "
+              f"classes {dict(sorted(counts.items()))}")
+
+
+def cmd_experiment(a):
+    from fedmed.run.experiment import run_experiment
+
+    out = a.out or str(Path("results") / Path(a.config).stem)
+    try:
+        run_experiment(a.config, out, overrides=a.set, methods=a.methods, resume=a.resume)
+    finally:
+        if (Path(out) / "summary.md").is_file():
+            print((Path(out) / "summary.md").read_text())
+
+
+DEMO_PARTS = {"classification": "Classification: FedAvg, FedProx, FMCL",
+              "segmentation": "Segmentation: 004_ assessment and a 3D U-Net",
+              "flux": "Flux: clustering during training, unseen sites"}
+
+
+def cmd_demo(a):
+    """Three small experiments end to end (each a real NVFlare simulator job per method), their tables, one report;
+    ``--part`` runs some of them."""
+    from fedmed.report.html import write_report
+
+    parts = [p for p in DEMO_PARTS if p in (a.part or DEMO_PARTS)]
+    overrides = list(a.set)
+    data_name = "sklearn digits (offline, bundled)"
+    if a.data:
+        overrides += [f"dataset.path={a.data}", "dataset.image_size=32", "dataset.max_per_class=40",
+                      f"name=demo-{Path(a.data).name}"]
+        data_name = a.data
+    out = Path(a.out)
+    command = "fedmed demo" + (f" --data {a.data}" if a.data else "") + (f" --out {a.out}" if a.out != "results/demo"
+                                                                          else "") + \
+        (f" --part {' '.join(parts)}" if a.part else "")
+    print(f"fedmed demo: {data_name} -> {out}", flush=True)
+    for k, part in enumerate(parts):
+        print(f"\n== {k + 1}. {DEMO_PARTS[part]} ==", flush=True)
+        {"classification": lambda: _demo_classification(out, overrides, command),
+         "segmentation": lambda: _demo_segmentation(out, command), "flux": lambda: _demo_flux(out, command)}[part]()
+    (out / "summary.md").write_text(f"# fedmed demo\n\nProduced by: `{command}`\n\nData: {data_name}; the parts below "
+                                    f"(each part's own table and runs).\n\n" + "\n\n".join(
+                                        f"## {k + 1}. {DEMO_PARTS[p]}\n\n" + (out / p / "summary.md").read_text().replace(
+                                            "## ", "### ", 1) for k, p in enumerate(parts)))
+    print(f"report: {write_report(out, command=command)} (open it in a browser)")
+
+
+def _demo_classification(out: Path, overrides: list, command: str) -> None:
+    import json
+
+    from fedmed.run.experiment import run_experiment
+
+    print("FedAvg, FedProx and FMCL (one-shot clustering) on a 4-site federation, with reference rows", flush=True)
+    run_experiment(str(shipped_config("demo_digits.yaml")), out / "classification", overrides=overrides,
+                   command=command)
+    for doc in sorted((out / "classification" / "runs" / "seed0").glob("FMCL*/metrics.json")):
+        c = json.loads(doc.read_text()).get("clustering", {})
+        print(f"FMCL clusters found once, before training ({c.get('rule')}; encoder {', '.join(c.get('encoder', []))}): "
+              f"{c.get('clusters')}")
+    print()
+    print((out / "classification" / "summary.md").read_text())
+
+
+def _demo_segmentation(out: Path, command: str) -> None:
+    from fedmed.data.phantoms import write_phantom_subjects
+    from fedmed.run.experiment import run_experiment
+
+    print("004_ site assessment and a trained 3D U-Net (synthetic NIfTI phantoms, 4 sites)", flush=True)
+    phantoms = out / "phantoms"
+    write_phantom_subjects(phantoms, [0, 2, 3, 3, 4, 4, 5, 6, 6, 9, 10, 11, 3, 5, 8], size=24)
+    run_experiment(str(shipped_config("demo_seg_phantoms.yaml")), out / "segmentation",
+                   overrides=[f"dataset.path={phantoms.resolve()}"], command=command)
+    report = next((out / "segmentation" / "runs").rglob("report.md"), None)
+    if report:
+        print(report.read_text())
+    print("(the phantom sites are ordered by lesion volume, so the metadata EMD should name the last site most "
+          "distant; the embedding distance uses a randomly initialised MedicalNet here and need not agree)")
+    print((out / "segmentation" / "summary.md").read_text())
+
+
+def _demo_flux(out: Path, command: str) -> None:
+    import json
+
+    from fedmed.run.experiment import run_experiment
+
+    print("Flux: clustering during training and unseen-site assignment (digits, ANDA feature shift)", flush=True)
+    run_experiment(str(shipped_config("demo_flux_digits.yaml")), out / "flux", command=command)
+    run = out / "flux" / "runs" / "seed0" / "Flux"
+    train = json.loads((run / "metrics.json").read_text())
+    test = json.loads((run / "test_phase" / "metrics.json").read_text())
+    groups = json.loads((out / "flux" / "data" / "seed0" / "dataset.json").read_text())["groups"]
+    print(f"clusters found in training: {train['clustering']['clusters']} (true groups: "
+          f"{ {g: [s for s, x in groups.items() if x == g and not s.startswith('unseen')] for g in sorted(set(groups.values()))} })")
+    for u, c in test["assignment"]["test_phase"].items():
+        print(f"  {u} (true group {groups[u]}, no labels used) -> cluster {c}: {train['clustering']['clusters'][c]}")
+    print((out / "flux" / "summary.md").read_text())
+
+
+def cmd_ssl(a):
+    from fedmed.run.ssl import run_ssl
+
+    out = a.out or str(Path("results") / Path(a.config).stem)
+    run_ssl(a.config, out, overrides=a.set, resume=a.resume,
+            command=" ".join(["fedmed ssl", a.config, *[f"--set {x}" for x in a.set]]))
+    print((Path(out) / "summary.md").read_text())
+
+
+def cmd_report(a):
+    from fedmed.report.html import write_report
+
+    print(f"wrote {write_report(a.out_dir)}")
+
+
+def cmd_predict(a):
+    """Apply a trained model: classify images (CSV/JSON out) or segment one NIfTI case (label map out)."""
+    import json
+
+    from fedmed.nn.predict import load_model, predict_images, predict_volume
+
+    _, ck = load_model(a.model)
+    if ck["task"] == "segmentation":
+        if a.mask and not Path(a.mask).is_file():
+            raise ValueError(f"--mask {a.mask}: file not found")
+        out = Path(a.out or "prediction.nii.gz")
+        predict_volume(a.model, a.inputs, out, mask=a.mask, device=a.device)
+        print(f"wrote {out} (labels 1 core, 2 edema, 4 enhancing)")
+        return
+    if a.mask:
+        raise ValueError("--mask applies to segmentation models only")
+    rows = predict_images(a.model, a.inputs, device=a.device)
+    if a.out:
+        import csv
+
+        names = list(rows[0]["probabilities"])
+        with open(a.out, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["image", "prediction", *[f"p_{n}" for n in names]])
+            for r in rows:
+                w.writerow([r["image"], r["prediction"], *[r["probabilities"][n] for n in names]])
+        print(f"wrote {a.out} ({len(rows)} images)")
+    else:
+        print(json.dumps(rows, indent=1))
+
+
+def cmd_encoders(a):
+    from fedmed.nn.encoders import ENCODERS, NORMALIZE_TEXT, EncoderError, check_weights
+
+    if a.action == "check":
+        if not a.file or not a.encoder:
+            raise ValueError("fedmed encoders check FILE --encoder NAME")
+        try:
+            print(check_weights(a.file, a.encoder))
+        except EncoderError as e:
+            raise ValueError(str(e)) from None
+        return
+    rows = [("name", "architecture", "input", "preprocessing", "feature (dim)", "the authors' file")]
+    for name, s in ENCODERS.items():
+        inp = "1 x D x H x W" if s.spatial_dims == 3 else (f"{s.channels or 'C'} x {s.size or 'S'} x {s.size or 'S'}")
+        rows.append((name, s.architecture, inp, NORMALIZE_TEXT[s.normalize], f"{s.feature} ({s.dim or 'C S^2'})",
+                     s.release or "-"))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def register(sub):
+    H = argparse.ArgumentDefaultsHelpFormatter
+    n = sub.add_parser("encoders", help="the registered encoders; 'check FILE --encoder NAME': does a weights file load",
+                       formatter_class=H)
+    n.add_argument("action", nargs="?", choices=["list", "check"], default="list",
+                   help="list the registered encoders, or check a weights file")
+    n.add_argument("file", nargs="?", help="check: a weights file as its authors release it")
+    n.add_argument("--encoder", help="check: the registered encoder the file is for")
+    n.set_defaults(func=cmd_encoders)
+
+    d = sub.add_parser("data", help="write per-site datalists (dataset + partition)", formatter_class=H)
+    d.add_argument("--config", help="experiment config (its dataset and federation sections are used; the flags below "
+                   "override them when given)")
+    d.add_argument("--dataset", help="dataset path or builtin:digits (without --config: required)")
+    d.add_argument("--sites", type=int, help="number of sites (config default 4)")
+    d.add_argument("--partition", choices=["iid", "dirichlet", "quantity", "predi", "anda"],
+                   help="how samples are split (config default iid)")
+    d.add_argument("--alpha", type=float, help="Dirichlet concentration (config default 0.5)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the partition and the splits")
+    d.add_argument("--out", required=True, help="folder for <site>.json and dataset.json")
+    d.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
+    d.set_defaults(func=cmd_data)
+
+    e = sub.add_parser("experiment", help="run a config's methods over seeds in NVFlare's simulator", formatter_class=H)
+    e.add_argument("config", help="experiment config (app_configs/*.yaml)")
+    e.add_argument("--out", help="output folder (default results/<config name>)")
+    e.add_argument("--methods", nargs="+", help="run only these methods (default: all of the config's)")
+    e.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
+    e.add_argument("--resume", action="store_true", help="reuse runs finished earlier with the same settings; "
+                   "continue stopped ones from their checkpoint")
+    e.set_defaults(func=cmd_experiment)
+
+    m = sub.add_parser("demo", help="the embedded demo: small federations, every table, an HTML report", formatter_class=H)
+    m.add_argument("--data", help="a dataset folder instead of the bundled digits, e.g. ../shared/data/busi")
+    m.add_argument("--out", default="results/demo", help="output folder")
+    m.add_argument("--set", action="append", default=[], help="override of the classification part key.path=value")
+    m.add_argument("--part", nargs="+", choices=list(DEMO_PARTS), help="run only these parts (default: all three)")
+    m.set_defaults(func=cmd_demo)
+
+    q = sub.add_parser("ssl", help="the 001_ study: Fed-MAE pre-training, fine-tuning across PreDi prevalence, "
+                       "PreP-WFL, and the Fed-MAE encoder for FMCL", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q.add_argument("config", help="an SSL config (app_configs/ssl_imagenette.yaml)")
+    q.add_argument("--out", help="output folder (default results/<config name>)")
+    q.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
+    q.add_argument("--resume", action="store_true", help="reuse runs finished earlier with the same settings")
+    q.set_defaults(func=cmd_ssl)
+
+    r = sub.add_parser("report", help="write the self-contained HTML report of an experiment or sweep output folder",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r.add_argument("out_dir", help="the --out folder of fedmed experiment / sweep / demo")
+    r.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("predict", help="apply a trained model (a run's models/*.pt) to images or a NIfTI case",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model", help="a model checkpoint written by a finished run (models/global.pt, models/cluster0.pt)")
+    p.add_argument("inputs", nargs="+", help="image files (classification), or one NIfTI file per modality of one "
+                   "case, in the model's modality order (segmentation)")
+    p.add_argument("--out", help="classification: CSV of predictions (default: JSON on stdout); segmentation: the "
+                   "label map to write (default prediction.nii.gz)")
+    p.add_argument("--mask", help="segmentation: brain mask of the case (default: the first modality's non-zero voxels)")
+    p.add_argument("--device", default="auto", help="auto (a CUDA GPU when there is one), cpu, cuda or cuda:N")
+    p.set_defaults(func=cmd_predict)
+    register_assess(sub)
+    return sys.modules[__name__]
+
+
+def cmd_assess(a):
+    """Run the 004_ assessment locally over several sites' segmentation datalists."""
+    import json
+
+    from fedmed.algorithms.assessment import assess
+    from fedmed.report.assessment import write_assessment_report as write_report
+    from fedmed.site.assessment import site_assessment
+    from fedmed.nn.encoders import build_encoder
+    from fedmed.site.seg import load_datalist_seg
+    from fedmed.data.nifti import load_case
+
+    enc = None if a.no_embeddings else build_encoder("medicalnet_resnet18", weights=a.weights, seed=a.seed)
+    sites, errors = {}, {}
+    for path in a.datalists:
+        p = Path(path)
+        name = p.stem
+        try:
+            doc = load_datalist_seg(p)
+            cases = [load_case(e, shape=tuple(a.shape), site=name)
+                     for e in doc["training"] + doc["validation"] + doc["test"]]
+            if not cases:
+                raise ValueError(f"{name}: datalist {p} lists no cases")
+            sites[name] = site_assessment(cases, enc, per_value=a.per_value)
+            print(f"{name}: {len(cases)} cases assessed", flush=True)
+        except ValueError as e:  # one bad site is reported; the others go on
+            errors[name] = str(e)
+            print(f"{name}: skipped ({e})", file=sys.stderr)
+    report = assess(sites)
+    write_report(report, a.out)
+    summary = {k: {kk: v for kk, v in report[k].items() if kk in ("most_distant", "clusters", "max_intensity",
+                                                                  "max_label", "encoder")}
+               for k in ("emd", "euc") if k in report}
+    print(json.dumps({"sites": report["sites"], **summary, "errors": errors, "report": str(Path(a.out) / "report.md")},
+                     indent=2))
+
+
+def cmd_sweep(a):
+    """Run a committed sweep: the config's ``sweep`` cases, or every combination of ``--grid`` values.
+
+    Each case runs as ``fedmed experiment`` into ``OUT/<case>``; ``--resume`` skips runs already finished with
+    the same settings, ``--cases`` runs a subset. The combined ``OUT/summary.md`` has one table over all cases
+    that have results (methods x cases: clustering ARI, trained-site accuracy, unseen-site accuracy), followed by
+    each case's own tables.
+    """
+    import itertools
+
+    from fedmed.config import load_config
+    from fedmed.run.experiment import clustering_agreement, read_results, run_experiment, sweep_stats, sweep_table
+
+    if a.grid:
+        grid = []
+        for g in a.grid:
+            if "=" not in g:
+                raise ValueError(f"--grid {g!r} should look like key.path=v1,v2")
+            k, vals = g.split("=", 1)
+            grid.append([(k, v) for v in vals.split(",")])
+        cases = [("_".join(f"{k.split('.')[-1]}-{v}" for k, v in combo), [f"{k}={v}" for k, v in combo], None)
+                 for combo in itertools.product(*grid)]
+    else:
+        exp = load_config(a.config, list(a.set))
+        cases = [(c.name, list(c.set), c.methods) for c in exp.sweep] or [("base", [], None)]
+    known = [c[0] for c in cases]
+    if a.cases:
+        unknown = sorted(set(a.cases) - set(known))
+        if unknown:
+            raise ValueError(f"--cases: unknown case(s) {unknown}; {a.config} defines {known}")
+    out = Path(a.out or Path("results") / (Path(a.config).stem + "_sweep"))
+    for name, sets, methods in cases:
+        if a.report_only or (a.cases and name not in a.cases):
+            continue
+        chosen = [m for m in methods if m in a.methods] if methods and a.methods else methods or a.methods
+        if chosen == []:
+            continue  # --methods leaves nothing of this case
+        print(f"== {name} ({', '.join(sets) or 'no overrides'}) ==", flush=True)
+        run_experiment(a.config, out / name, overrides=list(a.set) + sets, methods=chosen, resume=a.resume)
+    parts = [(name, sets, out / name) for name, sets, _ in cases]
+    done = [(n, s, d) for n, s, d in parts if (d / "results.csv").is_file()]
+    results = [(n, s, read_results(d / "results.csv")) for n, s, d in done]
+    cmd = " ".join(["fedmed sweep", a.config, *[f"--grid {g}" for g in a.grid], *[f"--set {x}" for x in a.set]])
+    text = (f"# {Path(a.config).stem} sweep\n\nProduced by: `{cmd}` (cases below; `--resume` reuses finished runs)"
+            f"\n\n" + sweep_table(results) + "\n")
+    agreement = clustering_agreement(parts)
+    if agreement:
+        text += ("### Clusters found, and agreement with the first case\n\nEach clustering method's clusters per seed "
+                 "(at its final round) and the adjusted Rand index against the clusters the same method found for "
+                 "the same seed in the first case it runs in.\n\n" + agreement + "\n")
+    missing = [n for n, _, d in parts if not (d / "results.csv").is_file()]
+    if missing:
+        text += f"Not run yet: {', '.join(missing)}.\n\n"
+    text += "\n".join(f"### {n} (`{' '.join('--set ' + x for x in s) or 'no overrides'}`)\n\n"
+                      + (d / "summary.md").read_text().split("\n", 3)[-1] for n, s, d in done)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text(text)
+    stats = sweep_stats(results)
+    if stats:
+        from fedmed.report.plots import plot_sweep
+
+        plot_sweep(stats, out / "summary.png", title=f"{Path(a.config).stem}: unseen sites and clustering")
+        text += f"\nPlot: {out / 'summary.png'}\n"
+    print(text)
+
+
+def register_assess(sub):
+    H = argparse.ArgumentDefaultsHelpFormatter
+    w = sub.add_parser("sweep", help="run a config's sweep cases (or a --grid); one combined summary.md", formatter_class=H)
+    w.add_argument("config", help="experiment config with a sweep: block (or use --grid)")
+    w.add_argument("--grid", action="append", default=[], help="key.path=v1,v2: one case per combination (repeatable; "
+                   "replaces the config's cases)")
+    w.add_argument("--set", action="append", default=[], help="fixed override key.path=value (repeatable)")
+    w.add_argument("--methods", nargs="+", help="only these methods (of each case)")
+    w.add_argument("--cases", nargs="+", help="only these of the config's sweep cases")
+    w.add_argument("--resume", action="store_true", help="reuse runs finished earlier with the same settings")
+    w.add_argument("--report-only", action="store_true", help="run nothing; rebuild summary.md/png from OUT")
+    w.add_argument("--out", help="output folder (default results/<config name>_sweep)")
+    w.set_defaults(func=cmd_sweep)
+
+    s = sub.add_parser("assess", help="004_ site heterogeneity assessment of segmentation datalists, locally",
+                       formatter_class=H)
+    s.add_argument("datalists", nargs="+", help="one <site>.json segmentation datalist per site")
+    s.add_argument("--out", default="results/assessment", help="report folder")
+    s.add_argument("--shape", type=int, nargs=3, default=[32, 48, 40], help="resampled case shape (D H W)")
+    s.add_argument("--weights", help="MedicalNet ResNet-18 weights file (default: seeded random init)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the random-init encoder")
+    s.add_argument("--per-value", action="store_true", help="use per-image metadata values, not histograms")
+    s.add_argument("--no-embeddings", action="store_true", help="metadata EMD only (no embedding distance)")
+    s.set_defaults(func=cmd_assess)

@@ -1,0 +1,45 @@
+"""Plumbing every layer uses: runtime work-arounds (compat), small file formats (io), memory of long runs (memtrace), argument checks (validation), where the shipped files are (resources), the compute device (device), and the run's record (record).
+
+Every name below is importable from ``fedmed.core`` (loaded on first use)."""
+
+from importlib import import_module
+
+_PUBLIC = {
+    "DeviceError": "device",
+    "PRECISIONS": "device",
+    "ResourceError": "resources",
+    "autocast": "device",
+    "backward_step": "device",
+    "check_distance_matrix": "validation",
+    "check_finite_number": "validation",
+    "check_site_names": "validation",
+    "checkpoint": "memtrace",
+    "compare": "memtrace",
+    "grad_scaler": "device",
+    "json_default": "io",
+    "model_device": "device",
+    "project_root": "resources",
+    "read_distance_csv": "io",
+    "read_signature_dir": "io",
+    "resolve_device": "device",
+    "rss_bytes": "memtrace",
+    "serialize_ast_parse": "compat",
+    "shipped_config": "resources",
+    "start": "memtrace",
+    "trim": "memtrace",
+    "write_distance_csv": "io",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        value = getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -1,0 +1,41 @@
+"""Where fedmed finds what ships beside the library: the FLARE adapters (``custom/``), the job builders and runners
+(``jobs/``) and the configs (``app_configs/``).
+
+In a clone (or an editable install) they are the clone's folders; a built package (``pip install .``) carries a
+copy in ``fedmed/_shipped/`` (``setup.py``). Either way ``fedmed experiment`` and ``fedmed demo`` work from any
+folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["ResourceError", "project_root", "shipped_config"]
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # the fedmed package
+
+
+class ResourceError(FileNotFoundError):
+    """fedmed's shipped files are missing (a broken install)."""
+
+
+def _complete(root: Path) -> bool:
+    return (root / "jobs" / "run.py").is_file() and (root / "custom" / "client.py").is_file()
+
+
+def project_root() -> Path:
+    """The folder holding ``jobs/``, ``custom/`` and ``app_configs/``: the clone fedmed runs from, else the copy
+    installed with the package."""
+    for root in (_PACKAGE.parent, _PACKAGE / "_shipped"):
+        if _complete(root):
+            return root
+    raise ResourceError(f"fedmed's job runner is missing (neither a clone's jobs/run.py beside the package nor "
+                        f"{_PACKAGE.name}/_shipped/): reinstall fedmed with `pip install .` from its source")
+
+
+def shipped_config(name: str) -> Path:
+    """A config shipped with fedmed (``app_configs/<name>``)."""
+    path = project_root() / "app_configs" / name
+    if not path.is_file():
+        raise ResourceError(f"app_configs/{name}: not shipped with this fedmed")
+    return path

@@ -1,0 +1,55 @@
+"""Data: 2D image datalists and decoding (images), how a pool becomes a federation (partition), NIfTI subjects and cases (nifti), segmentation federations (seg_federation), synthetic phantoms (phantoms).
+
+Every name below is importable from ``fedmed.data`` (loaded on first use)."""
+
+from importlib import import_module
+
+_PUBLIC = {
+    "ALLOWED_LABELS": "nifti",
+    "ANDA_SHIFTS": "partition",
+    "DataError": "images",
+    "ImagePool": "images",
+    "PreDiResult": "partition",
+    "REGIONS": "nifti",
+    "SegCase": "nifti",
+    "SiteShift": "partition",
+    "anda_federation": "partition",
+    "apply_anda_transform": "partition",
+    "as_rng": "partition",
+    "case_metadata": "nifti",
+    "check_no_leakage": "seg_federation",
+    "check_readable": "images",
+    "conversion_note": "images",
+    "decode_image": "images",
+    "dirichlet_label_partition": "partition",
+    "discover": "images",
+    "discover_subjects": "seg_federation",
+    "iid_partition": "partition",
+    "label_volume_federation": "partition",
+    "load_case": "nifti",
+    "load_datalist": "images",
+    "load_images": "images",
+    "predi": "partition",
+    "predi_partition": "partition",
+    "quantity_partition": "partition",
+    "region_masks": "nifti",
+    "subject_of": "seg_federation",
+    "unreadable_images": "images",
+    "write_phantom_subjects": "phantoms",
+    "write_seg_federation": "seg_federation",
+    "write_site_datalists": "images",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        value = getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

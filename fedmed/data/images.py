@@ -1,0 +1,395 @@
+"""Datasets as MONAI-style per-site datalists.
+
+A site's datalist is one JSON file::
+
+    {"site": "site-1", "training": [{"image": "a.png", "label": 0}, ...],
+     "validation": [...],   # held out of training: model/round selection, never reported as a result
+     "test": [...]}         # the site's local test split: what the tables report
+
+Image paths are absolute or relative to the site's data root (by default the datalist's folder;
+see :mod:`fedmed.site.settings`).
+
+plus one ``dataset.json`` beside the site files with ``n_classes``, ``class_names`` and the
+source. :func:`discover` reads the formats in ``../shared/data`` — PNG/JPEG class folders (BUSI,
+Imagenette; ``*_mask*`` files skipped), MedMNIST ``.npz`` (all splits pooled) and the builtin
+scikit-learn digits — and :func:`write_site_datalists` writes a federation from a partition.
+Array sources (npz, digits) and shifted images (ANDA) are written as PNGs next to the datalists,
+so every site reads plain image files.
+
+Only file paths and labels are in a datalist; images never leave the site that holds them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["DataError", "ImagePool", "conversion_note", "decode_image", "discover", "load_datalist", "load_images",
+           "check_readable", "unreadable_images", "write_site_datalists"]
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff"}
+
+
+class DataError(ValueError):
+    """Bad data at a site; the message names the site and the file."""
+
+
+@dataclass
+class ImagePool:
+    """A pooled labelled image set before it is split into sites."""
+
+    items: list  # file paths (str) or 2-D/3-D uint8 arrays
+    labels: np.ndarray
+    class_names: list[str]
+    source: str
+
+    @property
+    def n_classes(self) -> int:
+        return len(self.class_names)
+
+    def subset(self, idx) -> "ImagePool":
+        idx = np.asarray(idx, dtype=np.int64)
+        return ImagePool([self.items[i] for i in idx], self.labels[idx], self.class_names, self.source)
+
+
+def _class_dirs(root: Path) -> list[Path]:
+    return sorted(d for d in root.iterdir() if d.is_dir() and any(
+        f.suffix.lower() in IMAGE_SUFFIXES for f in d.iterdir() if f.is_file()))
+
+
+def discover(path: str, *, max_per_class: int | None = None, seed: int = 0) -> ImagePool:
+    """Read a labelled image collection.
+
+    Args:
+        path: ``builtin:digits``; a MedMNIST-style ``.npz`` (``{train,val,test}_images/labels``);
+            or a folder of class folders (possibly one level down, or split folders
+            ``train/``, ``val/``, ``test/`` each holding the same class folders).
+        max_per_class: keep at most this many images per class (seeded choice).
+
+    Raises:
+        DataError: the path does not exist or holds no recognisable images.
+    """
+    rng = np.random.default_rng(seed)
+    if path == "builtin:digits":
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        imgs = (d.images * (255.0 / 16.0)).round().astype(np.uint8)
+        pool = ImagePool(list(imgs), d.target.astype(np.int64), [str(c) for c in d.target_names], "sklearn digits")
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise DataError(f"{p}: dataset path does not exist")
+        if p.is_file() and p.suffix == ".npz":
+            try:
+                z = np.load(p)
+                splits = [s for s in ("train", "val", "test") if f"{s}_images" in z.files]
+                if not splits:
+                    raise KeyError("no <split>_images arrays")
+                imgs = np.concatenate([z[f"{s}_images"] for s in splits])
+                labels = np.concatenate([z[f"{s}_labels"].reshape(-1) for s in splits]).astype(np.int64)
+            except Exception as e:
+                raise DataError(f"{p}: not a MedMNIST-style npz ({type(e).__name__}: {e})") from None
+            names = [str(c) for c in range(int(labels.max()) + 1)]
+            pool = ImagePool(list(imgs), labels, names, str(p))
+        elif p.is_dir():
+            roots = [p]
+            while len(roots) == 1 and not _class_dirs(roots[0]):
+                subs = [d for d in roots[0].iterdir() if d.is_dir()]
+                if len(subs) == 1:
+                    roots = subs
+                elif subs and all(_class_dirs(s) for s in subs):
+                    roots = sorted(subs)  # split folders (train/val/...) holding class folders
+                else:
+                    break
+            class_names = sorted({d.name for r in roots for d in _class_dirs(r)})
+            if not class_names:
+                raise DataError(f"{p}: no class folders with images found")
+            items, labels = [], []
+            for r in roots:
+                for d in _class_dirs(r):
+                    for f in sorted(d.iterdir()):
+                        if f.suffix.lower() in IMAGE_SUFFIXES and "_mask" not in f.stem:
+                            items.append(str(f.resolve()))
+                            labels.append(class_names.index(d.name))
+            pool = ImagePool(items, np.asarray(labels, dtype=np.int64), class_names, str(p))
+        else:
+            raise DataError(f"{p}: expected 'builtin:digits', a .npz file or a folder of class folders")
+    if max_per_class:
+        keep = []
+        for c in range(pool.n_classes):
+            idx = np.flatnonzero(pool.labels == c)
+            keep.extend(rng.choice(idx, size=min(max_per_class, idx.size), replace=False).tolist())
+        pool = pool.subset(np.sort(keep))
+    return pool
+
+
+def unreadable_images(items) -> list[tuple[str, str]]:
+    """``(path, reason)`` of every image file in ``items`` that cannot be read (missing, truncated, not an image,
+    several frames); arrays are skipped. PIL's ``verify`` checks a file's structure without decoding it."""
+    from PIL import Image
+
+    bad = []
+    for item in items:
+        if isinstance(item, np.ndarray):
+            continue
+        try:
+            with Image.open(item) as im:
+                frames = getattr(im, "n_frames", 1)
+                im.verify()
+            if frames > 1:
+                bad.append((str(item), f"{frames} frames"))
+        except FileNotFoundError:
+            bad.append((str(item), "not found"))
+        except Exception as e:  # PIL raises many kinds for a broken file
+            bad.append((str(item), f"corrupt or not an image: {type(e).__name__}"))
+    return bad
+
+
+def check_readable(pool: ImagePool) -> None:
+    """Raise before any datalist is written when a file of ``pool`` cannot be read (named, up to five).
+
+    Raises:
+        DataError: ``"<n> image file(s) of <source> cannot be read: a.png (corrupt ...), ...; fix or remove them"``.
+    """
+    bad = unreadable_images(pool.items)
+    if bad:
+        shown = ", ".join(f"{p} ({why})" for p, why in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise DataError(f"{len(bad)} image file(s) of {pool.source} cannot be read: {shown}; fix or remove them "
+                        f"(a datalist lists only files its site can read)")
+
+
+def _save_png(arr: np.ndarray, path: Path) -> None:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.asarray(arr)).save(path)
+
+
+def _read_array(item) -> np.ndarray:
+    from PIL import Image
+
+    if isinstance(item, np.ndarray):
+        return item
+    with Image.open(item) as im:
+        return np.asarray(im.convert("RGB") if im.mode not in ("L", "RGB") else im)
+
+
+def split_sizes(n: int, test_fraction: float, val_fraction: float) -> tuple[int, int]:
+    """(n_test, n_val) of a site with ``n`` samples: ``round(test_fraction n)`` (at least one when
+    ``n >= 2``), then ``round(val_fraction (n - n_test))`` of the rest (at least one when
+    ``val_fraction > 0`` and at least three samples remain); training keeps at least one sample."""
+    n_test = min(max(int(round(test_fraction * n)), 1), n - 1) if n >= 2 else 0
+    rest = n - n_test
+    n_val = 0
+    if val_fraction > 0 and rest >= 3:
+        n_val = min(max(int(round(val_fraction * rest)), 1), rest - 1)
+    return n_test, n_val
+
+
+def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, *, test_fraction: float = 0.2,
+                         val_fraction: float = 0.0, seed: int = 0, site_names: Sequence[str] | None = None,
+                         transforms: Sequence[Callable] | None = None, extra: dict | None = None,
+                         common_test: np.ndarray | None = None) -> list[Path]:
+    """Write one datalist per site (and ``dataset.json``) for a partition of ``pool``.
+
+    Each site's samples are shuffled (seeded); :func:`split_sizes` gives its local ``test`` split and
+    a ``validation`` split held out of its training data.
+    ``transforms[k](array, label) -> (array, label)`` shifts site ``k``'s images (ANDA); shifted
+    and array images are written as PNGs under ``out_dir/images/<site>/``. With ``common_test`` (indices into the
+    pool, disjoint from every part) every site's ``test`` split is that common set and its own samples are split
+    into validation and training only (``001_`` §4.3: one common test set in the global label space).
+
+    Returns:
+        the site datalist paths.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(site_names) if site_names else [f"site-{k + 1}" for k in range(len(parts))]
+    rng = np.random.default_rng(seed)
+    paths = []
+    common_entries = None
+    if common_test is not None:
+        common_entries = []
+        for j, i in enumerate(np.asarray(common_test, dtype=np.int64)):
+            item = pool.items[i]
+            if isinstance(item, np.ndarray):
+                target = out / "images" / "common_test" / f"{j:06d}_{int(i)}.png"
+                _save_png(_read_array(item), target)
+                item = str(target.relative_to(out))
+            common_entries.append({"image": item, "label": int(pool.labels[i])})
+    for k, (name, idx) in enumerate(zip(names, parts)):
+        idx = rng.permutation(np.asarray(idx, dtype=np.int64))
+        if common_entries is None:
+            n_test, n_val = split_sizes(idx.size, test_fraction, val_fraction)
+        else:
+            n_test, n_val = 0, split_sizes(idx.size, 0.0, val_fraction)[1] if idx.size >= 3 else 0
+        entries = []
+        for j, i in enumerate(idx):
+            item, label = pool.items[i], int(pool.labels[i])
+            tf = transforms[k] if transforms else None
+            if tf is not None or isinstance(item, np.ndarray):
+                arr = _read_array(item)
+                if tf is not None:
+                    arr, label = tf(arr, label)
+                target = out / "images" / name / f"{j:06d}_{int(i)}.png"
+                _save_png(arr, target)
+                item = str(target.relative_to(out))  # relative to the datalist's folder (the default data root)
+            entries.append({"image": item, "label": label})
+        doc = {"site": name, "training": entries[n_test + n_val:], "validation": entries[n_test:n_test + n_val],
+               "test": entries[:n_test] if common_entries is None else common_entries}
+        path = out / f"{name}.json"
+        path.write_text(json.dumps(doc, indent=1))
+        paths.append(path)
+    meta = {"n_classes": pool.n_classes, "class_names": pool.class_names, "source": pool.source,
+            "sites": names, **(extra or {})}
+    (out / "dataset.json").write_text(json.dumps(meta, indent=1))
+    return paths
+
+
+SPLITS = ("training", "validation", "test")
+
+
+def load_datalist(path, *, task: str = "classification", root=None, name: str | None = None) -> dict:
+    """Read and validate a site datalist (``task="segmentation"``: ``image`` may be a list of
+    files and ``label`` a label-map file). Relative paths are resolved against ``root`` (default: the
+    datalist's folder). ``name`` is how messages call the file (default: its path).
+
+    Raises:
+        DataError: missing file, bad JSON, missing keys or malformed entries (naming the file and
+            the first bad entry).
+    """
+    path = Path(path)
+    name = name or str(path)
+    root = Path(root) if root is not None else path.parent
+    if not path.is_file():
+        raise DataError(f"{name}: datalist not found")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{name}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or "training" not in doc:
+        raise DataError(f"{name}: datalist should be an object with a 'training' list")
+    unknown = sorted(k for k in doc if isinstance(doc.get(k), list) and k not in SPLITS)
+    if unknown:
+        raise DataError(f"{name}: unknown split(s) {unknown}; a datalist has {list(SPLITS)} "
+                        f"('validation' is held out of training for selection, 'test' is what is reported)")
+    for key in SPLITS:
+        entries = doc.setdefault(key, [])
+        if not isinstance(entries, list):
+            raise DataError(f"{name}: '{key}' should be a list")
+        for j, e in enumerate(entries):
+            if not isinstance(e, dict) or "image" not in e or "label" not in e:
+                raise DataError(f"{name}: {key}[{j}] should have 'image' and 'label', got {e!r}")
+            files = ("image", "label", "mask") if task == "segmentation" else ("image",)
+            e.update({k: _resolve(e[k], root) for k in files if k in e})
+            if task == "segmentation":
+                continue
+            if isinstance(e["label"], bool) or not isinstance(e["label"], int) or e["label"] < 0:
+                raise DataError(f"{name}: {key}[{j}] label should be a non-negative integer, got {e['label']!r}")
+    return doc
+
+
+def _resolve(v, root: Path):
+    if isinstance(v, list):
+        return [_resolve(x, root) for x in v]
+    if isinstance(v, str) and v and not Path(v).is_absolute():
+        return str(root / v)
+    return v
+
+
+WIDE_MODES = {"I;16": "16-bit", "I;16L": "16-bit", "I;16B": "16-bit", "I;16N": "16-bit", "I": "32-bit integer",
+              "F": "32-bit float"}
+
+
+def decode_image(path, *, image_size: int, channels: int) -> tuple[np.ndarray, list[str]]:
+    """One image file as float32 in [0, 1], ``(C, H, W)`` at ``image_size``, and what was converted to get there.
+
+    * 8-bit grayscale / colour: ``/ 255`` (colour to grayscale by PIL's ITU-R 601-2 luma, grayscale to RGB by
+      repeating it; a palette image through its palette; an alpha channel dropped).
+    * 16-bit, 32-bit integer and float images keep their dynamic range: each image is scaled by its own range,
+      ``(v - min) / (max - min)`` (a constant image gives zeros), then resized in floating point. PIL's
+      ``convert("L")`` would clip them at 255 (a full-range 16-bit image turns almost white).
+    * Any other size: bilinear resize to ``image_size`` x ``image_size``.
+
+    Raises:
+        FileNotFoundError, OSError, ValueError: what PIL raises for a missing or unreadable file.
+        DataError: a multi-frame image (a stack or a video is not one image).
+    """
+    from PIL import Image
+
+    done: list[str] = []
+    with Image.open(path) as im:
+        if getattr(im, "n_frames", 1) > 1:
+            raise DataError(f"has {im.n_frames} frames; one image per file is expected")
+        size = (image_size, image_size)
+        if im.size != size:
+            done.append(f"resized to {image_size}x{image_size} (bilinear)")
+        if im.mode in WIDE_MODES:
+            a = np.asarray(im, dtype=np.float64)
+            if a.ndim == 3:  # e.g. a multi-channel float TIFF read as one band per channel
+                a = a.mean(axis=2)
+            lo, hi = float(np.nanmin(a)), float(np.nanmax(a))
+            if not (np.isfinite(lo) and np.isfinite(hi)):
+                raise DataError("has NaN or infinite pixel values")
+            a = (a - lo) / (hi - lo) if hi > lo else np.zeros_like(a)
+            done.append(f"{WIDE_MODES[im.mode]} ({im.mode}) scaled by each image's own range to [0, 1]")
+            f = Image.fromarray(a.astype(np.float32), mode="F").resize(size, Image.BILINEAR)
+            arr = np.clip(np.asarray(f, dtype=np.float32), 0.0, 1.0)
+            if channels != 1:
+                arr = np.repeat(arr[..., None], 3, axis=2)
+                done.append("grayscale repeated to 3 channels")
+        else:
+            mode = "L" if channels == 1 else "RGB"
+            if im.mode != mode:
+                done.append({("L", "RGB"): "grayscale repeated to 3 channels", ("RGB", "L"): "colour to grayscale (ITU-R "
+                             "601-2 luma)", ("RGBA", "L"): "colour to grayscale (ITU-R 601-2 luma), alpha dropped",
+                             ("RGBA", "RGB"): "alpha channel dropped", ("LA", "L"): "alpha channel dropped",
+                             ("1", "L"): "1-bit to 8-bit"}.get((im.mode, mode), f"{im.mode} converted to {mode}"))
+            im = im.convert(mode).resize(size, Image.BILINEAR)
+            arr = np.asarray(im, dtype=np.float32) / 255.0
+    return (arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)), done
+
+
+def load_images(entries: Sequence[dict], *, image_size: int, channels: int, site: str = "site",
+                display: Callable[[str], str] = str, conversions: set | None = None):
+    """Decode, resize and stack a datalist's images (:func:`decode_image`): ``(N, C, H, W)`` float32 in [0, 1],
+    labels (N,). ``conversions``, when given, collects what was converted (each kind once).
+
+    Raises:
+        DataError: ``"<site>: cannot read image <path> (<reason>)"`` for a missing or corrupt file
+            (``display`` turns the path into what the message may show).
+    """
+    import torch
+    from PIL import UnidentifiedImageError
+
+    xs, ys = [], []
+    for e in entries:
+        f = e["image"]
+        try:
+            arr, done = decode_image(f, image_size=image_size, channels=channels)
+        except FileNotFoundError:
+            raise DataError(f"{site}: cannot read image {display(f)} (file not found)") from None
+        except DataError as err:
+            raise DataError(f"{site}: image {display(f)} {err}") from None
+        except (UnidentifiedImageError, OSError, ValueError) as err:
+            raise DataError(f"{site}: cannot read image {display(f)} (corrupt or not an image: "
+                            f"{type(err).__name__})") from None
+        if conversions is not None:
+            conversions.update(done)
+        xs.append(arr)
+        ys.append(int(e["label"]))
+    if not xs:
+        return torch.zeros((0, channels, image_size, image_size)), torch.zeros(0, dtype=torch.long)
+    return torch.from_numpy(np.stack(xs)), torch.tensor(ys, dtype=torch.long)
+
+
+def conversion_note(site: str, conversions) -> str:
+    """One line saying what a site's image loading converted (empty when nothing was)."""
+    if not conversions:
+        return ""
+    return f"{site}: images converted on loading: " + "; ".join(sorted(conversions))

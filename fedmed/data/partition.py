@@ -1,0 +1,518 @@
+"""Seeded partitioners: how a pooled dataset becomes a federation of sites.
+
+Every function takes a ``numpy.random.Generator`` (``np.random.default_rng(seed)``) or an int
+seed, never global state, and retries a bounded number of times before raising a clear error.
+
+* :func:`iid_partition`, :func:`dirichlet_label_partition` (label skew, Hsu et al. 2019 as used by
+  FMCL §4.2), :func:`quantity_partition` (Dirichlet quantity skew, ``001_`` §3.3.1).
+* :func:`predi` — PreDi, ``001_`` Algorithm 1: a class-site assignment with target average
+  prevalence ``p*`` and class-set-size disparity ``sigma*``; :func:`predi_partition` distributes
+  images.
+* :func:`anda_federation` — ANDA-style shifts of ``003_`` Appendix B.1/F.1 (feature, label,
+  P(Y|X), P(X|Y), quantity) with the ground-truth group of every site;
+  :func:`apply_anda_transform` applies a site's image transform.
+* :func:`label_volume_federation` — ``004_`` Appendix D: subjects ordered by label volume and cut
+  into contiguous sites.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fedmed.core.validation import check_finite_number
+
+__all__ = [
+    "ANDA_SHIFTS",
+    "PreDiResult",
+    "SiteShift",
+    "anda_federation",
+    "apply_anda_transform",
+    "as_rng",
+    "dirichlet_label_partition",
+    "iid_partition",
+    "label_volume_federation",
+    "predi",
+    "predi_partition",
+    "quantity_partition",
+]
+
+
+def as_rng(seed) -> np.random.Generator:
+    """An injected Generator, or a new one from an int seed."""
+    if isinstance(seed, np.random.Generator):
+        return seed
+    if seed is None or isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed should be an int or numpy Generator, got {seed!r}.")
+    return np.random.default_rng(int(seed))
+
+
+def _check_sites(n_sites, n_items=None, what="samples"):
+    check_finite_number(n_sites, "n_sites", low=1, integer=True)
+    if n_items is not None and n_sites > n_items:
+        raise ValueError(f"n_sites ({n_sites}) should not exceed the number of {what} ({n_items}).")
+    return int(n_sites)
+
+
+def iid_partition(n_samples: int, n_sites: int, seed) -> list[np.ndarray]:
+    """Shuffle and cut into ``n_sites`` near-equal parts (sizes differ by at most one)."""
+    check_finite_number(n_samples, "n_samples", low=1, integer=True)
+    n_sites = _check_sites(n_sites, n_samples)
+    perm = as_rng(seed).permutation(int(n_samples))
+    return [np.sort(p) for p in np.array_split(perm, n_sites)]
+
+
+def dirichlet_label_partition(labels, n_sites: int, alpha: float, seed, *, mode: str = "per-site",
+                              min_size: int = 2, max_retries: int = 10) -> list[np.ndarray]:
+    """Dirichlet label skew.
+
+    ``mode="per-site"`` (default; Hsu, Qi & Brown 2019, as FMCL §4.2 uses it): every site gets
+    ``N / n_sites`` samples (sizes differ by at most one) whose class mix is ``q_k ~ Dir(alpha * p)``,
+    ``p`` the pooled class frequencies. ``mode="per-client"`` is the same with ``q_k ~ Dir(alpha * 1)``
+    (FedLab's client-level Dirichlet): on C balanced classes, Hsu's ``alpha`` equals ``C x`` this one's
+    (at alpha = 1 on 10 classes a site holds ~3.9 vs ~9.5 classes). Samples are drawn without
+    replacement **one at a time, the sites taking turns in a fresh random order each turn**, so a class
+    running out hurts every site alike; filling the sites one after the other (the usual code) leaves
+    the last sites with whatever is left and makes them markedly more skewed (docs/readings.md). A
+    class whose pool is empty is dropped from later draws (its probability mass renormalised over the
+    rest). Every sample is assigned and no site is empty, which the per-class form cannot guarantee
+    for small label sets: BUSI (3 classes) over 20 sites at ``alpha = 0.1`` leaves about 6 sites empty.
+
+    ``mode="per-class"`` (NIID-Bench): each class's samples are split over sites with proportions
+    ``~ Dir(alpha)`` (sites already holding ``N / n_sites`` samples get no share of later classes);
+    redrawn at most ``max_retries`` times until every site has ``min_size``.
+
+    Raises:
+        ValueError: bad arguments, or (per-class) a site still under ``min_size`` after
+            ``max_retries`` draws.
+    """
+    y = np.asarray(labels)
+    if y.ndim != 1 or y.size == 0:
+        raise ValueError(f"labels should be a non-empty 1-D array, got shape {y.shape}.")
+    if mode not in ("per-site", "per-client", "per-class"):
+        raise ValueError(f"mode should be 'per-site', 'per-client' or 'per-class', got {mode!r}.")
+    n_sites = _check_sites(n_sites, y.size)
+    check_finite_number(alpha, "alpha", low=0.0, low_inclusive=False)
+    check_finite_number(min_size, "min_size", low=0, integer=True)
+    check_finite_number(max_retries, "max_retries", low=1, integer=True)
+    rng = as_rng(seed)
+    classes = np.unique(y)
+    if mode in ("per-site", "per-client"):
+        pools = [list(rng.permutation(np.flatnonzero(y == c))) for c in classes]
+        prior = np.array([len(p) for p in pools], dtype=np.float64) / y.size
+        if mode == "per-client":
+            prior = np.ones(len(classes))
+        sizes = np.array([len(a) for a in np.array_split(np.arange(y.size), n_sites)])
+        q = np.stack([rng.dirichlet(np.maximum(alpha * prior, 1e-12)) for _ in range(n_sites)])
+        got: list[list[int]] = [[] for _ in range(n_sites)]
+        avail = np.array([len(p) for p in pools], dtype=np.float64)
+        for turn in range(int(sizes.max())):
+            for k in rng.permutation(n_sites):
+                if turn >= sizes[k]:
+                    continue
+                w = q[k] * (avail > 0)
+                w = w / w.sum() if w.sum() > 0 else (avail > 0) / (avail > 0).sum()
+                c = int(rng.choice(len(pools), p=w))
+                got[k].append(pools[c].pop())
+                avail[c] -= 1
+        parts = [np.sort(np.asarray(g, dtype=np.int64)) for g in got]
+        if min(len(p) for p in parts) < min_size:
+            raise ValueError(f"{y.size} samples over {n_sites} sites leave fewer than min_size={min_size} per site.")
+        return parts
+    smallest = 0
+    for _ in range(int(max_retries)):
+        parts_l: list[list[int]] = [[] for _ in range(n_sites)]
+        for c in classes:
+            idx = rng.permutation(np.flatnonzero(y == c))
+            prop = rng.dirichlet(np.full(n_sites, float(alpha)))
+            prop = prop * np.array([len(p) < y.size / n_sites for p in parts_l])
+            prop = prop / prop.sum() if prop.sum() > 0 else np.full(n_sites, 1.0 / n_sites)
+            cuts = (np.cumsum(prop) * idx.size).astype(int)[:-1]
+            for k, chunk in enumerate(np.split(idx, cuts)):
+                parts_l[k].extend(chunk.tolist())
+        smallest = min(len(p) for p in parts_l)
+        if smallest >= min_size:
+            return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts_l]
+    raise ValueError(
+        f"Dirichlet(alpha={alpha}) per-class label partition of {y.size} samples into {n_sites} sites left a site "
+        f"with {smallest} < min_size={min_size} samples after {max_retries} draws; use mode='per-site', fewer "
+        f"sites, a larger alpha or a smaller min_size."
+    )
+
+
+def quantity_partition(n_samples: int, n_sites: int, alpha: float, seed, *, min_size: int = 1,
+                       max_retries: int = 10) -> list[np.ndarray]:
+    """Quantity skew (``001_`` §3.3.1): ``r ~ Dir_K(alpha)``, ``n_i = N r_i`` (largest remainders)."""
+    check_finite_number(n_samples, "n_samples", low=1, integer=True)
+    n_sites = _check_sites(n_sites, n_samples)
+    check_finite_number(alpha, "alpha", low=0.0, low_inclusive=False)
+    rng = as_rng(seed)
+    sizes = np.zeros(n_sites, dtype=int)
+    for _ in range(int(max_retries)):
+        r = rng.dirichlet(np.full(n_sites, float(alpha)))
+        raw = r * n_samples
+        sizes = np.floor(raw).astype(int)
+        rem = int(n_samples - sizes.sum())
+        sizes[np.argsort(-(raw - sizes), kind="mergesort")[:rem]] += 1
+        if sizes.min() >= min_size:
+            perm = rng.permutation(int(n_samples))
+            return [np.sort(p) for p in np.split(perm, np.cumsum(sizes)[:-1])]
+    raise ValueError(
+        f"Dirichlet(alpha={alpha}) quantity partition left a site with {sizes.min()} < min_size={min_size} "
+        f"samples after {max_retries} draws."
+    )
+
+
+# ----------------------------------------------------------------------------- PreDi (001_)
+
+@dataclass
+class PreDiResult:
+    """A PreDi class-site assignment and its realised statistics."""
+
+    assignment: np.ndarray  # (C, K) 0/1
+    class_prevalence: np.ndarray  # (C,) p_c
+    prevalence: float  # p-bar
+    disparity: float  # sigma (population std of n_k)
+    targets: tuple[float, float]
+    target_counts: np.ndarray  # (K,) q_k
+    attempts: int
+
+    @property
+    def classes_per_site(self) -> np.ndarray:
+        return self.assignment.sum(axis=0)
+
+
+def _predi_once(C, K, A, sigma, rng, q_tries):
+    # Step 1: prevalence assignment
+    p = np.ones(C, dtype=int)
+    while p.sum() < A:
+        open_ = np.flatnonzero(p < K)
+        p[rng.choice(open_)] += 1
+    # Step 2: disparity assignment (best of q_tries samples)
+    mu = A / K
+    must = int((p == K).sum())
+    best_q, best_err = None, np.inf
+    for _ in range(q_tries):
+        z = rng.standard_normal(K)
+        if K > 1 and sigma > 0:
+            z = (z - z.mean()) / (z.std() if z.std() > 0 else 1.0)
+            q = np.rint(mu + sigma * z).astype(int)
+        else:
+            q = np.full(K, int(np.floor(mu)))
+        lo = max(1, must)
+        q = np.clip(q, lo, C)
+        guard = 0
+        while q.sum() != A and guard < 10 * C * K:
+            guard += 1
+            if q.sum() < A:
+                cand = np.flatnonzero(q < C)
+                q[rng.choice(cand)] += 1
+            else:
+                cand = np.flatnonzero(q > lo)
+                q[rng.choice(cand)] -= 1
+        if q.sum() != A:
+            continue
+        err = abs(q.std() - sigma)
+        if err < best_err:
+            best_q, best_err = q.copy(), err
+        if err < 1e-9:
+            break
+    if best_q is None:
+        return None
+    q = best_q
+    # Step 3: class allocation (largest remaining need first)
+    n = np.zeros(K, dtype=int)
+    M = np.zeros((C, K), dtype=np.int8)
+    for c in rng.permutation(C):
+        g = np.maximum(q - n, 0)
+        order = np.lexsort((rng.random(K), -g))
+        chosen = order[: p[c]]
+        M[c, chosen] = 1
+        n[chosen] += 1
+    return M, p, q
+
+
+def predi(n_classes: int, n_sites: int, prevalence: float, disparity: float, seed, *,
+          max_attempts: int = 50, q_tries: int = 200, disparity_tol: float = 0.25) -> PreDiResult:
+    """PreDi (``001_`` Algorithm 1): class-site assignment with target prevalence and disparity.
+
+    1. ``p_c = 1`` for every class, then random classes (with ``p_c < K``) are incremented until
+       ``sum_c p_c = A = round(C p*)`` — so the realised mean prevalence is exact whenever
+       ``C p*`` is an integer (all 20 configurations of the paper with ``C = 36``).
+    2. ``q_k`` ~ ``mu + sigma* z`` with ``z`` standardised to mean 0 and population std 1,
+       rounded, clipped to ``[max(1, #classes on every site), C]`` and adjusted by ±1 steps to
+       sum to ``A``; the best of ``q_tries`` draws (std closest to ``sigma*``) is kept.
+    3. Classes in random order go to the ``p_c`` sites with the largest remaining need
+       ``max(q_k - n_k, 0)`` (ties broken at random).
+
+    The realised disparity is the population std of the sites' class counts ``n_k``. Class
+    counts are integers, so when ``K`` does not divide ``A`` the smallest reachable disparity is
+    that of the most even split (``sqrt(r (K - r)) / K`` with ``r = A mod K``: 0.5 for the paper's
+    ``sigma* = 0`` rows, where ``A / K = 31.5, 22.5, 13.5``); the target is raised to that floor.
+    The whole draw is repeated (at most ``max_attempts`` times) until ``|sigma - sigma*| <= disparity_tol``.
+
+    Raises:
+        ValueError: infeasible targets (``p*`` outside ``[1, K]``, ``sigma*`` < 0) or no draw
+            within tolerance after ``max_attempts``.
+    """
+    check_finite_number(n_classes, "n_classes", low=1, integer=True)
+    check_finite_number(n_sites, "n_sites", low=1, integer=True)
+    C, K = int(n_classes), int(n_sites)
+    check_finite_number(prevalence, "prevalence", low=1.0, high=float(K))
+    check_finite_number(disparity, "disparity", low=0.0)
+    rng = as_rng(seed)
+    A = int(round(C * prevalence))
+    r = A % K
+    sigma_floor = float(np.sqrt(r * (K - r)) / K)  # most even integer split of A over K sites
+    target = max(float(disparity), sigma_floor)
+    best = None
+    for attempt in range(1, int(max_attempts) + 1):
+        out = _predi_once(C, K, A, float(disparity), rng, int(q_tries))
+        if out is None:
+            continue
+        M, p, q = out
+        nk = M.sum(axis=0)
+        err = abs(nk.std() - target)
+        if best is None or err < best[0]:
+            best = (err, M, p, q, attempt)
+        if err <= disparity_tol:
+            break
+    if best is None or best[0] > disparity_tol:
+        got = "no feasible draw" if best is None else f"best disparity {best[1].sum(axis=0).std():.3f}"
+        raise ValueError(
+            f"PreDi could not reach disparity {target} (tolerance {disparity_tol}) with C={C} classes, K={K} sites, "
+            f"prevalence {prevalence} after {max_attempts} attempts ({got})."
+        )
+    err, M, p, q, attempt = best
+    return PreDiResult(assignment=M, class_prevalence=M.sum(axis=1), prevalence=float(M.sum(axis=1).mean()),
+                       disparity=float(M.sum(axis=0).std()), targets=(float(prevalence), float(disparity)),
+                       target_counts=q, attempts=attempt)
+
+
+def predi_partition(labels, assignment, seed, *, samples_per_cell: int | None = 50) -> list[np.ndarray]:
+    """``001_`` Algorithm 1 line 11: give each (class, site) cell ``s`` distinct images.
+
+    With ``samples_per_cell=None`` each class's images are split evenly among its sites.
+
+    Raises:
+        ValueError: a class has fewer than ``s * p_c`` images.
+    """
+    y = np.asarray(labels)
+    M = np.asarray(assignment)
+    C, K = M.shape
+    rng = as_rng(seed)
+    parts: list[list[int]] = [[] for _ in range(K)]
+    for c in range(C):
+        holders = np.flatnonzero(M[c])
+        if holders.size == 0:
+            continue
+        idx = rng.permutation(np.flatnonzero(y == c))
+        if samples_per_cell is None:
+            chunks = np.array_split(idx, holders.size)
+        else:
+            need = int(samples_per_cell) * holders.size
+            if idx.size < need:
+                raise ValueError(f"class {c} has {idx.size} images but PreDi needs {samples_per_cell} x {holders.size} = {need}.")
+            chunks = np.split(idx[:need], holders.size)
+        for k, ch in zip(holders, chunks):
+            parts[k].extend(ch.tolist())
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+
+
+# ----------------------------------------------------------------------------- ANDA (003_)
+
+ANDA_SHIFTS = ("feature", "label", "p_y_given_x", "p_x_given_y", "quantity")
+_ROTATIONS = {1: [0, 180], 2: [0, 120, 240], 3: [0, 90, 180, 270], 4: [0, 72, 144, 216, 288]}
+_COLORS = ["red", "blue", "green"]
+
+
+@dataclass
+class SiteShift:
+    """One site of an ANDA-style federation: its samples, its group and its transform."""
+
+    indices: np.ndarray
+    group: int
+    rotation: int = 0  # degrees, whole-site (feature shift)
+    color: str | None = None  # whole-site colour (feature shift)
+    keep_classes: list[int] | None = None  # label shift
+    label_map: dict[int, int] = field(default_factory=dict)  # P(Y|X): original -> new label
+    class_rotation: dict[int, int] = field(default_factory=dict)  # P(X|Y): class -> degrees
+
+    def to_json(self) -> dict:
+        return {"indices": self.indices.tolist(), "group": self.group, "rotation": self.rotation, "color": self.color,
+                "keep_classes": self.keep_classes, "label_map": {str(k): v for k, v in self.label_map.items()},
+                "class_rotation": {str(k): v for k, v in self.class_rotation.items()}}
+
+
+def _groups_for_sites(n_sites, n_groups, rng):
+    g = np.arange(n_sites) % n_groups
+    return rng.permutation(g)
+
+
+def anda_federation(labels, n_sites: int, shift: str, seed, *, level: int = 3, n_groups: int = 2,
+                    quantity_alpha: float = 0.5) -> list[SiteShift]:
+    """An ANDA-style federation with a known group per site (``003_`` Appendix B.1, Table 9).
+
+    ``n_groups`` distinct distributions are drawn; sites are dealt round-robin to groups and the
+    order shuffled, so every group has ``n_sites // n_groups`` or one more sites. The ``level``
+    follows Table 9:
+
+    * ``feature``: one (rotation, colour) pattern per group from the level's rotation set
+      (levels 1-4: {0,180}, {0,120,240}, {0,90,180,270}, {0,72,...,288} with original colours;
+      levels 5-8 the same rotations with colours {red, blue, green}); samples IID over sites.
+    * ``label``: each group keeps ``U - level + 1`` classes (at least 1), chosen per group;
+      each class's samples are split over the sites that keep it.
+    * ``p_y_given_x``: a swap pool of ``max(2, level)`` classes (at most U), permuted differently
+      per group; samples IID.
+    * ``p_x_given_y``: ``min(level, U)`` classes are rotated by a per-group angle from
+      {0, 90, 180, 270} (groups differ in at least one class); samples IID.
+    * ``quantity``: groups differ only in size (group sizes ~ Dir(quantity_alpha)).
+
+    Returns:
+        one :class:`SiteShift` per site.
+    """
+    if shift not in ANDA_SHIFTS:
+        raise ValueError(f"shift should be one of {ANDA_SHIFTS}, got {shift!r}.")
+    y = np.asarray(labels)
+    if y.ndim != 1 or y.size == 0:
+        raise ValueError(f"labels should be a non-empty 1-D array, got shape {y.shape}.")
+    n_sites = _check_sites(n_sites, y.size)
+    check_finite_number(level, "level", low=1, high=8, integer=True)
+    check_finite_number(n_groups, "n_groups", low=1, integer=True)
+    if n_groups > n_sites:
+        raise ValueError(f"n_groups ({n_groups}) should not exceed n_sites ({n_sites}).")
+    rng = as_rng(seed)
+    classes = np.unique(y).tolist()
+    U = len(classes)
+    group_of = _groups_for_sites(n_sites, int(n_groups), rng)
+    sites = [SiteShift(indices=np.empty(0, dtype=np.int64), group=int(g)) for g in group_of]
+
+    def iid_indices():
+        for s, part in zip(sites, np.array_split(rng.permutation(y.size), n_sites)):
+            s.indices = np.sort(part)
+
+    if shift == "feature":
+        rots = _ROTATIONS[(int(level) - 1) % 4 + 1]
+        cols = [None] if level <= 4 else _COLORS
+        patterns = [(r, c) for r in rots for c in cols]
+        if n_groups > len(patterns):
+            raise ValueError(f"feature shift level {level} has {len(patterns)} patterns, fewer than n_groups={n_groups}.")
+        chosen = [patterns[i] for i in rng.choice(len(patterns), size=int(n_groups), replace=False)]
+        for s in sites:
+            s.rotation, s.color = chosen[s.group]
+        iid_indices()
+    elif shift == "label":
+        keep = max(1, U - int(level) + 1)
+        subsets: list[list[int]] = []
+        tries = 0
+        while len(subsets) < n_groups:
+            tries += 1
+            cand = sorted(rng.choice(classes, size=keep, replace=False).tolist())
+            if cand not in subsets or tries > 100:
+                subsets.append(cand)
+        if len({tuple(s) for s in subsets}) < n_groups:
+            raise ValueError(f"label shift level {level} keeps {keep} of {U} classes: too few distinct subsets for {n_groups} groups.")
+        for s in sites:
+            s.keep_classes = subsets[s.group]
+        for c in classes:
+            holders = [k for k, s in enumerate(sites) if c in s.keep_classes]
+            if not holders:
+                continue
+            idx = rng.permutation(np.flatnonzero(y == c))
+            for k, ch in zip(holders, np.array_split(idx, len(holders))):
+                sites[k].indices = np.concatenate([sites[k].indices, ch])
+        for s in sites:
+            s.indices = np.sort(s.indices.astype(np.int64))
+    elif shift == "p_y_given_x":
+        pool_size = min(U, max(2, int(level)))
+        pool = sorted(rng.choice(classes, size=pool_size, replace=False).tolist())
+        perms = [list(pool)]  # group 0 keeps the original labels
+        tries = 0
+        while len(perms) < n_groups and tries < 1000:
+            tries += 1
+            cand = rng.permutation(pool).tolist()
+            if cand not in perms:
+                perms.append(cand)
+        if len(perms) < n_groups:
+            raise ValueError(f"a swap pool of {pool_size} classes has too few permutations for {n_groups} groups.")
+        for s in sites:
+            s.label_map = {int(a): int(b) for a, b in zip(pool, perms[s.group]) if a != b}
+        iid_indices()
+    elif shift == "p_x_given_y":
+        n_aug = min(U, int(level))
+        aug = sorted(rng.choice(classes, size=n_aug, replace=False).tolist())
+        maps: list[dict] = []
+        tries = 0
+        while len(maps) < n_groups and tries < 1000:
+            tries += 1
+            cand = {int(c): int(rng.choice([0, 90, 180, 270])) for c in aug}
+            if cand not in maps:
+                maps.append(cand)
+        if len(maps) < n_groups:
+            raise ValueError(f"{n_aug} augmented classes give too few distinct rotations for {n_groups} groups.")
+        for s in sites:
+            s.class_rotation = {c: r for c, r in maps[s.group].items() if r}
+        iid_indices()
+    else:  # quantity
+        share = rng.dirichlet(np.full(int(n_groups), float(quantity_alpha)))
+        site_w = np.array([share[s.group] / max(1, int((group_of == s.group).sum())) for s in sites])
+        raw = site_w / site_w.sum() * y.size
+        sizes = np.maximum(np.floor(raw).astype(int), 1)
+        while sizes.sum() > y.size:
+            sizes[np.argmax(sizes)] -= 1
+        sizes[np.argmax(raw - sizes)] += y.size - sizes.sum()
+        for s, part in zip(sites, np.split(rng.permutation(y.size), np.cumsum(sizes)[:-1])):
+            s.indices = np.sort(part)
+    return sites
+
+
+def apply_anda_transform(image: np.ndarray, label: int, spec: SiteShift, *, colour: str = "channel") -> tuple[np.ndarray, int]:
+    """Apply a site's shift to one image (H, W) or (H, W, C) uint8/float, and map its label.
+
+    Rotation is about the centre with the same canvas size (scipy ``ndimage.rotate``,
+    ``reshape=False``). Colour (docs/readings.md): ``colour="channel"`` (fedmed's default) keeps the
+    grayscale intensity in the site's RGB channel and zeros the others; ``colour="anda"`` is ANDA's
+    code: the site's channel is set to full intensity and the gray image is kept in the other two.
+    """
+    from scipy import ndimage
+
+    if colour not in ("channel", "anda"):
+        raise ValueError(f"colour should be 'channel' or 'anda', got {colour!r}.")
+    img = np.asarray(image)
+    lab = int(label)
+    angle = spec.rotation + spec.class_rotation.get(lab, 0)
+    if angle % 360:
+        k = angle // 90 if angle % 90 == 0 else None
+        if k is not None:
+            img = np.rot90(img, k=int(k) % 4, axes=(0, 1)).copy()
+        else:
+            img = ndimage.rotate(img, angle, axes=(1, 0), reshape=False, order=1, mode="constant")
+    if spec.color is not None:
+        gray = img.mean(axis=2).astype(img.dtype) if img.ndim == 3 else img
+        ch = {"red": 0, "green": 1, "blue": 2}[spec.color]
+        if colour == "channel":
+            rgb = np.zeros(gray.shape + (3,), dtype=img.dtype)
+            rgb[..., ch] = gray
+        else:
+            full = 255 if np.issubdtype(img.dtype, np.integer) else 1.0
+            rgb = np.repeat(gray[..., None], 3, axis=2)
+            rgb[..., ch] = full
+        img = rgb
+    return img, spec.label_map.get(lab, lab)
+
+
+# ----------------------------------------------------------------------------- 004_ Appendix D
+
+def label_volume_federation(volumes, n_sites: int) -> list[np.ndarray]:
+    """Order subjects by label volume (smallest first) and cut into ``n_sites`` contiguous sites.
+
+    Site ``k`` holds the ``k``-th block of the ordering, so site sizes differ by at most one and
+    the last site holds the largest lesions (ties keep input order: mergesort).
+    """
+    v = np.asarray(volumes, dtype=np.float64)
+    if v.ndim != 1 or v.size == 0 or not np.isfinite(v).all():
+        raise ValueError(f"volumes should be a non-empty finite 1-D array, got shape {v.shape}.")
+    n_sites = _check_sites(n_sites, v.size, "subjects")
+    order = np.argsort(v, kind="mergesort")
+    return [np.asarray(part, dtype=np.int64) for part in np.array_split(order, n_sites)]

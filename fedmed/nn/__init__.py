@@ -1,0 +1,73 @@
+"""Networks and their training: the networks a site trains (models), frozen foundation-model encoders (encoders), local classifier training (train), Fed-MAE's ViT (mae), the 3D U-Net's training, inference and metrics (seg), saved models and `fedmed predict` (predict).
+
+Every name below is importable from ``fedmed.nn`` (loaded on first use)."""
+
+from importlib import import_module
+
+_PUBLIC = {
+    "ArchError": "models",
+    "BUILTIN_ARCHS": "models",
+    "ENCODERS": "encoders",
+    "Encoder": "encoders",
+    "EncoderError": "encoders",
+    "EncoderSpec": "encoders",
+    "ModelFileError": "predict",
+    "ResNet9": "models",
+    "VIT_SMALL": "mae",
+    "ViTClassifier": "mae",
+    "augment_batch": "train",
+    "build_encoder": "encoders",
+    "build_model": "models",
+    "check_arch": "models",
+    "check_weights": "encoders",
+    "dice_scores": "seg",
+    "encoder_state": "mae",
+    "evaluate": "train",
+    "extract_features": "encoders",
+    "feature_extractor": "models",
+    "get_params": "train",
+    "import_timm": "encoders",
+    "keep_largest_component": "seg",
+    "layerwise_param_groups": "mae",
+    "load_init_weights": "models",
+    "load_model": "predict",
+    "load_weights": "encoders",
+    "mae_loss": "mae",
+    "mae_model": "mae",
+    "make_optimizer": "train",
+    "model_from_config": "models",
+    "network": "models",
+    "patchify": "mae",
+    "predict_images": "predict",
+    "predict_masks": "seg",
+    "predict_volume": "predict",
+    "preprocess_volume": "encoders",
+    "resolve_arch": "models",
+    "save_model": "predict",
+    "scheduled_lr": "mae",
+    "score_masks": "seg",
+    "seg_loss": "seg",
+    "seg_metrics": "seg",
+    "seg_model": "seg",
+    "seg_model_from_config": "models",
+    "set_params": "train",
+    "site_embeddings": "encoders",
+    "train_local": "train",
+    "train_mae_local": "mae",
+    "train_seg_local": "seg",
+    "user_code_files": "models",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        value = getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -1,0 +1,305 @@
+"""The networks a site trains: fedmed's own (ResNet-9, MONAI's ResNet-18, a small ViT, a 3D U-Net), any MONAI network
+by name, or the user's own class.
+
+``model.arch`` (:func:`model_from_config`, :func:`seg_model_from_config`):
+
+* ``resnet9`` | ``resnet18`` | ``vit_small`` — fedmed's 2D classifiers (for segmentation: fedmed's 3D U-Net with
+  ``model.channels``);
+* a class of ``monai.networks.nets`` by name (``DenseNet121``, ``EfficientNetBN``, ``SegResNet``, ``SwinUNETR``,
+  ``DynUNet``, ...) with ``model.args``; fedmed fills what the task fixes when the constructor takes it —
+  ``spatial_dims`` (2 or 3), the input channels (``in_channels`` / ``n_input_channels`` / ``in_chans``) and the
+  outputs (``out_channels`` / ``num_classes``: the classes, or 3 regions WT/TC/ET);
+* ``package.module:Class`` — the user's own ``nn.Module`` (importable where the job is built; the job carries the
+  module's source to the sites, :func:`user_code_files`).
+
+``model.init_weights`` starts the network from a local state-dict file (:func:`load_init_weights`: wrappers and
+``module.`` prefixes unwrapped, otherwise strict). Nothing is downloaded (``pretrained=True`` is refused).
+Every problem is an :class:`ArchError` of one line naming the arch, the argument or the file.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["ArchError", "BUILTIN_ARCHS", "ResNet9", "build_model", "check_arch", "feature_extractor",
+           "load_init_weights", "model_from_config", "network", "resolve_arch", "seg_model_from_config",
+           "user_code_files"]
+
+BUILTIN_ARCHS = ("resnet9", "resnet18", "vit_small")
+USER_CODE_DIR = "fedmed_user_code"  # inside a job app's custom folder: the source of a user's network class
+
+
+class ArchError(ValueError):
+    """A network that cannot be built: unknown arch, a bad argument, a weights file that does not fit."""
+
+
+def _norm(kind: str, ch: int) -> nn.Module:
+    if kind == "batch":
+        return nn.BatchNorm2d(ch)
+    groups = 8
+    while ch % groups:
+        groups //= 2
+    return nn.GroupNorm(groups, ch)
+
+
+def _conv_bn(cin, cout, pool=False, norm="batch"):
+    layers = [nn.Conv2d(cin, cout, 3, padding=1, bias=False), _norm(norm, cout), nn.ReLU(inplace=True)]
+    if pool:
+        layers.append(nn.MaxPool2d(2))
+    return nn.Sequential(*layers)
+
+
+class _Residual(nn.Module):
+    def __init__(self, ch, norm="batch"):
+        super().__init__()
+        self.body = nn.Sequential(_conv_bn(ch, ch, norm=norm), _conv_bn(ch, ch, norm=norm))
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+class ResNet9(nn.Module):
+    """The DAWNBench ResNet-9 (prep, 3 pooled stages, 2 residual blocks) with width ``w``.
+
+    Channels are ``w, 2w, 4w, 8w`` (``w = 64`` is the original; fedmed defaults to 16 for CPU).
+    ``norm="group"`` replaces BatchNorm by GroupNorm (up to 8 groups): batch statistics of FL's tiny,
+    label-skewed local batches are noisy and BatchNorm's running statistics average badly across
+    sites (Hsieh et al. 2020). ``forward_features`` returns the pooled ``8w``-dimensional latent
+    (Flux's final hidden layer).
+    """
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 16, norm: str = "batch"):
+        super().__init__()
+        if norm not in ("batch", "group"):
+            raise ValueError(f"norm should be 'batch' or 'group', got {norm!r}.")
+        w = width
+        self.features = nn.Sequential(
+            _conv_bn(in_channels, w, norm=norm), _conv_bn(w, 2 * w, pool=True, norm=norm), _Residual(2 * w, norm),
+            _conv_bn(2 * w, 4 * w, pool=True, norm=norm), _conv_bn(4 * w, 8 * w, pool=True, norm=norm),
+            _Residual(8 * w, norm), nn.AdaptiveMaxPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(8 * w, num_classes)
+
+    def forward_features(self, x):
+        return self.features(x)
+
+    def forward(self, x):
+        return self.fc(self.features(x))
+
+
+class _MonaiResNet18(nn.Module):
+    def __init__(self, in_channels, num_classes):
+        super().__init__()
+        from monai.networks.nets import resnet18
+
+        self.net = resnet18(spatial_dims=2, n_input_channels=in_channels, num_classes=num_classes)
+
+    def forward_features(self, x):
+        n = self.net
+        x = n.maxpool(n.act(n.bn1(n.conv1(x))))
+        x = n.layer4(n.layer3(n.layer2(n.layer1(x))))
+        return torch.flatten(n.avgpool(x), 1)
+
+    def forward(self, x):
+        return self.net.fc(self.forward_features(x))
+
+
+def build_model(arch: str, in_channels: int, num_classes: int, *, width: int = 16, seed: int = 0,
+                norm: str = "batch") -> nn.Module:
+    """A freshly initialised classifier; the same seed gives the same weights everywhere."""
+    if in_channels not in (1, 3):
+        raise ValueError(f"in_channels should be 1 or 3, got {in_channels}.")
+    if num_classes < 2:
+        raise ValueError(f"num_classes should be >= 2, got {num_classes}.")
+    if arch not in ("resnet9", "resnet18", "vit_small"):
+        raise ValueError(f"arch should be 'resnet9', 'resnet18' or 'vit_small', got {arch!r}.")
+    with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's RNG state
+        torch.manual_seed(seed)
+        if arch == "resnet9":
+            return ResNet9(in_channels, num_classes, width, norm)
+        if arch == "vit_small":
+            from fedmed.nn.mae import ViTClassifier
+
+            return ViTClassifier(in_channels, num_classes)
+        return _MonaiResNet18(in_channels, num_classes)
+
+
+def _monai_names() -> list[str]:
+    import monai.networks.nets as nets
+
+    return sorted(n for n in dir(nets) if isinstance(getattr(nets, n), type) and issubclass(getattr(nets, n), nn.Module))
+
+
+def resolve_arch(arch: str) -> type:
+    """The network class ``arch`` names: a MONAI network (``DenseNet121``) or ``package.module:Class``."""
+    import importlib
+
+    if ":" in arch:
+        mod, _, name = arch.partition(":")
+        try:
+            module = importlib.import_module(mod)
+        except ImportError as e:
+            raise ArchError(f"model.arch {arch!r}: cannot import module {mod!r} ({e}); it must be importable where "
+                            f"the job is built (PYTHONPATH)") from None
+        cls = getattr(module, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ArchError(f"model.arch {arch!r}: {mod} has no torch.nn.Module class {name!r}")
+        return cls
+    import monai.networks.nets as nets
+
+    cls = getattr(nets, arch, None)
+    if isinstance(cls, type) and issubclass(cls, nn.Module):
+        return cls
+    import difflib
+
+    hint = difflib.get_close_matches(arch, _monai_names() + list(BUILTIN_ARCHS), n=1)
+    raise ArchError(f"model.arch {arch!r} is not fedmed's ({', '.join(BUILTIN_ARCHS)}), a network of "
+                    f"monai.networks.nets, or package.module:Class" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+
+
+_IN = ("in_channels", "n_input_channels", "in_chans")
+_OUT = ("out_channels", "num_classes", "n_classes")
+
+
+def network(arch: str, args: dict | None, *, spatial_dims: int, in_channels: int, out_channels: int,
+            seed: int = 0) -> nn.Module:
+    """Build ``arch`` (see the module notes) with ``args``, seeded; what the task fixes is filled in."""
+    import inspect
+
+    cls = resolve_arch(arch)
+    args = dict(args or {})
+    if args.get("pretrained"):
+        raise ArchError(f"model.args.pretrained: {arch} would download weights, and nothing is downloaded here; give "
+                        f"a local file as model.init_weights")
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        params = {}
+    kw = dict(args)
+    if "spatial_dims" in params and "spatial_dims" not in kw:
+        kw["spatial_dims"] = spatial_dims
+    for names, value in ((_IN, in_channels), (_OUT, out_channels)):
+        name = next((n for n in names if n in params), None)
+        if name is not None and not any(n in kw for n in names):
+            kw[name] = value
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = sorted(k for k in args if params and k not in params and not var_kw)
+    if unknown:
+        raise ArchError(f"model.args: {arch} takes no argument(s) {unknown} (it takes "
+                        f"{', '.join(n for n in params if n not in ('self', 'args', 'kwargs'))})")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            return cls(**kw)
+        except Exception as e:  # a constructor's own check of its arguments
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ArchError(f"model.arch {arch} with model.args {args}: {type(e).__name__}: {msg}") from None
+
+
+def _load_init(model: nn.Module, model_cfg: dict, root=None) -> nn.Module:
+    path = model_cfg.get("init_weights")
+    if path:
+        from pathlib import Path
+
+        p = Path(path)
+        if not p.is_absolute() and root is not None:
+            p = Path(root) / p
+        load_init_weights(model, p)
+    return model
+
+
+def load_init_weights(model: nn.Module, path) -> None:
+    """Start ``model`` from a local weights file (a state dict, possibly wrapped or with ``module.`` prefixes)."""
+    from pathlib import Path
+
+    from fedmed.nn.encoders import EncoderError, _read, _unwrap
+
+    p = Path(path)
+    try:
+        state = _unwrap(_read(p, "model.init_weights"))
+    except EncoderError as e:
+        raise ArchError(str(e)) from None
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    shapes = [k for k in sorted(set(own) & set(state)) if tuple(own[k].shape) != tuple(state[k].shape)]
+    if missing or unexpected or shapes:
+        raise ArchError(f"model.init_weights: {p.name} does not fit the network: {len(missing)} missing "
+                        f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}, {len(shapes)} mis-shaped "
+                        f"{shapes[:3]}")
+    model.load_state_dict(state)
+
+
+def model_from_config(model_cfg: dict, in_channels: int, num_classes: int, seed: int = 0, *, init_root=None) -> nn.Module:
+    """The 2D classifier of a config's ``model`` section (a dict): fedmed's (:func:`build_model`), a MONAI network or
+    the user's class; started from ``model.init_weights`` when set (relative to ``init_root``)."""
+    arch = model_cfg["arch"]
+    if arch in BUILTIN_ARCHS:
+        model = build_model(arch, in_channels, num_classes, width=model_cfg.get("width", 16), seed=seed,
+                            norm=model_cfg.get("norm", "batch"))
+    else:
+        model = network(arch, model_cfg.get("args"), spatial_dims=2, in_channels=in_channels,
+                        out_channels=num_classes, seed=seed)
+    return _load_init(model, model_cfg, init_root)
+
+
+def seg_model_from_config(model_cfg: dict, in_channels: int, seed: int = 0, *, init_root=None) -> nn.Module:
+    """The 3D segmentation network (3 sigmoid outputs: WT, TC, ET): fedmed's U-Net (``model.channels``) unless
+    ``model.arch`` names a MONAI network or a user class."""
+    arch = model_cfg.get("arch", "unet")
+    if arch in BUILTIN_ARCHS or arch == "unet":
+        from fedmed.nn.seg import seg_model
+
+        model = seg_model(in_channels, channels=model_cfg.get("channels", (8, 16, 32, 64)), seed=seed)
+    else:
+        model = network(arch, model_cfg.get("args"), spatial_dims=3, in_channels=in_channels, out_channels=3,
+                        seed=seed)
+    return _load_init(model, model_cfg, init_root)
+
+
+def check_arch(model_cfg: dict, *, task: str, in_channels: int, n_out: int, size) -> None:
+    """Build the configured network once and run one input through it (before any job runs): an unknown arch, a bad
+    argument or an output of the wrong shape is one line here, not an error at every site."""
+    if model_cfg["arch"] in BUILTIN_ARCHS and task == "classification":
+        return
+    if task == "segmentation":
+        if model_cfg.get("arch", "unet") in BUILTIN_ARCHS + ("unet",):
+            return
+        net = seg_model_from_config({**model_cfg, "init_weights": None}, in_channels)
+        x = torch.zeros(1, in_channels, *size)
+        want = (1, 3, *size)
+    else:
+        net = model_from_config({**model_cfg, "init_weights": None}, in_channels, n_out)
+        x = torch.zeros(2, in_channels, size, size)
+        want = (2, n_out)
+    net.eval()
+    try:
+        with torch.no_grad():
+            out = net(x)
+    except Exception as e:
+        raise ArchError(f"model.arch {model_cfg['arch']}: a {tuple(x.shape)} input fails "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    if tuple(out.shape) != want:
+        raise ArchError(f"model.arch {model_cfg['arch']}: output shape {tuple(out.shape)} for a {tuple(x.shape)} "
+                        f"input, expected {want} ({'classes' if task == 'classification' else 'WT, TC, ET regions'})")
+
+
+def user_code_files(arch: str) -> list:
+    """``[(path, name)]``: the source a job carries for a user's ``package.module:Class`` (the top-level package's
+    folder, or the module file); empty for fedmed's and MONAI's networks."""
+    import importlib.util
+    from pathlib import Path
+
+    if ":" not in arch:
+        return []
+    top = arch.partition(":")[0].split(".")[0]
+    spec = importlib.util.find_spec(top)
+    if spec is None or spec.origin is None:
+        raise ArchError(f"model.arch {arch!r}: cannot find module {top!r} to carry it in the job")
+    origin = Path(spec.origin)
+    return [(origin.parent, top)] if origin.name == "__init__.py" else [(origin, origin.name)]
+
+
+def feature_extractor(model: nn.Module):
+    """``x -> latent`` of a classifier built by :func:`build_model`."""
+    return model.forward_features

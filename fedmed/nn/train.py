@@ -1,0 +1,162 @@
+"""Local training and evaluation of a classifier (torch), framework-free.
+
+The recipe (``TrainConfig``; chosen once on validation data, docs/readings.md "2D recipe"):
+SGD, Adam or AdamW; cross-entropy (optionally PreP-weighted, ``001_`` Eq. 3); FedProx's proximal
+term ``mu/2 ||w - w_global||^2`` (Li et al. 2020) when ``mu > 0``; horizontal flips and random
+crops of a 4-pixel zero-padded image. The optimizer is created by the caller and may be kept
+between rounds (its state then carries over, as NVFlare's Client API examples do by creating it
+once per site).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedmed.algorithms.metrics import site_metrics
+
+__all__ = ["augment_batch", "evaluate", "get_params", "make_optimizer", "set_params", "train_local"]
+
+
+def get_params(model: nn.Module) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> None:
+    """Load numpy params into ``model`` in place (its Parameter objects stay the same, so an optimizer
+    built on them keeps working); a missing/unexpected key or shape is a clear error."""
+    state = model.state_dict()
+    missing = sorted(set(state) - set(params))
+    extra = sorted(set(params) - set(state))
+    if missing or extra:
+        raise ValueError(f"model parameters do not match the architecture: missing {missing[:3]}, unexpected {extra[:3]}")
+    new = {}
+    for k, v in state.items():
+        a = np.asarray(params[k])
+        if tuple(a.shape) != tuple(v.shape):
+            raise ValueError(f"parameter '{k}' has shape {tuple(a.shape)}, the model expects {tuple(v.shape)}")
+        new[k] = torch.as_tensor(a, dtype=v.dtype)
+    model.load_state_dict(new)
+
+
+def make_optimizer(model: nn.Module, train: Mapping) -> torch.optim.Optimizer:
+    """The optimizer of a ``train`` config section (``optimizer``, ``lr``, ``momentum``, ``weight_decay``)."""
+    kind = train.get("optimizer", "sgd")
+    lr, wd = float(train["lr"]), float(train.get("weight_decay", 0.0))
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=float(train.get("momentum", 0.0)), weight_decay=wd)
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd)
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    raise ValueError(f"optimizer should be 'sgd', 'adam' or 'adamw', got {kind!r}.")
+
+
+def augment_batch(x: torch.Tensor, mode: str, generator: torch.Generator | None) -> torch.Tensor:
+    """``"flip"``: horizontal flip with p = 0.5; ``"flip_crop"``: plus a random crop of the image padded by
+    4 pixels (zeros), per sample; ``"none"``: unchanged."""
+    if mode == "none":
+        return x
+    if mode not in ("flip", "flip_crop"):
+        raise ValueError(f"augment should be 'none', 'flip' or 'flip_crop', got {mode!r}.")
+    n = x.shape[0]
+    flip = torch.rand(n, generator=generator) < 0.5
+    x = torch.where(flip[:, None, None, None], x.flip(-1), x)
+    if mode == "flip_crop":
+        pad = 4
+        h, w = x.shape[-2:]
+        xp = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+        dy = torch.randint(0, 2 * pad + 1, (n,), generator=generator)
+        dx = torch.randint(0, 2 * pad + 1, (n,), generator=generator)
+        x = torch.stack([xp[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(n)])
+    return x
+
+
+def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 1, batch_size: int = 16,
+                optimizer: torch.optim.Optimizer | None = None, lr: float = 0.01, momentum: float = 0.9,
+                weight_decay: float = 0.0, mu: float = 0.0, class_weights=None,
+                generator: torch.Generator | None = None, augment: str = "flip", lr_at=None,
+                precision: str = "fp32") -> dict:
+    """Run ``epochs`` over (x, y) in place; returns ``{"loss": mean loss, "steps": n}``.
+
+    ``optimizer`` (kept by the caller between rounds) defaults to a fresh SGD with ``lr``/``momentum``.
+    ``generator`` (seeded by the caller) drives shuffling and augmentation. A trailing batch of one
+    sample is skipped (BatchNorm cannot normalise it in train mode) unless the site has one sample.
+    ``lr_at(f)`` (optional) gives the learning rate at fraction ``f`` of this call's steps; each parameter group's
+    ``lr_scale`` multiplies it (layer-wise decay). ``class_weights`` gives PyTorch's weighted cross-entropy: per batch,
+    ``sum_i w_{y_i} l_i / sum_i w_{y_i}`` (docs/readings.md, PreP-WFL Eq. 3). Batches go to the model's device
+    (shuffling and augmentation stay on the CPU, so a seed gives the same batches anywhere); ``precision``: fp32,
+    bf16 or fp16 autocast (:mod:`fedmed.core.device`).
+    """
+    from fedmed.core.device import autocast, backward_step, grad_scaler, model_device
+
+    n = x.shape[0]
+    if n == 0:
+        raise ValueError("no training samples")
+    model.train()
+    opt = optimizer or torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    device = model_device(model)
+    scaler = grad_scaler(device, precision)
+    w = None if class_weights is None else torch.as_tensor(np.asarray(class_weights), dtype=torch.float32, device=device)
+    loss_fn = nn.CrossEntropyLoss(weight=w)
+    anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 else None
+    total, steps = 0.0, 0
+    per_epoch = sum(1 for s in range(0, n, batch_size) if n - s >= 2 or n < 2)
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=generator)
+        for s in range(0, n, batch_size):
+            idx = order[s:s + batch_size]
+            if idx.numel() < 2 and n >= 2:
+                continue
+            if lr_at is not None:
+                lr_now = lr_at(steps / max(1, epochs * per_epoch))
+                for g in opt.param_groups:
+                    g["lr"] = lr_now * g.get("lr_scale", 1.0)
+            xb, yb = augment_batch(x[idx], augment, generator).to(device), y[idx].to(device)
+            if idx.numel() == 1:
+                model.eval()  # a single sample cannot be batch-normalised in train mode
+            with autocast(device, precision):
+                out = model((xb - 0.5) / 0.5)
+                loss = loss_fn(out.float(), yb)
+            if anchor is not None:
+                loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+            backward_step(loss, opt, scaler)
+            model.train()
+            total += float(loss.detach())
+            steps += 1
+    return {"loss": total / max(steps, 1), "steps": steps}
+
+
+@torch.no_grad()
+def predict_proba(model: nn.Module, x: torch.Tensor, batch_size: int = 128, precision: str = "fp32") -> np.ndarray:
+    from fedmed.core.device import autocast, model_device
+
+    model.eval()
+    dev = model_device(model)
+    outs = []
+    for s in range(0, x.shape[0], batch_size):
+        with autocast(dev, precision):
+            out = model((x[s:s + batch_size].to(dev) - 0.5) / 0.5)
+        outs.append(torch.softmax(out.float(), dim=1).cpu())
+    return torch.cat(outs).numpy() if outs else np.zeros((0, 0))
+
+
+@torch.no_grad()
+def latents(model: nn.Module, x: torch.Tensor, batch_size: int = 128) -> np.ndarray:
+    """Final-hidden-layer activations (Flux's latents)."""
+    from fedmed.core.device import model_device
+
+    model.eval()
+    dev = model_device(model)
+    outs = [model.forward_features((x[s:s + batch_size].to(dev) - 0.5) / 0.5).cpu()
+            for s in range(0, x.shape[0], batch_size)]
+    return torch.cat(outs).numpy() if outs else np.zeros((0, 0))
+
+
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n_classes: int, *, k_min: int = 1) -> dict:
+    """:func:`fedmed.algorithms.metrics.site_metrics` of the model on (x, y)."""
+    prob = predict_proba(model, x) if x.shape[0] else np.zeros((0, n_classes))
+    return site_metrics(y.numpy(), prob, n_classes, k_min=k_min)

@@ -1,0 +1,192 @@
+"""One self-contained HTML page per experiment: ``fedmed report OUT`` (also written at the end of ``experiment``,
+``sweep`` and ``demo``).
+
+The page holds the setup (data, sites and their sizes, model, rounds, seeds, each encoder and whether its weights
+are pretrained), the results tables with their reference rows, learning curves with a band over seeds, and per
+method the clustering or assessment figures of the first seed (distance heatmap with values and cluster outlines,
+dendrogram with its cut, silhouette curve, ``004_`` assessment matrices), per-site metrics at the final round,
+slices of test cases with ground truth and prediction (segmentation), and the exact command. Images are embedded
+(base64), so the file can be mailed or archived as it is.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import re
+from pathlib import Path
+
+__all__ = ["markdown_to_html", "write_report"]
+
+
+def _inline(text: str) -> str:
+    t = html.escape(text)
+    t = re.sub(r"`([^`]+)`", r"<code>\1</code>", t)
+    t = re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", t)
+    return t
+
+
+def markdown_to_html(md: str) -> str:
+    """The small markdown subset fedmed writes: headers, pipe tables, bullet lists, paragraphs, code and bold."""
+    out, para, table, items = [], [], [], []
+
+    def flush():
+        if para:
+            out.append(f"<p>{_inline(' '.join(para))}</p>")
+            para.clear()
+        if table:
+            rows = [r for r in table if not re.fullmatch(r"\|?(\s*:?-+:?\s*\|)+\s*", r)]
+            cells = [[c.strip() for c in r.strip().strip("|").split("|")] for r in rows]
+            head = "".join(f"<th>{_inline(c)}</th>" for c in cells[0])
+            body = "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>" for r in cells[1:])
+            out.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+            table.clear()
+        if items:
+            out.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in items) + "</ul>")
+            items.clear()
+
+    for line in md.splitlines():
+        s = line.strip()
+        if s.startswith("|"):
+            if para or items:
+                flush()
+            table.append(s)
+            continue
+        if table:
+            flush()
+        if not s:
+            flush()
+        elif s.startswith("#"):
+            flush()
+            level = min(len(s) - len(s.lstrip("#")) + 1, 5)
+            out.append(f"<h{level}>{_inline(s.lstrip('#').strip())}</h{level}>")
+        elif s.startswith("- "):
+            if para:
+                flush()
+            items.append(s[2:])
+        else:
+            para.append(s)
+    flush()
+    return "\n".join(out)
+
+
+def _img(path: Path, alt: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"><figcaption>{html.escape(alt)}</figcaption></figure>'
+
+
+def _sites_table(doc: dict) -> str:
+    rounds = doc.get("rounds") or []
+    if not rounds:
+        return ""
+    last = rounds[-1]
+    sites = last.get("sites", {})
+    keys = [k for k in ("accuracy", "macro_f1", "val_accuracy", "dice_wt", "dice_tc", "dice_et", "dice_mean",
+                        "hd95_wt", "fp_voxels") if any(k in v for v in sites.values())]
+    head = "".join(f"<th>{k}</th>" for k in ["site", "cluster", "test samples", *keys])
+    body = ""
+    for s, v in sorted(sites.items()):
+        cells = [s, v.get("cluster", "") if v.get("cluster") is not None else "—", v.get("n_test", "")]
+        for k in keys:
+            x = v.get(k)
+            cells.append("n/a" if x is None else (f"{100 * x:.1f}%" if k not in ("hd95_wt", "fp_voxels") else f"{x:.1f}"))
+        body += "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>"
+    errs = doc.get("errors", [])
+    note = f"<p>{len(errs)} site error(s) recorded (see metrics.json).</p>" if errs else ""
+    return (f"<p>Round {last['round']} ({last['task']}), each site scoring the model it is served:</p>"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{note}")
+
+
+def _seg_slices(run: Path, data_dir: Path, out_png: Path) -> Path | None:
+    """Middle axial slices of each test case: image (first modality), ground truth, prediction of the final model."""
+    model = next(iter(sorted((run / "server" / "models").glob("*.pt"))), None)
+    meta_p = data_dir / "dataset.json"
+    if model is None or not meta_p.is_file():
+        return None
+    from fedmed.report.plots import _plt, _save
+    from fedmed.nn.predict import load_model
+    from fedmed.data.nifti import load_case
+    from fedmed.nn.seg import predict_masks
+
+    net, ck = load_model(model)
+    meta = json.loads(meta_p.read_text())
+    doc = json.loads((data_dir / f"{meta['sites'][0]}.json").read_text())
+    cases = [load_case(e, shape=tuple(ck["data"]["shape"])) for e in doc.get("test", [])[:4]]
+    if not cases:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(len(cases), 3, figsize=(7.5, 2.6 * len(cases)), squeeze=False)
+    for row, c in zip(axes, cases):
+        pred = predict_masks(net, c["image"], roi=tuple(ck["data"]["roi"]))
+        z = int(c["label"][0].sum(axis=(0, 1)).argmax()) if c["label"][0].any() else c["image"].shape[-1] // 2
+        for ax, (im, name) in zip(row, ((c["image"][0, :, :, z], "image"), (c["label"][0, :, :, z], "ground truth WT"),
+                                        (pred[0, :, :, z], "prediction WT"))):
+            ax.imshow(im.T, cmap="gray" if name == "image" else "magma", origin="lower")
+            ax.set_title(f"{c['meta']['id']}: {name}", fontsize=8)
+            ax.axis("off")
+    return _save(fig, out_png)
+
+
+def write_report(out_dir, *, command: str | None = None) -> Path:
+    """Write ``OUT/report.html`` for an experiment or sweep output folder; returns its path."""
+    out = Path(out_dir)
+    summary = out / "summary.md"
+    if not summary.is_file():
+        raise FileNotFoundError(f"{out}: no summary.md (run fedmed experiment first)")
+    md = summary.read_text()
+    title = md.splitlines()[0].lstrip("# ").strip() if md else out.name
+    parts = [f"<h1>{html.escape(title)}</h1>"]
+    m = re.search(r"Produced by: `([^`]+)`", md)
+    cmd = command or (m.group(1) if m else "")
+    parts.append(f"<p class='cmd'>Command: <code>{html.escape(cmd)}</code></p>")
+    parts.append(markdown_to_html(md))
+    for png, alt in (("curves.png", "learning curves: validation and test score, train loss (band: ± std over seeds)"),
+                     ("summary.png", "sweep: unseen sites and clustering per case")):
+        if (out / png).is_file():
+            parts.append(_img(out / png, alt))
+    cases = [out] + sorted(p for p in out.iterdir() if p.is_dir() and (p / "summary.md").is_file())
+    for case in cases:
+        runs = sorted((case / "runs").glob("seed*/*/metrics.json")) if (case / "runs").is_dir() else []
+        seen = set()
+        for mpath in runs:
+            run = mpath.parent
+            if run.name.startswith("_") or run.name in seen:
+                continue
+            seen.add(run.name)
+            doc = json.loads(mpath.read_text())
+            label = f"{case.name + ' / ' if case != out else ''}{run.name} ({run.parent.name})"
+            parts.append(f"<h2>{html.escape(label)}</h2>")
+            parts.append(f"<p>Status: <b>{html.escape(doc.get('status', '?'))}</b> {html.escape(doc.get('reason', ''))}"
+                         f"; sites {', '.join(doc.get('sites', []))}.</p>")
+            c = doc.get("clustering")
+            if c:
+                enc = ", ".join(c.get("encoder", [])) if isinstance(c.get("encoder"), list) else c.get("encoder", "")
+                parts.append(f"<p>Clustering: {html.escape(str(c.get('rule', '')))}; clusters "
+                             f"{html.escape(json.dumps(c.get('clusters')))}"
+                             + (f"; encoder {html.escape(enc)}" if enc else "") + "</p>")
+            server = run / "server"
+            for png, alt in (("distance_heatmap.png", "distance heatmap (values; red boxes: clusters)"),
+                             ("dendrogram.png", "dendrogram with the cut"), ("silhouette.png", "silhouette over K"),
+                             ("assessment/heatmap_emd.png", "004_ metadata EMD (D_EMD)"),
+                             ("assessment/heatmap_euc.png", "004_ embedding distance (D_EUC)")):
+                if (server / png).is_file():
+                    parts.append(_img(server / png, alt))
+            if (server / "assessment" / "report.md").is_file():
+                parts.append(markdown_to_html((server / "assessment" / "report.md").read_text()))
+            parts.append(_sites_table(doc))
+            seed_dir = case / "data" / run.parent.name
+            if doc.get("meta", {}).get("config", {}).get("task") == "segmentation" and seed_dir.is_dir():
+                png = _seg_slices(run, seed_dir, run / "test_slices.png")
+                if png:
+                    parts.append(_img(png, "test cases: image, ground truth, prediction (whole tumour, middle slice)"))
+    style = ("body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}"
+             "table{border-collapse:collapse;margin:1em 0;font-size:0.85em}td,th{border:1px solid #ccc;padding:3px 6px}"
+             "th{background:#f2f2f2}figure{display:inline-block;margin:0.5em}img{max-width:100%}"
+             "figcaption{font-size:0.8em;color:#555}code{background:#f4f4f4;padding:1px 3px}.cmd{font-size:1.05em}")
+    page = (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head><body>{''.join(parts)}<hr><p>Regenerate: <code>fedmed report "
+            f"{html.escape(str(out))}</code></p></body></html>")
+    path = out / "report.html"
+    path.write_text(page)
+    return path

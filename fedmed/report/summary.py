@@ -1,0 +1,356 @@
+"""Result rows, honest round selection, summary tables and plots of ``fedmed experiment`` / ``sweep``.
+
+Round selection (never on test data):
+
+* ``selection="final"`` (default): every run is reported at its final round (the ``validate`` round
+  after the last aggregation).
+* ``selection="validation"``: every run (each seed on its own) is reported at the round whose served
+  model has the best site-mean accuracy (Dice for segmentation) on the sites' *validation* splits —
+  held out of their training data. Test metrics are read at that round.
+
+Every number of a table, and the per-method console line, is read at the same reported round, in %.
+Reference rows (``fedmed.run.references``) sit beside the methods: the centralized model, FedAvg on an IID
+federation, the majority-class constant predictor and, for each clustered method, the constant
+predictor answering each cluster's majority class; a clustered method's margin over its
+cluster-majority row is printed next to it.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["CLS_METRICS", "FIELDS", "SEG_METRICS", "read_results", "reported_rows", "rows_from_metrics", "summarize",
+           "sweep_stats", "sweep_table", "write_outputs"]
+
+CLS_METRICS = ("accuracy", "macro_f1", "auc")
+SEG_METRICS = ("dice_wt", "dice_tc", "dice_et", "dice_mean", "hd95_wt", "hd95_tc", "hd95_et", "dice_wt_per_sample",
+               "fp_voxels")
+FIELDS = ["method", "kind", "seed", "round", "task", "phase", "attempt", *CLS_METRICS, *[f"{m}_std" for m in CLS_METRICS],
+          *[f"pooled_{m}" for m in CLS_METRICS], "val_accuracy", "val_macro_f1", "pooled_val_accuracy",
+          *SEG_METRICS, "val_dice_mean", "train_loss", "ari", "n_clusters", "n_sites", "n_failed", "n_test", "withheld"]
+_INT = ("seed", "round", "attempt", "n_clusters", "n_sites", "n_failed", "n_test", "withheld")
+_STR = ("method", "kind", "task", "phase")
+
+
+UNTRAINED = "Untrained network"
+
+
+def is_seg(rows) -> bool:
+    return any("dice_mean" in r and r.get("dice_mean") is not None for r in rows)
+
+
+def primary(rows) -> str:
+    return "dice_mean" if is_seg(rows) else "accuracy"
+
+
+def rows_from_metrics(method: str, seed: int, doc: dict, *, kind: str = "method") -> list[dict]:
+    """One row per recorded round of a run's ``metrics.json`` (the model served in that round)."""
+    rows = []
+    failed: dict = {}
+    for e in doc.get("errors", []):
+        failed[e["round"]] = failed.get(e["round"], 0) + 1
+    for r in doc.get("rounds", []):
+        s = r["summary"]
+        mean, std, pooled = s.get("mean", {}), s.get("std", {}), s.get("pooled") or {}
+        row = {"method": method, "kind": kind, "seed": seed, "round": r["round"], "task": r.get("task"),
+               "attempt": r.get("attempt", 1), "n_sites": s.get("n_sites"), "n_failed": failed.get(r["round"], 0),
+               "n_test": int(sum((v.get("n_test") or 0) for v in r.get("sites", {}).values())),
+               "withheld": pooled.get("withheld")}
+        for k, v in mean.items():
+            if k in FIELDS:
+                row[k] = v
+        for m in CLS_METRICS:
+            if m in std:
+                row[f"{m}_std"] = std[m]
+            if m in pooled:
+                row[f"pooled_{m}"] = pooled[m]
+        if (s.get("pooled_val") or {}).get("accuracy") is not None:
+            row["pooled_val_accuracy"] = s["pooled_val"]["accuracy"]
+        row["sites"] = {site: {k: v.get(k) for k in (*CLS_METRICS, *SEG_METRICS, "cluster") if k in v}
+                        for site, v in r.get("sites", {}).items()}
+        rows.append(row)
+    return rows
+
+
+def _finite(vals):
+    return [float(v) for v in vals if v is not None and isinstance(v, (int, float)) and math.isfinite(v)]
+
+
+def fmt(vals, scale: float = 100.0) -> str:
+    """``mean ± std`` over seeds in % (just the value for one seed; ``n/a`` when nothing is finite)."""
+    vals = _finite(vals)
+    if not vals:
+        return "n/a"
+    if len(vals) == 1:
+        return f"{scale * vals[0]:.2f}"
+    return f"{scale * np.mean(vals):.2f} ± {scale * np.std(vals):.2f}"
+
+
+def reported_rows(rows: list[dict], selection: str = "final") -> dict:
+    """``{(method, seed): row}`` at the reported round of every run (see the module notes)."""
+    if selection not in ("final", "validation"):
+        raise ValueError(f"selection should be 'final' or 'validation', got {selection!r}.")
+    out = {}
+    runs: dict = {}
+    for r in rows:
+        if r.get("phase"):
+            continue
+        runs.setdefault((r["method"], r["seed"]), []).append(r)
+    for key, rs in runs.items():
+        if len(rs) == 1:
+            out[key] = rs[0]
+            continue
+        if selection == "final":
+            out[key] = max(rs, key=lambda r: r["round"])
+        else:
+            vkey = "val_dice_mean" if is_seg(rs) else "val_accuracy"
+            scored = [r for r in rs if r.get(vkey) is not None and math.isfinite(r[vkey])]
+            if not scored:
+                raise ValueError(f"{key[0]} seed {key[1]}: selection 'validation' needs validation metrics "
+                                 f"({vkey}); the sites have no validation split (federation.val_fraction)")
+            out[key] = max(scored, key=lambda r: (r[vkey], -r["round"]))
+    return out
+
+
+def summarize(rows: list[dict], selection: str = "final") -> list[dict]:
+    """Per method (methods first, then references): the reported round(s) and mean ± std over seeds. A
+    segmentation table also gets the untrained network's row (the centralized reference before its first round:
+    the same seeded initial model every method starts from)."""
+    if is_seg(rows):
+        rows = list(rows) + [{**r, "method": UNTRAINED} for r in rows
+                             if r.get("method") == "Centralized" and r.get("round") == 0 and not r.get("phase")]
+    rep = reported_rows(rows, selection)
+    metrics = SEG_METRICS if is_seg(rows) else (*CLS_METRICS, *[f"pooled_{m}" for m in CLS_METRICS])
+    order = list(dict.fromkeys(r["method"] for r in rows if not r.get("phase")))
+    out = []
+    for m in order:
+        runs = [r for (meth, _), r in sorted(rep.items()) if meth == m]
+        entry = {"method": m, "kind": runs[0].get("kind", "method"), "seeds": len(runs),
+                 "rounds": sorted({r["round"] for r in runs if r.get("round") is not None}),
+                 **{k: fmt([r.get(k) for r in runs], 1.0 if k.startswith("hd95") or k == "fp_voxels" else 100.0)
+                    for k in metrics},
+                 "_values": {k: _finite([r.get(k) for r in runs]) for k in metrics},
+                 "k": _k_cell([r.get("n_clusters") for r in runs]),
+                 "ari": fmt([r.get("ari") for r in runs], 1.0),
+                 "n_test": int(np.median([r.get("n_test") or 0 for r in runs])),
+                 "withheld": int(np.median([r.get("withheld") or 0 for r in runs]))}
+        if is_seg(rows):
+            sites = sorted({s for r in runs for s in r.get("sites", {})})
+            entry["per_site"] = {s: fmt([r["sites"][s].get("dice_mean") for r in runs if s in r.get("sites", {})])
+                                 for s in sites}
+        out.append(entry)
+    return sorted(out, key=lambda e: e["kind"] == "reference")
+
+
+def _k_cell(ks) -> str:
+    """The number of clusters per seed, e.g. ``1, 1, 2`` (blank for methods that do not cluster)."""
+    ks = [int(k) for k in ks if k is not None and not (isinstance(k, float) and math.isnan(k))]
+    return ", ".join(map(str, ks))
+
+
+def margin(entry: dict, ref: dict | None, key: str = "accuracy") -> str:
+    """Method minus reference, mean ± std over the seeds both have (paired), in points."""
+    if ref is None:
+        return ""
+    a, b = entry["_values"].get(key, []), ref["_values"].get(key, [])
+    n = min(len(a), len(b))
+    if not n:
+        return "n/a"
+    d = 100 * (np.asarray(a[:n]) - np.asarray(b[:n]))
+    within = n > 1 and abs(d.mean()) <= d.std()  # the paired difference is no larger than its seed-to-seed spread
+    return f"{d.mean():+.2f}" + (f" ± {d.std():.2f}" if n > 1 else "") + (" (within the spread)" if within else "")
+
+
+def _round_label(e, selection) -> str:
+    if e["kind"] == "reference" or not e["rounds"]:
+        return "—"
+    if selection == "final":
+        return f"final ({e['rounds'][-1]})"
+    return f"val-selected ({', '.join(map(str, e['rounds']))})"
+
+
+def classification_table(summ: list[dict], selection: str) -> str:
+    refs = {e["method"]: e for e in summ if e["kind"] == "reference"}
+    has_k = any(e.get("k") for e in summ)
+    has_ari = any(e.get("ari") not in (None, "", "n/a") for e in summ if e["kind"] != "reference")
+    extra = (" K (per seed) |" if has_k else "") + (" ARI vs true groups |" if has_ari else "")
+    head = (f"| Method | Round |{extra} Acc (site mean) | Macro-F1 | AUC | Pooled Acc | Pooled F1 | Pooled AUC | "
+            f"vs cluster-majority (pp) |\n" + "|---" * (9 + has_k + has_ari) + "|\n")
+    body = ""
+    for e in summ:
+        cm = refs.get(f"{e['method']}: cluster-majority")
+        name = e["method"] + (" (reference)" if e["kind"] == "reference" else "")
+        cells = (f" {e.get('k', '')} |" if has_k else "") + (
+            f" {e.get('ari') if e['kind'] != 'reference' and e.get('ari') != 'n/a' else ''} |" if has_ari else "")
+        body += (f"| {name} | {_round_label(e, selection)} |{cells} {e['accuracy']} | {e['macro_f1']} | {e['auc']} | "
+                 f"{e['pooled_accuracy']} | {e['pooled_macro_f1']} | {e['pooled_auc']} | {margin(e, cm)} |\n")
+    return head + body
+
+
+def seg_table(summ: list[dict], selection: str) -> str:
+    sites = sorted({s for e in summ for s in e.get("per_site", {})})
+    head = ("| Method | Round | WT | TC | ET | Mean Dice | HD95 WT (mm) | WT per hemisphere | FP voxels (tumour-free) |"
+            + "".join(f" {s} |" for s in sites) + "\n" + "|---" * (9 + len(sites)) + "|\n")
+    body = "".join(f"| {e['method']}{' (reference)' if e['kind'] == 'reference' else ''} | {_round_label(e, selection)} | {e['dice_wt']} | {e['dice_tc']} | {e['dice_et']} | "
+                   f"{e['dice_mean']} | {e['hd95_wt']} | {e.get('dice_wt_per_sample', 'n/a')} | {e['fp_voxels']} |"
+                   + "".join(f" {e.get('per_site', {}).get(s, 'n/a')} |" for s in sites) + "\n" for e in summ)
+    return head + body
+
+
+def summarize_phases(rows: list[dict]) -> str:
+    """Flux-style table: clustering ARI, known-association and test-phase accuracy on unseen sites."""
+    phased = [r for r in rows if r.get("phase")]
+    if not phased:
+        return ""
+    lines = ["| Method | Clustering ARI | Known assoc. acc | Test phase acc | Known assoc. F1 | Test phase F1 |",
+             "|---|---|---|---|---|---|"]
+    for m in dict.fromkeys(r["method"] for r in phased):
+        get = lambda ph, k: [r.get(k) for r in phased if r["method"] == m and r["phase"] == ph]  # noqa: E731
+        aris = _finite([r.get("ari") for r in phased if r["method"] == m and r["phase"] == "test phase"])
+        ari = fmt(aris, 1.0)
+        lines.append(f"| {m} | {ari} | {fmt(get('known assoc.', 'accuracy'))} | {fmt(get('test phase', 'accuracy'))} | "
+                     f"{fmt(get('known assoc.', 'macro_f1'))} | {fmt(get('test phase', 'macro_f1'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, selection: str = "final",
+                  setup: list[str] | None = None, notes: list[str] | None = None) -> str:
+    """``results.csv``, ``summary.csv``, ``summary.md`` and ``curves.png``; returns the markdown."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "results.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k) for k in FIELDS})
+    summ = summarize(rows, selection)
+    with (out / "summary.csv").open("w", newline="") as fh:
+        keys = [k for k in summ[0] if not k.startswith("_") and k != "per_site"]
+        w = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(summ)
+    seeds = max(e["seeds"] for e in summ)
+    rule = ("at each run's final round" if selection == "final" else
+            "at each run's validation-selected round (best site-mean accuracy on the sites' validation splits, "
+            "held out of training; test data never selects)")
+    if is_seg(rows):
+        intro = (f"Dice in %, mean ± std over {seeds} seed(s)/fold(s) {rule}; Dice and HD95 (mm) per test subject "
+                 f"(a subject's hemisphere samples scored together, as BraTS scores a patient; regions a subject "
+                 f"lacks left out, as DiceMetric's ignore_empty=True); WT per hemisphere: the WT Dice averaged over "
+                 f"tumour-bearing hemisphere samples instead; false-positive voxels on tumour-free hemispheres; "
+                 f"per-site columns: each site's mean Dice with the model it is served.")
+        table = seg_table(summ, selection)
+    else:
+        intro = (f"Values in %, mean ± std over {seeds} seed(s) {rule}. Per-site metrics are averaged over sites "
+                 f"(each site scores the model it is served on its own test split); pooled metrics use all sites' "
+                 f"test samples (from confusion matrices; rows of fewer than k_min samples withheld at the sites). "
+                 f"Rows marked (reference) are computed, not federated: see docs/results.md. The last column is the "
+                 f"method minus the constant predictor answering its clusters' majority classes.")
+        table = classification_table(summ, selection)
+    text = f"## {title}\n\nProduced by: `{command}`\n\n"
+    if setup:
+        text += "Setup: " + "; ".join(setup) + "\n\n"
+    text += intro + "\n\n" + table
+    phases = summarize_phases(rows)
+    if phases:
+        text += ("\n### Unseen sites (test-time assignment)\n\nAccuracy in %, mean ± std over seeds of the mean over "
+                 "unseen sites (scored on all their data). Known assoc.: the cluster model of the site's true group; "
+                 "test phase: the model the method assigns without labels (Flux: nearest label-free centroid, Eq. 9; "
+                 "FedAvg: the global model; IFCA: the cluster models' outputs weighted by cluster size). ARI: the "
+                 "training clustering against the true groups.\n\n" + phases)
+    if notes:
+        text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    (out / "summary.md").write_text(text)
+    curves = [r for r in rows if not r.get("phase") and r.get("kind") != "reference"]
+    if curves:
+        plot_curves(curves, out / "curves.png", title)
+    return text
+
+
+def read_results(path) -> list[dict]:
+    """Rows of a ``results.csv`` written by :func:`write_outputs` (numbers parsed, empty cells dropped)."""
+    rows = []
+    with Path(path).open(newline="") as fh:
+        for r in csv.DictReader(fh):
+            row = {}
+            for k, v in r.items():
+                if v in ("", None):
+                    continue
+                row[k] = v if k in _STR else (int(float(v)) if k in _INT else float(v))
+            rows.append(row)
+    return rows
+
+
+TEST_PANEL, KNOWN_PANEL, ARI_PANEL = ("unseen sites: test phase accuracy", "unseen sites: known assoc. accuracy",
+                                      "clustering ARI vs true groups")
+
+
+def sweep_stats(cases: list[tuple[str, list[str], list[dict]]]) -> dict:
+    """The numbers behind :func:`fedmed.report.plots.plot_sweep`: per panel, case and method, (mean, std) over seeds."""
+    panels = {TEST_PANEL: "test phase", KNOWN_PANEL: "known assoc.", ARI_PANEL: None}
+    out: dict = {p: {} for p in panels}
+    for name, _, rows in cases:
+        for m in dict.fromkeys(r["method"] for r in rows if r.get("phase")):
+            for panel, phase in panels.items():
+                if phase is None:
+                    vals = [r.get("ari") for r in rows if r["method"] == m and r.get("phase") == "test phase"]
+                else:
+                    vals = [r.get("accuracy") for r in rows if r["method"] == m and r.get("phase") == phase]
+                vals = _finite(vals)
+                if vals:
+                    out[panel].setdefault(name, {})[m] = (float(np.mean(vals)), float(np.std(vals)))
+    return {p: v for p, v in out.items() if v}
+
+
+def sweep_table(cases: list[tuple[str, list[str], list[dict]]], selection: str = "final") -> str:
+    """One table over a sweep's cases: per case and method, the clustering ARI against the true groups, the
+    trained sites' accuracy at the reported round, and the unseen sites' known-association / test-phase accuracy
+    (mean ± std over seeds, accuracies in %)."""
+    lines = ["| Case | Method | Seeds | Clustering ARI | Trained sites acc | Unseen: known assoc. acc | "
+             "Unseen: test phase acc |", "|---|---|---|---|---|---|---|"]
+    for name, sets, rows in cases:
+        summ = {s["method"]: s for s in summarize(rows, selection)}
+        stats = sweep_stats([(name, sets, rows)])
+
+        def cell(panel, m, scale):
+            mu, sd = stats.get(panel, {}).get(name, {}).get(m, (None, None))
+            return "n/a" if mu is None else f"{scale * mu:.2f} ± {scale * sd:.2f}"
+
+        for m in dict.fromkeys(r["method"] for r in rows):
+            s = summ.get(m, {})
+            lines.append(f"| {name} | {m} | {s.get('seeds', 0)} | {cell(ARI_PANEL, m, 1)} | "
+                         f"{s.get('accuracy', 'n/a')} | {cell(KNOWN_PANEL, m, 100)} | {cell(TEST_PANEL, m, 100)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(rows: list[dict], path: Path, title: str) -> None:
+    """Learning curves, mean ± std over seeds: validation and test score of the served model, train loss."""
+    from fedmed.report.plots import _plt, _save
+
+    plt = _plt()
+    key = primary(rows)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for m in dict.fromkeys(r["method"] for r in rows):
+        mr = [r for r in rows if r["method"] == m]
+        rounds = sorted({r["round"] for r in mr})
+        for ax, k in zip(axes, (f"val_{key}", key, "train_loss")):
+            vals = [_finite([r.get(k) for r in mr if r["round"] == rd]) for rd in rounds]
+            pts = [(rd, np.mean(v), np.std(v)) for rd, v in zip(rounds, vals) if v]
+            if not pts:
+                continue
+            x, mu, sd = map(np.asarray, zip(*pts))
+            ax.plot(x, mu, label=m)
+            ax.fill_between(x, mu - sd, mu + sd, alpha=0.15)
+    axes[0].set_ylabel(f"validation {key} (site mean)")
+    axes[1].set_ylabel(f"test {key} (site mean)")
+    axes[2].set_ylabel("train loss (site mean)")
+    for ax in axes:
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{title} (band: ± std over seeds)")
+    _save(fig, path)

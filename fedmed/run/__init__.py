@@ -1,0 +1,38 @@
+"""Experiments: the task config a job carries (taskconfig), `fedmed experiment` (experiment), the 001_ SSL study (ssl), reference rows (references).
+
+Every name below is importable from ``fedmed.run`` (loaded on first use)."""
+
+from importlib import import_module
+
+_PUBLIC = {
+    "BuildError": "taskconfig",
+    "ExperimentError": "experiment",
+    "REPO_ROOT": "experiment",
+    "RunError": "experiment",
+    "centralized_rows": "references",
+    "classes_override": "experiment",
+    "cluster_majority_rows": "references",
+    "fedmed_config": "taskconfig",
+    "majority_rows": "references",
+    "min_clients": "taskconfig",
+    "prepare_federation": "experiment",
+    "run_experiment": "experiment",
+    "run_fingerprint": "experiment",
+    "run_job": "experiment",
+    "run_key": "ssl",
+    "run_ssl": "ssl",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        value = getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

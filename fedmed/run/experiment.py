@@ -1,0 +1,626 @@
+"""``fedmed experiment``: run the methods of a config over seeds as NVFlare simulator jobs.
+
+For each seed the federation is built (seeded partition -> per-site datalists with training,
+validation and test splits), then every method's job is built from the config and run in NVFlare's
+simulator (``jobs/run.py --env sim``, a subprocess: fedmed itself never imports nvflare). While a job
+runs, a line per round is printed (sites answered, mean train loss, validation and test score,
+elapsed, ETA). Outputs in ``OUT``:
+
+* ``results.csv`` — one row per (method, seed, round), and the reference rows;
+* ``summary.md`` / ``summary.csv`` — mean ± std over seeds at the reported round (``selection``:
+  final, or validation-selected — never test-selected) with reference rows (``fedmed.run.references``);
+* ``curves.png`` — validation / test / train-loss curves (band: ± std over seeds);
+* ``runs/seed<S>/<method>/`` — each job's server output (``server/``: metrics.json, reports, models,
+  checkpoint), ``run.json`` (fingerprint, status, rows) and the simulator log.
+
+``resume=True`` reuses a finished run whose fingerprint matches, continues a stopped one from its
+checkpoint, and reruns a failed one. A run that does not finish is reported with its reason and
+makes the experiment fail (non-zero exit) after the other runs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fedmed.config import ExperimentConfig
+from fedmed.core.resources import project_root
+from fedmed.workflows.registry import clustering_workflows, method_entry
+from fedmed.report.record import missing_sentence
+from fedmed.report.summary import read_results, rows_from_metrics, sweep_stats, sweep_table, write_outputs  # noqa: F401 (re-exported)
+
+__all__ = ["ExperimentError", "REPO_ROOT", "RunError", "classes_override", "prepare_federation", "run_experiment",
+           "run_fingerprint", "run_job"]
+
+REPO_ROOT = project_root()  # jobs/, custom/, app_configs/: the clone's or the installed package's (fedmed.core.resources)
+CLS_METRICS = ("accuracy", "macro_f1", "auc")
+KILLED = (-9, 137, 247)  # SIGKILL as a return code, through a shell, and as the simulator reports it
+
+
+class RunError(RuntimeError):
+    """A run that did not finish: ``status`` (failed / stopped), ``reason``, and the record so far (``doc``)."""
+
+    def __init__(self, status: str, reason: str, doc: dict | None = None):
+        super().__init__(f"run {status}: {reason}")
+        self.status, self.reason, self.doc = status, reason, doc or {}
+
+
+class ExperimentError(RuntimeError):
+    """Some runs of an experiment did not finish; the message lists them with their reasons."""
+
+
+# --------------------------------------------------------------------------------------------- federations
+
+def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: str | None = None) -> Path:
+    """Partition the dataset for ``seed`` and write the site datalists into ``out_dir`` (``partition``
+    overrides the config's, e.g. ``"iid"`` for the IID reference)."""
+    from fedmed.data import partition as P
+    from fedmed.data.images import check_readable, discover, write_site_datalists
+
+    fed = exp.federation
+    part = partition or fed.partition
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    if exp.dataset.task == "segmentation":
+        from fedmed.data.seg_federation import discover_subjects, write_seg_federation
+
+        d = exp.dataset
+        entries = discover_subjects(d.path, d.modalities, d.label_pattern, d.mask_pattern, d.hemispheres)
+        return write_seg_federation(entries, fed.sites, out, partition=part if part in ("iid", "label_volume")
+                                    else "label_volume", region=fed.volume_region, test_fraction=fed.test_fraction,
+                                    val_fraction=fed.val_fraction, seed=seed, site_names=exp.site_names())
+    pool = discover(exp.dataset.path, max_per_class=exp.dataset.max_per_class, seed=seed)
+    check_readable(pool)  # nothing unreadable goes into a datalist
+    if exp.dataset.classes and exp.dataset.classes != pool.class_names:
+        raise ValueError(f"dataset.classes {exp.dataset.classes} differ from the classes found in {exp.dataset.path} "
+                         f"{pool.class_names}")
+    rng = np.random.default_rng(seed)
+    transforms = None
+    extra: dict = {"partition": part, "seed": seed}
+    common = None
+    if fed.common_test_fraction > 0:  # one stratified test set every site scores; the rest is partitioned
+        common = np.sort(np.concatenate([rng.permutation(np.flatnonzero(pool.labels == c))[
+            :int(round(fed.common_test_fraction * int((pool.labels == c).sum())))] for c in range(pool.n_classes)]))
+        rest = np.setdiff1d(np.arange(len(pool.labels)), common)
+        full, pool = pool, pool.subset(rest)
+        common_items = full.subset(common)
+        extra["common_test"] = int(common.size)
+    if part == "iid":
+        parts = P.iid_partition(len(pool.labels), fed.sites, rng)
+    elif part == "dirichlet":
+        parts = P.dirichlet_label_partition(pool.labels, fed.sites, fed.alpha, rng,
+                                            mode={"hsu": "per-site", "per_client": "per-client"}[fed.dirichlet_scheme])
+    elif part == "quantity":
+        parts = P.quantity_partition(len(pool.labels), fed.sites, fed.alpha, rng)
+    elif part == "predi":
+        try:
+            res = P.predi(pool.n_classes, fed.sites, fed.predi_prevalence, fed.predi_disparity, rng)
+            parts = P.predi_partition(pool.labels, res.assignment, rng, samples_per_cell=fed.predi_samples_per_cell)
+        except ValueError as e:
+            raise ValueError(f"federation.predi_prevalence={fed.predi_prevalence}, predi_disparity={fed.predi_disparity}, "
+                             f"predi_samples_per_cell={fed.predi_samples_per_cell} with {fed.sites} sites and "
+                             f"{pool.n_classes} classes cannot be met: {e}") from None
+        extra.update(prevalence=res.prevalence, disparity=res.disparity)
+    elif part == "anda":
+        sites = P.anda_federation(pool.labels, fed.sites + fed.unseen_sites, fed.anda_shift, rng,
+                                  level=fed.anda_level, n_groups=fed.anda_groups)
+        parts = [s.indices for s in sites]
+        transforms = [(lambda img, lab, s=s: P.apply_anda_transform(img, lab, s, colour=fed.anda_colour)) for s in sites]
+        extra.update(shift=fed.anda_shift, level=fed.anda_level)
+    else:
+        raise ValueError(f"federation.partition {part!r} is for segmentation datasets")
+    names = exp.site_names()
+    if part == "anda":
+        names = names + [f"unseen-{j + 1}" for j in range(fed.unseen_sites)]
+        groups = [s.group for s in sites]
+        # held-out sites: one per group in turn, taken from the end of the site list
+        unseen: list[int] = []
+        order = list(range(len(names)))[::-1]
+        g = 0
+        while len(unseen) < fed.unseen_sites:
+            pick = next((k for k in order if groups[k] == g % fed.anda_groups and k not in unseen), None)
+            if pick is not None:
+                unseen.append(pick)
+            g += 1
+        trained = [k for k in range(len(names)) if k not in unseen]
+        final = [None] * len(names)
+        for j, k in enumerate(trained):
+            final[k] = exp.site_names()[j]
+        for j, k in enumerate(unseen):
+            final[k] = f"unseen-{j + 1}"
+        names = final
+        extra.update(groups=dict(zip(names, groups)), unseen_sites=[f"unseen-{j + 1}" for j in range(len(unseen))])
+    if common is not None:  # the common test images join the pool's end so the datalists can refer to them
+        from fedmed.data.images import ImagePool
+
+        pool = ImagePool(pool.items + common_items.items, np.concatenate([pool.labels, common_items.labels]),
+                         pool.class_names, pool.source)
+        common = np.arange(len(pool.labels) - len(common_items.labels), len(pool.labels))
+    write_site_datalists(pool, parts, out, test_fraction=fed.test_fraction, val_fraction=fed.val_fraction, seed=seed,
+                         transforms=transforms, extra=extra, site_names=names, common_test=common)
+    meta_path = out / "dataset.json"
+    meta = json.loads(meta_path.read_text())
+    meta["sites"] = [n for n in names if not n.startswith("unseen-")]
+    meta_path.write_text(json.dumps(meta, indent=1))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- one run
+
+def _progress(doc: dict, total: int, t0: float, seen: int, log) -> int:
+    rounds = doc.get("rounds", [])
+    for r in rounds[seen:]:
+        s = r["summary"]
+        mean = s.get("mean", {})
+        done = r["round"] + 1
+        elapsed = time.time() - t0
+        eta = elapsed / max(done, 1) * max(total + 1 - done, 0)
+        key = "dice_mean" if "dice_mean" in mean else "accuracy"
+
+        def pct(k):
+            v = mean.get(k)
+            return f"{100 * v:.1f}%" if isinstance(v, (int, float)) else "n/a"
+
+        loss = mean.get("train_loss")
+        log(f"    round {r['round']}/{total} {r['task']}: {s.get('n_sites', 0)} site(s)"
+            + (f", train loss {loss:.4f}" if isinstance(loss, (int, float)) else "")
+            + f", val {key} {pct('val_' + key)}, test {key} {pct(key)}, {elapsed:.0f} s elapsed"
+            + (f", ETA {eta:.0f} s" if r["task"] == "train" else ""))
+    return len(rounds)
+
+
+def _explain_exit(rc: int, tail: str, n_sites: int) -> str:
+    if rc in KILLED or "return code -9" in tail or "return code 137" in tail or "return code 247" in tail:
+        return (f"killed by the system (SIGKILL), most likely out of memory: a simulator site process holds about "
+                f"0.3-0.6 GiB, so {n_sites} sites need about {0.6 * n_sites + 1:.0f} GiB (see `dmesg`); run fewer "
+                f"sites or fewer runs at once")
+    return f"the simulator exited with code {rc}"
+
+
+def _stop(proc, grace: float = 30.0) -> None:
+    """SIGTERM ``jobs/run.py`` (it stops its simulator's process group), SIGKILL after ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run_job(config_path: str, overrides: list[str], method: str, seed: int, datalists: Path, work: Path,
+            n_sites: int = 0, timeout: int = 24 * 3600, *, log=print, resume_from: Path | None = None,
+            sites: list[str] | None = None, test_phase: dict | None = None) -> dict:
+    """Build one (method, seed) job from the config and run it in NVFlare's simulator (``jobs/run.py``).
+
+    Keeps the server's ``fedmed/`` output (metrics.json, reports, plots, tb/, models/, checkpoint/) under
+    ``work/server``, prints a line per round, and returns the ``metrics.json`` document.
+
+    Raises:
+        RunError: the run stopped or failed (the reason names the sites / the cause; a stopped run's
+            checkpoint stays in ``work/server`` for ``--resume``).
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    ws = work / "workspace"
+    if ws.exists():
+        shutil.rmtree(ws)
+    cmd = [sys.executable, str(REPO_ROOT / "jobs" / "run.py"), "--config", str(config_path), "--method", method,
+           "--seed", str(seed), "--env", "sim", "--datalists", str(Path(datalists).resolve()), "--workspace", str(ws),
+           "--jobs-dir", str(work / "job")]
+    for o in overrides:
+        cmd += ["--set", o]
+    if resume_from is not None:
+        staged = work / "resume_from"
+        if staged.exists():
+            shutil.rmtree(staged)
+        shutil.copytree(resume_from, staged)  # the job copies it in; work/server is replaced below
+        cmd += ["--resume-from", str(staged)]
+    if sites:
+        cmd += ["--sites", *sites]
+    if test_phase:
+        cmd += ["--test-phase", json.dumps(test_phase)]
+    total = None
+    t0 = time.time()
+    seen = 0
+    log_path = work / "simulator.log"
+    with log_path.open("w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        try:
+            while proc.poll() is None:
+                time.sleep(1.0)
+                if time.time() - t0 > timeout:
+                    _stop(proc)
+                    raise RunError("failed", f"no end after {timeout} s; stopped (see {log_path})")
+                hits = list(ws.glob("*/server/simulate_job/fedmed/metrics.json"))
+                if hits:
+                    try:
+                        doc = json.loads(hits[0].read_text())
+                    except (OSError, ValueError):
+                        continue
+                    total = total or doc.get("meta", {}).get("config", {}).get("train", {}).get("rounds")
+                    seen = _progress(doc, total or 0, t0, seen, log)
+        except BaseException:  # interrupted or killed: do not leave the job (and its simulator) running
+            _stop(proc)
+            raise
+    text = log_path.read_text()
+    last = next((ln for ln in reversed(text.splitlines()) if ln.startswith("{") and '"status"' in ln), None)
+    if proc.returncode == 2:
+        raise RunError("failed", "the job could not be built: " + (text.strip().splitlines() or ["?"])[-1])
+    if last is None:
+        raise RunError("failed", _explain_exit(proc.returncode, text[-3000:], n_sites) + f" (log: {log_path})")
+    res = json.loads(last)
+    keep = work / "server"
+    if res.get("result"):
+        if keep.exists():
+            shutil.rmtree(keep)
+        shutil.copytree(res["result"], keep)
+        shutil.copy(keep / "metrics.json", work / "metrics.json")
+    shutil.rmtree(ws, ignore_errors=True)  # workspaces are large; the server output and the log are kept
+    doc = json.loads((keep / "metrics.json").read_text()) if (keep / "metrics.json").is_file() else {}
+    doc["wall_seconds"] = time.time() - t0
+    if res["status"] != "finished":
+        reason = res["reason"]
+        if "return code" in reason and any(f"return code {c}" in reason for c in KILLED):
+            reason = _explain_exit(-9, reason, n_sites) + f" ({reason})"
+        raise RunError(res["status"], reason, doc)
+    return doc
+
+
+def training_assignment(doc: dict, workflow: str) -> dict:
+    """site -> cluster after training (Flux: its assignment; IFCA: last training round's choice)."""
+    if workflow == "flux":
+        return {k: int(v) for k, v in doc.get("assignment", {}).items()}
+    if workflow == "ifca":
+        train_rounds = [r for r in doc["rounds"] if r["task"] == "train"]
+        return {s: int(v["cluster"]) for s, v in train_rounds[-1]["sites"].items()} if train_rounds else {}
+    return {s: 0 for s in doc["rounds"][-1]["sites"]}
+
+
+def known_association(groups: dict, assign: dict, unseen: list) -> dict:
+    """unseen site -> the cluster most training sites of its true group ended in."""
+    out = {}
+    for u in unseen:
+        votes = [assign[s] for s, g in groups.items() if g == groups[u] and s in assign]
+        if votes:
+            out[u] = int(max(set(votes), key=lambda c: (votes.count(c), -c)))
+    return out
+
+
+def run_fingerprint(exp, method, seed: int) -> str:
+    """What determines one (seed, method) run: the resolved config (less the other methods, the seed list,
+    the sweep block and the reporting choices), the method's settings and the seed. ``--resume`` reuses a
+    run only when this matches. The files under ``dataset.path`` are not hashed: a dataset replaced in
+    place needs a run without ``--resume``."""
+    import hashlib
+
+    cfg = exp.model_dump(mode="json", exclude={"methods", "seeds", "sweep", "name", "selection", "references"})
+    blob = json.dumps({"config": cfg, "method": method.model_dump(mode="json") if method is not None else None,
+                       "seed": seed}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------- experiment
+
+def _setup(exp, data_dir: Path) -> list[str]:
+    meta = json.loads((data_dir / "dataset.json").read_text())
+    f, t, m = exp.federation, exp.train, exp.model
+    n_test = []
+    for s in meta["sites"]:
+        doc = json.loads((data_dir / f"{s}.json").read_text())
+        n_test.append(len(doc.get("test", [])))
+    part = f.partition + (f" (alpha {f.alpha}, {f.dirichlet_scheme})" if f.partition == "dirichlet" else "") + \
+        (f" ({f.anda_shift}, level {f.anda_level}, {f.anda_groups} groups)" if f.partition == "anda" else "")
+    out = [f"data {exp.dataset.path}", f"{len(meta['sites'])} sites, {part}",
+           f"test {f.test_fraction:.0%} / validation {f.val_fraction:.0%} of each site ({sum(n_test)} test samples, "
+           f"median {int(np.median(n_test)) if n_test else 0} per site)"]
+    if exp.dataset.task == "classification":
+        out.append(f"{exp.dataset.image_size}x{exp.dataset.image_size}x{exp.dataset.channels}, {m.arch} width {m.width} "
+                   f"({m.norm} norm)")
+    out += [f"{t.rounds} rounds x {t.local_epochs} local epochs, {t.optimizer} lr {t.lr}, batch {t.batch_size}, "
+            f"augment {t.augment}", f"seeds {exp.seeds}", f"k_min {exp.privacy.k_min}, DP "
+            + (f"epsilon {exp.privacy.dp_epsilon}" if exp.privacy.dp_epsilon else "off")]
+    from fedmed.algorithms.privacy import k_min_consent_note
+
+    consent = k_min_consent_note(exp.privacy)
+    if consent:
+        out.append(f"**{consent}**")
+    return out
+
+
+def classes_override(data_dir: Path, exp) -> list[str]:
+    """``dataset.classes=[...]`` from a written federation (jobs are built from the config alone)."""
+    if exp.dataset.task != "classification":
+        return []
+    names = json.loads((data_dir / "dataset.json").read_text())["class_names"]
+    return [f"dataset.classes={json.dumps(names)}"]
+
+
+def _load_saved(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def select_methods(available, wanted, config_path) -> list:
+    """The config's methods named by ``wanted`` (all when empty), in config order. A token matches a method's
+    name exactly, else case-insensitively, else its workflow (``FMCL`` selects ``FMCL (Auto-K)``; ``fmcl`` every
+    FMCL variant)."""
+    if not wanted:
+        return list(available)
+    picked: set[int] = set()
+    unknown = []
+    for token in wanted:
+        for rule in (lambda m: m.name == token, lambda m: m.name.lower() == token.lower(),
+                     lambda m: m.workflow.lower() == token.lower()):
+            hits = {i for i, m in enumerate(available) if rule(m)}
+            if hits:
+                picked |= hits
+                break
+        else:
+            unknown.append(token)
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown} in {config_path}; its methods are "
+                         f"{[m.name for m in available]} (a workflow name such as 'fmcl' also selects)")
+    return [m for i, m in enumerate(available) if i in picked]
+
+
+def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = None, methods: list[str] | None = None,
+                   log=print, resume: bool = False, command: str | None = None) -> list[dict]:
+    """Run every (seed, method) of the config and the reference rows; returns the result rows and writes the
+    outputs (see the module notes).
+
+    Raises:
+        ExperimentError: after all runs, when some did not finish (each named with its reason).
+    """
+    from fedmed.config import load_config
+
+    overrides = list(overrides or [])
+    exp = load_config(config_path, overrides)
+    chosen = select_methods(exp.methods, methods, config_path)
+    out = Path(out_dir)
+    command = command or _command(config_path, overrides)
+    rows: list[dict] = []
+    problems: list[str] = []
+    missing: list[str] = []  # finished runs in which a site sat out: said on the console and in the report
+    total = len(exp.seeds) * len(chosen)
+    k = 0
+    setup: list[str] = []
+    seg = exp.dataset.task == "segmentation"
+    from fedmed.algorithms.privacy import k_min_consent_note
+
+    consent = k_min_consent_note(exp.privacy)
+    if consent:
+        log(consent)
+    for seed in exp.seeds:
+        data_dir = prepare_federation(exp, seed, out / "data" / f"seed{seed}")
+        meta = json.loads((data_dir / "dataset.json").read_text())
+        log(f"[seed {seed}] federation: {len(meta['sites'])} sites, {exp.federation.partition} partition -> {data_dir}")
+        setup = setup or _setup(exp, data_dir)
+        job_over = overrides + classes_override(data_dir, exp)
+        rows.extend(_references(exp, config_path, job_over, seed, data_dir, out, chosen, log, resume, seg))
+        for m in chosen:
+            k += 1
+            work = out / "runs" / f"seed{seed}" / "".join(c if c.isalnum() else "_" for c in m.name)
+            fp = run_fingerprint(exp, m, seed)
+            saved = _load_saved(work / "run.json")
+            resume_from = None
+            if resume and saved.get("fingerprint") == fp:
+                if saved.get("status") == "finished":
+                    if m.workflow in clustering_workflows() and not seg and "clusters" not in saved:
+                        _add_clusters(saved, work, meta)  # a run recorded before K / ARI were rows' fields
+                        (work / "run.json").write_text(json.dumps(saved))
+                    rows.extend(saved["rows"])
+                    log(f"[{k}/{total}] seed {seed} {m.name}: finished earlier with the same settings, reused")
+                    if saved.get("sites_missing"):
+                        missing.append(f"seed {seed} {m.name}: {missing_sentence(saved['sites_missing'])}")
+                        log(f"    {missing_sentence(saved['sites_missing'])}")
+                    continue
+                if saved.get("status") == "stopped" and (work / "server" / "checkpoint" / "state.json").is_file():
+                    resume_from = work / "server"
+                    log(f"[{k}/{total}] seed {seed} {m.name}: stopped earlier; resuming from its checkpoint")
+            elif resume and saved:
+                log(f"[{k}/{total}] seed {seed} {m.name}: earlier run made with other settings, running again")
+            (work / "run.json").unlink(missing_ok=True)
+            log(f"[{k}/{total}] seed {seed} {m.name} ({m.workflow}, {exp.train.rounds} rounds) ...")
+            try:
+                doc = run_job(str(config_path), job_over, m.name, seed, data_dir, work, len(meta["sites"]), log=log,
+                              resume_from=resume_from)
+            except RunError as e:
+                work.mkdir(parents=True, exist_ok=True)
+                (work / "run.json").write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed,
+                                                           "status": e.status, "reason": e.reason, "rows": []}))
+                problems.append(f"seed {seed} {m.name}: {e.status}: {e.reason}")
+                log(f"    {e.status}: {e.reason}")
+                continue
+            new = rows_from_metrics(m.name, seed, doc)
+            clusters = None
+            if m.workflow in clustering_workflows() and not seg:
+                from fedmed.run.references import cluster_majority_rows, run_clusters
+
+                clusters = run_clusters(doc)
+                for r in new:
+                    if r.get("phase"):
+                        continue
+                    r["n_clusters"] = len(clusters)
+                    if meta.get("groups"):
+                        r["ari"] = clusters_ari(clusters, meta["groups"])
+                if "cluster_majority" in exp.references:
+                    new += cluster_majority_rows(m.name, data_dir, clusters, len(meta["class_names"]), seed)
+            if meta.get("unseen_sites") and method_entry(m.workflow).test_phase_on_unseen:
+                new += _unseen(config_path, job_over, m, seed, data_dir, work, doc, meta, log)
+            rows.extend(new)
+            _log_done(m, doc, new, exp.selection, log, work)
+            if doc.get("sites_missing"):
+                missing.append(f"seed {seed} {m.name}: {missing_sentence(doc['sites_missing'])}")
+                log(f"    {missing_sentence(doc['sites_missing'])}")
+            (work / "run.json").write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed,
+                                                       "status": "finished", "rows": new, "clusters": clusters,
+                                                       "sites_missing": doc.get("sites_missing") or {}}))
+            if [r for r in rows if not r.get("phase")]:
+                write_outputs(rows, out, title=exp.name, command=command, selection=exp.selection, setup=setup,
+                              notes=missing)
+    if [r for r in rows if not r.get("phase")]:  # once more, so that a fully reused experiment has its outputs
+        write_outputs(rows, out, title=exp.name, command=command, selection=exp.selection, setup=setup,
+                      notes=missing + [f"did not finish: {p}" for p in problems])
+        from fedmed.report.html import write_report
+
+        log(f"report: {write_report(out, command=command)}")
+    if problems:
+        raise ExperimentError(f"{len(problems)} run(s) did not finish:\n  " + "\n  ".join(problems))
+    return rows
+
+
+def _add_clusters(saved: dict, work: Path, meta: dict) -> None:
+    from fedmed.run.references import run_clusters
+
+    hits = [f for f in (work / "server" / "metrics.json", work / "metrics.json") if f.is_file()]
+    hits = hits or sorted(work.rglob("fedmed/metrics.json"))
+    if not hits:
+        return
+    clusters = run_clusters(json.loads(hits[0].read_text()))
+    saved["clusters"] = clusters
+    for r in saved["rows"]:
+        if r.get("kind") == "reference" or r.get("phase"):
+            continue
+        r["n_clusters"] = len(clusters)
+        if meta.get("groups"):
+            r["ari"] = clusters_ari(clusters, meta["groups"])
+
+
+def clustering_agreement(parts: list[tuple[str, list, Path]]) -> str:
+    """Markdown: per sweep case and clustering method, the clusters found per seed and the ARI against the
+    clustering the same method found for the same seed in the first case it runs in (e.g. without DP).
+    Empty when no case has recorded clusters."""
+    found: dict = {}  # method -> case -> seed -> clusters
+    for name, _, d in parts:
+        for f in sorted(Path(d).glob("runs/seed*/*/run.json")):
+            doc = _load_saved(f)
+            if doc.get("status") == "finished" and doc.get("clusters"):
+                found.setdefault(doc["method"], {}).setdefault(name, {})[int(doc["seed"])] = doc["clusters"]
+    lines = []
+    for method, cases in found.items():
+        first = next(n for n, _, _ in parts if n in cases)
+        base = cases[first]
+        for name, _, _ in parts:
+            if name not in cases:
+                continue
+            seeds = sorted(cases[name])
+            ks = ", ".join(str(len(cases[name][s])) for s in seeds)
+            aris = [clusters_ari(cases[name][s], {x: k for k, c in enumerate(base[s]) for x in c})
+                    for s in seeds if s in base]
+            cell = f"{np.mean(aris):.2f} ± {np.std(aris):.2f}" if aris else "n/a"
+            lines.append(f"| {name} | {method} | {ks} | {first} | {cell} |")
+    if not lines:
+        return ""
+    return ("| Case | Method | K (per seed) | Compared with | ARI vs that case's clustering (same seed) |\n"
+            "|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+
+
+def clusters_ari(clusters: list[list[str]], labels: dict) -> float:
+    """Adjusted Rand index of a clustering (lists of site names) against a site -> label map (the sites in both)."""
+    from sklearn.metrics import adjusted_rand_score
+
+    assign = {s: k for k, c in enumerate(clusters) for s in c}
+    sites = sorted(set(assign) & set(labels))
+    return float(adjusted_rand_score([labels[s] for s in sites], [assign[s] for s in sites]))
+
+
+def _references(exp, config_path, job_over, seed, data_dir, out, chosen, log, resume, seg) -> list[dict]:
+    """Reference rows of one seed (reused under --resume when the config fingerprint matches)."""
+    from fedmed.run.references import centralized_rows, majority_rows
+
+    wanted = [r for r in exp.references if r != "cluster_majority"]
+    if not wanted:
+        return []
+    work = out / "runs" / f"seed{seed}" / "_references"
+    work.mkdir(parents=True, exist_ok=True)
+    fp = run_fingerprint(exp, None, seed) + ":" + ",".join(wanted)
+    saved = _load_saved(work / "run.json")
+    if resume and saved.get("fingerprint") == fp and saved.get("status") == "finished":
+        log(f"[seed {seed}] references: reused")
+        return saved["rows"]
+    meta = json.loads((data_dir / "dataset.json").read_text())
+    if seg:
+        from fedmed.run.references import seg_reference_rows
+
+        rows = seg_reference_rows(exp, data_dir, meta["sites"], seed, log=log) if "centralized" in wanted else []
+        (work / "run.json").write_text(json.dumps({"fingerprint": fp, "status": "finished", "rows": rows}))
+        return rows
+    sites, n_classes = meta["sites"], len(meta["class_names"])
+    rows: list[dict] = []
+    if "majority" in wanted:
+        rows += majority_rows(data_dir, sites, n_classes, seed)
+    if "centralized" in wanted:
+        exp_c = exp.model_copy(update={"dataset": exp.dataset.model_copy(update={"classes": meta["class_names"]})})
+        rows += centralized_rows(exp_c, data_dir, sites, seed, log=log)
+    if "iid_fedavg" in wanted and exp.federation.partition != "iid":
+        iid_dir = prepare_federation(exp, seed, out / "data" / f"seed{seed}_iid", partition="iid")
+        over = job_over + ["federation.partition=iid", "federation.unseen_sites=0",
+                           'methods=[{name: "FedAvg (IID)", workflow: fedavg}]']
+        log(f"[seed {seed}] reference: FedAvg on an IID federation ...")
+        try:
+            doc = run_job(str(config_path), over, "FedAvg (IID)", seed, iid_dir, work / "iid_fedavg", len(sites), log=log)
+            rr = rows_from_metrics("FedAvg (IID federation)", seed, doc, kind="reference")
+            rows += rr
+            log(f"    FedAvg (IID): final test accuracy {100 * rr[-1]['accuracy']:.2f}% (site mean)")
+        except RunError as e:
+            log(f"    IID FedAvg reference {e.status}: {e.reason}")
+    (work / "run.json").write_text(json.dumps({"fingerprint": fp, "status": "finished", "rows": rows}))
+    return rows
+
+
+def _unseen(config_path, job_over, m, seed, data_dir, work, doc, meta, log) -> list[dict]:
+    from sklearn.metrics import adjusted_rand_score
+
+    assign = training_assignment(doc, m.workflow)
+    groups = meta["groups"]
+    trained = sorted(assign)
+    ari = float(adjusted_rand_score([groups[x] for x in trained], [assign[x] for x in trained]))
+    known = known_association(groups, assign, meta["unseen_sites"])
+    sizes = {str(c): sum(1 for v in assign.values() if v == c) for c in set(assign.values())}
+    test = {"training_result": str((work / "server").resolve()), "known_clusters": known, "cluster_sizes": sizes}
+    tdoc = run_job(str(config_path), job_over, m.name, seed, data_dir, work / "test_phase", len(meta["unseen_sites"]),
+                   log=lambda *_: None, sites=meta["unseen_sites"], test_phase=test)
+    rows = []
+    for r in tdoc["rounds"]:
+        phase = {"test_phase": "test phase", "known_association": "known assoc."}[r["task"]]
+        rows.append({"method": m.name, "kind": "method", "seed": seed, "round": doc["rounds"][-1]["round"], "phase": phase,
+                     "ari": ari, **{k: r["summary"]["mean"].get(k) for k in CLS_METRICS},
+                     **{f"pooled_{k}": (r["summary"].get("pooled") or {}).get(k) for k in CLS_METRICS}})
+    log(f"    clustering ARI vs true groups {ari:.2f}; unseen sites: " + ", ".join(
+        f"{r['task']} accuracy {100 * r['summary']['mean']['accuracy']:.2f}%" for r in tdoc["rounds"]))
+    return rows
+
+
+def _log_done(m, doc, new, selection, log, work):
+    from fedmed.report.summary import reported_rows
+
+    runs = [r for r in new if not r.get("phase") and r.get("kind") == "method"]
+    errs = len(doc.get("errors", []))
+    if not runs:  # an assessment-only job
+        a = doc.get("assessment", {})
+        log(f"    done in {doc.get('wall_seconds', 0):.0f} s: " + "; ".join(
+            f"{k.upper()} most distant {v.get('most_distant')}, clusters {v.get('clusters')}"
+            for k, v in a.items() if isinstance(v, dict) and "most_distant" in v)
+            + f" (report: {work / 'server' / 'assessment'})")
+        return
+    row = next(iter(reported_rows(runs, selection).values()))
+    key = "dice_mean" if row.get("dice_mean") is not None else "accuracy"
+    label = "final" if selection == "final" else "validation-selected"
+    log(f"    done in {doc.get('wall_seconds', 0):.0f} s: {label} round {row['round']}: test {key} "
+        f"{100 * row[key]:.2f}% (site mean)" + (f", pooled {100 * row['pooled_accuracy']:.2f}%"
+                                                if row.get("pooled_accuracy") is not None else "")
+        + (f"; {errs} site error(s), see metrics.json" if errs else ""))
+
+
+def _command(config_path, overrides) -> str:
+    return " ".join(["fedmed experiment", str(config_path), *[f"--set {o}" for o in overrides]])

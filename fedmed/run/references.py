@@ -1,0 +1,203 @@
+"""Reference rows of classification tables: what a federated number has to be read against.
+
+* :func:`majority_rows` — the constant predictor answering the majority class of all sites' pooled
+  training labels.
+* :func:`cluster_majority_rows` — for a clustered method's run, the constant predictor answering, at
+  every site, the majority class of its cluster's pooled training labels. A clustered method that does
+  not beat this row has learned nothing beyond "which classes does my cluster hold".
+* :func:`centralized_rows` — one model trained on all sites' pooled training data with the same recipe
+  and budget (``rounds x local_epochs`` epochs, the same optimizer, batch size and augmentation),
+  evaluated after every ``local_epochs`` epochs like a federated round, scored on every site's
+  validation and test splits.
+
+(FedAvg on an IID federation is the fourth reference; ``fedmed experiment`` runs it as a federated job.)
+These are computed by the experimenter from the simulated federation's datalists — they are
+references for a study, not something a deployed federation computes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from fedmed.algorithms.metrics import site_metrics
+from fedmed.report.record import summarize_sites
+
+__all__ = ["centralized_rows", "cluster_majority_rows", "majority_rows"]
+
+
+def _labels(datalists: Path, site: str) -> dict:
+    doc = json.loads((Path(datalists) / f"{site}.json").read_text())
+    return {k: np.asarray([e["label"] for e in doc.get(k, [])], dtype=np.int64) for k in ("training", "validation", "test")}
+
+
+def _row(method: str, seed: int, per_site: dict, round_=None) -> dict:
+    """A result row from ``{site: site_metrics(...) of test, and of validation prefixed val_}``."""
+    summ = summarize_sites(per_site)
+    mean, std, pooled = summ["mean"], summ["std"], summ.get("pooled") or {}
+    row = {"method": method, "kind": "reference", "seed": seed, "round": round_, "task": "reference",
+           "n_sites": len(per_site), "n_failed": 0, "n_test": int(sum(v.get("n_test", 0) for v in per_site.values()))}
+    for m in ("accuracy", "macro_f1", "auc"):
+        row[m], row[f"{m}_std"], row[f"pooled_{m}"] = mean.get(m), std.get(m), pooled.get(m)
+    row["val_accuracy"] = mean.get("val_accuracy")
+    row["pooled_val_accuracy"] = (summ.get("pooled_val") or {}).get("accuracy")
+    return row
+
+
+def _constant(y, cls: int, n_classes: int) -> dict:
+    prob = np.zeros((y.size, n_classes))
+    prob[:, cls] = 1.0
+    return site_metrics(y, prob, n_classes)
+
+
+def _site_entry(y_test, y_val, cls, n_classes) -> dict:
+    e = {}
+    for pre, y in (("", y_test), ("val_", y_val)):
+        if y.size:
+            r = _constant(y, cls, n_classes)
+            e.update({pre + k: r[k] for k in ("accuracy", "macro_f1", "auc")})
+            e.update({pre + "n_test": r["n_test"], pre + "confusion": r["confusion"], pre + "score_hist": r["score_hist"]})
+    return e
+
+
+def majority_rows(datalists, sites: list[str], n_classes: int, seed: int) -> list[dict]:
+    labels = {s: _labels(datalists, s) for s in sites}
+    pooled = np.concatenate([labels[s]["training"] for s in sites])
+    cls = int(np.bincount(pooled, minlength=n_classes).argmax())
+    per_site = {s: _site_entry(labels[s]["test"], labels[s]["validation"], cls, n_classes) for s in sites}
+    return [_row("Majority class", seed, per_site)]
+
+
+def cluster_majority_rows(method: str, datalists, clusters: list[list[str]], n_classes: int, seed: int) -> list[dict]:
+    per_site = {}
+    for members in clusters:
+        labels = {s: _labels(datalists, s) for s in members}
+        if not members:
+            continue
+        pooled = np.concatenate([labels[s]["training"] for s in members])
+        cls = int(np.bincount(pooled, minlength=n_classes).argmax())
+        per_site.update({s: _site_entry(labels[s]["test"], labels[s]["validation"], cls, n_classes) for s in members})
+    return [_row(f"{method}: cluster-majority", seed, per_site)]
+
+
+def run_clusters(doc: dict) -> list[list[str]]:
+    """The clusters a run's sites were finally served from (its final round's ``cluster`` of each site)."""
+    last = doc["rounds"][-1]["sites"] if doc.get("rounds") else {}
+    groups: dict = {}
+    for s, v in last.items():
+        groups.setdefault(v.get("cluster") if v.get("cluster") is not None else 0, []).append(s)
+    return [sorted(v) for _, v in sorted(groups.items(), key=lambda kv: str(kv[0]))]
+
+
+def centralized_rows(exp, datalists, sites: list[str], seed: int, log=print) -> list[dict]:
+    """Train one model on the pooled training data (same recipe and budget); one row per 'round'."""
+    import torch
+
+    from fedmed.nn.models import model_from_config
+    from fedmed.site.runner import SiteRunner
+    from fedmed.nn.train import make_optimizer, predict_proba, train_local
+
+    runners = {s: SiteRunner(s, datalists) for s in sites}
+    cfg_data = (exp.dataset.image_size, exp.dataset.channels)
+    data = {s: r.data(*cfg_data) for s, r in runners.items()}
+    x = torch.cat([d.train[0] for d in data.values()])
+    y = torch.cat([d.train[1] for d in data.values()])
+    n_classes = len(exp.dataset.classes)
+    from fedmed.core.device import resolve_device
+
+    model = model_from_config(exp.model.model_dump(), exp.dataset.channels, n_classes, seed=seed).to(
+        resolve_device(exp.train.device, where="the centralized reference"))
+    t = exp.train
+    opt = make_optimizer(model, t.model_dump())
+    g = torch.Generator()
+    g.manual_seed(int(seed) * 7919 + 11)
+    rows = []
+    for r in range(t.rounds + 1):
+        if r > 0:
+            train_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt, generator=g,
+                        augment=t.augment, precision=t.precision)
+        per_site = {}
+        for s, d in data.items():
+            e = {}
+            for pre, (xs, ys) in (("", d.test), ("val_", d.val)):
+                if xs.shape[0]:
+                    res = site_metrics(ys.numpy(), predict_proba(model, xs, precision=t.precision), n_classes)
+                    e.update({pre + k: res[k] for k in ("accuracy", "macro_f1", "auc")})
+                    e.update({pre + "n_test": res["n_test"], pre + "confusion": res["confusion"],
+                              pre + "score_hist": res["score_hist"]})
+            per_site[s] = e
+        rows.append(_row("Centralized", seed, per_site, round_=r))
+    log(f"    centralized reference: {x.shape[0]} pooled training images, {t.rounds} x {t.local_epochs} epochs, "
+        f"final test accuracy {100 * rows[-1]['accuracy']:.2f}% (site mean)")
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- segmentation
+
+def _seg_row(method: str, seed: int, per_site: dict, round_) -> dict:
+    summ = summarize_sites(per_site)
+    row = {"method": method, "kind": "reference", "seed": seed, "round": round_, "task": "reference",
+           "n_sites": len(per_site), "n_failed": 0}
+    row.update({k: v for k, v in summ["mean"].items()})
+    row["sites"] = {s: dict(v) for s, v in per_site.items()}
+    return row
+
+
+def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -> list[dict]:
+    """Segmentation references, scored on the common test subjects like the federated methods:
+
+    * **Centralized**: one U-Net trained on all sites' pooled training cases, ``rounds x local_epochs`` epochs with
+      the same recipe (one optimizer for the whole run); evaluated after every ``local_epochs`` epochs.
+    * **Each site alone**: every site trains only on its own cases with the same budget; the row is the mean over
+      sites of each site's own model (per-site columns: that site's model).
+    """
+    from fedmed.core.device import resolve_device
+    from fedmed.nn.models import seg_model_from_config
+    from fedmed.nn.seg import seg_metrics
+    from fedmed.site.seg import SegSiteRunner
+    from fedmed.nn.train import make_optimizer
+
+    cfg = {"task": "segmentation", "seed": int(seed), "model": exp.model.model_dump(), "train": exp.train.model_dump(),
+           "data": {"shape": exp.dataset.shape, "roi": exp.dataset.roi, "in_channels": len(exp.dataset.modalities)},
+           "privacy": exp.privacy.model_dump()}
+    runners = {s: SegSiteRunner(s, datalists) for s in sites}
+    cases = {s: r.cases(cfg) for s, r in runners.items()}
+    test = cases[sites[0]][1]
+    roi = tuple(exp.dataset.roi)
+    t = exp.train
+    rows: list[dict] = []
+
+    def train(model, opt, data, seed_):
+        from fedmed.nn.seg import train_seg_local
+
+        return train_seg_local(model, data, epochs=t.local_epochs, optimizer=opt, roi=roi,
+                               patches=t.seg.patches_per_volume, pos_fraction=t.seg.pos_fraction, loss=t.seg.loss,
+                               seed=seed_, precision=t.precision, workers=t.workers)
+
+    device = resolve_device(exp.train.device, where="the centralized reference")
+    pooled = [c for s in sites for c in cases[s][0]]
+    model = seg_model_from_config(exp.model.model_dump(), cfg["data"]["in_channels"], seed=seed).to(device)
+    opt = make_optimizer(model, cfg["train"])
+    for r in range(t.rounds + 1):
+        if r:
+            train(model, opt, pooled, seed * 1000 + r)
+        m = seg_metrics(model, test, roi)
+        rows.append(_seg_row("Centralized", seed, {s: m for s in sites}, r))
+    log(f"    centralized reference: {len(pooled)} pooled training cases, final WT Dice {100 * rows[-1]['dice_wt']:.1f}%")
+    alone: dict = {}
+    per_round: list[dict] = [{} for _ in range(t.rounds + 1)]
+    for k, s in enumerate(sites):
+        model = seg_model_from_config(exp.model.model_dump(), cfg["data"]["in_channels"], seed=seed).to(device)
+        opt = make_optimizer(model, cfg["train"])
+        for r in range(t.rounds + 1):
+            if r:
+                train(model, opt, cases[s][0], seed * 1000 + 100 * k + r)
+            if r == t.rounds or r == 0:
+                per_round[r][s] = seg_metrics(model, test, roi)
+        alone[s] = per_round[t.rounds][s]
+    rows += [_seg_row("Each site alone", seed, per_round[r], r) for r in (0, t.rounds)]
+    log(f"    each-site-alone reference: final WT Dice per site "
+        + ", ".join(f"{s} {100 * v['dice_wt']:.1f}%" for s, v in alone.items()))
+    return rows

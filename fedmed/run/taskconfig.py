@@ -1,0 +1,65 @@
+"""The task config: what a job sends to the sites (and its server workflow reads) for one method and seed.
+
+A plain dict built from the experiment config alone — no site's data or paths — so the same job runs anywhere.
+``jobs/`` builds FLARE jobs around it; :func:`fedmed.workflows.fedavg_in_process` and the references run the same site code with it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedmed.workflows.registry import method_entry
+
+WEIGHTS_DIR = "fedmed_weights"  # inside every site app's custom folder
+
+
+class BuildError(ValueError):
+    """A job that cannot be built from this config; the message names the key or file."""
+
+
+def min_clients(configured: int, sites: list[str] | None) -> int:
+    """The quorum of a job: ``federation.min_clients``, lowered to the number of sites when the job is aimed at
+    fewer named sites (a resumed run without a dead site); FLARE's job meta gets the same number."""
+    return min(int(configured), len(sites)) if sites else int(configured)
+
+
+def fedmed_config(exp, seed: int, method, sites: list[str] | None) -> dict:
+    """The plain-dict config that travels to sites in each task's ``meta['fedmed']`` (and to the server)."""
+    train = exp.train.model_dump()
+    if method.workflow == "fedprox":
+        train["fedprox_mu"] = method.fedprox_mu
+    fed = exp.federation
+    common = {"seed": int(seed), "model": exp.model.model_dump(), "train": train,
+              "privacy": exp.privacy.model_dump(),
+              "federation": {"sites": sites, "min_clients": min_clients(fed.min_clients, sites), "task_timeout": fed.task_timeout,
+                             "startup_timeout": fed.startup_timeout}}
+    if exp.dataset.task == "segmentation":
+        if not exp.dataset.modalities:
+            raise BuildError("dataset.modalities is empty: a segmentation job needs the modality names")
+        cfg = {"task": "segmentation", **common,
+               "data": {"shape": exp.dataset.shape, "roi": exp.dataset.roi, "modalities": list(exp.dataset.modalities),
+                        "in_channels": len(exp.dataset.modalities)}}
+        if method.workflow == "ditto":
+            cfg["ditto_lambda"] = method.ditto_lambda
+        if method_entry(method.workflow).server == "assessment":
+            cfg["assess"] = {"per_value": method.per_value, "weights": _ship_name(method.encoder_weights)}
+        return cfg
+    if not exp.dataset.classes:
+        raise BuildError("dataset.classes is not set: a job is built from the config alone, so the config must name "
+                         "the classes (fedmed experiment fills it from the data it partitions)")
+    cfg = {"task": "classification", **common, "classes": list(exp.dataset.classes),
+           "data": {"image_size": exp.dataset.image_size, "channels": exp.dataset.channels,
+                    "n_classes": len(exp.dataset.classes)}}
+    if method.workflow == "fedmae":
+        cfg.update(task="mae", mae={"mask_ratio": method.mask_ratio, "base_lr": method.base_lr, "warmup": method.warmup,
+                                    "rounds": exp.train.rounds})
+    if method.workflow == "finetune":
+        cfg["model"] = {**cfg["model"], "arch": "vit_small"}
+        cfg["finetune"] = {"layer_decay": method.layer_decay, "warmup": method.warmup, "rounds": exp.train.rounds}
+    return cfg
+
+
+def _ship_name(weights: str | None) -> str | None:
+    return f"{WEIGHTS_DIR}/{Path(weights).name}" if weights else None
+
+

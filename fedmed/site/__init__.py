@@ -1,0 +1,40 @@
+"""A site's side of every method, independent of the FL framework: its settings (settings), the task runners for classification (runner), segmentation (seg) and Fed-MAE (mae), and the one reply loop every federation runs (runner.answer).
+
+Every name below is importable from ``fedmed.site`` (loaded on first use)."""
+
+from importlib import import_module
+
+_PUBLIC = {
+    "MAESiteRunner": "mae",
+    "SETTINGS_FILE": "settings",
+    "SegSiteRunner": "seg",
+    "SiteConfigError": "settings",
+    "SiteRunner": "runner",
+    "SiteSettings": "settings",
+    "Splits": "runner",
+    "TaskError": "runner",
+    "answer": "runner",
+    "make_runner": "runner",
+    "path_spans": "settings",
+    "resolve_site_settings": "settings",
+    "scrub": "settings",
+    "scrub_strings": "settings",
+    "scrubbed": "runner",
+    "site_assessment": "assessment",
+    "task_seed": "runner",
+    "to_meta": "runner",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        value = getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

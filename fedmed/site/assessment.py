@@ -1,0 +1,55 @@
+"""What a segmentation site sends for the ``004_`` assessment: aggregates of its own cases (the server's side is
+:func:`fedmed.algorithms.assessment.assess`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedmed.algorithms.assessment import histogram_edges
+
+__all__ = ["site_assessment"]
+
+
+def site_assessment(cases, encoder=None, *, per_value: bool = False, per_image: bool = False,
+                    edges: dict | None = None, privacy: dict | None = None, rng=None) -> dict:
+    """What one site sends for the assessment (see the module notes).
+
+    With ``privacy["dp_epsilon"]`` (and aggregates, not per-image values) every histogram gets Laplace noise
+    (L1 sensitivity 2 per feature) and the embedding centroid analytic Gaussian noise on vectors clipped to
+    ``privacy["clip"]`` (L2 sensitivity 2 clip / n); the budget is split evenly over the releases
+    (:mod:`fedmed.algorithms.privacy`). Per-image values are never noised: a site only sends them when its own settings
+    allow it.
+    """
+    from fedmed.algorithms.heterogeneity import metadata_histogram
+    from fedmed.algorithms.privacy import private_histogram, private_mean
+    from fedmed.data.nifti import case_metadata
+    from fedmed.nn.encoders import site_embeddings
+
+    privacy = privacy or {}
+    values = case_metadata(cases)
+    eps = privacy.get("dp_epsilon") if not (per_value or per_image) else None
+    releases = len(values) + (1 if encoder is not None else 0)
+    share = eps / releases if eps else None
+    rng = rng if rng is not None else np.random.default_rng(0)
+    out: dict = {"n_cases": len(cases), "dp": {"epsilon": eps, "releases": []}}
+    for k, v in values.items():
+        if per_value:
+            out[k] = v
+        else:
+            e = histogram_edges(k, edges)
+            out[k], rec = private_histogram(metadata_histogram(v, e), epsilon=share, rng=rng)
+            out[f"edges__{k}"] = e
+            if rec:
+                out["dp"]["releases"].append({"feature": k, **rec})
+    if encoder is not None:
+        emb = site_embeddings(cases, encoder)
+        if per_image:
+            out["embeddings"] = emb
+        elif share:
+            out["embedding_centroid"], rec = private_mean(emb, clip=float(privacy.get("clip", 1.0)), epsilon=share,
+                                                          delta=float(privacy.get("dp_delta", 1e-5)), rng=rng)
+            out["dp"]["releases"].append({"embedding_centroid": True, **rec})
+        else:
+            out["embedding_centroid"] = emb.mean(axis=0)
+        out["encoder"] = encoder.description
+    return out

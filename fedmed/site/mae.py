@@ -1,0 +1,81 @@
+"""A site's Fed-MAE tasks (``001_`` §3.2): local masked-autoencoder training on its unlabeled images.
+
+``cfg["task"] == "mae"``; ``cfg["mae"]``: ``mask_ratio``, ``base_lr``, ``warmup``, ``rounds`` (the run's length, for the
+lr schedule). The site's training images are its unlabeled pool (labels are never read); the reconstruction loss
+on its held-out images (validation and test splits, a fixed mask) is what it reports each round.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedmed.site.runner import SiteRunner
+
+__all__ = ["MAESiteRunner"]
+
+
+class MAESiteRunner(SiteRunner):
+    def model(self, cfg):
+        from fedmed.nn.mae import mae_model
+
+        key = ("mae", cfg["data"]["channels"], cfg["mae"].get("mask_ratio", 0.75))
+        if self._model is None or self._model_key != key:
+            self._model = mae_model(cfg["data"]["channels"], mask_ratio=cfg["mae"].get("mask_ratio", 0.75),
+                                    seed=cfg.get("seed", 0)).to(self.device(cfg))
+            self._model_key = key
+            self._optimizers = {}
+        return self._model
+
+    def optimizer(self, model, cfg, key=None):
+        import torch
+
+        if key not in self._optimizers:  # AdamW, betas (0.9, 0.95) as MAE; kept across rounds
+            self._optimizers[key] = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95),
+                                                      weight_decay=float(cfg["train"].get("weight_decay", 0.05)))
+        return self._optimizers[key]
+
+    def check_label_space(self, s, n, names=None) -> None:
+        """Pre-training never reads labels: an unlabeled pool may carry any (or placeholder) labels."""
+
+    def _held_out_loss(self, model, cfg):
+        import torch
+
+        from fedmed.nn.mae import mae_eval_loss
+
+        s = self._splits(cfg)
+        k = self.k_min(cfg)  # a loss over fewer than k_min images is not sent (privacy.k_min)
+        out = {}
+        if s.val[0].shape[0] >= k:
+            out["val_mae_loss"] = mae_eval_loss(model, s.val[0], seed=1)
+        if s.test[0].shape[0] >= k:
+            out["mae_loss"] = mae_eval_loss(model, torch.cat([s.test[0]]), seed=2)
+        return out
+
+    def validate(self, params, cfg):
+        from fedmed.nn.train import set_params
+
+        model = self.model(cfg)
+        set_params(model, params)
+        return {}, self._held_out_loss(model, cfg), {"n_test": int(self._splits(cfg).test[0].shape[0])}
+
+    def train(self, params, cfg, round_):
+        from fedmed.nn.mae import train_mae_local
+        from fedmed.nn.train import get_params, set_params
+
+        model = self.model(cfg)
+        set_params(model, params)
+        metrics = self._held_out_loss(model, cfg)
+        x = self._splits(cfg).train[0]
+        self.require_k_min(int(x.shape[0]), "training images", cfg, "training")
+        m, t = cfg["mae"], cfg["train"]
+        rounds = max(1, int(m.get("rounds", 1)))
+        out = train_mae_local(model, x, epochs=t["local_epochs"], batch_size=t["batch_size"],
+                              optimizer=self.optimizer(model, cfg), progress=(round_ / rounds, (round_ + 1) / rounds),
+                              base_lr=float(m.get("base_lr", 1.5e-4)), warmup=float(m.get("warmup", 0.05)),
+                              generator=self.generator(cfg, round_))
+        if not np.isfinite(out["loss"]):
+            from fedmed.site.runner import TaskError
+
+            raise TaskError(f"{self.site}: MAE training diverged in round {round_}")
+        metrics["train_loss"] = out["loss"]
+        return get_params(model), metrics, {"n_train": int(x.shape[0]), "train_loss": out["loss"], "steps": out["steps"]}

@@ -1,0 +1,156 @@
+"""A segmentation site's tasks (``004_``): assessment, FedAvg/FedProx/FedAvg_w/cluster training, Ditto.
+
+Config keys (``cfg``): ``task: "segmentation"``, ``data.shape``/``data.roi``/``data.in_channels``,
+``model.channels``, ``train`` (local epochs, optimizer and lr, ``fedprox_mu``, ``seg``: loss, patches per
+volume, share of tumour-centred patches), ``ditto_lambda`` (Ditto: a personal model trained with a proximal
+pull toward the served global model), ``assess`` (encoder weights, ``per_value``), ``privacy``.
+
+Each site scores the model it is served on its test cases (:func:`fedmed.nn.seg.seg_metrics`: Dice on
+tumour-bearing cases, HD95, false-positive voxels on tumour-free cases). A site checks that no subject is in
+both its training and its test data.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+
+from fedmed.data.images import DataError
+from fedmed.site.runner import SiteRunner, TaskError, task_seed
+
+__all__ = ["SegSiteRunner"]
+
+
+class SegSiteRunner(SiteRunner):
+    def cases(self, cfg):
+        """(training cases, test cases) of this site, loaded once per shape."""
+        from fedmed.data.nifti import load_case
+        from fedmed.data.seg_federation import check_no_leakage
+
+        shape = tuple(cfg["data"]["shape"])
+        if self._data is None or self._data_key != shape:
+            doc = self._datalist("segmentation")
+            check_no_leakage(doc["training"] + doc["validation"], doc["test"], where=self.site)
+            tr = [load_case(e, shape=shape, site=self.site) for e in doc["training"]]
+            te = [load_case(e, shape=shape, site=self.site) for e in doc["test"]]
+            if not tr:
+                raise DataError(f"{self.site}: datalist {self.display(self.datalist_path)} has no training cases")
+            self._data, self._data_key = (tr, te), shape
+        return self._data
+
+    def model(self, cfg):
+        from fedmed.nn.models import seg_model_from_config
+
+        m = cfg["model"]
+        key = (cfg["data"]["in_channels"], tuple(m["channels"]), m.get("arch"), repr(sorted((m.get("args") or {}).items())))
+        if self._model is None or self._model_key != key:  # the server sends the (initialised) weights every round
+            self._model = seg_model_from_config({**m, "init_weights": None}, cfg["data"]["in_channels"],
+                                                seed=cfg.get("seed", 0)).to(self.device(cfg))
+            self._model_key = key
+            self._optimizers = {}
+        return self._model
+
+    def _seed(self, cfg, round_):
+        return task_seed(cfg, self.site, round_) % (2**31)
+
+    def run_task(self, task, params, cfg, round_=0):
+        if task == "assess":
+            return self.assess(cfg)
+        if task in ("train", "validate"):
+            return self.train(params, cfg, round_) if task == "train" else self.validate(params, cfg)
+        raise TaskError(f"{self.site}: unknown task {task!r}")
+
+    def _served(self, cfg):
+        """The model this site uses: its Ditto personal model when personalising, else the global one."""
+        import copy
+
+        if cfg.get("ditto_lambda"):
+            if "personal" not in self.state:
+                self.state["personal"] = copy.deepcopy(self._model)
+            return self.state["personal"]
+        return self._model
+
+    def _metrics(self, model, cfg):
+        from fedmed.nn.seg import seg_metrics
+
+        _, te = self.cases(cfg)
+        if len({str(c["meta"].get("subject") or c["meta"].get("id")) for c in te}) < self.k_min(cfg):
+            return {}, {"n_test": 0}  # scores of fewer than k_min test subjects are not sent (privacy.k_min)
+        metrics = seg_metrics(model, te, roi=tuple(cfg["data"]["roi"])) if te else {}
+        return metrics, {"n_test": len(te)}
+
+    def validate(self, params, cfg):
+        from fedmed.nn.train import set_params
+
+        set_params(self.model(cfg), params)
+        metrics, meta = self._metrics(self._served(cfg), cfg)
+        return {}, metrics, meta
+
+    def _local(self, model, cases, cfg, seed, key, **kw):
+        from fedmed.nn.seg import train_seg_local
+
+        t, s = cfg["train"], cfg["train"].get("seg", {})
+        return train_seg_local(model, cases, epochs=t["local_epochs"], optimizer=self.optimizer(model, cfg, key),
+                               roi=tuple(cfg["data"]["roi"]), patches=int(s.get("patches_per_volume", 4)),
+                               pos_fraction=float(s.get("pos_fraction", 0.5)), loss=s.get("loss", "dice_focal"),
+                               seed=seed, precision=self.precision(cfg), workers=int(t.get("workers", 0)), **kw)
+
+    def train(self, params, cfg, round_):
+        from fedmed.nn.train import get_params, set_params
+
+        tr, _ = self.cases(cfg)
+        self.require_k_min(len({c["meta"]["subject"] for c in tr}), "training subjects", cfg, "training")
+        model = self.model(cfg)
+        set_params(model, params)
+        served = self._served(cfg)
+        metrics, meta = self._metrics(served, cfg)
+        seed = self._seed(cfg, round_)
+        anchor = [p.detach().clone() for p in model.parameters()]
+        out = self._local(model, tr, cfg, seed, cfg.get("cluster"), mu=cfg["train"].get("fedprox_mu", 0.0))
+        if cfg.get("ditto_lambda"):  # Ditto (Li et al. 2021): personal model pulled toward the global one
+            self._local(served, tr, cfg, seed + 1, "personal", mu=float(cfg["ditto_lambda"]), anchor=anchor)
+        if not np.isfinite(out["loss"]):
+            raise TaskError(f"{self.site}: training diverged in round {round_}")
+        meta.update(n_train=len(tr), train_loss=out["loss"])
+        metrics["train_loss"] = out["loss"]
+        return get_params(model), metrics, meta
+
+    def assess(self, cfg):
+        """``004_`` assessment of this site's cases (only aggregates unless the site allows per-image data)."""
+        from fedmed.site.assessment import site_assessment
+        from fedmed.nn.encoders import build_encoder
+        from fedmed.data.seg_federation import subject_of
+
+        a = cfg.get("assess", {})
+        tr, te = self.cases(cfg)
+        doc = self._datalist("segmentation")
+        n_subjects = len({subject_of(e) for e in doc["training"] + doc["validation"]})
+        k = self.k_min(cfg)
+        if n_subjects < k:
+            raise TaskError(f"{self.site}: {n_subjects} subject(s) < k_min={k}; the assessment would describe fewer "
+                            f"than k_min patients and is not sent")
+        notes = []
+        per_image = bool(a.get("per_value"))
+        if per_image and not self.settings.allow_per_image:
+            notes.append(f"{self.site}: per-image metadata requested by the job but not allowed by this site's "
+                         f"settings; histograms and an embedding centroid are sent instead")
+            per_image = False
+        elif per_image:
+            notes.append(f"{self.site}: WARNING sending per-image metadata and embeddings (allowed by this site's "
+                         f"settings)")
+        for n in notes:
+            print(f"[fedmed] {n}", flush=True)
+        enc = build_encoder("medicalnet_resnet18", weights=a.get("weights"), seed=int(cfg.get("seed", 0)),
+                            device=self.device(cfg))
+        rng = np.random.default_rng(task_seed(cfg, self.site, salt=5))
+        meta = site_assessment(tr, enc, per_value=per_image, per_image=per_image, privacy=cfg.get("privacy", {}),
+                               rng=rng)
+        meta["notes"] = notes
+        return {}, {"n_cases": float(len(tr))}, meta
+
+
+def load_datalist_seg(path):
+    """A segmentation datalist: entries need ``image`` (a file or list of files) and ``label``."""
+    from fedmed.data.images import load_datalist
+
+    return load_datalist(path, task="segmentation")

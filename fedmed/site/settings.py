@@ -1,0 +1,251 @@
+"""A site's own settings: where its data is and what it allows to leave — never decided by the job.
+
+A job carries no path to anyone's data. Each site finds its datalist through a site-local setting,
+looked up in this order (the first that is set wins):
+
+1. ``FEDMED_DATALIST``: the datalist file itself;
+2. ``FEDMED_DATALIST_DIR``: a folder holding ``<site>.json`` (the simulator's generated federations);
+3. ``FEDMED_SITE_CONFIG``: a settings file, or FLARE's convention, the site's startup kit
+   ``local/fedmed_site.json`` (the kit is the job process's working directory or a parent of it).
+
+The settings file (JSON)::
+
+    {"datalist": "hospital-a.json",      # relative to this file, or absolute
+     "data_root": "/data/imaging",       # optional: relative image paths resolve here (default: the
+                                         #   datalist's folder); messages name files relative to it
+     "allow_per_image": false,           # optional: may per-image values/embeddings leave (004_ paper form)?
+     "k_min": 10,                        # optional: raise the job's minimum group size at this site
+     "device": "cuda:1"}                 # optional: this site's device (overrides the job's train.device)
+
+``FEDMED_ALLOW_PER_IMAGE=1`` is the environment form of ``allow_per_image`` (simulations), ``FEDMED_DEVICE`` of
+``device``.
+
+Messages that leave a site go through :func:`scrub`: absolute paths become paths relative to the
+site's data root, or just the file name when outside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["SETTINGS_FILE", "SiteConfigError", "SiteSettings", "path_spans", "resolve_site_settings", "scrub",
+           "scrub_strings"]
+
+SETTINGS_FILE = "fedmed_site.json"
+_KEYS = {"datalist", "data_root", "allow_per_image", "k_min", "device"}
+
+
+class SiteConfigError(ValueError):
+    """A site whose settings are missing or wrong; the message names the site and the setting."""
+
+
+@dataclass
+class SiteSettings:
+    site: str
+    datalist: Path
+    data_root: Path
+    allow_per_image: bool = False
+    k_min: int | None = None
+    source: str = ""
+    roots: list[Path] = field(default_factory=list)  # folders whose absolute paths are scrubbed from messages
+    device: str | None = None  # this site's train.device (overrides the job's)
+
+    def display(self, path) -> str:
+        """``path`` as a message that leaves the site may name it (relative to the data root, else its name)."""
+        return _relative(Path(path), self.data_root)
+
+    @property
+    def scrub_roots(self) -> list:
+        return [self.data_root, self.datalist.parent, *self.roots]
+
+    def scrub(self, message: str) -> str:
+        return scrub(message, self.scrub_roots)
+
+    def scrub_reply(self, meta: dict) -> dict:
+        """Every string of a reply, scrubbed (the last step before anything leaves the site)."""
+        return scrub_strings(meta, self.scrub_roots)
+
+
+def _relative(p: Path, root: Path) -> str:
+    try:
+        return str(p.resolve().relative_to(root.resolve()))
+    except (ValueError, OSError):
+        return p.name
+
+
+_OPENERS = frozenset(" \t\r\n'\"([{=:,;<")  # what may stand right before an absolute path in a message
+_QUOTES = "'\""
+_NAME_STOP = frozenset(" \t\r\n'\"),;]}>")  # what ends the file name of an unquoted path
+_NEXT_PATH = re.compile(r"\s['\"]?~?/")  # where the next absolute path of a line starts
+
+
+def _closing_quote(text: str, q: str, start: int, line_end: int) -> int:
+    """Where a path opened by quote ``q`` ends: the first ``q`` followed by a non-word character (an apostrophe
+    inside a folder name, ``O'Brien``, is followed by a letter); the end of the line when there is none."""
+    k = text.find(q, start, line_end)
+    while k >= 0:
+        if k + 1 >= len(text) or not (text[k + 1].isalnum() or text[k + 1] == "_"):
+            return k
+        k = text.find(q, k + 1, line_end)
+    return line_end
+
+
+def path_spans(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of every absolute path (``/...`` or ``~/...``) in ``text``, whatever characters its
+    folders hold (spaces, parentheses, commas, quotes, non-ASCII).
+
+    A path in quotes runs to its closing quote (or further, when a ``/`` follows that quote). An unquoted path runs to its last ``/`` before the end of the
+    line or the next absolute path (a blank followed by ``/``), then through the file name (up to a blank, a
+    quote or ``),;]}>``); trailing ``.:,;`` are left out. The rule is greedy on purpose: a message that has a
+    ``/`` later on the same line loses the text in between, rather than leaving a folder name behind."""
+    spans = []
+    i, n = 0, len(text)
+    while i < n:
+        j = text.find("/", i)
+        if j < 0:
+            break
+        start = j
+        if j > 0 and text[j - 1] == "~" and (j == 1 or text[j - 2] in _OPENERS):
+            start = j - 1
+        elif j > 0 and text[j - 1] not in _OPENERS:
+            i = j + 1
+            continue
+        line_end = text.find("\n", j)
+        line_end = n if line_end < 0 else line_end
+        m = _NEXT_PATH.search(text, j + 1, line_end)
+        stop = m.start() if m else line_end
+        end = text.rfind("/", j, stop) + 1
+        while end < stop and text[end] not in _NAME_STOP:
+            end += 1
+        while end > j + 1 and text[end - 1] in ".:,;":
+            end -= 1
+        opener = text[start - 1] if start > 0 else ""
+        if opener and opener in _QUOTES:  # to its closing quote, unless a "/" comes after that quote (a quote in a
+            end = max(end, _closing_quote(text, opener, j, line_end))  # folder's name): then the longer span
+        spans.append((start, end))
+        i = max(end, j + 1)
+    return spans
+
+
+def _shown(path: str, roots) -> str:
+    """What a message may show of ``path``: relative to the first root that holds it, else its last name."""
+    p = Path(os.path.expanduser(path)) if path.startswith("~") else Path(path)
+    for r in roots:
+        try:
+            return str(p.relative_to(r)) if p != r else "."
+        except ValueError:
+            try:
+                rel = p.resolve().relative_to(r.resolve())
+                return str(rel) if str(rel) != "." else "."
+            except (ValueError, OSError, RuntimeError):
+                continue
+    return p.name or "/"
+
+
+def scrub(message: str, roots) -> str:
+    """``message`` with every absolute path replaced whole (:func:`path_spans`): under one of ``roots`` by the
+    path relative to it, else by the file's name. Nothing of a folder outside the roots is left."""
+    text = str(message)
+    roots = sorted((Path(r) for r in roots if r), key=lambda r: -len(str(r)))
+    out, last = [], 0
+    for a, b in path_spans(text):
+        out.append(text[last:a])
+        out.append(_shown(text[a:b], roots))
+        last = b
+    out.append(text[last:])
+    return "".join(out)
+
+
+def scrub_strings(obj, roots):
+    """A reply's meta with :func:`scrub` applied to every string in it (notes, warnings, errors)."""
+    if isinstance(obj, str):
+        return scrub(obj, roots)
+    if isinstance(obj, dict):
+        return {k: scrub_strings(v, roots) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(scrub_strings(v, roots) for v in obj)
+    return obj
+
+
+def _kit_settings(start: Path) -> Path | None:
+    for d in (start, *start.parents):
+        cand = d / "local" / SETTINGS_FILE
+        if cand.is_file():
+            return cand
+        if (d / "startup").is_dir():  # the kit's root: stop here
+            return None
+    return None
+
+
+def _truthy(v: str | None) -> bool:
+    return str(v).strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_site_settings(site: str, *, cwd=None, env=None) -> SiteSettings:
+    """The settings of ``site`` (see the module notes for the lookup order).
+
+    Raises:
+        SiteConfigError: no setting names the site's data, the settings file is unreadable or has
+            unknown keys, or the datalist it names does not exist — naming the site and the setting.
+    """
+    env = os.environ if env is None else env
+    cwd = Path(cwd or os.getcwd())
+    per_image_env = _truthy(env.get("FEDMED_ALLOW_PER_IMAGE"))
+    if env.get("FEDMED_DATALIST"):
+        dl = Path(env["FEDMED_DATALIST"])
+        source = "FEDMED_DATALIST"
+        settings = SiteSettings(site, dl, dl.parent, per_image_env, None, source)
+    elif env.get("FEDMED_DATALIST_DIR"):
+        dl = Path(env["FEDMED_DATALIST_DIR"]) / f"{site}.json"
+        settings = SiteSettings(site, dl, dl.parent, per_image_env, None, "FEDMED_DATALIST_DIR")
+    else:
+        f = Path(env["FEDMED_SITE_CONFIG"]) if env.get("FEDMED_SITE_CONFIG") else _kit_settings(cwd)
+        if f is None:
+            raise SiteConfigError(
+                f"{site}: no data configured for this site: put local/{SETTINGS_FILE} (with a 'datalist' entry) in "
+                f"the site's startup kit, or set FEDMED_SITE_CONFIG, FEDMED_DATALIST or FEDMED_DATALIST_DIR")
+        source = "FEDMED_SITE_CONFIG" if env.get("FEDMED_SITE_CONFIG") else f"local/{SETTINGS_FILE}"
+        if not f.is_file():
+            raise SiteConfigError(f"{site}: {source} names a settings file that does not exist ({f.name})")
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise SiteConfigError(f"{site}: {source} ({f.name}) is not valid JSON ({type(e).__name__})") from None
+        if not isinstance(doc, dict) or "datalist" not in doc:
+            raise SiteConfigError(f"{site}: {source} ({f.name}) should be an object with a 'datalist' entry")
+        unknown = sorted(set(doc) - _KEYS)
+        if unknown:
+            raise SiteConfigError(f"{site}: {source} ({f.name}) has unknown keys {unknown} (known: {sorted(_KEYS)})")
+        dl = Path(doc["datalist"])
+        dl = dl if dl.is_absolute() else (f.parent / dl)
+        root = Path(doc["data_root"]) if doc.get("data_root") else dl.parent
+        root = root if root.is_absolute() else (f.parent / root)
+        k_min = doc.get("k_min")
+        if k_min is not None and (isinstance(k_min, bool) or not isinstance(k_min, int) or k_min < 1):
+            raise SiteConfigError(f"{site}: {source} k_min should be a positive integer, got {k_min!r}")
+        device = doc.get("device")
+        if device is not None:
+            import re
+
+            from fedmed.core.device import DEVICE_PATTERN
+
+            if not isinstance(device, str) or not re.match(DEVICE_PATTERN, device):
+                raise SiteConfigError(f"{site}: {source} device should be auto, cpu, cuda or cuda:N, got {device!r}")
+        settings = SiteSettings(site, dl, root, bool(doc.get("allow_per_image", False)) or per_image_env, k_min,
+                                source, roots=[f.parent], device=device)
+    if settings.device is None and env.get("FEDMED_DEVICE"):
+        settings.device = env["FEDMED_DEVICE"]
+    if not settings.datalist.is_file():
+        raise SiteConfigError(f"{site}: the datalist named by {settings.source} does not exist "
+                              f"({settings.display(settings.datalist)})")
+    return settings
+
+
+def settings_for_dir(site: str, datalist_dir) -> SiteSettings:
+    """Settings of a site whose datalist is ``<datalist_dir>/<site>.json`` (simulations, tests)."""
+    dl = Path(datalist_dir) / f"{site}.json"
+    return SiteSettings(site, dl, dl.parent, _truthy(os.environ.get("FEDMED_ALLOW_PER_IMAGE")), None, "datalist dir")

@@ -1,0 +1,27 @@
+"""Packaging hook (everything else is in pyproject.toml): a built fedmed (``pip install .``, a wheel) carries the
+FLARE adapters (``custom/``), the job builders and runners (``jobs/``) and the shipped configs (``app_configs/``) as
+``fedmed/_shipped/``, so ``fedmed experiment`` and ``fedmed demo`` run outside a clone (``fedmed.resources``). An
+editable install reads them from the clone."""
+
+import shutil
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+SHIPPED = ("custom", "jobs", "app_configs")
+
+
+class BuildWithShipped(build_py):
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        here = Path(__file__).resolve().parent
+        dest = Path(self.build_lib) / "fedmed" / "_shipped"
+        for name in SHIPPED:
+            shutil.copytree(here / name, dest / name, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
+
+setup(cmdclass={"build_py": BuildWithShipped})
