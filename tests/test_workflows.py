@@ -77,3 +77,64 @@ def test_a_clustered_workflow_gives_the_same_models_in_process_and_in_flares_sim
         assert r_sim["sites"].keys() == r_ours["sites"].keys()
         for s in r_sim["sites"]:
             assert r_sim["sites"][s]["accuracy"] == r_ours["sites"][s]["accuracy"]
+
+
+def test_every_task_a_method_sends_is_served_by_its_sites_runner_and_no_other(tmp_path):
+    """The registry's site tasks of each method are exactly what its site runner serves for them; a segmentation or
+    Fed-MAE site refuses a classification-only task by name instead of inheriting it."""
+    from fedmed.site.mae import MAESiteRunner
+    from fedmed.site.runner import SiteRunner, TaskError
+    from fedmed.site.seg import SegSiteRunner
+    from fedmed.workflows import METHODS
+
+    runner_of = {"classification": SiteRunner, "segmentation": SegSiteRunner}
+    for name, entry in METHODS.items():
+        for served in entry.serves:
+            cls = MAESiteRunner if name == "fedmae" else runner_of[served]
+            assert set(entry.site_tasks) <= set(cls.TASKS), (name, served)
+    assert set(SegSiteRunner.TASKS) == {"assess", "train", "validate"}
+    assert set(MAESiteRunner.TASKS) == {"train", "validate"}
+    (tmp_path / "site-1.json").write_text(json.dumps({"training": [], "validation": [], "test": []}))
+    with pytest.raises(TaskError, match="unknown task 'signature'.*SegSiteRunner serves assess, train, validate"):
+        SegSiteRunner("site-1", tmp_path).run_task("signature", {}, {})
+
+
+@pytest.mark.slow
+def test_a_workflow_adds_to_its_tasks_but_never_changes_its_config(tmp_path):
+    """Fine-tuning with PreP-WFL (001_ Alg. 2) sends its class weights with every training task after the statistics
+    round; the config it was given stays as it was (read-only), and the record keeps the given one."""
+    import copy
+
+    from fedmed.config import load_config
+    from fedmed.run.experiment import classes_override, prepare_federation
+    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.workflows import InProcessFederation, server_workflow, workflow_args
+
+    raw = {"name": "ft", "dataset": {"path": "builtin:digits", "image_size": 32, "channels": 1, "max_per_class": 12},
+           "federation": {"sites": 2, "partition": "iid"}, "model": {"arch": "vit_small"},
+           "train": {"rounds": 1, "local_epochs": 1, "batch_size": 16}, "privacy": {"k_min": 2},
+           "methods": [{"name": "PreP", "workflow": "finetune", "init": "random", "prep_wfl": True}]}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    exp = load_config(tmp_path / "c.yaml")
+    data = prepare_federation(exp, 0, tmp_path / "data")
+    exp = load_config(tmp_path / "c.yaml", classes_override(data, exp))
+    method, sites = exp.methods[0], exp.site_names()
+    cfg = fedmed_config(exp, 0, method, sites)
+    given = copy.deepcopy(cfg)
+    sent = []
+
+    class Watching(InProcessFederation):
+        def send_groups(self, task_name, groups):
+            sent.extend((task_name, msg.config) for msg, _ in groups.values())
+            return super().send_groups(task_name, groups)
+
+    name, args = workflow_args(exp, method, 0, cfg)
+    wf = server_workflow(name)(exp.train.rounds, cfg, **args)
+    fed = Watching(data, sites, tmp_path / "run", log=None)
+    assert fed.run(wf) == "finished"
+    weights = fed.recorder.doc["prep_wfl"]["weights"]
+    assert [t for t, _ in sent] == ["class_set", "train", "validate"]
+    assert "class_weights" not in sent[0][1] and all(c["class_weights"] == weights for _, c in sent[1:])
+    assert cfg == given and dict(wf.cfg) == given and fed.recorder.doc["meta"]["config"] == given
+    with pytest.raises(TypeError):
+        wf.cfg["class_weights"] = weights

@@ -15,6 +15,8 @@ __all__ = ["MAESiteRunner"]
 
 
 class MAESiteRunner(SiteRunner):
+    TASKS = {"train": ("train", "params", "round"), "validate": ("validate", "params")}
+
     def model(self, cfg):
         from fedmed.nn.mae import mae_model
 

@@ -209,15 +209,19 @@ class SiteRunner:
             self.notes = []
         return out, metrics, meta
 
+    # the tasks this runner serves: task name -> (method, what it takes); a subclass lists only the ones it serves
+    TASKS = {"train": ("train", "params", "round"), "validate": ("validate", "params"), "signature": ("signature",),
+             "latent_bounds": ("latent_bounds", "params"), "descriptor": ("descriptor", "params"),
+             "ifca": ("ifca", "params", "round"), "validate_ensemble": ("validate_ensemble", "params"),
+             "class_set": ("class_set",)}
+
     def run_task(self, task: str, params: dict, cfg: dict, round_: int = 0) -> tuple[dict, dict, dict]:
-        handlers = {"train": lambda: self.train(params, cfg, round_), "validate": lambda: self.validate(params, cfg),
-                    "signature": lambda: self.signature(cfg), "latent_bounds": lambda: self.latent_bounds(params, cfg),
-                    "descriptor": lambda: self.descriptor(params, cfg), "ifca": lambda: self.ifca(params, cfg, round_),
-                    "validate_ensemble": lambda: self.validate_ensemble(params, cfg),
-                    "class_set": lambda: self.class_set(cfg)}
-        if task not in handlers:
-            raise TaskError(f"{self.site}: unknown task {task!r}")
-        return handlers[task]()
+        if task not in self.TASKS:
+            raise TaskError(f"{self.site}: unknown task {task!r} (this site's {type(self).__name__} serves "
+                            f"{', '.join(sorted(self.TASKS))})")
+        method, *takes = self.TASKS[task]  # every task method takes ([params,] cfg[, round_])
+        args = ([params] if "params" in takes else []) + [cfg] + ([round_] if "round" in takes else [])
+        return getattr(self, method)(*args)
 
     def _eval_sets(self, cfg):
         """(name, x, y) of what the served model is scored on: validation and test splits; an unseen

@@ -53,12 +53,7 @@ class SegSiteRunner(SiteRunner):
     def _seed(self, cfg, round_):
         return task_seed(cfg, self.site, round_) % (2**31)
 
-    def run_task(self, task, params, cfg, round_=0):
-        if task == "assess":
-            return self.assess(cfg)
-        if task in ("train", "validate"):
-            return self.train(params, cfg, round_) if task == "train" else self.validate(params, cfg)
-        raise TaskError(f"{self.site}: unknown task {task!r}")
+    TASKS = {"assess": ("assess",), "train": ("train", "params", "round"), "validate": ("validate", "params")}
 
     def _served(self, cfg):
         """The model this site uses: its Ditto personal model when personalising, else the global one."""

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
+from types import MappingProxyType
 
 __all__ = ["Workflow", "initial_params"]
 
@@ -43,12 +45,19 @@ class Workflow:
 
     def __init__(self, num_rounds: int, fedmed_config: dict, **args):
         self.num_rounds = int(num_rounds)
-        self.cfg = dict(fedmed_config)
+        self._cfg = copy.deepcopy(dict(fedmed_config))
+        self.task_extra: dict = {}  # what this run adds to every task it sends (e.g. PreP-WFL's class weights)
         if args:
             raise TypeError(f"{type(self).__name__}: unknown option(s) {sorted(args)}")
 
     def run(self) -> None:
         raise NotImplementedError
+
+    @property
+    def cfg(self) -> MappingProxyType:
+        """The task config this run was given, read-only: a run adds to its tasks (:attr:`task_extra`, ``extra`` of
+        :meth:`task`) and never changes the config."""
+        return MappingProxyType(self._cfg)
 
     # ------------------------------------------------------------------ the federation's calls
     @property
@@ -77,7 +86,7 @@ class Workflow:
 
     def task(self, params: dict, round_: int, **extra):
         """The message of one task: ``params`` and the task config (with ``extra`` entries, e.g. ``cluster``)."""
-        return self.fed.message(params, round_, {**self.cfg, **extra})
+        return self.fed.message(params, round_, {**copy.deepcopy(self._cfg), **self.task_extra, **extra})
 
     def send(self, task_name: str, data, targets=None) -> list:
         return self.fed.send(task_name, data, targets)
@@ -101,7 +110,7 @@ class Workflow:
         return self.resumed.get("models", {})
 
     def initial_params(self, cfg: dict | None = None) -> dict:
-        return initial_params(cfg or self.cfg, self.app_custom)
+        return initial_params(cfg or self._cfg, self.app_custom)
 
     def info(self, msg: str) -> None:
         self.fed.info(msg)

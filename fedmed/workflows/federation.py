@@ -96,7 +96,8 @@ class Federation:
 
     @property
     def cfg(self) -> dict:
-        return self.workflow.cfg
+        """The run's task config (a copy: the workflow's is read-only)."""
+        return dict(self.workflow.cfg)
 
     @property
     def min_clients(self) -> int:

@@ -49,7 +49,7 @@ class Finetune(FedAvg):
             else:
                 sets[site] = meta["classes"]
         p, w = prep_weights(list(sets.values()), self.cfg["data"]["n_classes"])
-        self.cfg = {**self.cfg, "class_weights": w.tolist()}
+        self.task_extra = {"class_weights": w.tolist()}
         self.recorder.note("prep_wfl", {"class_sets": sets, "prevalence": p.tolist(), "weights": w.tolist()})
         self.info(f"PreP-WFL: prevalence {p.tolist()}, weights {[round(x, 3) for x in w]}")
 
@@ -57,8 +57,8 @@ class Finetune(FedAvg):
         st = self.resumed.get("state", {})
         if self.prep_wfl:
             if st.get("class_weights"):
-                self.cfg = {**self.cfg, "class_weights": st["class_weights"]}
+                self.task_extra = {"class_weights": st["class_weights"]}
             else:
                 self.prevalence_round()
         theta = self.resumed_models().get("global") or self.start_params()
-        self.train_global(theta, class_weights=self.cfg.get("class_weights"))
+        self.train_global(theta, class_weights=self.task_extra.get("class_weights"))

@@ -28,6 +28,7 @@ class Flux(FedAvg):
                  n_clusters: int = 0, **kw):
         super().__init__(num_rounds, fedmed_config, **kw)
         self.flux = dict(flux)
+        self.box: dict = {}  # the merged latent box (S1): lo, hi
         self.participation = float(participation)
         self.n_clusters = int(n_clusters or 0)
 
@@ -38,7 +39,8 @@ class Flux(FedAvg):
 
     def descriptors(self, theta_star, sites, label_free=False) -> dict:
         out = {}
-        for s, _, meta, _ in self.send("descriptor", self.task(theta_star, 0, flux={**self.flux, "label_free": label_free}),
+        for s, _, meta, _ in self.send("descriptor", self.task(theta_star, 0, flux={**self.flux, **self.box,
+                                                                                        "label_free": label_free}),
                                        targets=sites):
             if meta.get("error"):
                 self.recorder.error(-1, s, "descriptor", meta["error"])
@@ -77,7 +79,7 @@ class Flux(FedAvg):
         if not bounds:
             raise RunFailed(f"round {r}: no site sent latent bounds; Flux cannot build its descriptor space")
         lo, hi = merge_bounds(bounds)
-        self.flux.update(lo=lo.tolist(), hi=hi.tolist())
+        self.box = {"lo": lo.tolist(), "hi": hi.tolist()}
         descs = self.descriptors(theta_star, part)
         info = flux_cluster(descs, n_clusters=self.n_clusters or None, scale=self.flux.get("scale", 1.0),
                             seed=self.cfg.get("seed", 0), scaling=self.flux.get("scaling", "none"),
@@ -100,7 +102,7 @@ class Flux(FedAvg):
             saved = self.resumed_models()
             theta_star, r0 = saved["theta_star"], self.start_round()
             lo, hi = np.asarray(st["lo"]), np.asarray(st["hi"])
-            self.flux.update(lo=lo.tolist(), hi=hi.tolist())
+            self.box = {"lo": lo.tolist(), "hi": hi.tolist()}
             info = {k: (np.asarray(v) if k.startswith("centroids") else v) for k, v in st["info"].items()}
             assign = {s: int(c) for s, c in st["assign"].items()}
             models = {c: saved[f"cluster{c}"] for c in range(info["k"])}

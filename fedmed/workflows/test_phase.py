@@ -45,7 +45,7 @@ class FluxTest(Workflow):
     def run(self):
         from fedmed.algorithms.flux import assign_nearest
 
-        self.cfg = {**self.cfg, "evaluate_on": "all"}
+        self.task_extra = {"evaluate_on": "all"}  # unseen sites are scored on all their data
         root = Path(self.app_custom) / TRAINING_DIR
         models = load_models(root)
         if not models:
