@@ -90,3 +90,33 @@ def test_cfl_split_criterion():
     assert out["split"] and out["labels"] in ([0, 0, 0, 1, 1, 1], [1, 1, 1, 0, 0, 0])
     same = [{"w": g + 0.05 * rng.normal(size=50)} for _ in range(6)]
     assert not cfl_split(same, [1] * 6, eps1=0.5, eps2=1.0)["split"]
+
+
+def test_each_signature_kind_has_one_payload_type_and_one_wire_format():
+    """A site's signature (typed) -> its reply's arrays -> the lists FLARE carries -> the server's typed signature:
+    the same values; a reply missing an array, or with arrays of the wrong shape, names the site before any
+    distance is computed."""
+    from fedmed.algorithms.fmcl import ClassSignature
+    from fedmed.algorithms.privacy import signature_payload
+    from fedmed.algorithms.signatures import FIELDS, SIGNATURES, signature_from_wire
+    from fedmed.site.runner import to_meta
+
+    rng = np.random.default_rng(0)
+    feats, y = rng.normal(size=(30, 6)), np.repeat([0, 1, 2], 10)
+    for kind in ("fmcl", "pacfl", "fecfl"):
+        meta = signature_payload(kind, feats, y, k_min=2, privacy={}, n_basis=2, site="site-1")
+        assert set(FIELDS[kind]) <= set(meta)
+        sig = signature_from_wire(kind, to_meta(meta), "site-1")
+        assert isinstance(sig, SIGNATURES[kind])
+        for f in FIELDS[kind]:
+            assert np.array_equal(np.asarray(getattr(sig, f)), np.asarray(meta[f]))
+    assert isinstance(signature_from_wire("fmcl", to_meta(signature_payload("fmcl", feats, y, k_min=2, privacy={})),
+                                          "s"), ClassSignature)
+    with pytest.raises(ValueError, match=r"site-3: its fmcl signature lacks \['counts'\]"):
+        signature_distances("fmcl", {"site-2": {"classes": [0], "means": [[1.0, 0.0]], "counts": [3]},
+                                     "site-3": {"classes": [0], "means": [[1.0, 0.0]]}})
+    with pytest.raises(ValueError, match="site-2: signature arrays disagree on the number of classes"):
+        signature_distances("fmcl", {"site-2": {"classes": [0, 1], "means": [[1.0, 0.0]], "counts": [3, 4]},
+                                     "site-3": {"classes": [0], "means": [[1.0, 0.0]], "counts": [3]}})
+    with pytest.raises(ValueError, match=r"site-9: a FECFL signature should be one mean embedding \(d,\)"):
+        signature_distances("fecfl", {"site-9": {"mean": [[1.0, 2.0]]}, "site-8": {"mean": [1.0, 2.0]}})

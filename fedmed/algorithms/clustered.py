@@ -11,7 +11,7 @@ import numpy as np
 
 from fedmed.algorithms.baselines import fecfl_distance_matrix, pacfl_distance_matrix
 from fedmed.algorithms.clustering import agglomerative, auto_k, labels_to_clusters
-from fedmed.algorithms.fmcl import ClassSignature, fmcl_distance_matrix
+from fedmed.algorithms.fmcl import fmcl_distance_matrix
 
 __all__ = ["SIGNATURE_KINDS", "cfl_split", "choose_clusters", "flux_cluster", "signature_distances"]
 
@@ -25,18 +25,18 @@ def signature_distances(kind: str, signatures: dict[str, dict], *, overlap: bool
     fmcl: ``classes``, ``means``, ``counts``; pacfl: ``basis`` (d, p) (``angle``: ``principal`` or
     ``official``, see :func:`fedmed.algorithms.baselines.pacfl_distance_matrix`); fecfl: ``mean`` (d,).
     """
+    from fedmed.algorithms.signatures import signature_from_wire
+
     names = sorted(signatures)
+    if kind not in SIGNATURE_KINDS:
+        raise ValueError(f"signature kind should be one of {SIGNATURE_KINDS}, got {kind!r}.")
+    sigs = [signature_from_wire(kind, signatures[n], n) for n in names]
     if kind == "fmcl":
-        sigs = [ClassSignature(np.asarray(signatures[n]["classes"]), np.asarray(signatures[n]["means"]),
-                               np.asarray(signatures[n]["counts"], dtype=np.float64)) for n in names]
         return names, fmcl_distance_matrix(sigs, overlap=overlap, site_names=names)
     if kind == "pacfl":
         mode = {"principal": "smallest", "official": "official"}[angle]
-        return names, pacfl_distance_matrix([np.asarray(signatures[n]["basis"]) for n in names], mode=mode,
-                                            site_names=names)
-    if kind == "fecfl":
-        return names, fecfl_distance_matrix([np.asarray(signatures[n]["mean"]) for n in names], site_names=names)
-    raise ValueError(f"signature kind should be one of {SIGNATURE_KINDS}, got {kind!r}.")
+        return names, pacfl_distance_matrix([s.basis for s in sigs], mode=mode, site_names=names)
+    return names, fecfl_distance_matrix([s.mean for s in sigs], site_names=names)
 
 
 def choose_clusters(D, names, *, n_clusters: int | None = None, threshold: float | None = None,

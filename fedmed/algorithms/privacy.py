@@ -162,7 +162,8 @@ def signature_payload(kind: str, feats, y, *, k_min: int, privacy: dict, n_basis
     Raises:
         ValueError: nothing is left to send (every class below ``k_min``), naming the site.
     """
-    from fedmed.algorithms.fmcl import class_signature
+    from fedmed.algorithms.fmcl import ClassSignature, class_signature
+    from fedmed.algorithms.signatures import FECFLSignature, PACFLSignature, signature_to_wire
 
     feats = np.asarray(feats, dtype=np.float64)
     y = np.asarray(y)
@@ -175,7 +176,7 @@ def signature_payload(kind: str, feats, y, *, k_min: int, privacy: dict, n_basis
         if y.size < k_min:
             raise ValueError(f"{site}: {y.size} training samples < k_min={k_min}; the site mean cannot be sent")
         mean, rec = private_mean(feats, clip=clip, epsilon=eps, delta=delta, rng=rng) if eps else (feats.mean(0), {})
-        out.update(mean=mean, withheld_classes=[], notes=[])
+        out.update(signature_to_wire(FECFLSignature(mean)), withheld_classes=[], notes=[])
         out["dp"].update(releases=[rec] if rec else [])
         return out
     keep, kept, dropped = withhold_small(y, k_min)
@@ -186,8 +187,7 @@ def signature_payload(kind: str, feats, y, *, k_min: int, privacy: dict, n_basis
     releases = []
     if kind == "fmcl":
         if eps is None:
-            s = class_signature(fk, yk)
-            out.update(classes=s.classes, means=s.means, counts=s.counts)
+            out.update(signature_to_wire(class_signature(fk, yk)))
         else:
             share = eps / (len(kept) + 1)  # one Gaussian release per class mean + the Laplace counts
             means = []
@@ -197,7 +197,7 @@ def signature_payload(kind: str, feats, y, *, k_min: int, privacy: dict, n_basis
                 releases.append({"class": c, **rec})
             counts, rec = private_histogram([int((yk == c).sum()) for c in kept], epsilon=share, rng=rng)
             releases.append({"counts": True, **rec})
-            out.update(classes=np.asarray(kept), means=np.stack(means), counts=np.maximum(counts, 1e-3))
+            out.update(signature_to_wire(ClassSignature(np.asarray(kept), np.stack(means), np.maximum(counts, 1e-3))))
     elif kind == "pacfl":
         share = eps / len(kept) if eps else None
         bases = []
@@ -206,7 +206,7 @@ def signature_payload(kind: str, feats, y, *, k_min: int, privacy: dict, n_basis
             bases.append(b)
             if rec:
                 releases.append({"class": c, **rec})
-        out.update(basis=np.concatenate(bases, axis=1), classes=np.asarray(kept))
+        out.update(signature_to_wire(PACFLSignature(np.concatenate(bases, axis=1), np.asarray(kept))))
     else:
         raise ValueError(f"signature kind should be fmcl, pacfl or fecfl, got {kind!r}.")
     out.update(withheld_classes=dropped, notes=notes)

@@ -70,25 +70,28 @@ def cmd_distances(a):
 
     kind = a.kind
     if kind == "fmcl":
-        from fedmed.algorithms.fmcl import ClassSignature, fmcl_distance_matrix
+        from fedmed.algorithms.fmcl import fmcl_distance_matrix
+        from fedmed.algorithms.signatures import FIELDS, signature_from_wire
 
-        sigs = read_signature_dir(a.signature_dir, ("classes", "means", "counts"))
+        sigs = read_signature_dir(a.signature_dir, FIELDS["fmcl"])
         names = list(sigs)
-        D = fmcl_distance_matrix([ClassSignature(s["classes"], s["means"], s["counts"]) for s in sigs.values()],
+        D = fmcl_distance_matrix([signature_from_wire("fmcl", s, n) for n, s in sigs.items()],
                                  alpha=a.alpha, beta=a.beta, eps=a.eps, overlap=not a.no_overlap, site_names=names)
     elif kind == "pacfl":
         from fedmed.algorithms.baselines import pacfl_distance_matrix
+        from fedmed.algorithms.signatures import FIELDS, signature_from_wire
 
-        sigs = read_signature_dir(a.signature_dir, ("basis",))
+        sigs = read_signature_dir(a.signature_dir, FIELDS["pacfl"])
         names = list(sigs)
-        D = pacfl_distance_matrix([s["basis"] for s in sigs.values()], site_names=names,
+        D = pacfl_distance_matrix([signature_from_wire("pacfl", s, n).basis for n, s in sigs.items()], site_names=names,
                                   mode={"principal": "smallest", "official": "official"}[a.angle])
     elif kind == "fecfl":
         from fedmed.algorithms.baselines import fecfl_distance_matrix
+        from fedmed.algorithms.signatures import FIELDS, signature_from_wire
 
-        sigs = read_signature_dir(a.signature_dir, ("mean",))
+        sigs = read_signature_dir(a.signature_dir, FIELDS["fecfl"])
         names = list(sigs)
-        D = fecfl_distance_matrix([s["mean"] for s in sigs.values()], site_names=names)
+        D = fecfl_distance_matrix([signature_from_wire("fecfl", s, n).mean for n, s in sigs.items()], site_names=names)
     elif kind == "euclidean":
         from fedmed.algorithms.heterogeneity import embedding_distance_matrix
 
