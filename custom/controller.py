@@ -30,6 +30,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 from nvflare.app_common.workflows.model_controller import ModelController
 
 from fedmed.core.compat import serialize_ast_parse
+from fedmed.core.schema import task_config
 from fedmed.workflows import RESUME_DIR, Federation, RunFailed, RunStopped, server_workflow
 
 serialize_ast_parse()  # the server decodes several sites' arrays at once (np.load -> ast.parse): fedmed/compat.py
@@ -82,8 +83,9 @@ class WorkflowController(Federation, ModelController):
         return Path(self.get_app_dir()) / "custom"
 
     @property
-    def federation_settings(self) -> dict:
-        return self.fedmed_config.get("federation", {})
+    def federation_settings(self):
+        """The task config's ``federation`` section, typed (sites, min_clients, timeouts)."""
+        return task_config(self.fedmed_config).federation
 
     def resume_dir(self):
         return self.app_custom / RESUME_DIR if self.resume else None
@@ -116,8 +118,8 @@ class WorkflowController(Federation, ModelController):
     def wait_for_sites(self) -> list:
         """The sites this run uses: the job's named sites that registered within ``startup_timeout``
         (all connected sites when the job names none)."""
-        expected = list(self.federation_settings.get("sites") or [])
-        deadline = time.time() + float(self.federation_settings.get("startup_timeout", 300))
+        expected = list(self.federation_settings.sites or [])
+        deadline = time.time() + self.federation_settings.startup_timeout
         present = self.connected()
         while expected and any(s not in present for s in expected) and time.time() < deadline:
             self.check_abort("while waiting for sites")
@@ -126,7 +128,7 @@ class WorkflowController(Federation, ModelController):
         sites = [s for s in present if not expected or s in expected]
         for s in sorted(set(expected) - set(present)):
             self.recorder.error(-1, s, "startup", f"{s}: never registered within startup_timeout "
-                                f"{self.federation_settings.get('startup_timeout', 300)} s; the run goes on without it")
+                                f"{self.federation_settings.startup_timeout:g} s; the run goes on without it")
             self.error(f"site {s} never registered; going on without it")
         if len(sites) < self.min_clients:
             raise RunFailed(f"{len(sites)} site(s) registered {sites}, fewer than min_clients={self.min_clients}")
@@ -153,7 +155,7 @@ class WorkflowController(Federation, ModelController):
         its own model; wait as the module notes say; ``{key: [rows]}``. Sites that did not answer are
         recorded as errors of this round and put on probation."""
         replies = {key: [] for key in groups}
-        timeout = float(self.federation_settings.get("task_timeout", 1800))
+        timeout = self.federation_settings.task_timeout
         targets = set()
         r_ = next((d.current_round for d, _ in groups.values()), None)
         gone = self.dead_sites()  # a dead simulated site never comes back: it sits out every later task

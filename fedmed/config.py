@@ -18,11 +18,12 @@ fills ``dataset.classes`` from the data it partitions.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from fedmed.core.schema import FederationTiming, ModelSection, PrivacyConfig, Strict, TrainConfig
 
 __all__ = ["ConfigError", "DatasetConfig", "ExperimentConfig", "FederationConfig", "MethodConfig", "ModelConfig",
            "PrivacyConfig", "TrainConfig", "WORKFLOWS", "apply_overrides", "load_config", "method_options"]
@@ -32,8 +33,7 @@ class ConfigError(ValueError):
     """A config file that does not validate; the message names the file and every bad key."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+_Strict = Strict
 
 
 SITE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$"  # what FLARE accepts as a participant name
@@ -63,7 +63,7 @@ class DatasetConfig(_Strict):
         return v
 
 
-class FederationConfig(_Strict):
+class FederationConfig(FederationTiming):
     sites: int = Field(4, ge=1, le=10000, description="number of training sites of a generated federation")
     site_names: Optional[list[Annotated[str, Field(pattern=SITE_NAME)]]] = Field(
         None, min_length=1, description="the sites' names (default site-1..N for generated federations; a deployed "
@@ -91,11 +91,6 @@ class FederationConfig(_Strict):
         "channel", description="colour shift: 'channel' keeps the gray image in one RGB channel (others 0); 'anda' "
         "sets that channel to 1 and keeps gray in the others (ANDA's code)")
     unseen_sites: int = Field(0, ge=0, description="extra sites held out of training, for test-time assignment")
-    min_clients: int = Field(1, ge=1, description="fewest sites that must answer a round for the run to go on")
-    task_timeout: float = Field(1800.0, gt=0, description="seconds a site has to answer a task before the round "
-                                "goes on without it")
-    startup_timeout: float = Field(300.0, gt=0, description="seconds to wait for every named site to register "
-                                   "before starting without the missing ones")
     task_request_interval: float = Field(0.2, gt=0, le=60, description="seconds an idle site waits before asking the "
                                          "server for its next task (FLARE's default is 2 s)")
 
@@ -111,20 +106,9 @@ class FederationConfig(_Strict):
         return v
 
 
-class ModelConfig(_Strict):
-    arch: str = Field("resnet9", description="resnet9 | resnet18 | vit_small (fedmed's; for segmentation fedmed's 3D "
-                      "U-Net), a network of monai.networks.nets by name (DenseNet121, SegResNet, ...), or "
-                      "package.module:Class (fedmed.nn.models)")
-    args: dict = Field(default_factory=dict, description="arguments of a MONAI or user network (spatial_dims, input "
-                       "channels and outputs are filled from the task)")
-    init_weights: Optional[str] = Field(None, description="start the network from this local state-dict file (the "
-                                        "job carries it)")
-    width: int = Field(16, ge=4, le=512, description="channels of the first ResNet-9 stage")
-    norm: Literal["batch", "group"] = Field("batch", description="ResNet-9 normalisation: BatchNorm (the DAWNBench "
-                                            "original; chosen on validation data, docs/readings.md) or GroupNorm")
-    channels: list[int] = Field(default_factory=lambda: [8, 16, 32, 64], min_length=2,
-                                description="3D U-Net channels per level (segmentation)")
-
+class ModelConfig(ModelSection):
+    """``model``: :class:`~fedmed.core.schema.ModelSection` with the checks a coordinator can make (a known network, an
+    init-weights file that exists)."""
 
     @field_validator("arch")
     @classmethod
@@ -145,65 +129,6 @@ class ModelConfig(_Strict):
         if v is not None and not Path(v).is_file():
             raise ValueError(f"model.init_weights: file {v} not found")
         return v
-
-
-class SegTrainConfig(_Strict):
-    """Segmentation-only training options (``004_`` §3.2 and fedmed's recipe, docs/readings.md)."""
-
-    loss: Literal["dice", "dice_focal", "dice_bce"] = "dice_focal"
-    patches_per_volume: int = Field(4, ge=1)
-    pos_fraction: float = Field(0.5, ge=0, le=1, description="share of patches centred on tumour")
-
-
-class TrainConfig(_Strict):
-    """The training recipe; defaults are the 2D recipe chosen on validation data (benchmarks/tune_recipe.py,
-    docs/readings.md "2D recipe")."""
-
-    rounds: int = Field(3, ge=1, le=10000)
-    local_epochs: int = Field(3, ge=1, le=1000)
-    batch_size: int = Field(16, ge=1)
-    optimizer: Literal["sgd", "adam", "adamw"] = "adam"
-    lr: float = Field(1e-3, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(5e-4, ge=0)
-    augment: Literal["none", "flip", "flip_crop"] = Field("flip", description="horizontal flips (flip), plus random "
-                                                          "crops of a 4-pixel padded image (flip_crop)")
-    keep_optimizer_state: bool = Field(True, description="a site keeps its optimizer state (momentum, Adam moments) "
-                                       "between rounds, per served model")
-    seg: SegTrainConfig = SegTrainConfig()
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto (a CUDA GPU when there is one), "
-                        "cpu, cuda or cuda:N; a site may override it in its own settings (fedmed.core.device)")
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast precision of training and "
-                                                       "inference (fp16 with a gradient scaler on a GPU)")
-    workers: int = Field(0, ge=0, le=64, description="data-loader processes that cut 3D training patches (0: in the "
-                         "site's process)")
-
-
-class PrivacyConfig(_Strict):
-    """What may leave a site (docs/privacy.md)."""
-
-    k_min: int = Field(5, ge=1, description="no per-class or per-group statistic leaves a site unless it aggregates "
-                       "at least k_min samples")
-    accept_k_min_below_2: bool = Field(False, description="explicit consent to k_min < 2 (single samples may leave)")
-    dp_epsilon: Optional[float] = Field(None, description="differential privacy budget per signature (None: off)")
-    dp_delta: float = Field(1e-5, gt=0, lt=1, description="Gaussian mechanism delta (signatures without a paper "
-                            "mechanism use Laplace; see docs/privacy.md)")
-    clip: float = Field(1.0, gt=0, description="L2 norm each embedding is clipped to before it enters a signature "
-                        "(the DP sensitivity bound)")
-
-    @field_validator("dp_epsilon")
-    @classmethod
-    def _finite_eps(cls, v):
-        if v is not None and (not math.isfinite(v) or v <= 0):
-            raise ValueError(f"dp_epsilon should be a finite number > 0 (or null to switch DP off), got {v}")
-        return v
-
-    @model_validator(mode="after")
-    def _k_min_consent(self):
-        if self.k_min < 2 and not self.accept_k_min_below_2:
-            raise ValueError(f"k_min={self.k_min} lets a single patient's statistics leave a site; set "
-                             f"privacy.accept_k_min_below_2: true to accept that explicitly")
-        return self
 
 
 # --------------------------------------------------------------------------------------------- methods

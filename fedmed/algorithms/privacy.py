@@ -37,16 +37,25 @@ import math
 import numpy as np
 from scipy.special import ndtr
 
+from fedmed.core.schema import PrivacyConfig
+
 __all__ = ["analytic_gaussian_sigma", "clip_rows", "k_min_consent_note", "private_bounds", "private_histogram", "private_mean",
-           "signature_payload", "withhold_small"]
+           "privacy_settings", "signature_payload", "withhold_small"]
+
+
+def privacy_settings(privacy) -> PrivacyConfig:
+    """The ``privacy`` section (a dict as a task carries it, or the typed model) with the schema's defaults for what
+    it leaves out (:class:`fedmed.core.schema.PrivacyConfig`)."""
+    if isinstance(privacy, PrivacyConfig):
+        return privacy
+    return PrivacyConfig.model_validate(dict(privacy or {}), context={"at_site": True})
 
 
 def k_min_consent_note(privacy) -> str | None:
     """The line a run states wherever it is read (its record, the console, the report) when the config accepted
     ``k_min < 2`` (``privacy.accept_k_min_below_2``); None otherwise. ``privacy``: the config's section (a dict or
     the typed model)."""
-    get = privacy.get if isinstance(privacy, dict) else (lambda k, d=None: getattr(privacy, k, d))
-    k = int(get("k_min", 5))
+    k = privacy_settings(privacy).k_min
     if k >= 2:
         return None
     return (f"WARNING privacy.k_min={k} < 2, accepted by privacy.accept_k_min_below_2: statistics of single samples "
@@ -167,9 +176,9 @@ def signature_payload(kind: str, feats, y, *, k_min: int, privacy: dict, n_basis
 
     feats = np.asarray(feats, dtype=np.float64)
     y = np.asarray(y)
-    eps = privacy.get("dp_epsilon")
-    delta = float(privacy.get("dp_delta", 1e-5))
-    clip = float(privacy.get("clip", 1.0))
+    eps = privacy_settings(privacy).dp_epsilon
+    p = privacy_settings(privacy)
+    delta, clip = p.dp_delta, p.clip
     rng = rng if rng is not None else np.random.default_rng(0)
     out: dict = {"dp": {"epsilon": eps, "delta": delta if eps else None, "clip": clip if eps else None}}
     if kind == "fecfl":
@@ -222,7 +231,8 @@ def private_bounds(z, *, k_min: int, privacy: dict, rng=None, site: str = "site"
     largest (hi) — each an aggregate of ``k_min`` samples (``k_min = 1`` gives the paper's exact min/max).
     ``box="scalar"`` (the official code): one box ``[0, 1.02 max]`` for every coordinate, with the max
     taken the same way. With DP on, no data leaves: the public box ``[0, latent_bound]^z``
-    (``privacy["latent_bound"]``, default 10) is returned and latents are clipped to it.
+    (``privacy.latent_bound`` of the config, :class:`fedmed.core.schema.PrivacyConfig`) is returned and latents are
+    clipped to it.
 
     Raises:
         ValueError: fewer than ``k_min`` samples.
@@ -230,8 +240,8 @@ def private_bounds(z, *, k_min: int, privacy: dict, rng=None, site: str = "site"
     from fedmed.algorithms.flux import _check_latents
 
     z = _check_latents(z, site)
-    if privacy.get("dp_epsilon") is not None:
-        bound = float(privacy.get("latent_bound", 10.0))
+    if privacy_settings(privacy).dp_epsilon is not None:
+        bound = privacy_settings(privacy).latent_bound
         return np.zeros(z.shape[1]), np.full(z.shape[1], bound), (
             f"{site}: DP on, S1 sends no data-dependent bounds (public box [0, {bound}])")
     k = int(k_min)

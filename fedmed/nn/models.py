@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fedmed.core.schema import ModelSection
+
 __all__ = ["ArchError", "BUILTIN_ARCHS", "ResNet9", "build_model", "check_arch", "feature_extractor",
            "load_init_weights", "model_from_config", "network", "resolve_arch", "seg_model_from_config",
            "user_code_files"]
@@ -234,8 +236,8 @@ def model_from_config(model_cfg: dict, in_channels: int, num_classes: int, seed:
     the user's class; started from ``model.init_weights`` when set (relative to ``init_root``)."""
     arch = model_cfg["arch"]
     if arch in BUILTIN_ARCHS:
-        model = build_model(arch, in_channels, num_classes, width=model_cfg.get("width", 16), seed=seed,
-                            norm=model_cfg.get("norm", "batch"))
+        m = ModelSection.model_validate(dict(model_cfg))  # what the section leaves out: the schema's defaults
+        model = build_model(arch, in_channels, num_classes, width=m.width, seed=seed, norm=m.norm)
     else:
         model = network(arch, model_cfg.get("args"), spatial_dims=2, in_channels=in_channels,
                         out_channels=num_classes, seed=seed)

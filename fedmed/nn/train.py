@@ -43,11 +43,14 @@ def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> None:
 
 
 def make_optimizer(model: nn.Module, train: Mapping) -> torch.optim.Optimizer:
-    """The optimizer of a ``train`` config section (``optimizer``, ``lr``, ``momentum``, ``weight_decay``)."""
-    kind = train.get("optimizer", "sgd")
-    lr, wd = float(train["lr"]), float(train.get("weight_decay", 0.0))
+    """The optimizer of a ``train`` config section (``optimizer``, ``lr``, ``momentum``, ``weight_decay``; what it
+    leaves out: the defaults of :class:`fedmed.core.schema.TrainConfig`)."""
+    from fedmed.core.schema import TrainTask
+
+    t = train if isinstance(train, TrainTask) else TrainTask.model_validate(dict(train))
+    kind, lr, wd = t.optimizer, t.lr, t.weight_decay
     if kind == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=float(train.get("momentum", 0.0)), weight_decay=wd)
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=t.momentum, weight_decay=wd)
     if kind == "adam":
         return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd)
     if kind == "adamw":

@@ -21,13 +21,13 @@ def site_assessment(cases, encoder=None, *, per_value: bool = False, per_image: 
     allow it.
     """
     from fedmed.algorithms.heterogeneity import metadata_histogram
-    from fedmed.algorithms.privacy import private_histogram, private_mean
+    from fedmed.algorithms.privacy import privacy_settings, private_histogram, private_mean
     from fedmed.data.nifti import case_metadata
     from fedmed.nn.encoders import site_embeddings
 
-    privacy = privacy or {}
+    settings = privacy_settings(privacy)
     values = case_metadata(cases)
-    eps = privacy.get("dp_epsilon") if not (per_value or per_image) else None
+    eps = settings.dp_epsilon if not (per_value or per_image) else None
     releases = len(values) + (1 if encoder is not None else 0)
     share = eps / releases if eps else None
     rng = rng if rng is not None else np.random.default_rng(0)
@@ -46,8 +46,8 @@ def site_assessment(cases, encoder=None, *, per_value: bool = False, per_image: 
         if per_image:
             out["embeddings"] = emb
         elif share:
-            out["embedding_centroid"], rec = private_mean(emb, clip=float(privacy.get("clip", 1.0)), epsilon=share,
-                                                          delta=float(privacy.get("dp_delta", 1e-5)), rng=rng)
+            out["embedding_centroid"], rec = private_mean(emb, clip=settings.clip, epsilon=share,
+                                                          delta=settings.dp_delta, rng=rng)
             out["dp"]["releases"].append({"embedding_centroid": True, **rec})
         else:
             out["embedding_centroid"] = emb.mean(axis=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedmed.core.schema import task_config
 from fedmed.site.runner import SiteRunner
 
 __all__ = ["MAESiteRunner"]
@@ -20,10 +21,10 @@ class MAESiteRunner(SiteRunner):
     def model(self, cfg):
         from fedmed.nn.mae import mae_model
 
-        key = ("mae", cfg["data"]["channels"], cfg["mae"].get("mask_ratio", 0.75))
+        cfg = task_config(cfg)
+        key = ("mae", cfg.data.channels, cfg.mae.mask_ratio)
         if self._model is None or self._model_key != key:
-            self._model = mae_model(cfg["data"]["channels"], mask_ratio=cfg["mae"].get("mask_ratio", 0.75),
-                                    seed=cfg.get("seed", 0)).to(self.device(cfg))
+            self._model = mae_model(cfg.data.channels, mask_ratio=cfg.mae.mask_ratio, seed=cfg.seed).to(self.device(cfg))
             self._model_key = key
             self._optimizers = {}
         return self._model
@@ -33,7 +34,7 @@ class MAESiteRunner(SiteRunner):
 
         if key not in self._optimizers:  # AdamW, betas (0.9, 0.95) as MAE; kept across rounds
             self._optimizers[key] = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95),
-                                                      weight_decay=float(cfg["train"].get("weight_decay", 0.05)))
+                                                      weight_decay=task_config(cfg).train.weight_decay)
         return self._optimizers[key]
 
     def check_label_space(self, s, n, names=None) -> None:
@@ -69,11 +70,12 @@ class MAESiteRunner(SiteRunner):
         metrics = self._held_out_loss(model, cfg)
         x = self._splits(cfg).train[0]
         self.require_k_min(int(x.shape[0]), "training images", cfg, "training")
-        m, t = cfg["mae"], cfg["train"]
-        rounds = max(1, int(m.get("rounds", 1)))
-        out = train_mae_local(model, x, epochs=t["local_epochs"], batch_size=t["batch_size"],
+        cfg = task_config(cfg)
+        m, t = cfg.mae, cfg.train
+        rounds = m.rounds
+        out = train_mae_local(model, x, epochs=t.local_epochs, batch_size=t.batch_size,
                               optimizer=self.optimizer(model, cfg), progress=(round_ / rounds, (round_ + 1) / rounds),
-                              base_lr=float(m.get("base_lr", 1.5e-4)), warmup=float(m.get("warmup", 0.05)),
+                              base_lr=m.base_lr, warmup=m.warmup,
                               generator=self.generator(cfg, round_))
         if not np.isfinite(out["loss"]):
             from fedmed.site.runner import TaskError

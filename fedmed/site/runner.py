@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedmed.core.schema import FluxTask, task_config
 from fedmed.data.images import DataError, conversion_note, load_datalist, load_images
 from fedmed.site.settings import SiteSettings, settings_for_dir
 
@@ -33,7 +34,7 @@ def task_seed(cfg: dict, site: str, round_: int | None = None, *, salt: int = 0)
     """The one seed rule of every site task: from the run's seed, the site's name and — for what changes every round
     (training batches, augmentation, patches) — the round; ``salt`` keeps a site's one-off draws apart (signatures,
     descriptors, assessments). Deterministic across processes (``zlib.crc32``, not ``hash``)."""
-    seed, crc = int(cfg.get("seed", 0)), zlib.crc32(site.encode())
+    seed, crc = task_config(cfg).seed, zlib.crc32(site.encode())
     if round_ is not None:
         return seed * 1_000_003 + int(round_) * 7919 + crc
     return (seed * 7919 + crc + int(salt)) % (2**32)
@@ -82,20 +83,20 @@ class SiteRunner:
 
     def k_min(self, cfg: dict) -> int:
         """The job's minimum group size, raised by the site's own setting if that is larger."""
-        k = int(cfg.get("privacy", {}).get("k_min", 5))
+        k = task_config(cfg).privacy.k_min
         return max(k, int(self.settings.k_min or 0))
 
     def device(self, cfg: dict):
         """This site's torch device: its own setting, else the job's ``train.device`` (:mod:`fedmed.core.device`)."""
         from fedmed.core.device import resolve_device
 
-        spec = self.settings.device or cfg.get("train", {}).get("device", "auto")
+        spec = self.settings.device or task_config(cfg).train.device
         if self._device_spec != spec:
             self._device, self._device_spec = resolve_device(spec, where=self.site), spec
         return self._device
 
     def precision(self, cfg: dict) -> str:
-        return cfg.get("train", {}).get("precision", "fp32")
+        return task_config(cfg).train.precision
 
     def require_k_min(self, n: int, what: str, cfg: dict, task: str) -> None:
         """A reply computed from ``n`` samples leaves only when ``n >= k_min``; else this site sits out ``task``
@@ -127,10 +128,11 @@ class SiteRunner:
         return self._data
 
     def _splits(self, cfg) -> Splits:
-        s = self.data(cfg["data"]["image_size"], cfg["data"]["channels"])
-        n = cfg["data"].get("n_classes")
+        cfg = task_config(cfg)
+        s = self.data(cfg.data.image_size, cfg.data.channels)
+        n = cfg.data.n_classes
         if n and self._labels_checked != n:
-            self.check_label_space(s, int(n), cfg.get("classes"))
+            self.check_label_space(s, int(n), cfg.classes)
             self._labels_checked = n
         return s
 
@@ -146,12 +148,12 @@ class SiteRunner:
     def model(self, cfg: dict):
         from fedmed.nn.models import model_from_config
 
-        m = cfg["model"]
-        key = (m["arch"], cfg["data"]["channels"], cfg["data"]["n_classes"], m.get("width", 16), m.get("norm"),
-               repr(sorted((m.get("args") or {}).items())))
+        cfg = task_config(cfg)
+        m = cfg.model
+        key = (m.arch, cfg.data.channels, cfg.data.n_classes, m.width, m.norm, repr(sorted(m.args.items())))
         if self._model is None or self._model_key != key:
-            self._model = model_from_config({**m, "init_weights": None}, cfg["data"]["channels"], cfg["data"]["n_classes"],
-                                            seed=cfg.get("seed", 0)).to(self.device(cfg))  # the server sends the weights
+            self._model = model_from_config({**m.model_dump(), "init_weights": None}, cfg.data.channels,
+                                            cfg.data.n_classes, seed=cfg.seed).to(self.device(cfg))  # weights: the server's
             self._model_key = key
             self._optimizers = {}
         return self._model
@@ -161,20 +163,20 @@ class SiteRunner:
         recipe says so, so momentum / Adam moments carry over."""
         from fedmed.nn.train import make_optimizer
 
-        t = cfg["train"]
+        cfg = task_config(cfg)
+        t = cfg.train
 
         def new():
-            ft = cfg.get("finetune")
-            if ft:  # 001_ fine-tuning: AdamW with layer-wise lr decay groups
+            if cfg.finetune:  # 001_ fine-tuning: AdamW with layer-wise lr decay groups
                 import torch
 
                 from fedmed.nn.mae import layerwise_param_groups
 
-                return torch.optim.AdamW(layerwise_param_groups(model, float(ft.get("layer_decay", 0.75))),
-                                         lr=float(t["lr"]), weight_decay=float(t.get("weight_decay", 0.0)))
-            return make_optimizer(model, t)
+                return torch.optim.AdamW(layerwise_param_groups(model, cfg.finetune.layer_decay), lr=t.lr,
+                                         weight_decay=t.weight_decay)
+            return make_optimizer(model, t.model_dump())
 
-        if not t.get("keep_optimizer_state", False):
+        if not t.keep_optimizer_state:
             return new()
         if key not in self._optimizers:
             self._optimizers[key] = new()
@@ -183,13 +185,13 @@ class SiteRunner:
     def lr_schedule(self, cfg, round_):
         """Fine-tuning (``cfg["finetune"]``): warm-up then cosine over the whole federated run, as a function of the
         fraction of this round's local steps; None otherwise (constant lr)."""
-        ft = cfg.get("finetune")
+        cfg = task_config(cfg)
+        ft = cfg.finetune
         if not ft:
             return None
         from fedmed.nn.mae import scheduled_lr
 
-        rounds = max(1, int(ft.get("rounds", 1)))
-        base, warmup = float(cfg["train"]["lr"]), float(ft.get("warmup", 0.05))
+        rounds, base, warmup = ft.rounds, cfg.train.lr, ft.warmup
         return lambda f: scheduled_lr(base, (round_ + f) / rounds, warmup)
 
     def generator(self, cfg: dict, round_: int):
@@ -202,8 +204,9 @@ class SiteRunner:
     # ------------------------------------------------------------------ tasks
     def handle(self, task: str, params: dict, cfg: dict, round_: int = 0) -> tuple[dict, dict, dict]:
         """Run ``task``; returns (params to send, scalar metrics, meta aggregates). Notes the site has not sent yet
-        (e.g. what its image loading converted) go with the reply."""
-        out, metrics, meta = self.run_task(task, params, cfg, round_)
+        (e.g. what its image loading converted) go with the reply. ``cfg`` is read as a
+        :class:`~fedmed.core.schema.TaskConfig` (validated, the schema's defaults for what it leaves out)."""
+        out, metrics, meta = self.run_task(task, params, task_config(cfg), round_)
         if self.notes:
             meta = {**meta, "notes": list(meta.get("notes") or []) + self.notes}
             self.notes = []
@@ -229,7 +232,7 @@ class SiteRunner:
         import torch
 
         s = self._splits(cfg)
-        if cfg.get("evaluate_on") == "all":
+        if task_config(cfg).evaluate_on == "all":
             return [("test", torch.cat([s.train[0], s.val[0], s.test[0]]), torch.cat([s.train[1], s.val[1], s.test[1]]))]
         return [("val", *s.val), ("test", *s.test)]
 
@@ -240,7 +243,7 @@ class SiteRunner:
 
         metrics, meta = {}, {}
         k = self.k_min(cfg)
-        n_classes = cfg["data"]["n_classes"]
+        n_classes = task_config(cfg).data.n_classes
         for name, x, y in self._eval_sets(cfg):
             if x.shape[0] == 0:
                 continue
@@ -269,11 +272,12 @@ class SiteRunner:
 
         s = self._splits(cfg)
         self.require_k_min(int(s.train[0].shape[0]), "training images", cfg, "training")
-        t = cfg["train"]
-        out = train_local(model, s.train[0], s.train[1], epochs=t["local_epochs"], batch_size=t["batch_size"],
-                          optimizer=self.optimizer(model, cfg, key), mu=t.get("fedprox_mu", 0.0),
-                          class_weights=cfg.get("class_weights"), generator=self.generator(cfg, round_),
-                          augment=t.get("augment", "flip"), lr_at=self.lr_schedule(cfg, round_),
+        cfg = task_config(cfg)
+        t = cfg.train
+        out = train_local(model, s.train[0], s.train[1], epochs=t.local_epochs, batch_size=t.batch_size,
+                          optimizer=self.optimizer(model, cfg, key), mu=t.fedprox_mu,
+                          class_weights=cfg.class_weights, generator=self.generator(cfg, round_),
+                          augment=t.augment, lr_at=self.lr_schedule(cfg, round_),
                           precision=self.precision(cfg))
         if not np.isfinite(out["loss"]):
             raise TaskError(f"{self.site}: training diverged (loss {out['loss']}) in round {round_}")
@@ -285,7 +289,7 @@ class SiteRunner:
         model = self.model(cfg)
         set_params(model, params)
         metrics, meta = self._served_metrics(model, cfg)
-        meta.update(self._train(model, cfg, round_, cfg.get("cluster")))
+        meta.update(self._train(model, cfg, round_, task_config(cfg).cluster))
         metrics["train_loss"] = meta["train_loss"]
         return get_params(model), metrics, meta
 
@@ -312,17 +316,18 @@ class SiteRunner:
         from fedmed.nn.encoders import build_encoder, extract_features
         from fedmed.algorithms.privacy import signature_payload
 
-        sc = cfg["signature"]
+        cfg = task_config(cfg)
+        sc = cfg.signature
         s = self._splits(cfg)
-        enc = build_encoder(sc["encoder"], weights=sc.get("weights"), seed=int(sc.get("seed", 0)),
-                            in_channels=cfg["data"]["channels"], image_size=sc.get("image_size"), device=self.device(cfg))
+        enc = build_encoder(sc.encoder, weights=sc.weights, seed=sc.seed, in_channels=cfg.data.channels,
+                            image_size=sc.image_size, device=self.device(cfg))
         feats = extract_features(enc, s.train[0], progress=lambda m: print(f"[{self.site}] {m}", flush=True))
         y = s.train[1].numpy()
         rng = np.random.default_rng(task_seed(cfg, self.site, salt=17))
-        meta = signature_payload(sc["kind"], feats, y, k_min=self.k_min(cfg), privacy=cfg.get("privacy", {}),
-                                 n_basis=int(sc.get("n_basis", 3)), rng=rng, site=self.site)
+        meta = signature_payload(sc.kind, feats, y, k_min=self.k_min(cfg), privacy=cfg.privacy.model_dump(),
+                                 n_basis=sc.n_basis, rng=rng, site=self.site)
         meta.update(encoder=enc.description, n_train=int(y.size))
-        if sc["kind"] == "pacfl" and sc["encoder"] == "pixels" and not cfg.get("privacy", {}).get("dp_epsilon"):
+        if sc.kind == "pacfl" and sc.encoder == "pixels" and not cfg.privacy.dp_epsilon:
             meta["notes"] = meta.get("notes", []) + [
                 f"{self.site}: WARNING PACFL on raw pixels without DP: each class's leading singular vector is close "
                 f"to an average image of that class (docs/privacy.md); set privacy.dp_epsilon or use an encoder"]
@@ -350,27 +355,27 @@ class SiteRunner:
         clipped quantile bounds, :func:`fedmed.algorithms.privacy.private_bounds`)."""
         from fedmed.algorithms.privacy import private_bounds
 
-        f = cfg.get("flux", {})
-        z, _ = self._latents(params, cfg, "all" if f.get("label_free") else "train")
+        cfg = task_config(cfg)
+        f = cfg.flux or FluxTask()
+        z, _ = self._latents(params, cfg, "all" if f.label_free else "train")
         rng = np.random.default_rng(task_seed(cfg, self.site, salt=3))
-        lo, hi, note = private_bounds(z, k_min=self.k_min(cfg), privacy=cfg.get("privacy", {}), rng=rng,
-                                      site=self.site, box=f.get("box", "elementwise"))
+        lo, hi, note = private_bounds(z, k_min=self.k_min(cfg), privacy=cfg.privacy.model_dump(), rng=rng,
+                                      site=self.site, box=f.box)
         return {}, {"n_samples": float(z.shape[0])}, {"lo": lo, "hi": hi, "notes": [note] if note else []}
 
     def descriptor(self, params, cfg):
         """Flux S2-S4: the descriptor (label-free when ``flux.label_free``, e.g. an unseen site)."""
         from fedmed.algorithms.flux import flux_descriptor, shared_pca
 
-        f = cfg["flux"]
-        label_free = bool(f.get("label_free"))
+        cfg = task_config(cfg)
+        f = cfg.flux
+        label_free = f.label_free
         z, y = self._latents(params, cfg, "all" if label_free else "train")
-        pca = shared_pca(np.asarray(f["lo"]), np.asarray(f["hi"]), n_components=int(f.get("n_components", 10)),
-                         seed=int(f.get("pca_seed", 0)))
+        pca = shared_pca(np.asarray(f.lo), np.asarray(f.hi), n_components=f.n_components, seed=f.pca_seed)
         rng = np.random.default_rng(task_seed(cfg, self.site))
-        priv = cfg.get("privacy", {})
-        d = flux_descriptor(z, pca, None if label_free else y, n_classes=None if label_free else cfg["data"]["n_classes"],
-                            second_moment=f.get("second_moment", "std"), dp_epsilon=priv.get("dp_epsilon"), rng=rng,
-                            site=self.site, k_min=self.k_min(cfg), absent=f.get("absent_class", "zeros"))
+        d = flux_descriptor(z, pca, None if label_free else y, n_classes=None if label_free else cfg.data.n_classes,
+                            second_moment=f.second_moment, dp_epsilon=cfg.privacy.dp_epsilon, rng=rng,
+                            site=self.site, k_min=self.k_min(cfg), absent=f.absent_class)
         meta = {"label_free": d.label_free, "n_samples": d.n_samples, "warnings": d.warnings}
         if d.full is not None:
             meta["full"] = d.full
@@ -386,7 +391,8 @@ class SiteRunner:
 
         from fedmed.nn.train import get_params, set_params
 
-        K = int(cfg["ifca"]["k"])
+        cfg = task_config(cfg)
+        K = cfg.ifca.k
         model = self.model(cfg)
         xtr, ytr = self._splits(cfg).train
         self.require_k_min(int(xtr.shape[0]), "training images", cfg, "IFCA")  # the K losses average them
@@ -402,7 +408,7 @@ class SiteRunner:
         set_params(model, {n[len(f"m{best}/"):]: v for n, v in params.items() if n.startswith(f"m{best}/")})
         metrics, meta = self._served_metrics(model, cfg)
         meta.update(cluster=best, losses=losses)
-        if cfg.get("ifca", {}).get("train", True):
+        if cfg.ifca.train:
             meta.update(self._train(model, cfg, round_, ("ifca", best)))
             metrics["train_loss"] = meta["train_loss"]
             return get_params(model), metrics, meta
@@ -414,7 +420,7 @@ class SiteRunner:
         from fedmed.nn.train import predict_proba, set_params
 
         model = self.model(cfg)
-        weights = np.asarray(cfg["ensemble"]["weights"], dtype=np.float64)
+        weights = np.asarray(task_config(cfg).ensemble.weights, dtype=np.float64)
         weights = weights / weights.sum()
 
         def prob(x):
@@ -431,11 +437,12 @@ class SiteRunner:
 # ---------------------------------------------------------------------- one reply loop, for every federation
 def make_runner(site: str, settings, cfg: dict) -> SiteRunner:
     """The runner of the site tasks ``cfg`` asks for (image classification, Fed-MAE or segmentation)."""
-    if cfg.get("task") == "mae":
+    task = task_config(cfg).task
+    if task == "mae":
         from fedmed.site.mae import MAESiteRunner
 
         return MAESiteRunner(site, settings)
-    if cfg.get("task") == "segmentation":
+    if task == "segmentation":
         from fedmed.site.seg import SegSiteRunner
 
         return SegSiteRunner(site, settings)
@@ -479,5 +486,5 @@ def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: d
     except Exception as e:  # reported to the server by name; the federation goes on
         msg = scrubbed(site, runner, e)
         return runner, {}, {"failed": 1.0}, {"error": msg, "task": task}, f"{msg}\n{traceback.format_exc()}"
-    meta = to_meta({**meta, "task": task, "round": round_, "cluster": meta.get("cluster", cfg.get("cluster"))})
+    meta = to_meta({**meta, "task": task, "round": round_, "cluster": meta.get("cluster", task_config(cfg).cluster)})
     return runner, out, metrics, meta, None

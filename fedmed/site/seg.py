@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedmed.core.schema import AssessTask, task_config
 from fedmed.data.images import DataError
 from fedmed.site.runner import SiteRunner, TaskError, task_seed
 
@@ -27,7 +28,7 @@ class SegSiteRunner(SiteRunner):
         from fedmed.data.nifti import load_case
         from fedmed.data.seg_federation import check_no_leakage
 
-        shape = tuple(cfg["data"]["shape"])
+        shape = tuple(task_config(cfg).data.shape)
         if self._data is None or self._data_key != shape:
             doc = self._datalist("segmentation")
             check_no_leakage(doc["training"] + doc["validation"], doc["test"], where=self.site)
@@ -41,11 +42,12 @@ class SegSiteRunner(SiteRunner):
     def model(self, cfg):
         from fedmed.nn.models import seg_model_from_config
 
-        m = cfg["model"]
-        key = (cfg["data"]["in_channels"], tuple(m["channels"]), m.get("arch"), repr(sorted((m.get("args") or {}).items())))
+        cfg = task_config(cfg)
+        m = cfg.model
+        key = (cfg.data.in_channels, tuple(m.channels), m.arch, repr(sorted(m.args.items())))
         if self._model is None or self._model_key != key:  # the server sends the (initialised) weights every round
-            self._model = seg_model_from_config({**m, "init_weights": None}, cfg["data"]["in_channels"],
-                                                seed=cfg.get("seed", 0)).to(self.device(cfg))
+            self._model = seg_model_from_config({**m.model_dump(), "init_weights": None}, cfg.data.in_channels,
+                                                seed=cfg.seed).to(self.device(cfg))
             self._model_key = key
             self._optimizers = {}
         return self._model
@@ -59,7 +61,7 @@ class SegSiteRunner(SiteRunner):
         """The model this site uses: its Ditto personal model when personalising, else the global one."""
         import copy
 
-        if cfg.get("ditto_lambda"):
+        if task_config(cfg).ditto_lambda:
             if "personal" not in self.state:
                 self.state["personal"] = copy.deepcopy(self._model)
             return self.state["personal"]
@@ -71,7 +73,7 @@ class SegSiteRunner(SiteRunner):
         _, te = self.cases(cfg)
         if len({str(c["meta"].get("subject") or c["meta"].get("id")) for c in te}) < self.k_min(cfg):
             return {}, {"n_test": 0}  # scores of fewer than k_min test subjects are not sent (privacy.k_min)
-        metrics = seg_metrics(model, te, roi=tuple(cfg["data"]["roi"])) if te else {}
+        metrics = seg_metrics(model, te, roi=tuple(task_config(cfg).data.roi)) if te else {}
         return metrics, {"n_test": len(te)}
 
     def validate(self, params, cfg):
@@ -84,11 +86,11 @@ class SegSiteRunner(SiteRunner):
     def _local(self, model, cases, cfg, seed, key, **kw):
         from fedmed.nn.seg import train_seg_local
 
-        t, s = cfg["train"], cfg["train"].get("seg", {})
-        return train_seg_local(model, cases, epochs=t["local_epochs"], optimizer=self.optimizer(model, cfg, key),
-                               roi=tuple(cfg["data"]["roi"]), patches=int(s.get("patches_per_volume", 4)),
-                               pos_fraction=float(s.get("pos_fraction", 0.5)), loss=s.get("loss", "dice_focal"),
-                               seed=seed, precision=self.precision(cfg), workers=int(t.get("workers", 0)), **kw)
+        cfg = task_config(cfg)
+        t, s = cfg.train, cfg.train.seg
+        return train_seg_local(model, cases, epochs=t.local_epochs, optimizer=self.optimizer(model, cfg, key),
+                               roi=tuple(cfg.data.roi), patches=s.patches_per_volume, pos_fraction=s.pos_fraction,
+                               loss=s.loss, seed=seed, precision=self.precision(cfg), workers=t.workers, **kw)
 
     def train(self, params, cfg, round_):
         from fedmed.nn.train import get_params, set_params
@@ -101,9 +103,10 @@ class SegSiteRunner(SiteRunner):
         metrics, meta = self._metrics(served, cfg)
         seed = self._seed(cfg, round_)
         anchor = [p.detach().clone() for p in model.parameters()]
-        out = self._local(model, tr, cfg, seed, cfg.get("cluster"), mu=cfg["train"].get("fedprox_mu", 0.0))
-        if cfg.get("ditto_lambda"):  # Ditto (Li et al. 2021): personal model pulled toward the global one
-            self._local(served, tr, cfg, seed + 1, "personal", mu=float(cfg["ditto_lambda"]), anchor=anchor)
+        cfg = task_config(cfg)
+        out = self._local(model, tr, cfg, seed, cfg.cluster, mu=cfg.train.fedprox_mu)
+        if cfg.ditto_lambda:  # Ditto (Li et al. 2021): personal model pulled toward the global one
+            self._local(served, tr, cfg, seed + 1, "personal", mu=cfg.ditto_lambda, anchor=anchor)
         if not np.isfinite(out["loss"]):
             raise TaskError(f"{self.site}: training diverged in round {round_}")
         meta.update(n_train=len(tr), train_loss=out["loss"])
@@ -116,7 +119,8 @@ class SegSiteRunner(SiteRunner):
         from fedmed.nn.encoders import build_encoder
         from fedmed.data.seg_federation import subject_of
 
-        a = cfg.get("assess", {})
+        cfg = task_config(cfg)
+        a = cfg.assess or AssessTask()
         tr, te = self.cases(cfg)
         doc = self._datalist("segmentation")
         n_subjects = len({subject_of(e) for e in doc["training"] + doc["validation"]})
@@ -125,7 +129,7 @@ class SegSiteRunner(SiteRunner):
             raise TaskError(f"{self.site}: {n_subjects} subject(s) < k_min={k}; the assessment would describe fewer "
                             f"than k_min patients and is not sent")
         notes = []
-        per_image = bool(a.get("per_value"))
+        per_image = a.per_value
         if per_image and not self.settings.allow_per_image:
             notes.append(f"{self.site}: per-image metadata requested by the job but not allowed by this site's "
                          f"settings; histograms and an embedding centroid are sent instead")
@@ -135,10 +139,10 @@ class SegSiteRunner(SiteRunner):
                          f"settings)")
         for n in notes:
             print(f"[fedmed] {n}", flush=True)
-        enc = build_encoder("medicalnet_resnet18", weights=a.get("weights"), seed=int(cfg.get("seed", 0)),
+        enc = build_encoder("medicalnet_resnet18", weights=a.weights, seed=cfg.seed,
                             device=self.device(cfg))
         rng = np.random.default_rng(task_seed(cfg, self.site, salt=5))
-        meta = site_assessment(tr, enc, per_value=per_image, per_image=per_image, privacy=cfg.get("privacy", {}),
+        meta = site_assessment(tr, enc, per_value=per_image, per_image=per_image, privacy=cfg.privacy.model_dump(),
                                rng=rng)
         meta["notes"] = notes
         return {}, {"n_cases": float(len(tr))}, meta

@@ -13,20 +13,22 @@ __all__ = ["Workflow", "initial_params"]
 def initial_params(cfg: dict, app_custom=None) -> dict:
     """The model every site starts from (the seeded network, or ``model.init_weights``, which the job carries in the
     server app's custom folder ``app_custom``)."""
+    from fedmed.core.schema import task_config
     from fedmed.nn.train import get_params
 
-    m, d = cfg["model"], cfg["data"]
-    if cfg.get("task") == "mae":
+    t = task_config(cfg)
+    m, d = t.model.model_dump(), t.data
+    if t.task == "mae":
         from fedmed.nn.mae import mae_model
 
-        return get_params(mae_model(d["channels"], mask_ratio=cfg["mae"].get("mask_ratio", 0.75), seed=cfg.get("seed", 0)))
-    if cfg.get("task") == "segmentation":
+        return get_params(mae_model(d.channels, mask_ratio=t.mae.mask_ratio, seed=t.seed))
+    if t.task == "segmentation":
         from fedmed.nn.models import seg_model_from_config
 
-        return get_params(seg_model_from_config(m, d["in_channels"], seed=cfg.get("seed", 0), init_root=app_custom))
+        return get_params(seg_model_from_config(m, d.in_channels, seed=t.seed, init_root=app_custom))
     from fedmed.nn.models import model_from_config
 
-    return get_params(model_from_config(m, d["channels"], d["n_classes"], seed=cfg.get("seed", 0), init_root=app_custom))
+    return get_params(model_from_config(m, d.channels, d.n_classes, seed=t.seed, init_root=app_custom))
 
 
 class Workflow:
@@ -52,6 +54,13 @@ class Workflow:
 
     def run(self) -> None:
         raise NotImplementedError
+
+    @property
+    def task_cfg(self):
+        """The task config, typed (:class:`~fedmed.core.schema.TaskConfig`)."""
+        from fedmed.core.schema import task_config
+
+        return task_config(self._cfg)
 
     @property
     def cfg(self) -> MappingProxyType:

@@ -1,6 +1,7 @@
 """One-shot clustered FL: FMCL (``000_`` Fig. 1, Alg. 2-5), and PACFL / FECFL with their signatures."""
 
 
+from fedmed.core.schema import ClusteringTask, SignatureTask
 from fedmed.workflows.federation import RunFailed
 from fedmed.workflows.fedavg import FedAvg
 
@@ -20,15 +21,15 @@ class OneShotClustered(FedAvg):
 
     def __init__(self, num_rounds: int, fedmed_config: dict, signature: dict, clustering: dict, **kw):
         super().__init__(num_rounds, fedmed_config, **kw)
-        self.signature = dict(signature)
-        self.clustering = dict(clustering)
+        self.signature = SignatureTask.model_validate(signature) if signature else None
+        self.clustering = ClusteringTask.model_validate(clustering) if clustering else None
 
     def run(self):
         clusters = self.resumed.get("state", {}).get("clusters") or self.cluster(self.collect_signatures())
         self.train_clusters(clusters)
 
     def collect_signatures(self) -> dict:
-        rows = self.send("signature", self.task({}, 0, signature=self.signature))
+        rows = self.send("signature", self.task({}, 0, signature=self.signature.model_dump()))
         sigs, spent = {}, {}
         for site, _, meta, _ in rows:
             if meta.get("error"):
@@ -39,7 +40,7 @@ class OneShotClustered(FedAvg):
             spent[site] = meta.get("dp", {})
             for note in meta.get("notes", []) or []:
                 self.warning(f"site {site}: {note}")
-        self.recorder.note("privacy", {"k_min": self.cfg.get("privacy", {}).get("k_min"), "signatures": spent,
+        self.recorder.note("privacy", {"k_min": self.task_cfg.privacy.k_min, "signatures": spent,
                                        "withheld_classes": {s: m.get("withheld_classes", []) for s, m in sigs.items()}})
         return sigs
 
@@ -52,12 +53,10 @@ class OneShotClustered(FedAvg):
         if len(sigs) < self.min_clients:
             raise RunFailed(f"{len(sigs)} site(s) sent a signature, fewer than min_clients={self.min_clients}")
         try:
-            names, D = signature_distances(self.signature["kind"], sigs, overlap=self.clustering.get("overlap", True),
-                                           angle=self.signature.get("angle", "principal"))
-            info = choose_clusters(D, names, n_clusters=self.clustering.get("n_clusters"),
-                                   threshold=self.clustering.get("threshold"),
-                                   linkage_method=self.clustering.get("linkage", "average"),
-                                   k1_silhouette=self.clustering.get("k1_silhouette", 0.5))
+            c = self.clustering
+            names, D = signature_distances(self.signature.kind, sigs, overlap=c.overlap, angle=self.signature.angle)
+            info = choose_clusters(D, names, n_clusters=c.n_clusters, threshold=c.threshold, linkage_method=c.linkage,
+                                   k1_silhouette=c.k1_silhouette)
         except ValueError as e:  # e.g. fewer than two signatures, or no pair of sites sharing a class
             names = sorted(sigs)
             self.error(f"clustering impossible ({e}); training one model for all {len(names)} sites")
@@ -66,11 +65,11 @@ class OneShotClustered(FedAvg):
             return [names] if names else []
         info["encoder"] = sorted({m.get("encoder", "?") for m in sigs.values()})
         write_distance_csv(out / "distances.csv", names, D)
-        plot_heatmap(D, names, out / "distance_heatmap.png", title=f"{self.signature['kind']} distances",
+        plot_heatmap(D, names, out / "distance_heatmap.png", title=f"{self.signature.kind} distances",
                      labels=info["labels"])
         if len(names) > 2:
             plot_dendrogram(D, names, out / "dendrogram.png", k=info["k"],
-                            linkage_method=self.clustering.get("linkage", "average"))
+                            linkage_method=self.clustering.linkage)
         if "silhouette" in info:
             plot_silhouette(info["silhouette"], info["window"], info["k"], out / "silhouette.png")
         self.recorder.note("clustering", {**info, "sites": names})

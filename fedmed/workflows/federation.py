@@ -101,7 +101,9 @@ class Federation:
 
     @property
     def min_clients(self) -> int:
-        return int(self.cfg.get("federation", {}).get("min_clients", 1))
+        from fedmed.core.schema import task_config
+
+        return task_config(self.cfg).federation.min_clients
 
     def send(self, task_name: str, data, targets=None) -> list:
         """One task to ``targets`` (default: the run's sites); the (site, metrics, meta, params) rows."""
@@ -147,7 +149,9 @@ class Federation:
         self.recorder = Recorder(self.out_dir, tensorboard=self.tensorboard, meta={"config": self.cfg, "workflow": self.workflow.record_name})
         from fedmed.algorithms.privacy import k_min_consent_note
 
-        consent = k_min_consent_note(self.cfg.get("privacy", {}))
+        from fedmed.core.schema import task_config
+
+        consent = k_min_consent_note(task_config(self.cfg).privacy.model_dump())
         if consent:  # stated in the run's record and the server's log
             self.recorder.note("privacy_consent", consent)
             self.warning(consent)
@@ -247,7 +251,7 @@ class Federation:
         out.mkdir(parents=True, exist_ok=True)
         save_model(out / f"{name}.pt", params, self.cfg, cluster=cluster, sites=sites,
                    workflow=self.workflow.record_name, rounds=self.workflow.num_rounds)
-        if self.cfg.get("task") == "mae":  # the encoder the registry loads as "fedmae_vit" (a plain state dict)
+        if self.workflow.task_cfg.task == "mae":  # the encoder the registry loads as "fedmae_vit" (a plain state dict)
             import torch
 
             from fedmed.nn.mae import encoder_state

@@ -3,6 +3,7 @@
 
 import numpy as np
 
+from fedmed.core.schema import FluxTask
 from fedmed.workflows.federation import RunFailed
 from fedmed.workflows.fedavg import FedAvg
 
@@ -27,19 +28,19 @@ class Flux(FedAvg):
     def __init__(self, num_rounds: int, fedmed_config: dict, flux: dict, participation: float = 1.0,
                  n_clusters: int = 0, **kw):
         super().__init__(num_rounds, fedmed_config, **kw)
-        self.flux = dict(flux)
+        self.flux = FluxTask.model_validate(flux)
         self.box: dict = {}  # the merged latent box (S1): lo, hi
         self.participation = float(participation)
         self.n_clusters = int(n_clusters or 0)
 
     def sample(self, r: int) -> list:
         k = max(1, int(round(self.participation * len(self.sites))))
-        rng = np.random.default_rng(self.cfg.get("seed", 0) * 100_003 + r)
+        rng = np.random.default_rng(self.task_cfg.seed * 100_003 + r)
         return sorted(rng.choice(self.sites, size=k, replace=False).tolist())
 
     def descriptors(self, theta_star, sites, label_free=False) -> dict:
         out = {}
-        for s, _, meta, _ in self.send("descriptor", self.task(theta_star, 0, flux={**self.flux, **self.box,
+        for s, _, meta, _ in self.send("descriptor", self.task(theta_star, 0, flux={**self.flux.model_dump(), **self.box,
                                                                                         "label_free": label_free}),
                                        targets=sites):
             if meta.get("error"):
@@ -63,8 +64,8 @@ class Flux(FedAvg):
             acc.append(mean.get("val_accuracy", mean.get("accuracy", 0.0)))
             r += 1
             self.checkpoint(r, {"global": theta}, phase="warmup", acc=acc)
-            if should_start_clustering(acc, self.num_rounds, threshold=self.flux.get("start_threshold", 0.06),
-                                       rule=self.flux.get("start_rule", "paper")):
+            if should_start_clustering(acc, self.num_rounds, threshold=self.flux.start_threshold,
+                                       rule=self.flux.start_rule):
                 break
         return theta, r
 
@@ -74,22 +75,21 @@ class Flux(FedAvg):
 
         part = self.sample(r)
         bounds = [(np.asarray(m["lo"]), np.asarray(m["hi"]))
-                  for s, _, m, _ in self.send("latent_bounds", self.task(theta_star, r, flux=self.flux), targets=part)
+                  for s, _, m, _ in self.send("latent_bounds", self.task(theta_star, r, flux=self.flux.model_dump()), targets=part)
                   if not m.get("error")]
         if not bounds:
             raise RunFailed(f"round {r}: no site sent latent bounds; Flux cannot build its descriptor space")
         lo, hi = merge_bounds(bounds)
         self.box = {"lo": lo.tolist(), "hi": hi.tolist()}
         descs = self.descriptors(theta_star, part)
-        info = flux_cluster(descs, n_clusters=self.n_clusters or None, scale=self.flux.get("scale", 1.0),
-                            seed=self.cfg.get("seed", 0), scaling=self.flux.get("scaling", "none"),
-                            k1_silhouette=self.flux.get("k1_silhouette", 0.25))
+        info = flux_cluster(descs, n_clusters=self.n_clusters or None, scale=self.flux.scale, seed=self.task_cfg.seed,
+                            scaling=self.flux.scaling, k1_silhouette=self.flux.k1_silhouette)
         n_params = sum(np.asarray(v).size for v in theta_star.values())
         self.recorder.note("clustering", {k: v for k, v in info.items() if not k.startswith("centroids")} |
                            {"start_round": r, "descriptor_to_model_ratio": info["descriptor_length"] / n_params,
                             "model_params": int(n_params)})
-        self.recorder.note("privacy", {"k_min": self.cfg.get("privacy", {}).get("k_min"),
-                                       "dp_epsilon": self.cfg.get("privacy", {}).get("dp_epsilon"),
+        self.recorder.note("privacy", {"k_min": self.task_cfg.privacy.k_min,
+                                       "dp_epsilon": self.task_cfg.privacy.dp_epsilon,
                                        "descriptor_dp": "Laplace, b = Range(g_i) / (n epsilon) (003_ App. C.2)"})
         self.info(f"Flux clusters at round {r} ({info['rule']}): {info['clusters']}")
         return lo, hi, info
@@ -135,5 +135,5 @@ class Flux(FedAvg):
             self.save_final(th, name=f"cluster{c}", sites=[s for s, a in assign.items() if a == c], cluster=c)
         np.savez(self.out_dir / "flux_state.npz", lo=lo, hi=hi,
                  centroids_label_free=info["centroids_label_free"], centroids_full=info["centroids_full"],
-                 pca_seed=self.flux.get("pca_seed", 0), n_components=self.flux.get("n_components", 10),
+                 pca_seed=self.flux.pca_seed, n_components=self.flux.n_components,
                  **{f"theta_star/{k}": v for k, v in theta_star.items()})

@@ -22,12 +22,12 @@ class IFCA(FedAvg):
 
     def sample(self, r: int) -> list:
         n = max(1, int(round(self.participation * len(self.sites))))
-        rng = np.random.default_rng(self.cfg.get("seed", 0) * 100_003 + r)
+        rng = np.random.default_rng(self.task_cfg.seed * 100_003 + r)
         return sorted(rng.choice(self.sites, size=n, replace=False).tolist())
 
     def run(self):
         saved = self.resumed_models()
-        models = [saved.get(f"cluster{j}") or self.initial_params({**self.cfg, "seed": self.cfg.get("seed", 0) * 1000 + j})
+        models = [saved.get(f"cluster{j}") or self.initial_params({**self.cfg, "seed": self.task_cfg.seed * 1000 + j})
                   for j in range(self.k)]
         for r in range(self.start_round(), self.num_rounds + 1):
             train = r < self.num_rounds

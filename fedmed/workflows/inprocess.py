@@ -154,7 +154,10 @@ def fedavg_in_process(cfg: dict, datalists, sites: list[str], *, rounds: int, in
 
     from fedmed.workflows.fedavg import FedAvg
 
-    cfg = {**cfg, "federation": {**cfg.get("federation", {}), "sites": list(sites), "min_clients": len(sites)}}
+    from fedmed.core.schema import task_config
+
+    federation = task_config(cfg).federation.model_copy(update={"sites": list(sites), "min_clients": len(sites)})
+    cfg = {**cfg, "federation": federation.model_dump()}
     final = {}
 
     class _FedAvg(FedAvg):

@@ -1,0 +1,248 @@
+"""The sections of fedmed's configs, defined once: the experiment config (``fedmed.config``) is made of them, and a
+site reads the task config a job sends it through :func:`task_view` — typed, with the defaults of these models
+(never a default restated where a value is read).
+
+The task-only sections (what a method adds to a task: ``signature``, ``flux``, ``ifca``, ``ensemble``, ``mae``,
+``finetune``, ``assess``) are here too, with their defaults; ``fedmed.workflows.registry`` builds them from a
+method's config.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+__all__ = ["AssessTask", "ClusteringTask", "DataSection", "EnsembleTask", "FederationTiming", "FinetuneTask", "FluxTask", "IFCATask",
+           "MAETask", "ModelSection", "PrivacyConfig", "SegTrainConfig", "SignatureTask", "Strict", "TaskConfig",
+           "TrainConfig", "TrainTask", "task_config"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class ModelSection(Strict):
+    """The network a site trains (``fedmed.nn.models``); the experiment config's ``ModelConfig`` adds the checks
+    that need the coordinator's files and fedmed's networks."""
+
+    arch: str = Field("resnet9", description="resnet9 | resnet18 | vit_small (fedmed's; for segmentation fedmed's 3D "
+                      "U-Net), a network of monai.networks.nets by name (DenseNet121, SegResNet, ...), or "
+                      "package.module:Class (fedmed.nn.models)")
+    args: dict = Field(default_factory=dict, description="arguments of a MONAI or user network (spatial_dims, input "
+                       "channels and outputs are filled from the task)")
+    init_weights: Optional[str] = Field(None, description="start the network from this local state-dict file (the "
+                                        "job carries it)")
+    width: int = Field(16, ge=4, le=512, description="channels of the first ResNet-9 stage")
+    norm: Literal["batch", "group"] = Field("batch", description="ResNet-9 normalisation: BatchNorm (the DAWNBench "
+                                            "original; chosen on validation data, docs/readings.md) or GroupNorm")
+    channels: list[int] = Field(default_factory=lambda: [8, 16, 32, 64], min_length=2,
+                                description="3D U-Net channels per level (segmentation)")
+
+
+class SegTrainConfig(Strict):
+    """Segmentation-only training options (``004_`` §3.2 and fedmed's recipe, docs/readings.md)."""
+
+    loss: Literal["dice", "dice_focal", "dice_bce"] = "dice_focal"
+    patches_per_volume: int = Field(4, ge=1)
+    pos_fraction: float = Field(0.5, ge=0, le=1, description="share of patches centred on tumour")
+
+
+class TrainConfig(Strict):
+    """The training recipe; defaults are the 2D recipe chosen on validation data (benchmarks/tune_recipe.py,
+    docs/readings.md "2D recipe")."""
+
+    rounds: int = Field(3, ge=1, le=10000)
+    local_epochs: int = Field(3, ge=1, le=1000)
+    batch_size: int = Field(16, ge=1)
+    optimizer: Literal["sgd", "adam", "adamw"] = "adam"
+    lr: float = Field(1e-3, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(5e-4, ge=0)
+    augment: Literal["none", "flip", "flip_crop"] = Field("flip", description="horizontal flips (flip), plus random "
+                                                          "crops of a 4-pixel padded image (flip_crop)")
+    keep_optimizer_state: bool = Field(True, description="a site keeps its optimizer state (momentum, Adam moments) "
+                                       "between rounds, per served model")
+    seg: SegTrainConfig = SegTrainConfig()
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto (a CUDA GPU when there is one), "
+                        "cpu, cuda or cuda:N; a site may override it in its own settings (fedmed.core.device)")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="autocast precision of training and "
+                                                       "inference (fp16 with a gradient scaler on a GPU)")
+    workers: int = Field(0, ge=0, le=64, description="data-loader processes that cut 3D training patches (0: in the "
+                         "site's process)")
+
+
+class PrivacyConfig(Strict):
+    """What may leave a site (docs/privacy.md)."""
+
+    k_min: int = Field(5, ge=1, description="no per-class or per-group statistic leaves a site unless it aggregates "
+                       "at least k_min samples")
+    accept_k_min_below_2: bool = Field(False, description="explicit consent to k_min < 2 (single samples may leave)")
+    dp_epsilon: Optional[float] = Field(None, description="differential privacy budget per signature (None: off)")
+    dp_delta: float = Field(1e-5, gt=0, lt=1, description="Gaussian mechanism delta (signatures without a paper "
+                            "mechanism use Laplace; see docs/privacy.md)")
+    clip: float = Field(1.0, gt=0, description="L2 norm each embedding is clipped to before it enters a signature "
+                        "(the DP sensitivity bound)")
+    latent_bound: float = Field(10.0, gt=0, description="Flux with DP on: the public latent box [0, latent_bound]^z "
+                                "(no site data; latents are clipped to it)")
+
+    @field_validator("dp_epsilon")
+    @classmethod
+    def _finite_eps(cls, v):
+        if v is not None and (not math.isfinite(v) or v <= 0):
+            raise ValueError(f"dp_epsilon should be a finite number > 0 (or null to switch DP off), got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _k_min_consent(self, info: ValidationInfo):
+        if (info.context or {}).get("at_site"):  # the coordinator asked for consent; a site applies its own k_min too
+            return self
+        if self.k_min < 2 and not self.accept_k_min_below_2:
+            raise ValueError(f"k_min={self.k_min} lets a single patient's statistics leave a site; set "
+                             f"privacy.accept_k_min_below_2: true to accept that explicitly")
+        return self
+
+
+class FederationTiming(Strict):
+    """How long a run waits for its sites (``federation`` of the experiment config and of a task)."""
+
+    min_clients: int = Field(1, ge=1, description="fewest sites that must answer a round for the run to go on")
+    task_timeout: float = Field(1800.0, gt=0, description="seconds a site has to answer a task before the round "
+                                "goes on without it")
+    startup_timeout: float = Field(300.0, gt=0, description="seconds to wait for every named site to register "
+                                   "before starting without the missing ones")
+
+
+# ------------------------------------------------------------------------------------- the task config
+class FederationSection(FederationTiming):
+    sites: Optional[list[str]] = None
+
+
+class DataSection(Strict):
+    """What a site needs to know of the data: classification (``image_size``, ``channels``, ``n_classes``) or
+    segmentation (``shape``, ``roi``, ``modalities``, ``in_channels``)."""
+
+    image_size: Optional[int] = None
+    channels: Optional[int] = None
+    n_classes: Optional[int] = None
+    shape: Optional[list[int]] = None
+    roi: Optional[list[int]] = None
+    modalities: Optional[list[str]] = None
+    in_channels: Optional[int] = None
+
+
+class TrainTask(TrainConfig):
+    """``train`` as a task carries it: the recipe, and FedProx's proximal weight (from the method)."""
+
+    fedprox_mu: float = Field(0.0, ge=0, description="FedProx mu (0: FedAvg)")
+
+
+class SignatureTask(Strict):
+    """One-shot clustering signature (FMCL, PACFL, FECFL): ``fedmed.site.runner.SiteRunner.signature``."""
+
+    kind: Literal["fmcl", "pacfl", "fecfl"]
+    encoder: str = "random_cnn"
+    weights: Optional[str] = None
+    image_size: Optional[int] = None
+    n_basis: int = Field(3, ge=1)
+    seed: int = 0
+    angle: Literal["principal", "official"] = "principal"
+
+
+class FluxTask(Strict):
+    """Flux (``003_``): the site's side of S1-S4 and the server's clustering options."""
+
+    pca_seed: int = 0
+    n_components: int = Field(10, ge=1)
+    scale: float = Field(1.0, gt=0)
+    k1_silhouette: float = 0.25
+    box: Literal["elementwise", "scalar"] = "elementwise"
+    scaling: Literal["none", "minmax"] = "none"
+    start_rule: Literal["paper", "official"] = "paper"
+    start_threshold: float = Field(0.06, description="Eq. 14's threshold on the accuracy gain")
+    absent_class: Literal["zeros", "minus_one"] = "zeros"
+    second_moment: Literal["std", "var"] = "std"
+    lo: Optional[list[float]] = None
+    hi: Optional[list[float]] = None
+    label_free: bool = False
+
+
+class ClusteringTask(Strict):
+    """How the server clusters one-shot signatures (from the method's options: ``fedmed.config``)."""
+
+    n_clusters: Optional[int]
+    threshold: Optional[float]
+    overlap: bool
+    linkage: Literal["average", "weighted", "complete", "single"]
+    k1_silhouette: Optional[float]
+
+
+class IFCATask(Strict):
+    k: int = Field(ge=1)
+    train: bool = True
+
+
+class EnsembleTask(Strict):
+    weights: list[float]
+
+
+class MAETask(Strict):
+    """Fed-MAE pre-training (``001_`` §3.2)."""
+
+    mask_ratio: float = Field(0.75, gt=0, lt=1)
+    base_lr: float = Field(1.5e-4, gt=0)
+    warmup: float = Field(0.05, ge=0, lt=1)
+    rounds: int = Field(1, ge=1)
+
+
+class FinetuneTask(Strict):
+    """Fine-tuning (``001_`` Alg. 2): layer-wise lr decay, warm-up then cosine over the run."""
+
+    layer_decay: float = Field(0.75, gt=0, le=1)
+    warmup: float = Field(0.05, ge=0, lt=1)
+    rounds: int = Field(1, ge=1)
+
+
+class AssessTask(Strict):
+    """The ``004_`` assessment: per-image values asked for, and the encoder's weights."""
+
+    per_value: bool = False
+    weights: Optional[str] = None
+
+
+class TaskConfig(Strict):
+    """What every task carries to a site (``fedmed.run.taskconfig.fedmed_config`` builds it from the experiment
+    config), typed: a site reads it through :func:`task_config`, with these models' defaults."""
+
+    task: Literal["classification", "segmentation", "mae"] = "classification"
+    seed: int = 0
+    model: ModelSection = ModelSection()
+    train: TrainTask = TrainTask()
+    privacy: PrivacyConfig = PrivacyConfig()
+    federation: FederationSection = FederationSection()
+    data: DataSection = DataSection()
+    classes: Optional[list[str]] = None
+    cluster: Optional[int] = None
+    evaluate_on: Literal["split", "all"] = "split"
+    class_weights: Optional[list[float]] = None
+    ditto_lambda: Optional[float] = None
+    signature: Optional[SignatureTask] = None
+    flux: Optional[FluxTask] = None
+    ifca: Optional[IFCATask] = None
+    ensemble: Optional[EnsembleTask] = None
+    mae: Optional[MAETask] = None
+    finetune: Optional[FinetuneTask] = None
+    assess: Optional[AssessTask] = None
+    weights_file: Optional[str] = Field(None, alias="_weights", description="encoder weights the job carries")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+def task_config(cfg) -> TaskConfig:
+    """The typed view of a task config (a dict as it travels, or a :class:`TaskConfig`): validated, schema defaults
+    for what it leaves out. The coordinator's checks (e.g. consent to ``k_min < 2``) were made when the job was
+    built; a site applies its own settings on top."""
+    if isinstance(cfg, TaskConfig):
+        return cfg
+    return TaskConfig.model_validate(dict(cfg), context={"at_site": True})
