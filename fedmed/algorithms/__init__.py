@@ -63,6 +63,7 @@ _PUBLIC = {
     "pca2_embedding": "heterogeneity",
     "pooled_metrics": "metrics",
     "prep_weights": "aggregation",
+    "privacy_settings": "privacy",
     "private_bounds": "privacy",
     "private_histogram": "privacy",
     "private_mean": "privacy",

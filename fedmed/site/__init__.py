@@ -5,7 +5,9 @@ Every name below is importable from ``fedmed.site`` (loaded on first use)."""
 from importlib import import_module
 
 _PUBLIC = {
+    "CLASSIFICATION": "tasks",
     "MAESiteRunner": "mae",
+    "Reply": "tasks",
     "SETTINGS_FILE": "settings",
     "SegSiteRunner": "seg",
     "SiteConfigError": "settings",
@@ -14,15 +16,24 @@ _PUBLIC = {
     "Splits": "runner",
     "TaskError": "runner",
     "answer": "runner",
+    "class_set": "tasks",
+    "descriptor": "tasks",
+    "ifca": "tasks",
+    "latent_bounds": "tasks",
     "make_runner": "runner",
     "path_spans": "settings",
     "resolve_site_settings": "settings",
     "scrub": "settings",
     "scrub_strings": "settings",
     "scrubbed": "runner",
+    "signature": "tasks",
     "site_assessment": "assessment",
     "task_seed": "runner",
     "to_meta": "runner",
+    "train": "tasks",
+    "train_locally": "tasks",
+    "validate": "tasks",
+    "validate_ensemble": "tasks",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -9,14 +9,61 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedmed.core.schema import task_config
+from fedmed.core.schema import TaskConfig, task_config
 from fedmed.site.runner import SiteRunner
+from fedmed.site.tasks import Reply, TaskError
 
 __all__ = ["MAESiteRunner"]
 
 
+def _held_out_loss(runner, model, cfg):
+    import torch
+
+    from fedmed.nn.mae import mae_eval_loss
+
+    s = runner._splits(cfg)
+    k = runner.k_min(cfg)  # a loss over fewer than k_min images is not sent (privacy.k_min)
+    out = {}
+    if s.val[0].shape[0] >= k:
+        out["val_mae_loss"] = mae_eval_loss(model, s.val[0], seed=1)
+    if s.test[0].shape[0] >= k:
+        out["mae_loss"] = mae_eval_loss(model, torch.cat([s.test[0]]), seed=2)
+    return out
+
+
+def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    from fedmed.nn.train import set_params
+
+    model = runner.model(cfg)
+    set_params(model, params)
+    return Reply({}, _held_out_loss(runner, model, cfg), {"n_test": int(runner._splits(cfg).test[0].shape[0])})
+
+
+def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    from fedmed.nn.mae import train_mae_local
+    from fedmed.nn.train import get_params, set_params
+
+    model = runner.model(cfg)
+    set_params(model, params)
+    metrics = _held_out_loss(runner, model, cfg)
+    x = runner._splits(cfg).train[0]
+    runner.require_k_min(int(x.shape[0]), "training images", cfg, "training")
+    cfg = task_config(cfg)
+    m, t = cfg.mae, cfg.train
+    rounds = m.rounds
+    out = train_mae_local(model, x, epochs=t.local_epochs, batch_size=t.batch_size,
+                          optimizer=runner.optimizer(model, cfg), progress=(round_ / rounds, (round_ + 1) / rounds),
+                          base_lr=m.base_lr, warmup=m.warmup,
+                          generator=runner.generator(cfg, round_))
+    if not np.isfinite(out["loss"]):
+        raise TaskError(f"{runner.site}: MAE training diverged in round {round_}")
+    metrics["train_loss"] = out["loss"]
+    return Reply(get_params(model), metrics, {"n_train": int(x.shape[0]), "train_loss": out["loss"],
+                                              "steps": out["steps"]})
+
+
 class MAESiteRunner(SiteRunner):
-    TASKS = {"train": ("train", "params", "round"), "validate": ("validate", "params")}
+    TASKS = {"train": train, "validate": validate}
 
     def model(self, cfg):
         from fedmed.nn.mae import mae_model
@@ -39,47 +86,3 @@ class MAESiteRunner(SiteRunner):
 
     def check_label_space(self, s, n, names=None) -> None:
         """Pre-training never reads labels: an unlabeled pool may carry any (or placeholder) labels."""
-
-    def _held_out_loss(self, model, cfg):
-        import torch
-
-        from fedmed.nn.mae import mae_eval_loss
-
-        s = self._splits(cfg)
-        k = self.k_min(cfg)  # a loss over fewer than k_min images is not sent (privacy.k_min)
-        out = {}
-        if s.val[0].shape[0] >= k:
-            out["val_mae_loss"] = mae_eval_loss(model, s.val[0], seed=1)
-        if s.test[0].shape[0] >= k:
-            out["mae_loss"] = mae_eval_loss(model, torch.cat([s.test[0]]), seed=2)
-        return out
-
-    def validate(self, params, cfg):
-        from fedmed.nn.train import set_params
-
-        model = self.model(cfg)
-        set_params(model, params)
-        return {}, self._held_out_loss(model, cfg), {"n_test": int(self._splits(cfg).test[0].shape[0])}
-
-    def train(self, params, cfg, round_):
-        from fedmed.nn.mae import train_mae_local
-        from fedmed.nn.train import get_params, set_params
-
-        model = self.model(cfg)
-        set_params(model, params)
-        metrics = self._held_out_loss(model, cfg)
-        x = self._splits(cfg).train[0]
-        self.require_k_min(int(x.shape[0]), "training images", cfg, "training")
-        cfg = task_config(cfg)
-        m, t = cfg.mae, cfg.train
-        rounds = m.rounds
-        out = train_mae_local(model, x, epochs=t.local_epochs, batch_size=t.batch_size,
-                              optimizer=self.optimizer(model, cfg), progress=(round_ / rounds, (round_ + 1) / rounds),
-                              base_lr=m.base_lr, warmup=m.warmup,
-                              generator=self.generator(cfg, round_))
-        if not np.isfinite(out["loss"]):
-            from fedmed.site.runner import TaskError
-
-            raise TaskError(f"{self.site}: MAE training diverged in round {round_}")
-        metrics["train_loss"] = out["loss"]
-        return get_params(model), metrics, {"n_train": int(x.shape[0]), "train_loss": out["loss"], "steps": out["steps"]}

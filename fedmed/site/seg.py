@@ -15,11 +15,101 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedmed.core.schema import AssessTask, task_config
+from fedmed.core.schema import AssessTask, TaskConfig, task_config
 from fedmed.data.images import DataError
-from fedmed.site.runner import SiteRunner, TaskError, task_seed
+from fedmed.site.runner import SiteRunner
+from fedmed.site.tasks import Reply, TaskError, task_seed
 
 __all__ = ["SegSiteRunner"]
+
+
+def _seed(runner, cfg, round_):
+    return task_seed(cfg, runner.site, round_) % (2**31)
+
+
+def _metrics(runner, model, cfg):
+    from fedmed.nn.seg import seg_metrics
+
+    _, te = runner.cases(cfg)
+    if len({str(c["meta"].get("subject") or c["meta"].get("id")) for c in te}) < runner.k_min(cfg):
+        return {}, {"n_test": 0}  # scores of fewer than k_min test subjects are not sent (privacy.k_min)
+    metrics = seg_metrics(model, te, roi=tuple(task_config(cfg).data.roi)) if te else {}
+    return metrics, {"n_test": len(te)}
+
+
+def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    from fedmed.nn.train import set_params
+
+    set_params(runner.model(cfg), params)
+    metrics, meta = _metrics(runner, runner.served_model(cfg), cfg)
+    return Reply({}, metrics, meta)
+
+
+def _local(runner, model, cases, cfg, seed, key, **kw):
+    from fedmed.nn.seg import train_seg_local
+
+    cfg = task_config(cfg)
+    t, s = cfg.train, cfg.train.seg
+    return train_seg_local(model, cases, epochs=t.local_epochs, optimizer=runner.optimizer(model, cfg, key),
+                           roi=tuple(cfg.data.roi), patches=s.patches_per_volume, pos_fraction=s.pos_fraction,
+                           loss=s.loss, seed=seed, precision=runner.precision(cfg), workers=t.workers, **kw)
+
+
+def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    from fedmed.nn.train import get_params, set_params
+
+    tr, _ = runner.cases(cfg)
+    runner.require_k_min(len({c["meta"]["subject"] for c in tr}), "training subjects", cfg, "training")
+    model = runner.model(cfg)
+    set_params(model, params)
+    served = runner.served_model(cfg)
+    metrics, meta = _metrics(runner, served, cfg)
+    seed = _seed(runner, cfg, round_)
+    anchor = [p.detach().clone() for p in model.parameters()]
+    cfg = task_config(cfg)
+    out = _local(runner, model, tr, cfg, seed, cfg.cluster, mu=cfg.train.fedprox_mu)
+    if cfg.ditto_lambda:  # Ditto (Li et al. 2021): personal model pulled toward the global one
+        _local(runner, served, tr, cfg, seed + 1, "personal", mu=cfg.ditto_lambda, anchor=anchor)
+    if not np.isfinite(out["loss"]):
+        raise TaskError(f"{runner.site}: training diverged in round {round_}")
+    meta.update(n_train=len(tr), train_loss=out["loss"])
+    metrics["train_loss"] = out["loss"]
+    return Reply(get_params(model), metrics, meta)
+
+
+def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """``004_`` assessment of this site's cases (only aggregates unless the site allows per-image data)."""
+    from fedmed.site.assessment import site_assessment
+    from fedmed.nn.encoders import build_encoder
+    from fedmed.data.seg_federation import subject_of
+
+    cfg = task_config(cfg)
+    a = cfg.assess or AssessTask()
+    tr, te = runner.cases(cfg)
+    doc = runner._datalist("segmentation")
+    n_subjects = len({subject_of(e) for e in doc["training"] + doc["validation"]})
+    k = runner.k_min(cfg)
+    if n_subjects < k:
+        raise TaskError(f"{runner.site}: {n_subjects} subject(s) < k_min={k}; the assessment would describe fewer "
+                        f"than k_min patients and is not sent")
+    notes = []
+    per_image = a.per_value
+    if per_image and not runner.settings.allow_per_image:
+        notes.append(f"{runner.site}: per-image metadata requested by the job but not allowed by this site's "
+                     f"settings; histograms and an embedding centroid are sent instead")
+        per_image = False
+    elif per_image:
+        notes.append(f"{runner.site}: WARNING sending per-image metadata and embeddings (allowed by this site's "
+                     f"settings)")
+    for n in notes:
+        print(f"[fedmed] {n}", flush=True)
+    enc = build_encoder("medicalnet_resnet18", weights=a.weights, seed=cfg.seed,
+                        device=runner.device(cfg))
+    rng = np.random.default_rng(task_seed(cfg, runner.site, salt=5))
+    meta = site_assessment(tr, enc, per_value=per_image, per_image=per_image, privacy=cfg.privacy.model_dump(),
+                           rng=rng)
+    meta["notes"] = notes
+    return Reply({}, {"n_cases": float(len(tr))}, meta)
 
 
 class SegSiteRunner(SiteRunner):
@@ -52,12 +142,7 @@ class SegSiteRunner(SiteRunner):
             self._optimizers = {}
         return self._model
 
-    def _seed(self, cfg, round_):
-        return task_seed(cfg, self.site, round_) % (2**31)
-
-    TASKS = {"assess": ("assess",), "train": ("train", "params", "round"), "validate": ("validate", "params")}
-
-    def _served(self, cfg):
+    def served_model(self, cfg):
         """The model this site uses: its Ditto personal model when personalising, else the global one."""
         import copy
 
@@ -67,85 +152,8 @@ class SegSiteRunner(SiteRunner):
             return self.state["personal"]
         return self._model
 
-    def _metrics(self, model, cfg):
-        from fedmed.nn.seg import seg_metrics
+    TASKS = {"assess": assess, "train": train, "validate": validate}
 
-        _, te = self.cases(cfg)
-        if len({str(c["meta"].get("subject") or c["meta"].get("id")) for c in te}) < self.k_min(cfg):
-            return {}, {"n_test": 0}  # scores of fewer than k_min test subjects are not sent (privacy.k_min)
-        metrics = seg_metrics(model, te, roi=tuple(task_config(cfg).data.roi)) if te else {}
-        return metrics, {"n_test": len(te)}
-
-    def validate(self, params, cfg):
-        from fedmed.nn.train import set_params
-
-        set_params(self.model(cfg), params)
-        metrics, meta = self._metrics(self._served(cfg), cfg)
-        return {}, metrics, meta
-
-    def _local(self, model, cases, cfg, seed, key, **kw):
-        from fedmed.nn.seg import train_seg_local
-
-        cfg = task_config(cfg)
-        t, s = cfg.train, cfg.train.seg
-        return train_seg_local(model, cases, epochs=t.local_epochs, optimizer=self.optimizer(model, cfg, key),
-                               roi=tuple(cfg.data.roi), patches=s.patches_per_volume, pos_fraction=s.pos_fraction,
-                               loss=s.loss, seed=seed, precision=self.precision(cfg), workers=t.workers, **kw)
-
-    def train(self, params, cfg, round_):
-        from fedmed.nn.train import get_params, set_params
-
-        tr, _ = self.cases(cfg)
-        self.require_k_min(len({c["meta"]["subject"] for c in tr}), "training subjects", cfg, "training")
-        model = self.model(cfg)
-        set_params(model, params)
-        served = self._served(cfg)
-        metrics, meta = self._metrics(served, cfg)
-        seed = self._seed(cfg, round_)
-        anchor = [p.detach().clone() for p in model.parameters()]
-        cfg = task_config(cfg)
-        out = self._local(model, tr, cfg, seed, cfg.cluster, mu=cfg.train.fedprox_mu)
-        if cfg.ditto_lambda:  # Ditto (Li et al. 2021): personal model pulled toward the global one
-            self._local(served, tr, cfg, seed + 1, "personal", mu=cfg.ditto_lambda, anchor=anchor)
-        if not np.isfinite(out["loss"]):
-            raise TaskError(f"{self.site}: training diverged in round {round_}")
-        meta.update(n_train=len(tr), train_loss=out["loss"])
-        metrics["train_loss"] = out["loss"]
-        return get_params(model), metrics, meta
-
-    def assess(self, cfg):
-        """``004_`` assessment of this site's cases (only aggregates unless the site allows per-image data)."""
-        from fedmed.site.assessment import site_assessment
-        from fedmed.nn.encoders import build_encoder
-        from fedmed.data.seg_federation import subject_of
-
-        cfg = task_config(cfg)
-        a = cfg.assess or AssessTask()
-        tr, te = self.cases(cfg)
-        doc = self._datalist("segmentation")
-        n_subjects = len({subject_of(e) for e in doc["training"] + doc["validation"]})
-        k = self.k_min(cfg)
-        if n_subjects < k:
-            raise TaskError(f"{self.site}: {n_subjects} subject(s) < k_min={k}; the assessment would describe fewer "
-                            f"than k_min patients and is not sent")
-        notes = []
-        per_image = a.per_value
-        if per_image and not self.settings.allow_per_image:
-            notes.append(f"{self.site}: per-image metadata requested by the job but not allowed by this site's "
-                         f"settings; histograms and an embedding centroid are sent instead")
-            per_image = False
-        elif per_image:
-            notes.append(f"{self.site}: WARNING sending per-image metadata and embeddings (allowed by this site's "
-                         f"settings)")
-        for n in notes:
-            print(f"[fedmed] {n}", flush=True)
-        enc = build_encoder("medicalnet_resnet18", weights=a.weights, seed=cfg.seed,
-                            device=self.device(cfg))
-        rng = np.random.default_rng(task_seed(cfg, self.site, salt=5))
-        meta = site_assessment(tr, enc, per_value=per_image, per_image=per_image, privacy=cfg.privacy.model_dump(),
-                               rng=rng)
-        meta["notes"] = notes
-        return {}, {"n_cases": float(len(tr))}, meta
 
 
 def load_datalist_seg(path):

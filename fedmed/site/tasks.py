@@ -1,0 +1,273 @@
+"""A classification site's tasks, as functions of (the site's runner — its data, models and optimizers —, the
+params it is served, the typed task config, the round) -> :class:`Reply`.
+
+* ``train``: score the served model on the local validation and test splits, train it locally, return the update
+  with the served model's metrics. ``validate``: score the served model only.
+* ``signature`` (FMCL, PACFL, FECFL), ``latent_bounds`` / ``descriptor`` (Flux), ``ifca``, ``validate_ensemble``,
+  ``class_set`` (PreP-WFL): see each function.
+
+What a reply carries: parameters (training tasks), metric values over at least ``k_min`` samples, and aggregates
+(confusion matrices and score histograms with rows of fewer than ``k_min`` samples zeroed, sample counts,
+signatures of classes with at least ``k_min`` samples). Never images, labels or per-sample outputs
+(docs/privacy.md). The runner (:class:`fedmed.site.runner.SiteRunner`) holds the state between tasks; segmentation
+and Fed-MAE sites have their own task tables (:mod:`fedmed.site.seg`, :mod:`fedmed.site.mae`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import NamedTuple
+
+import numpy as np
+
+from fedmed.core.schema import FluxTask, TaskConfig, task_config
+
+__all__ = ["CLASSIFICATION", "Reply", "TaskError", "class_set", "descriptor", "ifca", "latent_bounds", "signature", "train",
+           "task_seed", "train_locally", "validate", "validate_ensemble"]
+
+
+def task_seed(cfg: dict, site: str, round_: int | None = None, *, salt: int = 0) -> int:
+    """The one seed rule of every site task: from the run's seed, the site's name and — for what changes every round
+    (training batches, augmentation, patches) — the round; ``salt`` keeps a site's one-off draws apart (signatures,
+    descriptors, assessments). Deterministic across processes (``zlib.crc32``, not ``hash``)."""
+    seed, crc = task_config(cfg).seed, zlib.crc32(site.encode())
+    if round_ is not None:
+        return seed * 1_000_003 + int(round_) * 7919 + crc
+    return (seed * 7919 + crc + int(salt)) % (2**32)
+
+
+class TaskError(RuntimeError):
+    """A task this site cannot perform; the message says why (names files where relevant)."""
+
+
+class Reply(NamedTuple):
+    """What a task returns: the parameters to send (training tasks), scalar metrics, and the meta aggregates."""
+
+    params: dict
+    metrics: dict
+    meta: dict
+
+
+def _eval_sets(runner, cfg):
+    """(name, x, y) of what the served model is scored on: validation and test splits; an unseen
+    site that never trained is scored on all its data."""
+    import torch
+
+    s = runner._splits(cfg)
+    if task_config(cfg).evaluate_on == "all":
+        return [("test", torch.cat([s.train[0], s.val[0], s.test[0]]), torch.cat([s.train[1], s.val[1], s.test[1]]))]
+    return [("val", *s.val), ("test", *s.test)]
+
+
+def _metrics_of(runner, prob_fn, cfg):
+    """Metrics of the served model (``prob_fn(x) -> (n, C)`` probabilities) on each evaluation set:
+    test metrics under their plain names, validation metrics prefixed ``val_``."""
+    from fedmed.algorithms.metrics import site_metrics
+
+    metrics, meta = {}, {}
+    k = runner.k_min(cfg)
+    n_classes = task_config(cfg).data.n_classes
+    for name, x, y in _eval_sets(runner, cfg):
+        if x.shape[0] == 0:
+            continue
+        res = site_metrics(y.numpy(), prob_fn(x), n_classes, k_min=k)
+        pre = "" if name == "test" else "val_"
+        metrics.update({pre + m: res[m] for m in ("accuracy", "macro_f1", "macro_acc", "auc")})
+        meta.update({pre + "n_test": res["n_test"], pre + "confusion": res["confusion"],
+                     pre + "score_hist": res["score_hist"], pre + "withheld": res["withheld"]})
+    return metrics, meta
+
+
+def _served_metrics(runner, model, cfg):
+    from fedmed.nn.train import predict_proba
+
+    return _metrics_of(runner, lambda x: predict_proba(model, x, precision=runner.precision(cfg)), cfg)
+
+
+def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    from fedmed.nn.train import set_params
+
+    model = runner.model(cfg)
+    set_params(model, params)
+    metrics, meta = _served_metrics(runner, model, cfg)
+    return Reply({}, metrics, meta)
+
+
+def train_locally(runner, model, cfg, round_, key) -> dict:
+    from fedmed.nn.train import train_local
+
+    s = runner._splits(cfg)
+    runner.require_k_min(int(s.train[0].shape[0]), "training images", cfg, "training")
+    cfg = task_config(cfg)
+    t = cfg.train
+    out = train_local(model, s.train[0], s.train[1], epochs=t.local_epochs, batch_size=t.batch_size,
+                      optimizer=runner.optimizer(model, cfg, key), mu=t.fedprox_mu,
+                      class_weights=cfg.class_weights, generator=runner.generator(cfg, round_),
+                      augment=t.augment, lr_at=runner.lr_schedule(cfg, round_),
+                      precision=runner.precision(cfg))
+    if not np.isfinite(out["loss"]):
+        raise TaskError(f"{runner.site}: training diverged (loss {out['loss']}) in round {round_}")
+    return {"n_train": int(s.train[0].shape[0]), "train_loss": out["loss"], "steps": out["steps"]}
+
+
+def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    from fedmed.nn.train import get_params, set_params
+
+    model = runner.model(cfg)
+    set_params(model, params)
+    metrics, meta = _served_metrics(runner, model, cfg)
+    meta.update(train_locally(runner, model, cfg, round_, task_config(cfg).cluster))
+    metrics["train_loss"] = meta["train_loss"]
+    return Reply(get_params(model), metrics, meta)
+
+
+def class_set(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """PreP-WFL's statistics round (``001_`` Alg. 2): only the ids of the classes this site holds leave it."""
+    y = runner._splits(cfg).train[1].numpy()
+    ids, counts = np.unique(y, return_counts=True)
+    k = runner.k_min(cfg)
+    held = sorted(int(c) for c, n in zip(ids, counts) if n >= k)
+    meta = {"classes": held}
+    if len(held) < ids.size:
+        meta["notes"] = [f"{runner.site}: {ids.size - len(held)} class(es) with fewer than k_min={k} training "
+                         f"images not reported (privacy.k_min)"]
+        print(f"[fedmed] {meta['notes'][0]}", flush=True)
+    return Reply({}, {"n_classes_held": float(len(held))}, meta)
+
+
+def signature(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """One-shot clustering signature of the site's training data (only aggregates leave).
+
+    ``cfg["signature"]``: ``kind`` (fmcl | pacfl | fecfl), ``encoder``, ``weights`` (local
+    file or None for seeded random init), ``image_size``, ``n_basis`` (PACFL); ``cfg["privacy"]``:
+    ``k_min`` (classes with fewer samples are withheld), DP settings (:mod:`fedmed.algorithms.privacy`).
+    """
+    from fedmed.nn.encoders import build_encoder, extract_features
+    from fedmed.algorithms.privacy import signature_payload
+
+    cfg = task_config(cfg)
+    sc = cfg.signature
+    s = runner._splits(cfg)
+    enc = build_encoder(sc.encoder, weights=sc.weights, seed=sc.seed, in_channels=cfg.data.channels,
+                        image_size=sc.image_size, device=runner.device(cfg))
+    feats = extract_features(enc, s.train[0], progress=lambda m: print(f"[{runner.site}] {m}", flush=True))
+    y = s.train[1].numpy()
+    rng = np.random.default_rng(task_seed(cfg, runner.site, salt=17))
+    meta = signature_payload(sc.kind, feats, y, k_min=runner.k_min(cfg), privacy=cfg.privacy.model_dump(),
+                             n_basis=sc.n_basis, rng=rng, site=runner.site)
+    meta.update(encoder=enc.description, n_train=int(y.size))
+    if sc.kind == "pacfl" and sc.encoder == "pixels" and not cfg.privacy.dp_epsilon:
+        meta["notes"] = meta.get("notes", []) + [
+            f"{runner.site}: WARNING PACFL on raw pixels without DP: each class's leading singular vector is close "
+            f"to an average image of that class (docs/privacy.md); set privacy.dp_epsilon or use an encoder"]
+    for note in meta.get("notes", []):
+        print(f"[fedmed] {note}", flush=True)
+    return Reply({}, {"n_classes_sent": float(len(meta.get("classes", [])))}, meta)
+
+# ------------------------------------------------------------------ Flux (003_)
+
+def _latents(runner, params, cfg, split: str = "train"):
+    import torch
+
+    from fedmed.nn.train import latents, set_params
+
+    model = runner.model(cfg)
+    set_params(model, params)
+    s = runner._splits(cfg)
+    if split == "all":
+        x, y = torch.cat([s.train[0], s.val[0], s.test[0]]), torch.cat([s.train[1], s.val[1], s.test[1]])
+    else:
+        x, y = s.train
+    return latents(model, x), y.numpy()
+
+
+def latent_bounds(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """Flux S1: the box of the latents (two z-vectors leave the site; with DP or k_min they are
+    clipped quantile bounds, :func:`fedmed.algorithms.privacy.private_bounds`)."""
+    from fedmed.algorithms.privacy import private_bounds
+
+    cfg = task_config(cfg)
+    f = cfg.flux or FluxTask()
+    z, _ = _latents(runner, params, cfg, "all" if f.label_free else "train")
+    rng = np.random.default_rng(task_seed(cfg, runner.site, salt=3))
+    lo, hi, note = private_bounds(z, k_min=runner.k_min(cfg), privacy=cfg.privacy.model_dump(), rng=rng,
+                                  site=runner.site, box=f.box)
+    return Reply({}, {"n_samples": float(z.shape[0])}, {"lo": lo, "hi": hi, "notes": [note] if note else []})
+
+
+def descriptor(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """Flux S2-S4: the descriptor (label-free when ``flux.label_free``, e.g. an unseen site)."""
+    from fedmed.algorithms.flux import flux_descriptor, shared_pca
+
+    cfg = task_config(cfg)
+    f = cfg.flux
+    label_free = f.label_free
+    z, y = _latents(runner, params, cfg, "all" if label_free else "train")
+    pca = shared_pca(np.asarray(f.lo), np.asarray(f.hi), n_components=f.n_components, seed=f.pca_seed)
+    rng = np.random.default_rng(task_seed(cfg, runner.site))
+    d = flux_descriptor(z, pca, None if label_free else y, n_classes=None if label_free else cfg.data.n_classes,
+                        second_moment=f.second_moment, dp_epsilon=cfg.privacy.dp_epsilon, rng=rng,
+                        site=runner.site, k_min=runner.k_min(cfg), absent=f.absent_class)
+    meta = {"label_free": d.label_free, "n_samples": d.n_samples, "warnings": d.warnings}
+    if d.full is not None:
+        meta["full"] = d.full
+    for w in d.warnings:
+        print(f"[fedmed] {w}", flush=True)
+    return Reply({}, {"descriptor_length": float(len(d.full) if d.full is not None else len(d.label_free))}, meta)
+
+# ------------------------------------------------------------------ IFCA (Ghosh et al.)
+
+def ifca(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """IFCA: evaluate the K cluster models on local training data, train the one with the
+    lowest loss, and report which (``params`` holds the K models as ``m<k>/<name>``)."""
+    import torch
+
+    from fedmed.nn.train import get_params, set_params
+
+    cfg = task_config(cfg)
+    K = cfg.ifca.k
+    model = runner.model(cfg)
+    xtr, ytr = runner._splits(cfg).train
+    runner.require_k_min(int(xtr.shape[0]), "training images", cfg, "IFCA")  # the K losses average them
+    dev = runner.device(cfg)
+    xd, yd = (xtr.to(dev) - 0.5) / 0.5, ytr.to(dev)
+    losses = []
+    for k in range(K):
+        set_params(model, {n[len(f"m{k}/"):]: v for n, v in params.items() if n.startswith(f"m{k}/")})
+        model.eval()
+        with torch.no_grad():
+            losses.append(float(torch.nn.functional.cross_entropy(model(xd), yd)))
+    best = int(np.argmin(losses))
+    set_params(model, {n[len(f"m{best}/"):]: v for n, v in params.items() if n.startswith(f"m{best}/")})
+    metrics, meta = _served_metrics(runner, model, cfg)
+    meta.update(cluster=best, losses=losses)
+    if cfg.ifca.train:
+        meta.update(train_locally(runner, model, cfg, round_, ("ifca", best)))
+        metrics["train_loss"] = meta["train_loss"]
+        return Reply(get_params(model), metrics, meta)
+    return Reply({}, metrics, meta)
+
+
+def validate_ensemble(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """Score the weighted average of K models' class probabilities (how the Flux paper gives
+    baselines without test-time assignment a prediction on unseen sites)."""
+    from fedmed.nn.train import predict_proba, set_params
+
+    model = runner.model(cfg)
+    weights = np.asarray(task_config(cfg).ensemble.weights, dtype=np.float64)
+    weights = weights / weights.sum()
+
+    def prob(x):
+        out = 0.0
+        for k, w in enumerate(weights):
+            set_params(model, {n[len(f"m{k}/"):]: v for n, v in params.items() if n.startswith(f"m{k}/")})
+            out = out + w * predict_proba(model, x, precision=runner.precision(cfg))
+        return out
+
+    metrics, meta = _metrics_of(runner, prob, cfg)
+    return Reply({}, metrics, meta)
+
+
+CLASSIFICATION = {"train": train, "validate": validate, "signature": signature, "latent_bounds": latent_bounds,
+                  "descriptor": descriptor, "ifca": ifca, "validate_ensemble": validate_ensemble,
+                  "class_set": class_set}
