@@ -221,10 +221,10 @@ def encoders():
           f"{r[:, 3].mean():.4f}")
     usfm = build_encoder("usfm", seed=0)
     x = torch.rand(4, 3, 224, 224, generator=gen)
-    from fedmed.nn.encoders import _normalize
+    from fedmed.nn import normalize_images
 
     with torch.no_grad():
-        tokens = usfm.module.forward_features(_normalize(usfm, x))
+        tokens = usfm.module.forward_features(normalize_images(usfm, x))
     cls, mean = tokens[:, 0], tokens[:, 1:].mean(1)
     print(f"USFM (random weights, 4 random images): cosine of the final-norm CLS token vs the mean patch token "
           f"{np.mean([cos(a, b) for a, b in zip(cls, mean)]):.4f}")

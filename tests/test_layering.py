@@ -96,3 +96,23 @@ def test_every_subpackage_has_a_public_face():
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_benchmarks_use_only_public_names_of_fedmed():
+    """A benchmark imports what a user could: no ``_private`` name of a fedmed module."""
+    bad = []
+    for f in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fedmed"):
+                bad += [f"{f.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert bad == []
+
+
+def test_one_table_of_methods_for_the_config_and_the_workflows():
+    """Every workflow an experiment config can name has one registry entry (server workflow, options, site tasks) and
+    one config model, and nothing else."""
+    from fedmed.config import WORKFLOWS
+    from fedmed.workflows import METHODS, SERVER_WORKFLOWS
+
+    assert set(WORKFLOWS) == set(METHODS)
+    assert {e.server for e in METHODS.values()} <= set(SERVER_WORKFLOWS)

@@ -37,6 +37,7 @@ _PUBLIC = {
     "make_optimizer": "train",
     "model_from_config": "models",
     "network": "models",
+    "normalize_images": "encoders",
     "patchify": "mae",
     "predict_images": "predict",
     "predict_masks": "seg",

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["ENCODERS", "Encoder", "EncoderError", "EncoderSpec", "build_encoder", "check_weights", "extract_features", "import_timm", "load_weights", "preprocess_volume", "site_embeddings"]
+__all__ = ["ENCODERS", "Encoder", "EncoderError", "EncoderSpec", "build_encoder", "check_weights", "extract_features", "import_timm", "load_weights", "normalize_images", "preprocess_volume", "site_embeddings"]
 
 log = logging.getLogger("fedmed.nn.encoders")
 
@@ -435,7 +435,7 @@ def check_weights(path: str, name: str) -> str:
                                                                enc.image_size or 32)
     with torch.no_grad():
         x = torch.zeros(shape)
-        out = enc.module(x if spec.spatial_dims == 3 else _normalize(enc, x))
+        out = enc.module(x if spec.spatial_dims == 3 else normalize_images(enc, x))
     dim = int(out.reshape(1, -1).shape[1])
     inp = "1 x D x H x W" if spec.spatial_dims == 3 else f"{enc.in_channels} x {enc.image_size} x {enc.image_size}"
     dropped = f"; dropped {'; '.join(enc.notes)}" if enc.notes else ""
@@ -471,7 +471,8 @@ def preprocess_volume(x: torch.Tensor) -> torch.Tensor:
     return torch.where(fg, out, torch.zeros_like(out))
 
 
-def _normalize(encoder: Encoder, xb: torch.Tensor) -> torch.Tensor:
+def normalize_images(encoder: Encoder, xb: torch.Tensor) -> torch.Tensor:
+    """Images in [0, 1] as the encoder's authors normalise them (ImageNet mean/std, 0.5/0.5, or none)."""
     norm = NORMALIZE.get(encoder.normalize)
     if norm is None:
         return xb
@@ -512,7 +513,7 @@ def _encode_batch(encoder: Encoder, xb: torch.Tensor, size: int | None) -> torch
         xb = torch.nn.functional.interpolate(xb, size=(size, size), mode="bilinear", align_corners=False)
     if encoder.in_channels == 3 and xb.shape[1] == 1:
         xb = xb.repeat(1, 3, 1, 1)
-    return encoder.module(_normalize(encoder, xb)).reshape(xb.shape[0], -1).double()
+    return encoder.module(normalize_images(encoder, xb)).reshape(xb.shape[0], -1).double()
 
 
 def site_embeddings(cases: Sequence[dict], encoder: "Encoder") -> np.ndarray:
