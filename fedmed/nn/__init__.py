@@ -2,7 +2,7 @@
 
 Every name below is importable from ``fedmed.nn`` (loaded on first use)."""
 
-from importlib import import_module
+from fedmed.core.faces import lazy_face
 
 _PUBLIC = {
     "ArchError": "models",
@@ -61,14 +61,4 @@ _PUBLIC = {
 
 __all__ = sorted(_PUBLIC)
 
-
-def __getattr__(name):
-    if name in _PUBLIC:
-        value = getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy_face(__name__, _PUBLIC)
