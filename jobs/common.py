@@ -70,32 +70,35 @@ def new_job(name: str, exp, controller, sites: list[str] | None, *, client_files
     if quorum < fed.min_clients:
         print(f"note: federation.min_clients={fed.min_clients} lowered to {quorum}: the job targets {len(sites)} "
               f"named site(s) {sites}", file=sys.stderr)
-    job = FedJob(name=name, min_clients=quorum)
-    job.set_app_packages(["fedmed"])  # installed at every site; not copied into the job
-    job.to_server(controller, id="controller")
-    job.to_server(TBAnalyticsReceiver(events=["fed.analytix_log_stats"]), id="tb_receiver")
-    # FLARE reads it at the path server.task_request_interval (server_json_config.py); a top-level key is ignored
-    job.to_server({"server": {"task_request_interval": fed.task_request_interval}})
-    targets = sites if sites else [None]
-    for site in targets:
-        runner = ScriptRunner(script="custom/client.py", framework=FrameworkType.NUMPY, script_args="--threads 1")
-        event = ConvertToFedEvent(events_to_convert=["analytix_log_stats"], fed_event_prefix="fed.")
-        if site is None:
-            job.to_clients(runner)
-            job.to_clients(event, id="event_to_fed")
-        else:
-            job.to(runner, site)
-            job.to(event, site, id="event_to_fed")
-    for src, dest in client_files:
+    client_files = [(Path(src).resolve(), dest) for src, dest in client_files]  # the caller's folder, not ROOT
+    server_files = [(Path(src).resolve(), dest) for src, dest in server_files]
+    with in_repo_root():  # ScriptRunner resolves custom/client.py against the working directory
+        job = FedJob(name=name, min_clients=quorum)
+        job.set_app_packages(["fedmed"])  # installed at every site; not copied into the job
+        job.to_server(controller, id="controller")
+        job.to_server(TBAnalyticsReceiver(events=["fed.analytix_log_stats"]), id="tb_receiver")
+        # FLARE reads it at the path server.task_request_interval (server_json_config.py); a top-level key is ignored
+        job.to_server({"server": {"task_request_interval": fed.task_request_interval}})
+        targets = sites if sites else [None]
         for site in targets:
-            job.add_file_to(str(src), site or "@ALL", dest_dir=dest)
-    for src, dest in server_files:
-        job.add_file_to_server(str(src), dest_dir=dest)
+            runner = ScriptRunner(script="custom/client.py", framework=FrameworkType.NUMPY, script_args="--threads 1")
+            event = ConvertToFedEvent(events_to_convert=["analytix_log_stats"], fed_event_prefix="fed.")
+            if site is None:
+                job.to_clients(runner)
+                job.to_clients(event, id="event_to_fed")
+            else:
+                job.to(runner, site)
+                job.to(event, site, id="event_to_fed")
+        for src, dest in client_files:
+            for site in targets:
+                job.add_file_to(str(src), site or "@ALL", dest_dir=dest)
+        for src, dest in server_files:
+            job.add_file_to_server(str(src), dest_dir=dest)
     return job
 
 
 def export(job, out_dir) -> Path:
-    out = Path(out_dir)
+    out = Path(out_dir).resolve()  # relative to the caller's folder (the export runs from ROOT)
     out.mkdir(parents=True, exist_ok=True)
     with in_repo_root():
         job.export_job(str(out))

@@ -24,9 +24,9 @@ def _copy_source(dest: Path) -> Path:
 @pytest.mark.slow
 def test_a_non_editable_install_runs_the_demo_and_python_m_fedmed_from_any_folder(tmp_path):
     """A fresh virtualenv outside the clone, fedmed installed into it from a copy of the source (not editable; the
-    dependencies come from this environment, as a package index would give them): ``python -m fedmed --help`` and
-    ``fedmed demo``'s smallest part run from an empty folder, with fedmed's code, adapters and configs from the
-    installed package."""
+    dependencies come from this environment, as a package index would give them): ``python -m fedmed --help``,
+    ``fedmed demo``'s smallest part and the job builder (``fedmed job build``) run from an empty folder, with
+    fedmed's code, adapters and configs from the installed package."""
     src = _copy_source(tmp_path / "src")
     env_dir = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True, timeout=300)
@@ -67,3 +67,14 @@ def test_a_non_editable_install_runs_the_demo_and_python_m_fedmed_from_any_folde
     assert "clusters found in training" in demo.stdout
     assert (work / "out" / "flux" / "summary.md").is_file()
     assert (work / "out" / "report.html").is_file()
+
+    # the job builder, shipped with the package, from the same folder (a relative --out is the caller's)
+    job = subprocess.run([str(env_dir / "bin" / "fedmed"), "job", "build", "--config",
+                          str(Path(root) / "app_configs" / "demo_digits.yaml"), "--method", "FedAvg", "--out", "jobs",
+                          "--set", "dataset.classes=[a,b,c,d,e,f,g,h,i,j]"], capture_output=True, text=True, env=env,
+                         cwd=work, timeout=300)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert (work / "jobs" / "demo_digits_fedavg_s0" / "meta.json").is_file()
+    bad = subprocess.run([str(env_dir / "bin" / "fedmed"), "job", "build", "--config", "nope.yaml", "--method", "X",
+                          "--out", "jobs"], capture_output=True, text=True, env=env, cwd=work, timeout=300)
+    assert bad.returncode == 2 and "nope.yaml: config file not found" in bad.stderr

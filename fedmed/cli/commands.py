@@ -139,6 +139,17 @@ def _demo_flux(out: Path, command: str) -> None:
     print((out / "flux" / "summary.md").read_text())
 
 
+def cmd_job(a):
+    """``fedmed job build|run ARGS``: the job builder and runner shipped with fedmed (``jobs/build.py``,
+    ``jobs/run.py``), from any folder; their arguments and exit code as they are."""
+    import subprocess
+    import sys
+
+    from fedmed.core.resources import project_root
+
+    return subprocess.call([sys.executable, str(project_root() / "jobs" / f"{a.action}.py"), *a.args])
+
+
 def cmd_ssl(a):
     from fedmed.run.ssl import run_ssl
 
@@ -244,6 +255,13 @@ def register(sub):
     m.add_argument("--set", action="append", default=[], help="override of the classification part key.path=value")
     m.add_argument("--part", nargs="+", choices=list(DEMO_PARTS), help="run only these parts (default: all three)")
     m.set_defaults(func=cmd_demo)
+
+    j = sub.add_parser("job", help="build a method's FLARE job from a config (jobs/build.py) or run one in the simulator "
+                       "or on provisioned sites (jobs/run.py); 'fedmed job build --help' for their options",
+                       formatter_class=H)
+    j.add_argument("action", choices=["build", "run"], help="build: jobs/build.py; run: jobs/run.py")
+    j.add_argument("args", nargs=argparse.REMAINDER, help="their arguments")
+    j.set_defaults(func=cmd_job)
 
     q = sub.add_parser("ssl", help="the 001_ study: Fed-MAE pre-training, fine-tuning across PreDi prevalence, "
                        "PreP-WFL, and the Fed-MAE encoder for FMCL", formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -258,13 +258,13 @@ def main(argv=None) -> int:
     a = parser.parse_args(argv)
     _exit_on_sigterm()
     try:
-        a.func(a)
+        rc = a.func(a)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         from fedmed.run.experiment import ExperimentError
 
         print(f"fedmed {a.verb}: error: {e}", file=sys.stderr)
         return 1 if isinstance(e, ExperimentError) else 2
-    return 0
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":
