@@ -2,12 +2,15 @@
 
     python jobs/build.py --config app_configs/busi_fmcl.yaml --method FedAvg --out JOBS [--seed 0]
         [--sites hospital-a hospital-b | --all-sites] [--set key.path=value ...] [--resume-from RESULT]
+    python jobs/build.py --config CONFIG --method FMCL --out JOBS --onboard TRAINING_RESULT --sites hospital-d
 
 Prints the job folder, which runs in the simulator (``jobs/run.py``), in POC mode and on provisioned
 sites (admin console ``submit_job``). The config must name the classes (``dataset.classes``) or, for
 segmentation, the modalities; sites find their own data (docs/deployment.md). ``--resume-from`` takes a
 finished/stopped run's result folder (or a downloaded job result) and continues from its last
-checkpointed round. Errors are one line naming the problem.
+checkpointed round. ``--onboard`` builds the job that gives new sites (``--sites``, e.g. a hospital that joined after
+training) the cluster model of a finished run that fits them (``fedmed.workflows.onboard``). Errors are one line
+naming the problem.
 """
 
 from __future__ import annotations
@@ -49,14 +52,15 @@ def controller_for(exp, method, seed: int, cfg: dict, resume: bool):
 
 
 def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = None, resume_from=None,
-              test_phase: dict | None = None):
+              onboard: dict | None = None):
     """The FedJob of ``method`` for ``seed``.
 
     Args:
         sites: ``"config"`` (``federation.site_names`` or site-1..N), ``"all"`` (every connected site), or a list.
         resume_from: a run result holding ``checkpoint/`` (see :func:`find_checkpoint`).
-        test_phase: ``{"training_result": DIR, "known_clusters": {...}, "cluster_sizes": {...}}`` builds the
-            unseen-site job (Flux Algorithm 2) over ``sites`` instead.
+        onboard: ``{"training_result": DIR, "known_clusters": {...}, "references": bool, "require_clusters": bool}``
+            builds the onboarding job over ``sites`` instead (``fedmed.workflows.onboard``): each new site is
+            assigned the cluster of ``method``'s finished run in DIR that fits it, and scores its model.
     """
     names = exp.site_names() if sites == "config" else (None if sites == "all" else list(sites))
     if names is not None:
@@ -90,31 +94,38 @@ def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = 
     if weights:
         client_files.append((Path(weights).resolve(), WEIGHTS_DIR))
         cfg["_weights"] = f"{WEIGHTS_DIR}/{Path(weights).name}"
-    if test_phase is not None:
-        from custom.controller import WorkflowController
-        from fedmed.workflows.test_phase import TRAINING_DIR
-
-        tmp = Path(tempfile.mkdtemp(prefix="fedmed_training_"))
-        src = Path(test_phase["training_result"])
-        import shutil
-
-        for f in list((src / "models").glob("*.pt")) + [src / "flux_state.npz"]:
-            if f.is_file():
-                shutil.copy(f, tmp / f.name)
-        if not any(tmp.glob("*.pt")):
-            raise BuildError(f"{src}: the training run saved no final model (models/*.pt); it did not finish")
-        server_files.append((tmp, TRAINING_DIR))
-        ctrl = WorkflowController(num_rounds=1, fedmed_config=cfg, workflow_name="test_phase", workflow_args={
-            "known_clusters": test_phase.get("known_clusters") or {}, "mode": method_entry(method.workflow).test_phase,
-            "cluster_sizes": test_phase.get("cluster_sizes") or {}})
-        return new_job(name or job_name(exp, method, seed, "_test"), exp, ctrl, names, client_files=client_files,
-                       server_files=server_files)
+    if onboard is not None:
+        return _onboarding_job(exp, method, seed, cfg, names, onboard, client_files, server_files, name)
     if resume_from is not None:
         from fedmed.workflows import RESUME_DIR
 
         server_files.append((find_checkpoint(resume_from), RESUME_DIR))
     ctrl = controller_for(exp, method, seed, cfg, resume=resume_from is not None)
     return new_job(name or job_name(exp, method, seed), exp, ctrl, names, client_files=client_files,
+                   server_files=server_files)
+
+
+def _onboarding_job(exp, method, seed, cfg, names, onboard, client_files, server_files, name):
+    import shutil
+
+    from custom.controller import WorkflowController
+    from fedmed.workflows.onboard import TRAINING_DIR, OnboardingError, check_training_result, training_files
+
+    if not names:
+        raise BuildError("an onboarding job names its new sites (--sites)")
+    try:
+        folder = check_training_result(onboard["training_result"], method.workflow,
+                                       require_clusters=onboard.get("require_clusters", True))
+    except OnboardingError as e:
+        raise BuildError(str(e)) from None
+    tmp = Path(tempfile.mkdtemp(prefix="fedmed_training_"))
+    for f in training_files(folder):
+        shutil.copy(f, tmp / f.name)
+    server_files.append((tmp, TRAINING_DIR))
+    ctrl = WorkflowController(num_rounds=1, fedmed_config=cfg, workflow_name="onboard", workflow_args={
+        "mode": method_entry(method.workflow).onboard, "known_clusters": onboard.get("known_clusters") or {},
+        "cluster_sizes": onboard.get("cluster_sizes") or {}, "references": bool(onboard.get("references"))})
+    return new_job(name or job_name(exp, method, seed, "_onboard"), exp, ctrl, names, client_files=client_files,
                    server_files=server_files)
 
 
@@ -174,10 +185,13 @@ def parser() -> argparse.ArgumentParser:
     who.add_argument("--all-sites", action="store_true", help="deploy to every connected site")
     ap.add_argument("--resume-from", help="result folder of an earlier run of this method: continue from its "
                     "last checkpointed round")
-    ap.add_argument("--test-phase", action="store_true", help="build the unseen-site job (Flux Algorithm 2)")
-    ap.add_argument("--training-result", default="", help="--test-phase: the training run's fedmed/ folder")
-    ap.add_argument("--known-clusters", default="", help="--test-phase: JSON {unseen site: cluster of its true group}")
-    ap.add_argument("--cluster-sizes", default="", help="--test-phase: JSON {cluster: training sites}")
+    ap.add_argument("--onboard", metavar="TRAINING_RESULT", help="build the onboarding job instead: the new sites "
+                    "(--sites) are each given the cluster model of this finished run of the method that fits them "
+                    "(its fedmed/ folder, a downloaded job result or a run folder of fedmed experiment)")
+    ap.add_argument("--known-clusters", default="", help="--onboard: JSON {new site: cluster of its true group}, "
+                    "scored as a reference")
+    ap.add_argument("--references", action="store_true", help="--onboard: also score every cluster model at each "
+                    "new site (references, never a selection)")
     return ap
 
 
@@ -191,14 +205,15 @@ def main(argv=None) -> int:
         exp = load_config(a.config, a.set)
         method = select_method(exp, a.method, a.config)
         sites = a.sites or ("all" if a.all_sites else "config")
-        test = None
-        if a.test_phase:
-            if not a.training_result:
-                raise BuildError("--test-phase needs --training-result (the training run's fedmed/ folder)")
-            test = {"training_result": a.training_result,
-                    "known_clusters": json.loads(a.known_clusters) if a.known_clusters else {},
-                    "cluster_sizes": json.loads(a.cluster_sizes) if a.cluster_sizes else {}}
-        job = build_job(exp, method, a.seed, sites=sites, name=a.name, resume_from=a.resume_from, test_phase=test)
+        onboard = None
+        if a.onboard and not a.sites:
+            raise BuildError("--onboard needs --sites: the new sites to onboard")
+        if a.onboard:
+            onboard = {"training_result": a.onboard, "references": a.references,
+                       "known_clusters": json.loads(a.known_clusters) if a.known_clusters else {}}
+        elif a.known_clusters or a.references:
+            raise BuildError("--known-clusters and --references go with --onboard")
+        job = build_job(exp, method, a.seed, sites=sites, name=a.name, resume_from=a.resume_from, onboard=onboard)
         print(export(job, a.out))
     except (BuildError, ConfigError, ValueError) as e:
         print(f"jobs/build.py: error: {e}", file=sys.stderr)

@@ -4,6 +4,7 @@
     python jobs/run.py --config CONFIG --method NAME --env sim --datalists DIR --workspace WS [--seed 0]
     # a provisioned federation (ProdEnv): submit with the admin's startup kit, wait, download the result
     python jobs/run.py --config CONFIG --method NAME --env prod --startup-kit ADMIN_KIT --result-dir DIR
+    # a new site after training: the onboarding job (--onboard TRAINING_RESULT --sites NEW_SITE), any env
 
 (POC mode: ``poc/run_poc.py``, which also writes each POC site's data setting.) Prints one JSON line
 ``{"status": ..., "reason": ..., "result": FOLDER}`` last; the exit code is 0 only when the run
@@ -212,7 +213,12 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=24 * 3600, help="prod: seconds to wait for the job")
     ap.add_argument("--sites", nargs="+", help="the sites the job runs on (default: the config's)")
     ap.add_argument("--resume-from", help="result of an earlier run of this method: continue from its checkpoint")
-    ap.add_argument("--test-phase", help="JSON {training_result, known_clusters, cluster_sizes}: the unseen-site job")
+    ap.add_argument("--onboard", metavar="TRAINING_RESULT", help="run the onboarding job: the sites (--sites) are each "
+                    "given the cluster model of this finished run of the method that fits them")
+    ap.add_argument("--known-clusters", default="", help="--onboard: JSON {site: cluster of its true group}")
+    ap.add_argument("--references", action="store_true", help="--onboard: also score every cluster model")
+    ap.add_argument("--unseen", action="store_true", help="--onboard: the unseen-site test phase of fedmed experiment "
+                    "(a method without clusters serves its global model)")
     a = ap.parse_args(argv)
     template = None
     if a.env == "sim" and os.environ.get("FEDMED_SIM_FORK", "1") != "0":
@@ -235,8 +241,13 @@ def _main(a, template) -> int:
         exp = load_config(a.config, a.set)
         method = select_method(exp, a.method, a.config)
         sites = a.sites or exp.site_names()
-        job = build_job(exp, method, a.seed, sites=sites, resume_from=a.resume_from,
-                        test_phase=json.loads(a.test_phase) if a.test_phase else None)
+        onboard = None
+        if a.onboard:
+            if not a.sites:
+                raise BuildError("--onboard needs --sites: the new sites to onboard")
+            onboard = {"training_result": a.onboard, "references": a.references, "require_clusters": not a.unseen,
+                       "known_clusters": json.loads(a.known_clusters) if a.known_clusters else {}}
+        job = build_job(exp, method, a.seed, sites=sites, resume_from=a.resume_from, onboard=onboard)
         if a.jobs_dir:
             from jobs.common import export
 

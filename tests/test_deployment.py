@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -65,6 +66,19 @@ class Deployment:
         self.kits = {p.name: p for p in prod.iterdir() if (p / "startup").is_dir()}
         assert {"localhost", ADMIN, *SITES} <= set(self.kits)
         assert (self.kits["hospital-a"] / "startup" / "client.crt").is_file()  # certificates
+
+    def add_site(self, name: str) -> Path:
+        """A hospital joins after training: added to project.yml and provisioned again in the same workspace, which
+        keeps the project's root CA (its state), so the new kit's certificate is trusted by the running server."""
+        doc = yaml.safe_load((self.root / "project.yml").read_text())
+        doc["participants"].insert(-1, {"name": name, "type": "client", "org": name.replace("-", "_")})
+        (self.root / "project.yml").write_text(yaml.safe_dump(doc))
+        subprocess.run([str(Path(sys.executable).parent / "nvflare"), "provision", "-p", "project.yml", "-w", "ws",
+                        "--force"], cwd=self.root, env=self.env, check=True, capture_output=True, timeout=120)
+        prod = sorted((self.root / "ws").rglob("prod_*"))[-1]
+        self.kits[name] = prod / name
+        assert (self.kits[name] / "startup" / "client.crt").is_file()
+        return self.kits[name]
 
     def start(self, name: str):
         p = subprocess.Popen(["bash", str(self.kits[name] / "startup" / "sub_start.sh")], cwd=self.kits[name],
@@ -249,3 +263,34 @@ def test_every_site_failing_is_a_failed_run(deployment, site_data, tmp_path):
     assert p.returncode == 1 and res["status"] == "failed" and "fewer than min_clients=2" in res["reason"]
     assert res["flare_status"] != "FINISHED:COMPLETED"
     assert not list(Path(res["result"]).glob("models/*.pt"))
+
+
+def test_a_hospital_added_after_training_gets_its_cluster_model(deployment, site_data, tmp_path):
+    """docs/deployment.md, "A hospital joins after training": FMCL trains on hospital-a and -b; hospital-d is added to
+    project.yml, provisioned (same root CA) and started with its own data; the onboarding job, submitted with the
+    admin's kit, assigns it a cluster and writes the model it uses with `fedmed predict`."""
+    cfg = write_config(tmp_path / "cfg.yaml", methods=[{"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn",
+                                                        "n_clusters": 2}])
+    p = submit(deployment, cfg, "FMCL", tmp_path / "train")
+    trained = outcome(p.stdout)
+    assert trained["status"] == "finished", p.stdout[-3000:] + p.stderr[-3000:]
+    clusters = record(trained)["clustering"]["clusters"]
+
+    kit = deployment.add_site("hospital-d")
+    (kit / "local" / "fedmed_site.json").write_text(json.dumps({"datalist": str(site_data / "hospital-c.json")}))
+    deployment.start("hospital-d")
+    deployment.wait_connected(["hospital-d"])
+    p = submit(deployment, cfg, "FMCL", tmp_path / "onboard", "--onboard", trained["result"], "--sites", "hospital-d")
+    res = outcome(p.stdout)
+    assert p.returncode == 0 and res["status"] == "finished", p.stdout[-3000:] + p.stderr[-3000:]
+    doc = record(res)
+    c = doc["assignment"]["test_phase"]["hospital-d"]
+    assert 0 <= c < len(clusters) and doc["sites"] == ["hospital-d"]
+    assert np.isfinite(doc["rounds"][0]["sites"]["hospital-d"]["accuracy"])
+    model = Path(res["result"]) / "models" / "hospital-d.pt"
+    image = json.loads((site_data / "hospital-c.json").read_text())["test"][0]["image"]
+    image = image if Path(image).is_absolute() else str(site_data / image)
+    out = subprocess.run([str(Path(sys.executable).parent / "fedmed"), "predict", str(model), image],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)[0]["prediction"] in [str(k) for k in range(10)]

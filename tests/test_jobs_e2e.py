@@ -232,7 +232,11 @@ def test_flux_unseen_site_goes_to_its_groups_cluster(tmp_path, method):
     test = json.loads((run / "test_phase" / "metrics.json").read_text())
     meta = json.loads((tmp_path / "out" / "data" / "seed0" / "dataset.json").read_text())
     phases = {r["phase"] for r in rows if r.get("phase")}
-    assert phases == {"test phase", "known assoc."}
+    # the assigned model, the true group's, and every cluster model as a reference (IFCA: also its ensemble)
+    n_models = len(list((run / "server" / "models").glob("cluster*.pt")))
+    assert phases == {"test phase", "known assoc.", *(f"cluster model {c}" for c in range(n_models))} | (
+        {"ensemble"} if method["workflow"] == "ifca" else set())
+    assert sorted(p.name for p in (run / "test_phase" / "server" / "models").glob("*.pt")) == [f"{u}.pt" for u in meta["unseen_sites"]]
     assert sorted(test["rounds"][0]["sites"]) == meta["unseen_sites"]
     if method["workflow"] == "flux":
         assign = train["assignment"]

@@ -23,7 +23,7 @@ import numpy as np
 from fedmed.algorithms.clustering import farthest_split, most_distant_site
 from fedmed.algorithms.heterogeneity import d_emd, emd_matrix, embedding_distance_matrix
 
-__all__ = ["DEFAULT_EDGES", "assess", "histogram_edges"]
+__all__ = ["DEFAULT_EDGES", "assess", "histogram_edges", "intensity_emd"]
 
 # z-scored MR intensities and lesion volumes in mm^3 (values outside fall into the end bins)
 DEFAULT_EDGES = {"intensity": (-5.0, 25.0, 121), "label": (0.0, 300_000.0, 151)}
@@ -69,3 +69,22 @@ def assess(sites: dict[str, dict], *, rule: str = "objective") -> dict:
     return report
 
 
+
+
+def intensity_emd(sites: dict[str, dict], feature: str | None = None) -> tuple[list[str], np.ndarray, str]:
+    """Label-free ``D_maxI``: the EMD matrix of one maximum-intensity feature (``feature``, e.g. the one a run's
+    assessment selected as ``EMD_maxI``; default: the one with the largest summary here) between the sites' replies.
+    Returns (sites sorted, matrix, the feature's modality)."""
+    from fedmed.algorithms.heterogeneity import select_max_feature
+
+    names = sorted(sites)
+    feats = sorted(set.intersection(*[{k for k in sites[n] if k.startswith("intensity__")} for n in names]))
+    if not feats:
+        raise ValueError("no image-intensity feature is present at every site")
+    key = f"intensity__{feature}" if feature else None
+    if key is not None and key not in feats:
+        raise ValueError(f"intensity feature {feature!r} is not present at every site (they share {feats})")
+    mats = {f: emd_matrix([sites[n][f] for n in names], edges=sites[names[0]].get(f"edges__{f}"), site_names=names,
+                          feature=f) for f in ([key] if key else feats)}
+    best = key or select_max_feature(mats)[0]
+    return names, np.asarray(mats[best], dtype=np.float64), best.split("__", 1)[1]

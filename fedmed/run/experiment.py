@@ -92,24 +92,25 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
         full, pool = pool, pool.subset(rest)
         common_items = full.subset(common)
         extra["common_test"] = int(common.size)
+    n_all = fed.sites + fed.unseen_sites  # held-out sites are dealt like the others, then kept out of training
     if part == "iid":
-        parts = P.iid_partition(len(pool.labels), fed.sites, rng)
+        parts = P.iid_partition(len(pool.labels), n_all, rng)
     elif part == "dirichlet":
-        parts = P.dirichlet_label_partition(pool.labels, fed.sites, fed.alpha, rng,
+        parts = P.dirichlet_label_partition(pool.labels, n_all, fed.alpha, rng,
                                             mode={"hsu": "per-site", "per_client": "per-client"}[fed.dirichlet_scheme])
     elif part == "quantity":
-        parts = P.quantity_partition(len(pool.labels), fed.sites, fed.alpha, rng)
+        parts = P.quantity_partition(len(pool.labels), n_all, fed.alpha, rng)
     elif part == "predi":
         try:
-            res = P.predi(pool.n_classes, fed.sites, fed.predi_prevalence, fed.predi_disparity, rng)
+            res = P.predi(pool.n_classes, n_all, fed.predi_prevalence, fed.predi_disparity, rng)
             parts = P.predi_partition(pool.labels, res.assignment, rng, samples_per_cell=fed.predi_samples_per_cell)
         except ValueError as e:
             raise ValueError(f"federation.predi_prevalence={fed.predi_prevalence}, predi_disparity={fed.predi_disparity}, "
-                             f"predi_samples_per_cell={fed.predi_samples_per_cell} with {fed.sites} sites and "
+                             f"predi_samples_per_cell={fed.predi_samples_per_cell} with {n_all} sites and "
                              f"{pool.n_classes} classes cannot be met: {e}") from None
         extra.update(prevalence=res.prevalence, disparity=res.disparity)
     elif part == "anda":
-        sites = P.anda_federation(pool.labels, fed.sites + fed.unseen_sites, fed.anda_shift, rng,
+        sites = P.anda_federation(pool.labels, n_all, fed.anda_shift, rng,
                                   level=fed.anda_level, n_groups=fed.anda_groups)
         parts = [s.indices for s in sites]
         transforms = [(lambda img, lab, s=s: P.apply_anda_transform(img, lab, s, colour=fed.anda_colour)) for s in sites]
@@ -137,6 +138,9 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
             final[k] = f"unseen-{j + 1}"
         names = final
         extra.update(groups=dict(zip(names, groups)), unseen_sites=[f"unseen-{j + 1}" for j in range(len(unseen))])
+    elif fed.unseen_sites:  # no known groups: the last sites dealt are held out
+        names = names + [f"unseen-{j + 1}" for j in range(fed.unseen_sites)]
+        extra.update(unseen_sites=names[fed.sites:])
     if common is not None:  # the common test images join the pool's end so the datalists can refer to them
         from fedmed.data.images import ImagePool
 
@@ -198,7 +202,7 @@ def _stop(proc, grace: float = 30.0) -> None:
 
 def run_job(config_path: str, overrides: list[str], method: str, seed: int, datalists: Path, work: Path,
             n_sites: int = 0, timeout: int = 24 * 3600, *, log=print, resume_from: Path | None = None,
-            sites: list[str] | None = None, test_phase: dict | None = None) -> dict:
+            sites: list[str] | None = None, onboard: dict | None = None) -> dict:
     """Build one (method, seed) job from the config and run it in NVFlare's simulator (``jobs/run.py``).
 
     Keeps the server's ``fedmed/`` output (metrics.json, reports, plots, tb/, models/, checkpoint/) under
@@ -225,8 +229,10 @@ def run_job(config_path: str, overrides: list[str], method: str, seed: int, data
         cmd += ["--resume-from", str(staged)]
     if sites:
         cmd += ["--sites", *sites]
-    if test_phase:
-        cmd += ["--test-phase", json.dumps(test_phase)]
+    if onboard:  # the unseen-site test phase (fedmed.workflows.onboard), every cluster model scored as a reference
+        cmd += ["--onboard", onboard["training_result"], "--unseen", "--references"]
+        if onboard.get("known_clusters"):
+            cmd += ["--known-clusters", json.dumps(onboard["known_clusters"])]
     total = None
     t0 = time.time()
     seen = 0
@@ -274,8 +280,12 @@ def run_job(config_path: str, overrides: list[str], method: str, seed: int, data
     return doc
 
 
-def training_assignment(doc: dict, workflow: str) -> dict:
-    """site -> cluster after training (Flux: its assignment; IFCA: last training round's choice)."""
+def training_assignment(doc: dict, workflow: str, folder: Path | None = None) -> dict:
+    """site -> cluster after training (what the run kept for onboarding, ``onboarding.json``; else Flux: its
+    assignment; IFCA: last training round's choice; one cluster)."""
+    f = Path(folder) / "onboarding.json" if folder is not None else None
+    if f is not None and f.is_file():
+        return {s: int(c) for c, members in json.loads(f.read_text())["clusters"].items() for s in members}
     if workflow == "flux":
         return {k: int(v) for k, v in doc.get("assignment", {}).items()}
     if workflow == "ifca":
@@ -581,22 +591,23 @@ def _references(exp, config_path, job_over, seed, data_dir, out, chosen, log, re
 def _unseen(config_path, job_over, m, seed, data_dir, work, doc, meta, log) -> list[dict]:
     from sklearn.metrics import adjusted_rand_score
 
-    assign = training_assignment(doc, m.workflow)
-    groups = meta["groups"]
+    assign = training_assignment(doc, m.workflow, work / "server")
+    groups = meta.get("groups")  # known only for ANDA federations
     trained = sorted(assign)
-    ari = float(adjusted_rand_score([groups[x] for x in trained], [assign[x] for x in trained]))
-    known = known_association(groups, assign, meta["unseen_sites"])
-    sizes = {str(c): sum(1 for v in assign.values() if v == c) for c in set(assign.values())}
-    test = {"training_result": str((work / "server").resolve()), "known_clusters": known, "cluster_sizes": sizes}
+    ari = (float(adjusted_rand_score([groups[x] for x in trained], [assign[x] for x in trained]))
+           if groups and method_entry(m.workflow).clusters else None)
+    known = known_association(groups, assign, meta["unseen_sites"]) if groups and method_entry(m.workflow).clusters else {}
+    test = {"training_result": str((work / "server").resolve()), "known_clusters": known}
     tdoc = run_job(str(config_path), job_over, m.name, seed, data_dir, work / "test_phase", len(meta["unseen_sites"]),
-                   log=lambda *_: None, sites=meta["unseen_sites"], test_phase=test)
+                   log=lambda *_: None, sites=meta["unseen_sites"], onboard=test)
     rows = []
     for r in tdoc["rounds"]:
-        phase = {"test_phase": "test phase", "known_association": "known assoc."}[r["task"]]
+        phase = {"test_phase": "test phase", "known_association": "known assoc.", "ensemble": "ensemble"}.get(
+            r["task"], r["task"].replace("cluster", "cluster model "))
         rows.append({"method": m.name, "kind": "method", "seed": seed, "round": doc["rounds"][-1]["round"], "phase": phase,
                      "ari": ari, **{k: r["summary"]["mean"].get(k) for k in CLS_METRICS},
                      **{f"pooled_{k}": (r["summary"].get("pooled") or {}).get(k) for k in CLS_METRICS}})
-    log(f"    clustering ARI vs true groups {ari:.2f}; unseen sites: " + ", ".join(
+    log((f"    clustering ARI vs true groups {ari:.2f}; " if ari is not None else "    ") + "unseen sites: " + ", ".join(
         f"{r['task']} accuracy {100 * r['summary']['mean']['accuracy']:.2f}%" for r in tdoc["rounds"]))
     return rows
 

@@ -30,7 +30,9 @@ def _seed(runner, cfg, round_):
 def _metrics(runner, model, cfg):
     from fedmed.nn.seg import seg_metrics
 
-    _, te = runner.cases(cfg)
+    tr, te = runner.cases(cfg)
+    if task_config(cfg).evaluate_on == "all":  # a new site scored on everything it has (fedmed.workflows.onboard)
+        te = list(tr) + list(te)
     if len({str(c["meta"].get("subject") or c["meta"].get("id")) for c in te}) < runner.k_min(cfg):
         return {}, {"n_test": 0}  # scores of fewer than k_min test subjects are not sent (privacy.k_min)
     metrics = seg_metrics(model, te, roi=tuple(task_config(cfg).data.roi)) if te else {}

@@ -5,6 +5,10 @@ from fedmed.workflows.federation import RunFailed
 from fedmed.workflows.clustered import OneShotClustered
 
 
+# what a site's assessment reply holds that the distances read (histograms, their edges, embedding centroids)
+ASSESSMENT_KEYS = ("intensity__", "label__", "edges__", "embedding_centroid", "embeddings", "encoder")
+
+
 class SegAssessment(OneShotClustered):
     """Algorithm box (``004_`` §2-3):
 
@@ -22,6 +26,8 @@ class SegAssessment(OneShotClustered):
     def __init__(self, num_rounds: int, fedmed_config: dict, mode: str = "assess", distance: str = "emd",
                  omega: float = 1.0, site: str = "", clusters: list = None, **kw):
         super().__init__(num_rounds, fedmed_config, signature={}, clustering={}, omega=omega, **kw)
+        self.assessed: dict = {}
+        self.max_intensity = None  # the modality of EMD_maxI in the run's assessment
         self.mode, self.distance, self.site, self.clusters = mode, distance, site, clusters or []
 
     def assess_sites(self) -> dict:
@@ -40,7 +46,9 @@ class SegAssessment(OneShotClustered):
         if len(sites) < max(2, self.min_clients):
             raise RunFailed(f"{len(sites)} site(s) sent an assessment; the 004_ assessment needs at least "
                             f"{max(2, self.min_clients)}")
+        self.assessed = {s: {k: v for k, v in m.items() if k.startswith(ASSESSMENT_KEYS)} for s, m in sites.items()}
         report = assess(sites)
+        self.max_intensity = report["emd"]["max_intensity"]
         write_assessment_report(report, self.out_dir / "assessment")
         summary = {k: {kk: vv for kk, vv in v.items() if kk != "matrix"} for k, v in report.items() if k in ("emd", "euc")}
         self.recorder.note("assessment", {"sites": report["sites"], **summary,
@@ -59,9 +67,13 @@ class SegAssessment(OneShotClustered):
                                                  "source": "given" if self.site else f"assessment ({self.distance})"})
             self.train_global(self.resumed_models().get("global") or self.initial_params(), down_weight_site=site)
         elif self.mode == "clusters":
+            self.assessed, self.max_intensity = st.get("assessed", {}), st.get("max_intensity")
             groups = st.get("clusters") or self.clusters or self.assess_sites()[self.distance]["clusters"]
             self.recorder.note("clustering", {"clusters": groups, "rule": "given" if self.clusters
                                               else f"004_ Alg. 1 on D_{self.distance.upper()}"})
-            self.train_clusters([list(g) for g in groups])
+            groups = self.train_clusters([list(g) for g in groups], assessed=self.assessed,
+                                         max_intensity=self.max_intensity)
+            self.save_onboarding("assess", dict(enumerate(groups)), assessed=self.assessed, distance=self.distance,
+                                 max_intensity=self.max_intensity)
         else:
             self.assess_sites()

@@ -112,6 +112,23 @@ class Workflow:
     def save_final(self, params: dict, name: str = "global", *, sites=None, cluster=None):
         self.fed.save_final(params, name, sites=sites, cluster=cluster)
 
+    def save_onboarding(self, mode: str, clusters: dict, arrays: dict | None = None, **state):
+        """What a new site needs to be given the cluster model that fits it after this run
+        (:class:`fedmed.workflows.onboard.Onboard`): the ``mode`` of assignment, ``clusters`` (cluster id -> its
+        training sites) and the method's ``state`` (aggregates the sites already sent: signatures, assessments, a
+        split tree) in ``onboarding.json``, arrays in ``onboarding.npz``. Written only by a run that finished."""
+        import json
+
+        import numpy as np
+
+        from fedmed.core.io import json_default
+
+        doc = {"mode": mode, "workflow": self.record_name, "clusters": {str(c): list(s) for c, s in clusters.items()},
+               "state": state}
+        (self.out_dir / "onboarding.json").write_text(json.dumps(doc, default=json_default))
+        if arrays:
+            np.savez(self.out_dir / "onboarding.npz", **{k: np.asarray(v) for k, v in arrays.items()})
+
     def start_round(self) -> int:
         return int(self.resumed.get("next_round", 0))
 

@@ -5,10 +5,18 @@ import numpy as np
 from fedmed.workflows.fedavg import FedAvg
 
 
+def weighted_mean(updates: list[dict], weights) -> dict:
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    return {k: sum(wi * np.asarray(u[k], dtype=np.float64) for wi, u in zip(w, updates)) for k in updates[0]}
+
+
 class CFL(FedAvg):
     """Algorithm box (CFL, Alg. 1): every round each cluster trains from its model; when a cluster's mean
     update is small but some site's update is large (``fedmed.algorithms.clustered.cfl_split``), it is bipartitioned
-    by cosine similarity of the updates and each half continues from the cluster's model."""
+    by cosine similarity of the updates and each half continues from the cluster's model. The parameter tree (the
+    model at each split and each half's mean update) is kept so a new site can be sent down it (Sattler et al.,
+    Sec. "clustering new clients"; :class:`fedmed.workflows.onboard.Onboard`)."""
 
     record_name = "CFLController"
 
@@ -27,6 +35,7 @@ class CFL(FedAvg):
         saved = self.resumed_models()
         theta = [saved.get(f"cluster{c}") or self.initial_params() for c in range(len(clusters))]
         splits = st.get("splits", [])
+        tree = {k: v for k, v in saved.items() if k.startswith("split")}  # the parameter tree (for onboarding)
         for r in range(self.start_round(), self.num_rounds + 1):
             task = "train" if r < self.num_rounds else "validate"
             replies = self.send_groups(task, {c: (self.task(theta[c], r, cluster=c), sites)
@@ -51,6 +60,12 @@ class CFL(FedAvg):
                     halves[0] += [s for s in sites if s not in names]  # sites that did not answer stay with half 0
                     new_clusters += halves
                     new_theta += [agg, agg]
+                    i = len(splits)
+                    tree[f"split{i}_model"] = theta[c]
+                    for h in (0, 1):
+                        tree[f"split{i}_u{h}"] = weighted_mean(
+                            [u for u, lab in zip(updates, decision["labels"]) if lab == h],
+                            [meta["n_train"] for (_, _, meta, _), lab in zip(good, decision["labels"]) if lab == h])
                     splits.append({"round": r, "cluster": sites, "into": halves, "mean_norm": decision["mean_norm"],
                                    "max_norm": decision["max_norm"]})
                     self.info(f"CFL split in round {r}: {halves}")
@@ -58,7 +73,11 @@ class CFL(FedAvg):
                     new_clusters.append(sites)
                     new_theta.append(agg)
             clusters, theta = new_clusters, new_theta
-            self.checkpoint(r + 1, {f"cluster{c}": t for c, t in enumerate(theta)}, clusters=clusters, splits=splits)
+            self.checkpoint(r + 1, {**{f"cluster{c}": t for c, t in enumerate(theta)}, **tree}, clusters=clusters,
+                            splits=splits)
         self.recorder.note("clustering", {"clusters": clusters, "splits": splits, "rule": "CFL"})
         for c, sites in enumerate(clusters):
             self.save_final(theta[c], name=f"cluster{c}", sites=sites, cluster=c)
+        self.save_onboarding("cfl", dict(enumerate(clusters)), splits=[{"cluster": sp["cluster"], "into": sp["into"]}
+                                                                       for sp in splits],
+                             arrays={f"{name}/{k}": v for name, p in tree.items() for k, v in p.items()})

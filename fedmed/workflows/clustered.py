@@ -6,6 +6,15 @@ from fedmed.workflows.federation import RunFailed
 from fedmed.workflows.fedavg import FedAvg
 
 
+def wire_only(kind: str, meta: dict) -> dict:
+    """Of a signature reply, what the distances read (its wire arrays) and the encoder that made it: what a finished
+    run keeps for onboarding new sites (:mod:`fedmed.workflows.onboard`)."""
+    from fedmed.algorithms.signatures import FIELDS
+
+    keep = FIELDS[kind] + ("classes", "encoder")
+    return {k: v for k, v in meta.items() if k in keep}
+
+
 class OneShotClustered(FedAvg):
     """Algorithm box (FMCL, Fig. 1):
 
@@ -25,8 +34,18 @@ class OneShotClustered(FedAvg):
         self.clustering = ClusteringTask.model_validate(clustering) if clustering else None
 
     def run(self):
-        clusters = self.resumed.get("state", {}).get("clusters") or self.cluster(self.collect_signatures())
-        self.train_clusters(clusters)
+        st = self.resumed.get("state", {})
+        if st.get("clusters"):
+            clusters, signatures = st["clusters"], st.get("signatures", {})
+        else:
+            sigs = self.collect_signatures()
+            clusters = self.cluster(sigs)
+            signatures = {s: wire_only(self.signature.kind, m) for s, m in sigs.items()}
+        clusters = self.train_clusters(clusters, signatures=signatures)
+        c = self.clustering
+        self.save_onboarding("signature", dict(enumerate(clusters)), signatures=signatures,
+                             signature=self.signature.model_dump(),
+                             clustering={"overlap": c.overlap, "linkage": c.linkage})
 
     def collect_signatures(self) -> dict:
         rows = self.send("signature", self.task({}, 0, signature=self.signature.model_dump()))
@@ -95,3 +114,4 @@ class OneShotClustered(FedAvg):
         for c, sites in enumerate(clusters):
             if sites:
                 self.save_final(theta[c], name=f"cluster{c}", sites=sites, cluster=c)
+        return clusters

@@ -137,3 +137,4 @@ class Flux(FedAvg):
                  centroids_label_free=info["centroids_label_free"], centroids_full=info["centroids_full"],
                  pca_seed=self.flux.pca_seed, n_components=self.flux.n_components,
                  **{f"theta_star/{k}": v for k, v in theta_star.items()})
+        self.save_onboarding("flux", {c: [s for s, a in assign.items() if a == c] for c in models})

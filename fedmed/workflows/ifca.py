@@ -45,6 +45,7 @@ class IFCA(FedAvg):
                 self.checkpoint(r + 1, {f"cluster{j}": m for j, m in enumerate(models)})
         last = self.recorder.doc["rounds"][-1]["sites"]
         self.recorder.note("clustering", {"k": self.k, "rule": "IFCA (lowest local loss)"})
+        chose = {j: [s for s, v in last.items() if v.get("cluster") == j] for j in range(self.k)}
         for j, m in enumerate(models):
-            self.save_final(m, name=f"cluster{j}", sites=[s for s, v in last.items() if v.get("cluster") == j],
-                            cluster=j)
+            self.save_final(m, name=f"cluster{j}", sites=chose[j], cluster=j)
+        self.save_onboarding("ifca", chose, k=self.k)

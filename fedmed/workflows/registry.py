@@ -65,33 +65,37 @@ class MethodEntry:
     clusters: bool = False  # ends with one model per cluster
     signature: bool = False  # sends a one-shot signature (FMCL, PACFL, FECFL)
     args: Callable = field(default=_none, repr=False)  # (exp, method, seed, task config) -> the workflow's options
-    test_phase: str = "global"  # what an unseen site is served (fedmed.workflows.test_phase)
-    test_phase_on_unseen: bool = False  # fedmed experiment scores the federation's unseen sites after training
+    onboard: str | None = None  # how a new site is given a model after training (fedmed.workflows.onboard.MODES)
+
+    @property
+    def test_phase_on_unseen(self) -> bool:
+        """``fedmed experiment`` scores the federation's unseen sites after training (those of every method that
+        serves a new site a model)."""
+        return self.onboard is not None
 
 
 METHODS: dict[str, MethodEntry] = {e.workflow: e for e in (
-    MethodEntry("fedavg", "fedavg", ("classification", "segmentation"), test_phase_on_unseen=True),
-    MethodEntry("fedprox", "fedavg", ("classification", "segmentation"), test_phase_on_unseen=True),
+    MethodEntry("fedavg", "fedavg", ("classification", "segmentation"), onboard="global"),
+    MethodEntry("fedprox", "fedavg", ("classification", "segmentation"), onboard="global"),
     MethodEntry("ditto", "fedavg", ("segmentation",)),
     MethodEntry("fedmae", "fedavg", ("classification",)),
     MethodEntry("finetune", "finetune", ("classification",), ("class_set", "train", "validate"), args=_finetune),
     *(MethodEntry(w, "clustered", ("classification",), ("signature", "train", "validate"), clusters=True, signature=True,
-                  args=_signature) for w in ("fmcl", "pacfl", "fecfl")),
-    MethodEntry("cfl", "cfl", ("classification",), clusters=True, args=_cfl),
+                  args=_signature, onboard="signature") for w in ("fmcl", "pacfl", "fecfl")),
+    MethodEntry("cfl", "cfl", ("classification",), clusters=True, args=_cfl, onboard="cfl"),
     MethodEntry("flux", "flux", ("classification",), ("train", "latent_bounds", "descriptor", "validate"), clusters=True,
-                args=_flux, test_phase="flux", test_phase_on_unseen=True),
-    MethodEntry("ifca", "ifca", ("classification",), ("ifca",), clusters=True, args=_ifca,
-                test_phase="ensemble", test_phase_on_unseen=True),
+                args=_flux, onboard="flux"),
+    MethodEntry("ifca", "ifca", ("classification",), ("ifca",), clusters=True, args=_ifca, onboard="ifca"),
     MethodEntry("seg_assess", "assessment", ("segmentation",), ("assess",), args=_assessment("assess")),
     MethodEntry("fedavg_w", "assessment", ("segmentation",), ("assess", "train", "validate"), args=_assessment("fedavg_w")),
     MethodEntry("seg_clusters", "assessment", ("segmentation",), ("assess", "train", "validate"), clusters=True,
-                args=_assessment("clusters")),
+                args=_assessment("clusters"), onboard="assess"),
 )}
 
 # server workflow name -> "module:Class" under fedmed.workflows (imported when a run needs it)
 SERVER_WORKFLOWS = {"fedavg": "fedavg:FedAvg", "finetune": "finetune:Finetune", "clustered": "clustered:OneShotClustered",
                     "cfl": "cfl:CFL", "flux": "flux:Flux", "ifca": "ifca:IFCA", "assessment": "assessment:SegAssessment",
-                    "test_phase": "test_phase:FluxTest"}
+                    "onboard": "onboard:Onboard"}
 
 
 def method_entry(workflow: str) -> MethodEntry:

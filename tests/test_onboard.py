@@ -1,0 +1,280 @@
+"""A new site gets the cluster model that fits it (fedmed.workflows.onboard), in every workflow that ends with clusters.
+
+Each clustered method trains in-process on a small real federation with known groups (scikit-learn's handwritten
+digits, ANDA label shift: two groups holding different classes; BraTS-2013 for 004_), two held-out sites (one per
+group) are onboarded from the finished run's result folder — what an onboarding job carries — and each must be
+assigned the cluster of its own group. The FLARE paths (simulator, provisioned sites) are in test_jobs_e2e.py and
+test_deployment.py.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BRATS = ROOT.parent / "shared" / "data" / "brats2013"
+
+METHODS = [{"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn", "n_clusters": 2},
+           {"name": "PACFL", "workflow": "pacfl", "encoder": "random_cnn", "n_clusters": 2},
+           {"name": "FECFL", "workflow": "fecfl", "encoder": "random_cnn", "n_clusters": 2},
+           {"name": "IFCA", "workflow": "ifca", "n_clusters": 2},
+           # split whenever a cluster has more than two sites (the criterion is tested in test_clustered.py)
+           {"name": "CFL", "workflow": "cfl", "cfl_eps1": 1e9, "cfl_eps2": 1e-6, "warmup_rounds": 2},
+           # Flux-prior (K given): on 6 small sites Flux's adaptive DBSCAN finds one cluster, which onboarding would
+           # trivially get right
+           {"name": "Flux", "workflow": "flux", "n_clusters": 2},
+           {"name": "FedAvg", "workflow": "fedavg"}]
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    from fedmed.config import load_config
+    from fedmed.run.experiment import classes_override, prepare_federation
+
+    tmp = tmp_path_factory.mktemp("onboard")
+    raw = {"name": "onboard", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 40},
+           "federation": {"sites": 6, "partition": "anda", "anda_shift": "label", "anda_level": 6, "anda_groups": 2,
+                          "unseen_sites": 2},
+           "model": {"arch": "resnet9", "width": 4}, "train": {"rounds": 4, "local_epochs": 2, "batch_size": 16},
+           "privacy": {"k_min": 2}, "methods": METHODS}
+    cfg = tmp / "c.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    exp = load_config(cfg)
+    data = prepare_federation(exp, 0, tmp / "data")
+    over = classes_override(data, exp)
+    meta = json.loads((data / "dataset.json").read_text())
+    assert sorted(meta["unseen_sites"]) == ["unseen-1", "unseen-2"]
+    assert {meta["groups"][u] for u in meta["unseen_sites"]} == {0, 1}  # one new site per group
+    return {"cfg": cfg, "exp": load_config(cfg, over), "over": over, "data": data, "meta": meta, "tmp": tmp}
+
+
+def train(fed, method_name: str, out: Path, sites=None):
+    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.workflows import InProcessFederation, server_workflow, workflow_args
+
+    exp = fed["exp"]
+    m = next(m for m in exp.methods if m.name == method_name)
+    sites = sites or exp.site_names()
+    cfg = fedmed_config(exp, 0, m, sites)
+    name, args = workflow_args(exp, m, 0, cfg)
+    f = InProcessFederation(fed["data"], sites, out, log=None)
+    assert f.run(server_workflow(name)(exp.train.rounds, cfg, **args)) == "finished"
+    return m
+
+
+def onboard(exp, data, m, result: Path, new_sites, out: Path, **kw):
+    """The onboarding job's server side, in this process: the training result checked and carried as a job carries it."""
+    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.workflows import InProcessFederation, method_entry
+    from fedmed.workflows.onboard import TRAINING_DIR, Onboard, check_training_result, training_files
+
+    folder = check_training_result(result, m.workflow, require_clusters=kw.pop("require_clusters", True))
+    app = out.parent / (out.name + "_app")
+    (app / TRAINING_DIR).mkdir(parents=True)
+    for f in training_files(folder):
+        shutil.copy(f, app / TRAINING_DIR / f.name)
+    f = InProcessFederation(data, new_sites, out, app_custom=app, log=None)
+    status = f.run(Onboard(1, fedmed_config(exp, 0, m, new_sites), mode=method_entry(m.workflow).onboard, **kw))
+    return status, f.recorder.doc
+
+
+@pytest.mark.parametrize("name", [m["name"] for m in METHODS if m["workflow"] != "fedavg"])
+def test_a_held_out_site_is_assigned_its_groups_cluster(federation, name, tmp_path):
+    from fedmed.nn.predict import load_model
+
+    m = train(federation, name, tmp_path / "train")
+    groups, unseen = federation["meta"]["groups"], federation["meta"]["unseen_sites"]
+    st = json.loads((tmp_path / "train" / "onboarding.json").read_text())
+    clusters = {int(c): s for c, s in st["clusters"].items() if s}
+    assert len(clusters) >= 2  # the method did cluster (else any assignment would be right)
+    for members in clusters.values():  # ... by group: every cluster is one group's
+        assert len({groups[s] for s in members}) == 1, st["clusters"]
+    status, doc = onboard(federation["exp"], federation["data"], m, tmp_path / "train", unseen, tmp_path / "onboard",
+                          references=True)
+    assert status == "finished", doc.get("reason")
+    assign = doc["assignment"]["test_phase"]
+    assert sorted(assign) == unseen
+    for u, c in assign.items():
+        assert {groups[s] for s in clusters[c]} == {groups[u]}, (u, c, st["clusters"])
+    # scored with the assigned model and, as references, with every cluster model
+    tasks = [r["task"] for r in doc["rounds"]]
+    assert tasks[0] == "test_phase" and {f"cluster{c}" for c in clusters} <= set(tasks)
+    for u in unseen:
+        assert np.isfinite(doc["rounds"][0]["sites"][u]["accuracy"])
+        saved = load_model(tmp_path / "onboard" / "models" / f"{u}.pt")  # what `fedmed predict --model` loads
+        assert saved is not None
+    label_free = m.workflow in ("pacfl", "fecfl", "flux")
+    assert doc["assignment"]["label_free"] is label_free
+    assert doc["assignment"]["evaluated_on"] == ("all data" if label_free else "test split")
+
+
+def test_label_using_onboarding_is_scored_on_the_test_split_label_free_on_all_data(federation, tmp_path):
+    """The reading (docs/readings.md, "Onboarding"): FMCL's prototypes use the new site's training labels, so its
+    model is scored on the test split only; FECFL (label-free) on all the site's data, as Flux's test phase. The
+    number of images each was scored on pins it: it fails under the other reading."""
+    unseen = federation["meta"]["unseen_sites"]
+    n = {}
+    for name in ("FMCL", "FECFL"):
+        m = train(federation, name, tmp_path / name)
+        _, doc = onboard(federation["exp"], federation["data"], m, tmp_path / name, unseen, tmp_path / f"{name}_ob")
+        n[name] = {u: doc["rounds"][0]["sites"][u]["n_test"] for u in unseen}
+    for u in unseen:
+        dl = json.loads((federation["data"] / f"{u}.json").read_text())
+        assert n["FMCL"][u] == len(dl["test"])
+        assert n["FECFL"][u] == len(dl["training"]) + len(dl["validation"]) + len(dl["test"])
+
+
+def test_linkage_decides_between_a_near_member_and_a_near_cluster():
+    """Average linkage (FMCL's default) compares mean distances; single linkage the nearest member."""
+    from fedmed.workflows.onboard import assign_by_linkage
+
+    row = {"a1": 0.1, "a2": 0.9, "a3": 0.9, "b1": 0.3, "b2": 0.3}
+    clusters = {0: ["a1", "a2", "a3"], 1: ["b1", "b2"]}
+    assert assign_by_linkage(row, clusters, "average")[0] == 1
+    assert assign_by_linkage(row, clusters, "single")[0] == 0
+    assert assign_by_linkage(row, clusters, "complete")[0] == 1
+
+
+# ------------------------------------------------------------------ bad input: one line naming it
+
+def _finished_fmcl(federation, tmp_path):
+    train(federation, "FMCL", tmp_path / "train")
+    return tmp_path / "train"
+
+
+def build(federation, *args):
+    return subprocess.run([sys.executable, str(ROOT / "jobs" / "build.py"), "--config", str(federation["cfg"]),
+                           *[x for o in federation["over"] for x in ("--set", o)], *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_onboarding_bad_input_is_one_line_naming_it(federation, tmp_path):
+    result = _finished_fmcl(federation, tmp_path)
+    # a run that did not finish
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(result, unfinished)
+    doc = json.loads((unfinished / "metrics.json").read_text())
+    doc.update(status="failed", reason="round 2 (train): 1 site(s) answered, fewer than min_clients=2")
+    (unfinished / "metrics.json").write_text(json.dumps(doc))
+    p = build(federation, "--method", "FMCL", "--out", str(tmp_path / "jobs"), "--onboard", str(unfinished),
+              "--sites", "unseen-1")
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0
+    assert "unfinished: the training run did not finish (status failed: round 2" in p.stderr
+    # a method with no clusters
+    p = build(federation, "--method", "FedAvg", "--out", str(tmp_path / "jobs"), "--onboard", str(result),
+              "--sites", "unseen-1")
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0
+    assert "workflow 'fedavg' ends with one model and no clusters" in p.stderr
+    # a run of another method
+    p = build(federation, "--method", "PACFL", "--out", str(tmp_path / "jobs"), "--onboard", str(result),
+              "--sites", "unseen-1")
+    assert p.returncode == 2 and "a run of fmcl, not of workflow 'pacfl'" in p.stderr  # the same server workflow
+    # no new site named
+    p = build(federation, "--method", "FMCL", "--out", str(tmp_path / "jobs"), "--onboard", str(result))
+    assert p.returncode == 2 and "--onboard needs --sites" in p.stderr
+    # and a good one builds
+    p = build(federation, "--method", "FMCL", "--out", str(tmp_path / "jobs"), "--onboard", str(result),
+              "--sites", "unseen-1", "unseen-2")
+    assert p.returncode == 0, p.stderr
+    job = Path(p.stdout.strip().splitlines()[-1])
+    assert list(job.rglob("fedmed_training/onboarding.json")) and list(job.rglob("fedmed_training/cluster0.pt"))
+
+
+def test_a_new_site_with_a_class_the_run_never_saw_is_one_line_naming_it(federation, tmp_path):
+    result = _finished_fmcl(federation, tmp_path)
+    data = tmp_path / "data"
+    shutil.copytree(federation["data"], data)
+    dl = json.loads((data / "unseen-1.json").read_text())
+    for e in dl["training"][:3]:
+        e["label"] = 11  # a class id the run's label space (digits 0-9) does not have
+    (data / "unseen-1.json").write_text(json.dumps(dl))
+    m = next(m for m in federation["exp"].methods if m.name == "FMCL")
+    status, doc = onboard(federation["exp"], data, m, result, ["unseen-1"], tmp_path / "ob")
+    assert status == "failed"
+    err = next(e["error"] for e in doc["errors"] if e["site"] == "unseen-1")
+    assert "\n" not in err and "label(s) [11] outside the job's global label space 0..9" in err, err
+    assert "unseen-1" in doc["reason"]
+    # with another new site that is fine, the onboarding goes on for it
+    status, doc = onboard(federation["exp"], data, m, result, ["unseen-1", "unseen-2"], tmp_path / "ob2")
+    assert status == "finished" and sorted(doc["assignment"]["test_phase"]) == ["unseen-2"]
+
+
+def test_unseen_sites_for_every_partition(tmp_path):
+    """``federation.unseen_sites`` holds sites out of training for Dirichlet and PreDi federations too (groups unknown)."""
+    from fedmed.config import load_config
+    from fedmed.run.experiment import prepare_federation
+
+    for part, extra in (("dirichlet", {"alpha": 0.3}), ("predi", {"predi_prevalence": 2.0}), ("iid", {})):
+        raw = {"name": "u", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 20},
+               "federation": {"sites": 4, "partition": part, "unseen_sites": 2, **extra},
+               "methods": [{"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn"}]}
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+        data = prepare_federation(load_config(tmp_path / "c.yaml"), 0, tmp_path / part)
+        meta = json.loads((data / "dataset.json").read_text())
+        assert meta["sites"] == ["site-1", "site-2", "site-3", "site-4"], part
+        assert meta["unseen_sites"] == ["unseen-1", "unseen-2"], part
+        for u in meta["unseen_sites"]:
+            assert json.loads((data / f"{u}.json").read_text())["training"], (part, u)
+
+
+@pytest.mark.skipif(not BRATS.is_dir(), reason="BraTS-2013 subjects not in ../shared/data (see its README)")
+def test_004_a_held_out_site_is_assigned_its_groups_cluster(tmp_path):
+    """``004_`` two clusters on BraTS-2013: group A holds the subjects as released, group B the same kind of subjects
+    with every MR intensity doubled (another scanner's scaling — a synthetic shift of real images, as ANDA's). Every
+    training site holds the same three subjects, so only the intensities tell the groups apart; the new sites hold the
+    other three. Alg. 1 on D_EMD splits A from B; each new site, compared by its image intensities only (label-free),
+    joins its group's cluster and scores that cluster's U-Net."""
+    import nibabel as nib
+
+    from fedmed.config import load_config
+    from fedmed.data.seg_federation import discover_subjects
+
+    mods = {"FLAIR": "Flair*.nii*", "T1c": "T1c*.nii*"}
+    entries = discover_subjects(BRATS, mods, "OTMultiClass*.nii*", "brainmask*.nii*")
+    assert len(entries) == 6
+
+    def shifted(e):
+        out = dict(e, image=[], id=e["id"] + "_x2")
+        for f in e["image"]:
+            img = nib.load(f)
+            dst = tmp_path / "x2" / e["subject"] / Path(f).name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            nib.save(nib.Nifti1Image(np.asarray(img.dataobj, dtype=np.float32) * 2.0, img.affine), dst)
+            out["image"].append(str(dst))
+        return out
+
+    first, rest = entries[:3], entries[3:]
+    first_x2, rest_x2 = [shifted(e) for e in first], [shifted(e) for e in rest]
+    sites = {"a-1": first, "a-2": first, "b-1": first_x2, "b-2": first_x2, "new-a": rest, "new-b": rest_x2}
+    data = tmp_path / "data"
+    data.mkdir()
+    for s, cases in sites.items():
+        (data / f"{s}.json").write_text(json.dumps({"training": cases[:2], "validation": [], "test": cases[2:]}))
+    raw = {"name": "onboard-004", "dataset": {"path": str(BRATS), "task": "segmentation", "modalities": mods,
+                                              "label_pattern": "OTMultiClass*.nii*", "mask_pattern": "brainmask*.nii*",
+                                              "shape": [16, 16, 16], "roi": [16, 16, 16]},
+           "federation": {"sites": 4, "site_names": ["a-1", "a-2", "b-1", "b-2"], "min_clients": 2},
+           "model": {"channels": [4, 8]}, "train": {"rounds": 1, "local_epochs": 1, "optimizer": "adam", "lr": 0.01},
+           "privacy": {"k_min": 2},
+           "methods": [{"name": "Clusters", "workflow": "seg_clusters"}]}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    fed = {"exp": load_config(tmp_path / "c.yaml"), "data": data}
+    m = train(fed, "Clusters", tmp_path / "train")
+    st = json.loads((tmp_path / "train" / "onboarding.json").read_text())
+    clusters = {int(c): sorted(s) for c, s in st["clusters"].items()}
+    assert sorted(clusters.values()) == [["a-1", "a-2"], ["b-1", "b-2"]]
+    status, doc = onboard(fed["exp"], data, m, tmp_path / "train", ["new-a", "new-b"], tmp_path / "onboard",
+                          references=True)
+    assert status == "finished", doc.get("reason")
+    assign = doc["assignment"]["test_phase"]
+    assert clusters[assign["new-a"]] == ["a-1", "a-2"] and clusters[assign["new-b"]] == ["b-1", "b-2"]
+    assert doc["assignment"]["label_free"] is True
+    assert all(np.isfinite(doc["rounds"][0]["sites"][s]["dice_mean"]) for s in assign)
+    assert (tmp_path / "onboard" / "models" / "new-a.pt").is_file()
