@@ -234,7 +234,7 @@ def test_flux_unseen_site_goes_to_its_groups_cluster(tmp_path, method):
     phases = {r["phase"] for r in rows if r.get("phase")}
     # the assigned model, the true group's, and every cluster model as a reference (IFCA: also its ensemble)
     n_models = len(list((run / "server" / "models").glob("cluster*.pt")))
-    assert phases == {"test phase", "known assoc.", *(f"cluster model {c}" for c in range(n_models))} | (
+    assert phases == {"test phase", "known assoc.", "oracle", *(f"cluster model {c}" for c in range(n_models))} | (
         {"ensemble"} if method["workflow"] == "ifca" else set())
     assert sorted(p.name for p in (run / "test_phase" / "server" / "models").glob("*.pt")) == [f"{u}.pt" for u in meta["unseen_sites"]]
     assert sorted(test["rounds"][0]["sites"]) == meta["unseen_sites"]
@@ -249,7 +249,11 @@ def test_flux_unseen_site_goes_to_its_groups_cluster(tmp_path, method):
             assert got[u] in same_group  # the unseen site joins its group's cluster
         assert train["clustering"]["descriptor_to_model_ratio"] < 1e-2
     assert "summary.md" in {p.name for p in (tmp_path / "out").iterdir()}
-    assert "Test phase" in (tmp_path / "out" / "summary.md").read_text()
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| Assigned model acc | Known assoc. acc | Oracle: best cluster model acc |" in summary
+    oracle = [r["accuracy"] for r in rows if r.get("phase") == "oracle"]
+    each = [r["accuracy"] for r in rows if str(r.get("phase", "")).startswith("cluster model")]
+    assert oracle and oracle[0] >= max(each) - 1e-9  # per site the best of the cluster models
 
 
 def test_a_site_that_sat_out_every_round_is_named_in_the_status_and_not_in_the_model(tmp_path):

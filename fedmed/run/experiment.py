@@ -607,6 +607,13 @@ def _unseen(config_path, job_over, m, seed, data_dir, work, doc, meta, log) -> l
         rows.append({"method": m.name, "kind": "method", "seed": seed, "round": doc["rounds"][-1]["round"], "phase": phase,
                      "ari": ari, **{k: r["summary"]["mean"].get(k) for k in CLS_METRICS},
                      **{f"pooled_{k}": (r["summary"].get("pooled") or {}).get(k) for k in CLS_METRICS}})
+    refs = [r for r in tdoc["rounds"] if r["task"].startswith("cluster")]
+    if refs:  # per unseen site its best cluster model (an oracle reference: known only with the site's test labels)
+        best = {s: max(r["sites"][s]["accuracy"] for r in refs if r["sites"].get(s, {}).get("accuracy") is not None)
+                for s in refs[0]["sites"] if any(r["sites"].get(s, {}).get("accuracy") is not None for r in refs)}
+        if best:
+            rows.append({"method": m.name, "kind": "method", "seed": seed, "round": doc["rounds"][-1]["round"],
+                         "phase": "oracle", "ari": ari, "accuracy": float(np.mean(list(best.values())))})
     log((f"    clustering ARI vs true groups {ari:.2f}; " if ari is not None else "    ") + "unseen sites: " + ", ".join(
         f"{r['task']} accuracy {100 * r['summary']['mean']['accuracy']:.2f}%" for r in tdoc["rounds"]))
     return rows
