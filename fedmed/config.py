@@ -150,6 +150,9 @@ class _Clusters(_Strict):
     k1_silhouette: float = Field(0.5, ge=-1, le=1, description="auto-K keeps one cluster unless the chosen K's "
                                  "silhouette reaches this (Kaufman & Rousseeuw: 0.26-0.50 weak, could be artificial; "
                                  "docs/readings.md)")
+    fedavg_warmup: int = Field(0, ge=0, description="rounds of FedAvg on the whole federation before the cluster "
+                               "models start from its model (the idea of Flux's start rule; docs/readings.md); the "
+                               "run keeps train.rounds in all. 0 = cluster models from scratch (FMCL's Alg. 5)")
 
 
 class FedAvgMethod(_Method):
@@ -324,6 +327,10 @@ class ExperimentConfig(_Strict):
         dup = sorted({n for n in cases if cases.count(n) > 1})
         if dup:
             raise ValueError(f"sweep case names should be unique, got duplicates {dup}")
+        for m in self.methods:
+            if getattr(m, "fedavg_warmup", 0) >= self.train.rounds:
+                raise ValueError(f"method {m.name!r}: fedavg_warmup={m.fedavg_warmup} should be below train.rounds="
+                                 f"{self.train.rounds} (the cluster models train the rounds after it)")
         for c in self.sweep:
             unknown = sorted(set(c.methods or []) - set(names))
             if unknown:

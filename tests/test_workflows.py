@@ -138,3 +138,41 @@ def test_a_workflow_adds_to_its_tasks_but_never_changes_its_config(tmp_path):
     assert cfg == given and dict(wf.cfg) == given and fed.recorder.doc["meta"]["config"] == given
     with pytest.raises(TypeError):
         wf.cfg["class_weights"] = weights
+
+
+def test_cluster_models_start_from_the_fedavg_warm_up(tmp_path):
+    """``fedavg_warmup`` W: rounds 0..W-1 are FedAvg of the whole federation, and every cluster model starts round W
+    from that model — so in round W each site is served exactly what plain FedAvg serves it in round W (from scratch,
+    a cluster model serves the untrained network instead)."""
+    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.workflows import InProcessFederation, server_workflow, workflow_args
+
+    _, exp, data, _ = _fmcl_federation(tmp_path, rounds=3)
+    method, sites = exp.methods[0], exp.site_names()
+    cfg = fedmed_config(exp, 0, method, sites)
+    name, args = workflow_args(exp, method, 0, cfg)
+
+    def served(workflow, out):
+        fed = InProcessFederation(data, sites, tmp_path / out, log=None)
+        assert fed.run(workflow) == "finished"
+        return fed.recorder.doc
+
+    fedavg = served(server_workflow("fedavg")(3, cfg), "fedavg")
+    warm = served(server_workflow(name)(3, cfg, **{**args, "fedavg_warmup": 2}), "warm")
+    cold = served(server_workflow(name)(3, cfg, **args), "cold")
+    assert [r["task"] for r in warm["rounds"]] == ["train", "train", "train", "validate"]
+    assert all(v.get("cluster") is None for r in warm["rounds"][:2] for v in r["sites"].values())
+    assert {v["cluster"] for v in warm["rounds"][2]["sites"].values()} == {0, 1}
+    for s in sites:
+        assert warm["rounds"][2]["sites"][s]["accuracy"] == fedavg["rounds"][2]["sites"][s]["accuracy"]
+    assert any(cold["rounds"][2]["sites"][s]["accuracy"] != fedavg["rounds"][2]["sites"][s]["accuracy"] for s in sites)
+    with pytest.raises(ValueError, match="fedavg_warmup=3 should be at least 0 and below train.rounds=3"):
+        server_workflow(name)(3, cfg, **{**args, "fedavg_warmup": 3})
+    # and a config asking for it is refused when it loads, naming the method
+    from fedmed.config import ConfigError, load_config
+
+    raw = yaml.safe_load((tmp_path / "c.yaml").read_text())
+    raw["methods"][0]["fedavg_warmup"] = 3
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="method 'FMCL': fedavg_warmup=3 should be below train.rounds=3"):
+        load_config(tmp_path / "bad.yaml")

@@ -22,14 +22,20 @@ class OneShotClustered(FedAvg):
        classes with >= k_min samples; PACFL: subspace bases; FECFL: one mean embedding);
     2. the server computes the distance matrix and clusters once (auto-K, fixed K or threshold) and
        writes ``clustering.json``, ``distances.csv`` and the heatmap, dendrogram and silhouette plots;
-    3. FedAvg runs independently inside each cluster for R rounds, with no extra communication;
+    3. FedAvg runs independently inside each cluster for R rounds, with no extra communication (with
+       ``fedavg_warmup`` W > 0: FedAvg of the whole federation for rounds 0..W-1, then every cluster model starts
+       from that model for rounds W..R-1 — not FMCL's Alg. 5, an option measured in docs/results.md);
        each site is scored with its cluster's model, and each cluster's model is saved.
     """
 
     record_name = "ClusteredFedAvgController"
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, signature: dict, clustering: dict, **kw):
+    def __init__(self, num_rounds: int, fedmed_config: dict, signature: dict, clustering: dict, fedavg_warmup: int = 0,
+                 **kw):
         super().__init__(num_rounds, fedmed_config, **kw)
+        self.fedavg_warmup = int(fedavg_warmup)
+        if not 0 <= self.fedavg_warmup < self.num_rounds:
+            raise ValueError(f"fedavg_warmup={fedavg_warmup} should be at least 0 and below train.rounds={num_rounds}")
         self.signature = SignatureTask.model_validate(signature) if signature else None
         self.clustering = ClusteringTask.model_validate(clustering) if clustering else None
 
@@ -99,8 +105,18 @@ class OneShotClustered(FedAvg):
         """Per-cluster FedAvg from the start round to R, then every site scores its cluster's model."""
         clusters = [[s for s in c if s in self.sites] for c in clusters]
         saved = self.resumed_models()
-        theta = {c: saved.get(f"cluster{c}") or self.initial_params() for c in range(len(clusters))}
-        for r in range(self.start_round(), self.num_rounds + 1):
+        start = self.start_round()
+        if start < self.fedavg_warmup:  # FedAvg of the whole federation first; every cluster model starts from it
+            theta0 = saved.get("global") or self.initial_params()
+            for r in range(start, self.fedavg_warmup):
+                rows = self.record_rows(r, self.send("train", self.task(theta0, r), targets=sorted(
+                    {s for c in clusters for s in c})), "train")
+                theta0 = self.aggregate(rows)
+                self.checkpoint(r + 1, {"global": theta0}, clusters=clusters, **state)
+            self.info(f"FedAvg warm-up of {self.fedavg_warmup} round(s) done; cluster models start from it")
+            saved, start = {"global": theta0}, self.fedavg_warmup
+        theta = {c: saved.get(f"cluster{c}") or saved.get("global") or self.initial_params() for c in range(len(clusters))}
+        for r in range(start, self.num_rounds + 1):
             task = "train" if r < self.num_rounds else "validate"
             replies = self.send_groups(task, {c: (self.task(theta[c], r, cluster=c), sites)
                                               for c, sites in enumerate(clusters) if sites})

@@ -29,7 +29,8 @@ def _signature(exp, method, seed, cfg) -> dict:
                           "seed": seed, "angle": getattr(method, "angle", "principal")},
             "clustering": {"n_clusters": method.n_clusters, "threshold": method.threshold,
                            "overlap": getattr(method, "overlap", True), "linkage": method.linkage,
-                           "k1_silhouette": method.k1_silhouette}}
+                           "k1_silhouette": method.k1_silhouette},
+            "fedavg_warmup": method.fedavg_warmup}
 
 
 def _cfl(exp, method, seed, cfg) -> dict:
