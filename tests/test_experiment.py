@@ -264,3 +264,30 @@ def test_fedmed_data_refuses_files_it_cannot_read(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "1 image file(s)" in err and "1.png (corrupt or not an image" in err
     assert not (tmp_path / "dl" / "site-1.json").exists()
+
+
+def test_the_iid_reference_of_a_sweep_case_is_a_valid_job_on_the_training_sites(tmp_path, monkeypatch):
+    """The IID FedAvg reference of a sweep case: its job config must load as jobs/run.py loads it (the sweep's cases
+    named methods the reference's config no longer has: every sweep config's IID reference failed), and its
+    federation holds the training sites only — held-out sites do not thin it."""
+    calls = []
+
+    def run_job(config_path, overrides, method, seed, datalists, work, n_sites=0, *a, **k):
+        exp = load_config(config_path, overrides)  # what jobs/run.py does first
+        calls.append((method, exp, sorted(p.stem for p in datalists.glob("*.json") if p.stem != "dataset")))
+        work.mkdir(parents=True, exist_ok=True)
+        doc = metrics_doc(0.5)
+        for r in doc["rounds"]:  # what the unseen-site step reads of a run
+            r.update(task="validate", sites={"site-1": {"accuracy": 0.5}})
+        return doc
+
+    monkeypatch.setattr(E, "run_job", run_job)
+    cfg = write_cfg(tmp_path, references=["iid_fedavg"], seeds=[0],
+                    federation={"sites": 3, "partition": "dirichlet", "alpha": 0.5, "unseen_sites": 1},
+                    sweep=[{"name": "a", "set": ["federation.alpha=0.3"], "methods": ["Prox"]}])
+    assert main(["sweep", str(cfg), "--out", str(tmp_path / "sweep")]) == 0
+    ref = [c for c in calls if c[0] == "FedAvg (IID)"]
+    assert ref, [c[0] for c in calls]
+    _, exp, sites = ref[0]
+    assert exp.federation.partition == "iid" and exp.federation.unseen_sites == 0
+    assert sites == ["site-1", "site-2", "site-3"]

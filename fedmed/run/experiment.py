@@ -573,8 +573,10 @@ def _references(exp, config_path, job_over, seed, data_dir, out, chosen, log, re
         exp_c = exp.model_copy(update={"dataset": exp.dataset.model_copy(update={"classes": meta["class_names"]})})
         rows += centralized_rows(exp_c, data_dir, sites, seed, log=log)
     if "iid_fedavg" in wanted and exp.federation.partition != "iid":
-        iid_dir = prepare_federation(exp, seed, out / "data" / f"seed{seed}_iid", partition="iid")
-        over = job_over + ["federation.partition=iid", "federation.unseen_sites=0",
+        # the same training sites, IID (held-out sites stay out: the reference trains what the methods train on)
+        exp_iid = exp.model_copy(update={"federation": exp.federation.model_copy(update={"unseen_sites": 0})})
+        iid_dir = prepare_federation(exp_iid, seed, out / "data" / f"seed{seed}_iid", partition="iid")
+        over = job_over + ["federation.partition=iid", "federation.unseen_sites=0", "sweep=[]",
                            'methods=[{name: "FedAvg (IID)", workflow: fedavg}]']
         log(f"[seed {seed}] reference: FedAvg on an IID federation ...")
         try:
