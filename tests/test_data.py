@@ -107,7 +107,8 @@ def test_a_16_bit_image_keeps_its_dynamic_range_and_the_site_says_so(tmp_path):
                         conversions=done8)
     assert np.allclose(x8[0, 0].numpy(), (ramp / 257).astype(np.uint8) / 255.0) and not done8
 
-    doc = {"training": [{"image": str(f), "label": 0}] * 3, "validation": [], "test": [{"image": str(f), "label": 0}]}
+    doc = {"training": [{"image": str(f), "label": 0}] * 3, "validation": [],
+           "test": [{"image": str(tmp_path / "twelve.png"), "label": 0}]}  # another image: one in two splits is a leak
     (tmp_path / "site-1.json").write_text(json.dumps(doc))
     runner = SiteRunner("site-1", tmp_path)
     cfg = {"seed": 0, "data": {"image_size": 32, "channels": 1, "n_classes": 2}, "privacy": {"k_min": 1},
@@ -137,3 +138,40 @@ def test_colour_alpha_and_multi_frame_images_are_handled_on_purpose(tmp_path):
     frames[0].save(tmp_path / "stack.tif", save_all=True, append_images=frames[1:])
     with pytest.raises(DataError, match=r"site-9: image .*stack.tif has 2 frames; one image per file"):
         load_images([{"image": str(tmp_path / "stack.tif"), "label": 0}], image_size=8, channels=1, site="site-9")
+
+
+def test_an_image_in_two_splits_is_a_leak_named_without_absolute_paths(tmp_path):
+    """The same image listed in training and test — by path, or as an identical copy under another name — is
+    refused at the site's first task, naming the image relative to the data root and the splits."""
+    import shutil
+
+    small_federation(tmp_path)
+    doc = json.loads((tmp_path / "site-1.json").read_text())
+    clean = json.loads(json.dumps(doc))
+    doc["test"].append(dict(doc["training"][0]))
+    (tmp_path / "site-1.json").write_text(json.dumps(doc))
+    with pytest.raises(DataError) as e:
+        SiteRunner("site-1", tmp_path).data(8, 1)
+    msg = str(e.value)
+    assert f"the same image in training and test: {doc['training'][0]['image']}" in msg and str(tmp_path) not in msg
+
+    copy = tmp_path / "images" / "copy_of_first.png"
+    shutil.copy(tmp_path / clean["training"][1]["image"], copy)
+    clean["validation"].append({"image": "images/copy_of_first.png", "label": clean["training"][1]["label"]})
+    (tmp_path / "site-1.json").write_text(json.dumps(clean))
+    with pytest.raises(DataError, match=r"the same image in training and validation: .* and images/copy_of_first.png "
+                                        r"\(identical files\)"):
+        load_datalist(tmp_path / "site-1.json")
+
+
+def test_two_hemispheres_of_one_volume_are_two_samples(tmp_path):
+    img = tmp_path / "flair.nii.gz"
+    img.write_bytes(b"volume")
+    lab = tmp_path / "label.nii.gz"
+    lab.write_bytes(b"labels")
+    e = {"image": [str(img)], "label": str(lab)}
+    (tmp_path / "s.json").write_text(json.dumps({"training": [{**e, "region": "left"}], "test": [{**e, "region": "right"}]}))
+    assert load_datalist(tmp_path / "s.json", task="segmentation")["test"][0]["region"] == "right"
+    (tmp_path / "s.json").write_text(json.dumps({"training": [{**e, "region": "left"}], "test": [{**e, "region": "left"}]}))
+    with pytest.raises(DataError, match="the same image in training and test: flair.nii.gz"):
+        load_datalist(tmp_path / "s.json", task="segmentation")

@@ -291,7 +291,62 @@ def load_datalist(path, *, task: str = "classification", root=None, name: str | 
                 continue
             if isinstance(e["label"], bool) or not isinstance(e["label"], int) or e["label"] < 0:
                 raise DataError(f"{name}: {key}[{j}] label should be a non-negative integer, got {e['label']!r}")
+    check_split_overlap(doc, name, root)
     return doc
+
+
+def _sample_files(e: dict) -> list[str]:
+    return [str(f) for f in (e["image"] if isinstance(e["image"], list) else [e["image"]])]
+
+
+def _content_hash(files, cache: dict) -> str | None:
+    import hashlib
+
+    h = hashlib.sha1()
+    for f in files:
+        if f not in cache:
+            try:
+                cache[f] = hashlib.sha1(Path(f).read_bytes()).hexdigest()
+            except OSError:  # a missing file is reported, naming it, when the images are read
+                cache[f] = None
+        if cache[f] is None:
+            return None
+        h.update(cache[f].encode())
+    return h.hexdigest()
+
+
+def check_split_overlap(doc: dict, name: str, root) -> None:
+    """No sample in two splits of one datalist — by path or by identical file content: a test image that was also
+    trained on (or selected on) inflates every score. Raises a :class:`DataError` naming the first such images
+    relative to the data root (never an absolute path) and the splits."""
+    import os
+
+    seen: dict = {}
+    cache: dict = {}
+    clashes = []
+    for split in SPLITS:
+        for e in doc.get(split, []):
+            files = _sample_files(e)
+            region = (e["region"],) if "region" in e else ()  # a hemisphere of a volume is its own sample
+            digest = _content_hash(files, cache)
+            ids = [("path", tuple(files) + region)] + ([("content", (digest,) + region)] if digest else [])
+            for kind, k in ids:
+                first = seen.setdefault(k, (split, e["image"]))
+                if first[0] != split:
+                    clashes.append((first, (split, e["image"]), kind))
+                    break
+
+    if clashes:
+        def show(img):
+            f = img[0] if isinstance(img, list) else img
+            rel = os.path.relpath(f, root) if root is not None else Path(f).name
+            return Path(f).name if rel.startswith("..") else rel
+
+        (s1, a), (s2, b), kind = clashes[0]
+        same = show(a) if kind == "path" else f"{show(a)} and {show(b)} (identical files)"
+        more = f" (and {len(clashes) - 1} more)" if len(clashes) > 1 else ""
+        raise DataError(f"{name}: the same image in {s1} and {s2}: {same}{more} — a test or validation image that "
+                        f"is also trained on inflates every score; keep each image in one split")
 
 
 def _resolve(v, root: Path):
