@@ -44,6 +44,29 @@ def cmd_data(a):
               f"classes {dict(sorted(counts.items()))}")
 
 
+def cmd_check_data(a):
+    """``fedmed check-data``: 0 when the site is ready to join, 1 when its report lists problems."""
+    import json
+
+    from fedmed.core.io import json_default
+    from fedmed.site.check import check_datalist, format_report
+
+    task, classes, size, channels, k_min = "classification", None, 32, 1, 1
+    if a.config:
+        from fedmed.config import load_config
+
+        exp = load_config(a.config)
+        task, classes = exp.dataset.task, exp.dataset.classes
+        size, channels, k_min = exp.dataset.image_size, exp.dataset.channels, exp.privacy.k_min
+    rep = check_datalist(a.datalist, task=a.task or task, classes=a.classes or classes,
+                         image_size=a.image_size or size, channels=a.channels or channels,
+                         k_min=a.k_min if a.k_min is not None else k_min)
+    print(format_report(rep))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rep, indent=1, default=json_default))
+    return 1 if rep["problems"] else 0
+
+
 def cmd_experiment(a):
     from fedmed.run.experiment import run_experiment
 
@@ -248,6 +271,20 @@ def register(sub):
     e.add_argument("--resume", action="store_true", help="reuse runs finished earlier with the same settings; "
                    "continue stopped ones from their checkpoint")
     e.set_defaults(func=cmd_experiment)
+
+    k = sub.add_parser("check-data", help="check a site's datalist before it joins (its first task's checks and "
+                       "more: overlaps, near-duplicates, counts per class and split); the report stays at the site",
+                       formatter_class=H)
+    k.add_argument("datalist", help="the site's datalist (<site>.json)")
+    k.add_argument("--config", help="the job's experiment config: classes, image size, channels, k_min and task from it")
+    k.add_argument("--task", choices=["classification", "segmentation"], help="default: the config's, else "
+                   "classification")
+    k.add_argument("--classes", nargs="+", help="the job's class names (labels are their indices)")
+    k.add_argument("--image-size", type=int, help="decode size (default: the config's, else 32)")
+    k.add_argument("--channels", type=int, help="default: the config's, else 1")
+    k.add_argument("--k-min", type=int, help="the privacy floor (default: the config's, else 1)")
+    k.add_argument("--json", help="also write the report as JSON here")
+    k.set_defaults(func=cmd_check_data)
 
     m = sub.add_parser("demo", help="the embedded demo: small federations, every table, an HTML report", formatter_class=H)
     m.add_argument("--data", help="a dataset folder instead of the bundled digits, e.g. ../shared/data/busi")

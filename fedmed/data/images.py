@@ -448,3 +448,30 @@ def conversion_note(site: str, conversions) -> str:
     if not conversions:
         return ""
     return f"{site}: images converted on loading: " + "; ".join(sorted(conversions))
+
+
+def near_duplicates(xa, xb, *, threshold: float = 0.98, size: int = 16) -> list[tuple[int, int, float]]:
+    """Pairs ``(i, j, r)`` of images ``xa[i]`` and ``xb[j]`` (``(N, C, H, W)`` arrays in [0, 1]) whose ``size`` x
+    ``size`` grayscale thumbnails correlate with Pearson r >= ``threshold``: the same picture re-exported, resized,
+    re-compressed or slightly shifted in brightness (an exact copy is caught by :func:`check_split_overlap`).
+    Blank images (no variation) are never paired. Sorted by r, highest first."""
+    import torch
+
+    def thumbs(x):
+        x = torch.as_tensor(np.asarray(x), dtype=torch.float32)
+        if x.shape[0] == 0:
+            return x.new_zeros((0, size * size)), x.new_zeros(0, dtype=torch.bool)
+        t = torch.nn.functional.interpolate(x.mean(1, keepdim=True), size=(size, size), mode="area").flatten(1)
+        t = t - t.mean(1, keepdim=True)
+        norm = t.norm(dim=1, keepdim=True)
+        return t / norm.clamp_min(1e-8), norm.squeeze(1) > 1e-6
+
+    ta, oka = thumbs(xa)
+    tb, okb = thumbs(xb)
+    if not len(ta) or not len(tb):
+        return []
+    r = ta @ tb.T
+    r[~oka] = -1.0
+    r[:, ~okb] = -1.0
+    hits = (r >= threshold).nonzero().tolist()
+    return sorted(((i, j, float(r[i, j])) for i, j in hits), key=lambda t: -t[2])

@@ -15,7 +15,7 @@ import numpy as np
 
 from fedmed.core.schema import task_config
 from fedmed.site.tasks import CLASSIFICATION, TaskError, task_seed
-from fedmed.data.images import DataError, conversion_note, load_datalist, load_images
+from fedmed.data.images import DataError, conversion_note, load_datalist, load_images, near_duplicates
 from fedmed.site.settings import SiteSettings, settings_for_dir
 
 __all__ = ["SiteRunner", "Splits", "TaskError", "task_seed", "answer", "make_runner", "scrubbed", "to_meta"]
@@ -101,6 +101,12 @@ class SiteRunner:
                 self.notes.append(note)
             if splits.train[0].shape[0] == 0:
                 raise DataError(f"{self.site}: datalist {self.display(self.datalist_path)} has no training images")
+            near = sum(len(near_duplicates(splits.train[0], x)) for x in (splits.val[0], splits.test[0]))
+            if near:  # said once, as a count (which images: `fedmed check-data`, at the site)
+                note = (f"{self.site}: {near} validation/test image(s) nearly identical to training images (thumbnail "
+                        f"correlation >= 0.98): scores may be inflated; `fedmed check-data` lists them at the site")
+                print(f"[fedmed] {note}", flush=True)
+                self.notes.append(note)
             self._data, self._data_key = splits, key
         return self._data
 

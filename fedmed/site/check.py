@@ -1,0 +1,141 @@
+"""A site checks its data before it joins (``fedmed check-data DATALIST``): every check its first task runs, and more,
+in one report that stays at the site.
+
+Problems (the site cannot join as it is; its first task would fail on the first of them): a datalist that does not
+parse, an image in two splits (by path or identical content), an unreadable image (each one named, not only the
+first), a label outside the job's classes, an empty training split, fewer training images than ``k_min``; for
+segmentation a missing file, or an image whose shape differs from its label map's. Warnings (it can join; the
+report says what would happen): near-duplicate images across splits (:func:`fedmed.data.images.near_duplicates`),
+classes with fewer than ``k_min`` training images (withheld from signatures), a split that is empty. Counts per class
+and split. Paths are shown relative to the datalist's data root.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["check_datalist", "format_report"]
+
+
+def _show(f, root: Path) -> str:
+    rel = os.path.relpath(str(f), str(root))
+    return Path(f).name if rel.startswith("..") else rel
+
+
+def check_datalist(path, *, task: str = "classification", classes: list[str] | None = None, image_size: int = 32,
+                   channels: int = 1, k_min: int = 1, near_threshold: float = 0.98, root=None) -> dict:
+    """The report of one site datalist (see the module notes): ``{"datalist", "task", "counts", "problems",
+    "warnings", "near_duplicates"}``; ``counts[split][class] = n``."""
+    from fedmed.data.images import DataError, load_datalist
+
+    path = Path(path)
+    root = Path(root) if root is not None else path.parent
+    rep: dict = {"datalist": path.name, "task": task, "counts": {}, "problems": [], "warnings": [],
+                 "near_duplicates": []}
+    try:
+        doc = load_datalist(path, task=task, root=root, name=path.name)
+    except DataError as e:
+        rep["problems"].append(str(e))
+        return rep
+    if task == "segmentation":
+        _check_seg(doc, root, rep)
+    else:
+        _check_classification(doc, root, rep, classes, image_size, channels, k_min, near_threshold)
+    return rep
+
+
+def _check_classification(doc, root, rep, classes, image_size, channels, k_min, near_threshold):
+    import torch
+
+    from fedmed.data.images import DataError, decode_image, near_duplicates
+
+    names = list(classes) if classes else None
+    loaded = {}
+    for split in ("training", "validation", "test"):
+        entries = doc[split]
+        counts: dict = {}
+        xs = []
+        for e in entries:
+            label = int(e["label"])
+            counts[names[label] if names and label < len(names) else str(label)] = counts.get(
+                names[label] if names and label < len(names) else str(label), 0) + 1
+            if names is not None and label >= len(names):
+                rep["problems"].append(f"{split}: {_show(e['image'], root)} has label {label}, outside the job's "
+                                       f"classes 0..{len(names) - 1} ({', '.join(names)})")
+            try:
+                arr, _ = decode_image(e["image"], image_size=image_size, channels=channels)
+                xs.append(arr)
+            except FileNotFoundError:
+                rep["problems"].append(f"{split}: cannot read image {_show(e['image'], root)} (file not found)")
+            except DataError as err:  # e.g. a multi-frame file; the message names no path
+                rep["problems"].append(f"{split}: image {_show(e['image'], root)} {err}")
+            except (OSError, ValueError) as err:  # PIL's messages carry the absolute path: the kind only
+                rep["problems"].append(f"{split}: cannot read image {_show(e['image'], root)} (corrupt or not an "
+                                       f"image: {type(err).__name__})")
+        rep["counts"][split] = dict(sorted(counts.items()))
+        loaded[split] = (torch.from_numpy(np.stack(xs)) if xs else torch.zeros((0, channels, image_size, image_size)),
+                         [e for e in entries])
+        if not entries:
+            (rep["problems"] if split == "training" else rep["warnings"]).append(f"{split}: empty")
+    n_train = sum(rep["counts"]["training"].values())
+    if 0 < n_train < k_min:
+        rep["problems"].append(f"training: {n_train} image(s), fewer than k_min={k_min}: the site would sit out "
+                               f"every training task (privacy.k_min)")
+    few = [c for c, n in rep["counts"]["training"].items() if n < k_min]
+    if few:
+        rep["warnings"].append(f"training: class(es) {few} have fewer than k_min={k_min} images: withheld from "
+                               f"signatures and class statistics")
+    if any("cannot read" in p for p in rep["problems"]):
+        return  # thumbnails would not line up with the entries
+    xtr, etr = loaded["training"]
+    for split in ("validation", "test"):
+        x, ents = loaded[split]
+        for i, j, r in near_duplicates(xtr, x, threshold=near_threshold):
+            rep["near_duplicates"].append({"training": _show(etr[i]["image"], root), split: _show(ents[j]["image"], root),
+                                           "r": round(r, 4)})
+    if rep["near_duplicates"]:
+        rep["warnings"].append(f"{len(rep['near_duplicates'])} validation/test image(s) nearly identical to training "
+                               f"images (thumbnail correlation >= {near_threshold}); listed under near_duplicates: "
+                               f"scores on them are inflated")
+
+
+def _check_seg(doc, root, rep):
+    import nibabel as nib
+
+    for split in ("training", "validation", "test"):
+        rep["counts"][split] = {"cases": len(doc[split])}
+        for e in doc[split]:
+            files = [*(e["image"] if isinstance(e["image"], list) else [e["image"]]), e["label"]]
+            shapes = {}
+            for f in files + ([e["mask"]] if e.get("mask") else []):
+                try:
+                    shapes[f] = tuple(nib.load(f).shape[:3])
+                except FileNotFoundError:
+                    rep["problems"].append(f"{split}: {_show(f, root)}: file not found")
+                except Exception as err:  # nibabel raises several kinds for a file that is not NIfTI
+                    rep["problems"].append(f"{split}: {_show(f, root)}: not a readable NIfTI image ({type(err).__name__})")
+            if len(set(shapes.values())) > 1:
+                rep["problems"].append(f"{split}: {_show(e['label'], root)}: image and label shapes differ ("
+                                       + ", ".join(f"{_show(f, root)} {s}" for f, s in shapes.items()) + ")")
+    if not doc["training"]:
+        rep["problems"].append("training: empty")
+
+
+def format_report(rep: dict) -> str:
+    """The report as the site's data manager reads it."""
+    lines = [f"{rep['datalist']} ({rep['task']}):"]
+    for split, counts in rep["counts"].items():
+        lines.append(f"  {split}: {sum(counts.values())} " + ("case(s)" if rep["task"] == "segmentation" else
+                     "image(s)" + (f" — {', '.join(f'{c}: {n}' for c, n in counts.items())}" if counts else "")))
+    for p in rep["problems"]:
+        lines.append(f"  PROBLEM: {p}")
+    for w in rep["warnings"]:
+        lines.append(f"  warning: {w}")
+    for d in rep["near_duplicates"][:20]:
+        other = next(k for k in d if k not in ("training", "r"))
+        lines.append(f"    near-duplicate: training {d['training']} ~ {other} {d[other]} (r = {d['r']})")
+    lines.append("  ready to join" if not rep["problems"] else f"  not ready: {len(rep['problems'])} problem(s)")
+    return "\n".join(lines)

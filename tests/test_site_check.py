@@ -1,0 +1,85 @@
+"""``fedmed check-data``: a site checks its data before it joins (fedmed.site.check)."""
+
+import json
+import shutil
+
+import numpy as np
+from PIL import Image
+
+from fedmed.cli.main import main
+from fedmed.data.images import discover, write_site_datalists
+from fedmed.data.partition import iid_partition
+from fedmed.site.check import check_datalist
+
+CLASSES = [str(c) for c in range(10)]
+
+
+def federation(tmp_path):
+    pool = discover("builtin:digits", max_per_class=8)
+    write_site_datalists(pool, iid_partition(len(pool.labels), 2, 0), tmp_path, test_fraction=0.25, seed=0)
+    return json.loads((tmp_path / "site-1.json").read_text())
+
+
+def test_a_clean_datalist_is_ready_with_counts_per_class_and_split(tmp_path, capsys):
+    doc = federation(tmp_path)
+    assert main(["check-data", str(tmp_path / "site-1.json"), "--classes", *CLASSES, "--k-min", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "ready to join" in out and f"training: {len(doc['training'])} image(s)" in out
+    rep = check_datalist(tmp_path / "site-1.json", classes=CLASSES)
+    assert sum(rep["counts"]["test"].values()) == len(doc["test"]) and not rep["problems"]
+
+
+def test_every_problem_is_listed_not_only_the_first(tmp_path, capsys):
+    doc = federation(tmp_path)
+    doc["training"][0]["image"] = "images/gone.png"
+    (tmp_path / "images" / "broken.png").write_bytes(b"not a png")
+    doc["training"][1]["image"] = "images/broken.png"
+    doc["training"][2]["label"] = 12
+    # a near-duplicate: a training image, re-saved a little brighter, in the test split
+    src = tmp_path / doc["training"][3]["image"]
+    a = np.asarray(Image.open(src), dtype=np.float32)
+    Image.fromarray(np.clip(a * 0.9 + 12, 0, 255).astype(np.uint8)).save(tmp_path / "images" / "brighter.png")
+    doc["test"].append({"image": "images/brighter.png", "label": doc["training"][3]["label"]})
+    (tmp_path / "site-1.json").write_text(json.dumps(doc))
+    rep_file = tmp_path / "report.json"
+    assert main(["check-data", str(tmp_path / "site-1.json"), "--classes", *CLASSES, "--k-min", "2",
+                 "--json", str(rep_file)]) == 1
+    out = capsys.readouterr().out
+    assert "PROBLEM: training: cannot read image images/gone.png (file not found)" in out
+    assert "PROBLEM: training: cannot read image images/broken.png" in out
+    assert "has label 12, outside the job's classes 0..9" in out
+    assert "not ready: 3 problem(s)" in out
+    assert str(tmp_path) not in out  # the report names files relative to the data root
+    rep = json.loads(rep_file.read_text())
+    assert "class(es)" in " ".join(rep["warnings"])  # classes below k_min = 2 in an 8-per-class, 2-site split
+
+
+def test_near_duplicates_across_splits_are_listed_and_the_site_says_how_many(tmp_path, capsys):
+    from fedmed.site.runner import SiteRunner
+
+    doc = federation(tmp_path)
+    src = tmp_path / doc["training"][3]["image"]
+    a = np.asarray(Image.open(src), dtype=np.float32)
+    Image.fromarray(np.clip(a * 0.9 + 12, 0, 255).astype(np.uint8)).save(tmp_path / "images" / "brighter.png")
+    doc["test"].append({"image": "images/brighter.png", "label": doc["training"][3]["label"]})
+    (tmp_path / "site-1.json").write_text(json.dumps(doc))
+    assert main(["check-data", str(tmp_path / "site-1.json"), "--classes", *CLASSES]) == 0  # a warning, not a problem
+    out = capsys.readouterr().out
+    assert f"near-duplicate: training {doc['training'][3]['image']} ~ test images/brighter.png" in out
+    runner = SiteRunner("site-1", tmp_path)
+    runner.data(8, 1)
+    assert any("1 validation/test image(s) nearly identical to training images" in n for n in runner.notes)
+    # an unrelated image is not one: the clean federation has none
+    shutil.copy(tmp_path / "site-2.json", tmp_path / "site-3.json")
+    assert check_datalist(tmp_path / "site-3.json", classes=CLASSES)["near_duplicates"] == []
+
+
+def test_segmentation_image_and_label_shapes_must_agree(tmp_path, capsys):
+    import nibabel as nib
+
+    for name, shape in (("flair.nii.gz", (8, 8, 8)), ("label.nii.gz", (8, 8, 6))):
+        nib.save(nib.Nifti1Image(np.zeros(shape, np.float32), np.eye(4)), tmp_path / name)
+    (tmp_path / "s.json").write_text(json.dumps({"training": [{"image": ["flair.nii.gz"], "label": "label.nii.gz"}]}))
+    assert main(["check-data", str(tmp_path / "s.json"), "--task", "segmentation"]) == 1
+    out = capsys.readouterr().out
+    assert "image and label shapes differ (flair.nii.gz (8, 8, 8), label.nii.gz (8, 8, 6))" in out
