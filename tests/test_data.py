@@ -175,3 +175,67 @@ def test_two_hemispheres_of_one_volume_are_two_samples(tmp_path):
     (tmp_path / "s.json").write_text(json.dumps({"training": [{**e, "region": "left"}], "test": [{**e, "region": "left"}]}))
     with pytest.raises(DataError, match="the same image in training and test: flair.nii.gz"):
         load_datalist(tmp_path / "s.json", task="segmentation")
+
+
+# ------------------------------------------------------------------ DICOM (pydicom's own small sample files)
+
+def _dicom_samples():
+    pydicom = pytest.importorskip("pydicom")
+    from pathlib import Path
+
+    return pydicom, Path(pydicom.__file__).parent / "data" / "test_files"
+
+
+def test_a_dicom_class_folder_dataset_trains_like_png(tmp_path, capsys):
+    """2D DICOM files in class folders (pydicom's CT_small and MR_small, each saved under several instance
+    numbers): `fedmed data` writes datalists, a site loads them; what was converted is said once, without any
+    header value (the files carry a patient name)."""
+    pydicom, src = _dicom_samples()
+    from fedmed.cli.main import main
+
+    for cls, name in (("ct", "CT_small.dcm"), ("mr", "MR_small.dcm")):
+        (tmp_path / "data" / cls).mkdir(parents=True)
+        for k in range(6):
+            ds = pydicom.dcmread(src / name)
+            ds.InstanceNumber = k + 1
+            ds.PixelData = (ds.pixel_array.astype(ds.pixel_array.dtype) + k).tobytes()  # six different images
+            ds.save_as(tmp_path / "data" / cls / f"img{k}.dcm")
+    patient = str(pydicom.dcmread(src / "CT_small.dcm").PatientName)
+    assert patient
+    assert main(["data", "--dataset", str(tmp_path / "data"), "--sites", "2", "--out", str(tmp_path / "dl")]) == 0
+    runner = SiteRunner("site-1", tmp_path / "dl")
+    s = runner.data(16, 1)
+    assert s.train[0].shape[1:] == (1, 16, 16) and float(s.train[0].max()) <= 1.0
+    note = " ".join(runner.notes)
+    assert "DICOM" in note and "CT Hounsfield units mapped from [-1024.0, 3071.0]" in note
+    assert patient not in note and patient not in capsys.readouterr().out
+
+
+def test_dicom_rescale_and_monochrome1_are_applied(tmp_path):
+    pydicom, src = _dicom_samples()
+    from fedmed.data.images import decode_image
+
+    base, _ = decode_image(src / "CT_small.dcm", image_size=32, channels=1)
+    ds = pydicom.dcmread(src / "CT_small.dcm")
+    ds.RescaleSlope = 2  # twice the Hounsfield units: a different picture on CT's fixed range
+    ds.save_as(tmp_path / "slope.dcm")
+    assert not np.allclose(decode_image(tmp_path / "slope.dcm", image_size=32, channels=1)[0], base)
+    ds = pydicom.dcmread(src / "CT_small.dcm")  # the same units stored another way: the same picture
+    ds.PixelData = (ds.pixel_array.astype(np.int32) + 24).astype(ds.pixel_array.dtype).tobytes()
+    ds.RescaleIntercept = float(ds.RescaleIntercept) - 24
+    ds.save_as(tmp_path / "shifted.dcm")
+    assert np.allclose(decode_image(tmp_path / "shifted.dcm", image_size=32, channels=1)[0], base, atol=1e-6)
+
+    mr, _ = decode_image(src / "MR_small.dcm", image_size=32, channels=1)
+    ds = pydicom.dcmread(src / "MR_small.dcm")
+    ds.PhotometricInterpretation = "MONOCHROME1"  # 0 is white
+    ds.save_as(tmp_path / "mono1.dcm")
+    inv, done = decode_image(tmp_path / "mono1.dcm", image_size=32, channels=1)
+    assert np.allclose(inv, 1.0 - mr, atol=1e-5) and "DICOM MONOCHROME1 inverted" in done
+
+
+def test_a_multi_frame_dicom_is_refused_with_one_line(tmp_path):
+    _, src = _dicom_samples()
+    f = src / "SC_rgb_rle_2frame.dcm"
+    with pytest.raises(DataError, match=r"site-1: image .*SC_rgb_rle_2frame.dcm is a multi-frame DICOM \(2 frames\)"):
+        load_images([{"image": str(f), "label": 0}], image_size=8, channels=1, site="site-1")

@@ -28,10 +28,74 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["DataError", "ImagePool", "conversion_note", "decode_image", "discover", "load_datalist", "load_images",
-           "check_readable", "unreadable_images", "write_site_datalists"]
+__all__ = ["DataError", "ImagePool", "conversion_note", "decode_image", "discover", "is_dicom", "load_datalist",
+           "load_images", "check_readable", "near_duplicates", "unreadable_images", "write_site_datalists"]
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff"}
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".dcm"}
+
+
+CT_HU_RANGE = (-1024.0, 3071.0)  # the 12-bit Hounsfield range: air to dense bone and metal
+
+
+def is_dicom(path) -> bool:
+    """A DICOM file: ``.dcm`` / ``.dicom``, or the ``DICM`` magic at byte 128 (files often have no extension)."""
+    p = Path(path)
+    if p.suffix.lower() in (".dcm", ".dicom"):
+        return True
+    try:
+        with p.open("rb") as fh:
+            fh.seek(128)
+            return fh.read(4) == b"DICM"
+    except OSError:
+        return False
+
+
+def _dicom_pixels(path) -> tuple[np.ndarray, list[str]]:
+    """The pixels of a single-frame 2D DICOM file as float64 (modality values: rescale slope/intercept applied;
+    MONOCHROME1 inverted so that bright means dense, as MONOCHROME2; colour as RGB) and what was converted. Only
+    pixel data and the attributes that say how to read it are touched: no patient identifier is read into a
+    message, a log or a report."""
+    import pydicom
+    from pydicom.errors import InvalidDicomError
+
+    try:
+        ds = pydicom.dcmread(path)
+    except InvalidDicomError:
+        raise DataError("is not a readable DICOM file") from None
+    if "PixelData" not in ds:
+        raise DataError("is a DICOM file without pixel data (a report or a structured document?)")
+    try:
+        frames = int(ds.get("NumberOfFrames", 1) or 1)
+    except (TypeError, ValueError):
+        raise DataError("has a malformed DICOM header (NumberOfFrames)") from None
+    if frames > 1:
+        raise DataError(f"is a multi-frame DICOM ({frames} frames); a 2D dataset needs one image per file (a 3D "
+                        f"series belongs to a segmentation datalist)")
+    try:
+        a = ds.pixel_array
+    except Exception as e:  # a compressed transfer syntax without a decoder here, or broken pixel data
+        ts = getattr(getattr(ds, "file_meta", None), "TransferSyntaxUID", None)
+        raise DataError(f"has pixel data pydicom cannot decode here ({getattr(ts, 'name', ts)}: "
+                        f"{type(e).__name__})") from None
+    done = ["DICOM"]
+    photometric = str(ds.get("PhotometricInterpretation", "MONOCHROME2"))
+    if a.ndim == 2:
+        from pydicom.pixels import apply_modality_lut
+
+        if "RescaleSlope" in ds or "RescaleIntercept" in ds or "ModalityLUTSequence" in ds:
+            a = apply_modality_lut(a, ds)
+            done.append("DICOM rescale slope/intercept applied")
+            if str(ds.get("Modality", "")) == "CT":
+                done.append("DICOM CT")
+        a = np.asarray(a, dtype=np.float64)
+        if photometric == "MONOCHROME1":
+            a = a.max() - a
+            done.append("DICOM MONOCHROME1 inverted")
+    elif a.ndim == 3 and a.shape[-1] == 3:
+        a = np.asarray(a, dtype=np.float64)  # pydicom returns YBR as RGB
+    else:
+        raise DataError(f"has pixel data of shape {a.shape}; a 2D grayscale or RGB image is expected")
+    return a, done
 
 
 class DataError(ValueError):
@@ -137,6 +201,14 @@ def unreadable_images(items) -> list[tuple[str, str]]:
     for item in items:
         if isinstance(item, np.ndarray):
             continue
+        if is_dicom(item):
+            try:
+                _dicom_pixels(item)
+            except FileNotFoundError:
+                bad.append((str(item), "not found"))
+            except DataError as e:
+                bad.append((str(item), str(e)))
+            continue
         try:
             with Image.open(item) as im:
                 frames = getattr(im, "n_frames", 1)
@@ -175,6 +247,11 @@ def _read_array(item) -> np.ndarray:
 
     if isinstance(item, np.ndarray):
         return item
+    if is_dicom(item):  # 8-bit by the image's own range, native size (ANDA's transforms work on 8-bit pictures)
+        a, _ = _dicom_pixels(item)
+        lo, hi = float(a.min()), float(a.max())
+        a = (a - lo) / (hi - lo) if hi > lo else np.zeros_like(a)
+        return (a * 255).round().astype(np.uint8)
     with Image.open(item) as im:
         return np.asarray(im.convert("RGB") if im.mode not in ("L", "RGB") else im)
 
@@ -378,6 +455,8 @@ def decode_image(path, *, image_size: int, channels: int) -> tuple[np.ndarray, l
     from PIL import Image
 
     done: list[str] = []
+    if is_dicom(path):
+        return _decode_dicom(path, image_size, channels)
     with Image.open(path) as im:
         if getattr(im, "n_frames", 1) > 1:
             raise DataError(f"has {im.n_frames} frames; one image per file is expected")
@@ -408,6 +487,40 @@ def decode_image(path, *, image_size: int, channels: int) -> tuple[np.ndarray, l
             im = im.convert(mode).resize(size, Image.BILINEAR)
             arr = np.asarray(im, dtype=np.float32) / 255.0
     return (arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)), done
+
+
+def _decode_dicom(path, image_size: int, channels: int) -> tuple[np.ndarray, list[str]]:
+    """A 2D DICOM image as :func:`decode_image` returns it: modality values scaled by the image's own range to
+    [0, 1] (as other images wider than 8 bits), resized bilinearly in floating point."""
+    from PIL import Image
+
+    a, done = _dicom_pixels(path)
+    if not np.all(np.isfinite(a)):
+        raise DataError("has NaN or infinite pixel values")
+    ct = "DICOM CT" in done
+    if ct:
+        done.remove("DICOM CT")
+    if ct:  # Hounsfield units mean the same at every site: one fixed range, not each image's own
+        lo, hi = CT_HU_RANGE
+        a = np.clip(a, lo, hi)
+        done.append(f"CT Hounsfield units mapped from [{lo}, {hi}] to [0, 1]")
+    else:
+        lo, hi = float(a.min()), float(a.max())
+        done.append("DICOM values scaled by each image's own range to [0, 1]")
+    a = (a - lo) / (hi - lo) if hi > lo else np.zeros_like(a)
+    size = (image_size, image_size)
+    if a.ndim == 3 and channels == 1:
+        a = a @ np.array([0.299, 0.587, 0.114])
+        done.append("colour to grayscale (ITU-R 601-2 luma)")
+    planes = [a] if a.ndim == 2 else [a[..., k] for k in range(3)]
+    if planes[0].shape != size[::-1]:
+        done.append(f"resized to {image_size}x{image_size} (bilinear)")
+    planes = [np.asarray(Image.fromarray(p.astype(np.float32), mode="F").resize(size, Image.BILINEAR)) for p in planes]
+    arr = np.clip(np.stack(planes), 0.0, 1.0).astype(np.float32)
+    if channels != 1 and arr.shape[0] == 1:
+        arr = np.repeat(arr, 3, axis=0)
+        done.append("grayscale repeated to 3 channels")
+    return arr, done
 
 
 def load_images(entries: Sequence[dict], *, image_size: int, channels: int, site: str = "site",
