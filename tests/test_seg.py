@@ -275,3 +275,40 @@ def test_loaded_hemispheres_are_placed_where_the_whole_case_is(phantoms):
     assert 0.2 < a["dice_wt"] < 0.95
     for k in ("dice_wt", "dice_tc", "dice_et", "hd95_wt", "hd95_tc", "hd95_et"):
         assert a[k] == pytest.approx(b[k], abs=1e-9), k
+
+
+def test_a_dicom_series_is_a_segmentation_case_aligned_with_its_nifti_label(tmp_path):
+    """A 3D DICOM series (pydicom's 7-slice MR series of dicomdirtests) in a subject folder, with a NIfTI label map:
+    slices sorted by position, spacing from the headers; a label stored in another orientation (flipped axes, as
+    exporters write RAS vs DICOM's LPS) is aligned voxel for voxel, so the case is the same either way."""
+    pydicom = pytest.importorskip("pydicom")
+    import shutil
+    from pathlib import Path
+
+    import nibabel as nib
+
+    from fedmed.data.nifti import load_case, load_volume
+
+    src = Path(pydicom.__file__).parent / "data" / "test_files" / "dicomdirtests" / "98892003" / "MR700"
+    series = tmp_path / "subject-1" / "MR"
+    series.mkdir(parents=True)
+    for f in src.iterdir():
+        shutil.copy(f, series / f.name)
+    arr, aff = load_volume(series, "site-1", "MR image")
+    assert arr.shape == (16, 16, 7)
+    spacing = np.sqrt((aff[:3, :3] ** 2).sum(axis=0))
+    ds = pydicom.dcmread(next(series.iterdir()))
+    assert np.allclose(spacing[:2], [float(v) for v in ds.PixelSpacing][::-1])
+    lab = np.zeros(arr.shape, np.int16)
+    lab[arr > np.percentile(arr, 80)] = 2  # "edema" where the image is brightest
+    nib.save(nib.Nifti1Image(lab, aff), tmp_path / "same.nii.gz")
+    flip = np.eye(4)
+    flip[0, 0], flip[0, 3] = -1, arr.shape[0] - 1  # voxel i -> n-1-i: the same places, stored mirrored
+    nib.save(nib.Nifti1Image(lab[::-1].copy(), aff @ flip), tmp_path / "flipped.nii.gz")
+    nib.save(nib.Nifti1Image(np.ones(arr.shape, np.uint8), aff), tmp_path / "mask.nii.gz")  # no crop, no resize:
+    entry = {"image": [str(series)], "modalities": ["MR"], "id": "subject-1", "mask": str(tmp_path / "mask.nii.gz")}
+    a = load_case({**entry, "label": str(tmp_path / "same.nii.gz")}, shape=arr.shape)  # voxels compare one to one
+    b = load_case({**entry, "label": str(tmp_path / "flipped.nii.gz")}, shape=arr.shape)
+    assert a["label"].any() and np.array_equal(a["label"][:, ::-1], b["label"])  # mirrored storage, mirrored grid
+    assert np.allclose(a["image"][:, ::-1], b["image"])  # ... and the image followed its label
+    assert a["meta"]["volume_mm3"]["WT"] == pytest.approx(int((lab > 0).sum()) * float(abs(np.linalg.det(aff[:3, :3]))))

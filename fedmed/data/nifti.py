@@ -36,14 +36,19 @@ REGIONS = {"WT": (1, 2, 3, 4), "TC": (1, 3, 4), "ET": (4,)}
 ALLOWED_LABELS = (0, 1, 2, 3, 4)
 
 
-def _load_nifti(path, site: str, what: str):
+def load_volume(path, site: str, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """A 3-D volume as ``(array (x, y, z) float32, affine voxel -> RAS mm)``: a NIfTI file, or a folder holding one
+    DICOM series (read with SimpleITK/GDCM: slices sorted by position, spacing and orientation from the headers;
+    SimpleITK's LPS affine turned into RAS as NIfTI's). No DICOM header value enters a message."""
     import nibabel as nib
 
     p = Path(path)
+    if p.is_dir():
+        return _load_dicom_series(p, site, what)
     if not p.is_file():
         raise DataError(f"{site}: {what} file {p} not found")
     if not (p.name.endswith(".nii") or p.name.endswith(".nii.gz")):
-        raise DataError(f"{site}: {what} file {p} is not a NIfTI file (.nii or .nii.gz)")
+        raise DataError(f"{site}: {what} file {p} is not a NIfTI file (.nii or .nii.gz) or a DICOM series folder")
     try:
         img = nib.load(str(p))
         arr = np.asarray(img.dataobj, dtype=np.float32)
@@ -51,13 +56,54 @@ def _load_nifti(path, site: str, what: str):
         raise DataError(f"{site}: cannot read {what} file {p} ({type(e).__name__}: {e})") from None
     if arr.ndim != 3:
         raise DataError(f"{site}: {what} file {p} should be a 3-D volume, got shape {arr.shape}")
-    return arr, float(np.prod(img.header.get_zooms()[:3]))
+    return arr, np.asarray(img.affine, dtype=np.float64)
 
 
-def _zooms(path) -> tuple:
-    import nibabel as nib
+def _load_dicom_series(p: Path, site: str, what: str) -> tuple[np.ndarray, np.ndarray]:
+    import SimpleITK as sitk
 
-    return tuple(float(z) for z in nib.load(str(path)).header.get_zooms()[:3])
+    reader = sitk.ImageSeriesReader()
+    ids = reader.GetGDCMSeriesIDs(str(p))
+    if not ids:
+        raise DataError(f"{site}: {what} folder {p} holds no DICOM series")
+    if len(ids) > 1:
+        raise DataError(f"{site}: {what} folder {p} holds {len(ids)} DICOM series; one series per folder")
+    files = reader.GetGDCMSeriesFileNames(str(p), ids[0])  # sorted along the slice normal
+    if len(files) < 2:
+        raise DataError(f"{site}: {what} folder {p} holds a single slice, not a 3-D series")
+    reader.SetFileNames(files)
+    try:
+        img = reader.Execute()
+    except RuntimeError as e:
+        raise DataError(f"{site}: cannot read the DICOM series in {what} folder {p} ({str(e).splitlines()[0][:120]})") \
+            from None
+    arr = sitk.GetArrayFromImage(img).astype(np.float32)
+    if arr.ndim != 3:
+        raise DataError(f"{site}: the DICOM series in {what} folder {p} is not a 3-D grayscale volume ({arr.shape})")
+    arr = arr.transpose(2, 1, 0)  # SimpleITK's (z, y, x) to NIfTI's (x, y, z)
+    direction = np.asarray(img.GetDirection(), dtype=np.float64).reshape(3, 3)
+    lps = np.eye(4)
+    lps[:3, :3] = direction * np.asarray(img.GetSpacing())[None, :]
+    lps[:3, 3] = img.GetOrigin()
+    return arr, np.diag([-1.0, -1.0, 1.0, 1.0]) @ lps  # LPS -> RAS
+
+
+def _to_orientation(arr: np.ndarray, affine: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """``arr`` with its axes permuted and flipped into the orientation of ``target`` (an affine)."""
+    from nibabel.orientations import apply_orientation, io_orientation, ornt_transform
+
+    t = ornt_transform(io_orientation(affine), io_orientation(target))
+    return np.ascontiguousarray(apply_orientation(arr, t))
+
+
+def _load_nifti(path, site: str, what: str):
+    """(array, voxel volume in mm^3) of :func:`load_volume`."""
+    arr, affine = load_volume(path, site, what)
+    return arr, float(abs(np.linalg.det(affine[:3, :3])))
+
+
+def _zooms(affine) -> tuple:
+    return tuple(float(z) for z in np.sqrt((np.asarray(affine)[:3, :3] ** 2).sum(axis=0)))
 
 
 def region_masks(label: np.ndarray) -> np.ndarray:
@@ -89,17 +135,23 @@ def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "
         raise DataError(f"{site}: case {entry.get('id', '?')} lists no image files")
     if len(mods) != len(images):
         raise DataError(f"{site}: case {entry.get('id', '?')} names {len(mods)} modalities for {len(images)} images")
-    vols, voxel = [], 1.0
+    vols, affines = [], []
     for m, f in zip(mods, images):
         if f is None:
             raise DataError(f"{site}: case {entry.get('id', '?')} is missing modality {m}")
-        a, voxel = _load_nifti(f, site, f"{m} image")
+        a, aff = load_volume(f, site, f"{m} image")
         bad = int(a.size - np.isfinite(a).sum())
         if bad:
             raise DataError(f"{site}: case {entry.get('id', Path(str(f)).parent.name)}: {m} image {f} has {bad} NaN or "
                             f"infinite voxel(s)")
         vols.append(a)
-    lab, _ = _load_nifti(entry["label"], site, "label")
+        affines.append(aff)
+    lab, lab_aff = load_volume(entry["label"], site, "label")
+    # the label map's voxel axes rule: an image stored in another orientation (a DICOM series is LPS, an export
+    # RAS) is permuted/flipped to it, so that voxel (i, j, k) is the same place in the image and in its label
+    vols = [_to_orientation(a, aff, lab_aff) for a, aff in zip(vols, affines)]
+    affines = [lab_aff] * len(vols)
+    voxel = float(abs(np.linalg.det(lab_aff[:3, :3])))
     for m, f, a in zip(mods, images, vols):
         if a.shape != vols[0].shape:
             raise DataError(f"{site}: {m} image {f} has shape {a.shape} but {mods[0]} image {images[0]} has {vols[0].shape}")
@@ -112,7 +164,8 @@ def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "
                         f"(allowed {list(allowed_labels)})")
     lab = lab.astype(np.int16)
     if entry.get("mask"):
-        brain, _ = _load_nifti(entry["mask"], site, "brain mask")
+        brain, brain_aff = load_volume(entry["mask"], site, "brain mask")
+        brain = _to_orientation(brain, brain_aff, lab_aff)
         if brain.shape != lab.shape:
             raise DataError(f"{site}: brain mask {entry['mask']} has shape {brain.shape}, image has {lab.shape}")
         fg = brain > 0
@@ -130,7 +183,7 @@ def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "
         raise DataError(f"{site}: case {entry.get('id', '?')} region should be whole/left/right, got {region!r}")
     sl = tuple(slice(a, b) for a, b in zip(lo, hi))
     crop_lab = lab[sl]
-    zooms = np.asarray(_zooms(images[0]), dtype=np.float64)
+    zooms = np.asarray(_zooms(lab_aff), dtype=np.float64)
     extent = (hi - lo) * zooms
     meta = {"id": entry.get("id", Path(images[0]).parent.name + ("" if region == "whole" else f"_{region}")),
             "subject": entry.get("subject", Path(images[0]).parent.name),
