@@ -103,23 +103,26 @@ def _check_classification(doc, root, rep, classes, image_size, channels, k_min, 
 
 
 def _check_seg(doc, root, rep):
-    import nibabel as nib
+    from fedmed.data.images import DataError
+    from fedmed.data.nifti import _to_orientation, load_volume
 
     for split in ("training", "validation", "test"):
         rep["counts"][split] = {"cases": len(doc[split])}
         for e in doc[split]:
             files = [*(e["image"] if isinstance(e["image"], list) else [e["image"]]), e["label"]]
-            shapes = {}
+            vols = {}
             for f in files + ([e["mask"]] if e.get("mask") else []):
                 try:
-                    shapes[f] = tuple(nib.load(f).shape[:3])
-                except FileNotFoundError:
-                    rep["problems"].append(f"{split}: {_show(f, root)}: file not found")
-                except Exception as err:  # nibabel raises several kinds for a file that is not NIfTI
-                    rep["problems"].append(f"{split}: {_show(f, root)}: not a readable NIfTI image ({type(err).__name__})")
-            if len(set(shapes.values())) > 1:
-                rep["problems"].append(f"{split}: {_show(e['label'], root)}: image and label shapes differ ("
-                                       + ", ".join(f"{_show(f, root)} {s}" for f, s in shapes.items()) + ")")
+                    vols[f] = load_volume(f, "", "")
+                except DataError:
+                    kind = "DICOM series" if Path(f).is_dir() else "NIfTI image"
+                    rep["problems"].append(f"{split}: {_show(f, root)}: missing or not a readable {kind}")
+            if e["label"] in vols:  # shapes in the label map's orientation, as a site loads the case
+                lab_aff = vols[e["label"]][1]
+                shapes = {f: _to_orientation(a, aff, lab_aff).shape for f, (a, aff) in vols.items()}
+                if len(set(shapes.values())) > 1:
+                    rep["problems"].append(f"{split}: {_show(e['label'], root)}: image and label shapes differ ("
+                                           + ", ".join(f"{_show(f, root)} {s}" for f, s in shapes.items()) + ")")
     if not doc["training"]:
         rep["problems"].append("training: empty")
 
