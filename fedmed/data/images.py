@@ -467,9 +467,9 @@ def decode_image(path, *, image_size: int, channels: int) -> tuple[np.ndarray, l
             a = np.asarray(im, dtype=np.float64)
             if a.ndim == 3:  # e.g. a multi-channel float TIFF read as one band per channel
                 a = a.mean(axis=2)
-            lo, hi = float(np.nanmin(a)), float(np.nanmax(a))
-            if not (np.isfinite(lo) and np.isfinite(hi)):
+            if not np.all(np.isfinite(a)):  # one NaN pixel would turn the whole image, then the model, into NaN
                 raise DataError("has NaN or infinite pixel values")
+            lo, hi = float(a.min()), float(a.max())
             a = (a - lo) / (hi - lo) if hi > lo else np.zeros_like(a)
             done.append(f"{WIDE_MODES[im.mode]} ({im.mode}) scaled by each image's own range to [0, 1]")
             f = Image.fromarray(a.astype(np.float32), mode="F").resize(size, Image.BILINEAR)
