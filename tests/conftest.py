@@ -16,6 +16,14 @@ def shared_path(*parts) -> Path:
     return p
 
 
+def pytest_configure(config):
+    """Sites cache decoded data (fedmed.site.cache); the suite keeps its cache in a folder of its own, not the user's
+    ~/.cache/fedmed (jobs started by tests inherit it)."""
+    import tempfile
+
+    os.environ.setdefault("FEDMED_CACHE_DIR", tempfile.mkdtemp(prefix="fedmed_test_cache_"))
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

@@ -67,6 +67,26 @@ def cmd_check_data(a):
     return 1 if rep["problems"] else 0
 
 
+def cmd_cache(a):
+    from fedmed.site.cache import SiteCache, cache_root
+
+    root = Path(a.dir) if a.dir else cache_root()
+    if root is None:
+        print("the cache is off (FEDMED_CACHE=0)")
+        return 0
+    sites = [a.site] if a.site else sorted(d.name for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
+    for s in sites:
+        c = SiteCache(root, s)
+        files = list(c.dir.rglob("*.npz")) if c.dir.is_dir() else []
+        if a.action == "clear":
+            print(f"{s}: removed {c.clear()} cached entr{'y' if len(files) == 1 else 'ies'} from {c.dir}")
+        else:
+            print(f"{s}: {len(files)} entries, {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB in {c.dir}")
+    if not sites:
+        print(f"no cached data in {root}")
+    return 0
+
+
 def cmd_experiment(a):
     from fedmed.run.experiment import run_experiment
 
@@ -285,6 +305,13 @@ def register(sub):
     k.add_argument("--k-min", type=int, help="the privacy floor (default: the config's, else 1)")
     k.add_argument("--json", help="also write the report as JSON here")
     k.set_defaults(func=cmd_check_data)
+
+    ca = sub.add_parser("cache", help="a site's cache of decoded data (fedmed.site.cache): where it is, how big; clear it",
+                        formatter_class=H)
+    ca.add_argument("action", choices=["info", "clear"])
+    ca.add_argument("--site", help="only this site's folder (default: every site's)")
+    ca.add_argument("--dir", help="the cache root (default: FEDMED_CACHE_DIR, else ~/.cache/fedmed)")
+    ca.set_defaults(func=cmd_cache)
 
     m = sub.add_parser("demo", help="the embedded demo: small federations, every table, an HTML report", formatter_class=H)
     m.add_argument("--data", help="a dataset folder instead of the bundled digits, e.g. ../shared/data/busi")

@@ -93,8 +93,8 @@ class SiteRunner:
         if self._data is None or self._data_key != key:
             doc = self._datalist()
             done: set = set()
-            kw = dict(image_size=image_size, channels=channels, site=self.site, display=self.display, conversions=done)
-            splits = Splits(*(load_images(doc[k], **kw) for k in ("training", "validation", "test")))
+            splits = Splits(*(self._load_split(doc[k], image_size, channels, done)
+                              for k in ("training", "validation", "test")))
             note = conversion_note(self.site, done)
             if note:  # said once per site: its log and the server's (the next reply's notes)
                 print(f"[fedmed] {note}", flush=True)
@@ -109,6 +109,37 @@ class SiteRunner:
                 self.notes.append(note)
             self._data, self._data_key = splits, key
         return self._data
+
+    @property
+    def cache(self):
+        """This site's decoded-data cache (:mod:`fedmed.site.cache`), or ``None`` when it is off."""
+        if not hasattr(self, "_cache"):
+            from fedmed.site.cache import SiteCache, cache_root
+
+            root = cache_root(self.settings.cache_dir)
+            self._cache = SiteCache(root, self.site) if root is not None else None
+        return self._cache
+
+    def _load_split(self, entries, image_size: int, channels: int, done: set):
+        """One split's images and labels: from this site's cache when the same files were decoded with the same
+        settings before, else decoded (and cached)."""
+        import torch
+
+        c = self.cache
+        key = c.key([e["image"] for e in entries], {"kind": "images", "size": image_size, "channels": channels}) \
+            if c is not None and entries else None
+        hit = c.get(key) if c is not None else None
+        if hit is not None:
+            arrays, meta = hit
+            done.update(meta.get("conversions", []))
+            return torch.from_numpy(arrays["x"]), torch.tensor([int(e["label"]) for e in entries], dtype=torch.long)
+        mine: set = set()
+        x, y = load_images(entries, image_size=image_size, channels=channels, site=self.site, display=self.display,
+                           conversions=mine)
+        done.update(mine)
+        if c is not None:
+            c.put(key, {"x": x.numpy()}, {"conversions": sorted(mine)})
+        return x, y
 
     def _splits(self, cfg) -> Splits:
         cfg = task_config(cfg)

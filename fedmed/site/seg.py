@@ -13,6 +13,8 @@ both its training and its test data.
 from __future__ import annotations
 
 
+from pathlib import Path
+
 import numpy as np
 
 from fedmed.core.schema import AssessTask, TaskConfig, task_config
@@ -124,12 +126,31 @@ class SegSiteRunner(SiteRunner):
         if self._data is None or self._data_key != shape:
             doc = self._datalist("segmentation")
             check_no_leakage(doc["training"] + doc["validation"], doc["test"], where=self.site)
-            tr = [load_case(e, shape=shape, site=self.site) for e in doc["training"]]
-            te = [load_case(e, shape=shape, site=self.site) for e in doc["test"]]
+            tr = [self._case(e, shape) for e in doc["training"]]
+            te = [self._case(e, shape) for e in doc["test"]]
             if not tr:
                 raise DataError(f"{self.site}: datalist {self.display(self.datalist_path)} has no training cases")
             self._data, self._data_key = (tr, te), shape
         return self._data
+
+    def _case(self, entry: dict, shape):
+        """One case, from this site's cache when its files were loaded with the same settings before."""
+        from fedmed.data.nifti import SegCase, load_case
+
+        c = self.cache
+        images = entry["image"] if isinstance(entry["image"], list) else [entry["image"]]
+        files = [f for f in (*images, entry.get("label"), entry.get("mask")) if f]
+        settings = {"kind": "case", "shape": list(shape), "folders": [Path(str(f)).parent.name for f in images],
+                    **{k: v for k, v in entry.items() if k not in ("image", "label", "mask")}}
+        key = c.key(files, settings) if c is not None else None
+        hit = c.get(key) if c is not None else None
+        if hit is not None:
+            arrays, meta = hit
+            return SegCase(image=arrays["image"], label=arrays["label"], meta=meta)
+        case = load_case(entry, shape=shape, site=self.site)
+        if c is not None:
+            c.put(key, {"image": case["image"], "label": case["label"]}, case["meta"])
+        return case
 
     def model(self, cfg):
         from fedmed.nn.models import seg_model_from_config

@@ -15,7 +15,9 @@ The settings file (JSON)::
                                          #   datalist's folder); messages name files relative to it
      "allow_per_image": false,           # optional: may per-image values/embeddings leave (004_ paper form)?
      "k_min": 10,                        # optional: raise the job's minimum group size at this site
-     "device": "cuda:1"}                 # optional: this site's device (overrides the job's train.device)
+     "device": "cuda:1",                 # optional: this site's device (overrides the job's train.device)
+     "cache_dir": "/scratch/fedmed"}     # optional: where decoded data is cached (false: no cache; default
+                                         #   FEDMED_CACHE_DIR or ~/.cache/fedmed; fedmed.site.cache)
 
 ``FEDMED_ALLOW_PER_IMAGE=1`` is the environment form of ``allow_per_image`` (simulations), ``FEDMED_DEVICE`` of
 ``device``.
@@ -36,7 +38,7 @@ __all__ = ["SETTINGS_FILE", "SiteConfigError", "SiteSettings", "path_spans", "re
            "scrub_strings"]
 
 SETTINGS_FILE = "fedmed_site.json"
-_KEYS = {"datalist", "data_root", "allow_per_image", "k_min", "device"}
+_KEYS = {"datalist", "data_root", "allow_per_image", "k_min", "device", "cache_dir"}
 
 
 class SiteConfigError(ValueError):
@@ -53,6 +55,7 @@ class SiteSettings:
     source: str = ""
     roots: list[Path] = field(default_factory=list)  # folders whose absolute paths are scrubbed from messages
     device: str | None = None  # this site's train.device (overrides the job's)
+    cache_dir: object = None  # decoded-data cache root (fedmed.site.cache): None = default, False = off, or a folder
 
     def display(self, path) -> str:
         """``path`` as a message that leaves the site may name it (relative to the data root, else its name)."""
@@ -235,8 +238,13 @@ def resolve_site_settings(site: str, *, cwd=None, env=None) -> SiteSettings:
 
             if not isinstance(device, str) or not re.match(DEVICE_PATTERN, device):
                 raise SiteConfigError(f"{site}: {source} device should be auto, cpu, cuda or cuda:N, got {device!r}")
+        cache_dir = doc.get("cache_dir")
+        if cache_dir is not None and cache_dir is not False and not isinstance(cache_dir, str):
+            raise SiteConfigError(f"{site}: {source} cache_dir should be a folder or false, got {cache_dir!r}")
+        if isinstance(cache_dir, str) and not Path(cache_dir).is_absolute():
+            cache_dir = str(f.parent / cache_dir)
         settings = SiteSettings(site, dl, root, bool(doc.get("allow_per_image", False)) or per_image_env, k_min,
-                                source, roots=[f.parent], device=device)
+                                source, roots=[f.parent], device=device, cache_dir=cache_dir)
     if settings.device is None and env.get("FEDMED_DEVICE"):
         settings.device = env["FEDMED_DEVICE"]
     if not settings.datalist.is_file():

@@ -1,0 +1,99 @@
+"""A site's cache of decoded data (fedmed.site.cache): later runs skip decoding; a changed file or setting never
+hits an old entry; each site has its own folder; it can be turned off and cleared."""
+
+import json
+
+import numpy as np
+import pytest
+
+from fedmed.cli.main import main
+from fedmed.data.images import discover, write_site_datalists
+from fedmed.data.partition import iid_partition
+from fedmed.site.runner import SiteRunner
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    d = tmp_path / "cache"
+    monkeypatch.setenv("FEDMED_CACHE_DIR", str(d))
+    return d
+
+
+def federation(root):
+    """Two sites of digits with training, validation and test splits (three cache entries per site)."""
+    pool = discover("builtin:digits", max_per_class=6)
+    write_site_datalists(pool, iid_partition(len(pool.labels), 2, 0), root, test_fraction=0.25, val_fraction=0.2,
+                         seed=0)
+    for s in ("site-1", "site-2"):
+        assert all(json.loads((root / f"{s}.json").read_text())[k] for k in ("training", "validation", "test"))
+
+
+def test_a_later_run_reads_the_cache_and_gets_the_same_data(tmp_path, cache_dir, monkeypatch):
+    federation(tmp_path / "data")
+    first = SiteRunner("site-1", tmp_path / "data")
+    a = first.data(12, 1)
+    assert first.cache.hits == 0 and first.cache.misses == 3
+    second = SiteRunner("site-1", tmp_path / "data")  # a later run: a new process, the same files
+    import fedmed.site.runner as R
+
+    monkeypatch.setattr(R, "load_images", lambda *a, **k: pytest.fail("decoded again"))
+    b = second.data(12, 1)
+    assert second.cache.hits == 3
+    for x, y in ((a.train, b.train), (a.val, b.val), (a.test, b.test)):
+        assert np.array_equal(x[0].numpy(), y[0].numpy()) and np.array_equal(x[1].numpy(), y[1].numpy())
+    assert second.notes == first.notes  # what was converted is still said
+    assert sorted(d.name for d in cache_dir.iterdir()) == ["site-1"]  # the site's own folder only
+
+
+def test_a_changed_file_or_setting_is_decoded_again(tmp_path, cache_dir):
+    from PIL import Image
+
+    federation(tmp_path / "data")
+    before = SiteRunner("site-1", tmp_path / "data").data(12, 1).train[0][0].numpy()
+    other_size = SiteRunner("site-1", tmp_path / "data")
+    other_size.data(16, 1)
+    assert other_size.cache.hits == 0
+    doc = json.loads((tmp_path / "data" / "site-1.json").read_text())
+    f = tmp_path / "data" / doc["training"][0]["image"]
+    Image.fromarray(255 - np.asarray(Image.open(f))).save(f)  # the same name, another picture
+    changed = SiteRunner("site-1", tmp_path / "data")
+    after = changed.data(12, 1).train[0][0].numpy()
+    assert changed.cache.hits == 2  # validation and test unchanged; training decoded again
+    assert np.allclose(after, 1.0 - before, atol=0.02)  # the new picture, not the cached old one
+
+
+def test_the_cache_can_be_turned_off_and_cleared(tmp_path, cache_dir, monkeypatch, capsys):
+    federation(tmp_path / "data")
+    SiteRunner("site-1", tmp_path / "data").data(12, 1)
+    SiteRunner("site-2", tmp_path / "data").data(12, 1)
+    assert main(["cache", "info"]) == 0 and "site-1: 3 entries" in capsys.readouterr().out
+    assert main(["cache", "clear", "--site", "site-1"]) == 0
+    assert "removed 3 cached entries" in capsys.readouterr().out
+    assert not (cache_dir / "site-1").exists() and (cache_dir / "site-2").is_dir()
+    monkeypatch.setenv("FEDMED_CACHE", "0")
+    assert SiteRunner("site-1", tmp_path / "data").cache is None
+
+
+def test_a_segmentation_case_is_cached(tmp_path, cache_dir):
+    import nibabel as nib
+
+    from fedmed.site.seg import SegSiteRunner
+
+    rng = np.random.default_rng(0)
+    for s in ("a", "b"):
+        img = rng.normal(size=(12, 12, 10)).astype(np.float32) + 2
+        lab = np.zeros((12, 12, 10), np.int16)
+        lab[4:8, 4:8, 3:6] = 2
+        nib.save(nib.Nifti1Image(img, np.eye(4)), tmp_path / f"{s}_flair.nii.gz")
+        nib.save(nib.Nifti1Image(lab, np.eye(4)), tmp_path / f"{s}_label.nii.gz")
+    entries = [{"image": [f"{s}_flair.nii.gz"], "label": f"{s}_label.nii.gz", "modalities": ["FLAIR"], "id": s,
+                "subject": s} for s in ("a", "b")]
+    (tmp_path / "site-1.json").write_text(json.dumps({"training": entries[:1], "validation": [], "test": entries[1:]}))
+    cfg = {"task": "segmentation", "data": {"shape": [8, 8, 8], "roi": [8, 8, 8], "in_channels": 1}}
+    first = SegSiteRunner("site-1", tmp_path)
+    tr, te = first.cases(cfg)
+    second = SegSiteRunner("site-1", tmp_path)
+    tr2, te2 = second.cases(cfg)
+    assert second.cache.hits == 2 and first.cache.hits == 0
+    assert np.array_equal(tr[0]["image"], tr2[0]["image"]) and np.array_equal(te[0]["label"], te2[0]["label"])
+    assert tr2[0]["meta"]["volume_mm3"] == tr[0]["meta"]["volume_mm3"] and tr2[0]["meta"]["id"] == "a"
