@@ -202,21 +202,23 @@ def fmcl_distance_matrix(signatures: Sequence[ClassSignature], *, alpha: float =
     num, omega, tmp = (np.empty((min(block, n), n)) for _ in range(3))
     for b0 in range(0, n, block):
         b1 = min(n, b0 + block)
-        nb, ob, t = num[:b1 - b0], omega[:b1 - b0], tmp[:b1 - b0]
+        # only columns from b0 on: the blocks left of the diagonal are the mirror of blocks already computed
+        cols = n - b0
+        nb, ob, t = num[:b1 - b0, :cols], omega[:b1 - b0, :cols], tmp[:b1 - b0, :cols]
         nb.fill(0.0)
         ob.fill(0.0)
         for mu, norms, w in classes:
-            g = mu[b0:b1] @ mu.T                              # mu_i . mu_j
-            np.multiply(norms[b0:b1, None], norms[None, :], out=t)
+            g = mu[b0:b1] @ mu[b0:].T                         # mu_i . mu_j
+            np.multiply(norms[b0:b1, None], norms[None, b0:], out=t)
             t += eps
             np.divide(g, t, out=g)
             np.subtract(1.0, g, out=g)                        # d_cos
-            np.minimum(w[b0:b1, None], w[None, :], out=t)     # w~_c
+            np.minimum(w[b0:b1, None], w[None, b0:], out=t)   # w~_c
             ob += t
             g *= t
             nb += g
         with np.errstate(divide="ignore", invalid="ignore"):
-            dcap = D[b0:b1]
+            dcap = D[b0:b1, b0:]
             np.add(ob, eps, out=t)
             np.divide(nb, t, out=dcap)
             if overlap:
@@ -226,21 +228,21 @@ def fmcl_distance_matrix(signatures: Sequence[ClassSignature], *, alpha: float =
                 dcap *= t
             dcap[ob <= 0] = np.inf
     del num, omega, tmp
-    _symmetrize_inplace(D, block)
+    _mirror_upper_inplace(D, block)
     np.fill_diagonal(D, np.inf)  # excluded from the percentiles; set to 0 below
     return _fill_no_overlap_inplace(D)
 
 
-def _symmetrize_inplace(D: np.ndarray, block: int) -> None:
-    """D <- (D + D^T) / 2 without an (N, N) temporary."""
+def _mirror_upper_inplace(D: np.ndarray, block: int) -> None:
+    """Fill D's blocks below the diagonal blocks from the computed upper ones, and make each diagonal block exactly
+    symmetric (its two triangles come from one product but different summation orders)."""
     n = D.shape[0]
     for b0 in range(0, n, block):
         b1 = min(n, b0 + block)
-        for c0 in range(b0, n, block):
-            c1 = min(n, c0 + block)
-            avg = (D[b0:b1, c0:c1] + D[c0:c1, b0:b1].T) / 2.0
-            D[b0:b1, c0:c1] = avg
-            D[c0:c1, b0:b1] = avg.T
+        d = D[b0:b1, b0:b1]
+        d[...] = (d + d.T) / 2.0
+        if b1 < n:
+            D[b1:, b0:b1] = D[b0:b1, b1:].T
 
 
 def _fill_no_overlap_inplace(D: np.ndarray) -> np.ndarray:
