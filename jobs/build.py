@@ -118,13 +118,17 @@ def _onboarding_job(exp, method, seed, cfg, names, onboard, client_files, server
                                        require_clusters=onboard.get("require_clusters", True))
     except OnboardingError as e:
         raise BuildError(str(e)) from None
+    if not onboard.get("labels", True) and method_entry(method.workflow).onboard == "cfl":
+        raise BuildError(f"method {method.name!r}: CFL sends a new site down its tree by the site's training updates, "
+                         f"which need labels; --no-labels serves FMCL, PACFL, IFCA (pseudo-labels), FECFL, Flux, 004_")
     tmp = Path(tempfile.mkdtemp(prefix="fedmed_training_"))
     for f in training_files(folder):
         shutil.copy(f, tmp / f.name)
     server_files.append((tmp, TRAINING_DIR))
     ctrl = WorkflowController(num_rounds=1, fedmed_config=cfg, workflow_name="onboard", workflow_args={
         "mode": method_entry(method.workflow).onboard, "known_clusters": onboard.get("known_clusters") or {},
-        "cluster_sizes": onboard.get("cluster_sizes") or {}, "references": bool(onboard.get("references"))})
+        "cluster_sizes": onboard.get("cluster_sizes") or {}, "references": bool(onboard.get("references")),
+        "labels": bool(onboard.get("labels", True))})
     return new_job(name or job_name(exp, method, seed, "_onboard"), exp, ctrl, names, client_files=client_files,
                    server_files=server_files)
 
@@ -192,6 +196,8 @@ def parser() -> argparse.ArgumentParser:
                     "scored as a reference")
     ap.add_argument("--references", action="store_true", help="--onboard: also score every cluster model at each "
                     "new site (references, never a selection)")
+    ap.add_argument("--no-labels", action="store_true", help="--onboard: the new sites have no labels: FMCL, PACFL "
+                    "and IFCA assign by the served models' predicted classes (docs/readings.md)")
     return ap
 
 
@@ -209,10 +215,10 @@ def main(argv=None) -> int:
         if a.onboard and not a.sites:
             raise BuildError("--onboard needs --sites: the new sites to onboard")
         if a.onboard:
-            onboard = {"training_result": a.onboard, "references": a.references,
+            onboard = {"training_result": a.onboard, "references": a.references, "labels": not a.no_labels,
                        "known_clusters": json.loads(a.known_clusters) if a.known_clusters else {}}
-        elif a.known_clusters or a.references:
-            raise BuildError("--known-clusters and --references go with --onboard")
+        elif a.known_clusters or a.references or a.no_labels:
+            raise BuildError("--known-clusters, --references and --no-labels go with --onboard")
         job = build_job(exp, method, a.seed, sites=sites, name=a.name, resume_from=a.resume_from, onboard=onboard)
         print(export(job, a.out))
     except (BuildError, ConfigError, ValueError) as e:

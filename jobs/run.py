@@ -217,6 +217,8 @@ def main(argv=None) -> int:
                     "given the cluster model of this finished run of the method that fits them")
     ap.add_argument("--known-clusters", default="", help="--onboard: JSON {site: cluster of its true group}")
     ap.add_argument("--references", action="store_true", help="--onboard: also score every cluster model")
+    ap.add_argument("--no-labels", action="store_true", help="--onboard: the new sites have no labels (FMCL, PACFL, "
+                    "IFCA assign by the served models' predicted classes)")
     ap.add_argument("--unseen", action="store_true", help="--onboard: the unseen-site test phase of fedmed experiment "
                     "(a method without clusters serves its global model)")
     a = ap.parse_args(argv)
@@ -246,6 +248,7 @@ def _main(a, template) -> int:
             if not a.sites:
                 raise BuildError("--onboard needs --sites: the new sites to onboard")
             onboard = {"training_result": a.onboard, "references": a.references, "require_clusters": not a.unseen,
+                       "labels": not a.no_labels,
                        "known_clusters": json.loads(a.known_clusters) if a.known_clusters else {}}
         job = build_job(exp, method, a.seed, sites=sites, resume_from=a.resume_from, onboard=onboard)
         if a.jobs_dir:

@@ -109,7 +109,7 @@ def test_a_held_out_site_is_assigned_its_groups_cluster(federation, name, tmp_pa
         assert np.isfinite(doc["rounds"][0]["sites"][u]["accuracy"])
         saved = load_model(tmp_path / "onboard" / "models" / f"{u}.pt")  # what `fedmed predict --model` loads
         assert saved is not None
-    label_free = m.workflow in ("pacfl", "fecfl", "flux")
+    label_free = m.workflow in ("fecfl", "flux")  # FMCL's prototypes and PACFL's subspaces are per class
     assert doc["assignment"]["label_free"] is label_free
     assert doc["assignment"]["evaluated_on"] == ("all data" if label_free else "test split")
 
@@ -278,3 +278,42 @@ def test_004_a_held_out_site_is_assigned_its_groups_cluster(tmp_path):
     assert doc["assignment"]["label_free"] is True
     assert all(np.isfinite(doc["rounds"][0]["sites"][s]["dice_mean"]) for s in assign)
     assert (tmp_path / "onboard" / "models" / "new-a.pt").is_file()
+
+
+@pytest.mark.parametrize("name", ["FMCL", "PACFL", "IFCA"])
+def test_a_new_site_without_labels_is_assigned_by_the_served_models_predictions(federation, tmp_path, name):
+    """``labels=False``: no label of the new site is read — its datalist's labels, all set to one class and then to
+    another, give the same assignment — FMCL/PACFL compare its signature under each cluster model's predicted
+    classes with that cluster's members, IFCA takes the most confident model. How often this finds the site's group
+    depends on how good the cluster models are (docs/readings.md, "Onboarding"): here PACFL's subspaces do (2/2),
+    FMCL's prototypes and IFCA's confidence under models of ~30% accuracy do not reliably (1/2 each)."""
+    m = train(federation, name, tmp_path / "train")
+    groups, unseen = federation["meta"]["groups"], federation["meta"]["unseen_sites"]
+    st = json.loads((tmp_path / "train" / "onboarding.json").read_text())
+    clusters = {int(c): s for c, s in st["clusters"].items() if s}
+    got = []
+    for fake in (0, 5):
+        data = tmp_path / f"data{fake}"
+        shutil.copytree(federation["data"], data)
+        for u in unseen:  # what the new sites "know": nothing
+            dl = json.loads((data / f"{u}.json").read_text())
+            for split in ("training", "validation", "test"):
+                for e in dl[split]:
+                    e["label"] = fake
+            (data / f"{u}.json").write_text(json.dumps(dl))
+        status, doc = onboard(federation["exp"], data, m, tmp_path / "train", unseen, tmp_path / f"onboard{fake}",
+                              labels=False)
+        assert status == "finished", doc.get("reason")
+        assert doc["assignment"]["pseudo_labels"] is True and doc["assignment"]["label_free"] is True
+        got.append(doc["assignment"]["test_phase"])
+    assert got[0] == got[1] and sorted(got[0]) == unseen
+    if name == "PACFL":
+        for u, c in got[0].items():
+            assert {groups[s] for s in clusters[c]} == {groups[u]}, (u, c, st["clusters"])
+
+
+def test_cfl_cannot_onboard_a_site_without_labels():
+    from fedmed.workflows.onboard import Onboard
+
+    with pytest.raises(ValueError, match="CFL sends a new site down its tree by the site's training updates"):
+        Onboard(1, {}, mode="cfl", labels=False)

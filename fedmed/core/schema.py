@@ -148,6 +148,8 @@ class SignatureTask(Strict):
     n_basis: int = Field(3, ge=1)
     seed: int = 0
     angle: Literal["principal", "official"] = "principal"
+    pseudo_labels: bool = Field(False, description="a site without labels: class prototypes of all its images under "
+                                "the served model's predicted classes (onboarding, fedmed.workflows.onboard)")
 
 
 class FluxTask(Strict):
@@ -181,6 +183,8 @@ class ClusteringTask(Strict):
 class IFCATask(Strict):
     k: int = Field(ge=1)
     train: bool = True
+    pseudo_labels: bool = Field(False, description="a site without labels: each model's loss on all the site's images "
+                                "against its own predicted classes (onboarding)")
 
 
 class EnsembleTask(Strict):

@@ -265,8 +265,8 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
                  "over unseen sites. Assigned model: the cluster model the method gives a new site (fedmed.workflows."
                  "onboard: Flux the nearest label-free centroid, Eq. 9; FMCL/PACFL/FECFL the run's linkage; IFCA the "
                  "lowest loss; CFL its parameter tree; FedAvg: the global model). Scored on all the site's data when "
-                 "the assignment used no labels (Flux, PACFL, FECFL, FedAvg), on its test split when it used the "
-                 "training split's labels (FMCL, IFCA, CFL). Known assoc.: the cluster model of the site's true group "
+                 "the assignment used no labels (Flux, FECFL, FedAvg), on its test split when it used the "
+                 "training split's labels (FMCL, PACFL, IFCA, CFL). Known assoc.: the cluster model of the site's true group "
                  "(ANDA federations). Oracle: each site's best cluster model, chosen on its test labels — a reference, "
                  "never a method. Ensemble: IFCA's cluster models weighted by cluster size (label-free). ARI: the "
                  "training clustering against the true groups.\n\n" + phases)

@@ -148,10 +148,12 @@ def signature(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     cfg = task_config(cfg)
     sc = cfg.signature
     s = runner._splits(cfg)
+    x, y = s.train[0], s.train[1].numpy()
+    if sc.pseudo_labels:  # no labels used: every image, under the served model's predicted classes
+        x, y = _pseudo_labelled(runner, params, cfg)
     enc = build_encoder(sc.encoder, weights=sc.weights, seed=sc.seed, in_channels=cfg.data.channels,
                         image_size=sc.image_size, device=runner.device(cfg))
-    feats = extract_features(enc, s.train[0], progress=lambda m: print(f"[{runner.site}] {m}", flush=True))
-    y = s.train[1].numpy()
+    feats = extract_features(enc, x, progress=lambda m: print(f"[{runner.site}] {m}", flush=True))
     rng = np.random.default_rng(task_seed(cfg, runner.site, salt=17))
     meta = signature_payload(sc.kind, feats, y, k_min=runner.k_min(cfg), privacy=cfg.privacy.model_dump(),
                              n_basis=sc.n_basis, rng=rng, site=runner.site)
@@ -163,6 +165,18 @@ def signature(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     for note in meta.get("notes", []):
         print(f"[fedmed] {note}", flush=True)
     return Reply({}, {"n_classes_sent": float(len(meta.get("classes", [])))}, meta)
+
+def _pseudo_labelled(runner, params: dict, cfg):
+    """All the site's images and the classes the served model (``params``) predicts for them."""
+    import torch
+
+    from fedmed.nn.train import predict_proba, set_params
+
+    s = runner._splits(cfg)
+    x = torch.cat([s.train[0], s.val[0], s.test[0]])
+    model = runner.model(cfg)
+    set_params(model, params)
+    return x, predict_proba(model, x, precision=runner.precision(cfg)).argmax(axis=1)
 
 # ------------------------------------------------------------------ Flux (003_)
 
@@ -227,7 +241,12 @@ def ifca(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     cfg = task_config(cfg)
     K = cfg.ifca.k
     model = runner.model(cfg)
-    xtr, ytr = runner._splits(cfg).train
+    s = runner._splits(cfg)
+    xtr, ytr = s.train
+    if cfg.ifca.pseudo_labels:  # no labels: every image, each model against its own predicted classes
+        if cfg.ifca.train:
+            raise TaskError(f"{runner.site}: IFCA trains on labels; pseudo-labels are for onboarding only")
+        xtr = torch.cat([s.train[0], s.val[0], s.test[0]])
     runner.require_k_min(int(xtr.shape[0]), "training images", cfg, "IFCA")  # the K losses average them
     dev = runner.device(cfg)
     xd, yd = (xtr.to(dev) - 0.5) / 0.5, ytr.to(dev)
@@ -236,7 +255,9 @@ def ifca(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
         set_params(model, {n[len(f"m{k}/"):]: v for n, v in params.items() if n.startswith(f"m{k}/")})
         model.eval()
         with torch.no_grad():
-            losses.append(float(torch.nn.functional.cross_entropy(model(xd), yd)))
+            out = model(xd)
+            target = out.argmax(dim=1) if cfg.ifca.pseudo_labels else yd
+            losses.append(float(torch.nn.functional.cross_entropy(out, target)))
     best = int(np.argmin(losses))
     set_params(model, {n[len(f"m{best}/"):]: v for n, v in params.items() if n.startswith(f"m{best}/")})
     metrics, meta = _served_metrics(runner, model, cfg)

@@ -8,7 +8,7 @@ The job carries the training run's result (``TRAINING_DIR``: its final models, `
 cluster's model, which it scores. ``mode`` (``fedmed.workflows.METHODS[...].onboard``):
 
 * ``signature`` (FMCL, PACFL, FECFL): the new site's signature (FMCL: class prototypes of its labeled training split;
-  PACFL: class subspaces; FECFL: its mean embedding, label-free); its distance to every training site by the method's
+  PACFL: its class subspaces; FECFL: its mean embedding, label-free); its distance to every training site by the method's
   distance; the cluster at the smallest linkage distance (average linkage: mean distance to the cluster's members;
   single: the nearest member; complete: the farthest).
 * ``assess`` (``004_`` two clusters): the new site's assessment; D_EMD on the image-intensity features only
@@ -20,9 +20,14 @@ cluster's model, which it scores. ``mode`` (``fedmed.workflows.METHODS[...].onbo
 * ``global`` (FedAvg): the global model. ``ensemble``: the cluster models' probabilities averaged with weights equal
   to their training-site counts (how the Flux paper scores baselines without test-time assignment).
 
-Scored on: all the site's data when the assignment used no labels (``signature`` with FECFL/PACFL, ``assess``,
-``flux``, ``global``, ``ensemble``), its test split (and validation split, as ``val_``) when it used the training
-split's labels (FMCL, IFCA, CFL) — never data the assignment saw (docs/readings.md). Recorded phases:
+With ``labels=False`` (a new site without labels) FMCL and PACFL compare, for each cluster c, the site's signature
+under cluster c's model's predicted classes with cluster c's members, and IFCA scores each model against its own
+predicted classes (the lowest loss: the most confident model); CFL needs labels.
+
+Scored on: all the site's data when the assignment used no labels (``signature`` with FECFL or pseudo-labels,
+``assess``, ``flux``, ``global``, ``ensemble``, IFCA with pseudo-labels), its test split (and validation split, as
+``val_``) when it used the training split's labels (FMCL, PACFL, IFCA, CFL) — never data the assignment saw
+(docs/readings.md). Recorded phases:
 ``test_phase`` (the assigned model), ``known_association`` (the cluster of the site's true group, when given),
 ``cluster<c>`` (with ``references``: every cluster model — a reference, never a selection); IFCA also
 ``ensemble``. The assigned model of each
@@ -46,7 +51,8 @@ __all__ = ["LABEL_FREE", "MODES", "Onboard", "OnboardingError", "TRAINING_DIR", 
 TRAINING_DIR = "fedmed_training"  # inside the server app's custom folder: the training run's models and state
 MODES = ("signature", "assess", "flux", "ifca", "cfl", "global", "ensemble")
 LABEL_FREE = {"assess", "flux", "global", "ensemble"}  # and "signature" of a label-free kind
-LABEL_FREE_SIGNATURES = {"fecfl", "pacfl"}
+LABEL_FREE_SIGNATURES = {"fecfl"}  # FMCL's prototypes and PACFL's subspaces are per class
+PSEUDO_LABEL_MODES = {"signature", "ifca"}  # without labels: the served models' predicted classes instead
 
 
 def load_models(root: Path) -> dict:
@@ -88,10 +94,13 @@ class Onboard(Workflow):
     record_name = "OnboardController"
 
     def __init__(self, num_rounds: int, fedmed_config: dict, mode: str = "global", known_clusters: dict = None,
-                 cluster_sizes: dict = None, references: bool = False, **kw):
+                 cluster_sizes: dict = None, references: bool = False, labels: bool = True, **kw):
         super().__init__(num_rounds, fedmed_config, **kw)
         if mode not in MODES:
             raise ValueError(f"onboarding mode should be one of {MODES}, got {mode!r}")
+        if not labels and mode == "cfl":
+            raise ValueError("CFL sends a new site down its tree by the site's training updates, which need labels")
+        self.labels = bool(labels)
         self.mode = mode
         self.known_clusters = dict(known_clusters or {})
         self.cluster_sizes = dict(cluster_sizes or {})
@@ -129,7 +138,8 @@ class Onboard(Workflow):
             raise RunFailed(f"the job carries no trained models ({TRAINING_DIR}/)")
         st = self.state()
         kind = st.get("state", {}).get("signature", {}).get("kind")
-        label_free = self.mode in LABEL_FREE or (self.mode == "signature" and kind in LABEL_FREE_SIGNATURES)
+        label_free = (self.mode in LABEL_FREE or (self.mode == "signature" and kind in LABEL_FREE_SIGNATURES)
+                      or not self.labels)
         self.task_extra = {"evaluate_on": "all" if label_free else "split"}
         sizes = self.cluster_sizes or {c: len(m) for c, m in st.get("clusters", {}).items()}
         if self.mode == "ensemble":
@@ -138,6 +148,7 @@ class Onboard(Workflow):
             assign = {s: 0 for s in self.sites} if self.mode == "global" else getattr(self, f"assign_{self.mode}")(st, models)
             self.recorder.note("assignment", {"test_phase": assign, "known_association": self.known_clusters,
                                               "mode": self.mode, "label_free": label_free,
+                                              "pseudo_labels": not self.labels and self.mode in PSEUDO_LABEL_MODES,
                                               "evaluated_on": "all data" if label_free else "test split"})
             for s, c in assign.items():
                 self.info(f"{s} is assigned cluster {c} ({self.mode})")
@@ -187,6 +198,8 @@ class Onboard(Workflow):
         sig = dict(state["signature"], weights=self.task_cfg.weights_file)
         trained = state["signatures"]
         encoders = sorted({m.get("encoder", "?") for m in trained.values()})
+        if not self.labels and sig["kind"] not in LABEL_FREE_SIGNATURES:
+            return self._assign_signature_pseudo(state, clusters, models, sig, trained)
         assign, dists = {}, {}
         for s, (meta, _) in self._replies("signature", self.task({}, 0, signature=sig), "signature").items():
             if meta.get("encoder", "?") not in encoders:
@@ -206,6 +219,36 @@ class Onboard(Workflow):
             row = {n: float(D[i, j]) for j, n in enumerate(names) if n != s and np.isfinite(D[i, j])}
             assign[s], dists[s] = assign_by_linkage(row, clusters, state["clustering"]["linkage"])
         self.recorder.note("onboarding", {"distances": dists, "linkage": state["clustering"]["linkage"]})
+        return self._some(assign)
+
+    def _assign_signature_pseudo(self, state, clusters, models, sig, trained) -> dict:
+        """No labels at the new site: for each cluster c, its signature under cluster c's model's predicted classes,
+        compared with cluster c's members (the linkage of the run); the cluster whose model explains the site's
+        images the way its members' data look wins (docs/readings.md, "Onboarding")."""
+        from fedmed.algorithms.clustered import signature_distances
+
+        linkage = state["clustering"]["linkage"]
+        groups = {c: (self.task(models[c], 0, signature={**sig, "pseudo_labels": True}), list(self.sites))
+                  for c in sorted(models) if str(c) in clusters}
+        dists: dict = {}
+        for c, rows in self.send_groups("signature", groups).items():
+            for s, _, meta, _ in rows:
+                if meta.get("error"):
+                    self.recorder.error(0, s, "signature", meta["error"])
+                    continue
+                try:
+                    names, D = signature_distances(sig["kind"], {**{t: m for t, m in trained.items() if t != s},
+                                                                 s: meta}, overlap=state["clustering"]["overlap"],
+                                                   angle=sig["angle"])
+                except ValueError as e:
+                    self.recorder.error(0, s, "signature", str(e))
+                    continue
+                i = names.index(s)
+                row = {n: float(D[i, j]) for j, n in enumerate(names) if n != s and np.isfinite(D[i, j])}
+                if any(m in row for m in clusters[str(c)]):
+                    dists.setdefault(s, {})[int(c)] = assign_by_linkage(row, {c: clusters[str(c)]}, linkage)[1][int(c)]
+        assign = {s: min(sorted(d), key=lambda c: d[c]) for s, d in dists.items()}
+        self.recorder.note("onboarding", {"distances": dists, "linkage": linkage, "pseudo_labels": True})
         return self._some(assign)
 
     def assign_assess(self, st: dict, models: dict) -> dict:
@@ -253,7 +296,8 @@ class Onboard(Workflow):
     def assign_ifca(self, st: dict, models: dict) -> dict:
         ids = sorted(models)
         packed = {f"m{j}/{n}": v for j, c in enumerate(ids) for n, v in models[c].items()}
-        replies = self._replies("ifca", self.task(packed, 0, ifca={"k": len(ids), "train": False}), "losses")
+        replies = self._replies("ifca", self.task(packed, 0, ifca={"k": len(ids), "train": False,
+                                                                    "pseudo_labels": not self.labels}), "losses")
         self.recorder.note("onboarding", {"losses": {s: dict(zip(ids, m["losses"])) for s, (m, _) in replies.items()}})
         return self._some({s: ids[int(m["cluster"])] for s, (m, _) in replies.items()})
 
