@@ -118,8 +118,7 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
 
 class SegSiteRunner(SiteRunner):
     def cases(self, cfg):
-        """(training cases, test cases) of this site, loaded once per shape."""
-        from fedmed.data.nifti import load_case
+        """(training cases, test cases) of this site, loaded once per shape (from its cache when it can)."""
         from fedmed.data.seg_federation import check_no_leakage
 
         shape = tuple(task_config(cfg).data.shape)
