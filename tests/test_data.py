@@ -54,8 +54,9 @@ def test_bad_datalist(tmp_path):
 
 def test_discover_npz(tmp_path):
     z = tmp_path / "m.npz"
-    np.savez(z, train_images=np.zeros((4, 28, 28), np.uint8), train_labels=np.array([[0], [1], [0], [1]]),
-             test_images=np.zeros((2, 28, 28), np.uint8), test_labels=np.array([[1], [0]]))
+    imgs = np.arange(6, dtype=np.uint8)[:, None, None] * np.ones((1, 28, 28), np.uint8)  # six different images
+    np.savez(z, train_images=imgs[:4], train_labels=np.array([[0], [1], [0], [1]]),
+             test_images=imgs[4:], test_labels=np.array([[1], [0]]))
     pool = discover(str(z))
     assert len(pool.items) == 6 and pool.n_classes == 2
     with pytest.raises(DataError, match="does not exist"):
@@ -66,7 +67,7 @@ def test_discover_busi():
     root = shared_path("busi")
     pool = discover(str(root))
     assert pool.class_names == ["benign", "malignant", "normal"]
-    assert np.bincount(pool.labels).tolist() == [437, 210, 133]
+    assert np.bincount(pool.labels).tolist() == [437, 209, 133]  # 210 malignant files, one an exact copy of another
 
 
 def test_discover_imagenette_splits_pooled():
@@ -239,3 +240,20 @@ def test_a_multi_frame_dicom_is_refused_with_one_line(tmp_path):
     f = src / "SC_rgb_rle_2frame.dcm"
     with pytest.raises(DataError, match=r"site-1: image .*SC_rgb_rle_2frame.dcm is a multi-frame DICOM \(2 frames\)"):
         load_images([{"image": str(f), "label": 0}], image_size=8, channels=1, site="site-1")
+
+
+def test_exact_duplicate_images_are_dropped_from_a_pool_with_a_note(tmp_path, capsys):
+    """A dataset holding the same picture twice (PneumoniaMNIST has 8 such copies): the copies would land in
+    different splits of a federation, which a site then refuses as a leak; the pool keeps the first and says so."""
+    from PIL import Image
+
+    for c in ("a", "b"):
+        (tmp_path / "ds" / c).mkdir(parents=True)
+        for k in range(3):
+            Image.fromarray(np.full((8, 8), 40 * k + (c == "b") * 7, np.uint8)).save(tmp_path / "ds" / c / f"{k}.png")
+    import shutil
+
+    shutil.copy(tmp_path / "ds" / "a" / "1.png", tmp_path / "ds" / "b" / "copy.png")
+    pool = discover(str(tmp_path / "ds"))
+    assert len(pool.items) == 6 and "1 exact duplicate image(s) dropped" in capsys.readouterr().out
+    assert not any(str(i).endswith("copy.png") for i in pool.items)

@@ -308,7 +308,7 @@ def register(sub):
 
     ca = sub.add_parser("cache", help="a site's cache of decoded data (fedmed.site.cache): where it is, how big; clear it",
                         formatter_class=H)
-    ca.add_argument("action", choices=["info", "clear"])
+    ca.add_argument("action", choices=["info", "clear"], help="info: entries and size per site; clear: remove them")
     ca.add_argument("--site", help="only this site's folder (default: every site's)")
     ca.add_argument("--dir", help="the cache root (default: FEDMED_CACHE_DIR, else ~/.cache/fedmed)")
     ca.set_defaults(func=cmd_cache)
