@@ -94,11 +94,12 @@ def test_fedavg_trains_a_user_class_from_a_file_outside_fedmed_carried_in_the_jo
     torch.manual_seed(5)
     torch.save({"state_dict": {f"module.{k}": v for k, v in TinyNet(1, 2, width=12).state_dict().items()}}, init)
     cfg_path, exp, fed = _pneumonia(tmp_path, {"arch": "hospital_nets.small:TinyNet", "args": {"width": 12},
-                                              "init_weights": str(init)}, local_epochs=6, lr=3e-3)
+                                              "init_weights": str(init)}, local_epochs=6, lr=3e-3, rounds=6)
     doc = run_job(str(cfg_path), classes_override(fed, exp), "FedAvg", 0, fed, tmp_path / "run", 2, timeout=900,
                   log=lambda *a: None)
     first, last = _learned(doc)
-    assert doc["status"] == "finished" and last >= first + 0.15 and last >= 0.65, (first, last)  # measured 0.47 -> 0.72
+    assert doc["status"] == "finished" and last >= first + 0.15 and last >= 0.65, (first, last)  # measured 0.47 -> 0.72 (6 rounds:
+    # the federation lost a duplicate image in #28 and with it the split 4 rounds reached 0.72 on; 4 rounds: 0.59)
     job = tmp_path / "run" / "job"
     carried = sorted(p.relative_to(job) for p in job.rglob("fedmed_user_code/hospital_nets/small.py"))
     assert len(carried) == 3 and any("server" in str(p) for p in carried)  # the two sites' apps and the server's
