@@ -127,7 +127,7 @@ def _onboarding_job(exp, method, seed, cfg, names, onboard, client_files, server
     server_files.append((tmp, TRAINING_DIR))
     ctrl = WorkflowController(num_rounds=1, fedmed_config=cfg, workflow_name="onboard", workflow_args={
         "mode": method_entry(method.workflow).onboard, "known_clusters": onboard.get("known_clusters") or {},
-        "cluster_sizes": onboard.get("cluster_sizes") or {}, "references": bool(onboard.get("references")),
+        "references": bool(onboard.get("references")),
         "labels": bool(onboard.get("labels", True))})
     return new_job(name or job_name(exp, method, seed, "_onboard"), exp, ctrl, names, client_files=client_files,
                    server_files=server_files)

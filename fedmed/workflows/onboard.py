@@ -94,7 +94,7 @@ class Onboard(Workflow):
     record_name = "OnboardController"
 
     def __init__(self, num_rounds: int, fedmed_config: dict, mode: str = "global", known_clusters: dict = None,
-                 cluster_sizes: dict = None, references: bool = False, labels: bool = True, **kw):
+                 references: bool = False, labels: bool = True, **kw):
         super().__init__(num_rounds, fedmed_config, **kw)
         if mode not in MODES:
             raise ValueError(f"onboarding mode should be one of {MODES}, got {mode!r}")
@@ -103,7 +103,6 @@ class Onboard(Workflow):
         self.labels = bool(labels)
         self.mode = mode
         self.known_clusters = dict(known_clusters or {})
-        self.cluster_sizes = dict(cluster_sizes or {})
         self.references = bool(references)
 
     # ------------------------------------------------------------------ the training run's result
@@ -141,7 +140,7 @@ class Onboard(Workflow):
         label_free = (self.mode in LABEL_FREE or (self.mode == "signature" and kind in LABEL_FREE_SIGNATURES)
                       or not self.labels)
         self.task_extra = {"evaluate_on": "all" if label_free else "split"}
-        sizes = self.cluster_sizes or {c: len(m) for c, m in st.get("clusters", {}).items()}
+        sizes = {c: len(m) for c, m in st.get("clusters", {}).items()}  # training sites per cluster
         if self.mode == "ensemble":
             self.ensemble(models, sizes)
         else:
