@@ -1,19 +1,24 @@
 """Segmentation data checks, the assessment on a label-volume federation, and the U-Net trainer."""
 
 import json
+from pathlib import Path
 
 import nibabel as nib
 import numpy as np
 import pytest
 
 from fedmed.algorithms.assessment import assess
-from fedmed.site.assessment import site_assessment
 from fedmed.data.images import DataError
-from fedmed.nn.encoders import build_encoder
-from fedmed.data.phantoms import write_phantom_subjects
-from fedmed.nn.seg import dice_scores, seg_metrics, seg_model, train_seg_local
 from fedmed.data.nifti import load_case
-from fedmed.data.seg_federation import check_no_leakage, discover_subjects, write_seg_federation
+from fedmed.data.phantoms import write_phantom_subjects
+from fedmed.data.seg_federation import (
+    check_no_leakage,
+    discover_subjects,
+    write_seg_federation,
+)
+from fedmed.nn.encoders import build_encoder
+from fedmed.nn.seg import dice_scores, seg_metrics, seg_model, train_seg_local
+from fedmed.site.assessment import site_assessment
 
 MODS = {"FLAIR": "Flair*.nii*", "T1c": "T1c*.nii*"}
 
@@ -278,29 +283,27 @@ def test_loaded_hemispheres_are_placed_where_the_whole_case_is(phantoms):
 
 
 def test_a_dicom_series_is_a_segmentation_case_aligned_with_its_nifti_label(tmp_path):
-    """A 3D DICOM series (pydicom's 7-slice MR series of dicomdirtests) in a subject folder, with a NIfTI label map:
-    slices sorted by position, spacing from the headers; a label stored in another orientation (flipped axes, as
-    exporters write RAS vs DICOM's LPS) is aligned voxel for voxel, so the case is the same either way."""
+    """A 3D DICOM series (six slices of pydicom's MR_small.dcm stacked along the normal, files in shuffled order) in a
+    subject folder, with a NIfTI label map: slices sorted by position, spacing from the headers; a label stored in
+    another orientation (flipped axes, as exporters write RAS vs DICOM's LPS) is aligned voxel for voxel, so the case
+    is the same either way."""
     pydicom = pytest.importorskip("pydicom")
-    import shutil
-    from pathlib import Path
-
     import nibabel as nib
+    from dicom_series import blob_masks, write_series
 
     from fedmed.data.nifti import load_case, load_volume
 
-    src = Path(pydicom.__file__).parent / "data" / "test_files" / "dicomdirtests" / "98892003" / "MR700"
     series = tmp_path / "subject-1" / "MR"
-    series.mkdir(parents=True)
-    for f in src.iterdir():
-        shutil.copy(f, series / f.name)
+    dss = write_series(series, 6)
     arr, aff = load_volume(series, "site-1", "MR image")
-    assert arr.shape == (16, 16, 7)
+    assert arr.shape == (64, 64, 6)
     spacing = np.sqrt((aff[:3, :3] ** 2).sum(axis=0))
     ds = pydicom.dcmread(next(series.iterdir()))
-    assert np.allclose(spacing[:2], [float(v) for v in ds.PixelSpacing][::-1])
+    assert np.allclose(spacing, [*[float(v) for v in ds.PixelSpacing][::-1], 2.0])
+    # sorted by position, not by file name: slice k holds the blob written for slice k
+    assert np.array_equal(arr > 850, blob_masks(dss).transpose(2, 1, 0).astype(bool))
     lab = np.zeros(arr.shape, np.int16)
-    lab[arr > np.percentile(arr, 80)] = 2  # "edema" where the image is brightest
+    lab[arr > 850] = 2  # "edema" where the blob is
     nib.save(nib.Nifti1Image(lab, aff), tmp_path / "same.nii.gz")
     flip = np.eye(4)
     flip[0, 0], flip[0, 3] = -1, arr.shape[0] - 1  # voxel i -> n-1-i: the same places, stored mirrored
@@ -312,3 +315,99 @@ def test_a_dicom_series_is_a_segmentation_case_aligned_with_its_nifti_label(tmp_
     assert a["label"].any() and np.array_equal(a["label"][:, ::-1], b["label"])  # mirrored storage, mirrored grid
     assert np.allclose(a["image"][:, ::-1], b["image"])  # ... and the image followed its label
     assert a["meta"]["volume_mm3"]["WT"] == pytest.approx(int((lab > 0).sum()) * float(abs(np.linalg.det(aff[:3, :3]))))
+
+
+def test_a_dicom_seg_label_is_placed_on_its_series_as_the_same_nifti_label_would_be(tmp_path):
+    """A DICOM-SEG (highdicom) of the series, segments only on slices 2 and 4 (the SEG holds those frames only):
+    read with its segments as label values, placed by position on the image grid — the case equals the one read with
+    the same labels as a NIfTI file."""
+    pytest.importorskip("highdicom")
+    import nibabel as nib
+    from dicom_series import blob_masks, write_seg, write_series
+
+    from fedmed.data.nifti import load_case, load_volume
+
+    series = tmp_path / "subject-1" / "MR"
+    dss = write_series(series, 6)
+    labels = np.zeros((6, 64, 64), np.uint8)
+    m = blob_masks(dss)
+    labels[2], labels[4] = 2 * m[2], 4 * m[4]
+    labels[4, :, :28] = np.where(m[4, :, :28] > 0, 1, 0)  # part of slice 4's blob is necrosis: two segments there
+    write_seg(tmp_path / "subject-1" / "seg.dcm", dss, labels)
+    arr, aff = load_volume(series, "site-1", "MR image")
+    nib.save(nib.Nifti1Image(labels.transpose(2, 1, 0).astype(np.int16), aff), tmp_path / "same.nii.gz")
+    nib.save(nib.Nifti1Image(np.ones(arr.shape, np.uint8), aff), tmp_path / "mask.nii.gz")
+    entry = {"image": [str(series)], "modalities": ["MR"], "id": "subject-1", "mask": str(tmp_path / "mask.nii.gz")}
+    a = load_case({**entry, "label": str(tmp_path / "subject-1" / "seg.dcm")}, shape=arr.shape)
+    b = load_case({**entry, "label": str(tmp_path / "same.nii.gz")}, shape=arr.shape)
+    assert np.array_equal(a["label"], b["label"]) and a["label"][0].sum() == int((labels > 0).sum())
+    assert a["label"][2].sum() == int((labels == 4).sum()) > 0  # ET = label 4 = segment 4
+    assert a["label"][:, :, :, [0, 1, 3, 5]].sum() == 0  # nothing on the slices without a frame
+    assert a["meta"]["volume_mm3"] == pytest.approx(b["meta"]["volume_mm3"])
+
+
+def _radial_series(tmp_path):
+    import shutil
+
+    pydicom = pytest.importorskip("pydicom")
+    src = Path(pydicom.__file__).parent / "data" / "test_files" / "dicomdirtests" / "98892003" / "MR700"
+    shutil.copytree(src, tmp_path / "radial")
+    return tmp_path / "radial"
+
+
+def _gap_series(tmp_path):
+    from dicom_series import write_series
+
+    write_series(tmp_path / "gap", 6, skip=3)
+    return tmp_path / "gap"
+
+
+def _double_series(tmp_path):
+    import pydicom
+    from dicom_series import write_series
+    from pydicom.uid import generate_uid
+
+    write_series(tmp_path / "double", 4)
+    first = min((tmp_path / "double").iterdir())
+    ds = pydicom.dcmread(first)
+    ds.SOPInstanceUID = generate_uid()
+    ds.file_meta.MediaStorageSOPInstanceUID = ds.SOPInstanceUID
+    ds.save_as(tmp_path / "double" / "again.dcm")
+    return tmp_path / "double"
+
+
+@pytest.mark.parametrize("make, says", [
+    (_radial_series, "its 7 slices have 7 different orientations (a radial or localizer series?)"),
+    (_gap_series, "uneven slice positions: 2 mm apart but 4 mm after slice 3 of 5 (a slice missing?)"),
+    (_double_series, "1 slice(s) at the same position (a doubled slice, or two acquisitions)"),
+], ids=["radial", "missing-slice", "doubled-slice"])
+def test_a_dicom_series_that_is_not_a_regular_volume_is_refused_in_one_line(tmp_path, make, says):
+    """SimpleITK reads any series as a volume with the first slice's orientation: pydicom's own 7-slice sample is a
+    radial series (each slice turned by another angle) and would have been read as a 16x16x7 volume."""
+    from fedmed.data.images import DataError
+    from fedmed.data.nifti import load_volume
+
+    folder = make(tmp_path)
+    with pytest.raises(DataError) as e:
+        load_volume(folder, "site-1", "MR image")
+    assert str(e.value) == f"site-1: the DICOM series in MR image folder {folder} is not a 3-D volume: {says}"
+
+
+def test_a_dicom_seg_that_does_not_fit_its_series_is_refused_naming_it(tmp_path):
+    pytest.importorskip("highdicom")
+    from dicom_series import blob_masks, write_seg, write_series
+
+    from fedmed.data.images import DataError
+    from fedmed.data.nifti import load_case
+
+    dss = write_series(tmp_path / "a", 4)
+    other = write_series(tmp_path / "b", 4)  # another series: another frame of reference
+    write_seg(tmp_path / "seg_b.dcm", other, 2 * blob_masks(other))
+    write_seg(tmp_path / "fractional.dcm", dss, blob_masks(dss), fractional=True)
+    entry = {"image": [str(tmp_path / "a")], "modalities": ["MR"], "id": "s"}
+    with pytest.raises(DataError, match=r"^site-1: DICOM-SEG label .*seg_b.dcm is in another frame of reference than "
+                                        r"its image series$"):
+        load_case({**entry, "label": str(tmp_path / "seg_b.dcm")}, shape=(8, 8, 4), site="site-1")
+    with pytest.raises(DataError, match=r"^site-1: DICOM-SEG label .*fractional.dcm is FRACTIONAL; a label map needs "
+                                        r"BINARY or LABELMAP segments$"):
+        load_case({**entry, "label": str(tmp_path / "fractional.dcm")}, shape=(8, 8, 4), site="site-1")

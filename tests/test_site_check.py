@@ -2,8 +2,10 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from fedmed.cli.main import main
@@ -83,3 +85,30 @@ def test_segmentation_image_and_label_shapes_must_agree(tmp_path, capsys):
     assert main(["check-data", str(tmp_path / "s.json"), "--task", "segmentation"]) == 1
     out = capsys.readouterr().out
     assert "image and label shapes differ (flair.nii.gz (8, 8, 8), label.nii.gz (8, 8, 6))" in out
+
+
+def test_check_data_reads_dicom_series_with_dicom_seg_labels_and_names_a_broken_series(tmp_path, capsys):
+    """A segmentation site of DICOM: a series with its DICOM-SEG label is ready; a series with a missing slice and a
+    radial series (pydicom's MR700) are problems naming the folder and why, with no absolute path."""
+    pytest.importorskip("highdicom")
+    from dicom_series import blob_masks, write_seg, write_series
+    from pydicom.data import get_testdata_file
+
+    dss = write_series(tmp_path / "p1" / "MR", 5)
+    write_seg(tmp_path / "p1" / "seg.dcm", dss, 2 * blob_masks(dss))
+    write_series(tmp_path / "p2" / "MR", 5, skip=2)
+    write_seg(tmp_path / "p2" / "seg.dcm", dss, 2 * blob_masks(dss))
+    radial = Path(get_testdata_file("MR_small.dcm")).parent / "dicomdirtests" / "98892003" / "MR700"
+    shutil.copytree(radial, tmp_path / "p3" / "MR")
+    shutil.copy(tmp_path / "p1" / "seg.dcm", tmp_path / "p3" / "seg.dcm")
+    entry = lambda p: {"image": [f"{p}/MR"], "label": f"{p}/seg.dcm"}
+    (tmp_path / "ok.json").write_text(json.dumps({"training": [entry("p1")]}))
+    assert main(["check-data", str(tmp_path / "ok.json"), "--task", "segmentation"]) == 0
+    assert "ready to join" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text(json.dumps({"training": [entry("p1"), entry("p2")], "test": [entry("p3")]}))
+    assert main(["check-data", str(tmp_path / "bad.json"), "--task", "segmentation"]) == 1
+    out = capsys.readouterr().out
+    assert ("PROBLEM: training: p2/MR: DICOM series is not a 3-D volume: uneven slice positions: 2 mm apart but 4 mm "
+            "after slice 2 of 4 (a slice missing?)") in out
+    assert "PROBLEM: test: p3/MR: DICOM series is not a 3-D volume: its 7 slices have 7 different orientations" in out
+    assert str(tmp_path) not in out and "not ready: 2 problem(s)" in out

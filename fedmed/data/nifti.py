@@ -14,6 +14,10 @@ label map with ``nearest-exact``, which keeps it aligned with the trilinear imag
 WT = {1,2,3,4}, TC = {1,3,4}, ET = {4} (labels: 1 necrosis, 2 edema, 3 non-enhancing,
 4 enhancing).
 
+Hospital formats: an image may be a folder holding one DICOM series (SimpleITK; its headers checked for a regular
+grid by :func:`series_geometry_problem`), and a label a DICOM-SEG file (highdicom; :func:`load_dicom_seg` places its
+segments on the first image's grid, segment number = label value).
+
 Every problem with a case raises :class:`~fedmed.data.images.DataError` naming the site and the file:
 a non-NIfTI or unreadable file, a missing modality, image and label of different shapes, a
 label map with unexpected labels.
@@ -30,7 +34,8 @@ import torch
 
 from fedmed.data.images import DataError
 
-__all__ = ["ALLOWED_LABELS", "REGIONS", "SegCase", "case_metadata", "load_case", "region_masks"]
+__all__ = ["ALLOWED_LABELS", "REGIONS", "SEG_SOP_CLASS", "SegCase", "case_metadata", "is_dicom_seg", "load_case",
+           "load_dicom_seg", "load_label", "region_masks", "series_geometry_problem"]
 
 REGIONS = {"WT": (1, 2, 3, 4), "TC": (1, 3, 4), "ET": (4,)}
 ALLOWED_LABELS = (0, 1, 2, 3, 4)
@@ -48,7 +53,9 @@ def load_volume(path, site: str, what: str) -> tuple[np.ndarray, np.ndarray]:
     if not p.is_file():
         raise DataError(f"{site}: {what} file {p} not found")
     if not (p.name.endswith(".nii") or p.name.endswith(".nii.gz")):
-        raise DataError(f"{site}: {what} file {p} is not a NIfTI file (.nii or .nii.gz) or a DICOM series folder")
+        raise DataError(f"{site}: {what} file {p} is not a NIfTI file (.nii or .nii.gz) or a DICOM series folder"
+                        + (" (a DICOM-SEG file is read as a case's label only)" if what != "label" and is_dicom_seg(p)
+                           else ""))
     try:
         img = nib.load(str(p))
         arr = np.asarray(img.dataobj, dtype=np.float32)
@@ -71,6 +78,9 @@ def _load_dicom_series(p: Path, site: str, what: str) -> tuple[np.ndarray, np.nd
     files = reader.GetGDCMSeriesFileNames(str(p), ids[0])  # sorted along the slice normal
     if len(files) < 2:
         raise DataError(f"{site}: {what} folder {p} holds a single slice, not a 3-D series")
+    problem = series_geometry_problem(files)
+    if problem:
+        raise DataError(f"{site}: the DICOM series in {what} folder {p} is not a 3-D volume: {problem}")
     reader.SetFileNames(files)
     try:
         img = reader.Execute()
@@ -86,6 +96,133 @@ def _load_dicom_series(p: Path, site: str, what: str) -> tuple[np.ndarray, np.nd
     lps[:3, :3] = direction * np.asarray(img.GetSpacing())[None, :]
     lps[:3, 3] = img.GetOrigin()
     return arr, np.diag([-1.0, -1.0, 1.0, 1.0]) @ lps  # LPS -> RAS
+
+
+def series_geometry_problem(files, *, tol: float = 1e-3) -> str:
+    """Why the slices of one DICOM series (sorted along their normal) do not make a regular 3-D grid, or ``""``.
+
+    SimpleITK reads any series as a volume with the first slice's orientation; these header checks (pydicom, no pixel
+    data read) refuse what would be a wrong volume: slices of different orientations (a radial or localizer series),
+    different sizes or pixel spacings, a slice missing or doubled (uneven positions along the normal), a slice
+    without position/orientation. The sentence names counts and millimetres only, never a header's identifiers."""
+    import pydicom
+
+    oris, pos, sizes, spacing = [], [], set(), set()
+    for f in files:
+        ds = pydicom.dcmread(f, stop_before_pixels=True)
+        if "ImageOrientationPatient" not in ds or "ImagePositionPatient" not in ds:
+            return "a slice has no ImagePositionPatient/ImageOrientationPatient"
+        oris.append(np.asarray([float(v) for v in ds.ImageOrientationPatient]))
+        pos.append(np.asarray([float(v) for v in ds.ImagePositionPatient]))
+        sizes.add((int(ds.Rows), int(ds.Columns)))
+        spacing.add(tuple(round(float(v), 4) for v in ds.get("PixelSpacing", [0, 0])))
+    if any(np.abs(o - oris[0]).max() > tol for o in oris):
+        n = len({tuple(np.round(o, 3)) for o in oris})
+        return f"its {len(files)} slices have {n} different orientations (a radial or localizer series?)"
+    if len(sizes) > 1 or len(spacing) > 1:
+        return f"its slices differ in size or pixel spacing ({len(sizes)} sizes, {len(spacing)} spacings)"
+    normal = np.cross(oris[0][:3], oris[0][3:])
+    d = np.diff(np.sort(np.asarray(pos) @ normal))
+    if (d < tol).any():
+        return f"{int((d < tol).sum())} slice(s) at the same position (a doubled slice, or two acquisitions)"
+    if len(d) > 1 and np.abs(d - np.median(d)).max() > max(tol, 0.01 * float(np.median(d))):
+        k = int(np.argmax(np.abs(d - np.median(d))))
+        return (f"uneven slice positions: {float(np.median(d)):.3g} mm apart but {float(d[k]):.3g} mm after slice "
+                f"{k + 1} of {len(files)} (a slice missing?)")
+    return ""
+
+
+SEG_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.66.4"  # DICOM Segmentation Storage
+
+
+def is_dicom_seg(path) -> bool:
+    """A DICOM Segmentation (DICOM-SEG) file."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    from fedmed.data.images import is_dicom
+
+    if not is_dicom(p):
+        return False
+    import pydicom
+
+    try:
+        return str(pydicom.dcmread(p, stop_before_pixels=True, specific_tags=["SOPClassUID"]).SOPClassUID) \
+            == SEG_SOP_CLASS
+    except Exception:
+        return False
+
+
+def load_dicom_seg(path, site: str, shape: Sequence[int], affine: np.ndarray,
+                   frame_of_reference: str | None = None) -> np.ndarray:
+    """A DICOM-SEG label on its image's voxel grid (``shape``, ``affine`` voxel -> RAS mm, as :func:`load_volume`).
+
+    Read with highdicom (``Segmentation.get_volume(combine_segments=True)``): each voxel holds the number of the
+    segment it belongs to (0 background), so segment ``n`` is label ``n`` — for BraTS regions segments 1-4 are
+    necrosis, edema, non-enhancing and enhancing tumour. The SEG's frames usually cover only the slices with a
+    segment: they are placed on the image grid by their positions (the SEG must share the image's frame of
+    reference and voxel grid — any flip or axis order is fine; a resampled grid is refused). Overlapping or
+    fractional segments are refused. No header value enters a message."""
+    import highdicom as hd
+
+    p = Path(path)
+    try:
+        seg = hd.seg.segread(str(p))
+    except Exception as e:
+        raise DataError(f"{site}: cannot read DICOM-SEG label {p} ({type(e).__name__})") from None
+    if frame_of_reference and str(seg.get("FrameOfReferenceUID", "")) != frame_of_reference:
+        raise DataError(f"{site}: DICOM-SEG label {p} is in another frame of reference than its image series")
+    if seg.segmentation_type == hd.seg.SegmentationTypeValues.FRACTIONAL:
+        raise DataError(f"{site}: DICOM-SEG label {p} is FRACTIONAL; a label map needs BINARY or LABELMAP segments")
+    try:
+        vol = seg.get_volume(combine_segments=True)
+    except Exception as e:  # overlapping segments, an irregular stack of frames
+        raise DataError(f"{site}: DICOM-SEG label {p} is not one label per voxel on a regular grid "
+                        f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") from None
+    arr = np.asarray(vol.array)
+    if arr.ndim == 4:
+        arr = arr[..., 0]
+    ras = np.diag([-1.0, -1.0, 1.0, 1.0]) @ np.asarray(vol.affine, dtype=np.float64)  # highdicom: LPS
+    t = np.linalg.inv(np.asarray(affine, dtype=np.float64)) @ ras  # SEG voxel index -> image voxel index
+    rot, off = t[:3, :3], t[:3, 3]
+    if not (np.allclose(np.abs(rot).sum(axis=0), 1, atol=1e-3) and np.allclose(np.abs(rot), np.round(np.abs(rot)),
+                                                                                    atol=1e-3)
+            and np.allclose(off, np.round(off), atol=1e-2)):
+        raise DataError(f"{site}: DICOM-SEG label {p} is not on its image's voxel grid (resample it onto the series)")
+    nz = np.argwhere(arr > 0)
+    idx = np.rint(nz @ np.round(rot).T + np.round(off)).astype(np.int64)
+    if len(idx) and ((idx < 0).any() or (idx >= np.asarray(shape)).any()):
+        raise DataError(f"{site}: DICOM-SEG label {p} has segment voxels outside its image volume")
+    out = np.zeros(tuple(shape), np.float32)
+    out[tuple(idx.T)] = arr[tuple(nz.T)]
+    return out
+
+
+def series_frame_of_reference(path) -> str | None:
+    """The FrameOfReferenceUID of a DICOM series folder (compared, never shown), else ``None``."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    import pydicom
+
+    for f in sorted(p.iterdir()):
+        try:
+            v = pydicom.dcmread(f, stop_before_pixels=True, specific_tags=["FrameOfReferenceUID"]).get(
+                "FrameOfReferenceUID")
+        except Exception:
+            continue
+        return str(v) if v else None
+    return None
+
+
+def load_label(path, site: str, image_shape: Sequence[int], image_affine: np.ndarray, image_path=None):
+    """A case's label map as ``(array, affine)``: a NIfTI file (its own grid) or a DICOM-SEG file (placed on the
+    first image's grid by :func:`load_dicom_seg`)."""
+    if is_dicom_seg(path):
+        return load_dicom_seg(path, site, image_shape, image_affine,
+                              series_frame_of_reference(image_path) if image_path is not None else None), \
+            np.asarray(image_affine, dtype=np.float64)
+    return load_volume(path, site, "label")
 
 
 def _to_orientation(arr: np.ndarray, affine: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -146,7 +283,7 @@ def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "
                             f"infinite voxel(s)")
         vols.append(a)
         affines.append(aff)
-    lab, lab_aff = load_volume(entry["label"], site, "label")
+    lab, lab_aff = load_label(entry["label"], site, vols[0].shape, affines[0], images[0])
     # the label map's voxel axes rule: an image stored in another orientation (a DICOM series is LPS, an export
     # RAS) is permuted/flipped to it, so that voxel (i, j, k) is the same place in the image and in its label
     vols = [_to_orientation(a, aff, lab_aff) for a, aff in zip(vols, affines)]

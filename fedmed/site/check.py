@@ -4,7 +4,9 @@ in one report that stays at the site.
 Problems (the site cannot join as it is; its first task would fail on the first of them): a datalist that does not
 parse, an image in two splits (by path or identical content), an unreadable image (each one named, not only the
 first), a label outside the job's classes, an empty training split, fewer training images than ``k_min``; for
-segmentation a missing file, or an image whose shape differs from its label map's. Warnings (it can join; the
+segmentation a missing file, a DICOM series that is not a regular 3-D volume (slices of different orientations,
+a missing or doubled slice: :func:`fedmed.data.nifti.series_geometry_problem`), a DICOM-SEG label that does not fit
+its series, or an image whose shape differs from its label map's. Warnings (it can join; the
 report says what would happen): near-duplicate images across splits (:func:`fedmed.data.images.near_duplicates`),
 classes with fewer than ``k_min`` training images (withheld from signatures), a split that is empty. Counts per class
 and split. Paths are shown relative to the datalist's data root.
@@ -104,19 +106,29 @@ def _check_classification(doc, root, rep, classes, image_size, channels, k_min, 
 
 def _check_seg(doc, root, rep):
     from fedmed.data.images import DataError
-    from fedmed.data.nifti import _to_orientation, load_volume
+    from fedmed.data.nifti import _to_orientation, is_dicom_seg, load_label, load_volume
 
     for split in ("training", "validation", "test"):
         rep["counts"][split] = {"cases": len(doc[split])}
         for e in doc[split]:
-            files = [*(e["image"] if isinstance(e["image"], list) else [e["image"]]), e["label"]]
+            images = e["image"] if isinstance(e["image"], list) else [e["image"]]
             vols = {}
-            for f in files + ([e["mask"]] if e.get("mask") else []):
+            for f in images + ([e["mask"]] if e.get("mask") else []):
                 try:
                     vols[f] = load_volume(f, "", "")
-                except DataError:
-                    kind = "DICOM series" if Path(f).is_dir() else "NIfTI image"
-                    rep["problems"].append(f"{split}: {_show(f, root)}: missing or not a readable {kind}")
+                except DataError as err:
+                    rep["problems"].append(f"{split}: {_show(f, root)}: {_why(err, f)}")
+            if images and images[0] in vols:  # a DICOM-SEG label is placed on the first image's grid
+                try:
+                    vols[e["label"]] = load_label(e["label"], "", vols[images[0]][0].shape, vols[images[0]][1],
+                                                  images[0])
+                except DataError as err:
+                    rep["problems"].append(f"{split}: {_show(e['label'], root)}: {_why(err, e['label'])}")
+            elif not Path(e["label"]).is_file() or not is_dicom_seg(e["label"]):
+                try:
+                    vols[e["label"]] = load_volume(e["label"], "", "label")
+                except DataError as err:
+                    rep["problems"].append(f"{split}: {_show(e['label'], root)}: {_why(err, e['label'])}")
             if e["label"] in vols:  # shapes in the label map's orientation, as a site loads the case
                 lab_aff = vols[e["label"]][1]
                 shapes = {f: _to_orientation(a, aff, lab_aff).shape for f, (a, aff) in vols.items()}
@@ -125,6 +137,18 @@ def _check_seg(doc, root, rep):
                                            + ", ".join(f"{_show(f, root)} {s}" for f, s in shapes.items()) + ")")
     if not doc["training"]:
         rep["problems"].append("training: empty")
+
+
+def _why(err, f) -> str:
+    """What is wrong with a volume, from the loader's message without its (absolute) path: a DICOM series that is not a
+    regular volume says why; anything else is 'missing or not a readable ...'."""
+    msg = str(err)
+    if "is not a 3-D volume: " in msg:
+        return "DICOM series is not a 3-D volume: " + msg.split("is not a 3-D volume: ", 1)[1]
+    if "DICOM-SEG label" in msg:
+        return "DICOM-SEG label " + msg.split(str(f), 1)[-1].strip()
+    kind = "DICOM series" if Path(f).is_dir() else "NIfTI image or DICOM-SEG label"
+    return f"missing or not a readable {kind}"
 
 
 def format_report(rep: dict) -> str:
