@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,11 @@ def main(argv=None):
                          "flat RSS there puts the simulator's growth in FLARE's path, not in fedmed's site code")
     ap.add_argument("--trace", action="store_true", help="tracemalloc in the site scripts and the controller")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment setting for the run")
+    ap.add_argument("--config", help="an experiment config to run instead of the bundled digits (its dataset, model "
+                                     "and recipe; --sites and --rounds override its federation.sites/train.rounds)")
+    ap.add_argument("--method", default="FedAvg", help="the config's method to run (with --config)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (with --config)")
+    ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     import os
 
@@ -80,18 +86,29 @@ def main(argv=None):
     tmp = Path(tempfile.mkdtemp(prefix="bench_memory_"))
     if a.trace:
         env.update({"FEDMED_MEMTRACE": str(tmp / "trace"), "FEDMED_MEMTRACE_EVERY": "10"})
-    cfg = {"name": "memory", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 20},
-           "federation": {"sites": a.sites, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},
-           "train": {"rounds": a.rounds, "local_epochs": 1, "batch_size": 16}, "privacy": {"k_min": 2},
-           "methods": [{"name": "FedAvg", "workflow": "fedavg"}]}
+    if a.config:
+        cfg = yaml.safe_load(Path(a.config).read_text())
+        base = Path(a.config).resolve().parent  # the config's relative dataset path, as `fedmed experiment` reads it
+        path = cfg["dataset"]["path"]
+        if not str(path).startswith("builtin:") and not Path(path).is_absolute():
+            cfg["dataset"]["path"] = str((ROOT / path) if (ROOT / path).exists() else (base / path))
+        cfg["federation"].update(sites=a.sites, unseen_sites=0)
+        cfg["train"]["rounds"] = a.rounds
+        cfg.pop("sweep", None)
+    else:
+        cfg = {"name": "memory", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1,
+                                             "max_per_class": 20},
+               "federation": {"sites": a.sites, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},
+               "train": {"rounds": a.rounds, "local_epochs": 1, "batch_size": 16}, "privacy": {"k_min": 2},
+               "methods": [{"name": "FedAvg", "workflow": "fedavg"}]}
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    exp = load_config(tmp / "cfg.yaml")
-    data = prepare_federation(exp, 0, tmp / "data")
+    exp = load_config(tmp / "cfg.yaml", a.set)
+    data = prepare_federation(exp, a.seed, tmp / "data")
     if a.loop:
         return loop_reference(tmp / "cfg.yaml", data, a)
-    cmd = [sys.executable, str(ROOT / "jobs" / "run.py"), "--config", str(tmp / "cfg.yaml"), "--method", "FedAvg",
-           "--env", "sim", "--datalists", str(data), "--workspace", str(tmp / "ws"),
-           *[x for o in classes_override(data, exp) for x in ("--set", o)]]
+    cmd = [sys.executable, str(ROOT / "jobs" / "run.py"), "--config", str(tmp / "cfg.yaml"), "--method", a.method,
+           "--seed", str(a.seed), "--env", "sim", "--datalists", str(data), "--workspace", str(tmp / "ws"),
+           *[x for o in [*a.set, *classes_override(data, exp)] for x in ("--set", o)]]
     avail0 = psutil.virtual_memory().available  # the kernel's view: how much the run takes from the machine
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     root = psutil.Process(proc.pid)
@@ -140,7 +157,20 @@ def main(argv=None):
     mb = lambda x: x / 2**20  # noqa: E731
     tot0, tot1 = sum(first[1].values()), sum(last[1].values())
     peak = max(sum(s[1].values()) for s in samples)
-    print(f"FedAvg, {a.sites} sites, {a.rounds} rounds in the simulator: {time.time() - t0:.0f} s")
+    wall = time.time() - t0
+    print(f"{a.method}, {a.sites} sites, {a.rounds} rounds in the simulator"
+          + (f" ({Path(a.config).name}{''.join(' --set ' + o for o in a.set)}, seed {a.seed})" if a.config else "")
+          + f": {wall:.0f} s")
+    hits = list((tmp / "ws").glob("*/server/simulate_job/fedmed/metrics.json"))
+    if hits:  # the run's own record: did it finish, with how many sites, and what did the final model score
+        doc = json.loads(hits[0].read_text())
+        last_r = doc["rounds"][-1] if doc.get("rounds") else {}
+        mean = last_r.get("summary", {}).get("mean", {})
+        sizes = Counter(v.get("cluster") for v in last_r.get("sites", {}).values() if v.get("cluster") is not None)
+        print(f"status {doc.get('status')}; final round {last_r.get('round')} ({last_r.get('task')}): "
+              f"{last_r.get('summary', {}).get('n_sites')} site(s), test accuracy (site mean) "
+              f"{100 * mean.get('accuracy', float('nan')):.2f}%; {len(doc.get('errors', []))} site error(s)"
+              + (f"; cluster sizes {dict(sorted(sizes.items()))}" if sizes else ""))
     print(f"| process | RSS at round {first[0]} (MB) | RSS at round {last[0]} (MB) | growth | MB per round |")
     print("|---|---|---|---|---|")
     n = last[0] - first[0]

@@ -201,6 +201,25 @@ def test_silhouette_equals_scikit_learn(rng):
     assert silhouette(D, labels) == pytest.approx(silhouette_score(D, labels, metric="precomputed"), abs=1e-12)
 
 
+def test_silhouettes_of_many_labelings_in_one_product_equal_scikit_learn_one_by_one(rng):
+    """auto-K scores every cut of one tree from a single D @ [onehot_K2 | onehot_K3 | ...]: each equals scikit-learn's
+    silhouette of that labeling alone; one cluster and N clusters score 0 in place, without shifting the others."""
+    from sklearn.metrics import silhouette_score
+
+    from fedmed.algorithms.clustering import agglomerative, silhouettes
+
+    X = np.r_[rng.normal(size=(20, 3)), rng.normal(size=(25, 3)) + 4]
+    D = np.sqrt(((X[:, None] - X[None]) ** 2).sum(-1))
+    labelings = [agglomerative(D, n_clusters=k) for k in (2, 3, 5, 9)]
+    labelings.insert(1, np.zeros(45, int))
+    labelings.append(np.arange(45))
+    got = silhouettes(D, labelings)
+    assert got[1] == 0.0 and got[-1] == 0.0
+    for labels, s in zip(labelings, got):
+        if 2 <= len(set(labels.tolist())) <= 44:
+            assert s == pytest.approx(silhouette_score(D, labels, metric="precomputed"), abs=1e-12)
+
+
 def test_blocked_point_silhouette_equals_the_matrix_one(rng):
     from fedmed.algorithms.clustering import silhouette, silhouette_points
 

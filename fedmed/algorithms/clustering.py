@@ -34,6 +34,7 @@ __all__ = [
     "linkage_matrix",
     "most_distant_site",
     "silhouette",
+    "silhouettes",
 ]
 
 LINKAGES = ("single", "complete", "average", "weighted")
@@ -143,26 +144,40 @@ def silhouette(D, labels) -> float:
     ``sklearn.metrics.silhouette_score(D, labels, metric="precomputed")`` (``tests/test_clustering.py``), without
     its per-call validation, so auto-K can score many K on a large matrix.
     """
-    labels = canonical_labels(labels)
-    n = labels.size
-    k = int(labels.max()) + 1 if n else 0
-    if k < 2 or k > n - 1:
-        return 0.0
+    return silhouettes(D, [labels])[0]
+
+
+def silhouettes(D, labelings) -> list[float]:
+    """:func:`silhouette` of several labelings of the same sites from **one** product ``D @ [onehot_1 | onehot_2 |
+    ...]``: a large matrix is read once for all of them (auto-K scores up to ten cuts of one tree; at 10,000 sites
+    reading D is what a silhouette costs)."""
     D = np.asarray(D)
-    onehot = np.zeros((n, k), dtype=D.dtype)
-    onehot[np.arange(n), labels] = 1.0
-    sums = D @ onehot  # (n, k): sum of distances from sample i to cluster c
-    counts = onehot.sum(axis=0)
-    own = counts[labels]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        a = sums[np.arange(n), labels] / (own - 1)
-        mean_other = sums / counts
-        mean_other[np.arange(n), labels] = np.inf
-        b = mean_other.min(axis=1)
-        s = (b - a) / np.maximum(a, b)
-    # nan values are for clusters of size 1 (and 0/0 on zero distances), and should be 0
-    s = np.where(own > 1, np.nan_to_num(s, nan=0.0), 0.0)
-    return float(s.mean())
+    labs = [canonical_labels(lab) for lab in labelings]
+    n = D.shape[0]
+    ks = [int(lab.max()) + 1 if lab.size else 0 for lab in labs]
+    live = [i for i, k in enumerate(ks) if 2 <= k <= n - 1]
+    out = [0.0] * len(labs)
+    if not live:
+        return out
+    offsets = np.cumsum([0] + [ks[i] for i in live])
+    onehot = np.zeros((n, int(offsets[-1])), dtype=D.dtype)
+    for j, i in enumerate(live):
+        onehot[np.arange(n), offsets[j] + labs[i]] = 1.0
+    all_sums = D @ onehot  # (n, sum of k): sum of distances from sample i to each cluster of each labeling
+    rows = np.arange(n)
+    for j, i in enumerate(live):
+        labels, sums = labs[i], all_sums[:, offsets[j]:offsets[j + 1]]
+        counts = onehot[:, offsets[j]:offsets[j + 1]].sum(axis=0)
+        own = counts[labels]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            a = sums[rows, labels] / (own - 1)
+            mean_other = sums / counts
+            mean_other[rows, labels] = np.inf
+            b = mean_other.min(axis=1)
+            sil = (b - a) / np.maximum(a, b)
+        # nan values are for clusters of size 1 (and 0/0 on zero distances), and should be 0
+        out[i] = float(np.where(own > 1, np.nan_to_num(sil, nan=0.0), 0.0).mean())
+    return out
 
 
 def silhouette_points(X, labels, *, block: int = 2048) -> float:
@@ -281,9 +296,13 @@ def auto_k(D, *, linkage_method: str = "average", k_max: int | None = None,
             cache[k] = _cut(Z, n, n - k)
         return cache[k]
 
+    def score_all(ks):  # one pass over D for every K not scored yet
+        todo = sorted(set(ks) - set(scores))
+        scores.update(zip(todo, silhouettes(D, [labels_for(k) for k in todo])))
+
     def score(k):
         if k not in scores:
-            scores[k] = silhouette(D, labels_for(k))
+            score_all([k])
         return scores[k]
 
     def is_peak(k):
@@ -291,13 +310,13 @@ def auto_k(D, *, linkage_method: str = "average", k_max: int | None = None,
         right = score(k + 1) if k < k_max else -np.inf
         return score(k) > left and score(k) > right
 
-    for k in window:
-        score(k)
+    score_all([j for k in window for j in (k - 1, k, k + 1) if 1 <= j <= k_max])  # what the peak test reads
     maxima = [k for k in window if is_peak(k)]
     if maxima:
         best = max(maxima, key=lambda k: (scores[k], -k))
         rule = "dominant local maximum in window"
     else:
+        score_all(range(1, k_max + 1))
         best = max(range(1, k_max + 1), key=lambda k: (score(k), -k))
         rule = "no local maximum in window: argmax over 1..k_max"
     if k1_silhouette is not None and best > 1 and scores[best] < k1_silhouette:
