@@ -106,6 +106,21 @@ def wait_forwarding_signals(proc, grace: float = 10.0, on_stop=None) -> int:
             signal.signal(s, h)
 
 
+# FLARE 2.9 sends a result's numpy arrays by reference: the server's message callback (a pool of 64 threads,
+# nvflare.fuel.f3.streaming.stream_utils.CALLBACK_THREAD_POOL_SIZE) downloads them from the site while holding its
+# thread. When more than ~64 sites upload at once every callback thread waits on a download that needs one of them:
+# a 100-site simulator run stalled in its 4th round with 64 threads in download_object and no progress (py-spy).
+# Above this many sites the arrays travel inside the message (FLARE's own switch: a zero download chunk size).
+INLINE_ARRAYS_ABOVE = 32
+INLINE_ARRAYS_ENV = "NVFLARE_NP_DOWNLOAD_CHUNK_SIZE"
+
+
+def inline_arrays_env(n_sites: int) -> dict:
+    """The environment that keeps a federation of ``n_sites`` clear of FLARE's callback-pool stall (see above);
+    empty for small federations (FLARE's download path, which keeps one copy of a large model for every receiver)."""
+    return {INLINE_ARRAYS_ENV: "0"} if n_sites > INLINE_ARRAYS_ABOVE else {}
+
+
 def sim_env(sites: list[str], workspace: Path, template=None):
     """NVFlare's ``SimEnv`` (one long-lived process per site: ``num_threads = len(sites)``), launching the simulator
     through ``jobs/simulator.py`` — FLARE's own simulator with site worker ports off the ephemeral range."""
@@ -124,7 +139,7 @@ def sim_env(sites: list[str], workspace: Path, template=None):
                 cmd = [sys.executable, str(Path(__file__).with_name("simulator.py")), os.path.join(root, job.name),
                        "-w", workspace_dir, "-c", ",".join(self.clients), "-n", str(len(self.clients)),
                        "-t", str(self.num_threads)]
-                env = dict(os.environ)
+                env = {**inline_arrays_env(len(self.clients)), **os.environ}  # a user's own setting wins
                 if template is None:
                     proc = subprocess.Popen(cmd, preexec_fn=os.setsid, env=env)
                 else:  # forked from the site template started early (jobs/simulator.py), which it hands to FLARE

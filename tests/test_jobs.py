@@ -474,3 +474,29 @@ def test_a_record_left_running_by_a_crashed_server_is_marked_failed_on_disk(tmp_
     assert doc["attempts"][-1]["status"] == "failed"
     assert not mark_record(rec, "stopped", "later")  # only a running record is changed
     assert json.loads((rec / "metrics.json").read_text())["status"] == "failed"
+
+
+def test_a_large_federation_sends_its_arrays_inside_the_message():
+    """Above INLINE_ARRAYS_ABOVE sites the simulator sets FLARE's own switch (a zero numpy download chunk size): FLARE's
+    numpy decomposer then encodes an array in the message even where a cell could serve it by reference — the path on
+    which a 100-site run stalled (64 callback threads each waiting on a download). Small federations keep FLARE's
+    default; a user's own setting wins. (A fresh process per case: FLARE reads its config variables once.)"""
+    from jobs.run import INLINE_ARRAYS_ABOVE, INLINE_ARRAYS_ENV, inline_arrays_env
+
+    assert inline_arrays_env(INLINE_ARRAYS_ABOVE) == {} and inline_arrays_env(100) == {INLINE_ARRAYS_ENV: "0"}
+    probe = ("import numpy as np\n"
+             "from nvflare.app_common.decomposers.numpy_decomposers import NumpyArrayDecomposer\n"
+             "from nvflare.fuel.utils import fobs\n"
+             "from nvflare.fuel.utils.fobs.datum import DatumManager\n"
+             "m = DatumManager(fobs_ctx={fobs.FOBSContextKey.CELL: object()})\n"
+             "print(NumpyArrayDecomposer().decompose(np.arange(5.0), m)['type'])\n")
+
+    def encoding(extra: dict) -> str:
+        env = {k: v for k, v in os.environ.items() if k != INLINE_ARRAYS_ENV}
+        out = subprocess.run([sys.executable, "-c", probe], env={**env, **extra}, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip().splitlines()[-1]
+
+    assert encoding({}) == "ref"  # FLARE's default: by reference, downloaded by the receiver
+    assert encoding(inline_arrays_env(100)) == "native"
