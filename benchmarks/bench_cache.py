@@ -47,7 +47,8 @@ def main(argv=None) -> int:
     data = prepare_federation(exp, 0, tmp / "data")
     meta = json.loads((data / "dataset.json").read_text())
     seg = exp.dataset.task == "segmentation"
-    cfg = fedmed_config(exp, 0, exp.methods[-1], meta["sites"])
+    if seg:
+        cfg = fedmed_config(exp, 0, exp.methods[-1], meta["sites"])
     cache_dir = tmp / "cache"
 
     def load(cache_on: bool):
