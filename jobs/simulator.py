@@ -21,6 +21,8 @@ sites. ``jobs/run.py`` starts that template before it builds the job and forks t
 it, imports NVFlare and torch again. ``FEDMED_SIM_FORK=0`` launches the simulator and its workers exactly as FLARE
 does (``benchmarks/bench_memory.py --plain`` compares both); ``FEDMED_SIM_PRELOAD`` (comma-separated modules)
 replaces the list the template imports.
+Under load (a hundred sites on two cores) a new worker may take more than FLARE's 60 s to start listening: the
+simulator here waits :data:`CONNECT_TIMEOUT_S` for it (:func:`patient_connection`).
 Everything else is NVFlare's own ``simulator`` entry point, unchanged.
 """
 
@@ -122,6 +124,24 @@ def short_listener_wait() -> None:
 
 
 RUNNER_POLL_S = 0.1  # simulator_runner polls at 1 s: server started?, first launch of a site, worker listening?
+# FLARE's simulator gives up on a site after 60 s without reaching its new worker process, and leaves the worker
+# waiting for that connection: the server then waits task_timeout for the site's answers. With 100 site processes
+# busy on 2 cores (FMCL's encoders at the signature task), four workers took longer than that to start listening
+# (a 100-site run, FLARE's "Failed to create connection to the child process ... timeout: 60.0").
+CONNECT_TIMEOUT_S = 600.0
+
+
+def patient_connection(runner_cls) -> None:
+    """``SimulatorClientRunner._create_connection`` waits :data:`CONNECT_TIMEOUT_S` for a worker (FLARE: 60 s)."""
+    original = runner_cls._create_connection
+    if getattr(original, "_fedmed_patient", False):
+        return
+
+    def _create_connection(self, open_port, timeout=CONNECT_TIMEOUT_S):
+        return original(self, open_port, timeout=max(float(timeout), CONNECT_TIMEOUT_S))
+
+    _create_connection._fedmed_patient = True
+    runner_cls._create_connection = _create_connection
 WORKER_POLL_S = 0.05  # simulator_worker re-asks the server for a task every 0.5 s (a site idles ~0.25 s a round)
 
 
@@ -448,6 +468,7 @@ def main(argv=None) -> int:
     simulator_runner.get_open_ports = open_ports  # worker ports off the ephemeral range
     simulator_runner.time = capped_time(RUNNER_POLL_S)
     simulator_runner.subprocess = forking_subprocess()  # workers forked from a preloaded template, and watched
+    patient_connection(simulator_runner.SimulatorClientRunner)  # a busy machine's workers are slow to listen
     parser = argparse.ArgumentParser(description="NVFlare simulator (fedmed: site worker ports off the ephemeral range)")
     simulator.define_simulator_parser(parser)
     args = parser.parse_args(argv)

@@ -500,3 +500,26 @@ def test_a_large_federation_sends_its_arrays_inside_the_message():
 
     assert encoding({}) == "ref"  # FLARE's default: by reference, downloaded by the receiver
     assert encoding(inline_arrays_env(100)) == "native"
+
+
+def test_the_simulator_waits_for_a_slow_worker_longer_than_flares_minute(monkeypatch):
+    """FLARE's simulator abandons a site whose new worker is not listening after 60 s (and the server then waits
+    task_timeout for it): a 100-site FMCL run lost four sites so. jobs/simulator.py's runner waits CONNECT_TIMEOUT_S,
+    whatever FLARE passes, and patching twice does not stack."""
+    import inspect
+
+    from nvflare.private.fed.app.simulator import simulator_runner
+
+    seen = []
+
+    class Runner:
+        def _create_connection(self, open_port, timeout=60.0):
+            seen.append((open_port, timeout))
+            return "conn"
+
+    sim.patient_connection(Runner)
+    sim.patient_connection(Runner)
+    assert Runner()._create_connection(1234, timeout=60.0) == "conn" and Runner()._create_connection(5) == "conn"
+    assert seen == [(1234, sim.CONNECT_TIMEOUT_S), (5, sim.CONNECT_TIMEOUT_S)] and sim.CONNECT_TIMEOUT_S >= 600
+    # the real class has the method and the keyword this relies on
+    assert "timeout" in inspect.signature(simulator_runner.SimulatorClientRunner._create_connection).parameters
