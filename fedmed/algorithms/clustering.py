@@ -164,20 +164,24 @@ def silhouettes(D, labelings) -> list[float]:
     for j, i in enumerate(live):
         onehot[np.arange(n), offsets[j] + labs[i]] = 1.0
     all_sums = D @ onehot  # (n, sum of k): sum of distances from sample i to each cluster of each labeling
-    rows = np.arange(n)
     for j, i in enumerate(live):
-        labels, sums = labs[i], all_sums[:, offsets[j]:offsets[j + 1]]
-        counts = onehot[:, offsets[j]:offsets[j + 1]].sum(axis=0)
-        own = counts[labels]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            a = sums[rows, labels] / (own - 1)
-            mean_other = sums / counts
-            mean_other[rows, labels] = np.inf
-            b = mean_other.min(axis=1)
-            sil = (b - a) / np.maximum(a, b)
-        # nan values are for clusters of size 1 (and 0/0 on zero distances), and should be 0
-        out[i] = float(np.where(own > 1, np.nan_to_num(sil, nan=0.0), 0.0).mean())
+        cols = slice(offsets[j], offsets[j + 1])
+        out[i] = float(_silhouette_values(all_sums[:, cols], labs[i], onehot[:, cols].sum(axis=0)).mean())
     return out
+
+
+def _silhouette_values(sums: np.ndarray, labels: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Per-sample silhouettes from ``sums[i, c]`` (sum of sample i's distances to cluster c), its ``labels`` and the
+    cluster sizes ``counts``; 0 for a sample alone in its cluster (and for 0/0 on zero distances), as scikit-learn."""
+    rows = np.arange(len(labels))
+    own = counts[labels]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = sums[rows, labels] / (own - 1)
+        other = sums / counts
+        other[rows, labels] = np.inf
+        b = other.min(axis=1)
+        s = (b - a) / np.maximum(a, b)
+    return np.where(own > 1, np.nan_to_num(s, nan=0.0), 0.0)
 
 
 def silhouette_points(X, labels, *, block: int = 2048) -> float:
@@ -197,17 +201,7 @@ def silhouette_points(X, labels, *, block: int = 2048) -> float:
     total = 0.0
     for b0 in range(0, n, block):
         b1 = min(n, b0 + block)
-        sums = cdist(X[b0:b1], X) @ onehot
-        lab = labels[b0:b1]
-        own = counts[lab]
-        rows = np.arange(b1 - b0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            a = sums[rows, lab] / (own - 1)
-            other = sums / counts
-            other[rows, lab] = np.inf
-            b = other.min(axis=1)
-            sv = (b - a) / np.maximum(a, b)
-        total += float(np.where(own > 1, np.nan_to_num(sv, nan=0.0), 0.0).sum())
+        total += float(_silhouette_values(cdist(X[b0:b1], X) @ onehot, labels[b0:b1], counts).sum())
     return total / n
 
 

@@ -118,17 +118,14 @@ def _check_seg(doc, root, rep):
                     vols[f] = load_volume(f, "", "")
                 except DataError as err:
                     rep["problems"].append(f"{split}: {_show(f, root)}: {_why(err, f)}")
-            if images and images[0] in vols:  # a DICOM-SEG label is placed on the first image's grid
-                try:
-                    vols[e["label"]] = load_label(e["label"], "", vols[images[0]][0].shape, vols[images[0]][1],
-                                                  images[0])
-                except DataError as err:
-                    rep["problems"].append(f"{split}: {_show(e['label'], root)}: {_why(err, e['label'])}")
-            elif not Path(e["label"]).is_file() or not is_dicom_seg(e["label"]):
-                try:
+            ref = vols.get(images[0]) if images else None  # a DICOM-SEG label is placed on the first image's grid
+            try:
+                if ref is not None:
+                    vols[e["label"]] = load_label(e["label"], "", ref[0].shape, ref[1], images[0])
+                elif not is_dicom_seg(e["label"]):  # a SEG without its image cannot be checked further
                     vols[e["label"]] = load_volume(e["label"], "", "label")
-                except DataError as err:
-                    rep["problems"].append(f"{split}: {_show(e['label'], root)}: {_why(err, e['label'])}")
+            except DataError as err:
+                rep["problems"].append(f"{split}: {_show(e['label'], root)}: {_why(err, e['label'])}")
             if e["label"] in vols:  # shapes in the label map's orientation, as a site loads the case
                 lab_aff = vols[e["label"]][1]
                 shapes = {f: _to_orientation(a, aff, lab_aff).shape for f, (a, aff) in vols.items()}
