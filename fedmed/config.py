@@ -24,6 +24,7 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from fedmed.core.schema import FederationTiming, ModelSection, PrivacyConfig, Strict, TrainConfig
+from fedmed.core.validation import SITE_NAME as _SITE_NAME_RE
 
 __all__ = ["ConfigError", "DatasetConfig", "ExperimentConfig", "FederationConfig", "MethodConfig", "ModelConfig",
            "PrivacyConfig", "TrainConfig", "WORKFLOWS", "apply_overrides", "load_config", "method_options"]
@@ -36,7 +37,7 @@ class ConfigError(ValueError):
 _Strict = Strict
 
 
-SITE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$"  # what FLARE accepts as a participant name
+SITE_NAME = _SITE_NAME_RE.pattern  # what FLARE accepts as a client name (fedmed.core.validation)
 
 
 class DatasetConfig(_Strict):
@@ -118,7 +119,7 @@ class ModelConfig(ModelSection):
         from fedmed.nn.models import ArchError, resolve_arch
 
         try:
-            resolve_arch(v)
+            resolve_arch(v, modules=("*",))  # the coordinator's own config and modules
         except ArchError as e:
             raise ValueError(str(e)) from None
         return v

@@ -22,8 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fedmed.core import jobfiles  # noqa: E402
 from fedmed.workflows.registry import method_entry  # noqa: E402
-from jobs.common import WEIGHTS_DIR, BuildError, check_encoder, export, fedmed_config, job_name, new_job  # noqa: E402
+from jobs.common import BuildError, check_encoder, export, fedmed_config, job_name, new_job  # noqa: E402
+
 
 def find_checkpoint(result) -> Path:
     """The ``checkpoint/`` folder of a run result (its ``fedmed/`` folder, a run folder of ``fedmed experiment``,
@@ -40,8 +42,8 @@ def find_checkpoint(result) -> Path:
 
 def controller_for(exp, method, seed: int, cfg: dict, resume: bool):
     """The server side of ``method``: FLARE's adapter running its workflow (``fedmed.workflows.METHODS``)."""
-    from custom.controller import WorkflowController
     from fedmed.workflows import workflow_args
+    from fedmed_flare.controller import WorkflowController
 
     try:
         name, args = workflow_args(exp, method, seed, cfg)
@@ -67,12 +69,15 @@ def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = 
         twice = sorted({s for s in names if names.count(s) > 1})
         if twice:
             raise BuildError(f"--sites names {', '.join(twice)} more than once; name each site once")
-        bad = [s for s in names if not isinstance(s, str) or not s.strip()]
-        if bad:
-            raise BuildError("--sites has an empty site name")
+        from fedmed.core.validation import check_federation_site_names
+
+        try:
+            check_federation_site_names(names, what="--sites")
+        except ValueError as e:
+            raise BuildError(str(e)) from None
     cfg = fedmed_config(exp, seed, method, names)
-    client_files, server_files = [], []
-    _network_files(exp, cfg, client_files, server_files)
+    user_code, server_files = [], []
+    _network_files(exp, cfg, user_code, server_files)
     weights = getattr(method, "encoder_weights", None)
     if method.workflow == "finetune":
         if method.init == "fedmae":
@@ -83,33 +88,25 @@ def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = 
 
             init_dir = Path(tempfile.mkdtemp(prefix="fedmed_init_"))
             shutil.copy(weights, init_dir / "encoder.pt")
-            from fedmed.workflows.finetune import INIT_DIR
-
-            server_files.append((init_dir, INIT_DIR))
-        weights = None
+            server_files.append((init_dir, jobfiles.FINETUNE_INIT))
     elif method_entry(method.workflow).signature:
         check_encoder(method.encoder, weights, in_channels=exp.dataset.channels, image_size=method.encoder_image_size)
     elif weights:
         check_encoder("medicalnet_resnet18", weights)
-    if weights:
-        client_files.append((Path(weights).resolve(), WEIGHTS_DIR))
-        cfg["_weights"] = f"{WEIGHTS_DIR}/{Path(weights).name}"
     if onboard is not None:
-        return _onboarding_job(exp, method, seed, cfg, names, onboard, client_files, server_files, name)
+        return _onboarding_job(exp, method, seed, cfg, names, onboard, user_code, server_files, name)
     if resume_from is not None:
-        from fedmed.workflows import RESUME_DIR
-
-        server_files.append((find_checkpoint(resume_from), RESUME_DIR))
+        server_files.append((find_checkpoint(resume_from), jobfiles.RESUME))
     ctrl = controller_for(exp, method, seed, cfg, resume=resume_from is not None)
-    return new_job(name or job_name(exp, method, seed), exp, ctrl, names, client_files=client_files,
+    return new_job(name or job_name(exp, method, seed), exp, ctrl, names, user_code=user_code,
                    server_files=server_files)
 
 
-def _onboarding_job(exp, method, seed, cfg, names, onboard, client_files, server_files, name):
+def _onboarding_job(exp, method, seed, cfg, names, onboard, user_code, server_files, name):
     import shutil
 
-    from custom.controller import WorkflowController
     from fedmed.workflows.onboard import TRAINING_DIR, OnboardingError, check_training_result, training_files
+    from fedmed_flare.controller import WorkflowController
 
     if not names:
         raise BuildError("an onboarding job names its new sites (--sites)")
@@ -129,17 +126,14 @@ def _onboarding_job(exp, method, seed, cfg, names, onboard, client_files, server
         "mode": method_entry(method.workflow).onboard, "known_clusters": onboard.get("known_clusters") or {},
         "references": bool(onboard.get("references")),
         "labels": bool(onboard.get("labels", True))})
-    return new_job(name or job_name(exp, method, seed, "_onboard"), exp, ctrl, names, client_files=client_files,
+    return new_job(name or job_name(exp, method, seed, "_onboard"), exp, ctrl, names, user_code=user_code,
                    server_files=server_files)
 
 
-MODEL_INIT_DIR = "fedmed_model_init"  # inside the server app's custom folder: model.init_weights
-
-
-def _network_files(exp, cfg: dict, client_files: list, server_files: list) -> None:
+def _network_files(exp, cfg: dict, user_code: list, server_files: list) -> None:
     """Check the configured network once (an unknown arch, a bad argument, an output of the wrong shape is one line
     here, before anything runs); ship ``model.init_weights`` to the server (which sends the initial model to every
-    site) and a user's network class to the server and the sites."""
+    site) and a user's network class to the server and the sites (which makes the job custom code to FLARE)."""
     from fedmed.nn.models import USER_CODE_DIR, ArchError, check_arch, user_code_files
 
     m = cfg["model"]
@@ -157,14 +151,13 @@ def _network_files(exp, cfg: dict, client_files: list, server_files: list) -> No
             raise BuildError(str(e)) from None
         for src, name in code:
             dest = f"{USER_CODE_DIR}/{name}" if Path(src).is_dir() else USER_CODE_DIR
-            client_files.append((Path(src), dest))
-            server_files.append((Path(src), dest))
+            user_code.append((Path(src), dest))
     if m.get("init_weights"):
         src = Path(m["init_weights"]).resolve()
         if not src.is_file():
             raise BuildError(f"model.init_weights: file {m['init_weights']} not found")
-        server_files.append((src, MODEL_INIT_DIR))
-        cfg["model"] = {**m, "init_weights": f"{MODEL_INIT_DIR}/{src.name}"}
+        server_files.append((src, jobfiles.MODEL_INIT))
+        cfg["model"] = {**m, "init_weights": f"{jobfiles.MODEL_INIT}/{src.name}"}
 
 
 def select_method(exp, name: str, source: str):

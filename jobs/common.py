@@ -4,33 +4,26 @@ A job is built from the experiment config alone: it names its sites (or deploys 
 site) and carries no path to anyone's data — each site finds its own data through its site-local
 settings (``fedmed.site.settings``). Job folders produced here run unchanged in the simulator
 (``jobs/run.py --env sim``), in POC mode and on provisioned sites (admin console ``submit_job``).
-Sites need ``fedmed`` installed; the job carries ``custom/`` (client script and controllers) and, where
-a method uses them, the encoder weights every site must share and a checkpoint to resume from.
+
+**A job carries no code.** Every party has fedmed installed; the job names fedmed's FLARE components by class path
+(``fedmed_flare.controller.WorkflowController`` at the server, ``fedmed_flare.executor.SiteExecutor`` at each site), so
+it has no ``custom/`` folder and FLARE does not count it as custom code (BYOC). The data it may carry to the server (a
+model's initial weights, a checkpoint to resume from, a finished run's models) goes into the server app's ``config/``
+folder (``fedmed.core.jobfiles``). A site receives no file: a weights file it needs is named (file name and SHA-256)
+and comes from the site's own weights folder (``fedmed.core.policy``). Only a model that is the user's own class
+makes the job carry code (``custom/fedmed_user_code/``) — then it is BYOC and FLARE's authorization decides.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fedmed.run.taskconfig import WEIGHTS_DIR, BuildError, fedmed_config, min_clients  # noqa: E402,F401  (re-exported)
-
-
-@contextmanager
-def in_repo_root():
-    """FLARE records script paths relative to the working directory; build from the repo root."""
-    old = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        yield
-    finally:
-        os.chdir(old)
+from fedmed.run.taskconfig import BuildError, fedmed_config, min_clients  # noqa: E402,F401  (re-exported)
 
 
 def job_name(exp, method, seed: int, suffix: str = "") -> str:
@@ -57,49 +50,50 @@ def check_encoder(name: str, weights: str | None, *, in_channels: int = 1, image
             raise BuildError(str(e)) from None
 
 
-def new_job(name: str, exp, controller, sites: list[str] | None, *, client_files=(), server_files=()):
-    """A FedJob with ``controller`` on the server and the fedmed client script on the named sites (all
-    connected sites when ``sites`` is None)."""
+def new_job(name: str, exp, controller, sites: list[str] | None, *, user_code=(), server_files=()):
+    """A FedJob with ``controller`` on the server and fedmed's site executor on the named sites (all connected sites
+    when ``sites`` is None). ``server_files``: ``(source, folder)`` data for the server, into its app's ``config/``
+    folder (never code); ``user_code``: ``(source, folder)`` of a user's network class, into every app's ``custom/``
+    (the job is then custom code to FLARE)."""
     from nvflare.app_common.widgets.convert_to_fed_event import ConvertToFedEvent
     from nvflare.app_opt.tracking.tb.tb_receiver import TBAnalyticsReceiver
     from nvflare.job_config.api import FedJob
-    from nvflare.job_config.script_runner import FrameworkType, ScriptRunner
+
+    from fedmed.core.jobfiles import FILES_DIR
+    from fedmed_flare.executor import SiteExecutor
 
     fed = exp.federation
     quorum = min_clients(fed.min_clients, sites)
     if quorum < fed.min_clients:
         print(f"note: federation.min_clients={fed.min_clients} lowered to {quorum}: the job targets {len(sites)} "
               f"named site(s) {sites}", file=sys.stderr)
-    client_files = [(Path(src).resolve(), dest) for src, dest in client_files]  # the caller's folder, not ROOT
-    server_files = [(Path(src).resolve(), dest) for src, dest in server_files]
-    with in_repo_root():  # ScriptRunner resolves custom/client.py against the working directory
-        job = FedJob(name=name, min_clients=quorum)
-        job.set_app_packages(["fedmed"])  # installed at every site; not copied into the job
-        job.to_server(controller, id="controller")
-        job.to_server(TBAnalyticsReceiver(events=["fed.analytix_log_stats"]), id="tb_receiver")
-        # FLARE reads it at the path server.task_request_interval (server_json_config.py); a top-level key is ignored
-        job.to_server({"server": {"task_request_interval": fed.task_request_interval}})
-        targets = sites if sites else [None]
+    job = FedJob(name=name, min_clients=quorum)
+    job.set_app_packages(["fedmed", "fedmed_flare"])  # installed at every party; never copied into the job
+    job.to_server(controller, id="controller")
+    job.to_server(TBAnalyticsReceiver(events=["fed.analytix_log_stats"]), id="tb_receiver")
+    # FLARE reads it at the path server.task_request_interval (server_json_config.py); a top-level key is ignored
+    job.to_server({"server": {"task_request_interval": fed.task_request_interval}})
+    targets = sites if sites else [None]
+    for site in targets:
+        executor = SiteExecutor(threads=1)
+        event = ConvertToFedEvent(events_to_convert=["analytix_log_stats"], fed_event_prefix="fed.")
+        if site is None:
+            job.to_clients(executor, tasks=["*"])
+            job.to_clients(event, id="event_to_fed")
+        else:
+            job.to(executor, site, tasks=["*"])
+            job.to(event, site, id="event_to_fed")
+    for src, dest in user_code:
         for site in targets:
-            runner = ScriptRunner(script="custom/client.py", framework=FrameworkType.NUMPY, script_args="--threads 1")
-            event = ConvertToFedEvent(events_to_convert=["analytix_log_stats"], fed_event_prefix="fed.")
-            if site is None:
-                job.to_clients(runner)
-                job.to_clients(event, id="event_to_fed")
-            else:
-                job.to(runner, site)
-                job.to(event, site, id="event_to_fed")
-        for src, dest in client_files:
-            for site in targets:
-                job.add_file_to(str(src), site or "@ALL", dest_dir=dest)
-        for src, dest in server_files:
-            job.add_file_to_server(str(src), dest_dir=dest)
+            job.add_file_to(str(Path(src).resolve()), site or "@ALL", dest_dir=dest)
+        job.add_file_to_server(str(Path(src).resolve()), dest_dir=dest)
+    for src, dest in server_files:
+        job.add_file_to_server(str(Path(src).resolve()), dest_dir=f"{FILES_DIR}/{dest}", app_folder_type="config")
     return job
 
 
 def export(job, out_dir) -> Path:
-    out = Path(out_dir).resolve()  # relative to the caller's folder (the export runs from ROOT)
+    out = Path(out_dir).resolve()  # relative to the caller's folder
     out.mkdir(parents=True, exist_ok=True)
-    with in_repo_root():
-        job.export_job(str(out))
+    job.export_job(str(out))
     return out / job.name

@@ -1,6 +1,7 @@
 """Build a method's job and run it with NVFlare 2.9's recipe environments.
 
-    # simulator (SimEnv): one long-lived process per site; sites read FEDMED_DATALIST_DIR/<site>.json
+    # simulator (SimEnv): one long-lived process per site; sites read FEDMED_DATALIST_DIR/<site>.json and run the
+    # default site policy, a policy file (--site-policy FILE), or the experimenter's own (--site-policy simulation)
     python jobs/run.py --config CONFIG --method NAME --env sim --datalists DIR --workspace WS [--seed 0]
     # a provisioned federation (ProdEnv): submit with the admin's startup kit, wait, download the result
     python jobs/run.py --config CONFIG --method NAME --env prod --startup-kit ADMIN_KIT --result-dir DIR
@@ -121,6 +122,25 @@ def inline_arrays_env(n_sites: int) -> dict:
     return {INLINE_ARRAYS_ENV: "0"} if n_sites > INLINE_ARRAYS_ABOVE else {}
 
 
+def simulation_policy(exp, method, workspace: Path) -> Path:
+    """The policy of simulated sites that are the experimenter's own (``--site-policy simulation``, what ``fedmed
+    experiment`` runs): the config's ``k_min`` is the floor, the config's modules may run, its encoder weights come
+    from a folder of links beside the workspace. Written to ``<workspace>/site_policy.json``."""
+    from fedmed.core.policy import SitePolicy
+
+    folder = workspace / "site_weights"
+    weights = getattr(method, "encoder_weights", None)
+    if weights and method.workflow != "finetune":
+        folder.mkdir(parents=True, exist_ok=True)
+        link = folder / Path(weights).name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(Path(weights).resolve())
+    policy = SitePolicy.simulating(exp.privacy.k_min, weights_dir=folder if weights else None,
+                                   allow_per_image=os.environ.get("FEDMED_ALLOW_PER_IMAGE") == "1")
+    return policy.write(workspace / "site_policy.json")
+
+
 def sim_env(sites: list[str], workspace: Path, template=None):
     """NVFlare's ``SimEnv`` (one long-lived process per site: ``num_threads = len(sites)``), launching the simulator
     through ``jobs/simulator.py`` — FLARE's own simulator with site worker ports off the ephemeral range."""
@@ -132,7 +152,10 @@ def sim_env(sites: list[str], workspace: Path, template=None):
     class FedmedSimEnv(SimEnv):
         def deploy(self, job):
             workspace_dir = os.path.join(self.workspace_root, job.name)
-            self._ensure_default_component_policy(workspace_dir)
+            from fedmed_flare.kit import allow_fedmed
+
+            (Path(workspace_dir) / "local").mkdir(parents=True, exist_ok=True)
+            allow_fedmed(workspace_dir)  # the simulated sites allow fedmed's adapters, as a hospital's kit does
             job.clients = list(self.clients)
             with tempfile.TemporaryDirectory() as root:
                 job.export_job(root)
@@ -192,6 +215,24 @@ def admin_name(startup_kit: str) -> str:
     return json.loads(f.read_text())["admin"]["username"]
 
 
+def deploy_refusals(startup_kit: str, job_id: str) -> list[str]:
+    """What FLARE's deployment said for each party that did not take the job (its job meta's ``job_deploy_detail``,
+    e.g. ``hospital-a: BYOC not permitted`` from a site that runs no custom code)."""
+    from nvflare.fuel.flare_api.flare_api import new_secure_session
+
+    try:
+        sess = new_secure_session(admin_name(startup_kit), startup_kit, timeout=10.0)
+    except Exception:
+        return []
+    try:
+        detail = (sess.get_job_meta(job_id) or {}).get("job_deploy_detail") or []
+    except Exception:
+        detail = []
+    finally:
+        sess.close()
+    return [" ".join(str(d).split()) for d in detail if not str(d).endswith(": OK")]
+
+
 def run_prod(job, startup_kit: str, result_dir: Path, timeout: float) -> dict:
     from nvflare.recipe import ProdEnv
 
@@ -205,7 +246,11 @@ def run_prod(job, startup_kit: str, result_dir: Path, timeout: float) -> dict:
     if target.exists():
         shutil.rmtree(target)
     shutil.copytree(downloaded, target)
-    res = outcome(find_record(target))
+    record = find_record(target)
+    res = outcome(record)
+    refused = deploy_refusals(startup_kit, run.get_job_id()) if record is None else []
+    if refused:
+        res["reason"] = f"FLARE did not deploy the job: {'; '.join(refused)}"
     res["flare_status"] = status
     return res
 
@@ -222,6 +267,9 @@ def main(argv=None) -> int:
     ap.add_argument("--env", choices=["sim", "prod"], default="sim", help="where the job runs")
     ap.add_argument("--datalists", help="sim: folder of the sites' <site>.json datalists")
     ap.add_argument("--workspace", default="workspace", help="sim: simulator workspace root")
+    ap.add_argument("--site-policy", help="sim: the simulated sites' policy: a fedmed_policy.json file, or "
+                    "'simulation' (the experimenter's own sites: the config decides; fedmed experiment's choice); "
+                    "default: FEDMED_SITE_POLICY, else the default policy of a site without one")
     ap.add_argument("--jobs-dir", help="also export the job folder here")
     ap.add_argument("--startup-kit", help="prod: the admin's startup kit folder")
     ap.add_argument("--result-dir", default="results/prod", help="prod: where the downloaded result goes")
@@ -278,6 +326,19 @@ def _main(a, template) -> int:
                 resolve_device(spec, where=", ".join(sites))
             except DeviceError as e:
                 raise BuildError(f"{e} (the simulator runs every site on this machine)") from None
+        if a.site_policy and a.env != "sim":
+            raise BuildError("--site-policy is for the simulator; a real site keeps its own local/fedmed_policy.json")
+        if a.site_policy == "simulation":
+            Path(a.workspace).mkdir(parents=True, exist_ok=True)
+            os.environ["FEDMED_SITE_POLICY"] = str(simulation_policy(exp, method, Path(a.workspace).resolve()))
+        elif a.site_policy:
+            from fedmed.core.policy import PolicyError, SitePolicy
+
+            try:
+                SitePolicy.from_file(a.site_policy)
+            except PolicyError as e:
+                raise BuildError(f"--site-policy: {e}") from None
+            os.environ["FEDMED_SITE_POLICY"] = str(Path(a.site_policy).resolve())
         if a.env == "prod" and not a.startup_kit:
             raise BuildError("--env prod needs --startup-kit (the admin's startup kit folder)")
         if a.env == "prod":

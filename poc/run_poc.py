@@ -2,13 +2,14 @@
 
 This is the path a clinical team uses from the FLARE admin console (``submit_job``), scripted:
 
-    python poc/run_poc.py JOB_DIR --datalists DIR [--workspace WS] [--result-dir RESULT] [--keep]
+    python poc/run_poc.py JOB_DIR --datalists DIR [--site-policy POLICY] [--workspace WS] [--result-dir RESULT] [--keep]
 
 1. ``nvflare poc prepare -c <the job's sites> --force`` into the workspace (``--workspace``, else
    ``NVFLARE_POC_WORKSPACE``, else ``/tmp/fedmed_poc``). The nvflare commands run with ``HOME`` set to a
    folder inside the workspace, so ``poc prepare`` does not rewrite the user's ``~/.nvflare/config.conf``.
 2. Each site's data setting goes where a hospital would put it: ``<site kit>/local/fedmed_site.json``
-   naming ``DIR/<site>.json`` (docs/deployment.md).
+   naming ``DIR/<site>.json``, and ``--site-policy`` (if given) as ``local/fedmed_policy.json``; every kit's
+   ``class_allow_list`` allows fedmed's adapters (``python -m fedmed_flare.kit``; docs/deployment.md).
 3. ``nvflare poc start`` (server + sites + admin in the background).
 4. admin API: ``new_secure_session`` -> ``submit_job`` -> ``monitor_job`` -> ``download_job_result``.
 5. ``nvflare poc stop`` and ``nvflare poc clean`` (always, also on failure, unless ``--keep``).
@@ -59,15 +60,23 @@ def find_kit(ws: Path, name: str) -> Path:
     return kits[0]
 
 
-def write_site_settings(ws: Path, sites: list[str], datalists: Path) -> None:
-    """Each site's own data setting, in its startup kit's local/ folder (FLARE's convention)."""
+def write_site_settings(ws: Path, sites: list[str], datalists: Path | None, policy: Path | None = None) -> None:
+    """Each site's own data setting and policy, in its startup kit's local/ folder (FLARE's convention); the server's
+    and every site's kit allow fedmed's adapters."""
+    from fedmed_flare.kit import allow_fedmed
+
     for s in sites:
-        dl = datalists / f"{s}.json"
-        if not dl.is_file():
-            raise RuntimeError(f"{dl}: no datalist for site {s}")
         local = find_kit(ws, s) / "local"
         local.mkdir(exist_ok=True)
-        (local / "fedmed_site.json").write_text(json.dumps({"datalist": str(dl.resolve())}, indent=1))
+        if datalists is not None:
+            dl = datalists / f"{s}.json"
+            if not dl.is_file():
+                raise RuntimeError(f"{dl}: no datalist for site {s}")
+            (local / "fedmed_site.json").write_text(json.dumps({"datalist": str(dl.resolve())}, indent=1))
+        if policy is not None:
+            shutil.copy(policy, local / "fedmed_policy.json")
+        allow_fedmed(local.parent)
+    allow_fedmed(find_kit(ws, "server"))
 
 
 def connect(kit: Path, deadline: float, want_sites: list[str]):
@@ -99,12 +108,11 @@ def poc_env(workspace: Path) -> dict:
 
 
 def run(job_dir: Path, workspace: Path, result_dir: Path, sites: list[str], datalists: Path | None, timeout: int,
-        keep: bool) -> dict:
+        keep: bool, policy: Path | None = None) -> dict:
     env = poc_env(workspace)
     nv = nvflare_bin()
     sh([nv, "poc", "prepare", "-c", *sites, "--force"], env)
-    if datalists is not None:
-        write_site_settings(workspace, sites, datalists)
+    write_site_settings(workspace, sites, datalists, policy)
     out: dict = {"job": str(job_dir)}
     try:
         sh([nv, "poc", "start"], env, timeout=120, check=False, capture=True)
@@ -143,6 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("job_dir", help="a job folder from jobs/build.py")
     ap.add_argument("--datalists", help="folder holding <site>.json for every site (written into each site's "
                     "local/fedmed_site.json)")
+    ap.add_argument("--site-policy", help="a fedmed_policy.json every POC site keeps in its local/ folder (default: "
+                    "none, the default policy)")
     ap.add_argument("--sites", nargs="+", help="POC site names (default: those in the job's deploy map)")
     ap.add_argument("--workspace", default=os.environ.get("NVFLARE_POC_WORKSPACE", "/tmp/fedmed_poc"),
                     help="POC workspace (default: NVFLARE_POC_WORKSPACE, else /tmp/fedmed_poc)")
@@ -163,7 +173,8 @@ def main(argv=None) -> int:
         print(f"{job}: the job names sites {named} but --sites gives {sites}", file=sys.stderr)
         return 2
     res = run(job, Path(a.workspace).resolve(), Path(a.result_dir).resolve(), sites,
-              Path(a.datalists).resolve() if a.datalists else None, a.timeout, a.keep)
+              Path(a.datalists).resolve() if a.datalists else None, a.timeout, a.keep,
+              Path(a.site_policy).resolve() if a.site_policy else None)
     print(json.dumps(res, indent=1))
     return 0 if res.get("status") == "finished" else 1
 

@@ -27,3 +27,18 @@ def pytest_configure(config):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+def own_site(site: str, folder, *, k_min: int = 1, cls=None, **policy):
+    """A site runner whose datalist is ``<folder>/<site>.json`` and whose policy is the experimenter's own
+    (``SitePolicy.simulating``: the floor is ``k_min``, so a job's smaller ``privacy.k_min`` is what applies) — the
+    site of a unit test of a task. A site without a policy file runs the defaults (floor 5): tests of that are in
+    test_policy.py."""
+    from dataclasses import replace
+
+    from fedmed.core.policy import SitePolicy
+    from fedmed.site.runner import SiteRunner
+    from fedmed.site.settings import settings_for_dir
+
+    p = replace(SitePolicy.simulating(k_min), **policy)
+    return (cls or SiteRunner)(site, settings_for_dir(site, folder, policy=p))

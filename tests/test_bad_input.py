@@ -141,31 +141,90 @@ def multi_frame_tiff(root):
     _write(root, d)
 
 
-# (how site-2's data is broken, what the user reads — each substring must be in site-2's recorded error)
+def fifo_image(root):
+    import os
+
+    d = _dl(root)
+    os.mkfifo(root / "images" / "pipe.png")  # a reader of a FIFO waits for a writer that never comes
+    d["training"][0]["image"] = "images/pipe.png"
+    _write(root, d)
+
+
+def device_image(root):
+    d = _dl(root)
+    d["training"][0]["image"] = "/dev/zero"  # reads without end
+    _write(root, d)
+
+
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    import struct
+    import zlib
+
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+
+def bomb_png(path: Path, width: int, height: int) -> None:
+    """A few hundred bytes whose header says width x height 8-bit pixels (a decompression bomb: decoding it would
+    allocate width * height bytes)."""
+    import struct
+    import zlib
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", zlib.compress(b"\0" * 64))
+                     + png_chunk(b"IEND", b""))
+
+
+def decompression_bomb(root):
+    d = _dl(root)
+    bomb_png(root / "images" / "bomb.png", 12_000, 12_000)  # 144 million pixels > the default 100 million
+    d["training"][0]["image"] = "images/bomb.png"
+    _write(root, d)
+
+
+def dicom_with_text_rescale_slope(root):
+    pydicom = pytest.importorskip("pydicom")
+    d = _dl(root)
+    ds = pydicom.dcmread(Path(pydicom.__file__).parent / "data" / "test_files" / "CT_small.dcm")
+    ds["RescaleSlope"].VR = "LO"  # an export that wrote text where a number belongs
+    ds.RescaleSlope = "one"
+    ds.save_as(root / "images" / "textslope.dcm")
+    d["training"][0]["image"] = "images/textslope.dcm"
+    _write(root, d)
+
+
+# (how site-2's data is broken, what the server reads — each substring must be in site-2's recorded error —, and
+# what only the site's own log may name: its files, folders, label values and datalist keys)
 TABLE = [
-    (label_outside_classes, ["site-2: datalist site-2.json training has label(s) [12] outside the job's global label "
-                             "space 0..9"]),
-    (nan_label, ["site-2.json: training[0] label should be a non-negative integer, got nan"]),
-    (string_label, ["site-2.json: training[0] label should be a non-negative integer, got 'benign'"]),
-    (empty_training, ["site-2: datalist site-2.json has no training images"]),
-    (misspelled_split, ["site-2.json: unknown split(s) ['tset']"]),
-    (missing_image, ["site-2: cannot read image images/site-2/not_there.png (file not found)"]),
-    (corrupt_image, ["site-2: cannot read image images/broken.png (corrupt or not an image"]),
-    (image_in_two_splits, ["site-2.json: the same image in training and test: images/site-2/"]),
-    (identical_copy_in_validation, ["the same image in training and validation:", "images/renamed.png (identical files)"]),
-    (entry_without_label, ["site-2.json: training[0] should have 'image' and 'label'"]),
-    (not_json, ["site-2.json: not valid JSON"]),
-    (no_datalist, ["site-2", "datalist"]),
-    (fewer_training_images_than_k_min, ["site-2: sits out training: fewer training images than k_min=3"]),
-    (nan_pixels, ["site-2: image images/nan.tif has NaN or infinite pixel values"]),
-    (multi_frame_dicom, ["site-2: image images/cine.dcm is a multi-frame DICOM (2 frames)"]),
-    (dicom_without_pixels, ["site-2: image images/report.dcm is a DICOM file without pixel data"]),
-    (multi_frame_tiff, ["site-2: image images/stack.tif has 2 frames; one image per file is expected"]),
+    (label_outside_classes, ["site-2: training[0]: a label outside the job's global label space 0..9"], ["[12]"]),
+    (nan_label, ["site-2: its datalist: training[0] label should be a non-negative integer class id"], ["got nan"]),
+    (string_label, ["site-2: its datalist: training[0] label should be a non-negative integer class id"],
+     ["'benign'"]),
+    (empty_training, ["site-2: its datalist has no training images"], ["site-2.json"]),
+    (misspelled_split, ["site-2: its datalist: 1 list(s) that are not splits"], ["tset"]),
+    (missing_image, ["site-2: training[0]: cannot read the image (file not found)"], ["not_there.png"]),
+    (corrupt_image, ["site-2: training[0]: cannot read the image (corrupt or not an image"], ["broken.png"]),
+    (image_in_two_splits, ["site-2: its datalist: the same image in training[0] and test["], ["images/site-2/"]),
+    (identical_copy_in_validation, ["the same image in training[1] and validation[", "(identical files)"],
+     ["renamed.png"]),
+    (entry_without_label, ["site-2: its datalist: training[0] should have 'image' and 'label'"], ["got {"]),
+    (not_json, ["site-2: its datalist: not valid JSON (JSONDecodeError at line 1"], ["site-2.json"]),
+    (no_datalist, ["site-2", "datalist"], []),
+    (fewer_training_images_than_k_min, ["site-2: sits out training: fewer training images than k_min=3"], []),
+    (nan_pixels, ["site-2: training[0]: the image has NaN or infinite pixel values"], ["nan.tif"]),
+    (multi_frame_dicom, ["site-2: training[0]: the image is a multi-frame DICOM (2 frames)"], ["cine.dcm"]),
+    (dicom_without_pixels, ["site-2: training[0]: the image is a DICOM file without pixel data"], ["report.dcm"]),
+    (multi_frame_tiff, ["site-2: training[0]: the image has 2 frames; one image per file is expected"], ["stack.tif"]),
+    (fifo_image, ["site-2: training[0]: the image is a FIFO, not a regular file"], ["pipe.png"]),
+    (device_image, ["site-2: training[0]: the image is a device, not a regular file"], ["image zero"]),
+    (decompression_bomb, ["site-2: training[0]: the image has 12000x12000 pixels, more than this site decodes (its "
+                          "policy's max_image_pixels=100000000)"], ["bomb.png"]),
+    (dicom_with_text_rescale_slope, ["site-2: training[0]: the image has a malformed DICOM header (rescale slope"],
+     ["textslope.dcm"]),
 ]
 
 
 def test_the_table_has_at_least_fifteen_kinds():
-    assert len(TABLE) >= 15 and len({f.__name__ for f, _ in TABLE}) == len(TABLE)
+    assert len(TABLE) >= 15 and len({f.__name__ for f, _, _ in TABLE}) == len(TABLE)
 
 
 @pytest.fixture
@@ -191,8 +250,8 @@ def run_fedavg(root: Path, out: Path):
     return status, fed.recorder.doc
 
 
-@pytest.mark.parametrize("breaks, says", TABLE, ids=[f.__name__ for f, _ in TABLE])
-def test_one_bad_site_is_named_and_the_others_train_on(federation, tmp_path, breaks, says):
+@pytest.mark.parametrize("breaks, says, private", TABLE, ids=[f.__name__ for f, _, _ in TABLE])
+def test_one_bad_site_is_named_and_the_others_train_on(federation, tmp_path, capfd, breaks, says, private):
     breaks(federation)
     status, doc = run_fedavg(federation, tmp_path / "run")
     assert status == "finished", doc.get("reason")
@@ -201,6 +260,12 @@ def test_one_bad_site_is_named_and_the_others_train_on(federation, tmp_path, bre
     for s in says:
         assert s in errors[0], (s, errors[0])
     assert "\n" not in errors[0] and str(federation) not in errors[0]  # one line, no absolute path
+    site_log = capfd.readouterr().err
+    written = "".join(f.read_text(errors="replace") for f in (tmp_path / "run").rglob("*") if f.is_file()
+                      and f.suffix in (".json", ".html", ".md", ".csv", ".txt"))
+    for name in private:  # the file, the value, the key: in the site's own log, never in what the server writes
+        assert name in site_log, (name, site_log[-2000:])
+        assert name not in written and name not in doc["reason"], name
     assert "site-2" in doc["reason"]  # the run's status names the site that sat out, and why
     trained = [r for r in doc["rounds"] if r["task"] == "train"]
     assert len(trained) == 2 and all(sorted(r["sites"]) == ["site-1", "site-3"] for r in trained)
@@ -216,3 +281,29 @@ def test_a_federation_where_no_site_can_train_fails_with_the_reasons(federation,
     assert status == "failed"
     assert "fewer than min_clients=2" in doc["reason"] and "has no training images" in doc["reason"]
     assert not (tmp_path / "run" / "models").exists()
+
+
+def test_a_site_whose_update_is_not_finite_sits_out_that_round(federation, tmp_path, monkeypatch):
+    """One site's NaN update used to fail the whole run (the average turned NaN); that site sits out the round with its
+    reason, as a site that failed its task does, and the model stays finite."""
+    import fedmed.site.tasks as T
+
+    real = T.CLASSIFICATION["train"]
+
+    def diverging(runner, params, cfg, round_=0):
+        out = real(runner, params, cfg, round_)
+        if runner.site == "site-2" and round_ == 1:  # diverges in its second round
+            out = T.Reply({k: np.full_like(np.asarray(v), np.nan) for k, v in out.params.items()}, *out[1:])
+        return out
+
+    monkeypatch.setitem(T.CLASSIFICATION, "train", diverging)
+    status, doc = run_fedavg(federation, tmp_path / "run")
+    assert status == "finished", doc["reason"]
+    (err,) = [e for e in doc["errors"] if e["site"] == "site-2"]
+    assert err["round"] == 1 and "its update has NaN or infinite values" in err["error"]
+    assert sorted(doc["rounds"][1]["sites"]) == ["site-1", "site-3"] and "site-2" in doc["rounds"][0]["sites"]
+    assert "site-2 sat out round(s) 1" in doc["reason"]
+    import torch
+
+    final = torch.load(tmp_path / "run" / "models" / "global.pt", weights_only=True)["state_dict"]
+    assert all(torch.isfinite(v).all() for v in final.values() if v.is_floating_point())

@@ -51,13 +51,13 @@ def test_arrays_decoded_in_many_threads_at_once_never_fail_once_ast_parse_is_ser
 
 
 def test_fedmeds_flare_processes_serialize_ast_parse():
-    """The server's controller (custom/controller.py) and the sites' client script (custom/client.py) install the lock
-    when FLARE imports them, in every environment (simulator, POC, provisioned)."""
-    code = ("import ast, sys; sys.path.insert(0, '.'); sys.path.insert(0, 'custom')\n"
+    """The server's controller and the sites' executor (fedmed_flare, installed with fedmed) install the lock when
+    FLARE imports them, in every environment (simulator, POC, provisioned)."""
+    code = ("import ast, sys; sys.path.insert(0, '.')\n"
             "before = getattr(ast.parse, '_fedmed_serialized', False)\n"
             "import {module}\n"
             "print(before, getattr(ast.parse, '_fedmed_serialized', False))")
-    for module in ("custom.controller", "client"):
+    for module in ("fedmed_flare.controller", "fedmed_flare.executor"):
         out = subprocess.run([sys.executable, "-c", code.format(module=module)], cwd=ROOT, capture_output=True,
                              text=True, timeout=120)
         assert out.stdout.split() == ["False", "True"], (module, out.stdout, out.stderr[-1500:])

@@ -1,8 +1,11 @@
 """A provisioned federation on loopback, run as a hospital IT team runs it (docs/deployment.md):
 
-``nvflare provision`` writes startup kits with certificates for a server, three hospitals and an admin; the
-server and two hospitals are started with their kits' ``startup/start.sh`` (hospital-c never starts); each
-hospital's data setting sits in its kit's ``local/fedmed_site.json``; jobs built from the config alone are
+``nvflare provision`` writes startup kits with certificates for a server, three hospitals and an admin; every kit's
+``class_allow_list`` allows fedmed's adapters (``python -m fedmed_flare.kit``); hospital-a allows no custom code
+(``"byoc": "none"`` for every role in its ``local/authorization.json``) — fedmed's jobs carry none, so it runs them,
+and it refuses a job that carries a user's network; the server and two hospitals are started with their kits'
+``startup/start.sh`` (hospital-c never starts); each hospital's data setting and policy sit in its kit's
+``local/fedmed_site.json`` and ``local/fedmed_policy.json``; jobs built from the config alone are
 submitted with the admin's startup kit (``jobs/run.py --env prod``: FLARE API submit, wait, download) and their
 results checked. Faults: a site's job process killed mid-round (FLARE ends the job; the run stops cleanly and a
 resumed job finishes without that site), a site suspended mid-round (left out after the task timeout, back when
@@ -80,6 +83,19 @@ class Deployment:
         assert (self.kits[name] / "startup" / "client.crt").is_file()
         return self.kits[name]
 
+    def allow_fedmed(self, *names):
+        """docs/deployment.md §4: every kit's class_allow_list allows fedmed's adapters (the command as written)."""
+        subprocess.run([sys.executable, "-m", "fedmed_flare.kit", *[str(self.kits[n]) for n in names]], env=self.env,
+                       check=True, capture_output=True, timeout=120)
+
+    def no_custom_code(self, name: str):
+        """docs/deployment.md §4: a site that runs no job carrying code: "byoc": "none" for every submitter role."""
+        rights = {r: "any" for r in ("submit_job", "clone_job", "manage_job", "download_job", "view", "operate",
+                                     "shell_commands")}
+        authz = {"format_version": "1.0", "permissions": {
+            role: {**rights, "byoc": "none"} for role in ("project_admin", "org_admin", "lead")}}
+        (self.kits[name] / "local" / "authorization.json").write_text(json.dumps(authz, indent=1))
+
     def start(self, name: str):
         p = subprocess.Popen(["bash", str(self.kits[name] / "startup" / "sub_start.sh")], cwd=self.kits[name],
                              env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -133,6 +149,8 @@ def deployment(tmp_path_factory):
     d = Deployment(root)
     try:
         d.provision()
+        d.allow_fedmed("localhost", *SITES)
+        d.no_custom_code("hospital-a")
         d.start("localhost")
         time.sleep(5)
         d.start("hospital-a")
@@ -165,15 +183,17 @@ def site_data(deployment, tmp_path_factory):
     data = prepare_federation(load_config(cfg), 0, root / "federation")
     for s in ("hospital-a", "hospital-b"):
         (deployment.kits[s] / "local" / "fedmed_site.json").write_text(json.dumps({"datalist": str(data / f"{s}.json")}))
+        (deployment.kits[s] / "local" / "fedmed_policy.json").write_text(json.dumps({"k_min": 2}))  # the site's floor
     return data
 
 
-def submit(deployment, cfg: Path, method: str, result_dir: Path, *extra, background=False):
+def submit(deployment, cfg: Path, method: str, result_dir: Path, *extra, background=False, env=None):
     cmd = [sys.executable, str(REPO_ROOT / "jobs" / "run.py"), "--config", str(cfg), "--method", method, "--env", "prod",
            "--startup-kit", str(deployment.kits[ADMIN]), "--result-dir", str(result_dir), "--timeout", "600", *extra]
     if background:
-        return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+        return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env)
+    return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=env)
 
 
 def outcome(text: str) -> dict:
@@ -196,6 +216,52 @@ def test_clustering_job_on_provisioned_sites(deployment, site_data, tmp_path):
     assert any(e["site"] == "hospital-c" and "never registered" in e["error"] for e in doc["errors"])
     assert sorted(s for c in doc["clustering"]["clusters"] for s in c) == ["hospital-a", "hospital-b"]
     assert (Path(res["result"]) / "distance_heatmap.png").is_file() and list(Path(res["result"]).glob("models/*.pt"))
+
+
+def test_a_site_that_runs_no_custom_code_runs_fedavg_and_fmcl_to_the_end(deployment, site_data, tmp_path):
+    """hospital-a gives no role the right to run custom code: fedmed's jobs carry none (the components are installed
+    with fedmed and named by class path), so both workflows finish with hospital-a in every round."""
+    authz = json.loads((deployment.kits["hospital-a"] / "local" / "authorization.json").read_text())
+    assert all(r["byoc"] == "none" for r in authz["permissions"].values())
+    cfg = write_config(tmp_path / "cfg.yaml")
+    for method in ("FedAvg", "FMCL"):
+        p = submit(deployment, cfg, method, tmp_path / method, "--jobs-dir", str(tmp_path / "jobs"))
+        res = outcome(p.stdout)
+        assert res["status"] == "finished" and res["flare_status"] == "FINISHED:COMPLETED", p.stdout[-3000:]
+        doc = record(res)
+        assert all("hospital-a" in r["sites"] for r in doc["rounds"]), method
+        assert doc["site_policies"]["hospital-a"]["k_min"] == 2  # the effective policy, in the record
+    assert not list((tmp_path / "jobs").rglob("custom"))  # no code in the jobs
+    config = next((tmp_path / "jobs").rglob("config_fed_client.json")).read_text()
+    assert "fedmed_flare.executor.SiteExecutor" in config
+
+
+def test_a_site_that_runs_no_custom_code_refuses_a_job_carrying_a_users_network(deployment, site_data, tmp_path):
+    code = tmp_path / "code"
+    (code / "hospital_nets").mkdir(parents=True)
+    (code / "hospital_nets" / "__init__.py").write_text("from torch import nn
+
+
+class Net(nn.Module):
+"
+                                                        "    def __init__(self, in_channels=1, num_classes=10):
+"
+                                                        "        super().__init__()
+"
+                                                        "        self.fc = nn.Linear(in_channels * 64, num_classes)
+
+"
+                                                        "    def forward(self, x):
+        return self.fc(x.flatten(1))
+")
+    cfg = write_config(tmp_path / "cfg.yaml", model={"arch": "hospital_nets:Net"}, train={"rounds": 1})
+    p = submit(deployment, cfg, "FedAvg", tmp_path / "result", "--sites", "hospital-a", "--jobs-dir",
+               str(tmp_path / "jobs"), env={**deployment.env, "PYTHONPATH": str(code)})
+    assert list((tmp_path / "jobs").rglob("custom/fedmed_user_code/hospital_nets/__init__.py"))  # the job is BYOC
+    res = outcome(p.stdout)
+    assert p.returncode == 1 and res["status"] == "failed", p.stdout[-3000:]
+    assert "hospital-a" in res["reason"] and "BYOC not permitted" in res["reason"], res["reason"]
+    assert "\n" not in res["reason"]
 
 
 def test_killed_site_job_process_stops_cleanly_and_resumes_without_it(deployment, site_data, tmp_path):
@@ -277,7 +343,9 @@ def test_a_hospital_added_after_training_gets_its_cluster_model(deployment, site
     clusters = record(trained)["clustering"]["clusters"]
 
     kit = deployment.add_site("hospital-d")
+    deployment.allow_fedmed("hospital-d")
     (kit / "local" / "fedmed_site.json").write_text(json.dumps({"datalist": str(site_data / "hospital-c.json")}))
+    (kit / "local" / "fedmed_policy.json").write_text(json.dumps({"k_min": 2}))
     deployment.start("hospital-d")
     deployment.wait_connected(["hospital-d"])
     p = submit(deployment, cfg, "FMCL", tmp_path / "onboard", "--onboard", trained["result"], "--sites", "hospital-d")

@@ -291,3 +291,67 @@ def test_the_iid_reference_of_a_sweep_case_is_a_valid_job_on_the_training_sites(
     _, exp, sites = ref[0]
     assert exp.federation.partition == "iid" and exp.federation.unseen_sites == 0
     assert sites == ["site-1", "site-2", "site-3"]
+
+
+def test_every_test_split_below_k_min_is_a_table_that_says_withheld(tmp_path, monkeypatch):
+    """Every site's test split below k_min: the sites send no score (NaN, n_test 0). The experiment used to crash after
+    its runs formatting None; the console and the table say "withheld"."""
+    from fedmed.algorithms.metrics import site_metrics
+    from fedmed.report.record import Recorder
+
+    def run_job(config_path, overrides, method, seed, datalists, work, n_sites=0, *a, **k):
+        work.mkdir(parents=True, exist_ok=True)
+        rec = Recorder(work / "rec", tensorboard=False)
+        rec.begin_attempt(0)
+        for r, task in ((0, "train"), (1, "validate")):
+            res = site_metrics(np.array([0, 1]), np.array([[0.9, 0.1], [0.2, 0.8]]), 2, k_min=5)  # 2 < k_min
+            rec.record(r, [(s, {m: res[m] for m in ("accuracy", "macro_f1", "auc")},
+                            {"n_test": res["n_test"], "confusion": res["confusion"], "score_hist": res["score_hist"],
+                             "withheld": res["withheld"], **({"n_train": 9} if task == "train" else {})})
+                           for s in ("site-1", "site-2")], task=task)
+        rec.finish("finished")
+        return rec.doc
+
+    monkeypatch.setattr(E, "run_job", run_job)
+    lines = []
+    E.run_experiment(str(write_cfg(tmp_path, seeds=[0])), tmp_path / "out", methods=["FedAvg"], log=lines.append)
+    assert any("test accuracy withheld (site mean)" in ln for ln in lines), lines
+    table = (tmp_path / "out" / "summary.md").read_text()
+    row = next(ln for ln in table.splitlines() if ln.startswith("| FedAvg |"))
+    assert row.count("withheld") >= 6 and "n/a" not in row, row
+
+
+def test_one_output_folder_is_written_by_one_run_at_a_time(tmp_path, fake_job, capsys):
+    """Two experiments writing one --out lost one's rows silently; the second is refused in one line."""
+    out = tmp_path / "out"
+    cfg = write_cfg(tmp_path, seeds=[0])
+    with E.output_lock(out):
+        assert main(["experiment", str(cfg), "--out", str(out), "--methods", "FedAvg"]) == 2
+        assert "another fedmed run is writing this folder (pid " in capsys.readouterr().err
+        assert not (out / "results.csv").exists() and fake_job == []
+    assert main(["experiment", str(cfg), "--out", str(out), "--methods", "FedAvg"]) == 0  # the folder is free again
+    assert len(fake_job) == 1
+
+
+def test_resume_continues_a_run_whose_server_was_killed_from_its_checkpoint(tmp_path, monkeypatch):
+    """A killed server leaves a run 'failed' with a checkpoint of its last completed round: --resume continues from it
+    (it used to redo every round)."""
+    calls = []
+
+    def run_job(config_path, overrides, method, seed, datalists, work, n_sites=0, *a, resume_from=None, **k):
+        calls.append(resume_from)
+        work.mkdir(parents=True, exist_ok=True)
+        if len(calls) == 1:
+            (work / "server" / "checkpoint").mkdir(parents=True)
+            (work / "server" / "checkpoint" / "state.json").write_text(json.dumps({"next_round": 2}))
+            raise E.RunError("failed", "the server process ended while the run was still going (killed or crashed)")
+        return metrics_doc(0.6)
+
+    monkeypatch.setattr(E, "run_job", run_job)
+    cfg = write_cfg(tmp_path, seeds=[0])
+    with pytest.raises(E.ExperimentError):
+        E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], log=lambda *a: None)
+    lines = []
+    E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], log=lines.append, resume=True)
+    assert calls[1] == tmp_path / "out" / "runs" / "seed0" / "FedAvg" / "server"
+    assert any("failed earlier; resuming from its checkpoint (round 2)" in ln for ln in lines), lines

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -350,8 +351,8 @@ def test_flares_task_monitor_checks_at_the_controllers_period_not_its_default():
     seen within TASK_CHECK_PERIOD_S."""
     code = ("import sys; sys.path.insert(0, '.')\n"
             "from nvflare.apis.impl.wf_comm_server import WFCommServer\n"
-            "from custom.controller import TASK_CHECK_PERIOD_S\n"
-            "from custom.controller import WorkflowController as FedAvgController\n"
+            "from fedmed_flare.controller import TASK_CHECK_PERIOD_S\n"
+            "from fedmed_flare.controller import WorkflowController as FedAvgController\n"
             "w = WFCommServer()\n"
             "FedAvgController(num_rounds=1, fedmed_config={}).set_communicator(w)\n"
             "print(w._task_check_period, TASK_CHECK_PERIOD_S)")
@@ -523,3 +524,27 @@ def test_the_simulator_waits_for_a_slow_worker_longer_than_flares_minute(monkeyp
     assert seen == [(1234, sim.CONNECT_TIMEOUT_S), (5, sim.CONNECT_TIMEOUT_S)] and sim.CONNECT_TIMEOUT_S >= 600
     # the real class has the method and the keyword this relies on
     assert "timeout" in inspect.signature(simulator_runner.SimulatorClientRunner._create_connection).parameters
+
+
+@pytest.mark.parametrize("name", ["site one", "site-1\nsite-2", "site-2\n", "../site-1", "hospital/a", "Ünal"])
+def test_a_site_name_flare_cannot_take_is_refused_when_the_job_is_built(tmp_path, name):
+    """A name with a space, a newline or a path passed the build and failed when the site never registered."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"name": "n", "dataset": {"path": "builtin:digits", "image_size": 8,
+                                                            "classes": ["a", "b"]}}))
+    res = subprocess.run([sys.executable, str(ROOT / "jobs" / "build.py"), "--config", str(cfg), "--method", "FedAvg",
+                          "--out", str(tmp_path / "jobs"), "--sites", "site-0", name], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 2 and not (tmp_path / "jobs").exists()
+    assert f"--sites: {name!r} is not a site name FLARE accepts" in res.stderr, res.stderr
+
+
+def test_fedmeds_site_name_rule_is_flares():
+    from nvflare.apis.utils.format_check import name_check
+
+    from fedmed.core.validation import SITE_NAME
+
+    for name in ("hospital-a", "site_1", "UMC-Utrecht", "a b", "a.b", "x/y", "", "Ünal", "a\nb"):
+        flare_ok = not name_check(name, "client")[0] if name else False
+        assert bool(SITE_NAME.fullmatch(name)) == flare_ok, name
+    assert not SITE_NAME.fullmatch("a\n")  # FLARE's re.match(...$) lets a trailing newline through; fedmed does not

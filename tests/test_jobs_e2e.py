@@ -54,7 +54,8 @@ def test_simulator_fedavg_one_bad_site_does_not_stop_the_federation(tmp_path):
         assert 0.0 <= r["summary"]["mean"]["accuracy"] <= 1.0
     errors = res["errors"]
     assert errors and all(e["site"] == "site-3" for e in errors)
-    assert "corrupt.png" in errors[0]["error"] and "site-3" in errors[0]["error"]
+    assert "site-3: training[0]: cannot read the image (corrupt or not an image" in errors[0]["error"]
+    assert "corrupt.png" not in json.dumps(errors)  # the file is named in site-3's own log only
     assert str(tmp_path) not in json.dumps(errors)  # no absolute path leaves the site
     assert (tmp_path / "run" / "workspace").exists() is False  # only the server output and logs are kept
     assert (tmp_path / "run" / "server" / "models" / "global.pt").is_file()
@@ -138,7 +139,8 @@ def test_fmcl_job_clusters_once_and_survives_edge_sites(tmp_path):
     assert {t["task"] for t in log[1:]} == {"train", "validate"}
     clustered = sorted(s for c in res["clustering"]["clusters"] for s in c)
     assert clustered == ["site-1", "site-4"]  # site-3 sent no signature (corrupt image), site-2 nothing (k_min)
-    assert any(e["site"] == "site-3" and "corrupt.png" in e["error"] for e in res["errors"])
+    assert any(e["site"] == "site-3" and "training[1]: cannot read the image (corrupt" in e["error"]
+               for e in res["errors"])
     assert any(e["site"] == "site-2" and "k_min=3" in e["error"] for e in res["errors"])
     assert res["rounds"][-1]["task"] == "validate" and "site-1" in res["rounds"][-1]["sites"]
     assert (tmp_path / "run" / "server" / "distances.csv").is_file()
@@ -204,7 +206,8 @@ def test_seg_fedavg_w_job_assesses_then_down_weights(tmp_path):
     assert res["assessment"]["emd"]["most_distant"] == "site-4"
     assert res["down_weighted"] == {"site": "site-4", "omega": 0.3, "source": "assessment (emd)"}
     assert [t["task"] for t in res["task_log"]][:2] == ["assess", "train"]
-    assert any(e["site"] == "site-2" and "missing_label.nii.gz" in e["error"] for e in res["errors"])
+    err = next(e["error"] for e in res["errors"] if e["site"] == "site-2")
+    assert "site-2: training[0]: label file <path> not found" in err and "missing_label" not in err, err
     final = res["rounds"][-1]
     assert final["task"] == "validate" and sorted(final["sites"]) == ["site-1", "site-3", "site-4"]
     assert "dice_mean" in final["summary"]["mean"]
@@ -274,7 +277,7 @@ def test_a_site_that_sat_out_every_round_is_named_in_the_status_and_not_in_the_m
     res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    said = "site-3 sat out round(s) 0-2 (site-3: cannot read image images/site-3/gone.png (file not found))"
+    said = "site-3 sat out round(s) 0-2 (site-3: training[0]: cannot read the image (file not found))"
     assert out["status"] == "finished" and said in out["reason"]
     assert set(out["sites_missing"]) == {"site-3"} and out["sites_missing"]["site-3"]["rounds"] == [0, 1, 2]
     assert said in res.stderr  # the console
@@ -305,3 +308,32 @@ def test_fmcl_on_busi_with_the_usfm_encoder_and_its_preprocessing(tmp_path):
     (enc,) = clustering["encoder"]
     assert enc.startswith("usfm [random init (seed=0)") and "input ImageNet mean/std" in enc
     assert res["rounds"][-1]["task"] == "validate"
+
+
+def test_no_name_of_a_sites_data_reaches_the_flare_servers_files(tmp_path):
+    """The probe's four leaks at four sites of one simulated federation — a patient-named folder, an entry with extra
+    fields, a label value, a Windows path: the server's record, reports and FLARE's own server log hold none of them;
+    each site's log names its file or value."""
+    from test_policy import SECRETS, break_with_names
+
+    cfg_path = write_cfg(tmp_path, dict(TINY, federation={"sites": 5, "partition": "iid", "min_clients": 1}))
+    exp = load_config(cfg_path)
+    data = prepare_federation(exp, 0, tmp_path / "data")
+    for site, kind in zip(("site-2", "site-3", "site-4", "site-5"),
+                          ("patient_folder", "entry_with_extra_fields", "label_value", "windows_path")):
+        break_with_names(data, site, kind)
+    ws = tmp_path / "ws"
+    sim = subprocess.run([sys.executable, str(REPO_ROOT / "jobs" / "run.py"), "--config", str(cfg_path), "--method",
+                          "FedAvg", "--env", "sim", "--datalists", str(data), "--workspace", str(ws), "--set",
+                          'dataset.classes=["0","1","2","3","4","5","6","7","8","9"]', "--site-policy", "simulation"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    res = json.loads(sim.stdout.strip().splitlines()[-1])
+    assert res["status"] == "finished", sim.stdout[-3000:] + sim.stderr[-2000:]
+    doc = json.loads((Path(res["result"]) / "metrics.json").read_text())
+    assert sorted({e["site"] for e in doc["errors"]}) == ["site-2", "site-3", "site-4", "site-5"]
+    server = next(ws.glob("*/server"))
+    written = "".join(f.read_text(errors="replace") for f in server.rglob("*") if f.is_file() and f.suffix in
+                      (".json", ".txt", ".log", ".md", ".html", ".csv"))
+    assert "training[0]" in written and not [s for s in SECRETS if s in written]
+    sites = "".join(f.read_text(errors="replace") for f in ws.rglob("site-*/**/log.txt"))
+    assert "Doe" in sites  # each site's own log has the names

@@ -103,13 +103,14 @@ def test_fedavg_trains_a_user_class_from_a_file_outside_fedmed_carried_in_the_jo
     job = tmp_path / "run" / "job"
     carried = sorted(p.relative_to(job) for p in job.rglob("fedmed_user_code/hospital_nets/small.py"))
     assert len(carried) == 3 and any("server" in str(p) for p in carried)  # the two sites' apps and the server's
-    assert list(job.rglob("fedmed_model_init/init.pt"))
+    assert list(job.rglob("config/fedmed_files/model_init/init.pt"))  # data for the server, not code
     # the served model of round 0 is the init file's network, not a fresh seed's
     from fedmed.nn.models import model_from_config
 
     started = model_from_config({"arch": "hospital_nets.small:TinyNet", "args": {"width": 12},
-                                 "init_weights": str(init)}, 1, 2)
-    fresh = model_from_config({"arch": "hospital_nets.small:TinyNet", "args": {"width": 12}}, 1, 2)
+                                 "init_weights": str(init)}, 1, 2, modules=["hospital_nets"])
+    fresh = model_from_config({"arch": "hospital_nets.small:TinyNet", "args": {"width": 12}}, 1, 2,
+                              modules=["hospital_nets"])
     sd = torch.load(init, weights_only=True)["state_dict"]
     assert torch.equal(started.head.weight, sd["module.head.weight"])
     assert not torch.equal(fresh.head.weight, sd["module.head.weight"])

@@ -79,7 +79,7 @@ def onboard(exp, data, m, result: Path, new_sites, out: Path, **kw):
     (app / TRAINING_DIR).mkdir(parents=True)
     for f in training_files(folder):
         shutil.copy(f, app / TRAINING_DIR / f.name)
-    f = InProcessFederation(data, new_sites, out, app_custom=app, log=None)
+    f = InProcessFederation(data, new_sites, out, job_files=app, log=None)
     status = f.run(Onboard(1, fedmed_config(exp, 0, m, new_sites), mode=method_entry(m.workflow).onboard, **kw))
     return status, f.recorder.doc
 
@@ -184,7 +184,9 @@ def test_onboarding_bad_input_is_one_line_naming_it(federation, tmp_path):
               "--sites", "unseen-1", "unseen-2")
     assert p.returncode == 0, p.stderr
     job = Path(p.stdout.strip().splitlines()[-1])
-    assert list(job.rglob("fedmed_training/onboarding.json")) and list(job.rglob("fedmed_training/cluster0.pt"))
+    # the finished run's models travel to the server as data (its app's config/ folder): the job carries no code
+    assert list(job.rglob("config/fedmed_files/training/onboarding.json"))
+    assert list(job.rglob("config/fedmed_files/training/cluster0.pt")) and not list(job.rglob("custom"))
 
 
 def test_a_new_site_with_a_class_the_run_never_saw_is_one_line_naming_it(federation, tmp_path):
@@ -199,7 +201,8 @@ def test_a_new_site_with_a_class_the_run_never_saw_is_one_line_naming_it(federat
     status, doc = onboard(federation["exp"], data, m, result, ["unseen-1"], tmp_path / "ob")
     assert status == "failed"
     err = next(e["error"] for e in doc["errors"] if e["site"] == "unseen-1")
-    assert "\n" not in err and "label(s) [11] outside the job's global label space 0..9" in err, err
+    assert "\n" not in err and "unseen-1: training[0]: a label outside the job's global label space 0..9" in err, err
+    assert "[11]" not in err  # the label value stays in the site's log
     assert "unseen-1" in doc["reason"]
     # with another new site that is fine, the onboarding goes on for it
     status, doc = onboard(federation["exp"], data, m, result, ["unseen-1", "unseen-2"], tmp_path / "ob2")
@@ -317,3 +320,34 @@ def test_cfl_cannot_onboard_a_site_without_labels():
 
     with pytest.raises(ValueError, match="CFL sends a new site down its tree by the site's training updates"):
         Onboard(1, {}, mode="cfl", labels=False)
+
+
+def test_an_onboarding_without_labels_records_the_epsilon_of_every_signature_it_sent(federation, tmp_path):
+    """Onboarding without labels sends one FMCL signature per cluster model (K releases at epsilon each); it used to
+    record no epsilon at all. The record composes them per new site; a site whose ceiling is below K * epsilon sends
+    the signatures that fit and sits out the rest."""
+    from dataclasses import replace
+
+    from fedmed.core.policy import SitePolicy
+
+    m = train(federation, "FMCL", tmp_path / "train")
+    eps = 0.5
+    exp = federation["exp"].model_copy(update={"privacy": federation["exp"].privacy.model_copy(
+        update={"dp_epsilon": eps})})
+    unseen = federation["meta"]["unseen_sites"]
+    status, doc = onboard(exp, federation["data"], m, tmp_path / "train", unseen, tmp_path / "ob", labels=False)
+    assert status == "finished", doc.get("reason")
+    k = len([c for c, s in json.loads((tmp_path / "train" / "onboarding.json").read_text())["clusters"].items() if s])
+    for u in unseen:
+        assert doc["epsilon_spent"][u] == {"epsilon": pytest.approx(k * eps), "releases": k}
+    # a ceiling below K * epsilon: the release that would exceed it is refused at the site, naming the setting
+    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.site.runner import SiteRunner
+    from fedmed.site.settings import settings_for_dir
+
+    runner = SiteRunner(unseen[0], settings_for_dir(unseen[0], federation["data"],
+                                                    replace(SitePolicy.simulating(2), max_epsilon=eps * 1.5)))
+    cfg = {**fedmed_config(exp, 0, m, unseen), "signature": {"kind": "fmcl", "encoder": "random_cnn"}}
+    runner.handle("signature", {}, cfg)
+    with pytest.raises(Exception, match="above its ceiling"):
+        runner.handle("signature", {}, cfg)

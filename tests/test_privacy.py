@@ -16,7 +16,7 @@ from fedmed.data.partition import iid_partition
 from fedmed.site.runner import SiteRunner
 from fedmed.nn.train import get_params, latents, set_params
 
-from conftest import shared_path
+from conftest import own_site, shared_path
 
 # what each task may send besides model parameters (the reply's meta) — docs/privacy.md
 EVAL = {"n_test", "confusion", "score_hist", "withheld", "val_n_test", "val_confusion", "val_score_hist", "val_withheld"}
@@ -28,7 +28,7 @@ FIELDS = {
     "signature/pacfl": {"basis", "classes", "withheld_classes", "notes", "dp", "encoder", "n_train"},
     "signature/fecfl": {"mean", "withheld_classes", "notes", "dp", "encoder", "n_train"},
     "latent_bounds": {"lo", "hi", "notes"},
-    "descriptor": {"full", "label_free", "n_samples", "warnings"},
+    "descriptor": {"full", "label_free", "n_samples", "warnings", "dp"},
     "ifca": EVAL | {"cluster", "losses", "n_train", "train_loss", "steps"},
     "assess": {"n_cases", "dp", "embedding_centroid", "encoder", "notes"},
     "class_set": {"classes", "notes"},
@@ -83,12 +83,14 @@ def audit(task: str, meta: dict, samples: list, *, k_min: int, tol: float = 1e-3
             problems.append(f"{task}: {key} carries an absolute path")
         if key in ("notes", "warnings", "error") and any(COUNTS.search(t) for t in _strings(value)):
             problems.append(f"{task}: {key} carries per-class counts")
-    # "notes": lines for the server's log (what the site withheld or converted), on any reply (docs/privacy.md)
-    extra = set(meta) - FIELDS[task] - {"task", "round", "cluster", "error", "notes"}
+    # "notes": lines for the server's log (what the site withheld or converted), on any reply (docs/privacy.md);
+    # "site_policy": the site's effective policy (its own settings, no data), on a run's first reply
+    extra = set(meta) - FIELDS[task] - {"task", "round", "cluster", "error", "notes", "site_policy"}
     if extra:
         problems.append(f"{task}: undocumented fields {sorted(extra)}")
     for key, value in meta.items():
-        if key in ("notes", "warnings", "dp", "encoder", "classes", "withheld_classes", "task") or isinstance(value, str):
+        if key in ("notes", "warnings", "dp", "encoder", "classes", "withheld_classes", "task", "site_policy") \
+                or isinstance(value, str):
             continue
         arr = np.asarray(value, dtype=np.float64) if not isinstance(value, dict) else None
         if arr is None or arr.size < 2:
@@ -125,7 +127,7 @@ def site(request, tmp_path_factory):
            "model": {"arch": "resnet9", "width": 4, "norm": "group"},
            "train": {"local_epochs": 1, "batch_size": 8, "optimizer": "adam", "lr": 1e-3, "augment": "flip"},
            "privacy": {"k_min": 5}}
-    return SiteRunner("site-1", root), cfg
+    return own_site("site-1", root), cfg  # the job's k_min=5 applies (a site's own floor: test_policy.py)
 
 
 def _samples(runner, cfg, params=None, encoder=None):
@@ -210,15 +212,18 @@ def test_flux_replies(site):
 
 
 def test_signature_with_a_weights_file_names_no_folder(site, tmp_path):
-    """An encoder loaded from a file at the site is described by file name and hash, not by its path."""
+    """An encoder loaded from a file of the site's weights folder is described by file name and hash, not by its
+    path."""
+    from fedmed.core.policy import weights_ref
     from fedmed.nn.encoders import build_encoder
 
     runner, cfg = site
     f = tmp_path / "deep" / "folder" / "enc.pt"
     f.parent.mkdir(parents=True)
     torch.save(build_encoder("random_cnn", seed=3, in_channels=cfg["data"]["channels"]).module.state_dict(), f)
-    _, _, meta = runner.handle("signature", {}, {**cfg, "signature": {"kind": "fmcl", "encoder": "random_cnn",
-                                                                      "weights": str(f)}})
+    runner = own_site("site-1", runner.settings.datalist.parent, k_min=5, weights_dir=f.parent)
+    _, _, meta = runner.handle("signature", {}, {**cfg, "encoder_weights": weights_ref(f),
+                                                 "signature": {"kind": "fmcl", "encoder": "random_cnn"}})
     assert "enc.pt (sha256 " in meta["encoder"]
     assert not audit("signature/fmcl", meta, [], k_min=5)
     assert audit("signature/fmcl", {**meta, "encoder": f"weights {f}"}, [], k_min=5)  # negative control
@@ -260,7 +265,7 @@ def test_segmentation_replies(tmp_path):
            "model": {"channels": [4, 8, 16]}, "privacy": {"k_min": 3},
            "train": {"local_epochs": 1, "optimizer": "adam", "lr": 1e-3, "seg": {"patches_per_volume": 1}},
            "assess": {"per_value": True}}  # the job asks for per-image values; the site does not allow them
-    runner = SegSiteRunner("site-1", out)
+    runner = own_site("site-1", out, k_min=3, cls=SegSiteRunner)
     doc = json.loads((out / "site-1.json").read_text())
     cases = [load_case(e, shape=(16, 16, 16)) for e in doc["training"]]
     from fedmed.nn.encoders import build_encoder
@@ -327,15 +332,21 @@ def test_a_sites_error_reply_names_no_folder_outside_its_data_root(tmp_path):
     with pytest.raises(Exception) as err:
         runner._splits(cfg)
     msg = client.scrubbed("site-2", runner, err.value)
-    assert msg == "site-2: cannot read image T1c.png (file not found)"
-    doc["training"][0]["image"] = "sub folder/T1c.png"  # under the data root: relative to it
+    assert msg == "site-2: training[0]: cannot read the image (file not found)"  # the position, no name
+    assert "T1c.png" in client.local_message("site-2", runner, err.value)  # the site's own log names the file
+    doc["training"][0]["image"] = "sub folder/T1c.png"  # under the data root
     (root / "site-2.json").write_text(json.dumps(doc))
     runner = SiteRunner("site-2", root)
     with pytest.raises(Exception) as err:
         runner._splits(cfg)
-    assert client.scrubbed("site-2", runner, err.value) == "site-2: cannot read image sub folder/T1c.png (file not found)"
-    reply = runner.settings.scrub_reply({"notes": [f"wrote {outside}/x.png"], "dp": {"why": f"see {root}/a b.txt"}})
-    assert reply == {"notes": ["wrote x.png"], "dp": {"why": "see a b.txt"}}
+    assert client.scrubbed("site-2", runner, err.value) == "site-2: training[0]: cannot read the image (file not found)"
+    assert "sub folder/T1c.png" in client.local_message("site-2", runner, err.value)
+    from fedmed.site.settings import redact_strings
+
+    reply = redact_strings({"notes": [f"wrote {outside}/x.png"], "dp": {"why": f"see {root}/a b.txt"}},
+                           runner.private_tokens)
+    assert reply["notes"] == ["wrote <path>"] and reply["dp"]["why"].startswith("see <path>")
+    assert not [w for w in ("site data", "MRI", "ünïcode", "PACS", "Doe", "MRN") if w in json.dumps(reply)]
 
 
 # ------------------------------------------------------------------------------------------------- k_min on every reply
@@ -348,7 +359,7 @@ def _tiny_site(tmp_path, n_train, *, k_min=5, n_test=6):
            "model": {"arch": "resnet9", "width": 4, "norm": "group"},
            "train": {"local_epochs": 1, "batch_size": 8, "optimizer": "adam", "lr": 1e-3, "augment": "flip"},
            "privacy": {"k_min": k_min}}
-    return SiteRunner("site-1", tmp_path), cfg
+    return own_site("site-1", tmp_path), cfg  # the job's k_min applies (the site's floor: test_policy.py)
 
 
 def test_a_site_below_k_min_sends_no_update_and_no_loss(tmp_path):
@@ -396,7 +407,7 @@ def test_fedmae_and_segmentation_sites_below_k_min_sit_out(tmp_path):
     scfg = {"task": "segmentation", "seed": 0, "data": {"shape": [16, 16, 16], "roi": [16, 16, 16], "in_channels": 2},
             "model": {"channels": [4, 8, 16]}, "privacy": {"k_min": 3},
             "train": {"local_epochs": 1, "optimizer": "adam", "lr": 1e-3, "seg": {"patches_per_volume": 1}}}
-    seg = SegSiteRunner("site-1", out)  # 3 training subjects over 2 sites, 1 test subject
+    seg = own_site("site-1", out, cls=SegSiteRunner)  # 3 training subjects over 2 sites, 1 test subject
     sp = get_params(seg_model(2, channels=(4, 8, 16)))
     with pytest.raises(TaskError, match="sits out training: fewer training subjects than k_min=3"):
         seg.handle("train", sp, scfg, 0)

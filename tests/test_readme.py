@@ -124,6 +124,6 @@ def test_what_is_where_matches_the_tree():
     subpackages = set(re.findall(r"`(\w+)/`", fedmed_row)) - {"fedmed"}
     on_disk = {p.parent.name for p in (ROOT / "fedmed").glob("*/__init__.py")}
     assert subpackages == on_disk
-    custom_row = next(r for r in rows if r.startswith("| `custom/`"))
-    assert set(re.findall(r"`(\w+\.py)`", custom_row)) == {p.name for p in (ROOT / "custom").glob("*.py")
-                                                           if p.name != "__init__.py"}
+    adapters_row = next(r for r in rows if r.startswith("| `fedmed_flare/`"))
+    assert set(re.findall(r"`(\w+\.py)`", adapters_row)) == {p.name for p in (ROOT / "fedmed_flare").glob("*.py")
+                                                             if p.name != "__init__.py"}

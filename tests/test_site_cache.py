@@ -97,3 +97,39 @@ def test_a_segmentation_case_is_cached(tmp_path, cache_dir):
     assert second.cache.hits == 2 and first.cache.hits == 0
     assert np.array_equal(tr[0]["image"], tr2[0]["image"]) and np.array_equal(te[0]["label"], te2[0]["label"])
     assert tr2[0]["meta"]["volume_mm3"] == tr[0]["meta"]["volume_mm3"] and tr2[0]["meta"]["id"] == "a"
+
+
+@pytest.mark.parametrize("damage", ["zero_bytes", "truncated", "garbage"])
+def test_a_damaged_entry_is_a_miss_and_is_rewritten(tmp_path, cache_dir, damage):
+    federation(tmp_path / "data")
+    good = SiteRunner("site-1", tmp_path / "data").data(12, 1)
+    entries = sorted(cache_dir.rglob("*.npz"))
+    assert len(entries) == 3
+    for f in entries:  # a disk that filled up, a copy that was cut short, another program's file
+        raw = f.read_bytes()
+        f.write_bytes({"zero_bytes": b"", "truncated": raw[: len(raw) // 2], "garbage": b"PK\x03\x04" + raw[:40]}[damage])
+    again = SiteRunner("site-1", tmp_path / "data")
+    data = again.data(12, 1)  # no BadZipFile / EOFError: decoded again
+    assert again.cache.hits == 0 and again.cache.misses == 3
+    assert np.array_equal(data.train[0].numpy(), good.train[0].numpy())
+    healed = SiteRunner("site-1", tmp_path / "data")
+    healed.data(12, 1)
+    assert healed.cache.hits == 3  # the entries were rewritten
+
+
+def test_an_unwritable_cache_runs_uncached_and_says_so(tmp_path, monkeypatch):
+    import os
+
+    federation(tmp_path / "data")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    monkeypatch.setenv("FEDMED_CACHE_DIR", str(ro))
+    if os.geteuid() == 0:  # root writes anywhere: make the cache root a file, which no folder can be made in
+        ro.rmdir()
+        ro.write_text("not a folder")
+    else:
+        ro.chmod(0o500)
+    r = SiteRunner("site-1", tmp_path / "data")
+    data = r.data(12, 1)
+    assert data.train[0].shape[0] > 0 and r.cache.unwritable
+    assert any("its data cache cannot be written" in n and "decodes without one" in n for n in r.notes)

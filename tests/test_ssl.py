@@ -190,7 +190,8 @@ def test_prep_round_sends_only_class_ids_of_large_enough_classes(tmp_path):
     params, metrics, meta = SiteRunner("site-1", d).handle("class_set", {}, cfg)
     assert params == {} and meta["classes"] == [1]  # class 4 has < k_min training images: not reported
     assert "k_min" in meta["notes"][0]
-    assert set(meta) == {"classes", "notes"}
+    assert set(meta) == {"classes", "notes", "site_policy"}  # site_policy: the site's own rules, once per run
+    assert meta["site_policy"]["k_min"] == 5 and meta["site_policy"]["source"] == "default"
 
 
 def test_predi_target_that_cannot_be_met_names_the_parameter(tmp_path):

@@ -421,6 +421,13 @@ def cmd_sweep(a):
         if unknown:
             raise ValueError(f"--cases: unknown case(s) {unknown}; {a.config} defines {known}")
     out = Path(a.out or Path("results") / (Path(a.config).stem + "_sweep"))
+    from fedmed.run.experiment import output_lock
+
+    with output_lock(out):  # one sweep writes its table at a time (each case's folder is locked by its experiment)
+        return _sweep_cases(a, cases, out, run_experiment, read_results, sweep_table, clustering_agreement, sweep_stats)
+
+
+def _sweep_cases(a, cases, out, run_experiment, read_results, sweep_table, clustering_agreement, sweep_stats):
     for name, sets, methods in cases:
         if a.report_only or (a.cases and name not in a.cases):
             continue

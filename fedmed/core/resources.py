@@ -1,5 +1,5 @@
-"""Where fedmed finds what ships beside the library: the FLARE adapters (``custom/``), the job builders and runners
-(``jobs/``) and the configs (``app_configs/``).
+"""Where fedmed finds what ships beside the library: the job builders and runners (``jobs/``) and the configs
+(``app_configs/``). (The FLARE adapters are a package of their own, ``fedmed_flare``, installed with fedmed.)
 
 In a clone (or an editable install) they are the clone's folders; a built package (``pip install .``) carries a
 copy in ``fedmed/_shipped/`` (``setup.py``). Either way ``fedmed experiment`` and ``fedmed demo`` work from any
@@ -20,11 +20,11 @@ class ResourceError(FileNotFoundError):
 
 
 def _complete(root: Path) -> bool:
-    return (root / "jobs" / "run.py").is_file() and (root / "custom" / "client.py").is_file()
+    return (root / "jobs" / "run.py").is_file() and (root / "app_configs").is_dir()
 
 
 def project_root() -> Path:
-    """The folder holding ``jobs/``, ``custom/`` and ``app_configs/``: the clone fedmed runs from, else the copy
+    """The folder holding ``jobs/`` and ``app_configs/``: the clone fedmed runs from, else the copy
     installed with the package."""
     for root in (_PACKAGE.parent, _PACKAGE / "_shipped"):
         if _complete(root):

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 __all__ = ["AssessTask", "ClusteringTask", "DataSection", "EnsembleTask", "FederationTiming", "FinetuneTask", "FluxTask", "IFCATask",
            "MAETask", "ModelSection", "PrivacyConfig", "SegTrainConfig", "SignatureTask", "Strict", "TaskConfig",
-           "TrainConfig", "TrainTask", "task_config"]
+           "TrainConfig", "TrainTask", "WeightsRef", "task_config"]
 
 
 class Strict(BaseModel):
@@ -143,7 +143,6 @@ class SignatureTask(Strict):
 
     kind: Literal["fmcl", "pacfl", "fecfl"]
     encoder: str = "random_cnn"
-    weights: Optional[str] = None
     image_size: Optional[int] = None
     n_basis: int = Field(3, ge=1)
     seed: int = 0
@@ -209,10 +208,17 @@ class FinetuneTask(Strict):
 
 
 class AssessTask(Strict):
-    """The ``004_`` assessment: per-image values asked for, and the encoder's weights."""
+    """The ``004_`` assessment: per-image values asked for (the encoder's weights: ``TaskConfig.encoder_weights``)."""
 
     per_value: bool = False
-    weights: Optional[str] = None
+
+
+class WeightsRef(Strict):
+    """A weights file as a job names it (``fedmed.core.policy``): its name in every site's weights folder, and the
+    SHA-256 of the coordinator's copy, which each site's file must match."""
+
+    name: str = Field(min_length=1)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
 class TaskConfig(Strict):
@@ -238,9 +244,8 @@ class TaskConfig(Strict):
     mae: Optional[MAETask] = None
     finetune: Optional[FinetuneTask] = None
     assess: Optional[AssessTask] = None
-    weights_file: Optional[str] = Field(None, alias="_weights", description="encoder weights the job carries")
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    encoder_weights: Optional[WeightsRef] = Field(None, description="the encoder's weights file, which every site "
+                                                  "holds in its weights folder (None: seeded random init)")
 
 
 def task_config(cfg) -> TaskConfig:

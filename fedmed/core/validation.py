@@ -7,6 +7,7 @@ Every error names the parameter (or file/site) and what was wrong, in the MONAI 
 from __future__ import annotations
 
 import math
+import re
 from typing import Sequence
 
 import numpy as np
@@ -14,6 +15,7 @@ import numpy as np
 __all__ = [
     "check_distance_matrix",
     "check_finite_number",
+    "check_federation_site_names",
     "check_site_names",
 ]
 
@@ -41,6 +43,10 @@ def check_finite_number(value, name: str, *, low: float | None = None, high: flo
     return value
 
 
+# a site's name as FLARE accepts a client's (nvflare.apis.utils.format_check: "client"; tests/test_jobs.py compares)
+SITE_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
 def check_site_names(names: Sequence[str] | None, n: int, what: str = "site_names") -> list[str]:
     """Default to ``site-1 .. site-n``; otherwise require ``n`` unique names."""
     if names is None:
@@ -51,6 +57,19 @@ def check_site_names(names: Sequence[str] | None, n: int, what: str = "site_name
     if len(set(names)) != n:
         dup = sorted({s for s in names if names.count(s) > 1})
         raise ValueError(f"{what} should be unique, got duplicates {dup}.")
+    return names
+
+
+def check_federation_site_names(names: Sequence[str], what: str = "site names") -> list[str]:
+    """Names a federation can give its sites (FLARE's rule for a client: letters, digits, ``-`` and ``_``; no space,
+    no newline, no path), each once — checked when a job is built, not when a site fails to register."""
+    names = [s if isinstance(s, str) else repr(s) for s in names]
+    bad = [s for s in names if not SITE_NAME.fullmatch(s)]
+    if bad:
+        raise ValueError(f"{what}: {bad[0]!r} is not a site name FLARE accepts (letters, digits, '-' and '_' only)")
+    dup = sorted({s for s in names if names.count(s) > 1})
+    if dup:
+        raise ValueError(f"{what}: {', '.join(dup)} named more than once; name each site once")
     return names
 
 

@@ -37,11 +37,24 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".dcm"}
 CT_HU_RANGE = (-1024.0, 3071.0)  # the 12-bit Hounsfield range: air to dense bone and metal
 
 
+def is_regular_file(path) -> bool:
+    """A regular file (not a FIFO, a device, a socket or a folder: reading those blocks or never ends)."""
+    import os
+    import stat
+
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
 def is_dicom(path) -> bool:
     """A DICOM file: ``.dcm`` / ``.dicom``, or the ``DICM`` magic at byte 128 (files often have no extension)."""
     p = Path(path)
     if p.suffix.lower() in (".dcm", ".dicom"):
         return True
+    if not is_regular_file(p):
+        return False
     try:
         with p.open("rb") as fh:
             fh.seek(128)
@@ -50,7 +63,7 @@ def is_dicom(path) -> bool:
         return False
 
 
-def _dicom_pixels(path) -> tuple[np.ndarray, list[str]]:
+def _dicom_pixels(path, limits=None) -> tuple[np.ndarray, list[str]]:
     """The pixels of a single-frame 2D DICOM file as float64 (modality values: rescale slope/intercept applied;
     MONOCHROME1 inverted so that bright means dense, as MONOCHROME2; colour as RGB) and what was converted. Only
     pixel data and the attributes that say how to read it are touched: no patient identifier is read into a
@@ -72,6 +85,13 @@ def _dicom_pixels(path) -> tuple[np.ndarray, list[str]]:
         raise DataError(f"is a multi-frame DICOM ({frames} frames); a 2D dataset needs one image per file (a 3D "
                         f"series belongs to a segmentation datalist)")
     try:
+        rows, cols = int(ds.get("Rows", 0) or 0), int(ds.get("Columns", 0) or 0)
+    except (TypeError, ValueError):
+        raise DataError("has a malformed DICOM header (Rows/Columns)") from None
+    if limits is not None and rows * cols > limits.max_image_pixels:
+        raise DataError(f"has {cols}x{rows} pixels, more than this site decodes (its policy's max_image_pixels="
+                        f"{limits.max_image_pixels})")
+    try:
         a = ds.pixel_array
     except Exception as e:  # a compressed transfer syntax without a decoder here, or broken pixel data
         ts = getattr(getattr(ds, "file_meta", None), "TransferSyntaxUID", None)
@@ -83,7 +103,11 @@ def _dicom_pixels(path) -> tuple[np.ndarray, list[str]]:
         from pydicom.pixels import apply_modality_lut
 
         if "RescaleSlope" in ds or "RescaleIntercept" in ds or "ModalityLUTSequence" in ds:
-            a = apply_modality_lut(a, ds)
+            try:
+                a = apply_modality_lut(a, ds)
+            except Exception as e:  # a non-numeric RescaleSlope, a broken LUT: pydicom raises many kinds
+                raise DataError(f"has a malformed DICOM header (rescale slope/intercept or modality LUT: "
+                                f"{type(e).__name__})") from None
             done.append("DICOM rescale slope/intercept applied")
             if str(ds.get("Modality", "")) == "CT":
                 done.append("DICOM CT")
@@ -99,7 +123,12 @@ def _dicom_pixels(path) -> tuple[np.ndarray, list[str]]:
 
 
 class DataError(ValueError):
-    """Bad data at a site; the message names the site and the file."""
+    """Bad data at a site. ``str(e)`` is for the site's own log and names the file; ``e.public`` (when given) is what
+    the site may tell the server: the split and position (``training[17]``) and the kind of problem, no name."""
+
+    def __init__(self, message: str, public: str | None = None):
+        super().__init__(message)
+        self.public = public
 
 
 @dataclass
@@ -206,6 +235,8 @@ def drop_exact_duplicates(pool: ImagePool) -> ImagePool:
             h = hashlib.sha1(np.ascontiguousarray(item).tobytes() + str(item.shape).encode()).hexdigest()
         else:
             try:
+                if not is_regular_file(item):
+                    raise OSError("not a regular file")
                 h = hashlib.sha1(Path(item).read_bytes()).hexdigest()
             except OSError:  # an unreadable file is named by check_readable
                 keep.append(i)
@@ -228,6 +259,14 @@ def unreadable_images(items) -> list[tuple[str, str]]:
     bad = []
     for item in items:
         if isinstance(item, np.ndarray):
+            continue
+        try:
+            check_input_file(item)
+        except FileNotFoundError:
+            bad.append((str(item), "not found"))
+            continue
+        except DataError as e:
+            bad.append((str(item), e.public))
             continue
         if is_dicom(item):
             try:
@@ -359,44 +398,55 @@ def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, 
 SPLITS = ("training", "validation", "test")
 
 
-def load_datalist(path, *, task: str = "classification", root=None, name: str | None = None) -> dict:
+def load_datalist(path, *, task: str = "classification", root=None, name: str | None = None,
+                  public: str | None = None, limits=None) -> dict:
     """Read and validate a site datalist (``task="segmentation"``: ``image`` may be a list of
     files and ``label`` a label-map file). Relative paths are resolved against ``root`` (default: the
-    datalist's folder). ``name`` is how messages call the file (default: its path).
+    datalist's folder). ``name`` is how the site's log calls the file (default: its path), ``public`` how a message
+    that leaves the site does (default: "datalist"): errors name the split and position, never an entry's content.
 
     Raises:
         DataError: missing file, bad JSON, missing keys or malformed entries (naming the file and
-            the first bad entry).
+            the first bad entry; its ``public`` names the position only).
     """
     path = Path(path)
     name = name or str(path)
+    public = public or "datalist"
     root = Path(root) if root is not None else path.parent
     if not path.is_file():
-        raise DataError(f"{name}: datalist not found")
+        raise DataError(f"{name}: datalist not found", f"{public}: not found")
+    check_input_file(path, limits, public=f"{public}:")
     try:
         doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{name}: not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{name}: not valid JSON ({e})", f"{public}: not valid JSON ({type(e).__name__}"
+                        + (f" at line {e.lineno} column {e.colno})" if isinstance(e, json.JSONDecodeError) else ")")) \
+            from None
     if not isinstance(doc, dict) or "training" not in doc:
-        raise DataError(f"{name}: datalist should be an object with a 'training' list")
+        raise DataError(f"{name}: datalist should be an object with a 'training' list",
+                        f"{public}: should be an object with a 'training' list")
     unknown = sorted(k for k in doc if isinstance(doc.get(k), list) and k not in SPLITS)
     if unknown:
         raise DataError(f"{name}: unknown split(s) {unknown}; a datalist has {list(SPLITS)} "
-                        f"('validation' is held out of training for selection, 'test' is what is reported)")
+                        f"('validation' is held out of training for selection, 'test' is what is reported)",
+                        f"{public}: {len(unknown)} list(s) that are not splits; a datalist has {list(SPLITS)} "
+                        f"(the site's log names them)")
     for key in SPLITS:
         entries = doc.setdefault(key, [])
         if not isinstance(entries, list):
-            raise DataError(f"{name}: '{key}' should be a list")
+            raise DataError(f"{name}: '{key}' should be a list", f"{public}: '{key}' should be a list")
         for j, e in enumerate(entries):
             if not isinstance(e, dict) or "image" not in e or "label" not in e:
-                raise DataError(f"{name}: {key}[{j}] should have 'image' and 'label', got {e!r}")
+                raise DataError(f"{name}: {key}[{j}] should have 'image' and 'label', got {e!r}",
+                                f"{public}: {key}[{j}] should have 'image' and 'label'")
             files = ("image", "label", "mask") if task == "segmentation" else ("image",)
             e.update({k: _resolve(e[k], root) for k in files if k in e})
             if task == "segmentation":
                 continue
             if isinstance(e["label"], bool) or not isinstance(e["label"], int) or e["label"] < 0:
-                raise DataError(f"{name}: {key}[{j}] label should be a non-negative integer, got {e['label']!r}")
-    check_split_overlap(doc, name, root)
+                raise DataError(f"{name}: {key}[{j}] label should be a non-negative integer, got {e['label']!r}",
+                                f"{public}: {key}[{j}] label should be a non-negative integer class id")
+    check_split_overlap(doc, name, root, public=public)
     return doc
 
 
@@ -411,6 +461,8 @@ def _content_hash(files, cache: dict) -> str | None:
     for f in files:
         if f not in cache:
             try:
+                if not is_regular_file(f):  # a FIFO or a device is refused, naming it, when the images are read
+                    raise OSError("not a regular file")
                 cache[f] = hashlib.sha1(Path(f).read_bytes()).hexdigest()
             except OSError:  # a missing file is reported, naming it, when the images are read
                 cache[f] = None
@@ -420,7 +472,7 @@ def _content_hash(files, cache: dict) -> str | None:
     return h.hexdigest()
 
 
-def check_split_overlap(doc: dict, name: str, root) -> None:
+def check_split_overlap(doc: dict, name: str, root, public: str = "datalist") -> None:
     """No sample in two splits of one datalist — by path or by identical file content: a test image that was also
     trained on (or selected on) inflates every score. Raises a :class:`DataError` naming the first such images
     relative to the data root (never an absolute path) and the splits."""
@@ -436,9 +488,9 @@ def check_split_overlap(doc: dict, name: str, root) -> None:
             digest = _content_hash(files, cache)
             ids = [("path", tuple(files) + region)] + ([("content", (digest,) + region)] if digest else [])
             for kind, k in ids:
-                first = seen.setdefault(k, (split, e["image"]))
+                first = seen.setdefault(k, (split, e["image"], len(seen)))
                 if first[0] != split:
-                    clashes.append((first, (split, e["image"]), kind))
+                    clashes.append((first, (split, e["image"], doc[split].index(e)), kind))
                     break
 
     if clashes:
@@ -447,11 +499,14 @@ def check_split_overlap(doc: dict, name: str, root) -> None:
             rel = os.path.relpath(f, root) if root is not None else Path(f).name
             return Path(f).name if rel.startswith("..") else rel
 
-        (s1, a), (s2, b), kind = clashes[0]
+        (s1, a, i1), (s2, b, i2), kind = clashes[0]
+        i1 = next((j for j, e in enumerate(doc[s1]) if e["image"] == a), i1)
         same = show(a) if kind == "path" else f"{show(a)} and {show(b)} (identical files)"
         more = f" (and {len(clashes) - 1} more)" if len(clashes) > 1 else ""
-        raise DataError(f"{name}: the same image in {s1} and {s2}: {same}{more} — a test or validation image that "
-                        f"is also trained on inflates every score; keep each image in one split")
+        why = "a test or validation image that is also trained on inflates every score; keep each image in one split"
+        raise DataError(f"{name}: the same image in {s1} and {s2}: {same}{more} — {why}",
+                        f"{public}: the same image in {s1}[{i1}] and {s2}[{i2}]"
+                        f"{' (identical files)' if kind != 'path' else ''}{more} — {why}")
 
 
 def _resolve(v, root: Path):
@@ -462,11 +517,31 @@ def _resolve(v, root: Path):
     return v
 
 
+def check_input_file(path, limits=None, *, public: str = "") -> None:
+    """Refuse, before anything reads it, a file a site should not read: not a regular file (a FIFO would block, a
+    device such as ``/dev/zero`` reads without end) or larger than ``limits.max_file_bytes``
+    (:class:`fedmed.core.policy.ReadLimits`). A missing file raises ``FileNotFoundError``."""
+    import os
+    import stat
+
+    from fedmed.core.policy import ReadLimits
+
+    limits = limits or ReadLimits()
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        what = "a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
+            "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a socket or other special file"
+        raise DataError(f"{path}: is {what}, not a regular file", f"{public} is {what}, not a regular file".strip())
+    if st.st_size > limits.max_file_bytes:
+        raise DataError(f"{path}: {st.st_size} bytes, more than this site reads (max_file_bytes={limits.max_file_bytes})",
+                        f"{public} is larger than this site reads (its policy's max_file_bytes)".strip())
+
+
 WIDE_MODES = {"I;16": "16-bit", "I;16L": "16-bit", "I;16B": "16-bit", "I;16N": "16-bit", "I": "32-bit integer",
               "F": "32-bit float"}
 
 
-def decode_image(path, *, image_size: int, channels: int) -> tuple[np.ndarray, list[str]]:
+def decode_image(path, *, image_size: int, channels: int, limits=None) -> tuple[np.ndarray, list[str]]:
     """One image file as float32 in [0, 1], ``(C, H, W)`` at ``image_size``, and what was converted to get there.
 
     * 8-bit grayscale / colour: ``/ 255`` (colour to grayscale by PIL's ITU-R 601-2 luma, grayscale to RGB by
@@ -476,16 +551,36 @@ def decode_image(path, *, image_size: int, channels: int) -> tuple[np.ndarray, l
       ``convert("L")`` would clip them at 255 (a full-range 16-bit image turns almost white).
     * Any other size: bilinear resize to ``image_size`` x ``image_size``.
 
+    Only a regular file within ``limits`` (:class:`fedmed.core.policy.ReadLimits`: bytes, pixels) is decoded; the pixel
+    count is read from the header before any pixel is.
+
     Raises:
         FileNotFoundError, OSError, ValueError: what PIL raises for a missing or unreadable file.
-        DataError: a multi-frame image (a stack or a video is not one image).
+        DataError: a multi-frame image (a stack or a video is not one image), a special file, a file or an image
+            larger than the limits (a decompression bomb).
     """
     from PIL import Image
 
+    from fedmed.core.policy import ReadLimits
+
+    limits = limits or ReadLimits()
+    try:
+        check_input_file(path, limits)
+    except DataError as e:
+        raise DataError(e.public) from None  # the caller names the file
     done: list[str] = []
     if is_dicom(path):
-        return _decode_dicom(path, image_size, channels)
-    with Image.open(path) as im:
+        return _decode_dicom(path, image_size, channels, limits)
+    try:
+        im = Image.open(path)
+    except Image.DecompressionBombError:
+        raise DataError(f"has more pixels than this site decodes (a decompression bomb?; its policy's "
+                        f"max_image_pixels={limits.max_image_pixels})") from None
+    with im:
+        w, h = im.size
+        if w * h > limits.max_image_pixels:
+            raise DataError(f"has {w}x{h} pixels, more than this site decodes (its policy's max_image_pixels="
+                            f"{limits.max_image_pixels})")
         if getattr(im, "n_frames", 1) > 1:
             raise DataError(f"has {im.n_frames} frames; one image per file is expected")
         size = (image_size, image_size)
@@ -517,12 +612,12 @@ def decode_image(path, *, image_size: int, channels: int) -> tuple[np.ndarray, l
     return (arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)), done
 
 
-def _decode_dicom(path, image_size: int, channels: int) -> tuple[np.ndarray, list[str]]:
+def _decode_dicom(path, image_size: int, channels: int, limits) -> tuple[np.ndarray, list[str]]:
     """A 2D DICOM image as :func:`decode_image` returns it: modality values scaled by the image's own range to
     [0, 1] (as other images wider than 8 bits), resized bilinearly in floating point."""
     from PIL import Image
 
-    a, done = _dicom_pixels(path)
+    a, done = _dicom_pixels(path, limits)
     if not np.all(np.isfinite(a)):
         raise DataError("has NaN or infinite pixel values")
     ct = "DICOM CT" in done
@@ -552,28 +647,33 @@ def _decode_dicom(path, image_size: int, channels: int) -> tuple[np.ndarray, lis
 
 
 def load_images(entries: Sequence[dict], *, image_size: int, channels: int, site: str = "site",
-                display: Callable[[str], str] = str, conversions: set | None = None):
+                display: Callable[[str], str] = str, conversions: set | None = None, split: str = "entries",
+                limits=None):
     """Decode, resize and stack a datalist's images (:func:`decode_image`): ``(N, C, H, W)`` float32 in [0, 1],
     labels (N,). ``conversions``, when given, collects what was converted (each kind once).
 
     Raises:
-        DataError: ``"<site>: cannot read image <path> (<reason>)"`` for a missing or corrupt file
-            (``display`` turns the path into what the message may show).
+        DataError: ``"<site>: cannot read image <path> (<reason>)"`` for a missing or corrupt file (``display``
+            turns the path into what the site's log shows); its ``public`` is ``"<site>: <split>[<i>]: cannot read
+            the image (<reason>)"`` — the position, no name.
     """
     import torch
     from PIL import UnidentifiedImageError
 
     xs, ys = [], []
-    for e in entries:
+    for i, e in enumerate(entries):
         f = e["image"]
+        where = f"{site}: {split}[{i}]:"
         try:
-            arr, done = decode_image(f, image_size=image_size, channels=channels)
+            arr, done = decode_image(f, image_size=image_size, channels=channels, limits=limits)
         except FileNotFoundError:
-            raise DataError(f"{site}: cannot read image {display(f)} (file not found)") from None
+            raise DataError(f"{site}: cannot read image {display(f)} (file not found)",
+                            f"{where} cannot read the image (file not found)") from None
         except DataError as err:
-            raise DataError(f"{site}: image {display(f)} {err}") from None
+            raise DataError(f"{site}: image {display(f)} {err}", f"{where} the image {err}") from None
         except (UnidentifiedImageError, OSError, ValueError) as err:
             raise DataError(f"{site}: cannot read image {display(f)} (corrupt or not an image: "
+                            f"{type(err).__name__})", f"{where} cannot read the image (corrupt or not an image: "
                             f"{type(err).__name__})") from None
         if conversions is not None:
             conversions.update(done)

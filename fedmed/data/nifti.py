@@ -41,23 +41,48 @@ REGIONS = {"WT": (1, 2, 3, 4), "TC": (1, 3, 4), "ET": (4,)}
 ALLOWED_LABELS = (0, 1, 2, 3, 4)
 
 
-def load_volume(path, site: str, what: str) -> tuple[np.ndarray, np.ndarray]:
+def _limits(limits):
+    from fedmed.core.policy import ReadLimits
+
+    return limits or ReadLimits()
+
+
+def _check_voxels(n: int, limits, site: str, what: str, p) -> None:
+    if n > limits.max_volume_voxels:
+        raise DataError(f"{site}: {what} {p} has {n} voxels, more than this site reads (its policy's "
+                        f"max_volume_voxels={limits.max_volume_voxels})")
+
+
+def load_volume(path, site: str, what: str, limits=None) -> tuple[np.ndarray, np.ndarray]:
     """A 3-D volume as ``(array (x, y, z) float32, affine voxel -> RAS mm)``: a NIfTI file, or a folder holding one
     DICOM series (read with SimpleITK/GDCM: slices sorted by position, spacing and orientation from the headers;
-    SimpleITK's LPS affine turned into RAS as NIfTI's). No DICOM header value enters a message."""
+    SimpleITK's LPS affine turned into RAS as NIfTI's). No DICOM header value enters a message. Only regular files
+    within ``limits`` (:class:`fedmed.core.policy.ReadLimits`: bytes, and voxels read from the header before any
+    voxel is decoded: a small compressed file can hold a huge volume) are read."""
     import nibabel as nib
 
+    from fedmed.data.images import check_input_file
+
+    limits = _limits(limits)
     p = Path(path)
     if p.is_dir():
-        return _load_dicom_series(p, site, what)
-    if not p.is_file():
+        return _load_dicom_series(p, site, what, limits)
+    if not p.exists():
         raise DataError(f"{site}: {what} file {p} not found")
+    try:
+        check_input_file(p, limits)
+    except DataError as e:
+        raise DataError(f"{site}: {what} file {p} {e.public}") from None
     if not (p.name.endswith(".nii") or p.name.endswith(".nii.gz")):
         raise DataError(f"{site}: {what} file {p} is not a NIfTI file (.nii or .nii.gz) or a DICOM series folder"
                         + (" (a DICOM-SEG file is read as a case's label only)" if what != "label" and is_dicom_seg(p)
                            else ""))
     try:
         img = nib.load(str(p))
+    except Exception as e:
+        raise DataError(f"{site}: cannot read {what} file {p} ({type(e).__name__}: {e})") from None
+    _check_voxels(int(np.prod(img.shape)), limits, site, f"{what} file", p)
+    try:
         arr = np.asarray(img.dataobj, dtype=np.float32)
     except Exception as e:
         raise DataError(f"{site}: cannot read {what} file {p} ({type(e).__name__}: {e})") from None
@@ -66,8 +91,10 @@ def load_volume(path, site: str, what: str) -> tuple[np.ndarray, np.ndarray]:
     return arr, np.asarray(img.affine, dtype=np.float64)
 
 
-def _load_dicom_series(p: Path, site: str, what: str) -> tuple[np.ndarray, np.ndarray]:
+def _load_dicom_series(p: Path, site: str, what: str, limits) -> tuple[np.ndarray, np.ndarray]:
     import SimpleITK as sitk
+
+    from fedmed.data.images import check_input_file
 
     reader = sitk.ImageSeriesReader()
     ids = reader.GetGDCMSeriesIDs(str(p))
@@ -78,9 +105,15 @@ def _load_dicom_series(p: Path, site: str, what: str) -> tuple[np.ndarray, np.nd
     files = reader.GetGDCMSeriesFileNames(str(p), ids[0])  # sorted along the slice normal
     if len(files) < 2:
         raise DataError(f"{site}: {what} folder {p} holds a single slice, not a 3-D series")
+    for f in files:
+        try:
+            check_input_file(f, limits)
+        except DataError as e:
+            raise DataError(f"{site}: a file of the DICOM series in {what} folder {p} {e.public}") from None
     problem = series_geometry_problem(files)
     if problem:
         raise DataError(f"{site}: the DICOM series in {what} folder {p} is not a 3-D volume: {problem}")
+    _check_voxels(len(files) * _slice_pixels(files[0]), limits, site, f"DICOM series in {what} folder", p)
     reader.SetFileNames(files)
     try:
         img = reader.Execute()
@@ -96,6 +129,16 @@ def _load_dicom_series(p: Path, site: str, what: str) -> tuple[np.ndarray, np.nd
     lps[:3, :3] = direction * np.asarray(img.GetSpacing())[None, :]
     lps[:3, 3] = img.GetOrigin()
     return arr, np.diag([-1.0, -1.0, 1.0, 1.0]) @ lps  # LPS -> RAS
+
+
+def _slice_pixels(f) -> int:
+    import pydicom
+
+    try:
+        ds = pydicom.dcmread(f, stop_before_pixels=True)
+        return int(ds.get("Rows", 0) or 0) * int(ds.get("Columns", 0) or 0)
+    except Exception:
+        return 0  # SimpleITK says what is wrong with the file
 
 
 def series_geometry_problem(files, *, tol: float = 1e-3) -> str:
@@ -215,14 +258,14 @@ def series_frame_of_reference(path) -> str | None:
     return None
 
 
-def load_label(path, site: str, image_shape: Sequence[int], image_affine: np.ndarray, image_path=None):
+def load_label(path, site: str, image_shape: Sequence[int], image_affine: np.ndarray, image_path=None, limits=None):
     """A case's label map as ``(array, affine)``: a NIfTI file (its own grid) or a DICOM-SEG file (placed on the
     first image's grid by :func:`load_dicom_seg`)."""
     if is_dicom_seg(path):
         return load_dicom_seg(path, site, image_shape, image_affine,
                               series_frame_of_reference(image_path) if image_path is not None else None), \
             np.asarray(image_affine, dtype=np.float64)
-    return load_volume(path, site, "label")
+    return load_volume(path, site, "label", limits)
 
 
 def _to_orientation(arr: np.ndarray, affine: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -262,8 +305,8 @@ def _resize(a: np.ndarray, shape, mode: str) -> np.ndarray:
 
 
 def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "site",
-              allowed_labels: Sequence[int] = ALLOWED_LABELS) -> SegCase:
-    """Read, check, crop and resample one case (see the module notes)."""
+              allowed_labels: Sequence[int] = ALLOWED_LABELS, limits=None) -> SegCase:
+    """Read, check, crop and resample one case (see the module notes); ``limits``: what the site reads at most."""
     images = entry.get("image")
     if isinstance(images, str):
         images = [images]
@@ -276,14 +319,14 @@ def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "
     for m, f in zip(mods, images):
         if f is None:
             raise DataError(f"{site}: case {entry.get('id', '?')} is missing modality {m}")
-        a, aff = load_volume(f, site, f"{m} image")
+        a, aff = load_volume(f, site, f"{m} image", limits)
         bad = int(a.size - np.isfinite(a).sum())
         if bad:
             raise DataError(f"{site}: case {entry.get('id', Path(str(f)).parent.name)}: {m} image {f} has {bad} NaN or "
                             f"infinite voxel(s)")
         vols.append(a)
         affines.append(aff)
-    lab, lab_aff = load_label(entry["label"], site, vols[0].shape, affines[0], images[0])
+    lab, lab_aff = load_label(entry["label"], site, vols[0].shape, affines[0], images[0], limits)
     # the label map's voxel axes rule: an image stored in another orientation (a DICOM series is LPS, an export
     # RAS) is permuted/flipped to it, so that voxel (i, j, k) is the same place in the image and in its label
     vols = [_to_orientation(a, aff, lab_aff) for a, aff in zip(vols, affines)]

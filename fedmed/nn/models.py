@@ -13,15 +13,25 @@ by name, or the user's own class.
   module's source to the sites, :func:`user_code_files`).
 
 ``model.init_weights`` starts the network from a local state-dict file (:func:`load_init_weights`: wrappers and
-``module.`` prefixes unwrapped, otherwise strict). Nothing is downloaded (``pretrained=True`` is refused).
+``module.`` prefixes unwrapped, otherwise strict). **Nothing is downloaded and nothing is read from a path a config
+names**: a constructor's ``pretrained`` is set to ``False`` when the config leaves it out (MONAI's ``EfficientNetBN``
+defaults to ``True``), a true ``pretrained`` and any argument that is a URL or a path are refused, and the network is
+built with every download function of torch and MONAI refused (:func:`no_downloads`).
+
+Which user modules may be imported is the caller's to say (``modules``: the site's policy,
+:class:`fedmed.core.policy.SitePolicy`; ``("*",)`` any): a module is never imported before that check.
 Every problem is an :class:`ArchError` of one line naming the arch, the argument or the file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
+
 import torch
 from torch import nn
 
+from fedmed.core.jobfiles import USER_CODE_DIR  # noqa: F401  (re-exported: where a job carries a user's class)
 from fedmed.core.schema import ModelSection
 
 __all__ = ["ArchError", "BUILTIN_ARCHS", "ResNet9", "build_model", "check_arch", "feature_extractor",
@@ -29,7 +39,6 @@ __all__ = ["ArchError", "BUILTIN_ARCHS", "ResNet9", "build_model", "check_arch",
            "user_code_files"]
 
 BUILTIN_ARCHS = ("resnet9", "resnet18", "vit_small")
-USER_CODE_DIR = "fedmed_user_code"  # inside a job app's custom folder: the source of a user's network class
 
 
 class ArchError(ValueError):
@@ -132,12 +141,21 @@ def _monai_names() -> list[str]:
     return sorted(n for n in dir(nets) if isinstance(getattr(nets, n), type) and issubclass(getattr(nets, n), nn.Module))
 
 
-def resolve_arch(arch: str) -> type:
-    """The network class ``arch`` names: a MONAI network (``DenseNet121``) or ``package.module:Class``."""
+def module_allowed(module: str, modules) -> bool:
+    """Whether ``module`` is among ``modules`` (package prefixes; ``"*"``: any)."""
+    return any(m == "*" or module == m or module.startswith(m + ".") for m in (modules or ()))
+
+
+def resolve_arch(arch: str, modules=()) -> type:
+    """The network class ``arch`` names: a MONAI network (``DenseNet121``) or ``package.module:Class`` — the latter only
+    when its module is among ``modules`` (checked before anything is imported)."""
     import importlib
 
     if ":" in arch:
         mod, _, name = arch.partition(":")
+        if not module_allowed(mod, modules):
+            raise ArchError(f"model.arch {arch!r}: module {mod!r} may not be imported here (this site's policy lists "
+                            f"the user modules a job may name: fedmed_policy.json 'modules')")
         try:
             module = importlib.import_module(mod)
         except ImportError as e:
@@ -160,19 +178,67 @@ def resolve_arch(arch: str) -> type:
 
 
 _IN = ("in_channels", "n_input_channels", "in_chans")
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://|^www\\.", re.I)
+
+
+def _path_like(v) -> bool:
+    return isinstance(v, str) and (bool(_URL.search(v)) or "/" in v or "\\" in v or v.startswith("~"))
+
+
+def _refuse_reaching_out(arch: str, args: dict, where: str = "model.args") -> None:
+    """No argument of a network may be a URL or a path (a download, or a file of the site's host read)."""
+    for k, v in args.items():
+        for x in (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(x, (dict, list, tuple)):
+                _refuse_reaching_out(arch, {k: x}, where)
+            elif _path_like(x):
+                raise ArchError(f"{where}.{k}: {arch} would be given a URL or a path; a site downloads nothing and reads "
+                                f"no file a job names (start the network from model.init_weights, a file the "
+                                f"coordinator ships)")
+
+
+@contextlib.contextmanager
+def no_downloads():
+    """While building a network: every download function of torch.hub, MONAI and urllib raises instead of
+    reaching the network (a constructor that tries anyway fails in one line)."""
+    import urllib.request
+
+    import torch.hub
+
+    def refuse(*a, **k):
+        raise ArchError("a network constructor tried to download (model.args); nothing is downloaded at a site")
+
+    targets = [(torch.hub, n) for n in ("load_state_dict_from_url", "download_url_to_file", "load")]
+    targets.append((urllib.request, "urlopen"))
+    try:
+        import monai.apps.utils as mau
+
+        targets.append((mau, "download_url"))
+    except ImportError:
+        pass
+    saved = [(mod, n, getattr(mod, n)) for mod, n in targets if hasattr(mod, n)]
+    for mod, n, _ in saved:
+        setattr(mod, n, refuse)
+    try:
+        yield
+    finally:
+        for mod, n, f in saved:
+            setattr(mod, n, f)
 _OUT = ("out_channels", "num_classes", "n_classes")
 
 
 def network(arch: str, args: dict | None, *, spatial_dims: int, in_channels: int, out_channels: int,
-            seed: int = 0) -> nn.Module:
-    """Build ``arch`` (see the module notes) with ``args``, seeded; what the task fixes is filled in."""
+            seed: int = 0, modules=()) -> nn.Module:
+    """Build ``arch`` (see the module notes) with ``args``, seeded; what the task fixes is filled in; ``modules``: the
+    user modules that may be imported (:func:`resolve_arch`)."""
     import inspect
 
-    cls = resolve_arch(arch)
     args = dict(args or {})
+    _refuse_reaching_out(arch, args)
     if args.get("pretrained"):
         raise ArchError(f"model.args.pretrained: {arch} would download weights, and nothing is downloaded here; give "
                         f"a local file as model.init_weights")
+    cls = resolve_arch(arch, modules)
     try:
         params = inspect.signature(cls).parameters
     except (TypeError, ValueError):
@@ -184,15 +250,19 @@ def network(arch: str, args: dict | None, *, spatial_dims: int, in_channels: int
         name = next((n for n in names if n in params), None)
         if name is not None and not any(n in kw for n in names):
             kw[name] = value
+    if "pretrained" in params and "pretrained" not in kw:
+        kw["pretrained"] = False  # e.g. MONAI's EfficientNetBN defaults to True (a download)
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     unknown = sorted(k for k in args if params and k not in params and not var_kw)
     if unknown:
         raise ArchError(f"model.args: {arch} takes no argument(s) {unknown} (it takes "
                         f"{', '.join(n for n in params if n not in ('self', 'args', 'kwargs'))})")
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), no_downloads():
         torch.manual_seed(seed)
         try:
             return cls(**kw)
+        except ArchError:
+            raise
         except Exception as e:  # a constructor's own check of its arguments
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ArchError(f"model.arch {arch} with model.args {args}: {type(e).__name__}: {msg}") from None
@@ -231,20 +301,23 @@ def load_init_weights(model: nn.Module, path) -> None:
     model.load_state_dict(state)
 
 
-def model_from_config(model_cfg: dict, in_channels: int, num_classes: int, seed: int = 0, *, init_root=None) -> nn.Module:
+def model_from_config(model_cfg: dict, in_channels: int, num_classes: int, seed: int = 0, *, init_root=None,
+                      modules=()) -> nn.Module:
     """The 2D classifier of a config's ``model`` section (a dict): fedmed's (:func:`build_model`), a MONAI network or
-    the user's class; started from ``model.init_weights`` when set (relative to ``init_root``)."""
+    the user's class (its module among ``modules``); started from ``model.init_weights`` when set (relative to
+    ``init_root``)."""
     arch = model_cfg["arch"]
     if arch in BUILTIN_ARCHS:
         m = ModelSection.model_validate(dict(model_cfg))  # what the section leaves out: the schema's defaults
         model = build_model(arch, in_channels, num_classes, width=m.width, seed=seed, norm=m.norm)
     else:
         model = network(arch, model_cfg.get("args"), spatial_dims=2, in_channels=in_channels,
-                        out_channels=num_classes, seed=seed)
+                        out_channels=num_classes, seed=seed, modules=modules)
     return _load_init(model, model_cfg, init_root)
 
 
-def seg_model_from_config(model_cfg: dict, in_channels: int, seed: int = 0, *, init_root=None) -> nn.Module:
+def seg_model_from_config(model_cfg: dict, in_channels: int, seed: int = 0, *, init_root=None,
+                          modules=()) -> nn.Module:
     """The 3D segmentation network (3 sigmoid outputs: WT, TC, ET): fedmed's U-Net (``model.channels``) unless
     ``model.arch`` names a MONAI network or a user class."""
     arch = model_cfg.get("arch", "unet")
@@ -254,23 +327,24 @@ def seg_model_from_config(model_cfg: dict, in_channels: int, seed: int = 0, *, i
         model = seg_model(in_channels, channels=model_cfg.get("channels", (8, 16, 32, 64)), seed=seed)
     else:
         model = network(arch, model_cfg.get("args"), spatial_dims=3, in_channels=in_channels, out_channels=3,
-                        seed=seed)
+                        seed=seed, modules=modules)
     return _load_init(model, model_cfg, init_root)
 
 
-def check_arch(model_cfg: dict, *, task: str, in_channels: int, n_out: int, size) -> None:
-    """Build the configured network once and run one input through it (before any job runs): an unknown arch, a bad
-    argument or an output of the wrong shape is one line here, not an error at every site."""
+def check_arch(model_cfg: dict, *, task: str, in_channels: int, n_out: int, size, modules=("*",)) -> None:
+    """Build the configured network once and run one input through it (before any job runs, on the coordinator's
+    machine, whose own modules these are): an unknown arch, a bad argument or an output of the wrong shape is one line
+    here, not an error at every site."""
     if model_cfg["arch"] in BUILTIN_ARCHS and task == "classification":
         return
     if task == "segmentation":
         if model_cfg.get("arch", "unet") in BUILTIN_ARCHS + ("unet",):
             return
-        net = seg_model_from_config({**model_cfg, "init_weights": None}, in_channels)
+        net = seg_model_from_config({**model_cfg, "init_weights": None}, in_channels, modules=modules)
         x = torch.zeros(1, in_channels, *size)
         want = (1, 3, *size)
     else:
-        net = model_from_config({**model_cfg, "init_weights": None}, in_channels, n_out)
+        net = model_from_config({**model_cfg, "init_weights": None}, in_channels, n_out, modules=modules)
         x = torch.zeros(2, in_channels, size, size)
         want = (2, n_out)
     net.eval()

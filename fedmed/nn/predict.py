@@ -36,14 +36,22 @@ def save_model(path, params: dict, cfg: dict, *, cluster=None, sites=None, workf
     return Path(path)
 
 
-def load_model(path):
-    """``(torch module in eval mode, checkpoint info)``.
+def load_model(path, policy=None):
+    """``(torch module in eval mode, checkpoint info)``. The network a checkpoint names must be one this site runs
+    (``policy``: its :class:`~fedmed.core.policy.SitePolicy`, by default this site's — ``FEDMED_SITE_POLICY``, the kit's
+    ``local/fedmed_policy.json`` — else the defaults, which import no user module): a checkpoint can name any
+    ``module:Class``, and nothing is imported before that check.
 
     Raises:
-        ModelFileError: missing or unreadable file, not a fedmed checkpoint, or weights that do not fit the
-            architecture the file describes.
+        ModelFileError: missing or unreadable file, not a fedmed checkpoint, a network the policy does not allow, or
+            weights that do not fit the architecture the file describes.
     """
     import torch
+
+    from fedmed.core.policy import PolicyError, load_policy
+    from fedmed.nn.models import ArchError
+
+    policy = policy if policy is not None else load_policy()
 
     p = Path(path)
     if not p.is_file():
@@ -55,6 +63,16 @@ def load_model(path):
     if not isinstance(ck, dict) or ck.get("format") != "fedmed-model-1":
         raise ModelFileError(f"{p}: not a fedmed model checkpoint (expected a dict with format 'fedmed-model-1', as "
                              f"a run saves in models/*.pt)")
+    if not isinstance(ck.get("model"), dict) or not isinstance(ck["model"].get("arch", "unet"), str):
+        raise ModelFileError(f"{p}: its 'model' entry names no network")
+    try:
+        policy.check_arch(ck["model"].get("arch", "unet"))
+        return _build_and_load(p, ck, policy)
+    except (PolicyError, ArchError) as e:
+        raise ModelFileError(f"{p}: {e}") from None
+
+
+def _build_and_load(p, ck, policy):
     if ck["task"] == "mae":
         from fedmed.nn.mae import mae_model
 
@@ -63,7 +81,8 @@ def load_model(path):
     elif ck["task"] == "segmentation":
         from fedmed.nn.models import seg_model_from_config
 
-        net = seg_model_from_config({**ck["model"], "init_weights": None}, ck["data"]["in_channels"])
+        net = seg_model_from_config({**ck["model"], "init_weights": None}, ck["data"]["in_channels"],
+                                    modules=policy.modules)
         arch = ck["model"].get("arch")
         desc = (f"a 3D U-Net with channels {ck['model']['channels']}" if arch in (None, "unet", "resnet9", "resnet18",
                 "vit_small") else f"a {arch} ({ck['model'].get('args') or {}})") + \
@@ -71,7 +90,8 @@ def load_model(path):
     else:
         from fedmed.nn.models import model_from_config
 
-        net = model_from_config({**ck["model"], "init_weights": None}, ck["data"]["channels"], ck["data"]["n_classes"])
+        net = model_from_config({**ck["model"], "init_weights": None}, ck["data"]["channels"], ck["data"]["n_classes"],
+                                modules=policy.modules)
         arch = ck["model"]["arch"]
         shape = (f"width {ck['model'].get('width')}, {ck['model'].get('norm', 'batch')} norm" if arch in ("resnet9", "resnet18",
                  "vit_small") else f"{ck['model'].get('args') or {}}")

@@ -128,6 +128,26 @@ def _seg_slices(run: Path, data_dir: Path, out_png: Path) -> Path | None:
     return _save(fig, out_png)
 
 
+def privacy_table(doc: dict) -> str:
+    """Each site's own rules as its replies stated them (its policy's k_min floor, DP ceiling) and the epsilon it
+    released in the run (every DP release composed: ``Recorder.account``); empty when no site stated any."""
+    pols, spent = doc.get("site_policies") or {}, doc.get("epsilon_spent") or {}
+    if not pols and not spent:
+        return ""
+    rows = ""
+    for s in sorted(set(pols) | set(spent)):
+        p, e = pols.get(s, {}), spent.get(s)
+        ceiling = p.get("max_epsilon")
+        cells = [s, p.get("source", "?"), p.get("k_min", "?"), "yes" if p.get("dp_required") else "no",
+                 "none" if ceiling is None else f"{ceiling:g}",
+                 "0 (no DP release)" if not e else f"{e['epsilon']:g} over {e['releases']} release(s)"]
+        rows += "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>"
+    head = "".join(f"<th>{h}</th>" for h in ("site", "policy", "k_min floor", "DP required", "epsilon ceiling",
+                                              "epsilon spent (composed)"))
+    return (f"<p>What each site allowed and spent (its own policy, fedmed.core.policy):</p>"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
+
+
 def write_report(out_dir, *, command: str | None = None) -> Path:
     """Write ``OUT/report.html`` for an experiment or sweep output folder; returns its path."""
     out = Path(out_dir)
@@ -175,6 +195,7 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
             if (server / "assessment" / "report.md").is_file():
                 parts.append(markdown_to_html((server / "assessment" / "report.md").read_text()))
             parts.append(_sites_table(doc))
+            parts.append(privacy_table(doc))
             seed_dir = case / "data" / run.parent.name
             if doc.get("meta", {}).get("config", {}).get("task") == "segmentation" and seed_dir.is_dir():
                 png = _seg_slices(run, seed_dir, run / "test_slices.png")

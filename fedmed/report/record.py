@@ -198,6 +198,26 @@ class Recorder:
         self.write()
         return ok
 
+    def account(self, rows) -> None:
+        """What every reply says about the site's own rules, whatever the task: its effective policy (``site_policies``,
+        the first reply of a run) and the differential-privacy epsilon it released (``epsilon_spent``: per site, the
+        basic composition of every DP release of the run — training, onboarding — with the number of releases)."""
+        changed = False
+        for row in rows:
+            site, meta = row[0], row[2]
+            if isinstance(meta.get("site_policy"), dict):
+                self.doc.setdefault("site_policies", {})[site] = meta["site_policy"]
+                changed = True
+            dp = meta.get("dp")
+            eps = dp.get("epsilon") if isinstance(dp, dict) else None
+            if eps and not meta.get("error"):
+                led = self.doc.setdefault("epsilon_spent", {}).setdefault(site, {"epsilon": 0.0, "releases": 0})
+                led["epsilon"] = float(led["epsilon"]) + float(eps)
+                led["releases"] += 1
+                changed = True
+        if changed:
+            self.write()
+
     def note(self, key: str, value) -> None:
         self.doc[key] = value
         self.write()

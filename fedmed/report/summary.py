@@ -129,9 +129,12 @@ def summarize(rows: list[dict], selection: str = "final") -> list[dict]:
     out = []
     for m in order:
         runs = [r for (meth, _), r in sorted(rep.items()) if meth == m]
+        # no site could score its test split without describing fewer than k_min samples: the cell says so
+        withheld = all("n_test" in r and not r["n_test"] for r in runs)
         entry = {"method": m, "kind": runs[0].get("kind", "method"), "seeds": len(runs),
                  "rounds": sorted({r["round"] for r in runs if r.get("round") is not None}),
-                 **{k: fmt([r.get(k) for r in runs], 1.0 if k.startswith("hd95") or k == "fp_voxels" else 100.0)
+                 **{k: _withheld(fmt([r.get(k) for r in runs], 1.0 if k.startswith("hd95") or k == "fp_voxels"
+                                     else 100.0), withheld)
                     for k in metrics},
                  "_values": {k: _finite([r.get(k) for r in runs]) for k in metrics},
                  "k": _k_cell([r.get("n_clusters") for r in runs]),
@@ -144,6 +147,10 @@ def summarize(rows: list[dict], selection: str = "final") -> list[dict]:
                                  for s in sites}
         out.append(entry)
     return sorted(out, key=lambda e: e["kind"] == "reference")
+
+
+def _withheld(cell: str, withheld: bool) -> str:
+    return "withheld" if withheld and cell == "n/a" else cell
 
 
 def _k_cell(ks) -> str:

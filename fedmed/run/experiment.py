@@ -20,6 +20,7 @@ makes the experiment fail (non-zero exit) after the other runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -38,7 +39,7 @@ from fedmed.report.summary import read_results, rows_from_metrics, sweep_stats, 
 __all__ = ["ExperimentError", "REPO_ROOT", "RunError", "classes_override", "prepare_federation", "run_experiment",
            "run_fingerprint", "run_job"]
 
-REPO_ROOT = project_root()  # jobs/, custom/, app_configs/: the clone's or the installed package's (fedmed.core.resources)
+REPO_ROOT = project_root()  # jobs/, app_configs/: the clone's or the installed package's (fedmed.core.resources)
 CLS_METRICS = ("accuracy", "macro_f1", "auc")
 KILLED = (-9, 137, 247)  # SIGKILL as a return code, through a shell, and as the simulator reports it
 
@@ -218,7 +219,7 @@ def run_job(config_path: str, overrides: list[str], method: str, seed: int, data
         shutil.rmtree(ws)
     cmd = [sys.executable, str(REPO_ROOT / "jobs" / "run.py"), "--config", str(config_path), "--method", method,
            "--seed", str(seed), "--env", "sim", "--datalists", str(Path(datalists).resolve()), "--workspace", str(ws),
-           "--jobs-dir", str(work / "job")]
+           "--jobs-dir", str(work / "job"), "--site-policy", "simulation"]
     for o in overrides:
         cmd += ["--set", o]
     if resume_from is not None:
@@ -383,14 +384,53 @@ def select_methods(available, wanted, config_path) -> list:
     return [m for i, m in enumerate(available) if i in picked]
 
 
+class OutputBusy(RuntimeError):
+    """Another fedmed process is writing the same output folder."""
+
+
+@contextlib.contextmanager
+def output_lock(out: Path):
+    """Hold ``OUT/.fedmed.lock`` (an exclusive ``flock``) while this process writes ``OUT``: two experiments writing
+    one folder would overwrite each other's rows. The lock goes with the process (a killed run leaves none behind)."""
+    import fcntl
+    import os
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    f = open(out / ".fedmed.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        who = f.read().strip() or "another process"
+        f.close()
+        raise OutputBusy(f"{out}: another fedmed run is writing this folder ({who}); wait for it to end or give "
+                         f"another --out") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}")
+    f.flush()
+    try:
+        yield
+    finally:
+        f.close()
+
+
 def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = None, methods: list[str] | None = None,
                    log=print, resume: bool = False, command: str | None = None) -> list[dict]:
     """Run every (seed, method) of the config and the reference rows; returns the result rows and writes the
-    outputs (see the module notes).
+    outputs (see the module notes). One run at a time writes ``out_dir`` (:func:`output_lock`).
 
     Raises:
         ExperimentError: after all runs, when some did not finish (each named with its reason).
+        OutputBusy: another run is writing ``out_dir``.
     """
+    with output_lock(Path(out_dir)):
+        return _run_experiment(config_path, out_dir, overrides=overrides, methods=methods, log=log, resume=resume,
+                               command=command)
+
+
+def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, command) -> list[dict]:
     from fedmed.config import load_config
 
     overrides = list(overrides or [])
@@ -434,9 +474,10 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
                         missing.append(f"seed {seed} {m.name}: {missing_sentence(saved['sites_missing'])}")
                         log(f"    {missing_sentence(saved['sites_missing'])}")
                     continue
-                if saved.get("status") == "stopped" and (work / "server" / "checkpoint" / "state.json").is_file():
+                if (work / "server" / "checkpoint" / "state.json").is_file():  # stopped, or failed (a killed server)
                     resume_from = work / "server"
-                    log(f"[{k}/{total}] seed {seed} {m.name}: stopped earlier; resuming from its checkpoint")
+                    log(f"[{k}/{total}] seed {seed} {m.name}: {saved.get('status', 'stopped')} earlier; resuming "
+                        f"from its checkpoint (round {_checkpoint_round(resume_from)})")
             elif resume and saved:
                 log(f"[{k}/{total}] seed {seed} {m.name}: earlier run made with other settings, running again")
             (work / "run.json").unlink(missing_ok=True)
@@ -583,7 +624,7 @@ def _references(exp, config_path, job_over, seed, data_dir, out, chosen, log, re
             doc = run_job(str(config_path), over, "FedAvg (IID)", seed, iid_dir, work / "iid_fedavg", len(sites), log=log)
             rr = rows_from_metrics("FedAvg (IID federation)", seed, doc, kind="reference")
             rows += rr
-            log(f"    FedAvg (IID): final test accuracy {100 * rr[-1]['accuracy']:.2f}% (site mean)")
+            log(f"    FedAvg (IID): final test accuracy {_pct(rr[-1].get('accuracy'))} (site mean)")
         except RunError as e:
             log(f"    IID FedAvg reference {e.status}: {e.reason}")
     (work / "run.json").write_text(json.dumps({"fingerprint": fp, "status": "finished", "rows": rows}))
@@ -617,8 +658,23 @@ def _unseen(config_path, job_over, m, seed, data_dir, work, doc, meta, log) -> l
             rows.append({"method": m.name, "kind": "method", "seed": seed, "round": doc["rounds"][-1]["round"],
                          "phase": "oracle", "ari": ari, "accuracy": float(np.mean(list(best.values())))})
     log((f"    clustering ARI vs true groups {ari:.2f}; " if ari is not None else "    ") + "unseen sites: " + ", ".join(
-        f"{r['task']} accuracy {100 * r['summary']['mean']['accuracy']:.2f}%" for r in tdoc["rounds"]))
+        f"{r['task']} accuracy {_pct(r['summary']['mean'].get('accuracy'))}" for r in tdoc["rounds"]))
     return rows
+
+
+def _checkpoint_round(server: Path):
+    try:
+        return json.loads((server / "checkpoint" / "state.json").read_text())["next_round"]
+    except (OSError, ValueError, KeyError):
+        return "?"
+
+
+def _pct(v) -> str:
+    """A score for the console: a percentage, or "withheld" when no site could send it (every test split below
+    k_min) or it is undefined."""
+    import math
+
+    return f"{100 * v:.2f}%" if isinstance(v, (int, float)) and math.isfinite(v) else "withheld"
 
 
 def _log_done(m, doc, new, selection, log, work):
@@ -637,8 +693,8 @@ def _log_done(m, doc, new, selection, log, work):
     key = "dice_mean" if row.get("dice_mean") is not None else "accuracy"
     label = "final" if selection == "final" else "validation-selected"
     log(f"    done in {doc.get('wall_seconds', 0):.0f} s: {label} round {row['round']}: test {key} "
-        f"{100 * row[key]:.2f}% (site mean)" + (f", pooled {100 * row['pooled_accuracy']:.2f}%"
-                                                if row.get("pooled_accuracy") is not None else "")
+        f"{_pct(row.get(key))} (site mean)" + (f", pooled {_pct(row['pooled_accuracy'])}"
+                                               if row.get("pooled_accuracy") is not None else "")
         + (f"; {errs} site error(s), see metrics.json" if errs else ""))
 
 

@@ -107,7 +107,7 @@ def centralized_rows(exp, datalists, sites: list[str], seed: int, log=print) -> 
     n_classes = len(exp.dataset.classes)
     from fedmed.core.device import resolve_device
 
-    model = model_from_config(exp.model.model_dump(), exp.dataset.channels, n_classes, seed=seed).to(
+    model = model_from_config(exp.model.model_dump(), exp.dataset.channels, n_classes, seed=seed, modules=("*",)).to(
         resolve_device(exp.train.device, where="the centralized reference"))
     t = exp.train
     opt = make_optimizer(model, t.model_dump())
@@ -178,7 +178,7 @@ def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -
 
     device = resolve_device(exp.train.device, where="the centralized reference")
     pooled = [c for s in sites for c in cases[s][0]]
-    model = seg_model_from_config(exp.model.model_dump(), cfg["data"]["in_channels"], seed=seed).to(device)
+    model = seg_model_from_config(exp.model.model_dump(), cfg["data"]["in_channels"], seed=seed, modules=("*",)).to(device)
     opt = make_optimizer(model, cfg["train"])
     for r in range(t.rounds + 1):
         if r:
@@ -189,7 +189,7 @@ def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -
     alone: dict = {}
     per_round: list[dict] = [{} for _ in range(t.rounds + 1)]
     for k, s in enumerate(sites):
-        model = seg_model_from_config(exp.model.model_dump(), cfg["data"]["in_channels"], seed=seed).to(device)
+        model = seg_model_from_config(exp.model.model_dump(), cfg["data"]["in_channels"], seed=seed, modules=("*",)).to(device)
         opt = make_optimizer(model, cfg["train"])
         for r in range(t.rounds + 1):
             if r:

@@ -6,11 +6,7 @@ A plain dict built from the experiment config alone — no site's data or paths 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from fedmed.workflows.registry import method_entry
-
-WEIGHTS_DIR = "fedmed_weights"  # inside every site app's custom folder
 
 
 class BuildError(ValueError):
@@ -42,7 +38,8 @@ def fedmed_config(exp, seed: int, method, sites: list[str] | None) -> dict:
         if method.workflow == "ditto":
             cfg["ditto_lambda"] = method.ditto_lambda
         if method_entry(method.workflow).server == "assessment":
-            cfg["assess"] = {"per_value": method.per_value, "weights": _ship_name(method.encoder_weights)}
+            cfg["assess"] = {"per_value": method.per_value}
+            _name_weights(cfg, method.encoder_weights)
         return cfg
     if not exp.dataset.classes:
         raise BuildError("dataset.classes is not set: a job is built from the config alone, so the config must name "
@@ -56,10 +53,21 @@ def fedmed_config(exp, seed: int, method, sites: list[str] | None) -> dict:
     if method.workflow == "finetune":
         cfg["model"] = {**cfg["model"], "arch": "vit_small"}
         cfg["finetune"] = {"layer_decay": method.layer_decay, "warmup": method.warmup, "rounds": exp.train.rounds}
+    elif method_entry(method.workflow).signature:
+        _name_weights(cfg, method.encoder_weights)
     return cfg
 
 
-def _ship_name(weights: str | None) -> str | None:
-    return f"{WEIGHTS_DIR}/{Path(weights).name}" if weights else None
+def _name_weights(cfg: dict, weights: str | None) -> None:
+    """The encoder's weights file as a job names it: its file name and SHA-256 — every site reads its own copy from
+    its weights folder (``fedmed.core.policy``); the file never travels."""
+    if weights:
+        from pathlib import Path
+
+        from fedmed.core.policy import weights_ref
+
+        if not Path(weights).is_file():
+            raise BuildError(f"encoder_weights: file {weights} not found")
+        cfg["encoder_weights"] = weights_ref(weights)
 
 

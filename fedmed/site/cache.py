@@ -44,8 +44,12 @@ class SiteCache:
         self.hits = self.misses = 0
 
     def file_hash(self, path) -> str:
+        import stat
+
         p = Path(path)
         st = p.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block, a device never ends: decoding refuses it, naming it
+            raise OSError(f"{p.name}: not a regular file")
         k = (str(p), st.st_size, st.st_mtime_ns)
         if k not in self._hashes:
             h = hashlib.sha1()
@@ -83,20 +87,31 @@ class SiteCache:
             with np.load(self._path(key), allow_pickle=False) as z:
                 arrays = {k: z[k] for k in z.files if k != "__meta__"}
                 meta = json.loads(str(z["__meta__"])) if "__meta__" in z.files else {}
-        except (OSError, ValueError, KeyError):  # a damaged entry is a miss and is rewritten
-            self.misses += 1
+        except Exception:  # a damaged entry (truncated, zero bytes, not a zip: BadZipFile, EOFError, ...) is a miss
+            self.misses += 1  # and is rewritten by the put that follows
             return None
         self.hits += 1
         return arrays, meta
 
+    unwritable = ""  # why this cache could not be written (then the site runs uncached; said once)
+
     def put(self, key: str | None, arrays: dict, meta: dict | None = None) -> None:
-        if key is None:
+        """Write an entry; a cache folder that cannot be written (read-only, full) leaves the site running uncached
+        (:attr:`unwritable` says why) instead of failing its task."""
+        if key is None or self.unwritable:
             return
         p = self._path(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f".{p.stem}.{os.getpid()}.tmp.npz")
-        np.savez(tmp, __meta__=np.asarray(json.dumps(meta or {})), **arrays)
-        tmp.replace(p)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(tmp, __meta__=np.asarray(json.dumps(meta or {})), **arrays)
+            tmp.replace(p)
+        except OSError as e:
+            self.unwritable = f"{type(e).__name__} ({e.strerror or 'cannot write'})"
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
 
     def clear(self) -> int:
         """Remove every entry; the number removed."""

@@ -16,7 +16,7 @@ import numpy as np
 from fedmed.core.schema import task_config
 from fedmed.site.tasks import CLASSIFICATION, TaskError, task_seed
 from fedmed.data.images import DataError, conversion_note, load_datalist, load_images, near_duplicates
-from fedmed.site.settings import SiteSettings, settings_for_dir
+from fedmed.site.settings import SiteSettings, private_tokens, redact, redact_strings, settings_for_dir
 
 __all__ = ["SiteRunner", "Splits", "TaskError", "task_seed", "answer", "make_runner", "scrubbed", "to_meta"]
 
@@ -50,6 +50,15 @@ class SiteRunner:
         self.notes: list[str] = []  # notes for this site's log and the server, sent with the next reply
         self._labels_checked = None
         self._device = self._device_spec = None
+        self.private_tokens: set = set()  # the datalist's names, kept out of every text that leaves (settings.redact)
+        self.epsilon_spent = 0.0  # the DP epsilon this site has released in this run (all signatures composed)
+        self._policy_sent = False
+        self._k_min_noted: set = set()
+
+    @property
+    def policy(self):
+        """This site's :class:`~fedmed.core.policy.SitePolicy` (what a job may make it do)."""
+        return self.settings.policy
 
     @property
     def datalist_path(self) -> Path:
@@ -59,9 +68,8 @@ class SiteRunner:
         return self.settings.display(path)
 
     def k_min(self, cfg: dict) -> int:
-        """The job's minimum group size, raised by the site's own setting if that is larger."""
-        k = task_config(cfg).privacy.k_min
-        return max(k, int(self.settings.k_min or 0))
+        """The job's minimum group size, raised to this site's floor (its policy's ``k_min``) if that is larger."""
+        return self.policy.effective_k_min(task_config(cfg).privacy.k_min)
 
     def device(self, cfg: dict):
         """This site's torch device: its own setting, else the job's ``train.device`` (:mod:`fedmed.core.device`)."""
@@ -71,6 +79,12 @@ class SiteRunner:
         if self._device_spec != spec:
             self._device, self._device_spec = resolve_device(spec, where=self.site), spec
         return self._device
+
+    def weights(self, cfg):
+        """The encoder weights file the job names (``cfg.encoder_weights``), from this site's weights folder (its
+        policy's ``weights_dir``; a path or a file of another hash is refused); ``None`` for a seeded random init."""
+        ref = task_config(cfg).encoder_weights
+        return None if ref is None else str(self.policy.weights_path(ref.model_dump()))
 
     def precision(self, cfg: dict) -> str:
         return task_config(cfg).train.precision
@@ -85,22 +99,30 @@ class SiteRunner:
 
     # ------------------------------------------------------------------ data and model
     def _datalist(self, task: str = "classification") -> dict:
+        try:
+            import json
+
+            self.private_tokens |= private_tokens(json.loads(self.datalist_path.read_text()))
+        except (OSError, ValueError):
+            pass  # load_datalist says what is wrong with it
         return load_datalist(self.datalist_path, task=task, root=self.settings.data_root,
-                             name=f"{self.site}: datalist {self.display(self.datalist_path)}")
+                             name=f"{self.site}: datalist {self.display(self.datalist_path)}",
+                             public=f"{self.site}: its datalist", limits=self.policy.limits)
 
     def data(self, image_size: int, channels: int) -> Splits:
         key = (image_size, channels)
         if self._data is None or self._data_key != key:
             doc = self._datalist()
             done: set = set()
-            splits = Splits(*(self._load_split(doc[k], image_size, channels, done)
+            splits = Splits(*(self._load_split(doc[k], image_size, channels, done, k)
                               for k in ("training", "validation", "test")))
             note = conversion_note(self.site, done)
             if note:  # said once per site: its log and the server's (the next reply's notes)
                 print(f"[fedmed] {note}", flush=True)
                 self.notes.append(note)
             if splits.train[0].shape[0] == 0:
-                raise DataError(f"{self.site}: datalist {self.display(self.datalist_path)} has no training images")
+                raise DataError(f"{self.site}: datalist {self.display(self.datalist_path)} has no training images",
+                                f"{self.site}: its datalist has no training images")
             near = sum(len(near_duplicates(splits.train[0], x)) for x in (splits.val[0], splits.test[0]))
             if near:  # said once, as a count (which images: `fedmed check-data`, at the site)
                 note = (f"{self.site}: {near} validation/test image(s) nearly identical to training images (thumbnail "
@@ -120,13 +142,23 @@ class SiteRunner:
             self._cache = SiteCache(root, self.site) if root is not None else None
         return self._cache
 
-    def _load_split(self, entries, image_size: int, channels: int, done: set):
+    def cache_note(self) -> None:
+        """Say once (this site's log and the server's) that its cache cannot be written and it runs without it."""
+        c = self.cache
+        if c is not None and c.unwritable and not getattr(self, "_cache_noted", False):
+            self._cache_noted = True
+            note = f"{self.site}: its data cache cannot be written ({c.unwritable}); it decodes without one"
+            print(f"[fedmed] {note}", flush=True)
+            self.notes.append(note)
+
+    def _load_split(self, entries, image_size: int, channels: int, done: set, split: str = "entries"):
         """One split's images and labels: from this site's cache when the same files were decoded with the same
         settings before, else decoded (and cached)."""
         import torch
 
         c = self.cache
-        key = c.key([e["image"] for e in entries], {"kind": "images", "size": image_size, "channels": channels}) \
+        key = c.key([e["image"] for e in entries], {"kind": "images", "size": image_size, "channels": channels,
+                                                       "limits": vars(self.policy.limits)}) \
             if c is not None and entries else None
         hit = c.get(key) if c is not None else None
         if hit is not None:
@@ -135,10 +167,11 @@ class SiteRunner:
             return torch.from_numpy(arrays["x"]), torch.tensor([int(e["label"]) for e in entries], dtype=torch.long)
         mine: set = set()
         x, y = load_images(entries, image_size=image_size, channels=channels, site=self.site, display=self.display,
-                           conversions=mine)
+                           conversions=mine, split=split, limits=self.policy.limits)
         done.update(mine)
         if c is not None:
             c.put(key, {"x": x.numpy()}, {"conversions": sorted(mine)})
+            self.cache_note()
         return x, y
 
     def _splits(self, cfg) -> Splits:
@@ -153,11 +186,15 @@ class SiteRunner:
     def check_label_space(self, s: Splits, n: int, names=None) -> None:
         """Every label must be a class id of the job's global label space ``0..n-1``."""
         for split, (_, y) in zip(("training", "validation", "test"), (s.train, s.val, s.test)):
-            bad = sorted({int(v) for v in y.tolist() if v >= n})
+            ys = y.tolist()
+            bad = sorted({int(v) for v in ys if v >= n})
             if bad:
                 space = f" ({', '.join(map(str, names))})" if names else ""
+                first = next(i for i, v in enumerate(ys) if v >= n)
                 raise DataError(f"{self.site}: datalist {self.display(self.datalist_path)} {split} has label(s) "
-                                f"{bad[:5]} outside the job's global label space 0..{n - 1}{space}")
+                                f"{bad[:5]} outside the job's global label space 0..{n - 1}{space}",
+                                f"{self.site}: {split}[{first}]: a label outside the job's global label space "
+                                f"0..{n - 1}{space} ({sum(v >= n for v in ys)} such entries in {split})")
 
     def model(self, cfg: dict):
         from fedmed.nn.models import model_from_config
@@ -167,7 +204,8 @@ class SiteRunner:
         key = (m.arch, cfg.data.channels, cfg.data.n_classes, m.width, m.norm, repr(sorted(m.args.items())))
         if self._model is None or self._model_key != key:
             self._model = model_from_config({**m.model_dump(), "init_weights": None}, cfg.data.channels,
-                                            cfg.data.n_classes, seed=cfg.seed).to(self.device(cfg))  # weights: the server's
+                                            cfg.data.n_classes, seed=cfg.seed, modules=self.policy.modules).to(
+                self.device(cfg))  # weights: the server's
             self._model_key = key
             self._optimizers = {}
         return self._model
@@ -220,17 +258,56 @@ class SiteRunner:
         """Run ``task``; returns (params to send, scalar metrics, meta aggregates). Notes the site has not sent yet
         (e.g. what its image loading converted) go with the reply. ``cfg`` is read as a
         :class:`~fedmed.core.schema.TaskConfig` (validated, the schema's defaults for what it leaves out)."""
-        out, metrics, meta = self.run_task(task, params, task_config(cfg), round_)
+        cfg = task_config(cfg)
+        self.check_policy(task, cfg)
+        out, metrics, meta = self.run_task(task, params, cfg, round_)
+        meta = self.account(meta)
+        if not self._policy_sent:  # the effective policy, once per run, into the run's record
+            meta = {**meta, "site_policy": self.policy.summary()}
+            self._policy_sent = True
         if self.notes:
             meta = {**meta, "notes": list(meta.get("notes") or []) + self.notes}
             self.notes = []
         return out, metrics, meta
 
+    # the tasks whose reply is a statistic of the site's data released once (a signature): the DP rules apply
+    SIGNATURE_TASKS = ("signature", "descriptor", "latent_bounds", "assess")
+
+    def check_policy(self, task: str, cfg) -> None:
+        """Refuse, in one line naming the setting, what this site's policy does not allow a job to make it do; note
+        (once) a job's k_min raised to the site's floor."""
+        p = self.policy
+        p.check_arch(cfg.model.arch)
+        if task in self.SIGNATURE_TASKS:
+            p.check_dp(cfg.privacy.dp_epsilon)
+        if task == "signature" and cfg.signature is not None:
+            p.check_encoder(cfg.signature.encoder, dp=cfg.privacy.dp_epsilon is not None)
+        if task == "assess":
+            p.check_encoder("medicalnet_resnet18", dp=cfg.privacy.dp_epsilon is not None)
+        job_k = cfg.privacy.k_min
+        if job_k < p.k_min and job_k not in self._k_min_noted:
+            self._k_min_noted.add(job_k)
+            note = (f"{self.site}: the job's privacy.k_min={job_k} is below this site's floor; this site applies "
+                    f"k_min={p.k_min} (its policy's k_min)")
+            print(f"[fedmed] {note}", flush=True)
+            self.notes.append(note)
+
+    def account(self, meta: dict) -> dict:
+        """Compose the epsilon of a DP release with what this site already released in this run (basic composition);
+        refuse a release above the policy's ceiling (nothing is sent). The reply then carries the run's total."""
+        dp = meta.get("dp")
+        eps = dp.get("epsilon") if isinstance(dp, dict) else None
+        if eps is None:
+            return meta
+        self.policy.check_budget(self.epsilon_spent, float(eps))
+        self.epsilon_spent += float(eps)
+        return {**meta, "dp": {**dp, "run_epsilon": self.epsilon_spent}}
+
     # the tasks this runner serves: name -> function(runner, params, cfg, round_) -> Reply (fedmed.site.tasks); a
     # segmentation or Fed-MAE runner lists only its own
     TASKS = CLASSIFICATION
 
-    def run_task(self, task: str, params: dict, cfg: dict, round_: int = 0) -> tuple[dict, dict, dict]:
+    def run_task(self, task: str, params: dict, cfg, round_: int = 0) -> tuple[dict, dict, dict]:
         if task not in self.TASKS:
             raise TaskError(f"{self.site}: unknown task {task!r} (this site's {type(self).__name__} serves "
                             f"{', '.join(sorted(self.TASKS))})")
@@ -257,13 +334,28 @@ def to_meta(d: dict) -> dict:
     return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in d.items()}
 
 
-def scrubbed(site: str, runner: SiteRunner | None, err: Exception) -> str:
-    """The one-line error a site sends for ``err``: named by the site, no absolute path (files under the site's data
-    roots relative to them, others by file name)."""
-    from fedmed.site.settings import scrub
+def scrubbed(site: str, runner: SiteRunner | None, err: Exception, allow=()) -> str:
+    """The one-line error a site sends for ``err``: named by the site, its public text (the position and the kind of
+    problem: ``DataError.public``) with every path and every name of the site's datalist redacted
+    (:func:`fedmed.site.settings.redact`)."""
+    text = getattr(err, "public", None) or str(err)
+    msg = text if text.startswith(site) else f"{site}: {type(err).__name__}: {text}"
+    msg = " ".join(msg.split())  # one line
+    return redact(msg, runner.private_tokens if runner is not None else (), allow)
 
+
+def local_message(site: str, runner: SiteRunner | None, err: Exception) -> str:
+    """The same error as the site's own log has it: files named relative to the data root (never sent)."""
     msg = str(err) if str(err).startswith(site) else f"{site}: {type(err).__name__}: {err}"
-    return runner.settings.scrub(msg) if runner is not None else scrub(msg, [])
+    return runner.settings.scrub(msg) if runner is not None else msg
+
+
+def _classes(cfg) -> list:
+    """The job's class names (known to the server already: never redacted)."""
+    try:
+        return list(task_config(cfg).classes or [])
+    except Exception:
+        return []
 
 
 def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: dict, round_: int,
@@ -272,9 +364,10 @@ def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: d
 
     The runner is made at the site's first task (``settings``: its :class:`~fedmed.site.settings.SiteSettings` or a
     folder holding ``<site>.json``; by default what :func:`~fedmed.site.settings.resolve_site_settings` finds). A
-    task the site cannot do is answered with ``meta = {"error": message}`` naming the site and files relative to its
-    data root; every string of a reply is scrubbed of absolute paths. ``error`` is the message with the traceback's
-    summary for the site's own log (``None`` when the task succeeded)."""
+    task the site cannot do is answered with ``meta = {"error": message}`` naming the site, the split and position and
+    the kind of problem (:func:`scrubbed`); every string of a reply is redacted of paths and of the names in the site's
+    datalist. ``error`` is the full message (files named relative to the data root) with the traceback, for the
+    site's own log only (``None`` when the task succeeded)."""
     import traceback
 
     try:
@@ -285,9 +378,10 @@ def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: d
                 settings = resolve_site_settings(site)
             runner = make_runner(site, settings, cfg)
         out, metrics, meta = runner.handle(task, params or {}, cfg, round_)
-        meta = runner.settings.scrub_reply(meta)  # no absolute path in any text that leaves the site
+        meta = redact_strings(meta, runner.private_tokens, [site, *_classes(cfg)])  # no path, no name in any text
     except Exception as e:  # reported to the server by name; the federation goes on
-        msg = scrubbed(site, runner, e)
-        return runner, {}, {"failed": 1.0}, {"error": msg, "task": task}, f"{msg}\n{traceback.format_exc()}"
+        msg = scrubbed(site, runner, e, [site, *_classes(cfg)])
+        return runner, {}, {"failed": 1.0}, {"error": msg, "task": task}, \
+            f"{local_message(site, runner, e)}\n{traceback.format_exc()}"
     meta = to_meta({**meta, "task": task, "round": round_, "cluster": meta.get("cluster", task_config(cfg).cluster)})
     return runner, out, metrics, meta, None

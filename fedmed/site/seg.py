@@ -107,7 +107,7 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
                      f"settings)")
     for n in notes:
         print(f"[fedmed] {n}", flush=True)
-    enc = build_encoder("medicalnet_resnet18", weights=a.weights, seed=cfg.seed,
+    enc = build_encoder("medicalnet_resnet18", weights=runner.weights(cfg), seed=cfg.seed,
                         device=runner.device(cfg))
     rng = np.random.default_rng(task_seed(cfg, runner.site, salt=5))
     meta = site_assessment(tr, enc, per_value=per_image, per_image=per_image, privacy=cfg.privacy.model_dump(),
@@ -125,30 +125,41 @@ class SegSiteRunner(SiteRunner):
         if self._data is None or self._data_key != shape:
             doc = self._datalist("segmentation")
             check_no_leakage(doc["training"] + doc["validation"], doc["test"], where=self.site)
-            tr = [self._case(e, shape) for e in doc["training"]]
-            te = [self._case(e, shape) for e in doc["test"]]
+            tr = [self._case(e, shape, "training", i) for i, e in enumerate(doc["training"])]
+            te = [self._case(e, shape, "test", i) for i, e in enumerate(doc["test"])]
             if not tr:
-                raise DataError(f"{self.site}: datalist {self.display(self.datalist_path)} has no training cases")
+                raise DataError(f"{self.site}: datalist {self.display(self.datalist_path)} has no training cases",
+                                f"{self.site}: its datalist has no training cases")
             self._data, self._data_key = (tr, te), shape
         return self._data
 
-    def _case(self, entry: dict, shape):
-        """One case, from this site's cache when its files were loaded with the same settings before."""
+    def _case(self, entry: dict, shape, split: str = "entries", index: int = 0):
+        """One case, from this site's cache when its files were loaded with the same settings before. An error names
+        the case's split and position for the server (``training[3]``; the site's log has the files)."""
+        try:
+            return self._load_case(entry, shape)
+        except DataError as e:
+            kind = str(e)[len(self.site) + 2:] if str(e).startswith(f"{self.site}: ") else str(e)
+            raise DataError(str(e), f"{self.site}: {split}[{index}]: {kind}") from None
+
+    def _load_case(self, entry: dict, shape):
         from fedmed.data.nifti import SegCase, load_case
 
         c = self.cache
         images = entry["image"] if isinstance(entry["image"], list) else [entry["image"]]
         files = [f for f in (*images, entry.get("label"), entry.get("mask")) if f]
         settings = {"kind": "case", "shape": list(shape), "folders": [Path(str(f)).parent.name for f in images],
+                    "limits": vars(self.policy.limits),
                     **{k: v for k, v in entry.items() if k not in ("image", "label", "mask")}}
         key = c.key(files, settings) if c is not None else None
         hit = c.get(key) if c is not None else None
         if hit is not None:
             arrays, meta = hit
             return SegCase(image=arrays["image"], label=arrays["label"], meta=meta)
-        case = load_case(entry, shape=shape, site=self.site)
+        case = load_case(entry, shape=shape, site=self.site, limits=self.policy.limits)
         if c is not None:
             c.put(key, {"image": case["image"], "label": case["label"]}, case["meta"])
+            self.cache_note()
         return case
 
     def model(self, cfg):
@@ -159,7 +170,7 @@ class SegSiteRunner(SiteRunner):
         key = (cfg.data.in_channels, tuple(m.channels), m.arch, repr(sorted(m.args.items())))
         if self._model is None or self._model_key != key:  # the server sends the (initialised) weights every round
             self._model = seg_model_from_config({**m.model_dump(), "init_weights": None}, cfg.data.in_channels,
-                                                seed=cfg.seed).to(self.device(cfg))
+                                                seed=cfg.seed, modules=self.policy.modules).to(self.device(cfg))
             self._model_key = key
             self._optimizers = {}
         return self._model

@@ -1,4 +1,4 @@
-"""A site's own settings: where its data is and what it allows to leave — never decided by the job.
+"""A site's own settings: where its data is and what it allows — never decided by the job.
 
 A job carries no path to anyone's data. Each site finds its datalist through a site-local setting,
 looked up in this order (the first that is set wins):
@@ -20,7 +20,9 @@ The settings file (JSON)::
                                          #   FEDMED_CACHE_DIR or ~/.cache/fedmed; fedmed.site.cache)
 
 ``FEDMED_ALLOW_PER_IMAGE=1`` is the environment form of ``allow_per_image`` (simulations), ``FEDMED_DEVICE`` of
-``device``.
+``device``. What a job may make the site do — modules, networks, encoders, weights files, the privacy floor and DP —
+is the site's policy (:mod:`fedmed.core.policy`: ``fedmed_policy.json`` beside this file or in the kit's ``local/``,
+or ``FEDMED_SITE_POLICY``); ``k_min`` and ``allow_per_image`` here feed into it.
 
 Messages that leave a site go through :func:`scrub`: absolute paths become paths relative to the
 site's data root, or just the file name when outside it.
@@ -34,8 +36,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SETTINGS_FILE", "SiteConfigError", "SiteSettings", "path_spans", "resolve_site_settings", "scrub",
-           "scrub_strings"]
+from fedmed.core.policy import PolicyError, SitePolicy, load_policy
+
+__all__ = ["NAME_MARK", "PATH_MARK", "SETTINGS_FILE", "SiteConfigError", "SiteSettings", "path_spans",
+           "private_tokens", "redact", "redact_strings", "resolve_site_settings", "scrub", "scrub_strings"]
 
 SETTINGS_FILE = "fedmed_site.json"
 _KEYS = {"datalist", "data_root", "allow_per_image", "k_min", "device", "cache_dir"}
@@ -50,12 +54,15 @@ class SiteSettings:
     site: str
     datalist: Path
     data_root: Path
-    allow_per_image: bool = False
-    k_min: int | None = None
     source: str = ""
     roots: list[Path] = field(default_factory=list)  # folders whose absolute paths are scrubbed from messages
     device: str | None = None  # this site's train.device (overrides the job's)
     cache_dir: object = None  # decoded-data cache root (fedmed.site.cache): None = default, False = off, or a folder
+    policy: SitePolicy = field(default_factory=SitePolicy)  # what a job may make this site do (fedmed.core.policy)
+
+    @property
+    def allow_per_image(self) -> bool:
+        return self.policy.allow_per_image
 
     def display(self, path) -> str:
         """``path`` as a message that leaves the site may name it (relative to the data root, else its name)."""
@@ -174,6 +181,129 @@ def scrub_strings(obj, roots):
     return obj
 
 
+# ------------------------------------------------------------------ what leaves a site: no name at all
+PATH_MARK = "<path>"  # what a path of any form becomes in a text that leaves a site
+NAME_MARK = "<name>"  # what a name taken from the site's datalist becomes
+
+_WINDOWS_START = re.compile(r"(?<![\w\\])(?:[A-Za-z]:[\\/]|\\\\[^\\\s]+\\)")  # C:\ or C:/ or \\server\
+_QUOTED = re.compile(r"'[^'\n]*[/\\][^'\n]*'|\"[^\"\n]*[/\\][^\"\n]*\"")
+_TOKEN = re.compile(r"[^\s'\"()\[\]{}<>,;]+")
+_STOP = frozenset({"training", "validation", "test", "image", "images", "label", "labels", "mask", "masks", "data",
+                   "train", "val", "valid", "png", "jpg", "jpeg", "nii", "dcm", "tif", "tiff", "bmp", "npz", "json",
+                   "site", "case", "cases", "subject", "region", "whole", "left", "right"})
+
+
+def _windows_spans(text: str) -> list[tuple[int, int]]:
+    """Windows paths (``C:\\PACS export\\x.png``, ``C:/...``, ``\\\\server\\share\\...``): like :func:`path_spans`, to
+    the last separator of the line, then through the file name."""
+    spans = []
+    for m in _WINDOWS_START.finditer(text):
+        j = m.start()
+        if spans and j < spans[-1][1]:
+            continue
+        line_end = text.find("\n", j)
+        line_end = len(text) if line_end < 0 else line_end
+        last = max(text.rfind("\\", j, line_end), text.rfind("/", j, line_end))
+        end = last + 1
+        while end < line_end and text[end] not in _NAME_STOP:
+            end += 1
+        while end > last + 1 and text[end - 1] in ".:,;":
+            end -= 1
+        spans.append((j, end))
+    return spans
+
+
+def _is_relative_path(token: str) -> bool:
+    """A token such as ``images/site-2/x.png`` or ``Doe_Jane\\scan.png`` (not a ratio like ``1/3``, not ``WT/TC/ET``)."""
+    parts = [q for q in re.split(r"[/\\]", token) if q]
+    seps = len(re.findall(r"[/\\]", token))
+    if not seps or all(q.isdigit() for q in parts) or all(len(q) <= 3 and q.isupper() for q in parts):
+        return False
+    if not any(re.search(r"[A-Za-z]", q) for q in parts):
+        return False
+    # a file (an extension), a folder chain (two separators or more), or ./ ../ — not "slope/intercept"
+    return bool(re.search(r"\.[A-Za-z0-9]{1,6}$", parts[-1])) or seps >= 2 or token.startswith(("./", "../", ".\\"))
+
+
+_WORDS: set = set()
+
+
+def fedmed_words() -> set:
+    """Every word of fedmed's own source (its messages among them), lower-cased: a datalist name that is also one of
+    these (a file called ``corrupt.png``) is not blanked in fedmed's messages, which carry no name of their own."""
+    if not _WORDS:
+        root = Path(__file__).resolve().parents[1]
+        for f in root.rglob("*.py"):
+            _WORDS.update(w.lower() for w in re.findall(r"[A-Za-z]{3,}", f.read_text(errors="ignore")))
+    return _WORDS
+
+
+def private_tokens(doc) -> set:
+    """The names a datalist holds — every folder and file name of its paths (and their stems), every other value of
+    its entries (labels as written, ids, extra fields) and its keys that are not splits — that no text leaving the
+    site may show (:func:`redact`). Short or generic words are left out (they would blank fedmed's own words)."""
+    out: set = set()
+
+    def add(v):
+        if isinstance(v, bool) or v is None:
+            return
+        if isinstance(v, (int, float)):
+            v = str(v)
+            if len(v) < 5:  # a small number (a class id, a count) is not a name
+                return
+        if not isinstance(v, str):
+            return
+        for part in re.split(r"[/\\]", v):
+            for t in {part, part.split(".")[0], part.rsplit(".", 1)[0] if "." in part else part}:
+                t = t.strip()
+                if len(t) >= 3 and t.lower() not in _STOP and not t.startswith("~") and not re.fullmatch(r"\d{1,4}", t):
+                    out.add(t)
+
+    if isinstance(doc, dict):
+        for key, entries in doc.items():
+            if key not in ("training", "validation", "test", "site"):
+                add(key)
+            if isinstance(entries, list):
+                for e in entries:
+                    if isinstance(e, dict):
+                        for k, v in e.items():
+                            for x in (v if isinstance(v, list) else [v]):
+                                add(x)
+                    else:
+                        add(e)
+    return out
+
+
+def redact(text: str, tokens=(), allow=()) -> str:
+    """``text`` as it may leave a site: every path of any form (POSIX or Windows absolute, UNC, ``~``, relative with
+    folders) becomes :data:`PATH_MARK`, and every name of the site's datalist (``tokens``, :func:`private_tokens`;
+    except those in ``allow``, e.g. the job's class names) becomes :data:`NAME_MARK`. What stays names a split, a
+    position (``training[17]``) and the kind of problem."""
+    text = str(text)
+    for finder in (path_spans, _windows_spans):
+        spans = finder(text)
+        for a, b in reversed(spans):
+            text = text[:a] + PATH_MARK + text[b:]
+    text = _QUOTED.sub(PATH_MARK, text)
+    text = _TOKEN.sub(lambda m: PATH_MARK if _is_relative_path(m.group(0)) else m.group(0), text)
+    allowed = {str(a) for a in allow or ()}
+    words = fedmed_words() if tokens else set()
+    for t in sorted((t for t in tokens if t not in allowed and t.lower() not in words), key=len, reverse=True):
+        text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(t)}(?![A-Za-z0-9])", NAME_MARK, text)
+    return text
+
+
+def redact_strings(obj, tokens=(), allow=()):
+    """A reply's meta with :func:`redact` applied to every string in it."""
+    if isinstance(obj, str):
+        return redact(obj, tokens, allow)
+    if isinstance(obj, dict):
+        return {k: redact_strings(v, tokens, allow) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(redact_strings(v, tokens, allow) for v in obj)
+    return obj
+
+
 def _kit_settings(start: Path) -> Path | None:
     for d in (start, *start.parents):
         cand = d / "local" / SETTINGS_FILE
@@ -198,13 +328,21 @@ def resolve_site_settings(site: str, *, cwd=None, env=None) -> SiteSettings:
     env = os.environ if env is None else env
     cwd = Path(cwd or os.getcwd())
     per_image_env = _truthy(env.get("FEDMED_ALLOW_PER_IMAGE"))
+
+    def policy(settings_file=None, k_min=None, per_image=False):
+        try:
+            return load_policy(settings_file=settings_file, env=env, cwd=cwd).with_site_settings(
+                k_min=k_min, allow_per_image=per_image or per_image_env)
+        except PolicyError as e:
+            raise SiteConfigError(f"{site}: {e}") from None
+
     if env.get("FEDMED_DATALIST"):
         dl = Path(env["FEDMED_DATALIST"])
         source = "FEDMED_DATALIST"
-        settings = SiteSettings(site, dl, dl.parent, per_image_env, None, source)
+        settings = SiteSettings(site, dl, dl.parent, source, policy=policy())
     elif env.get("FEDMED_DATALIST_DIR"):
         dl = Path(env["FEDMED_DATALIST_DIR"]) / f"{site}.json"
-        settings = SiteSettings(site, dl, dl.parent, per_image_env, None, "FEDMED_DATALIST_DIR")
+        settings = SiteSettings(site, dl, dl.parent, "FEDMED_DATALIST_DIR", policy=policy())
     else:
         f = Path(env["FEDMED_SITE_CONFIG"]) if env.get("FEDMED_SITE_CONFIG") else _kit_settings(cwd)
         if f is None:
@@ -243,8 +381,8 @@ def resolve_site_settings(site: str, *, cwd=None, env=None) -> SiteSettings:
             raise SiteConfigError(f"{site}: {source} cache_dir should be a folder or false, got {cache_dir!r}")
         if isinstance(cache_dir, str) and not Path(cache_dir).is_absolute():
             cache_dir = str(f.parent / cache_dir)
-        settings = SiteSettings(site, dl, root, bool(doc.get("allow_per_image", False)) or per_image_env, k_min,
-                                source, roots=[f.parent], device=device, cache_dir=cache_dir)
+        settings = SiteSettings(site, dl, root, source, roots=[f.parent], device=device, cache_dir=cache_dir,
+                                policy=policy(f, k_min, bool(doc.get("allow_per_image", False))))
     if settings.device is None and env.get("FEDMED_DEVICE"):
         settings.device = env["FEDMED_DEVICE"]
     if not settings.datalist.is_file():
@@ -253,7 +391,12 @@ def resolve_site_settings(site: str, *, cwd=None, env=None) -> SiteSettings:
     return settings
 
 
-def settings_for_dir(site: str, datalist_dir) -> SiteSettings:
-    """Settings of a site whose datalist is ``<datalist_dir>/<site>.json`` (simulations, tests)."""
+def settings_for_dir(site: str, datalist_dir, policy: SitePolicy | None = None) -> SiteSettings:
+    """Settings of a site whose datalist is ``<datalist_dir>/<site>.json`` (simulations, tests), with ``policy`` (by
+    default the one ``FEDMED_SITE_POLICY`` names, else the defaults)."""
     dl = Path(datalist_dir) / f"{site}.json"
-    return SiteSettings(site, dl, dl.parent, _truthy(os.environ.get("FEDMED_ALLOW_PER_IMAGE")), None, "datalist dir")
+    if policy is None:
+        f = os.environ.get("FEDMED_SITE_POLICY")
+        policy = SitePolicy.from_file(f) if f else SitePolicy()
+    per_image = _truthy(os.environ.get("FEDMED_ALLOW_PER_IMAGE"))
+    return SiteSettings(site, dl, dl.parent, "datalist dir", policy=policy.with_site_settings(allow_per_image=per_image))

@@ -138,8 +138,9 @@ def class_set(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
 def signature(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     """One-shot clustering signature of the site's training data (only aggregates leave).
 
-    ``cfg["signature"]``: ``kind`` (fmcl | pacfl | fecfl), ``encoder``, ``weights`` (local
-    file or None for seeded random init), ``image_size``, ``n_basis`` (PACFL); ``cfg["privacy"]``:
+    ``cfg["signature"]``: ``kind`` (fmcl | pacfl | fecfl), ``encoder``, ``image_size``, ``n_basis`` (PACFL); the
+    encoder's weights: ``cfg["encoder_weights"]``, a file of the site's weights folder (None: seeded random init,
+    :meth:`~fedmed.site.runner.SiteRunner.weights`); ``cfg["privacy"]``:
     ``k_min`` (classes with fewer samples are withheld), DP settings (:mod:`fedmed.algorithms.privacy`).
     """
     from fedmed.nn.encoders import build_encoder, extract_features
@@ -151,7 +152,7 @@ def signature(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     x, y = s.train[0], s.train[1].numpy()
     if sc.pseudo_labels:  # no labels used: every image, under the served model's predicted classes
         x, y = _pseudo_labelled(runner, params, cfg)
-    enc = build_encoder(sc.encoder, weights=sc.weights, seed=sc.seed, in_channels=cfg.data.channels,
+    enc = build_encoder(sc.encoder, weights=runner.weights(cfg), seed=sc.seed, in_channels=cfg.data.channels,
                         image_size=sc.image_size, device=runner.device(cfg))
     feats = extract_features(enc, x, progress=lambda m: print(f"[{runner.site}] {m}", flush=True))
     rng = np.random.default_rng(task_seed(cfg, runner.site, salt=17))
@@ -223,6 +224,9 @@ def descriptor(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
                         second_moment=f.second_moment, dp_epsilon=cfg.privacy.dp_epsilon, rng=rng,
                         site=runner.site, k_min=runner.k_min(cfg), absent=f.absent_class)
     meta = {"label_free": d.label_free, "n_samples": d.n_samples, "warnings": d.warnings}
+    if cfg.privacy.dp_epsilon is not None:  # the run's privacy ledger composes it (SiteRunner.account)
+        meta["dp"] = {"epsilon": cfg.privacy.dp_epsilon, "mechanism": "laplace, b = Range(g_i) / (n epsilon) (003_ "
+                      "App. C.2)"}
     if d.full is not None:
         meta["full"] = d.full
     for w in d.warnings:

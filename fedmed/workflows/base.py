@@ -10,9 +10,9 @@ from types import MappingProxyType
 __all__ = ["Workflow", "initial_params"]
 
 
-def initial_params(cfg: dict, app_custom=None) -> dict:
-    """The model every site starts from (the seeded network, or ``model.init_weights``, which the job carries in the
-    server app's custom folder ``app_custom``)."""
+def initial_params(cfg: dict, job_files=None, modules=()) -> dict:
+    """The model every site starts from (the seeded network, or ``model.init_weights``, which the job carries to the
+    server: ``job_files``); ``modules``: the user modules the server's policy lets it import."""
     from fedmed.core.schema import task_config
     from fedmed.nn.train import get_params
 
@@ -25,10 +25,28 @@ def initial_params(cfg: dict, app_custom=None) -> dict:
     if t.task == "segmentation":
         from fedmed.nn.models import seg_model_from_config
 
-        return get_params(seg_model_from_config(m, d.in_channels, seed=t.seed, init_root=app_custom))
+        return get_params(seg_model_from_config(m, d.in_channels, seed=t.seed, init_root=job_files, modules=modules))
     from fedmed.nn.models import model_from_config
 
-    return get_params(model_from_config(m, d.channels, d.n_classes, seed=t.seed, init_root=app_custom))
+    return get_params(model_from_config(m, d.channels, d.n_classes, seed=t.seed, init_root=job_files, modules=modules))
+
+
+def screen(rows: list) -> list:
+    """Replies as a workflow may use them: a site whose parameters hold NaN or inf (a diverged local training) is
+    turned into an error reply of that site — it sits out the round with its reason, as any site that failed a task,
+    instead of poisoning every model it would be averaged into."""
+    import numpy as np
+
+    out = []
+    for site, metrics, meta, params in rows:
+        bad = [k for k, v in (params or {}).items()
+               if np.asarray(v).dtype.kind in "fc" and not np.isfinite(np.asarray(v)).all()]
+        if bad and not meta.get("error"):
+            meta = {**meta, "error": f"{site}: its update has NaN or infinite values in {len(bad)} parameter "
+                    f"tensor(s) (e.g. {bad[0]}); left out of this round"}
+            metrics, params = {"failed": 1.0}, {}
+        out.append((site, metrics, meta, params))
+    return out
 
 
 class Workflow:
@@ -90,18 +108,22 @@ class Workflow:
         return self.fed.out_dir
 
     @property
-    def app_custom(self):
-        return self.fed.app_custom
+    def job_files(self):
+        return self.fed.job_files
 
     def task(self, params: dict, round_: int, **extra):
         """The message of one task: ``params`` and the task config (with ``extra`` entries, e.g. ``cluster``)."""
         return self.fed.message(params, round_, {**copy.deepcopy(self._cfg), **self.task_extra, **extra})
 
     def send(self, task_name: str, data, targets=None) -> list:
-        return self.fed.send(task_name, data, targets)
+        rows = screen(self.fed.send(task_name, data, targets))
+        self.recorder.account(rows)  # the sites' policies and the epsilon they released (Recorder.account)
+        return rows
 
     def send_groups(self, task_name: str, groups: dict) -> dict:
-        return self.fed.send_groups(task_name, groups)
+        out = {k: screen(rows) for k, rows in self.fed.send_groups(task_name, groups).items()}
+        self.recorder.account([r for rows in out.values() for r in rows])
+        return out
 
     def record_rows(self, round_, rows, task) -> list:
         return self.fed.record_rows(round_, rows, task)
@@ -136,7 +158,19 @@ class Workflow:
         return self.resumed.get("models", {})
 
     def initial_params(self, cfg: dict | None = None) -> dict:
-        return initial_params(cfg or self._cfg, self.app_custom)
+        """The model every site starts from, built at the server under the server's policy: a network it may not
+        build (a module its policy does not list, an argument that would download) fails the run in one line."""
+        from fedmed.core.policy import PolicyError
+        from fedmed.nn.models import ArchError
+
+        from fedmed.workflows.federation import RunFailed
+
+        cfg = cfg or self._cfg
+        try:
+            self.fed.policy.check_arch(self.task_cfg.model.arch)
+            return initial_params(cfg, self.job_files, self.fed.policy.modules)
+        except (PolicyError, ArchError) as e:
+            raise RunFailed(f"the server cannot build the model: {e}") from None
 
     def info(self, msg: str) -> None:
         self.fed.info(msg)

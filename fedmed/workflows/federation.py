@@ -8,7 +8,7 @@ small surface:
   params)`` rows sorted by site);
 * ``record_rows`` (one round into the run's record, with the quorum enforced), ``recorder`` (notes, errors);
 * ``checkpoint`` / ``resumed`` (continue a stopped run), ``save_final`` (a trained model), ``out_dir`` (the run's
-  ``fedmed/`` folder) and ``app_custom`` (what the job carries: init weights, a training run's models);
+  ``fedmed/`` folder) and ``job_files`` (what the job carries: init weights, a training run's models);
 * ``info`` / ``warning`` / ``error`` (the run's log).
 
 Two implementations: ``custom/controller.py`` on NVFlare (simulator, POC, provisioned sites: timeouts,
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from fedmed.core import memtrace
+from fedmed.core import jobfiles, memtrace
 from fedmed.report.record import Recorder
 
 __all__ = ["RESUME_DIR", "Federation", "RunFailed", "RunStopped"]
 
-RESUME_DIR = "fedmed_resume"  # inside the server app's custom folder of a resumed job
+RESUME_DIR = jobfiles.RESUME  # inside the folder of what a resumed job carries (:attr:`Federation.job_files`)
 
 
 class RunStopped(Exception):
@@ -44,7 +44,7 @@ class RunFailed(Exception):
 
 class Federation:
     """What a workflow needs from its sites and its server; subclasses implement :meth:`message`,
-    :meth:`send_groups`, :meth:`wait_for_sites`, :meth:`log`, ``out_dir`` and ``app_custom``."""
+    :meth:`send_groups`, :meth:`wait_for_sites`, :meth:`log`, ``out_dir`` and ``job_files``."""
 
     workflow = None  # the Workflow being run (set by :meth:`run`)
     tensorboard = True  # the record's TensorBoard scalars beside metrics.json
@@ -57,9 +57,21 @@ class Federation:
         raise NotImplementedError
 
     @property
-    def app_custom(self) -> Path | None:
-        """The folder holding what the job carries (``model.init_weights``, a resume checkpoint, trained models)."""
+    def job_files(self) -> Path | None:
+        """The folder holding the data the job carries to the server (``fedmed.core.jobfiles``: ``model.init_weights``,
+        a resume checkpoint, a training run's models) — never code."""
         raise NotImplementedError
+
+    @property
+    def policy(self):
+        """The server's :class:`~fedmed.core.policy.SitePolicy`: which user modules it may import to build the model
+        (``fedmed_policy.json`` in the server's kit, as at a site)."""
+        raise NotImplementedError
+
+    @property
+    def user_code(self) -> Path | None:
+        """The folder of a user's network class when the job carries one (a BYOC job); ``None`` otherwise."""
+        return None
 
     def message(self, params: dict, round_: int, config: dict):
         """The task message carrying ``params`` and the task ``config`` for round ``round_``."""
@@ -114,12 +126,8 @@ class Federation:
         is also returned (``"finished"``) or raised further (an unexpected error)."""
         self.workflow = workflow
         workflow.fed = self
-        if self.app_custom is not None:
-            from fedmed.nn.models import USER_CODE_DIR
-
-            user_code = str(Path(self.app_custom) / USER_CODE_DIR)
-            if user_code not in sys.path:  # a user's network class travels in the job (fedmed.nn.models)
-                sys.path.insert(0, user_code)
+        if self.user_code is not None and Path(self.user_code).is_dir() and str(self.user_code) not in sys.path:
+            sys.path.insert(0, str(self.user_code))  # importable; whether it is imported is the server policy's call
         self.start_recording()
         try:
             self.restore()

@@ -2,10 +2,12 @@
 
 from pathlib import Path
 
+from fedmed.core import jobfiles
+
 from fedmed.workflows.federation import RunFailed
 from fedmed.workflows.fedavg import FedAvg
 
-INIT_DIR = "fedmed_init"  # inside the server app's custom folder: the pre-trained encoder (encoder.pt)
+INIT_DIR = jobfiles.FINETUNE_INIT  # inside what the job carries (Federation.job_files): the pre-trained encoder.pt
 
 
 class Finetune(FedAvg):
@@ -29,7 +31,7 @@ class Finetune(FedAvg):
         if self.init == "fedmae":
             import torch
 
-            f = Path(self.app_custom) / INIT_DIR / "encoder.pt"
+            f = Path(self.job_files) / INIT_DIR / "encoder.pt"
             if not f.is_file():
                 raise RunFailed(f"init 'fedmae' but the job carries no pre-trained encoder ({INIT_DIR}/encoder.pt)")
             enc = torch.load(f, weights_only=True)

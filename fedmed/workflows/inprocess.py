@@ -45,7 +45,11 @@ class InProcessFederation(Federation):
 
     Args:
         out_dir: the run's ``fedmed/`` folder (record, checkpoint, models).
-        app_custom: what a job would carry to the server (``model.init_weights``, a training run's models).
+        job_files: what a job would carry to the server (``model.init_weights``, a training run's models).
+        policy: the :class:`~fedmed.core.policy.SitePolicy` of the server and every site; by default the
+            experimenter's own (:meth:`~fedmed.core.policy.SitePolicy.simulating`: the config's ``k_min`` is the floor,
+            weights come from ``weights_dir``).
+        weights_dir: the sites' weights folder under the default policy.
         resume_from: a ``checkpoint/`` folder to continue from.
         threads: torch threads while the sites compute (1, as each simulated site).
         log: where the run's log lines go (default: print; ``None`` keeps quiet).
@@ -53,12 +57,12 @@ class InProcessFederation(Federation):
         tensorboard: also write the record's TensorBoard scalars.
     """
 
-    def __init__(self, datalists, sites: list[str], out_dir, *, app_custom=None, resume_from=None, threads: int = 1,
-                 log=print, on_round=None, tensorboard: bool = False):
+    def __init__(self, datalists, sites: list[str], out_dir, *, job_files=None, resume_from=None, threads: int = 1,
+                 log=print, on_round=None, tensorboard: bool = False, policy=None, weights_dir=None):
         self._settings = datalists if isinstance(datalists, dict) else {s: Path(datalists) for s in sites}
         self.site_names = list(sites)
         self._out = Path(out_dir)
-        self._app_custom = Path(app_custom) if app_custom is not None else None
+        self._job_files = Path(job_files) if job_files is not None else None
         self._resume = Path(resume_from) if resume_from is not None else None
         self.threads = int(threads)
         self._log = log
@@ -68,14 +72,34 @@ class InProcessFederation(Federation):
         self.sites: list = []
         self.active: set = set()
         self.task_log: list = []  # (task, round, site) in the order the sites ran them
+        self._policy = policy
+        self._weights_dir = weights_dir
+
+    @property
+    def policy(self):
+        if self._policy is None:
+            from fedmed.core.policy import SitePolicy
+            from fedmed.core.schema import task_config
+
+            self._policy = SitePolicy.simulating(task_config(self.cfg).privacy.k_min, weights_dir=self._weights_dir)
+        return self._policy
+
+    def site_settings(self, site: str):
+        """The settings a simulated site answers with (its datalist, this federation's policy)."""
+        from fedmed.site.settings import SiteSettings, settings_for_dir
+
+        s = self._settings[site]
+        if isinstance(s, SiteSettings):
+            return s
+        return settings_for_dir(site, s, policy=self.policy)
 
     @property
     def out_dir(self) -> Path:
         return self._out
 
     @property
-    def app_custom(self):
-        return self._app_custom
+    def job_files(self):
+        return self._job_files
 
     def resume_dir(self):
         return self._resume
@@ -117,7 +141,7 @@ class InProcessFederation(Federation):
                     params = {k: np.array(v, copy=True) for k, v in (msg.params or {}).items()}
                     runner, out, metrics, meta, err = answer(s, self.runners.get(s), task_name, params,
                                                              _copy_config(msg.config), msg.round,
-                                                             settings=self._settings[s])
+                                                             settings=self.site_settings(s))
                     if runner is not None:
                         self.runners[s] = runner
                     if err is not None:

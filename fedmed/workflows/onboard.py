@@ -42,13 +42,14 @@ from pathlib import Path
 
 import numpy as np
 
+from fedmed.core import jobfiles
 from fedmed.workflows.base import Workflow
 from fedmed.workflows.federation import RunFailed
 
 __all__ = ["LABEL_FREE", "MODES", "Onboard", "OnboardingError", "TRAINING_DIR", "assign_by_linkage", "check_training_result",
            "find_result", "load_models", "training_files"]
 
-TRAINING_DIR = "fedmed_training"  # inside the server app's custom folder: the training run's models and state
+TRAINING_DIR = jobfiles.TRAINING  # inside what the job carries (Federation.job_files): the training run's models and state
 MODES = ("signature", "assess", "flux", "ifca", "cfl", "global", "ensemble")
 LABEL_FREE = {"assess", "flux", "global", "ensemble"}  # and "signature" of a label-free kind
 LABEL_FREE_SIGNATURES = {"fecfl"}  # FMCL's prototypes and PACFL's subspaces are per class
@@ -108,7 +109,7 @@ class Onboard(Workflow):
     # ------------------------------------------------------------------ the training run's result
     @property
     def root(self) -> Path:
-        return Path(self.app_custom) / TRAINING_DIR
+        return Path(self.job_files) / TRAINING_DIR
 
     def state(self) -> dict:
         f = self.root / "onboarding.json"
@@ -194,7 +195,7 @@ class Onboard(Workflow):
         from fedmed.algorithms.clustered import signature_distances
 
         state, clusters = st["state"], st["clusters"]
-        sig = dict(state["signature"], weights=self.task_cfg.weights_file)
+        sig = {k: v for k, v in state["signature"].items() if k != "weights"}  # the weights: cfg.encoder_weights
         trained = state["signatures"]
         encoders = sorted({m.get("encoder", "?") for m in trained.values()})
         if not self.labels and sig["kind"] not in LABEL_FREE_SIGNATURES:

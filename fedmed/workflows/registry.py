@@ -24,8 +24,7 @@ def _finetune(exp, method, seed, cfg) -> dict:
 def _signature(exp, method, seed, cfg) -> dict:
     from fedmed.core.schema import task_config
 
-    return {"signature": {"kind": method.workflow, "encoder": method.encoder, "weights": task_config(cfg).weights_file,
-                          "image_size": method.encoder_image_size, "n_basis": getattr(method, "n_basis", 3),
+    return {"signature": {"kind": method.workflow, "encoder": method.encoder, "image_size": method.encoder_image_size, "n_basis": getattr(method, "n_basis", 3),
                           "seed": seed, "angle": getattr(method, "angle", "principal")},
             "clustering": {"n_clusters": method.n_clusters, "threshold": method.threshold,
                            "overlap": getattr(method, "overlap", True), "linkage": method.linkage,

@@ -1,5 +1,6 @@
-"""The NVFlare side of every fedmed server workflow: one controller that runs a workflow of
-``fedmed.workflows`` (named in the job, with its options) as a :class:`fedmed.workflows.Federation` on FLARE.
+"""The NVFlare side of every fedmed server workflow (installed with fedmed; a job names it by class path): one
+controller that runs a workflow of ``fedmed.workflows`` (named in the job, with its options) as a
+:class:`fedmed.workflows.Federation` on FLARE.
 
 The workflows read like their papers' algorithm boxes; this adapter gives all of them the same behaviour at a
 hospital:
@@ -29,6 +30,7 @@ from pathlib import Path
 from nvflare.app_common.abstract.fl_model import FLModel
 from nvflare.app_common.workflows.model_controller import ModelController
 
+from fedmed.core import jobfiles
 from fedmed.core.compat import serialize_ast_parse
 from fedmed.core.schema import task_config
 from fedmed.workflows import RESUME_DIR, Federation, RunFailed, RunStopped, server_workflow
@@ -78,9 +80,24 @@ class WorkflowController(Federation, ModelController):
         return Path(self.get_run_dir()) / "fedmed"
 
     @property
-    def app_custom(self) -> Path:
-        """This job's custom folder at the server (what the job carries: init weights, a user's network code)."""
-        return Path(self.get_app_dir()) / "custom"
+    def job_files(self) -> Path:
+        """What this job carries to the server (init weights, a checkpoint, a training run's models): data in the app's
+        ``config/`` folder (``fedmed.core.jobfiles``), so the job is not custom code to FLARE."""
+        return Path(self.get_app_dir()) / "config" / jobfiles.FILES_DIR
+
+    @property
+    def policy(self):
+        """The server's policy (``local/fedmed_policy.json`` of its kit, or ``FEDMED_SITE_POLICY``)."""
+        if getattr(self, "_policy", None) is None:
+            from fedmed.core.policy import load_policy
+
+            self._policy = load_policy()
+        return self._policy
+
+    @property
+    def user_code(self) -> Path:
+        """A user's network class, in the app's ``custom/`` folder (only in a job FLARE authorised as BYOC)."""
+        return Path(self.get_app_dir()) / "custom" / jobfiles.USER_CODE_DIR
 
     @property
     def federation_settings(self):
@@ -88,7 +105,7 @@ class WorkflowController(Federation, ModelController):
         return task_config(self.fedmed_config).federation
 
     def resume_dir(self):
-        return self.app_custom / RESUME_DIR if self.resume else None
+        return self.job_files / RESUME_DIR if self.resume else None
 
     def message(self, params: dict, round_: int, config: dict) -> FLModel:
         return FLModel(params=params, current_round=round_, total_rounds=self.num_rounds, meta={"fedmed": config})

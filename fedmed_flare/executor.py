@@ -1,0 +1,92 @@
+"""A site's side of every fedmed workflow on FLARE: one :class:`SiteExecutor`, installed with fedmed and named by the
+job by class path (the job carries no code).
+
+The job names no data: the site finds its datalist and its policy through its own settings
+(``fedmed.site.settings``: ``FEDMED_DATALIST`` / ``FEDMED_DATALIST_DIR`` / ``FEDMED_SITE_CONFIG`` or the startup kit's
+``local/fedmed_site.json``; ``fedmed.site.policy``: ``local/fedmed_policy.json``) and hands each task to
+``fedmed.site.runner.answer`` — the same reply loop the in-process federation runs. A task the site cannot do (no data
+configured, a job asking for what the site's policy does not allow, a missing or corrupt image) is answered with a
+one-line error that names the split and position, never a file or folder, so the rest of the federation finishes;
+the site's own log has the full message.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+from nvflare.apis.analytix import AnalyticsDataType
+from nvflare.apis.event_type import EventType
+from nvflare.apis.executor import Executor
+from nvflare.apis.fl_constant import FLContextKey
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable
+from nvflare.apis.signal import Signal
+from nvflare.apis.utils.analytix_utils import create_analytic_dxo, send_analytic_dxo
+from nvflare.app_common.abstract.fl_model import FLModel
+from nvflare.app_common.utils.fl_model_utils import FLModelUtils
+
+from fedmed.core.compat import serialize_ast_parse
+from fedmed.core.jobfiles import USER_CODE_DIR
+
+serialize_ast_parse()  # FLARE decodes arrays in its own threads (np.load -> ast.parse): fedmed/core/compat.py
+
+__all__ = ["SiteExecutor"]
+
+
+def _tag(key: str) -> str:
+    """The TensorBoard tag of a reply metric: train loss, validation and test scores of the served model."""
+    if key == "train_loss":
+        return f"train/{key}"
+    return f"val/{key[4:]}" if key.startswith("val_") else f"test/{key}"
+
+
+class SiteExecutor(Executor):
+    """Answers every fedmed task at this site.
+
+    Args:
+        threads: torch CPU threads of this site's work.
+    """
+
+    def __init__(self, threads: int = 1):
+        super().__init__()
+        self.threads = int(threads)  # attribute named as the argument: FedJob exports it from the instance
+        self._runner = None
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext):
+        if event_type == EventType.START_RUN:
+            import torch
+
+            torch.set_num_threads(max(1, self.threads))
+            from fedmed.core import memtrace
+
+            memtrace.start()  # benchmarks/bench_memory.py --trace only
+            app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT)
+            user_code = Path(app_root or ".") / "custom" / USER_CODE_DIR
+            if user_code.is_dir() and str(user_code) not in sys.path:
+                # only a job FLARE authorised as custom code (BYOC) has this folder; whether a module in it may be
+                # imported is still the site policy's decision (fedmed.site.policy)
+                sys.path.insert(0, str(user_code))
+
+    def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
+        from fedmed.core import memtrace
+        from fedmed.site.runner import answer
+
+        site = fl_ctx.get_identity_name()
+        incoming = FLModelUtils.from_shareable(shareable)
+        cfg = dict((incoming.meta or {}).get("fedmed", {}))
+        rnd = int(incoming.current_round or 0)
+        self._runner, params, metrics, meta, error = answer(site, self._runner, task_name, incoming.params or {}, cfg,
+                                                            rnd)
+        if error is not None:  # the full message stays in this site's log; the server gets the one-line reply
+            self.log_error(fl_ctx, f"[fedmed] {error}", fire_event=False)
+            return FLModelUtils.to_shareable(FLModel(params={}, metrics=metrics, meta=meta))
+        for k, v in metrics.items():  # served model's metrics before training; train loss of this round
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                dxo = create_analytic_dxo(f"{site}/{_tag(k)}", float(v), AnalyticsDataType.SCALAR, global_step=rnd)
+                send_analytic_dxo(self, dxo, fl_ctx)
+        reply = FLModelUtils.to_shareable(FLModel(params=params, metrics=metrics, meta=meta))
+        memtrace.trim()  # freed stream buffers back to the system (halves the sites' RSS growth)
+        memtrace.checkpoint(site, rnd)
+        return reply

@@ -1,0 +1,379 @@
+"""The site decides (fedmed.core.policy): what a job can make a site import, download, read and send. Each test runs a
+site as a hospital would have it — its own policy file or none (the defaults) — against a job that asks for more."""
+
+import http.server
+import json
+import re
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from fedmed.core.policy import POLICY_FILE, PolicyError, SitePolicy, load_policy, weights_ref
+from fedmed.data.images import discover, write_site_datalists
+from fedmed.data.partition import iid_partition
+from fedmed.nn.train import get_params
+from fedmed.site.runner import SiteRunner, answer
+from fedmed.site.settings import resolve_site_settings, settings_for_dir
+
+CLASSES = [str(c) for c in range(10)]
+CFG = {"task": "classification", "seed": 0, "classes": CLASSES, "data": {"image_size": 8, "channels": 1, "n_classes": 10},
+       "model": {"arch": "resnet9", "width": 4, "norm": "group"}, "train": {"local_epochs": 1, "batch_size": 8},
+       "privacy": {"k_min": 5}}
+
+# a module whose import leaves a mark: "imported" proves a job made the site run its code
+MARKING_MODULE = '''
+import pathlib
+pathlib.Path({mark!r}).write_text("imported")
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, in_channels=1, num_classes=2):
+        super().__init__()
+        self.fc = nn.Linear(in_channels * 64, num_classes)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+'''
+
+
+@pytest.fixture
+def sites(tmp_path):
+    pool = discover("builtin:digits", max_per_class=8)
+    root = tmp_path / "data"
+    write_site_datalists(pool, iid_partition(len(pool.labels), 2, 0), root, test_fraction=0.25, seed=0)
+    return root
+
+
+def site(root, name="site-1", policy=None):
+    return SiteRunner(name, settings_for_dir(name, root, policy=policy or SitePolicy()))
+
+
+@pytest.fixture
+def marking_module(tmp_path, monkeypatch):
+    code = tmp_path / "code"
+    code.mkdir()
+    mark = tmp_path / "mark.txt"
+    (code / "hospital_mod.py").write_text(MARKING_MODULE.format(mark=str(mark)))
+    monkeypatch.syspath_prepend(str(code))
+    monkeypatch.delitem(sys.modules, "hospital_mod", raising=False)
+    return mark
+
+
+# ------------------------------------------------------------------------------------------------ the policy file
+def test_a_policy_file_is_read_and_every_bad_key_is_one_line(tmp_path):
+    f = tmp_path / POLICY_FILE
+    f.write_text(json.dumps({"modules": ["hospital_nets"], "weights_dir": "weights", "k_min": 10, "max_epsilon": 2,
+                             "dp_required": True, "max_image_pixels": 1000}))
+    p = SitePolicy.from_file(f)
+    assert p.modules == ("hospital_nets",) and p.weights_dir == tmp_path / "weights" and p.k_min == 10
+    assert p.max_epsilon == 2.0 and p.dp_required and p.limits.max_image_pixels == 1000
+    for doc, says in (({"k_min": 0}, "k_min should be a positive integer"), ({"modules": "x"}, "modules should be a list"),
+                      ({"max_epsilon": -1}, "max_epsilon should be a number > 0"), ({"kmin": 3}, "unknown keys ['kmin']"),
+                      ({"dp_required": "yes"}, "dp_required should be true or false")):
+        f.write_text(json.dumps(doc))
+        with pytest.raises(PolicyError, match=re.escape(says)):
+            SitePolicy.from_file(f)
+
+
+def test_a_kit_policy_sits_beside_the_site_settings_and_a_kit_without_one_runs_the_defaults(tmp_path, sites):
+    kit = tmp_path / "kit"
+    (kit / "local").mkdir(parents=True)
+    (kit / "startup").mkdir()
+    (kit / "local" / "fedmed_site.json").write_text(json.dumps({"datalist": str(sites / "site-1.json"), "k_min": 7}))
+    s = resolve_site_settings("site-1", cwd=kit, env={})
+    assert s.policy.source == "default" and s.policy.k_min == 7  # fedmed_site.json's k_min raises the floor
+    (kit / "local" / POLICY_FILE).write_text(json.dumps({"k_min": 12, "allow_per_image": True}))
+    s = resolve_site_settings("site-1", cwd=kit / "run", env={})
+    assert s.policy.source == POLICY_FILE and s.policy.k_min == 12 and s.policy.allow_per_image
+    assert load_policy(env={}, cwd=tmp_path).source == "default"
+
+
+# ------------------------------------------------------------------------------------------------ 1. code
+def test_a_module_a_job_names_is_not_imported_without_the_sites_policy(sites, marking_module):
+    cfg = {**CFG, "model": {"arch": "hospital_mod:Net"}}
+    runner, out, metrics, meta, err = answer("site-1", None, "train", {}, cfg, 0,
+                                             settings=settings_for_dir("site-1", sites, policy=SitePolicy()))
+    assert "model.arch 'hospital_mod:Net' imports module 'hospital_mod', which this site does not allow" in meta["error"]
+    assert "modules" in meta["error"] and "\n" not in meta["error"]
+    assert not marking_module.exists() and "hospital_mod" not in sys.modules  # never imported
+    # the site lists it: then it runs
+    allowed = site(sites, policy=SitePolicy(modules=("hospital_mod",)))
+    model = allowed.model(cfg)
+    assert marking_module.exists() and type(model).__name__ == "Net"
+
+
+def test_a_checkpoint_cannot_make_predict_import_a_module(tmp_path, marking_module):
+    from fedmed.nn.predict import ModelFileError, load_model, save_model
+
+    cfg = {"task": "classification", "model": {"arch": "hospital_mod:Net"}, "data": {"channels": 1, "n_classes": 2}}
+    f = save_model(tmp_path / "m.pt", {"fc.weight": np.zeros((2, 64), np.float32), "fc.bias": np.zeros(2, np.float32)},
+                   cfg)
+    with pytest.raises(ModelFileError, match="imports module 'hospital_mod', which this site does not allow"):
+        load_model(f, policy=SitePolicy())
+    assert not marking_module.exists() and "hospital_mod" not in sys.modules
+    net, _ = load_model(f, policy=SitePolicy(modules=("hospital_mod",)))
+    assert type(net).__name__ == "Net"
+
+
+def test_the_server_imports_no_module_its_policy_does_not_allow(sites, tmp_path, marking_module):
+    from fedmed.workflows import InProcessFederation
+    from fedmed.workflows.fedavg import FedAvg
+
+    cfg = {**CFG, "model": {"arch": "hospital_mod:Net"}, "federation": {"sites": ["site-1", "site-2"]}}
+    fed = InProcessFederation(sites, ["site-1", "site-2"], tmp_path / "run", log=None, policy=SitePolicy())
+    assert fed.run(FedAvg(1, cfg)) == "failed"
+    assert "imports module 'hospital_mod'" in fed.recorder.doc["reason"]
+    assert not marking_module.exists()
+
+
+def test_a_site_may_restrict_the_networks_and_encoders_it_runs(sites):
+    p = SitePolicy(architectures=("resnet9",), encoders=("random_cnn",))
+    r = site(sites, policy=p)
+    with pytest.raises(PolicyError, match="model.arch 'DenseNet121' is not among the networks this site runs"):
+        r.handle("train", {}, {**CFG, "model": {"arch": "DenseNet121"}})
+    sig = {"kind": "fmcl", "encoder": "vit_tiny", "seed": 0}
+    with pytest.raises(PolicyError, match="encoder 'vit_tiny' is not among the encoders this site runs"):
+        r.handle("signature", {}, {**CFG, "signature": sig})
+    _, _, meta = r.handle("signature", {}, {**CFG, "signature": {**sig, "encoder": "random_cnn"}})
+    assert meta["classes"]
+
+
+# ------------------------------------------------------------------------------------------------ 2. network
+class Listener:
+    """A loopback HTTP server that records every request it gets (nothing may reach it)."""
+
+    def __init__(self):
+        self.requests = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                outer.requests.append(self.path)
+                self.send_response(404)
+                self.end_headers()
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.fixture
+def listener():
+    lis = Listener()
+    yield lis
+    lis.close()
+
+
+DOWNLOADING_NET = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, in_channels=1, num_classes=2, url=None):
+        super().__init__()
+        self.fc = nn.Linear(in_channels * 64, num_classes)
+        torch.hub.load_state_dict_from_url({url!r})
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+'''
+
+
+def test_no_config_or_checkpoint_reaches_the_network(sites, tmp_path, listener, monkeypatch):
+    from fedmed.nn.models import ArchError, model_from_config
+    from fedmed.nn.predict import ModelFileError, load_model, save_model
+
+    url = f"{listener.url}/weights.pth"
+    r = site(sites)
+    # a URL-valued argument (MONAI's HoVerNet pretrained_url) is refused at the site, at the build and in predict
+    cfg = {**CFG, "model": {"arch": "HoVerNet", "args": {"pretrained_url": url}}}
+    with pytest.raises(ArchError, match="model.args.pretrained_url: HoVerNet would be given a URL or a path"):
+        r.model(cfg)
+    f = save_model(tmp_path / "hover.pt", {}, {**cfg, "data": {"channels": 1, "n_classes": 2}})
+    with pytest.raises(ModelFileError, match="would be given a URL or a path"):
+        load_model(f, policy=SitePolicy())
+    # EfficientNetBN defaults to pretrained=True (a download): built with it off
+    net = model_from_config({"arch": "EfficientNetBN", "args": {"model_name": "efficientnet-b0"}}, 1, 2)
+    assert sum(p.numel() for p in net.parameters()) > 1e6
+    # a constructor that downloads anyway (a user's class) fails in one line, before any request
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "downloading.py").write_text(DOWNLOADING_NET.format(url=url))
+    monkeypatch.syspath_prepend(str(code))
+    with pytest.raises(ArchError, match="tried to download"):
+        model_from_config({"arch": "downloading:Net"}, 1, 2, modules=("downloading",))
+    # a path as an argument (a file of the site's host) is refused too
+    with pytest.raises(ArchError, match="model.args.pretrained: .* a URL or a path"):
+        model_from_config({"arch": "ResNet", "args": {"pretrained": "/etc/hostname",
+                          "block": "basic", "layers": [1, 1, 1, 1], "block_inplanes": [4, 8, 16, 32]}}, 1, 2)
+    assert listener.requests == []
+
+
+# ------------------------------------------------------------------------------------------------ 3. files
+def test_a_weights_path_outside_the_sites_folder_is_refused_without_touching_the_file(sites, tmp_path):
+    from fedmed.nn.encoders import build_encoder
+
+    secret = tmp_path / "secret" / "enc.pt"
+    secret.parent.mkdir()
+    torch.save(build_encoder("random_cnn", seed=1).module.state_dict(), secret)
+    ref = weights_ref(secret)
+    folder = tmp_path / "site_weights"
+    folder.mkdir()
+    r = site(sites, policy=SitePolicy(weights_dir=folder))
+    opened = []
+
+    def hook(event, args):
+        if event in ("open", "os.listdir", "os.scandir") and args and "secret" in str(args[0]):
+            opened.append((event, args[0]))
+
+    sys.addaudithook(hook)  # Python's audit events: every open() of that file would be seen
+    sig = {"kind": "fmcl", "encoder": "random_cnn", "seed": 0}
+    for name, kind in ((str(secret), "absolute path"), ("../secret/enc.pt", "path"), ("C:\\secret\\enc.pt", "absolute"),
+                       ("~/enc.pt", "home-relative")):
+        with pytest.raises(PolicyError, match=f"not by a path \\(got a {kind}"):
+            r.handle("signature", {}, {**CFG, "signature": sig, "encoder_weights": {**ref, "name": name}})
+    assert opened == []
+    # the file named by name, in the site's weights folder: used; another file under that name: refused
+    with pytest.raises(PolicyError, match="the weights file enc.pt is not in this site's weights folder"):
+        r.handle("signature", {}, {**CFG, "signature": sig, "encoder_weights": ref})
+    (folder / "enc.pt").write_bytes(secret.read_bytes())
+    _, _, meta = r.handle("signature", {}, {**CFG, "signature": sig, "encoder_weights": ref})
+    assert f"enc.pt (sha256 {ref['sha256'][:12]})" in meta["encoder"]
+    torch.save(build_encoder("random_cnn", seed=2).module.state_dict(), folder / "enc.pt")
+    with pytest.raises(PolicyError, match="enc.pt in this site's weights folder is not the coordinator's"):
+        site(sites, policy=SitePolicy(weights_dir=folder)).handle(
+            "signature", {}, {**CFG, "signature": sig, "encoder_weights": ref})
+    with pytest.raises(PolicyError, match="this site keeps no weights folder"):
+        site(sites).handle("signature", {}, {**CFG, "signature": sig, "encoder_weights": ref})
+
+
+# ------------------------------------------------------------------------------------------------ 4. privacy floor
+def _one_image_class(root):
+    doc = json.loads((root / "site-1.json").read_text())
+    doc["training"][0]["label"] = 9
+    for e in doc["training"][1:]:
+        e["label"] = 0 if e["label"] == 9 else e["label"]
+    (root / "site-1.json").write_text(json.dumps(doc))
+
+
+def test_a_jobs_k_min_of_1_at_a_default_site_withholds_the_one_image_class(sites):
+    _one_image_class(sites)
+    job = {**CFG, "privacy": {"k_min": 1}, "signature": {"kind": "fmcl", "encoder": "random_cnn", "seed": 0}}
+    _, _, meta = site(sites).handle("signature", {}, job)  # no policy file: the defaults (floor 5)
+    assert 9 in meta["withheld_classes"] and 9 not in meta["classes"]
+    assert any("privacy.k_min=1 is below this site's floor; this site applies k_min=5" in n for n in meta["notes"])
+    assert meta["site_policy"]["k_min"] == 5
+    # a site whose own policy allows single images sends it (and says so in its policy)
+    _, _, meta = site(sites, policy=SitePolicy(k_min=1)).handle("signature", {}, job)
+    assert 9 in meta["classes"]
+
+
+# ------------------------------------------------------------------------------------------------ DP and epsilon
+def test_dp_required_and_the_epsilon_ceiling_are_the_sites(sites):
+    sig = {**CFG, "signature": {"kind": "fecfl", "encoder": "random_cnn", "seed": 0}}
+    with pytest.raises(PolicyError, match="this site sends signatures only with differential privacy"):
+        site(sites, policy=SitePolicy(dp_required=True)).handle("signature", {}, sig)
+    with pytest.raises(PolicyError, match="dp_epsilon=5 is above this site's ceiling .*max_epsilon.*: 1"):
+        site(sites, policy=SitePolicy(max_epsilon=1.0)).handle("signature", {}, {**sig, "privacy": {"dp_epsilon": 5}})
+    r = site(sites, policy=SitePolicy(max_epsilon=3.0))
+    dp = {**sig, "privacy": {"dp_epsilon": 2.0}}
+    _, _, meta = r.handle("signature", {}, dp)
+    assert meta["dp"]["epsilon"] == 2.0 and meta["dp"]["run_epsilon"] == 2.0
+    with pytest.raises(PolicyError, match="would bring this run's epsilon at this site to 4, above its ceiling"):
+        r.handle("signature", {}, dp)  # a second signature at 2 would compose to 4 > 3: nothing is sent
+    assert r.epsilon_spent == 2.0
+
+
+def test_a_raw_pixel_signature_without_dp_is_the_sites_choice(sites):
+    job = {**CFG, "signature": {"kind": "pacfl", "encoder": "pixels", "seed": 0, "n_basis": 2}}
+    with pytest.raises(PolicyError, match="allow_pixel_signatures.*false"):
+        site(sites).handle("signature", {}, job)
+    _, _, meta = site(sites).handle("signature", {}, {**job, "privacy": {"dp_epsilon": 1.0}})
+    assert meta["dp"]["epsilon"] == 1.0
+    _, _, meta = site(sites, policy=SitePolicy(allow_pixel_signatures=True)).handle("signature", {}, job)
+    assert meta["basis"] is not None
+
+
+def test_the_epsilon_recorded_is_the_composition_of_what_each_site_sent(sites, tmp_path):
+    """FMCL with DP: every signature a site sent at epsilon, composed (basic composition) in the record and the report
+    (an onboarding without labels — K signatures — : test_onboard.py)."""
+    from fedmed.workflows import InProcessFederation
+    from fedmed.workflows.clustered import OneShotClustered
+
+    eps = 0.7
+    cfg = {**CFG, "privacy": {"k_min": 2, "dp_epsilon": eps}, "federation": {"sites": ["site-1", "site-2"]}}
+    args = {"signature": {"kind": "fmcl", "encoder": "random_cnn", "seed": 0},
+            "clustering": {"n_clusters": 2, "threshold": None, "overlap": True, "linkage": "average",
+                           "k1_silhouette": None}}
+    fed = InProcessFederation(sites, ["site-1", "site-2"], tmp_path / "run", log=None)
+    assert fed.run(OneShotClustered(1, cfg, **args)) == "finished"
+    doc = fed.recorder.doc
+    sent = {s: sum(1 for t in doc["task_log"] if t["task"] == "signature" and s in t["sites"]) for s in fed.sites}
+    for s in fed.sites:
+        assert doc["epsilon_spent"][s] == {"epsilon": pytest.approx(eps * sent[s]), "releases": sent[s]}
+        assert doc["site_policies"][s]["k_min"] == 2
+    from fedmed.report.html import privacy_table
+
+    assert f"{eps * sent['site-1']:g} over {sent['site-1']} release(s)" in privacy_table(doc)  # the report shows it
+
+
+# ------------------------------------------------------------------------------------------------ limits
+def test_a_site_sets_the_sizes_it_reads(sites):
+    r = site(sites, policy=SitePolicy.from_dict({"max_image_pixels": 10}))
+    with pytest.raises(Exception) as err:
+        r.handle("validate", get_params(r.model(CFG)), CFG)
+    assert "more than this site decodes (its policy's max_image_pixels=10)" in err.value.public
+    r = site(sites, policy=SitePolicy.from_dict({"max_file_bytes": 10}))
+    with pytest.raises(Exception) as err:
+        r.handle("validate", get_params(r.model(CFG)), CFG)
+    assert "larger than this site reads" in err.value.public
+
+
+# ------------------------------------------------------------------------------------------------ 5. names
+SECRETS = ("Doe", "MRN12345", "PACS export", "Jane")
+
+
+def break_with_names(root, site: str, kind: str) -> None:
+    doc = json.loads((root / f"{site}.json").read_text())
+    e = doc["training"][0]
+    if kind == "patient_folder":
+        e["image"] = "Doe_Jane_MRN12345/scan.png"
+    elif kind == "entry_with_extra_fields":
+        doc["training"][0] = {"image": e["image"], "patient_name": "Doe Jane", "mrn": "MRN12345"}  # and no label
+    elif kind == "label_value":
+        e["label"] = "Doe-Jane-MRN12345"
+    elif kind == "windows_path":
+        e["image"] = "C:\\PACS export\\Doe Jane\\scan.png"
+    (root / f"{site}.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("kind", ["patient_folder", "entry_with_extra_fields", "label_value", "windows_path"])
+def test_no_name_of_a_sites_data_reaches_anything_the_server_writes(tmp_path, capfd, kind):
+    from fedmed.workflows import InProcessFederation
+    from fedmed.workflows.fedavg import FedAvg
+
+    pool = discover("builtin:digits", max_per_class=8)
+    root = tmp_path / "data"
+    write_site_datalists(pool, iid_partition(len(pool.labels), 3, 0), root, test_fraction=0.25, seed=0)
+    break_with_names(root, "site-2", kind)
+    server_log = []
+    cfg = {**CFG, "federation": {"sites": ["site-1", "site-2", "site-3"], "min_clients": 2}}
+    fed = InProcessFederation(root, ["site-1", "site-2", "site-3"], tmp_path / "run", log=server_log.append)
+    assert fed.run(FedAvg(2, cfg)) == "finished"
+    err = next(e["error"] for e in fed.recorder.doc["errors"] if e["site"] == "site-2")
+    assert "training[0]" in err, err  # the position, and the kind of problem
+    written = "\n".join(server_log) + "".join(f.read_text(errors="replace") for f in (tmp_path / "run").rglob("*")
+                                              if f.is_file() and f.suffix in (".json", ".md", ".html", ".csv"))
+    assert not [s for s in SECRETS if s in written], [s for s in SECRETS if s in written]
+    assert "Doe" in capfd.readouterr().err  # the site's own log has it
