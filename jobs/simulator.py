@@ -82,15 +82,15 @@ def open_ports(number: int) -> list[int]:
 WORKER_MODULE = "nvflare.private.fed.app.simulator.simulator_worker"
 TEMPLATE_ENV = "FEDMED_SIM_TEMPLATE"  # {"pid", "fd", "address"} of a template started by jobs/run.py
 PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.optim", WORKER_MODULE, "nvflare.private.fed.app.simulator.simulator",
-           "nvflare.private.fed.app.simulator.simulator_runner", "nvflare.client", "nvflare.client.tracking",
-           "nvflare.app_common.executors.client_api.in_process_backend", "PIL.Image", "fedmed.site.runner", "fedmed.nn.train",
+           "nvflare.private.fed.app.simulator.simulator_runner", "fedmed_flare.executor", "fedmed_flare.controller",
+           "PIL.Image", "fedmed.site.runner", "fedmed.nn.train",
            "fedmed.nn.models", "fedmed.algorithms.metrics", "fedmed.data.images",
            # what a site worker still imported after the fork (FLARE's driver scan imports every f3 driver, with
            # aiohttp, gRPC and protobuf: ~0.6 s of CPU per site; measured by diffing sys.modules in a worker)
            "nvflare.fuel.f3.drivers.aio_http_driver", "nvflare.fuel.f3.drivers.aio_grpc_driver",
            "nvflare.fuel.f3.drivers.grpc_driver", "nvflare.fuel.f3.drivers.aio_tcp_driver",
            "nvflare.fuel.f3.drivers.tcp_driver", "nvflare.fuel.f3.drivers.file_driver", "nvflare.fuel.f3.comm_config_utils",
-           "nvflare.app_common.executors.client_api_executor", "nvflare.app_common.widgets.convert_to_fed_event",
+           "nvflare.app_common.widgets.convert_to_fed_event",
            "nvflare.fuel.utils.fobs.decomposers.core_decomposers", "PIL.PngImagePlugin", "numpy.ma", "fedmed.core.memtrace"]
 
 
@@ -347,7 +347,7 @@ DEAD_SITES_ENV = "FEDMED_DEAD_SITES"  # folder where the simulator notes each si
 
 
 def note_dead_site(site: str, returncode) -> None:
-    """Write ``<FEDMED_DEAD_SITES>/<site>.json``: the workflow (custom/controller.py) stops waiting for that site."""
+    """Write ``<FEDMED_DEAD_SITES>/<site>.json``: the workflow (fedmed_flare/controller.py) stops waiting for that site."""
     folder = os.environ.get(DEAD_SITES_ENV)
     if not folder or not site:
         return

@@ -42,3 +42,21 @@ def own_site(site: str, folder, *, k_min: int = 1, cls=None, **policy):
 
     p = replace(SitePolicy.simulating(k_min), **policy)
     return (cls or SiteRunner)(site, settings_for_dir(site, folder, policy=p))
+
+
+def doc_commands(page: str) -> list[str]:
+    """The command lines of the bash blocks of ``docs/<page>``."""
+    import re
+
+    text = (ROOT / "docs" / page).read_text()
+    return [ln.strip() for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S) for ln in b.splitlines()
+            if ln.strip() and not ln.strip().startswith("#")]
+
+
+def doc_json(page: str, caption: str):
+    """The first JSON block of ``docs/<page>`` after ``caption`` (e.g. the file it is for), parsed."""
+    import json
+    import re
+
+    text = (ROOT / "docs" / page).read_text()
+    return json.loads(re.search(r"```json\n(.*?)```", text[text.index(caption):], flags=re.S).group(1))

@@ -28,6 +28,8 @@ import yaml
 from fedmed.config import load_config
 from fedmed.run.experiment import REPO_ROOT, prepare_federation
 
+from conftest import doc_commands, doc_json
+
 pytestmark = [pytest.mark.slow, pytest.mark.deploy]
 
 SITES = ["hospital-a", "hospital-b", "hospital-c"]
@@ -83,17 +85,16 @@ class Deployment:
         assert (self.kits[name] / "startup" / "client.crt").is_file()
         return self.kits[name]
 
-    def allow_fedmed(self, *names):
-        """docs/deployment.md §4: every kit's class_allow_list allows fedmed's adapters (the command as written)."""
-        subprocess.run([sys.executable, "-m", "fedmed_flare.kit", *[str(self.kits[n]) for n in names]], env=self.env,
-                       check=True, capture_output=True, timeout=120)
+    def allow_fedmed(self, prod: Path):
+        """docs/deployment.md §4: every kit's class_allow_list allows fedmed's adapters — the command as written, run
+        in the provisioning folder (``provision/<project>`` is this workspace's)."""
+        cmd = next(c for c in doc_commands("deployment.md") if "fedmed_flare.kit" in c)
+        cmd = cmd.replace(".venv/bin/python", sys.executable).replace("provision/<project>/prod_00", str(prod))
+        subprocess.run(["bash", "-c", cmd], cwd=self.root, env=self.env, check=True, capture_output=True, timeout=120)
 
     def no_custom_code(self, name: str):
-        """docs/deployment.md §4: a site that runs no job carrying code: "byoc": "none" for every submitter role."""
-        rights = {r: "any" for r in ("submit_job", "clone_job", "manage_job", "download_job", "view", "operate",
-                                     "shell_commands")}
-        authz = {"format_version": "1.0", "permissions": {
-            role: {**rights, "byoc": "none"} for role in ("project_admin", "org_admin", "lead")}}
+        """docs/deployment.md §4: a site that runs no job carrying code — its authorization.json as the page gives it."""
+        authz = doc_json("deployment.md", "local/authorization.json")
         (self.kits[name] / "local" / "authorization.json").write_text(json.dumps(authz, indent=1))
 
     def start(self, name: str):
@@ -149,7 +150,7 @@ def deployment(tmp_path_factory):
     d = Deployment(root)
     try:
         d.provision()
-        d.allow_fedmed("localhost", *SITES)
+        d.allow_fedmed(d.kits["localhost"].parent)
         d.no_custom_code("hospital-a")
         d.start("localhost")
         time.sleep(5)
@@ -236,24 +237,23 @@ def test_a_site_that_runs_no_custom_code_runs_fedavg_and_fmcl_to_the_end(deploym
     assert "fedmed_flare.executor.SiteExecutor" in config
 
 
-def test_a_site_that_runs_no_custom_code_refuses_a_job_carrying_a_users_network(deployment, site_data, tmp_path):
-    code = tmp_path / "code"
-    (code / "hospital_nets").mkdir(parents=True)
-    (code / "hospital_nets" / "__init__.py").write_text("from torch import nn
+USER_NET = """from torch import nn
 
 
 class Net(nn.Module):
-"
-                                                        "    def __init__(self, in_channels=1, num_classes=10):
-"
-                                                        "        super().__init__()
-"
-                                                        "        self.fc = nn.Linear(in_channels * 64, num_classes)
+    def __init__(self, in_channels=1, num_classes=10):
+        super().__init__()
+        self.fc = nn.Linear(in_channels * 64, num_classes)
 
-"
-                                                        "    def forward(self, x):
+    def forward(self, x):
         return self.fc(x.flatten(1))
-")
+"""
+
+
+def test_a_site_that_runs_no_custom_code_refuses_a_job_carrying_a_users_network(deployment, site_data, tmp_path):
+    code = tmp_path / "code"
+    (code / "hospital_nets").mkdir(parents=True)
+    (code / "hospital_nets" / "__init__.py").write_text(USER_NET)
     cfg = write_config(tmp_path / "cfg.yaml", model={"arch": "hospital_nets:Net"}, train={"rounds": 1})
     p = submit(deployment, cfg, "FedAvg", tmp_path / "result", "--sites", "hospital-a", "--jobs-dir",
                str(tmp_path / "jobs"), env={**deployment.env, "PYTHONPATH": str(code)})
@@ -343,7 +343,7 @@ def test_a_hospital_added_after_training_gets_its_cluster_model(deployment, site
     clusters = record(trained)["clustering"]["clusters"]
 
     kit = deployment.add_site("hospital-d")
-    deployment.allow_fedmed("hospital-d")
+    deployment.allow_fedmed(kit.parent)
     (kit / "local" / "fedmed_site.json").write_text(json.dumps({"datalist": str(site_data / "hospital-c.json")}))
     (kit / "local" / "fedmed_policy.json").write_text(json.dumps({"k_min": 2}))
     deployment.start("hospital-d")

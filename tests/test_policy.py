@@ -79,6 +79,20 @@ def test_a_policy_file_is_read_and_every_bad_key_is_one_line(tmp_path):
             SitePolicy.from_file(f)
 
 
+def test_the_policies_and_the_authorization_the_docs_show_are_what_the_code_reads():
+    from conftest import doc_json
+
+    full = doc_json("privacy.md", "## What a site controls")
+    p = SitePolicy.from_dict(full)
+    defaults = SitePolicy().to_dict()  # the page says: the defaults but for weights_dir and k_min
+    assert {k: v for k, v in p.to_dict().items() if k not in ("weights_dir", "k_min")} == \
+        {k: v for k, v in defaults.items() if k not in ("weights_dir", "k_min")}
+    hospital = SitePolicy.from_dict(doc_json("deployment.md", "**fedmed's site policy.**"))
+    assert hospital.modules == ("hospital_nets",) and hospital.dp_required and hospital.max_epsilon == 4
+    authz = doc_json("deployment.md", "`<site kit>/local/authorization.json`")
+    assert all(r["byoc"] == "none" for r in authz["permissions"].values())  # used as written by test_deployment.py
+
+
 def test_a_kit_policy_sits_beside_the_site_settings_and_a_kit_without_one_runs_the_defaults(tmp_path, sites):
     kit = tmp_path / "kit"
     (kit / "local").mkdir(parents=True)

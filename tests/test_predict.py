@@ -66,3 +66,39 @@ def test_segmentation_prediction_writes_a_label_map(tmp_path):
     assert lab.shape == (24, 24, 24) and set(np.unique(lab)) <= {0, 1, 2, 4}
     with pytest.raises(ValueError, match="the model takes 2 modalities \\(FLAIR, T1c\\), got 1"):
         predict_volume(path, [case / "Flair_phantom.nii.gz"], tmp_path / "x.nii.gz")
+
+
+def test_a_decompression_bomb_is_one_line_naming_the_file_in_predict_and_check_data(tmp_path, capsys):
+    """A few hundred bytes whose header says 144 million pixels gave a traceback and named no file."""
+    from test_bad_input import bomb_png
+
+    bomb = tmp_path / "bomb.png"
+    bomb_png(bomb, 12_000, 12_000)
+    path = save_model(tmp_path / "global.pt", get_params(build_model("resnet9", 1, 10, width=8)), CFG)
+    assert main(["predict", str(path), str(bomb)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "bomb.png" in err and "max_image_pixels=100000000" in err, err
+    (tmp_path / "s.json").write_text(json.dumps({"training": [{"image": "bomb.png", "label": 0}], "validation": [],
+                                                 "test": []}))
+    assert main(["check-data", str(tmp_path / "s.json"), "--classes", "a", "b"]) == 1
+    out = capsys.readouterr().out
+    assert "PROBLEM: training: image bomb.png has 12000x12000 pixels, more than this site decodes" in out
+
+
+def test_a_volume_larger_than_the_sites_limit_is_refused_before_it_is_decoded(tmp_path):
+    """A 4 MB NIfTI whose header says 2048 x 2048 x 512 voxels would expand to 8 GB: the size comes from the header."""
+    import gzip
+
+    from fedmed.data.images import DataError
+    from fedmed.data.nifti import load_volume
+
+    hdr = nib.Nifti1Header()
+    hdr.set_data_shape((2048, 2048, 512))
+    hdr.set_data_dtype(np.float32)
+    f = tmp_path / "huge.nii.gz"
+    with gzip.open(f, "wb") as fh:  # the header, then far fewer bytes than it claims
+        fh.write(hdr.binaryblock + b"\0" * 4 + b"\0" * 4_000_000)
+    assert f.stat().st_size < 100_000
+    with pytest.raises(DataError, match=r"huge.nii.gz has 2147483648 voxels, more than this site reads \(its "
+                                        r"policy's max_volume_voxels=268435456\)"):
+        load_volume(f, "site-1", "T1c image")

@@ -1,6 +1,6 @@
 """A site, independent of the FL framework: its state between tasks (:class:`SiteRunner`: its settings, data, model,
 optimizers, notes), the one seed rule of its random draws (:func:`task_seed`), and the one reply loop every
-federation runs (:func:`answer`: the FLARE client script and the in-process federation alike).
+federation runs (:func:`answer`: the FLARE site executor and the in-process federation alike).
 
 The tasks themselves are functions (:mod:`fedmed.site.tasks` for classification, :mod:`fedmed.site.seg`,
 :mod:`fedmed.site.mae`) of (runner, params, typed task config, round); each runner class lists the ones it serves.

@@ -24,8 +24,8 @@ The settings file (JSON)::
 is the site's policy (:mod:`fedmed.core.policy`: ``fedmed_policy.json`` beside this file or in the kit's ``local/``,
 or ``FEDMED_SITE_POLICY``); ``k_min`` and ``allow_per_image`` here feed into it.
 
-Messages that leave a site go through :func:`scrub`: absolute paths become paths relative to the
-site's data root, or just the file name when outside it.
+Messages for the site's own log go through :func:`scrub` (absolute paths relative to the site's data root); every
+text that leaves a site goes through :func:`redact`: no path of any form and no name of the site's datalist.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 from fedmed.core.policy import PolicyError, SitePolicy, load_policy
 
 __all__ = ["NAME_MARK", "PATH_MARK", "SETTINGS_FILE", "SiteConfigError", "SiteSettings", "path_spans",
-           "private_tokens", "redact", "redact_strings", "resolve_site_settings", "scrub", "scrub_strings"]
+           "private_tokens", "redact", "redact_strings", "resolve_site_settings", "scrub"]
 
 SETTINGS_FILE = "fedmed_site.json"
 _KEYS = {"datalist", "data_root", "allow_per_image", "k_min", "device", "cache_dir"}
@@ -65,7 +65,8 @@ class SiteSettings:
         return self.policy.allow_per_image
 
     def display(self, path) -> str:
-        """``path`` as a message that leaves the site may name it (relative to the data root, else its name)."""
+        """``path`` as the site's own log names it (relative to the data root, else its name; what leaves the site
+        names positions only: :func:`redact`)."""
         return _relative(Path(path), self.data_root)
 
     @property
@@ -73,11 +74,8 @@ class SiteSettings:
         return [self.data_root, self.datalist.parent, *self.roots]
 
     def scrub(self, message: str) -> str:
+        """``message`` for the site's own log: absolute paths relative to its roots (:func:`scrub`)."""
         return scrub(message, self.scrub_roots)
-
-    def scrub_reply(self, meta: dict) -> dict:
-        """Every string of a reply, scrubbed (the last step before anything leaves the site)."""
-        return scrub_strings(meta, self.scrub_roots)
 
 
 def _relative(p: Path, root: Path) -> str:
@@ -168,17 +166,6 @@ def scrub(message: str, roots) -> str:
         last = b
     out.append(text[last:])
     return "".join(out)
-
-
-def scrub_strings(obj, roots):
-    """A reply's meta with :func:`scrub` applied to every string in it (notes, warnings, errors)."""
-    if isinstance(obj, str):
-        return scrub(obj, roots)
-    if isinstance(obj, dict):
-        return {k: scrub_strings(v, roots) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(scrub_strings(v, roots) for v in obj)
-    return obj
 
 
 # ------------------------------------------------------------------ what leaves a site: no name at all

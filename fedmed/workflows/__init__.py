@@ -1,5 +1,5 @@
 """fedmed's server workflows — each method's algorithm box — written against a small
-:class:`~fedmed.workflows.federation.Federation`, so the same code runs on NVFlare (``custom/controller.py``:
+:class:`~fedmed.workflows.federation.Federation`, so the same code runs on NVFlare (``fedmed_flare/controller.py``:
 simulator, POC, provisioned sites) and in this process (:class:`InProcessFederation`).
 
 :data:`METHODS` maps a method's ``workflow`` (as an experiment config names it) to its server workflow, its options,

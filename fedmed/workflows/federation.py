@@ -11,7 +11,7 @@ small surface:
   ``fedmed/`` folder) and ``job_files`` (what the job carries: init weights, a training run's models);
 * ``info`` / ``warning`` / ``error`` (the run's log).
 
-Two implementations: ``custom/controller.py`` on NVFlare (simulator, POC, provisioned sites: timeouts,
+Two implementations: ``fedmed_flare/controller.py`` on NVFlare (simulator, POC, provisioned sites: timeouts,
 probation, dead sites) and :class:`fedmed.workflows.inprocess.InProcessFederation` (every site's
 :class:`~fedmed.site.runner.SiteRunner` in this process: benchmarks, references, fast tests). The shared parts — the run
 driver with its honest status, recording, checkpoint and resume, final models — live here, so both record, stop

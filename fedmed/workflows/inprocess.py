@@ -1,8 +1,8 @@
 """Every site in this process: the :class:`~fedmed.workflows.federation.Federation` that runs fedmed's server
 workflows without FLARE, for benchmarks, references (each site alone, centralized) and fast tests.
 
-It runs the *same* workflow code as the FLARE adapter (``custom/controller.py``) and each site's task through the
-same reply loop as the FLARE client script (:func:`fedmed.site.runner.answer`), one site after the other with one torch
+It runs the *same* workflow code as the FLARE adapter (``fedmed_flare/controller.py``) and each site's task through the
+same reply loop as the FLARE site executor (:func:`fedmed.site.runner.answer`), one site after the other with one torch
 thread each, as a simulated site runs; tasks carry copies of their config and parameters as FLARE's messages do.
 A clustered workflow run here and in FLARE's simulator gives the same models bit for bit
 (``tests/test_workflows.py``).
