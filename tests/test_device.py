@@ -171,3 +171,17 @@ def test_predict_runs_on_the_chosen_device_and_names_a_missing_one(tmp_path, cap
         assert main(["predict", str(f), str(tmp_path / "x.png"), "--device", "cuda"]) == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert "fedmed predict: --device is cuda but this machine has no CUDA GPU" in err
+
+
+def test_a_step_with_non_finite_gradients_is_skipped_not_taken():
+    """PyTorch's CPU bf16 conv3d backward gave NaN weight gradients in some steps (SegResNet at 16^3 patches): one such
+    step turned the whole model into NaN for the rest of the run. The step is skipped, and the caller told."""
+    import torch
+
+    from fedmed.core.device import backward_step
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    assert backward_step((w * 2).sum(), opt) and torch.allclose(w, torch.full((3,), 0.8))
+    assert not backward_step((w * torch.tensor([1.0, float("nan"), 1.0])).sum(), opt)
+    assert torch.allclose(w, torch.full((3,), 0.8))  # unchanged

@@ -337,3 +337,27 @@ def test_no_name_of_a_sites_data_reaches_the_flare_servers_files(tmp_path):
     assert "training[0]" in written and not [s for s in SECRETS if s in written]
     sites = "".join(f.read_text(errors="replace") for f in ws.rglob("site-*/**/log.txt"))
     assert "Doe" in sites  # each site's own log has the names
+
+
+def test_fedmed_experiment_and_job_run_take_relative_paths_from_any_folder(tmp_path):
+    """`fedmed experiment cfg.yaml` failed outside the repository ("cfg.yaml: config file not found") and `fedmed job
+    run` outside it built a job without its site script; both run from the caller's folder with relative paths."""
+    elsewhere = tmp_path / "study"
+    elsewhere.mkdir()
+    (elsewhere / "cfg.yaml").write_text(yaml.safe_dump(dict(TINY, train={**TINY["train"], "rounds": 1},
+                                                            references=[], seeds=[0])))
+    fedmed = str(Path(sys.executable).parent / "fedmed")
+    p = subprocess.run([fedmed, "experiment", "cfg.yaml", "--out", "out"], cwd=elsewhere, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert (elsewhere / "out" / "results.csv").is_file() and (elsewhere / "out" / "runs").is_dir()
+    p = subprocess.run([fedmed, "data", "--config", "cfg.yaml", "--out", "dl"], cwd=elsewhere, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = subprocess.run([fedmed, "job", "run", "--config", "cfg.yaml", "--method", "FedAvg", "--env", "sim",
+                        "--datalists", "dl", "--workspace", "ws", "--site-policy", "simulation", "--set",
+                        'dataset.classes=["0","1","2","3","4","5","6","7","8","9"]'], cwd=elsewhere,
+                       capture_output=True, text=True, timeout=600)
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert p.returncode == 0 and res["status"] == "finished", p.stdout[-2000:] + p.stderr[-2000:]
+    assert Path(res["result"]).is_relative_to(elsewhere / "ws")

@@ -351,3 +351,23 @@ def test_an_onboarding_without_labels_records_the_epsilon_of_every_signature_it_
     runner.handle("signature", {}, cfg)
     with pytest.raises(Exception, match="above its ceiling"):
         runner.handle("signature", {}, cfg)
+
+
+def test_flux_with_the_papers_literal_dbscan_runs_to_the_end(federation, tmp_path):
+    """``k1_silhouette: null`` (the paper's DBSCAN without fedmed's K = 1 test, as the config documents) passed the
+    config and then failed at the server: the task config's FluxTask took only a float."""
+    from fedmed.config import load_config
+    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.workflows import InProcessFederation, server_workflow, workflow_args
+
+    raw = yaml.safe_load(federation["cfg"].read_text())
+    raw["methods"] = [{"name": "Flux-DBSCAN", "workflow": "flux", "k1_silhouette": None}]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    exp = load_config(tmp_path / "c.yaml", federation["over"])
+    m = exp.methods[0]
+    cfg = fedmed_config(exp, 0, m, exp.site_names())
+    name, args = workflow_args(exp, m, 0, cfg)
+    assert args["flux"]["k1_silhouette"] is None
+    f = InProcessFederation(federation["data"], exp.site_names(), tmp_path / "run", log=None)
+    assert f.run(server_workflow(name)(2, cfg, **args)) == "finished", f.recorder.doc["reason"]
+    assert "K = 1" not in f.recorder.doc["clustering"]["rule"] and "silhouette" not in f.recorder.doc["clustering"]["rule"]

@@ -105,7 +105,7 @@ def test_every_json_example_in_the_docs_is_valid_json_and_the_site_settings_exam
     example.update(datalist=str(tmp_path / "site.json"), data_root=str(tmp_path))
     (tmp_path / "local" / "fedmed_site.json").write_text(json.dumps(example))
     s = resolve_site_settings("hospital-a", cwd=tmp_path, env={})
-    assert s.datalist == tmp_path / "site.json" and s.k_min == example["k_min"]
+    assert s.datalist == tmp_path / "site.json" and s.policy.k_min == example["k_min"]  # it raises the policy's floor
 
 
 def test_what_is_where_matches_the_tree():

@@ -51,6 +51,7 @@ def test_a_clustered_workflow_gives_the_same_models_in_process_and_in_flares_sim
     ws = tmp_path / "ws"
     p = subprocess.run([sys.executable, str(ROOT / "jobs" / "run.py"), "--config", str(cfg_path), "--method", "FMCL",
                         "--env", "sim", "--datalists", str(data), "--workspace", str(ws),
+                        "--site-policy", "simulation",  # the sites' policy the in-process federation applies too
                         *[x for o in overrides for x in ("--set", o)]],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

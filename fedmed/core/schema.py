@@ -157,7 +157,7 @@ class FluxTask(Strict):
     pca_seed: int = 0
     n_components: int = Field(10, ge=1)
     scale: float = Field(1.0, gt=0)
-    k1_silhouette: float = 0.25
+    k1_silhouette: Optional[float] = Field(0.25, description="None: the paper's literal DBSCAN (no K = 1 test)")
     box: Literal["elementwise", "scalar"] = "elementwise"
     scaling: Literal["none", "minmax"] = "none"
     start_rule: Literal["paper", "official"] = "paper"

@@ -84,7 +84,7 @@ def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, optimiz
     anchor = [a.detach().clone() for a in anchor] if anchor is not None else (
         [p.detach().clone() for p in model.parameters()] if mu > 0 else None)
     model.train()
-    total, steps = 0.0, 0
+    total, steps, skipped = 0.0, 0, 0
     rng = np.random.default_rng(seed)
     for epoch in range(epochs):
         for x, y in _patch_batches(cases, rng.permutation(len(cases)), tf, workers, seed + epoch):
@@ -93,10 +93,10 @@ def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, optimiz
                 loss_v = loss_fn(model(x).float(), y)
             if anchor is not None and mu > 0:
                 loss_v = loss_v + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
-            backward_step(loss_v, opt, scaler)
+            skipped += not backward_step(loss_v, opt, scaler)
             total += float(loss_v.detach())
             steps += 1
-    return {"loss": total / max(steps, 1), "steps": steps}
+    return {"loss": total / max(steps, 1), "steps": steps, "skipped": skipped}
 
 
 def _stack(out):

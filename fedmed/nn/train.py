@@ -106,7 +106,7 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
     w = None if class_weights is None else torch.as_tensor(np.asarray(class_weights), dtype=torch.float32, device=device)
     loss_fn = nn.CrossEntropyLoss(weight=w)
     anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 else None
-    total, steps = 0.0, 0
+    total, steps, skipped = 0.0, 0, 0
     per_epoch = sum(1 for s in range(0, n, batch_size) if n - s >= 2 or n < 2)
     for _ in range(epochs):
         order = torch.randperm(n, generator=generator)
@@ -126,11 +126,11 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
                 loss = loss_fn(out.float(), yb)
             if anchor is not None:
                 loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
-            backward_step(loss, opt, scaler)
+            skipped += not backward_step(loss, opt, scaler)
             model.train()
             total += float(loss.detach())
             steps += 1
-    return {"loss": total / max(steps, 1), "steps": steps}
+    return {"loss": total / max(steps, 1), "steps": steps, "skipped": skipped}
 
 
 @torch.no_grad()

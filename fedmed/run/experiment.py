@@ -239,7 +239,9 @@ def run_job(config_path: str, overrides: list[str], method: str, seed: int, data
     seen = 0
     log_path = work / "simulator.log"
     with log_path.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        # in the caller's folder: the config, its data and weights paths and --out are relative to it, as the user
+        # wrote them (the job carries no script that would need the repository as working directory)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
         try:
             while proc.poll() is None:
                 time.sleep(1.0)

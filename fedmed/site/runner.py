@@ -142,6 +142,14 @@ class SiteRunner:
             self._cache = SiteCache(root, self.site) if root is not None else None
         return self._cache
 
+    def skipped_note(self, out: dict, cfg) -> None:
+        """Say (this site's log and the server's) how many local steps were skipped for non-finite gradients."""
+        if out.get("skipped"):
+            note = (f"{self.site}: {out['skipped']} of {out['steps']} local step(s) skipped: non-finite gradients "
+                    f"(train.precision={task_config(cfg).train.precision})")
+            print(f"[fedmed] {note}", flush=True)
+            self.notes.append(note)
+
     def cache_note(self) -> None:
         """Say once (this site's log and the server's) that its cache cannot be written and it runs without it."""
         c = self.cache

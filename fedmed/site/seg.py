@@ -72,6 +72,7 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     anchor = [p.detach().clone() for p in model.parameters()]
     cfg = task_config(cfg)
     out = _local(runner, model, tr, cfg, seed, cfg.cluster, mu=cfg.train.fedprox_mu)
+    runner.skipped_note(out, cfg)
     if cfg.ditto_lambda:  # Ditto (Li et al. 2021): personal model pulled toward the global one
         _local(runner, served, tr, cfg, seed + 1, "personal", mu=cfg.ditto_lambda, anchor=anchor)
     if not np.isfinite(out["loss"]):

@@ -107,6 +107,7 @@ def train_locally(runner, model, cfg, round_, key) -> dict:
                       precision=runner.precision(cfg))
     if not np.isfinite(out["loss"]):
         raise TaskError(f"{runner.site}: training diverged (loss {out['loss']}) in round {round_}")
+    runner.skipped_note(out, cfg)
     return {"n_train": int(s.train[0].shape[0]), "train_loss": out["loss"], "steps": out["steps"]}
 
 
