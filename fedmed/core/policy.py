@@ -34,8 +34,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-__all__ = ["ANY", "POLICY_FILE", "PolicyError", "ReadLimits", "SitePolicy", "WeightsRef", "load_policy",
-           "weights_ref"]
+__all__ = ["ANY", "POLICY_FILE", "PolicyError", "ReadLimits", "SitePolicy", "kit_file", "load_policy", "weights_ref"]
 
 POLICY_FILE = "fedmed_policy.json"
 ANY = "*"  # in "modules": any module
@@ -54,15 +53,6 @@ class ReadLimits:
     max_image_pixels: int = 100_000_000
     max_volume_voxels: int = 2**28
     max_file_bytes: int = 2 * 1024**3
-
-
-@dataclass(frozen=True)
-class WeightsRef:
-    """A weights file as a job names it: the file's name in each site's weights folder and its SHA-256 (so every
-    site computes with the same file as the coordinator)."""
-
-    name: str
-    sha256: str
 
 
 _KEYS = {"modules", "architectures", "encoders", "weights_dir", "k_min", "dp_required", "max_epsilon",
@@ -220,11 +210,11 @@ class SitePolicy:
         return max(int(job_k_min), self.k_min)
 
     def weights_path(self, ref) -> Path:
-        """The file a job's weights reference (:class:`WeightsRef` or its dict) names in this site's weights folder.
-        A path (absolute, with a folder, ``..``, a drive) is refused without touching the file; the file must be a
-        regular file in the folder with the coordinator's SHA-256."""
-        ref = ref if isinstance(ref, WeightsRef) else WeightsRef(**dict(ref))
-        name = str(ref.name)
+        """The file a job's weights reference (``{"name", "sha256"}``: :class:`fedmed.core.schema.WeightsRef`) names in
+        this site's weights folder. A path (absolute, with a folder, ``..``, a drive) is refused without touching the
+        file; the file must be a regular file in the folder with the coordinator's SHA-256."""
+        ref = dict(ref) if isinstance(ref, dict) else ref.model_dump()
+        name, sha256 = str(ref["name"]), str(ref["sha256"])
         if not _bare_name(name):
             raise PolicyError(f"a job names a weights file by its name in the site's weights folder, not by a path "
                               f"(got a {_path_kind(name)}); this site reads weights only from its weights folder")
@@ -235,9 +225,9 @@ class SitePolicy:
         if not p.is_file():
             raise PolicyError(f"the weights file {name} is not in this site's weights folder ({self._setting('weights_dir')})")
         digest = file_sha256(p)
-        if digest != ref.sha256:
+        if digest != sha256:
             raise PolicyError(f"the weights file {name} in this site's weights folder is not the coordinator's "
-                              f"(sha256 {digest[:12]} here, {str(ref.sha256)[:12]} in the job)")
+                              f"(sha256 {digest[:12]} here, {sha256[:12]} in the job)")
         return p
 
     def summary(self) -> dict:
@@ -288,9 +278,12 @@ def weights_ref(path) -> dict:
     return {"name": p.name, "sha256": file_sha256(p)}
 
 
-def _kit_policy(start: Path) -> Path | None:
+def kit_file(start, name: str) -> Path | None:
+    """``local/<name>`` of the FLARE startup kit ``start`` is in (the job process's working directory is inside the
+    kit: the kit is ``start`` or a parent of it; the search stops at the kit's root), or ``None``."""
+    start = Path(start)
     for d in (start, *start.parents):
-        cand = d / "local" / POLICY_FILE
+        cand = d / "local" / name
         if cand.is_file():
             return cand
         if (d / "startup").is_dir():  # the kit's root: stop here
@@ -307,5 +300,5 @@ def load_policy(*, settings_file=None, env=None, cwd=None) -> SitePolicy:
         return SitePolicy.from_file(env["FEDMED_SITE_POLICY"])
     if settings_file is not None and (Path(settings_file).parent / POLICY_FILE).is_file():
         return SitePolicy.from_file(Path(settings_file).parent / POLICY_FILE)
-    f = _kit_policy(Path(cwd or os.getcwd()))
+    f = kit_file(cwd or os.getcwd(), POLICY_FILE)
     return SitePolicy.from_file(f) if f is not None else SitePolicy()

@@ -8,6 +8,7 @@ The tasks themselves are functions (:mod:`fedmed.site.tasks` for classification,
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,7 @@ class SiteRunner:
         self.epsilon_spent = 0.0  # the DP epsilon this site has released in this run (all signatures composed)
         self._policy_sent = False
         self._k_min_noted: set = set()
+        self._cache_noted = False
 
     @property
     def policy(self):
@@ -84,7 +86,7 @@ class SiteRunner:
         """The encoder weights file the job names (``cfg.encoder_weights``), from this site's weights folder (its
         policy's ``weights_dir``; a path or a file of another hash is refused); ``None`` for a seeded random init."""
         ref = task_config(cfg).encoder_weights
-        return None if ref is None else str(self.policy.weights_path(ref.model_dump()))
+        return None if ref is None else str(self.policy.weights_path(ref))
 
     def precision(self, cfg: dict) -> str:
         return task_config(cfg).train.precision
@@ -99,9 +101,7 @@ class SiteRunner:
 
     # ------------------------------------------------------------------ data and model
     def _datalist(self, task: str = "classification") -> dict:
-        try:
-            import json
-
+        try:  # its names, even from a datalist load_datalist then refuses (the error must not show them)
             self.private_tokens |= private_tokens(json.loads(self.datalist_path.read_text()))
         except (OSError, ValueError):
             pass  # load_datalist says what is wrong with it
@@ -153,7 +153,7 @@ class SiteRunner:
     def cache_note(self) -> None:
         """Say once (this site's log and the server's) that its cache cannot be written and it runs without it."""
         c = self.cache
-        if c is not None and c.unwritable and not getattr(self, "_cache_noted", False):
+        if c is not None and c.unwritable and not self._cache_noted:
             self._cache_noted = True
             note = f"{self.site}: its data cache cannot be written ({c.unwritable}); it decodes without one"
             print(f"[fedmed] {note}", flush=True)

@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedmed.core.policy import PolicyError, SitePolicy, load_policy
+from fedmed.core.policy import PolicyError, SitePolicy, kit_file, load_policy
 
 __all__ = ["NAME_MARK", "PATH_MARK", "SETTINGS_FILE", "SiteConfigError", "SiteSettings", "path_spans",
            "private_tokens", "redact", "redact_strings", "resolve_site_settings", "scrub"]
@@ -291,16 +291,6 @@ def redact_strings(obj, tokens=(), allow=()):
     return obj
 
 
-def _kit_settings(start: Path) -> Path | None:
-    for d in (start, *start.parents):
-        cand = d / "local" / SETTINGS_FILE
-        if cand.is_file():
-            return cand
-        if (d / "startup").is_dir():  # the kit's root: stop here
-            return None
-    return None
-
-
 def _truthy(v: str | None) -> bool:
     return str(v).strip().lower() in ("1", "true", "yes", "on")
 
@@ -331,7 +321,7 @@ def resolve_site_settings(site: str, *, cwd=None, env=None) -> SiteSettings:
         dl = Path(env["FEDMED_DATALIST_DIR"]) / f"{site}.json"
         settings = SiteSettings(site, dl, dl.parent, "FEDMED_DATALIST_DIR", policy=policy())
     else:
-        f = Path(env["FEDMED_SITE_CONFIG"]) if env.get("FEDMED_SITE_CONFIG") else _kit_settings(cwd)
+        f = Path(env["FEDMED_SITE_CONFIG"]) if env.get("FEDMED_SITE_CONFIG") else kit_file(cwd, SETTINGS_FILE)
         if f is None:
             raise SiteConfigError(
                 f"{site}: no data configured for this site: put local/{SETTINGS_FILE} (with a 'datalist' entry) in "
