@@ -13,8 +13,10 @@
   raw vs min-max scaled; an absent class as zeros vs -1) and the clustering ARI against the true groups; and
   the round at which the start rule fires under the paper's and the code's reading on the same accuracy curve.
 * encoders — MedicalNet: features of the same BraTS volumes with a zero vs an N(0, 1) background, with the
-  non-zero vs the whole-volume z-score, and of the official dilated network vs MONAI's resnet18 with the same
-  weights; USFM: the final-norm CLS token vs the mean patch token (random weights: no release is stored here).
+  authors' positive-voxel statistics vs the non-zero-voxel ones and vs the whole-volume z-score, the raw volume
+  resampled trilinearly vs by the authors' ``ndimage.zoom(order=0)``, and the official dilated network vs MONAI's
+  resnet18 with the same weights; USFM: the authors' mean-pooled feature vs the final-norm CLS token (random weights:
+  no release is stored here).
 * anda — the same federation with ANDA's colour reading (channel at full intensity, gray elsewhere) vs fedmed's
   (gray in one channel): clustering ARI of the Flux descriptors.
 """
@@ -183,16 +185,23 @@ def anda(tmp: Path):
 
 
 def encoders():
-    """MedicalNet's background and network, USFM's pooling — on BraTS cases (random weights: no release is here)."""
+    """MedicalNet's statistics, background, resize and network; USFM's pooling — on BraTS cases (random weights: no
+    release is stored here)."""
+    import nibabel as nib
     import torch
+    from scipy import ndimage
 
-    from fedmed.nn.encoders import build_encoder, preprocess_volume
     from fedmed.data.nifti import load_case
     from fedmed.data.seg_federation import discover_subjects
+    from fedmed.nn.encoders import build_encoder, extract_features, preprocess_volume
 
     def cos(a, b):
         a, b = a.ravel().double(), b.ravel().double()
         return float(a @ b / (a.norm() * b.norm()))
+
+    def nonzero_zscore(v):  # fedmed's reading before #35's session: every non-zero voxel in the statistics
+        fg = v[v != 0]
+        return torch.where(v == 0, torch.zeros_like(v), (v - fg.mean()) / fg.std(unbiased=False))
 
     entries = discover_subjects(SHARED / "brats2013", {"FLAIR": "*Flair*", "T1c": "*T1c*"}, "*OT*", None)[:3]
     enc = build_encoder("medicalnet_resnet18", seed=0)
@@ -202,32 +211,37 @@ def encoders():
     monai = resnet18(spatial_dims=3, n_input_channels=1, feed_forward=False, shortcut_type="A", bias_downsample=True)
     monai.load_state_dict({k[len("net."):]: v for k, v in enc.module.state_dict().items()})
     monai.eval()
-    rows = []
+    rows, negative = [], []
     for e in entries:
         v = torch.from_numpy(load_case(e, shape=(64, 64, 64))["image"][:1])[None]
+        negative.append(float((v < 0).float().mean()))
         zero = preprocess_volume(v)
         noise = torch.where(v != 0, zero, torch.randn(v.shape, generator=gen))
         noise2 = torch.where(v != 0, zero, torch.randn(v.shape, generator=gen))
         whole = (v - v.mean()) / v.std()
+        raw = np.asarray(nib.load(e["image"][0]).dataobj, dtype=np.float32)  # the FLAIR volume as stored
+        tri = torch.nn.functional.interpolate(torch.from_numpy(raw)[None, None], size=(64, 64, 64), mode="trilinear",
+                                              align_corners=False)
+        near = torch.from_numpy(ndimage.zoom(raw, [64 / d for d in raw.shape], order=0)[None, None].copy())
         with torch.no_grad():
-            f = {k: enc.module(x) for k, x in (("zero", zero), ("noise", noise), ("noise2", noise2), ("whole", whole))}
+            f = {k: enc.module(x) for k, x in (("zero", zero), ("noise", noise), ("noise2", noise2), ("whole", whole),
+                                                ("nonzero", nonzero_zscore(v)), ("tri", preprocess_volume(tri)),
+                                                ("zoom", preprocess_volume(near)))}
             fm = monai(zero)
         rows.append((cos(f["zero"], f["noise"]), cos(f["noise"], f["noise2"]), cos(f["zero"], f["whole"]),
-                     cos(f["zero"], fm)))
+                     cos(f["zero"], fm), cos(f["zero"], f["nonzero"]), cos(f["tri"], f["zoom"])))
     r = np.asarray(rows)
     print(f"MedicalNet (3 BraTS cases, FLAIR at 64^3, random weights): cosine of the 512-d features, zero vs N(0,1) "
-          f"background {r[:, 0].mean():.6f} (two noise draws of the same volume {r[:, 1].mean():.6f}); non-zero vs "
-          f"whole-volume z-score {r[:, 2].mean():.6f}; official dilated network vs MONAI resnet18 with the same weights "
-          f"{r[:, 3].mean():.4f}")
-    usfm = build_encoder("usfm", seed=0)
+          f"background {r[:, 0].mean():.6f} (two noise draws of the same volume {r[:, 1].mean():.6f}); positive-voxel vs "
+          f"whole-volume z-score {r[:, 2].mean():.6f}; positive-voxel (the authors') vs non-zero-voxel statistics "
+          f"{r[:, 4].mean():.4f} on fedmed's z-scored crops ({100 * np.mean(negative):.0f}% of voxels negative); the raw "
+          f"volume resampled trilinearly vs by the authors' ndimage.zoom(order=0) {r[:, 5].mean():.4f}; official "
+          f"dilated network vs MONAI resnet18 with the same weights {r[:, 3].mean():.4f}")
     x = torch.rand(4, 3, 224, 224, generator=gen)
-    from fedmed.nn import normalize_images
-
-    with torch.no_grad():
-        tokens = usfm.module.forward_features(normalize_images(usfm, x))
-    cls, mean = tokens[:, 0], tokens[:, 1:].mean(1)
-    print(f"USFM (random weights, 4 random images): cosine of the final-norm CLS token vs the mean patch token "
-          f"{np.mean([cos(a, b) for a, b in zip(cls, mean)]):.4f}")
+    mean = extract_features(build_encoder("usfm", seed=0), x)
+    cls = extract_features(build_encoder("usfm_cls", seed=0), x)
+    print(f"USFM (random weights, 4 random images): cosine of the authors' feature (fc_norm of the mean patch token) vs "
+          f"the final-norm CLS token {np.mean([cos(torch.from_numpy(a), torch.from_numpy(b)) for a, b in zip(mean, cls)]):.4f}")
 
 
 def main(argv=None):

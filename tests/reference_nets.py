@@ -10,8 +10,13 @@ imports fedmed or timm.
   checkpoints. Feature: global average of layer4.
 * USFM (openmedlab/USFM ``usdsgen/modules/backbone/vision_transformer.py``): BEiT-style ViT-B/16 with a shared
   relative position bias, layer scale ``gamma_1/2``, separate ``q_bias``/``v_bias``, LayerNorm eps 1e-6, no absolute
-  position embedding; ``mask_token`` from its masked-image-modelling pre-training. Feature: the final ``norm`` of
-  the CLS token.
+  position embedding; ``mask_token`` from its masked-image-modelling pre-training (:class:`USFMViT`: the release's
+  layout). The authors' downstream classifier (:class:`USFMClassifier`) is built from their
+  ``configs/model/Cls/vit.yaml`` — ``use_rel_pos_bias: true``, ``use_shared_rel_pos_bias: false``,
+  ``use_mean_pooling: true`` — and loads the release as their ``modelutils.load_pretrained`` does
+  (``remap_pretrained_keys_vit`` copies the shared table into every block; ``strict=False``, so the release's final
+  ``norm`` and ``mask_token`` are left out and ``fc_norm`` keeps its initial weight 1, bias 0). Its feature: ``fc_norm``
+  of the mean of the patch tokens (``forward_features``, ``self.norm`` an identity under mean pooling).
 * CTransPath / CHIEF (Xiyue-Wang/TransPath ``ctran.py``, hms-dbmi/CHIEF): timm 0.5.4's ``swin_tiny_patch4_window7_224``
   with the ConvStem patch embedding and the head removed; PatchMerging at the *end* of each stage, ``attn_mask`` and
   ``relative_position_index`` buffers saved. Feature: final norm, average over tokens (768).
@@ -24,6 +29,16 @@ import torch.nn.functional as F
 from torch import nn
 
 # ----------------------------------------------------------------------------------------------- MedicalNet
+
+
+def medicalnet_normalize(volume, background_noise=None):
+    """``datasets/brains18.py::__itensity_normalize_one_volume__``: the mean and std of ``volume[volume > 0]``,
+    ``(volume - mean) / std`` everywhere, and the ``volume == 0`` voxels replaced by ``background_noise`` (the authors
+    draw N(0, 1) there at every read; pass zeros for a frozen embedding)."""
+    pixels = volume[volume > 0]
+    out = (volume - pixels.mean()) / pixels.std(unbiased=False)
+    noise = torch.zeros_like(volume) if background_noise is None else background_noise
+    return torch.where(volume == 0, noise, out)
 
 
 def _conv3(cin, cout, stride=1, dilation=1):
@@ -160,6 +175,40 @@ class USFMViT(nn.Module):
         for blk in self.blocks:
             x = blk(x, bias)
         return self.norm(x)[:, 0]
+
+
+class USFMClassifier(nn.Module):
+    """The authors' ``VisionTransformer`` under their classification config (module notes): one relative position
+    table per block, ``norm`` an identity, ``fc_norm`` on the mean of the patch tokens (``use_mean_pooling``)."""
+
+    def __init__(self, img_size=224, dim=768, depth=12, heads=12, patch=16, use_mean_pooling=True):
+        super().__init__()
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv2d(3, dim, patch, stride=patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.blocks = nn.ModuleList([USFMBlock(dim, heads) for _ in range(depth)])
+        for b in self.blocks:  # use_rel_pos_bias: each block's attention has its own table
+            b.attn.rel = USFMRelPos(img_size // patch, heads)
+        self.use_mean_pooling = use_mean_pooling
+        self.norm = nn.Identity() if use_mean_pooling else nn.LayerNorm(dim, eps=1e-6)
+        self.fc_norm = nn.LayerNorm(dim, eps=1e-6) if use_mean_pooling else None
+
+    def load_release(self, release: dict):
+        """``load_pretrained``: the shared table copied into every block, then ``load_state_dict(strict=False)``."""
+        sd = dict(release)
+        shared = sd.pop("rel_pos_bias.relative_position_bias_table")
+        for i in range(len(self.blocks)):
+            sd[f"blocks.{i}.attn.rel.relative_position_bias_table"] = shared.clone()
+        sd = {k: v for k, v in sd.items() if "relative_position_index" not in k}
+        return self.load_state_dict(sd, strict=False)
+
+    def features(self, x):
+        x = self.patch_embed.proj(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        for blk in self.blocks:
+            x = blk(x, blk.attn.rel())
+        x = self.norm(x)
+        return self.fc_norm(x[:, 1:].mean(1)) if self.fc_norm is not None else x[:, 0]
 
 
 # ----------------------------------------------------------------------------------------------- CTransPath / CHIEF

@@ -109,38 +109,46 @@ def test_ctranspath_and_chief_load_as_released_and_compute_the_official_forward(
     assert enc.preprocessing == "ImageNet mean/std" and f"{release} (sha256 " in enc.description
 
 
-def test_usfm_loads_as_released_and_gives_the_normed_cls_token(tmp_path, caplog):
+def test_usfm_gives_the_authors_downstream_feature_and_the_cls_token_as_an_option(tmp_path, caplog):
     """USFM_latest.pth: a flat BEiT-style state dict (shared relative position bias, gamma_1/2, q_bias/v_bias,
-    mask_token, no absolute position embedding) -> timm's BEiT so configured; the feature is the final-norm CLS
-    token of the official forward pass on ImageNet-normalised input. mask_token is dropped with a log line."""
+    mask_token, final norm, no absolute position embedding). ``usfm`` gives what the authors' own classifier computes
+    from it — their configs/model/Cls/vit.yaml (per-block relative tables copied from the shared one, mean pooling:
+    fc_norm of the mean patch token, no final norm) loaded by their load_pretrained (strict=False) — the reference is
+    that classifier, not fedmed's reading. ``usfm_cls`` is the final-norm CLS token. mask_token and the unused final
+    norm are dropped with a log line."""
     import logging
 
-    from reference_nets import USFMViT, randomize
+    from reference_nets import USFMClassifier, USFMViT, randomize
 
-    ref = randomize(USFMViT(), seed=2)
-    sd = ref.state_dict()
-    assert {"mask_token", "rel_pos_bias.relative_position_bias_table", "blocks.0.gamma_1",
+    release = randomize(USFMViT(), seed=2)
+    sd = release.state_dict()
+    assert {"mask_token", "rel_pos_bias.relative_position_bias_table", "blocks.0.gamma_1", "norm.weight",
             "blocks.0.attn.q_bias", "blocks.0.attn.v_bias"} <= set(sd) and "pos_embed" not in sd
     f = tmp_path / "USFM_latest.pth"
     torch.save(sd, f)
+    authors = USFMClassifier(use_mean_pooling=True)
+    missing, unexpected = authors.load_release(sd)
+    missing = sorted(k for k in missing if "relative_position_index" not in k)  # rebuilt by the architecture
+    assert missing == ["fc_norm.bias", "fc_norm.weight"]  # what strict=False leaves at its initial values
+    assert sorted(unexpected) == ["mask_token", "norm.bias", "norm.weight"]
     with caplog.at_level(logging.INFO, logger="fedmed.nn.encoders"):
         enc = build_encoder("usfm", weights=str(f))
-    assert any("mask_token" in r.message for r in caplog.records)
+    said = " ".join(r.message for r in caplog.records)
+    assert "mask_token" in said and "final norm, which the authors' mean-pooled feature does not use" in said
     x = _images(3)
     got = extract_features(enc, x)
     with torch.no_grad():
-        want = ref.features(_imagenet(x)).numpy()
+        want = authors.features(_imagenet(x)).numpy()
     for g, w in zip(got, want):
         assert _cos(g, w) >= 0.9999
-    assert np.allclose(got, want, rtol=1e-3, atol=1e-4)  # random images embed alike (cosine ~0.95): values too
-    # the other pooling (mean of the patch tokens) is another feature: the CLS reading is what is pinned here
+    assert np.allclose(got, want, rtol=1e-3, atol=1e-4)
+    # the option: the final-norm CLS token (another feature: not the authors' downstream one)
+    cls = extract_features(build_encoder("usfm_cls", weights=str(f)), x)
     with torch.no_grad():
-        t = ref.patch_embed.proj(_imagenet(x)).flatten(2).transpose(1, 2)
-        t = torch.cat([ref.cls_token.expand(2, -1, -1), t], 1)
-        for blk in ref.blocks:
-            t = blk(t, ref.rel_pos_bias())
-        mean_tok = ref.norm(t)[:, 1:].mean(1).numpy()
-    assert _cos(got[0], mean_tok[0]) < 0.99
+        want_cls = release.features(_imagenet(x)).numpy()
+    for g, w in zip(cls, want_cls):
+        assert _cos(g, w) >= 0.9999
+    assert _cos(got[0], cls[0]) < 0.99
 
 
 def _medicalnet_volume(seed=0):
@@ -197,17 +205,25 @@ def test_medicalnet_loads_as_released_and_computes_the_dilated_network(tmp_path,
     assert _cos(other, want) < 0.999
 
 
-def test_medicalnet_preprocessing_is_a_zscore_over_non_zero_voxels_with_a_zero_background():
-    """MedicalNet's loader: z-score with the mean / std of the non-zero voxels; its N(0, 1) background noise is
-    replaced by 0 (docs/readings.md) — the same volume embeds the same every time."""
+def test_medicalnet_preprocessing_is_the_authors_positive_voxel_zscore_with_a_zero_background():
+    """MedicalNet's loader (brains18.py): the mean / std of the *positive* voxels, applied to every voxel; its N(0, 1)
+    background noise is replaced by 0 (docs/readings.md) — the same volume embeds the same every time. On a z-scored
+    volume (most voxels negative, as fedmed's BraTS crops are) "non-zero" and "positive" give other features."""
+    from reference_nets import medicalnet_normalize
+
     from fedmed.nn.encoders import preprocess_volume
 
-    v = _medicalnet_volume()
-    x = preprocess_volume(v)
-    fg = v != 0
-    assert torch.allclose(x[fg].mean(), torch.tensor(0.0), atol=1e-5)
-    assert torch.allclose(x[fg].std(unbiased=False), torch.tensor(1.0), atol=1e-5)
-    assert (x[~fg] == 0).all() and torch.equal(preprocess_volume(v), x)
+    shifted = _medicalnet_volume()
+    shifted[shifted != 0] -= 118.0  # a zero background, and most of the brain negative
+    assert (shifted[shifted != 0] < 0).float().mean() > 0.5
+    for v in (_medicalnet_volume(), shifted):
+        x = preprocess_volume(v)
+        assert torch.allclose(x, medicalnet_normalize(v), atol=1e-5)
+        assert (x[v == 0] == 0).all() and torch.equal(preprocess_volume(v), x)
+    v = shifted
+    nonzero = v[v != 0]  # the reading fedmed had: every non-zero voxel in the statistics
+    other = torch.where(v == 0, torch.zeros_like(v), (v - nonzero.mean()) / nonzero.std(unbiased=False))
+    assert not torch.allclose(preprocess_volume(v), other, atol=1e-2)
 
 
 def test_a_weights_file_of_another_model_is_one_clear_line(tmp_path):
@@ -235,7 +251,43 @@ def test_fedmed_encoders_lists_and_checks(tmp_path, capsys):
     assert main(["encoders", "check", str(f), "--encoder", "usfm"]) == 0
     line = capsys.readouterr().out.strip()
     assert "\n" not in line and line.startswith("ok: USFM_latest.pth loads as usfm")
-    assert "768-d final-norm CLS token" in line and "ImageNet mean/std" in line and "mask_token" in line
+    assert "768-d fc_norm of the mean patch token" in line and "ImageNet mean/std" in line and "mask_token" in line
     assert main(["encoders", "check", str(f), "--encoder", "ctranspath"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "ctranspath: weights file" in err
+
+
+@pytest.mark.parametrize("size", [224, 112])
+def test_the_timm_vit_tiny_release_loads_at_any_input_size(tmp_path, size, caplog):
+    """FMCL's ViT-Tiny as timm releases it (vit_tiny_patch16_224 with its 1000-class head, 224 px) was refused: at
+    224 px for head.weight/head.bias, at the 112 px the shipped configs use for pos_embed (197 vs 50 tokens). The head
+    is dropped and the position embeddings resampled with timm's own function, each with a log line; the features are
+    those of timm's own model at that size loaded through timm's own checkpoint filter."""
+    import logging
+
+    from fedmed.nn.encoders import import_timm
+
+    timm = import_timm()  # before anything of timm: the torchvision shim (fedmed.nn.encoders)
+    from timm.models.vision_transformer import checkpoint_filter_fn
+    torch.manual_seed(4)
+    release = timm.create_model("vit_tiny_patch16_224", pretrained=False)  # 1000 classes, 224 px
+    for p in release.parameters():  # trained-looking, not init values: a mis-mapped key changes the features
+        p.data.add_(0.02 * torch.randn_like(p))
+    f = tmp_path / "vit_tiny_patch16_224.pth"
+    torch.save(release.state_dict(), f)
+    with caplog.at_level(logging.INFO, logger="fedmed.nn.encoders"):
+        enc = build_encoder("vit_tiny", weights=str(f), image_size=size)
+    said = " ".join(r.message for r in caplog.records)
+    assert "ImageNet classification head" in said
+    assert ("resampled pos_embed from 197 to 50 tokens" in said) == (size == 112)
+    ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, img_size=size)
+    ref.load_state_dict(checkpoint_filter_fn({k: v for k, v in release.state_dict().items()
+                                              if not k.startswith("head.")}, ref))
+    ref.eval()
+    x = _images(3)
+    got = extract_features(enc, x)
+    xi = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+    with torch.no_grad():
+        want = ref((xi.repeat(1, 3, 1, 1) if xi.shape[1] == 1 else xi) * 2 - 1).numpy()  # timm's mean/std 0.5
+    for g, w in zip(got, want):
+        assert _cos(g, w) >= 0.9999

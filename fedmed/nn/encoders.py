@@ -5,11 +5,12 @@ its own preprocessing and its own feature (``fedmed encoders`` prints this table
 
 | name | architecture | input, preprocessing | feature (dim) | the authors' file |
 |---|---|---|---|---|
-| ``usfm`` | USFM (openmedlab/USFM): BEiT-style ViT-B/16, shared relative position bias, layer scale, no absolute position embedding — timm ``beit_base_patch16_224`` so configured | 3 x 224 x 224, ImageNet mean/std | final-norm CLS token (768) | ``USFM_latest.pth``: a flat state dict with ``mask_token`` |
+| ``usfm`` | USFM (openmedlab/USFM): BEiT-style ViT-B/16, shared relative position bias, layer scale, no absolute position embedding — timm ``beit_base_patch16_224`` so configured | 3 x 224 x 224, ImageNet mean/std | the authors' downstream feature (their ``configs/model/Cls/vit.yaml``: ``use_mean_pooling: true``): ``fc_norm`` of the mean of the patch tokens, no final norm (768) | ``USFM_latest.pth``: a flat state dict with ``mask_token`` and the final ``norm`` (``fc_norm`` not in it: initialised as the authors' classifier does, weight 1, bias 0) |
+| ``usfm_cls`` | as ``usfm`` | as ``usfm`` | the final-norm CLS token (768; the option, not the authors' choice) | as ``usfm`` |
 | ``ctranspath`` | CTransPath (Xiyue-Wang/TransPath): timm 0.5.4's Swin-T with the ConvStem, head removed — timm 1.x ``swin_tiny_patch4_window7_224`` + ConvStem, the old layout converted by timm's own ``checkpoint_filter_fn`` | 3 x 224 x 224, ImageNet mean/std | final norm, mean over tokens (768) | ``ctranspath.pth``: ``{"model": state_dict}`` |
 | ``chief`` | CHIEF's tile encoder (hms-dbmi/CHIEF): the same CTransPath network with CHIEF's weights | as ``ctranspath`` | as ``ctranspath`` | ``CHIEF_CTransPath.pth``: ``{"model": state_dict}`` |
-| ``medicalnet_resnet18`` | MedicalNet (Tencent/MedicalNet): 3D ResNet-18, shortcut A, conv1 stride 2, layer3/4 dilated (2, 4) instead of strided — its own module (neither MONAI nor timm has it) | 1 x D x H x W, z-score over the non-zero voxels | layer4, global average (512); ``004_`` uses the layer4 map | ``resnet_18_23dataset.pth``: ``{"state_dict": {"module.conv1.weight", ...}}``; ``train.py`` checkpoints add ``conv_seg`` and the optimizer |
-| ``vit_tiny`` | timm ``vit_tiny_patch16_224`` (FMCL's ImageNet ViT-Tiny) | 3 x S x S, mean/std 0.5 (timm's config for it) | CLS token (192) | a timm state dict |
+| ``medicalnet_resnet18`` | MedicalNet (Tencent/MedicalNet): 3D ResNet-18, shortcut A, conv1 stride 2, layer3/4 dilated (2, 4) instead of strided — its own module (neither MONAI nor timm has it) | 1 x D x H x W, z-score with the positive voxels' mean and std (the authors' ``volume > 0``) | layer4, global average (512); ``004_`` uses the layer4 map | ``resnet_18_23dataset.pth``: ``{"state_dict": {"module.conv1.weight", ...}}``; ``train.py`` checkpoints add ``conv_seg`` and the optimizer |
+| ``vit_tiny`` | timm ``vit_tiny_patch16_224`` (FMCL's ImageNet ViT-Tiny) | 3 x S x S, mean/std 0.5 (timm's config for it) | CLS token (192) | a timm state dict (224 px, ImageNet head): the head dropped, the position embeddings resampled to S by timm's own function |
 | ``random_cnn`` | a 4-block CNN (FECFL's "randomly initialised lightweight encoder") | C x S x S, ``(x - 0.5) / 0.25`` | pooled (128) | — |
 | ``pixels`` | raw flattened pixels (PACFL's original input) | C x S x S, none | C S^2 | — |
 | ``fedmae_vit`` | the encoder of a Fed-MAE run (``fedmed.nn.mae``, small ViT) | 3 x 32 x 32, ``(x - 0.5) / 0.25`` | mean patch token (128) | its ``models/encoder.pt`` |
@@ -48,7 +49,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 NORMALIZE = {"imagenet": (IMAGENET_MEAN, IMAGENET_STD), "inception": ((0.5,) * 3, (0.5,) * 3),
              "half": ((0.5,), (0.25,)), "none": None, "volume": None}
 NORMALIZE_TEXT = {"imagenet": "ImageNet mean/std", "inception": "mean/std 0.5", "half": "(x - 0.5) / 0.25",
-                  "none": "none (raw [0, 1] values)", "volume": "z-score over the non-zero voxels (MedicalNet)"}
+                  "none": "none (raw [0, 1] values)", "volume": "z-score with the positive voxels' mean and std (MedicalNet)"}
 
 
 class EncoderError(ValueError):
@@ -208,11 +209,14 @@ def _ctranspath(c, s):
                                       embed_layer=_ConvStem, img_size=s)
 
 
-def _usfm(c, s):
-    """USFM's ViT-B/16 as its release was saved (``use_abs_pos_emb=False``, ``use_shared_rel_pos_bias=True``,
-    ``init_values=0.1``, LayerNorm eps 1e-6, final ``norm`` on the CLS token): timm's BEiT so configured."""
+def _usfm(c, s, pool: str = "avg"):
+    """USFM's ViT-B/16 as its release was saved (``use_abs_pos_emb=False``, a shared relative position table,
+    ``init_values=0.1``, LayerNorm eps 1e-6): timm's BEiT so configured. ``pool="avg"`` is the authors' downstream
+    feature (``use_mean_pooling``: timm's ``global_pool="avg"`` — no final ``norm``, ``fc_norm`` on the mean of the patch
+    tokens; their per-block tables start as copies of the shared one, so the shared table computes the same);
+    ``"token"``: the final-norm CLS token (``usfm_cls``)."""
     return import_timm().create_model("beit_base_patch16_224", pretrained=False, num_classes=0, img_size=s,
-                                      global_pool="token", use_abs_pos_emb=False, use_rel_pos_bias=False,
+                                      global_pool=pool, use_abs_pos_emb=False, use_rel_pos_bias=False,
                                       use_shared_rel_pos_bias=True, init_values=0.1)
 
 
@@ -221,7 +225,7 @@ def _usfm(c, s):
 def _drop(state: dict, test: Callable[[str], bool], why: str, dropped: list) -> dict:
     hit = sorted(k for k in state if test(k))
     if hit:
-        dropped.append(f"{len(hit)} key(s) {why} ({', '.join(hit[:3])}{', ...' if len(hit) > 3 else ''})")
+        dropped.append(f"dropped {len(hit)} key(s) {why} ({', '.join(hit[:3])}{', ...' if len(hit) > 3 else ''})")
     return {k: v for k, v in state.items() if k not in set(hit)}
 
 
@@ -232,14 +236,47 @@ def _swin_release(state: dict, module: nn.Module, dropped: list) -> dict:
     state = _drop(state, lambda k: k.startswith("head."), "of a classification head", dropped)
     buffers = [k for k in state if "relative_position_index" in k or "attn_mask" in k]
     if buffers:
-        dropped.append(f"{len(buffers)} buffer(s) the architecture rebuilds (relative_position_index, attn_mask)")
+        dropped.append(f"dropped {len(buffers)} buffer(s) the architecture rebuilds (relative_position_index, "
+                       f"attn_mask)")
     return checkpoint_filter_fn(state, module)
 
 
 def _usfm_release(state: dict, module: nn.Module, dropped: list) -> dict:
+    """The release into the network of the chosen feature, as the authors' ``load_pretrained`` loads it for their
+    classifier: under mean pooling the final ``norm`` is not used and ``fc_norm`` — not in the release — keeps a
+    LayerNorm's initial weight 1 and bias 0 (their ``load_state_dict(strict=False)``)."""
     state = _drop(state, lambda k: k == "mask_token", "of masked-image-modelling pre-training (mask_token)", dropped)
-    state = _drop(state, lambda k: k.startswith(("head.", "fc_norm.")), "of a classification head", dropped)
-    return _drop(state, lambda k: "relative_position_index" in k, "the architecture rebuilds", dropped)
+    state = _drop(state, lambda k: k.startswith("head."), "of a classification head", dropped)
+    state = _drop(state, lambda k: "relative_position_index" in k, "the architecture rebuilds", dropped)
+    own = module.state_dict()
+    if "fc_norm.weight" in own:  # the authors' mean-pooled feature
+        state = _drop(state, lambda k: k.startswith("norm."), "of the final norm, which the authors' mean-pooled "
+                      "feature does not use", dropped)
+        if "fc_norm.weight" not in state:
+            state["fc_norm.weight"] = torch.ones_like(own["fc_norm.weight"])
+            state["fc_norm.bias"] = torch.zeros_like(own["fc_norm.bias"])
+            dropped.append("added fc_norm, which the release does not have: weight 1, bias 0, as the authors' "
+                           "classifier starts it")
+    else:
+        state = _drop(state, lambda k: k.startswith("fc_norm."), "of a classification head (fc_norm)", dropped)
+    return state
+
+
+def _vit_release(state: dict, module: nn.Module, dropped: list) -> dict:
+    """A timm ViT state dict (ImageNet head included, 224 px) for a headless encoder at any input size: the head
+    dropped, ``pos_embed`` resampled to the model's grid by timm's own ``checkpoint_filter_fn``
+    (``resample_abs_pos_embed``, bicubic)."""
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    state = _drop(state, lambda k: k.startswith("head."), "of the ImageNet classification head", dropped)
+    before = state.get("pos_embed")
+    out = checkpoint_filter_fn(state, module)
+    after = out.get("pos_embed")
+    if before is not None and after is not None and tuple(before.shape) != tuple(after.shape):
+        g = module.patch_embed.grid_size
+        dropped.append(f"resampled pos_embed from {before.shape[1]} to {after.shape[1]} tokens for a {g[0]}x{g[1]} "
+                       f"patch grid (timm's resample_abs_pos_embed, bicubic)")
+    return out
 
 
 def _medicalnet_release(state: dict, module: nn.Module, dropped: list) -> dict:
@@ -264,8 +301,12 @@ class EncoderSpec:
 
 
 ENCODERS: dict[str, EncoderSpec] = {
-    "usfm": EncoderSpec(_usfm, 3, 224, 768, "imagenet", "USFM ViT-B/16 (BEiT-style; timm beit)", "final-norm CLS token",
+    "usfm": EncoderSpec(_usfm, 3, 224, 768, "imagenet", "USFM ViT-B/16 (BEiT-style; timm beit)",
+                        "fc_norm of the mean patch token (the authors' use_mean_pooling)",
                         "USFM_latest.pth: flat state dict (with mask_token)", _usfm_release),
+    "usfm_cls": EncoderSpec(lambda c, s: _usfm(c, s, "token"), 3, 224, 768, "imagenet",
+                            "USFM ViT-B/16 (BEiT-style; timm beit)", "final-norm CLS token",
+                            "USFM_latest.pth: flat state dict (with mask_token)", _usfm_release),
     "ctranspath": EncoderSpec(_ctranspath, 3, 224, 768, "imagenet", "CTransPath Swin-T + ConvStem (timm swin)",
                               "final norm, mean over tokens", "ctranspath.pth: {'model': state_dict}, timm 0.5.4 layout",
                               _swin_release),
@@ -277,7 +318,7 @@ ENCODERS: dict[str, EncoderSpec] = {
                                        "resnet_18_23dataset.pth: {'state_dict': {'module.*'}} (train.py: + conv_seg, "
                                        "optimizer)", _medicalnet_release, spatial_dims=3),
     "vit_tiny": EncoderSpec(_vit_tiny, 3, 224, 192, "inception", "timm vit_tiny_patch16_224", "CLS token",
-                            "a timm state dict"),
+                            "a timm state dict (vit_tiny_patch16_224, 224 px, with its ImageNet head)", _vit_release),
     "random_cnn": EncoderSpec(lambda c, s: _RandomCNN(c), None, None, 128, "half", "4-block CNN (FECFL)",
                               "global average"),
     "pixels": EncoderSpec(lambda c, s: _Pixels(), None, None, None, "none", "raw pixels (PACFL)", "flattened pixels"),
@@ -326,12 +367,12 @@ def _unwrap(state, dropped: list | None = None) -> dict:
             break
         other = sorted(k for k in state if k != key)
         if other:
-            dropped.append(f"checkpoint entries beside '{key}' ({', '.join(map(str, other))})")
+            dropped.append(f"dropped checkpoint entries beside '{key}' ({', '.join(map(str, other))})")
         state = state[key]
     if not isinstance(state, dict):
         return {}
     if any(k.startswith("module.") for k in state):
-        dropped.append("the 'module.' prefix of a DataParallel model")
+        dropped.append("dropped the 'module.' prefix of a DataParallel model")
     return {(k[len("module."):] if k.startswith("module.") else k): v for k, v in state.items()}
 
 
@@ -357,7 +398,8 @@ def load_weights(module: nn.Module, path: str, name: str, spec: EncoderSpec | No
     if not state:
         raise EncoderError(f"{name}: weights file {p} holds no state dict (a dict of tensors)")
     own = module.state_dict()
-    if spec is not None and spec.convert is not None and set(state) != set(own):
+    differs = set(state) != set(own) or any(tuple(v.shape) != tuple(own[k].shape) for k, v in state.items() if k in own)
+    if spec is not None and spec.convert is not None and differs:
         try:
             state = spec.convert(dict(state), module, dropped)
         except Exception as e:  # the release's converter met a file of another layout
@@ -377,7 +419,7 @@ def load_weights(module: nn.Module, path: str, name: str, spec: EncoderSpec | No
                            f"{unexpected[:3]}, {len(shapes)} shape mismatches {shapes[:3]}{other}")
     module.load_state_dict(state)
     for d in dropped:
-        log.info("%s: %s: dropped %s", name, p.name, d)
+        log.info("%s: %s: %s", name, p.name, d)
     return dropped
 
 
@@ -438,7 +480,7 @@ def check_weights(path: str, name: str) -> str:
         out = enc.module(x if spec.spatial_dims == 3 else normalize_images(enc, x))
     dim = int(out.reshape(1, -1).shape[1])
     inp = "1 x D x H x W" if spec.spatial_dims == 3 else f"{enc.in_channels} x {enc.image_size} x {enc.image_size}"
-    dropped = f"; dropped {'; '.join(enc.notes)}" if enc.notes else ""
+    dropped = f"; {'; '.join(enc.notes)}" if enc.notes else ""
     return (f"ok: {Path(path).name} loads as {name} ({spec.architecture}): {dim}-d {spec.feature}, input {inp}, "
             f"preprocessing {enc.preprocessing}{dropped}")
 
@@ -458,17 +500,19 @@ def weights_id(path) -> str:
 # ------------------------------------------------------------------------------------------------ features
 
 def preprocess_volume(x: torch.Tensor) -> torch.Tensor:
-    """MedicalNet's intensity normalisation of one volume (``datasets/brains18.py``): z-score with the mean and std of
-    its non-zero voxels. The background (zero voxels) is set to 0 — MedicalNet's loader fills it with fresh N(0, 1)
-    noise at every read, which would give the same volume another embedding each time (docs/readings.md)."""
+    """MedicalNet's intensity normalisation of one volume (``datasets/brains18.py``,
+    ``__itensity_normalize_one_volume__``): z-score with the mean and std of its **positive** voxels (``volume > 0``),
+    applied to every voxel (negative ones included). The zero voxels — which the authors' loader fills with fresh
+    N(0, 1) noise at every read, so that the same volume would embed differently each time — are set to 0
+    (docs/readings.md)."""
     x = x.float()
-    fg = x != 0
+    fg = x > 0
     if not fg.any():
         return torch.zeros_like(x)
     v = x[fg]
     std = v.std(unbiased=False) if v.numel() > 1 else v.new_tensor(0.0)
     out = (x - v.mean()) / (std if std > 0 else 1.0)
-    return torch.where(fg, out, torch.zeros_like(out))
+    return torch.where(x == 0, torch.zeros_like(out), out)
 
 
 def normalize_images(encoder: Encoder, xb: torch.Tensor) -> torch.Tensor:
