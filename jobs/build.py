@@ -66,9 +66,6 @@ def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = 
     """
     names = exp.site_names() if sites == "config" else (None if sites == "all" else list(sites))
     if names is not None:
-        twice = sorted({s for s in names if names.count(s) > 1})
-        if twice:
-            raise BuildError(f"--sites names {', '.join(twice)} more than once; name each site once")
         from fedmed.core.validation import check_federation_site_names
 
         try:

@@ -69,7 +69,7 @@ def check_federation_site_names(names: Sequence[str], what: str = "site names") 
         raise ValueError(f"{what}: {bad[0]!r} is not a site name FLARE accepts (letters, digits, '-' and '_' only)")
     dup = sorted({s for s in names if names.count(s) > 1})
     if dup:
-        raise ValueError(f"{what}: {', '.join(dup)} named more than once; name each site once")
+        raise ValueError(f"{what} names {', '.join(dup)} more than once; name each site once")
     return names
 
 
