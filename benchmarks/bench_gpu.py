@@ -106,7 +106,7 @@ def main(argv=None) -> int:
                      "weight_decay": 0.0, "augment": "flip", "keep_optimizer_state": False, "device": a.device,
                      "precision": a.precision}}
     runner = SiteRunner("site-1", root)
-    s = runner._splits(cfg)
+    s = runner.splits(cfg)
     x, y = s.train
     theta = get_params(model_from_config(model_cfg, 1, n_classes, seed=0))
     net = model_from_config(model_cfg, 1, n_classes, seed=0).to(device)

@@ -21,10 +21,13 @@ import json
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from fedmed.core.schema import FederationTiming, ModelSection, PrivacyConfig, Strict, TrainConfig
 from fedmed.core.validation import SITE_NAME as _SITE_NAME_RE
+from fedmed.methods import (METHODS, FedAvgMethod, Method, PluginError, _listeners, load_plugins, method_class,  # noqa: F401
+                            method_union)
+from fedmed.methods import *  # noqa: F401,F403  (the method models, importable from here as before)
 
 __all__ = ["ConfigError", "DatasetConfig", "ExperimentConfig", "FederationConfig", "MethodConfig", "ModelConfig",
            "PrivacyConfig", "TrainConfig", "WORKFLOWS", "apply_overrides", "load_config", "method_options"]
@@ -133,153 +136,19 @@ class ModelConfig(ModelSection):
 
 
 # --------------------------------------------------------------------------------------------- methods
+# every method's options are its own model's (fedmed.methods, defined once); a plugin's register there too
 
-class _Method(_Strict):
-    name: str = Field(min_length=1)
-
-
-class _Encoder(_Strict):
-    encoder: str = Field("random_cnn", description="see fedmed.nn.encoders.ENCODERS")
-    encoder_weights: Optional[str] = Field(None, description="local weights file; None = seeded random init")
-    encoder_image_size: Optional[int] = Field(None, gt=7)
-
-
-class _Clusters(_Strict):
-    n_clusters: Optional[int] = Field(None, ge=1, description="fixed K; None = auto-K")
-    threshold: Optional[float] = Field(None, ge=0, description="agglomerative merge threshold instead of K")
-    linkage: Literal["average", "weighted", "complete", "single"] = "average"
-    k1_silhouette: float = Field(0.5, ge=-1, le=1, description="auto-K keeps one cluster unless the chosen K's "
-                                 "silhouette reaches this (Kaufman & Rousseeuw: 0.26-0.50 weak, could be artificial; "
-                                 "docs/readings.md)")
-    fedavg_warmup: int = Field(0, ge=0, description="rounds of FedAvg on the whole federation before the cluster "
-                               "models start from its model (the idea of Flux's start rule; docs/readings.md); the "
-                               "run keeps train.rounds in all. 0 = cluster models from scratch (FMCL's Alg. 5)")
-
-
-class FedAvgMethod(_Method):
-    workflow: Literal["fedavg"] = "fedavg"
-
-
-class FedProxMethod(_Method):
-    workflow: Literal["fedprox"]
-    fedprox_mu: float = Field(0.01, ge=0, description="proximal weight mu (Li et al. 2020)")
-
-
-class FMCLMethod(_Method, _Encoder, _Clusters):
-    workflow: Literal["fmcl"]
-    overlap: bool = Field(True, description="overlap-aware multiplier m_ij (False: the paper's 'no overlap' ablation)")
-
-
-class PACFLMethod(_Method, _Encoder, _Clusters):
-    workflow: Literal["pacfl"]
-    encoder: str = "pixels"
-    n_basis: int = Field(3, ge=1, description="singular vectors per class")
-    angle: Literal["principal", "official"] = Field(
-        "principal", description="principal: smallest principal angle between the class subspaces; official: PACFL "
-        "code's arccos of single entries of U_i^T U_j (sign dependent)")
-
-
-class FECFLMethod(_Method, _Encoder, _Clusters):
-    workflow: Literal["fecfl"]
-
-
-class CFLMethod(_Method):
-    workflow: Literal["cfl"]
-    cfl_eps1: float = Field(0.4, gt=0)
-    cfl_eps2: float = Field(1.6, gt=0)
-    warmup_rounds: int = Field(2, ge=0)
-
-
-class FluxMethod(_Method):
-    workflow: Literal["flux"]
-    n_clusters: Optional[int] = Field(None, ge=1, description="Flux-prior: K-means with this K; None = adaptive DBSCAN")
-    participation: float = Field(1.0, gt=0, le=1, description="fraction of sites sampled per round")
-    dbscan_scale: float = Field(1.0, gt=0, description="eps scale factor (the paper's per-dataset factor)")
-    k1_silhouette: Optional[float] = Field(0.25, ge=-1, le=1, description="keep a DBSCAN split only when its "
-                                           "silhouette reaches this (None: the paper's literal DBSCAN)")
-    box: Literal["elementwise", "scalar"] = Field("elementwise", description="S1 box: the paper's element-wise "
-                                                  "min/max, or the official code's [0, 1.02 max]")
-    scaling: Literal["none", "minmax"] = Field("none", description="min-max scale descriptors before clustering "
-                                               "(official code)")
-    start_rule: Literal["paper", "official"] = Field("paper", description="Eq. 14 gains from round 3 (paper) or "
-                                                     "including round 2 (official code)")
-    absent_class: Literal["zeros", "minus_one"] = Field("zeros", description="slot of a class with < 2 samples")
-
-
-class IFCAMethod(_Method):
-    workflow: Literal["ifca"]
-    n_clusters: int = Field(2, ge=1, description="K models")
-    participation: float = Field(1.0, gt=0, le=1)
-    empty_cluster: Literal["global", "keep"] = Field(
-        "global", description="a model no site chose in a round with every site answering: replaced by that "
-        "round's average of all updates (fedmed; docs/readings.md), or kept unchanged (the paper)")
-
-
-class SegAssessMethod(_Method):
-    workflow: Literal["seg_assess"]
-    per_value: bool = Field(False, description="ask for per-image metadata values (the paper's form); a site answers "
-                            "only if its own settings allow per-image data")
-    encoder_weights: Optional[str] = None
-
-
-class FedAvgWMethod(SegAssessMethod):
-    workflow: Literal["fedavg_w"]
-    omega: float = Field(1.0, ge=0, le=1, description="weight of the most distant site (004_ Eq. 2)")
-    distance: Literal["emd", "euc"] = "emd"
-    site: str = Field("", description="down-weight this site instead of the assessed one")
-
-
-class SegClustersMethod(SegAssessMethod):
-    workflow: Literal["seg_clusters"]
-    distance: Literal["emd", "euc"] = "emd"
-    clusters: list[list[str]] = Field(default_factory=list, description="given clusters instead of the assessed ones")
-
-
-class DittoMethod(_Method):
-    workflow: Literal["ditto"]
-    ditto_lambda: float = Field(0.1, gt=0)
-
-
-class FedMAEMethod(_Method):
-    """Fed-MAE pre-training (``001_`` §3.2, §4.1) on the sites' unlabeled images."""
-
-    workflow: Literal["fedmae"]
-    mask_ratio: float = Field(0.75, gt=0, lt=1)
-    base_lr: float = Field(1.5e-4, gt=0, description="lr = base_lr x batch / 256 (MAE's scaling rule)")
-    warmup: float = Field(0.05, ge=0, lt=1, description="share of the run spent warming the lr up")
-    unlabeled_alpha: Optional[float] = Field(0.5, gt=0, description="Dirichlet quantity skew of the unlabeled pools "
-                                             "over sites (001_ §3.2); None: IID")
-    rounds: int = Field(40, ge=1, description="pre-training rounds (train.rounds is the fine-tuning's)")
-    local_epochs: int = Field(10, ge=1)
-    batch_size: int = Field(64, ge=2)
-
-
-class FinetuneMethod(_Method):
-    """Federated fine-tuning of a ViT with a linear head (``001_`` §4.2), optionally with PreP-WFL (Alg. 2)."""
-
-    workflow: Literal["finetune"]
-    init: Literal["fedmae", "random"] = Field("fedmae", description="the encoder: Fed-MAE pre-trained or random")
-    encoder_weights: Optional[str] = Field(None, description="init 'fedmae': the Fed-MAE run's models/encoder.pt "
-                                           "(fedmed ssl fills it)")
-    prep_wfl: bool = Field(False, description="PreP-WFL: one class-id round, then prevalence-weighted CE (Eq. 1-3)")
-    layer_decay: float = Field(0.75, gt=0, le=1)
-    warmup: float = Field(0.05, ge=0, lt=1)
-    local_only: bool = Field(True, description="also report every site fine-tuning alone (reference)")
-
-
-MethodConfig = Annotated[Union[FedAvgMethod, FedProxMethod, FMCLMethod, PACFLMethod, FECFLMethod, CFLMethod, FluxMethod,
-                               IFCAMethod, SegAssessMethod, FedAvgWMethod, SegClustersMethod, DittoMethod, FedMAEMethod,
-                               FinetuneMethod],
-                         Field(discriminator="workflow")]
-
-WORKFLOWS = {m.model_fields["workflow"].annotation.__args__[0]: m for m in
-             (FedAvgMethod, FedProxMethod, FMCLMethod, PACFLMethod, FECFLMethod, CFLMethod, FluxMethod, IFCAMethod,
-              SegAssessMethod, FedAvgWMethod, SegClustersMethod, DittoMethod, FedMAEMethod, FinetuneMethod)}
+def _methods_annotation():
+    return list[method_union()]
 
 
 def method_options(workflow: str) -> list[str]:
     """The options a workflow's method takes (besides ``name`` and ``workflow``)."""
-    return sorted(k for k in WORKFLOWS[workflow].model_fields if k not in ("name", "workflow"))
+    return sorted(k for k in method_class(workflow).model_fields if k not in ("name", "workflow"))
+
+
+WORKFLOWS = METHODS  # workflow -> method class, as registered now (a plugin's too)
+MethodConfig = Method
 
 
 class SweepCase(_Strict):
@@ -300,7 +169,9 @@ class ExperimentConfig(_Strict):
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     privacy: PrivacyConfig = PrivacyConfig()
-    methods: list[MethodConfig] = Field(default_factory=lambda: [FedAvgMethod(name="FedAvg")], min_length=1)
+    plugins: list[str] = Field(default_factory=list, description="modules adding methods of your own (fedmed.methods): "
+                               "a .py file (relative to this config's folder) or an importable module")
+    methods: _methods_annotation() = Field(default_factory=lambda: [FedAvgMethod(name="FedAvg")], min_length=1)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     selection: Literal["final", "validation"] = Field(
         "final", description="which round the tables report: the final one, or the one with the best validation "
@@ -329,7 +200,7 @@ class ExperimentConfig(_Strict):
         if dup:
             raise ValueError(f"sweep case names should be unique, got duplicates {dup}")
         for m in self.methods:
-            if getattr(m, "fedavg_warmup", 0) >= self.train.rounds:
+            if "fedavg_warmup" in type(m).model_fields and m.fedavg_warmup >= self.train.rounds:
                 raise ValueError(f"method {m.name!r}: fedavg_warmup={m.fedavg_warmup} should be below train.rounds="
                                  f"{self.train.rounds} (the cluster models train the rounds after it)")
         for c in self.sweep:
@@ -343,11 +214,9 @@ class ExperimentConfig(_Strict):
         if fed.min_clients > fed.sites:
             raise ValueError(f"federation.min_clients ({fed.min_clients}) should not exceed federation.sites "
                              f"({fed.sites})")
-        from fedmed.workflows.registry import method_entry
-
         seg = self.dataset.task == "segmentation"
         for m in self.methods:
-            serves = method_entry(m.workflow).serves
+            serves = type(m).serves
             if "classification" not in serves and not seg:
                 raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} needs dataset.task: segmentation")
             if seg and "segmentation" not in serves:
@@ -361,10 +230,31 @@ class ExperimentConfig(_Strict):
                                  f"takes 32 x 32 images; set dataset.image_size: 32 (got {self.dataset.image_size})")
         return self
 
+    _base_dir: Optional[Path] = PrivateAttr(None)
+
+    @property
+    def base_dir(self) -> Path:
+        """The folder the config was read from (its plugins' files are relative to it); the working folder for a
+        config given as a dict."""
+        return self._base_dir or Path.cwd()
+
     def site_names(self) -> list[str]:
         """The training sites' names: ``federation.site_names`` or ``site-1..N``."""
         fed = self.federation
         return list(fed.site_names) if fed.site_names else [f"site-{k + 1}" for k in range(fed.sites)]
+
+
+def _rebuild_methods() -> None:
+    """A method registered after import (a plugin): ``methods:`` takes it from now on."""
+    from pydantic.fields import FieldInfo
+
+    old = ExperimentConfig.model_fields["methods"]
+    new = FieldInfo.from_annotated_attribute(_methods_annotation(), old)
+    ExperimentConfig.model_fields["methods"] = new
+    ExperimentConfig.model_rebuild(force=True)
+
+
+_listeners.append(_rebuild_methods)
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -447,11 +337,12 @@ def load_config(path_or_dict, overrides: list[str] | None = None) -> ExperimentC
     """
     import yaml
 
+    path = None
     if isinstance(path_or_dict, dict):
         raw, source = path_or_dict, "config"
     else:
-        path = Path(path_or_dict)
-        source = str(path)
+        path = shipped_or_given(Path(path_or_dict))
+        source = str(path_or_dict)
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
         try:
@@ -466,10 +357,33 @@ def load_config(path_or_dict, overrides: list[str] | None = None) -> ExperimentC
             parent = (path.parent / base)
             raw = _merge(load_raw(parent), raw)
     raw = apply_overrides(raw, overrides)
+    base = path.resolve().parent if not isinstance(path_or_dict, dict) else Path.cwd()
+    if isinstance(raw.get("plugins"), list):  # before the methods are read: a plugin registers its own
+        try:
+            load_plugins(raw["plugins"], base)
+        except PluginError as e:
+            raise ConfigError(f"{source}: {e}") from None
     try:
-        return ExperimentConfig.model_validate(raw)
+        exp = ExperimentConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format(e, source, raw)) from None
+    exp._base_dir = base
+    return exp
+
+
+def shipped_or_given(path: Path) -> Path:
+    """``path`` as given (relative to the caller's folder); a relative ``app_configs/<name>`` that is not there is
+    the config shipped with fedmed (``fedmed.core.resources``), so the shipped configs can be named from any folder
+    and in an installed fedmed."""
+    if path.is_file() or path.is_absolute() or not path.parts or path.parts[0] != "app_configs":
+        return path
+    from fedmed.core.resources import ResourceError, project_root
+
+    try:
+        shipped = project_root() / path
+    except ResourceError:
+        return path
+    return shipped if shipped.is_file() else path
 
 
 def load_raw(path: Path) -> dict:

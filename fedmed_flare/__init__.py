@@ -1,7 +1,7 @@
 """fedmed's NVIDIA FLARE adapters, installed with fedmed at every party — so a fedmed job carries no code.
 
 * :class:`fedmed_flare.controller.WorkflowController` (the server): runs any workflow of ``fedmed.workflows``.
-* :class:`fedmed_flare.executor.SiteExecutor` (each site): answers every task through ``fedmed.site.runner.answer``.
+* :class:`fedmed_flare.executor.SiteExecutor` (each site): answers every task through ``fedmed.site.reply.answer``.
 
 A job names them by class path (``fedmed_flare.controller.WorkflowController``), so it has no ``custom/`` folder and
 FLARE does not count it as custom code (BYOC): a site whose ``local/authorization.json`` gives its submitters

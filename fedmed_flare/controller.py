@@ -25,6 +25,7 @@ hospital:
 import json
 import os
 import time
+import sys
 from pathlib import Path
 
 from nvflare.app_common.abstract.fl_model import FLModel
@@ -118,8 +119,18 @@ class WorkflowController(Federation, ModelController):
 
     def run(self):
         """FLARE's entry point: the named workflow, run on this federation."""
-        workflow = server_workflow(self.workflow_name)(self.num_rounds, self.fedmed_config, **self.workflow_args)
-        Federation.run(self, workflow)
+        from fedmed.core.plugins import PluginError, import_plugins
+        from fedmed.workflows import WorkflowNotFound
+
+        if self.user_code.is_dir() and str(self.user_code) not in sys.path:
+            sys.path.insert(0, str(self.user_code))  # a plugin or a user's class the job carries (BYOC)
+        try:  # a plugin method's module, if the server's policy lists it
+            import_plugins(task_config(self.fedmed_config).plugins, self.policy.modules)
+            cls = server_workflow(self.workflow_name)
+        except (PluginError, WorkflowNotFound) as e:
+            self.panic(f"fedmed run failed: the server cannot run the job's workflow: {e}")
+            return
+        Federation.run(self, cls(self.num_rounds, self.fedmed_config, **self.workflow_args))
 
     def aborted(self) -> bool:
         return self.abort_signal is not None and self.abort_signal.triggered

@@ -4,7 +4,7 @@ job by class path (the job carries no code).
 The job names no data: the site finds its datalist and its policy through its own settings
 (``fedmed.site.settings``: ``FEDMED_DATALIST`` / ``FEDMED_DATALIST_DIR`` / ``FEDMED_SITE_CONFIG`` or the startup kit's
 ``local/fedmed_site.json``; ``fedmed.site.policy``: ``local/fedmed_policy.json``) and hands each task to
-``fedmed.site.runner.answer`` — the same reply loop the in-process federation runs. A task the site cannot do (no data
+``fedmed.site.reply.answer`` — the same reply loop the in-process federation runs. A task the site cannot do (no data
 configured, a job asking for what the site's policy does not allow, a missing or corrupt image) is answered with a
 one-line error that names the split and position, never a file or folder, so the rest of the federation finishes;
 the site's own log has the full message.
@@ -71,7 +71,7 @@ class SiteExecutor(Executor):
 
     def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         from fedmed.core import memtrace
-        from fedmed.site.runner import answer
+        from fedmed.site.reply import answer
 
         site = fl_ctx.get_identity_name()
         incoming = FLModelUtils.from_shareable(shareable)

@@ -23,38 +23,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fedmed.run.taskconfig import BuildError, fedmed_config, min_clients  # noqa: E402,F401  (re-exported)
+from fedmed.run.jobspec import BuildError, check_encoder, job_name  # noqa: E402,F401  (re-exported)
+from fedmed.run.taskconfig import fedmed_config, min_clients  # noqa: E402,F401  (re-exported)
 
 
-def job_name(exp, method, seed: int, suffix: str = "") -> str:
-    return "".join(ch if ch.isalnum() else "_" for ch in f"{exp.name}_{method.name}{suffix}_s{seed}").lower()
-
-
-
-
-def check_encoder(name: str, weights: str | None, *, in_channels: int = 1, image_size=None):
-    """Catch a bad encoder before anything is sent: an unknown name, a missing or mismatched weights file."""
-    from fedmed.nn.encoders import ENCODERS, EncoderError, build_encoder
-
-    if name not in ENCODERS:
-        try:
-            build_encoder(name)
-        except EncoderError as e:
-            raise BuildError(str(e)) from None
-    if weights:
-        if not Path(weights).is_file():
-            raise BuildError(f"encoder {name}: weights file {weights} not found (it is shipped to every site in the job)")
-        try:
-            build_encoder(name, weights=weights, in_channels=in_channels, image_size=image_size)
-        except EncoderError as e:
-            raise BuildError(str(e)) from None
-
-
-def new_job(name: str, exp, controller, sites: list[str] | None, *, user_code=(), server_files=()):
-    """A FedJob with ``controller`` on the server and fedmed's site executor on the named sites (all connected sites
-    when ``sites`` is None). ``server_files``: ``(source, folder)`` data for the server, into its app's ``config/``
-    folder (never code); ``user_code``: ``(source, folder)`` of a user's network class, into every app's ``custom/``
-    (the job is then custom code to FLARE)."""
+def new_job(name: str, spec, controller):
+    """A FedJob with ``controller`` on the server and fedmed's site executor on the spec's sites (all connected sites
+    when it names none). The spec's ``server_files``: ``(source, folder)`` data for the server, into its app's
+    ``config/`` folder (never code); its ``user_code``: ``(source, folder)`` of a user's network class or a plugin
+    method, into every app's ``custom/`` (the job is then custom code to FLARE)."""
     from nvflare.app_common.widgets.convert_to_fed_event import ConvertToFedEvent
     from nvflare.app_opt.tracking.tb.tb_receiver import TBAnalyticsReceiver
     from nvflare.job_config.api import FedJob
@@ -62,17 +39,13 @@ def new_job(name: str, exp, controller, sites: list[str] | None, *, user_code=()
     from fedmed.core.jobfiles import FILES_DIR
     from fedmed_flare.executor import SiteExecutor
 
-    fed = exp.federation
-    quorum = min_clients(fed.min_clients, sites)
-    if quorum < fed.min_clients:
-        print(f"note: federation.min_clients={fed.min_clients} lowered to {quorum}: the job targets {len(sites)} "
-              f"named site(s) {sites}", file=sys.stderr)
+    sites, quorum = spec.sites, spec.min_clients
     job = FedJob(name=name, min_clients=quorum)
     job.set_app_packages(["fedmed", "fedmed_flare"])  # installed at every party; never copied into the job
     job.to_server(controller, id="controller")
     job.to_server(TBAnalyticsReceiver(events=["fed.analytix_log_stats"]), id="tb_receiver")
     # FLARE reads it at the path server.task_request_interval (server_json_config.py); a top-level key is ignored
-    job.to_server({"server": {"task_request_interval": fed.task_request_interval}})
+    job.to_server({"server": {"task_request_interval": spec.task_request_interval}})
     targets = sites if sites else [None]
     for site in targets:
         executor = SiteExecutor(threads=1)
@@ -83,11 +56,11 @@ def new_job(name: str, exp, controller, sites: list[str] | None, *, user_code=()
         else:
             job.to(executor, site, tasks=["*"])
             job.to(event, site, id="event_to_fed")
-    for src, dest in user_code:
+    for src, dest in spec.user_code:
         for site in targets:
             job.add_file_to(str(Path(src).resolve()), site or "@ALL", dest_dir=dest)
         job.add_file_to_server(str(Path(src).resolve()), dest_dir=dest)
-    for src, dest in server_files:
+    for src, dest in spec.server_files:
         job.add_file_to_server(str(Path(src).resolve()), dest_dir=f"{FILES_DIR}/{dest}", app_folder_type="config")
     return job
 

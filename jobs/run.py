@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jobs.build import BuildError, build_job, select_method  # noqa: E402
+from jobs.build import BuildError, JobSpec, job_from_spec, job_spec, select_method  # noqa: E402
 
 
 def recipe_of(job):
@@ -122,21 +122,21 @@ def inline_arrays_env(n_sites: int) -> dict:
     return {INLINE_ARRAYS_ENV: "0"} if n_sites > INLINE_ARRAYS_ABOVE else {}
 
 
-def simulation_policy(exp, method, workspace: Path) -> Path:
+def simulation_policy(spec: JobSpec, workspace: Path) -> Path:
     """The policy of simulated sites that are the experimenter's own (``--site-policy simulation``, what ``fedmed
     experiment`` runs): the config's ``k_min`` is the floor, the config's modules may run, its encoder weights come
     from a folder of links beside the workspace. Written to ``<workspace>/site_policy.json``."""
     from fedmed.core.policy import SitePolicy
 
     folder = workspace / "site_weights"
-    weights = getattr(method, "encoder_weights", None)
-    if weights and method.workflow != "finetune":
+    weights = spec.simulation.get("weights")
+    if weights:
         folder.mkdir(parents=True, exist_ok=True)
         link = folder / Path(weights).name
         if link.is_symlink() or link.exists():
             link.unlink()
         link.symlink_to(Path(weights).resolve())
-    policy = SitePolicy.simulating(exp.privacy.k_min, weights_dir=folder if weights else None,
+    policy = SitePolicy.simulating(spec.simulation["k_min"], weights_dir=folder if weights else None,
                                    allow_per_image=os.environ.get("FEDMED_ALLOW_PER_IMAGE") == "1")
     return policy.write(workspace / "site_policy.json")
 
@@ -260,8 +260,10 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--config", required=True, help="experiment config")
-    ap.add_argument("--method", required=True, help="name of one of the config's methods")
+    ap.add_argument("--config", help="experiment config")
+    ap.add_argument("--method", help="name of one of the config's methods")
+    ap.add_argument("--spec", help="instead of --config/--method/--set/--seed/--sites/--resume-from/--onboard: a job "
+                    "spec built in-process by fedmed (fedmed.run.jobspec; what fedmed experiment hands over)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the run")
     ap.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
     ap.add_argument("--env", choices=["sim", "prod"], default="sim", help="where the job runs")
@@ -303,17 +305,27 @@ def _main(a, template) -> int:
     from fedmed.config import ConfigError, load_config
 
     try:
-        exp = load_config(a.config, a.set)
-        method = select_method(exp, a.method, a.config)
-        sites = a.sites or exp.site_names()
-        onboard = None
-        if a.onboard:
-            if not a.sites:
-                raise BuildError("--onboard needs --sites: the new sites to onboard")
-            onboard = {"training_result": a.onboard, "references": a.references, "require_clusters": not a.unseen,
-                       "labels": not a.no_labels,
-                       "known_clusters": json.loads(a.known_clusters) if a.known_clusters else {}}
-        job = build_job(exp, method, a.seed, sites=sites, resume_from=a.resume_from, onboard=onboard)
+        if a.spec:
+            if a.config or a.method or a.set or a.onboard or a.resume_from or a.sites:
+                raise BuildError("--spec is the whole job: it goes without --config, --method, --set, --sites, "
+                                 "--resume-from and --onboard")
+            spec = JobSpec.from_file(a.spec)
+        else:
+            if not (a.config and a.method):
+                raise BuildError("give --config and --method (or --spec)")
+            exp = load_config(a.config, a.set)
+            method = select_method(exp, a.method, a.config)
+            onboard = None
+            if a.onboard:
+                if not a.sites:
+                    raise BuildError("--onboard needs --sites: the new sites to onboard")
+                onboard = {"training_result": a.onboard, "references": a.references, "require_clusters": not a.unseen,
+                           "labels": not a.no_labels,
+                           "known_clusters": json.loads(a.known_clusters) if a.known_clusters else {}}
+            spec = job_spec(exp, method, a.seed, sites=a.sites or "config", resume_from=a.resume_from,
+                            onboard=onboard)
+        sites = spec.sites
+        job = job_from_spec(spec)
         if a.jobs_dir:
             from jobs.common import export
 
@@ -321,16 +333,16 @@ def _main(a, template) -> int:
         if a.env == "sim":  # the simulator runs every site on this machine: a device it lacks fails here, not at round 0
             from fedmed.core.device import DeviceError, resolve_device
 
-            spec = os.environ.get("FEDMED_DEVICE") or exp.train.device
+            device = os.environ.get("FEDMED_DEVICE") or spec.task_config["train"]["device"]
             try:
-                resolve_device(spec, where=", ".join(sites))
+                resolve_device(device, where=", ".join(sites))
             except DeviceError as e:
                 raise BuildError(f"{e} (the simulator runs every site on this machine)") from None
         if a.site_policy and a.env != "sim":
             raise BuildError("--site-policy is for the simulator; a real site keeps its own local/fedmed_policy.json")
         if a.site_policy == "simulation":
             Path(a.workspace).mkdir(parents=True, exist_ok=True)
-            os.environ["FEDMED_SITE_POLICY"] = str(simulation_policy(exp, method, Path(a.workspace).resolve()))
+            os.environ["FEDMED_SITE_POLICY"] = str(simulation_policy(spec, Path(a.workspace).resolve()))
         elif a.site_policy:
             from fedmed.core.policy import PolicyError, SitePolicy
 

@@ -83,7 +83,7 @@ WORKER_MODULE = "nvflare.private.fed.app.simulator.simulator_worker"
 TEMPLATE_ENV = "FEDMED_SIM_TEMPLATE"  # {"pid", "fd", "address"} of a template started by jobs/run.py
 PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.optim", WORKER_MODULE, "nvflare.private.fed.app.simulator.simulator",
            "nvflare.private.fed.app.simulator.simulator_runner", "fedmed_flare.executor", "fedmed_flare.controller",
-           "PIL.Image", "fedmed.site.runner", "fedmed.nn.train",
+           "PIL.Image", "fedmed.site.runner", "fedmed.site.reply", "fedmed.nn.train",
            "fedmed.nn.models", "fedmed.algorithms.metrics", "fedmed.data.images",
            # what a site worker still imported after the fork (FLARE's driver scan imports every f3 driver, with
            # aiohttp, gRPC and protobuf: ~0.6 s of CPU per site; measured by diffing sys.modules in a worker)

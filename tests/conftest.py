@@ -49,8 +49,11 @@ def doc_commands(page: str) -> list[str]:
     import re
 
     text = (ROOT / "docs" / page).read_text()
-    return [ln.strip() for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S) for ln in b.splitlines()
-            if ln.strip() and not ln.strip().startswith("#")]
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        joined = re.sub(r"\\\n\s*", "", block)  # a command continued on the next line is one command
+        out += [ln.strip() for ln in joined.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    return out
 
 
 def doc_json(page: str, caption: str):
@@ -60,3 +63,29 @@ def doc_json(page: str, caption: str):
 
     text = (ROOT / "docs" / page).read_text()
     return json.loads(re.search(r"```json\n(.*?)```", text[text.index(caption):], flags=re.S).group(1))
+
+
+# ------------------------------------------------------------------ task-config sections as a method hands them on
+def flux_section(**kw) -> dict:
+    """The ``flux`` section a Flux workflow sends its sites (its values from ``fedmed.methods.FluxMethod``)."""
+    from fedmed.methods import FluxMethod
+
+    return {**FluxMethod(name="Flux", workflow="flux").workflow_options(None, 0)["flux"], **kw}
+
+
+def signature_section(kind: str, encoder: str, **kw) -> dict:
+    """The ``signature`` section of an FMCL / PACFL / FECFL workflow's task (from the method's defaults)."""
+    from fedmed.methods import METHODS
+
+    m = METHODS[kind](name=kind, workflow=kind, encoder=encoder)
+    return {**m.workflow_options(None, 0)["signature"], **kw}
+
+
+def mae_section(rounds: int = 1, **kw) -> dict:
+    """The ``mae`` section of a Fed-MAE task (from ``fedmed.methods.FedMAEMethod``'s defaults)."""
+    from types import SimpleNamespace
+
+    from fedmed.methods import FedMAEMethod
+
+    exp = SimpleNamespace(train=SimpleNamespace(rounds=rounds))
+    return {**FedMAEMethod(name="MAE", workflow="fedmae").task_options(exp, 0)["mae"], **kw}

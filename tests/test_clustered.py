@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import own_site
+from conftest import own_site, signature_section
 import torch
 
 from fedmed.algorithms.clustered import cfl_split, choose_clusters, signature_distances
@@ -30,7 +30,7 @@ def sites(tmp_path):
 def test_signature_task_edge_sites(sites, kind):
     sigs = {}
     for s in ("site-1", "site-2", "site-3"):
-        cfg = dict(CFG, signature={"kind": kind, "encoder": "random_cnn", "seed": 0})
+        cfg = dict(CFG, signature=signature_section(kind, "random_cnn"))
         params, metrics, meta = own_site(s, sites).handle("signature", {}, cfg)
         assert params == {} and "random init" in meta["encoder"]
         assert not any(k in meta for k in ("images", "labels"))
@@ -103,7 +103,7 @@ def test_each_signature_kind_has_one_payload_type_and_one_wire_format():
     from fedmed.algorithms.fmcl import ClassSignature
     from fedmed.algorithms.privacy import signature_payload
     from fedmed.algorithms.signatures import FIELDS, SIGNATURES, signature_from_wire
-    from fedmed.site.runner import to_meta
+    from fedmed.site.reply import to_meta
 
     rng = np.random.default_rng(0)
     feats, y = rng.normal(size=(30, 6)), np.repeat([0, 1, 2], 10)

@@ -63,11 +63,15 @@ class Deployment:
         self.kits: dict[str, Path] = {}
         self.procs: list[subprocess.Popen] = []
 
+    def provision_command(self):
+        """docs/deployment.md §2's command, as written, in the folder holding project.yml."""
+        cmd = next(c for c in doc_commands("deployment.md") if c.startswith("nvflare provision"))
+        subprocess.run(["bash", "-c", cmd], cwd=self.root, env=self.env, check=True, capture_output=True, timeout=120)
+
     def provision(self):
         (self.root / "project.yml").write_text(yaml.safe_dump(project_yml(free_port(), free_port())))
-        subprocess.run([str(Path(sys.executable).parent / "nvflare"), "provision", "-p", "project.yml", "-w", "ws",
-                        "--force"], cwd=self.root, env=self.env, check=True, capture_output=True, timeout=120)
-        prod = next((self.root / "ws").rglob("prod_00"))
+        self.provision_command()
+        prod = next((self.root / "provision").rglob("prod_00"))
         self.kits = {p.name: p for p in prod.iterdir() if (p / "startup").is_dir()}
         assert {"localhost", ADMIN, *SITES} <= set(self.kits)
         assert (self.kits["hospital-a"] / "startup" / "client.crt").is_file()  # certificates
@@ -78,9 +82,8 @@ class Deployment:
         doc = yaml.safe_load((self.root / "project.yml").read_text())
         doc["participants"].insert(-1, {"name": name, "type": "client", "org": name.replace("-", "_")})
         (self.root / "project.yml").write_text(yaml.safe_dump(doc))
-        subprocess.run([str(Path(sys.executable).parent / "nvflare"), "provision", "-p", "project.yml", "-w", "ws",
-                        "--force"], cwd=self.root, env=self.env, check=True, capture_output=True, timeout=120)
-        prod = sorted((self.root / "ws").rglob("prod_*"))[-1]
+        self.provision_command()  # §10: the same command, in the same workspace
+        prod = sorted((self.root / "provision").rglob("prod_*"))[-1]
         self.kits[name] = prod / name
         assert (self.kits[name] / "startup" / "client.crt").is_file()
         return self.kits[name]
@@ -141,7 +144,7 @@ class Deployment:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        subprocess.run(["pkill", "-9", "-f", str(self.root / "ws")], check=False)
+        subprocess.run(["pkill", "-9", "-f", str(self.root / "provision")], check=False)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ The NVFlare simulator is replaced by a recorder (``fake_job``) that returns a me
 format the server writes; the simulator path itself is covered by tests/test_jobs_e2e.py.
 """
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,8 +37,9 @@ def metrics_doc(acc: float) -> dict:
 def fake_job(monkeypatch):
     calls = []
 
-    def run_job(config_path, overrides, method, seed, datalists, work, n_sites=0, *a, **k):
-        calls.append((method, seed, tuple(overrides)))
+    def run_job(spec, datalists, work, n_sites=0, *a, **k):
+        seed = spec.task_config["seed"]
+        calls.append((spec.method, seed, spec))
         work.mkdir(parents=True, exist_ok=True)
         return metrics_doc(0.5 + 0.1 * seed)
 
@@ -97,7 +99,7 @@ def test_sweep_runs_the_config_cases_and_writes_one_table(tmp_path, fake_job, ca
     cfg = write_cfg(tmp_path, sweep=cases)
     out = tmp_path / "sweep"
     assert main(["sweep", str(cfg), "--out", str(out), "--cases", "prox-only"]) == 0
-    assert {c[0] for c in fake_job} == {"Prox"} and all("methods.Prox.fedprox_mu=0.1" in c[2] for c in fake_job)
+    assert {c[0] for c in fake_job} == {"Prox"} and all(c[2].task_config["train"]["fedprox_mu"] == 0.1 for c in fake_job)
     text = (out / "summary.md").read_text()
     assert "Not run yet: lr-small" in text and "| prox-only | Prox | 2 |" in text
 
@@ -220,7 +222,7 @@ def test_a_finished_run_with_a_missing_site_says_so_on_the_console_and_in_the_re
     and a reused run (--resume) all name the site, its rounds and the reason."""
     from fedmed.report.record import Recorder
 
-    def run_job(config_path, overrides, method, seed, datalists, work, n_sites=0, *a, **k):
+    def run_job(spec, datalists, work, n_sites=0, *a, **k):
         work.mkdir(parents=True, exist_ok=True)
         rec = Recorder(work / "rec", tensorboard=False)
         rec.begin_attempt(0)
@@ -272,10 +274,12 @@ def test_the_iid_reference_of_a_sweep_case_is_a_valid_job_on_the_training_sites(
     federation holds the training sites only — held-out sites do not thin it."""
     calls = []
 
-    def run_job(config_path, overrides, method, seed, datalists, work, n_sites=0, *a, **k):
-        exp = load_config(config_path, overrides)  # what jobs/run.py does first
-        calls.append((method, exp, sorted(p.stem for p in datalists.glob("*.json") if p.stem != "dataset")))
-        work.mkdir(parents=True, exist_ok=True)
+    def run_job(spec, datalists, work, n_sites=0, *a, **k):
+        calls.append((spec.method, spec, sorted(p.stem for p in datalists.glob("*.json") if p.stem != "dataset"),
+                      datalists))
+        (work / "server" / "models").mkdir(parents=True, exist_ok=True)  # what a finished run leaves (the unseen-site
+        (work / "server" / "metrics.json").write_text('{"status": "finished"}')  # step's job is built from it)
+        (work / "server" / "models" / "global.pt").write_bytes(b"")
         doc = metrics_doc(0.5)
         for r in doc["rounds"]:  # what the unseen-site step reads of a run
             r.update(task="validate", sites={"site-1": {"accuracy": 0.5}})
@@ -288,9 +292,9 @@ def test_the_iid_reference_of_a_sweep_case_is_a_valid_job_on_the_training_sites(
     assert main(["sweep", str(cfg), "--out", str(tmp_path / "sweep")]) == 0
     ref = [c for c in calls if c[0] == "FedAvg (IID)"]
     assert ref, [c[0] for c in calls]
-    _, exp, sites = ref[0]
-    assert exp.federation.partition == "iid" and exp.federation.unseen_sites == 0
-    assert sites == ["site-1", "site-2", "site-3"]
+    _, spec, sites, datalists = ref[0]
+    assert json.loads((datalists / "dataset.json").read_text())["partition"] == "iid"
+    assert sites == ["site-1", "site-2", "site-3"] and spec.sites == sites  # the training sites, not the held-out one
 
 
 def test_every_test_split_below_k_min_is_a_table_that_says_withheld(tmp_path, monkeypatch):
@@ -299,7 +303,7 @@ def test_every_test_split_below_k_min_is_a_table_that_says_withheld(tmp_path, mo
     from fedmed.algorithms.metrics import site_metrics
     from fedmed.report.record import Recorder
 
-    def run_job(config_path, overrides, method, seed, datalists, work, n_sites=0, *a, **k):
+    def run_job(spec, datalists, work, n_sites=0, *a, **k):
         work.mkdir(parents=True, exist_ok=True)
         rec = Recorder(work / "rec", tensorboard=False)
         rec.begin_attempt(0)
@@ -338,8 +342,8 @@ def test_resume_continues_a_run_whose_server_was_killed_from_its_checkpoint(tmp_
     (it used to redo every round)."""
     calls = []
 
-    def run_job(config_path, overrides, method, seed, datalists, work, n_sites=0, *a, resume_from=None, **k):
-        calls.append(resume_from)
+    def run_job(spec, datalists, work, n_sites=0, *a, **k):
+        calls.append(Path(spec.server_files[-1][0]) if spec.resume else None)
         work.mkdir(parents=True, exist_ok=True)
         if len(calls) == 1:
             (work / "server" / "checkpoint").mkdir(parents=True)
@@ -353,5 +357,17 @@ def test_resume_continues_a_run_whose_server_was_killed_from_its_checkpoint(tmp_
         E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], log=lambda *a: None)
     lines = []
     E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], log=lines.append, resume=True)
-    assert calls[1] == tmp_path / "out" / "runs" / "seed0" / "FedAvg" / "server"
+    # the job resumes from (a copy of) the failed run's checkpoint
+    assert calls[0] is None and calls[1] == tmp_path / "out" / "runs" / "seed0" / "FedAvg" / "resume_from" / "checkpoint"
     assert any("failed earlier; resuming from its checkpoint (round 2)" in ln for ln in lines), lines
+
+
+def test_a_missing_weights_file_is_named_before_any_method_trains(tmp_path, fake_job):
+    """An encoder weights file that is not there was found only when its method's job was built — after every
+    method before it had trained (hours on a full-size recipe); now before the first run."""
+    cfg = write_cfg(tmp_path, methods=[{"name": "FedAvg", "workflow": "fedavg"},
+                                       {"name": "F", "workflow": "fmcl", "encoder": "random_cnn",
+                                        "encoder_weights": str(tmp_path / "missing.pth")}])
+    with pytest.raises(E.ExperimentError, match=r"method 'F': encoder random_cnn: weights file .*missing.pth not found"):
+        E.run_experiment(str(cfg), tmp_path / "out", log=lambda *a: None)
+    assert fake_job == [] and not (tmp_path / "out" / "data").exists()

@@ -68,13 +68,30 @@ def test_a_non_editable_install_runs_the_demo_and_python_m_fedmed_from_any_folde
     assert (work / "out" / "flux" / "summary.md").is_file()
     assert (work / "out" / "report.html").is_file()
 
-    # the job builder, shipped with the package, from the same folder (a relative --out is the caller's)
-    job = subprocess.run([str(env_dir / "bin" / "fedmed"), "job", "build", "--config",
-                          str(Path(root) / "app_configs" / "demo_digits.yaml"), "--method", "FedAvg", "--out", "jobs",
-                          "--set", "dataset.classes=[a,b,c,d,e,f,g,h,i,j]"], capture_output=True, text=True, env=env,
-                         cwd=work, timeout=300)
+    # the job builder, shipped with the package, from the same folder (a relative --out is the caller's), naming a
+    # shipped config as the docs do (app_configs/<name>: "config file not found" outside a clone before)
+    job = subprocess.run([str(env_dir / "bin" / "fedmed"), "job", "build", "--config", "app_configs/demo_digits.yaml",
+                          "--method", "FedAvg", "--out", "jobs", "--set", "dataset.classes=[a,b,c,d,e,f,g,h,i,j]"],
+                         capture_output=True, text=True, env=env, cwd=work, timeout=300)
     assert job.returncode == 0, job.stderr[-3000:]
     assert (work / "jobs" / "demo_digits_fedavg_s0" / "meta.json").is_file()
     bad = subprocess.run([str(env_dir / "bin" / "fedmed"), "job", "build", "--config", "nope.yaml", "--method", "X",
                           "--out", "jobs"], capture_output=True, text=True, env=env, cwd=work, timeout=300)
     assert bad.returncode == 2 and "nope.yaml: config file not found" in bad.stderr
+
+    # an experiment of the user's own: a relative config in the user's folder, run from there (one round)
+    import yaml
+
+    study = work / "study"
+    study.mkdir()
+    (study / "cfg.yaml").write_text(yaml.safe_dump({
+        "name": "mine", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 8},
+        "federation": {"sites": 2}, "model": {"arch": "resnet9", "width": 4},
+        "train": {"rounds": 1, "local_epochs": 1, "batch_size": 8}, "privacy": {"k_min": 2}, "references": []}))
+    run = subprocess.run([str(env_dir / "bin" / "fedmed"), "experiment", "cfg.yaml", "--out", "out"],
+                         capture_output=True, text=True, env=env, cwd=study, timeout=600)
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    assert "done in" in run.stdout, run.stdout[-2000:]
+    assert (study / "out" / "results.csv").is_file()
+    spec = next((study / "out" / "runs").rglob("job_spec.json"))
+    assert str(ROOT) not in spec.read_text()  # built by the installed fedmed, not the clone

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from fedmed.config import load_config
-from fedmed.run.experiment import REPO_ROOT, RunError, classes_override, prepare_federation, run_job
+from fedmed.run.experiment import REPO_ROOT, RunError, classes_override, prepare_federation, run_config_job
 
 from conftest import shared_path
 
@@ -44,7 +44,7 @@ def test_simulator_fedavg_one_bad_site_does_not_stop_the_federation(tmp_path):
     doc["training"][0]["image"] = str(corrupt)
     bad_list.write_text(json.dumps(doc))
 
-    res = run_job(str(cfg_path), classes_override(data, exp), "FedAvg", 0, data, tmp_path / "run", 3, timeout=600,
+    res = run_config_job(str(cfg_path), classes_override(data, exp), "FedAvg", 0, data, tmp_path / "run", 3, timeout=600,
                   log=lambda *a: None)
     assert res["status"] == "finished"
     rounds = res["rounds"]
@@ -131,7 +131,7 @@ def test_fmcl_job_clusters_once_and_survives_edge_sites(tmp_path):
     doc["training"][1]["image"] = str(tmp_path / "corrupt.png")
     (data / "site-3.json").write_text(json.dumps(doc))
 
-    res = run_job(str(cfg_path), [f"dataset.classes={json.dumps(pool.class_names)}"], "FMCL", 0, data,
+    res = run_config_job(str(cfg_path), [f"dataset.classes={json.dumps(pool.class_names)}"], "FMCL", 0, data,
                   tmp_path / "run", 4, timeout=600, log=lambda *a: None)
     log = res["task_log"]
     assert log[0]["task"] == "signature" and log[0]["sites"] == ["site-1", "site-2", "site-3", "site-4"]
@@ -160,7 +160,7 @@ def test_all_sites_failing_is_a_failed_run(tmp_path):
             e["image"] = str(tmp_path / "missing.png")
         (data / f"{s}.json").write_text(json.dumps(doc))
     with pytest.raises(RunError) as err:
-        run_job(str(cfg_path), classes_override(data, exp), "FedAvg", 0, data, tmp_path / "run", 3, timeout=600,
+        run_config_job(str(cfg_path), classes_override(data, exp), "FedAvg", 0, data, tmp_path / "run", 3, timeout=600,
                 log=lambda *a: None)
     assert err.value.status == "failed" and "fewer than min_clients=1" in err.value.reason
     assert err.value.doc["status"] == "failed" and not list((tmp_path / "run").rglob("global.pt"))
@@ -202,7 +202,7 @@ def test_seg_fedavg_w_job_assesses_then_down_weights(tmp_path):
     doc["training"][0]["label"] = str(tmp_path / "missing_label.nii.gz")  # this site cannot load its data
     (data / "site-2.json").write_text(json.dumps(doc))
 
-    res = run_job(str(cfg_path), [], "FedAvg_w", 0, data, tmp_path / "run", 4, timeout=900, log=lambda *a: None)
+    res = run_config_job(str(cfg_path), [], "FedAvg_w", 0, data, tmp_path / "run", 4, timeout=900, log=lambda *a: None)
     assert res["assessment"]["emd"]["most_distant"] == "site-4"
     assert res["down_weighted"] == {"site": "site-4", "omega": 0.3, "source": "assessment (emd)"}
     assert [t["task"] for t in res["task_log"]][:2] == ["assess", "train"]
@@ -300,7 +300,7 @@ def test_fmcl_on_busi_with_the_usfm_encoder_and_its_preprocessing(tmp_path):
     cfg_path = write_cfg(tmp_path, cfg)
     exp = load_config(cfg_path)
     data = prepare_federation(exp, 0, tmp_path / "data")
-    res = run_job(str(cfg_path), classes_override(data, exp), "FMCL", 0, data, tmp_path / "run", 3, timeout=900,
+    res = run_config_job(str(cfg_path), classes_override(data, exp), "FMCL", 0, data, tmp_path / "run", 3, timeout=900,
                   log=lambda *a: None)
     assert res["status"] == "finished" and not res["errors"], res.get("errors")
     clustering = res["clustering"]

@@ -47,7 +47,7 @@ def test_importing_every_fedmed_module_leaves_nvflare_out():
 
 
 # the layers of fedmed, lowest first: a module may import from its own layer and those below it, never above
-LAYERS = ["core", "data", "algorithms", "nn", "site", "report", "workflows", "config", "run", "cli"]
+LAYERS = ["core", "data", "algorithms", "nn", "site", "report", "workflows", "methods", "config", "run", "cli"]
 
 
 def _layer(path: Path) -> str:
@@ -71,8 +71,8 @@ def _upward_imports(files) -> list[str]:
 
 
 def test_fedmeds_subpackages_import_only_their_own_layer_and_those_below():
-    """core < data < algorithms (the papers' math) < nn < site < report < workflows < config < run < cli — also in
-    function-level imports."""
+    """core < data < algorithms (the papers' math) < nn < site < report < workflows < methods < config < run < cli —
+    also in function-level imports."""
     files = sorted((ROOT / "fedmed").rglob("*.py"))
     assert {_layer(f) for f in files} >= set(LAYERS)
     assert _upward_imports(files) == []
@@ -112,7 +112,74 @@ def test_one_table_of_methods_for_the_config_and_the_workflows():
     """Every workflow an experiment config can name has one registry entry (server workflow, options, site tasks) and
     one config model, and nothing else."""
     from fedmed.config import WORKFLOWS
-    from fedmed.workflows import METHODS, SERVER_WORKFLOWS
+    from fedmed.methods import METHODS, server_workflow_path
+    from fedmed.workflows import server_workflow
 
-    assert set(WORKFLOWS) == set(METHODS)
-    assert {e.server for e in METHODS.values()} <= set(SERVER_WORKFLOWS)
+    assert WORKFLOWS is METHODS
+    for name, cls in METHODS.items():
+        assert server_workflow(server_workflow_path(cls)).__module__.startswith("fedmed.workflows."), name
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_circles(files) -> list[list[str]]:
+    """The import circles among ``files`` (modules that reach each other through their imports, function-level ones
+    too): the strongly connected components of more than one module (Tarjan)."""
+    mods = {_module_name(f): f for f in files}
+    graph = {}
+    for m, f in mods.items():
+        named = set(_imports(f))
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                named |= {f"{node.module}.{a.name}" for a in node.names}  # from package import module
+        graph[m] = {d for d in named if d in mods and d != m and not m.startswith(d + ".")}
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_in_fedmed():
+    """No two modules of fedmed import each other, directly or through others (``site/runner.py`` and
+    ``site/seg.py`` / ``site/mae.py`` did: the reply loop is now ``site/reply.py``)."""
+    assert import_circles(sorted((ROOT / "fedmed").rglob("*.py"))) == []
+
+
+def test_the_circle_check_would_catch_one(tmp_path):
+    pkg = tmp_path / "fedmed" / "site"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("def f():\n    from fedmed.site.b import g\n")
+    (pkg / "b.py").write_text("from fedmed.site import c\n")
+    (pkg / "c.py").write_text("import fedmed.site.a\n")
+    global ROOT
+    old, ROOT = ROOT, tmp_path
+    try:
+        assert import_circles(sorted(pkg.glob("*.py"))) == [["fedmed.site.a", "fedmed.site.b", "fedmed.site.c"]]
+    finally:
+        ROOT = old

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from fedmed.config import load_config
-from fedmed.run.experiment import REPO_ROOT, classes_override, prepare_federation, run_job
+from fedmed.run.experiment import REPO_ROOT, classes_override, prepare_federation, run_config_job
 
 from conftest import shared_path
 
@@ -46,7 +46,7 @@ def _learned(doc, key="accuracy"):
 @pytest.mark.data
 def test_fedavg_trains_monai_densenet121_on_pneumoniamnist(tmp_path):
     cfg_path, exp, fed = _pneumonia(tmp_path, {"arch": "DenseNet121"})
-    doc = run_job(str(cfg_path), classes_override(fed, exp), "FedAvg", 0, fed, tmp_path / "run", 2, timeout=900,
+    doc = run_config_job(str(cfg_path), classes_override(fed, exp), "FedAvg", 0, fed, tmp_path / "run", 2, timeout=900,
                   log=lambda *a: None)
     first, last = _learned(doc)
     assert doc["status"] == "finished" and last >= 0.7 and last >= first + 0.15, (first, last)  # measured 0.47 -> 0.78
@@ -95,7 +95,7 @@ def test_fedavg_trains_a_user_class_from_a_file_outside_fedmed_carried_in_the_jo
     torch.save({"state_dict": {f"module.{k}": v for k, v in TinyNet(1, 2, width=12).state_dict().items()}}, init)
     cfg_path, exp, fed = _pneumonia(tmp_path, {"arch": "hospital_nets.small:TinyNet", "args": {"width": 12},
                                               "init_weights": str(init)}, local_epochs=6, lr=3e-3, rounds=6)
-    doc = run_job(str(cfg_path), classes_override(fed, exp), "FedAvg", 0, fed, tmp_path / "run", 2, timeout=900,
+    doc = run_config_job(str(cfg_path), classes_override(fed, exp), "FedAvg", 0, fed, tmp_path / "run", 2, timeout=900,
                   log=lambda *a: None)
     first, last = _learned(doc)
     assert doc["status"] == "finished" and last >= first + 0.15 and last >= 0.65, (first, last)  # measured 0.47 -> 0.72 (6 rounds:
@@ -132,7 +132,7 @@ def test_fedavg_trains_monai_segresnet_on_brats(tmp_path):
            "methods": [{"name": "FedAvg", "workflow": "fedavg"}]}
     cfg_path = write_cfg(tmp_path, cfg)
     fed = prepare_federation(load_config(cfg_path), 0, tmp_path / "data")
-    doc = run_job(str(cfg_path), [], "FedAvg", 0, fed, tmp_path / "run", 2, timeout=1200, log=lambda *a: None)
+    doc = run_config_job(str(cfg_path), [], "FedAvg", 0, fed, tmp_path / "run", 2, timeout=1200, log=lambda *a: None)
     first, last = _learned(doc, "dice_wt")
     assert doc["status"] == "finished" and last >= first + 0.3 and last >= 0.45, (first, last)  # measured 0.08 -> 0.66
     ck = torch.load(tmp_path / "run" / "server" / "models" / "global.pt", weights_only=True)

@@ -56,7 +56,11 @@ def federation(tmp_path_factory):
 
 def train(fed, method_name: str, out: Path, sites=None):
     from fedmed.run.taskconfig import fedmed_config
-    from fedmed.workflows import InProcessFederation, server_workflow, workflow_args
+    from fedmed.workflows import InProcessFederation, server_workflow
+    from fedmed.methods import server_workflow_path
+
+    def workflow_args(exp, m, seed, cfg=None):
+        return server_workflow_path(type(m)), m.workflow_options(exp, seed)
 
     exp = fed["exp"]
     m = next(m for m in exp.methods if m.name == method_name)
@@ -71,16 +75,19 @@ def train(fed, method_name: str, out: Path, sites=None):
 def onboard(exp, data, m, result: Path, new_sites, out: Path, **kw):
     """The onboarding job's server side, in this process: the training result checked and carried as a job carries it."""
     from fedmed.run.taskconfig import fedmed_config
-    from fedmed.workflows import InProcessFederation, method_entry
+    from fedmed.methods import server_workflow_path
+    from fedmed.workflows import InProcessFederation
     from fedmed.workflows.onboard import TRAINING_DIR, Onboard, check_training_result, training_files
 
-    folder = check_training_result(result, m.workflow, require_clusters=kw.pop("require_clusters", True))
+    training = server_workflow_path(type(m))
+    folder = check_training_result(result, m.workflow, training, onboards=type(m).onboards,
+                                   clustered=type(m).clustered, require_clusters=kw.pop("require_clusters", True))
     app = out.parent / (out.name + "_app")
     (app / TRAINING_DIR).mkdir(parents=True)
     for f in training_files(folder):
         shutil.copy(f, app / TRAINING_DIR / f.name)
     f = InProcessFederation(data, new_sites, out, job_files=app, log=None)
-    status = f.run(Onboard(1, fedmed_config(exp, 0, m, new_sites), mode=method_entry(m.workflow).onboard, **kw))
+    status = f.run(Onboard(1, fedmed_config(exp, 0, m, new_sites), training=training, **kw))
     return status, f.recorder.doc
 
 
@@ -319,7 +326,7 @@ def test_cfl_cannot_onboard_a_site_without_labels():
     from fedmed.workflows.onboard import Onboard
 
     with pytest.raises(ValueError, match="CFL sends a new site down its tree by the site's training updates"):
-        Onboard(1, {}, mode="cfl", labels=False)
+        Onboard(1, {}, training="cfl:CFL", labels=False)
 
 
 def test_an_onboarding_without_labels_records_the_epsilon_of_every_signature_it_sent(federation, tmp_path):
@@ -358,7 +365,11 @@ def test_flux_with_the_papers_literal_dbscan_runs_to_the_end(federation, tmp_pat
     config and then failed at the server: the task config's FluxTask took only a float."""
     from fedmed.config import load_config
     from fedmed.run.taskconfig import fedmed_config
-    from fedmed.workflows import InProcessFederation, server_workflow, workflow_args
+    from fedmed.workflows import InProcessFederation, server_workflow
+    from fedmed.methods import server_workflow_path
+
+    def workflow_args(exp, m, seed, cfg=None):
+        return server_workflow_path(type(m)), m.workflow_options(exp, seed)
 
     raw = yaml.safe_load(federation["cfg"].read_text())
     raw["methods"] = [{"name": "Flux-DBSCAN", "workflow": "flux", "k1_silhouette": None}]
@@ -367,7 +378,31 @@ def test_flux_with_the_papers_literal_dbscan_runs_to_the_end(federation, tmp_pat
     m = exp.methods[0]
     cfg = fedmed_config(exp, 0, m, exp.site_names())
     name, args = workflow_args(exp, m, 0, cfg)
-    assert args["flux"]["k1_silhouette"] is None
+    assert args["k1_silhouette"] is None
     f = InProcessFederation(federation["data"], exp.site_names(), tmp_path / "run", log=None)
     assert f.run(server_workflow(name)(2, cfg, **args)) == "finished", f.recorder.doc["reason"]
     assert "K = 1" not in f.recorder.doc["clustering"]["rule"] and "silhouette" not in f.recorder.doc["clustering"]["rule"]
+
+
+def test_onboarding_takes_a_run_folder_of_fedmed_experiment_and_a_method_as_experiment_names_it(tmp_path):
+    """``--onboard`` refused the run folder its help names (fedmed experiment's ``runs/seed0/FMCL``: a metrics.json
+    copy beside ``server/``, which holds the models) and ``--method fmcl`` that ``experiment --methods`` takes."""
+    from fedmed.config import load_config
+    from fedmed.run.jobspec import BuildError, select_method
+    from fedmed.workflows.onboard import find_result
+
+    run = tmp_path / "runs" / "seed0" / "FMCL"
+    (run / "server" / "models").mkdir(parents=True)
+    for f in (run / "metrics.json", run / "server" / "metrics.json"):
+        f.write_text('{"status": "finished"}')
+    assert find_result(run) == run / "server"
+    assert find_result(run / "server") == run / "server"
+    exp = load_config({"name": "x", "dataset": {"path": "builtin:digits"},
+                       "methods": [{"name": "FMCL (Auto-K)", "workflow": "fmcl"}, {"name": "FedAvg"},
+                                   {"name": "PACFL", "workflow": "pacfl"}, {"name": "PACFL-2", "workflow": "pacfl"}]})
+    assert select_method(exp, "fmcl").name == select_method(exp, "FMCL (Auto-K)").name == "FMCL (Auto-K)"
+    assert select_method(exp, "fedavg").name == "FedAvg" and select_method(exp, "pacfl").name == "PACFL"
+    two = load_config({"name": "x", "dataset": {"path": "builtin:digits"},
+                       "methods": [{"name": "P1", "workflow": "pacfl"}, {"name": "P2", "workflow": "pacfl"}]})
+    with pytest.raises(BuildError, match=r"matches 2 methods of the config \(\['P1', 'P2'\]\); name one"):
+        select_method(two, "pacfl")

@@ -15,7 +15,8 @@ from fedmed.core.policy import POLICY_FILE, PolicyError, SitePolicy, load_policy
 from fedmed.data.images import discover, write_site_datalists
 from fedmed.data.partition import iid_partition
 from fedmed.nn.train import get_params
-from fedmed.site.runner import SiteRunner, answer
+from fedmed.site.reply import answer
+from fedmed.site.runner import SiteRunner
 from fedmed.site.settings import resolve_site_settings, settings_for_dir
 
 CLASSES = [str(c) for c in range(10)]

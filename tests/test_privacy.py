@@ -16,7 +16,7 @@ from fedmed.data.partition import iid_partition
 from fedmed.site.runner import SiteRunner
 from fedmed.nn.train import get_params, latents, set_params
 
-from conftest import own_site, shared_path
+from conftest import own_site, shared_path, flux_section, mae_section, signature_section
 
 # what each task may send besides model parameters (the reply's meta) — docs/privacy.md
 EVAL = {"n_test", "confusion", "score_hist", "withheld", "val_n_test", "val_confusion", "val_score_hist", "val_withheld"}
@@ -134,7 +134,7 @@ def _samples(runner, cfg, params=None, encoder=None):
     """The site's own per-sample data at the task's resolution: images, and embeddings / latents when given."""
     from fedmed.nn.encoders import build_encoder, extract_features
 
-    s = runner._splits(cfg)
+    s = runner.splits(cfg)
     x = torch.cat([s.train[0], s.val[0], s.test[0]])
     out = [x.reshape(len(x), -1).numpy()]
     if encoder:
@@ -173,10 +173,10 @@ def test_prep_and_fedmae_replies(site):
     runner, cfg = site
     params, metrics, meta = runner.handle("class_set", {}, cfg)
     assert params == {} and not audit("class_set", meta, [], k_min=5)
-    y = runner._splits(cfg).train[1].numpy()
+    y = runner.splits(cfg).train[1].numpy()
     assert meta["classes"] == sorted(int(c) for c in np.unique(y) if (y == c).sum() >= 5)
     assert set(metrics) == {"n_classes_held"}
-    mcfg = {**cfg, "task": "mae", "data": {**cfg["data"], "image_size": 32}, "mae": {"rounds": 1}}
+    mcfg = {**cfg, "task": "mae", "data": {**cfg["data"], "image_size": 32}, "mae": mae_section(1)}
     mae = MAESiteRunner("site-1", runner.settings)
     samples = _samples(mae, mcfg)
     p = get_params(mae.model(mcfg))
@@ -192,7 +192,7 @@ def test_prep_and_fedmae_replies(site):
 def test_signature_replies(site, kind, encoder):
     runner, cfg = site
     samples = _samples(runner, cfg, encoder=encoder if encoder != "pixels" else None)
-    _, _, meta = runner.handle("signature", {}, {**cfg, "signature": {"kind": kind, "encoder": encoder, "seed": 0}})
+    _, _, meta = runner.handle("signature", {}, {**cfg, "signature": signature_section(kind, encoder)})
     assert not audit(f"signature/{kind}", meta, samples, k_min=5), meta.get("notes")
 
 
@@ -200,9 +200,9 @@ def test_flux_replies(site):
     runner, cfg = site
     p = params_of(cfg)
     samples = _samples(runner, cfg, p)
-    _, _, b = runner.handle("latent_bounds", p, cfg)
+    _, _, b = runner.handle("latent_bounds", p, {**cfg, "flux": flux_section()})
     assert not audit("latent_bounds", b, samples, k_min=5)
-    flux = {"lo": np.asarray(b["lo"]).tolist(), "hi": np.asarray(b["hi"]).tolist(), "pca_seed": 0, "n_components": 5}
+    flux = flux_section(lo=np.asarray(b["lo"]).tolist(), hi=np.asarray(b["hi"]).tolist(), n_components=5)
     from fedmed.algorithms.flux import shared_pca
 
     proj = shared_pca(np.asarray(flux["lo"]), np.asarray(flux["hi"]), n_components=5).project(samples[-1])
@@ -236,7 +236,7 @@ def test_the_audit_catches_a_per_sample_reply(site):
     from fedmed.algorithms.privacy import private_bounds, signature_payload
 
     runner, cfg = site
-    s = runner._splits(cfg)
+    s = runner.splits(cfg)
     feats = extract_features(build_encoder("random_cnn"), s.train[0])
     y = s.train[1].numpy().copy()
     y[0] = 99  # a class holding exactly one image
@@ -318,7 +318,7 @@ def test_scrub_removes_a_whole_absolute_path_whatever_it_holds(folder):
 def test_a_sites_error_reply_names_no_folder_outside_its_data_root(tmp_path):
     """The probe's case end to end: a datalist naming an image under a folder with a patient's name and record number
     — the error a site sends (what the server's log and metrics.json receive) keeps none of it."""
-    from fedmed.site import runner as client
+    from fedmed.site import reply as client
 
     root = tmp_path / "site data (MRI), ünïcode"
     root.mkdir()
@@ -330,7 +330,7 @@ def test_a_sites_error_reply_names_no_folder_outside_its_data_root(tmp_path):
     cfg = {"seed": 0, "data": {"image_size": 8, "channels": 1, "n_classes": 2}, "privacy": {"k_min": 1},
            "model": {"arch": "resnet9", "width": 4}, "train": {"local_epochs": 1, "batch_size": 2}}
     with pytest.raises(Exception) as err:
-        runner._splits(cfg)
+        runner.splits(cfg)
     msg = client.scrubbed("site-2", runner, err.value)
     assert msg == "site-2: training[0]: cannot read the image (file not found)"  # the position, no name
     assert "T1c.png" in client.local_message("site-2", runner, err.value)  # the site's own log names the file
@@ -338,7 +338,7 @@ def test_a_sites_error_reply_names_no_folder_outside_its_data_root(tmp_path):
     (root / "site-2.json").write_text(json.dumps(doc))
     runner = SiteRunner("site-2", root)
     with pytest.raises(Exception) as err:
-        runner._splits(cfg)
+        runner.splits(cfg)
     assert client.scrubbed("site-2", runner, err.value) == "site-2: training[0]: cannot read the image (file not found)"
     assert "sub folder/T1c.png" in client.local_message("site-2", runner, err.value)
     from fedmed.site.settings import redact_strings
@@ -368,7 +368,7 @@ def test_a_site_below_k_min_sends_no_update_and_no_loss(tmp_path):
     from fedmed.site.runner import TaskError
 
     runner, cfg = _tiny_site(tmp_path, 1)
-    assert runner._splits(cfg).train[0].shape[0] == 1
+    assert runner.splits(cfg).train[0].shape[0] == 1
     p = params_of(cfg)
     for task, extra in (("train", {}), ("ifca", {"ifca": {"k": 2, "train": True}}),
                         ("ifca", {"ifca": {"k": 2, "train": False}})):
@@ -388,7 +388,7 @@ def test_fedmae_and_segmentation_sites_below_k_min_sit_out(tmp_path):
     from fedmed.site.mae import MAESiteRunner
 
     runner, cfg = _tiny_site(tmp_path, 2, n_test=3)
-    mcfg = {**cfg, "task": "mae", "data": {**cfg["data"], "image_size": 32}, "mae": {"rounds": 1}}
+    mcfg = {**cfg, "task": "mae", "data": {**cfg["data"], "image_size": 32}, "mae": mae_section(1)}
     mae = MAESiteRunner("site-1", runner.settings)
     p = get_params(mae.model(mcfg))
     with pytest.raises(TaskError, match="sits out training: fewer training images than k_min=5"):

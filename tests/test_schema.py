@@ -11,7 +11,11 @@ import pytest
 from fedmed.config import load_config
 from fedmed.core.schema import TaskConfig, task_config
 from fedmed.run.taskconfig import fedmed_config
-from fedmed.workflows import workflow_args
+from fedmed.methods import server_workflow_path
+
+
+def workflow_args(exp, m, seed, cfg=None):
+    return server_workflow_path(type(m)), m.workflow_options(exp, seed)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +48,7 @@ def test_every_shipped_configs_tasks_are_typed_task_configs(path):
 def test_a_mistake_in_a_task_config_is_an_error_the_site_sends_not_a_default(tmp_path):
     """A misspelled key (``train.lr_rate``) used to be ignored (the site read ``train.lr`` or its own default); now
     the site answers with an error naming the key."""
-    from fedmed.site.runner import answer
+    from fedmed.site.reply import answer
 
     (tmp_path / "site-1.json").write_text(json.dumps({"training": [], "validation": [], "test": []}))
     cfg = {"seed": 0, "data": {"image_size": 8, "channels": 1, "n_classes": 2}, "train": {"lr_rate": 0.1}}

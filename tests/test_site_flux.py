@@ -10,6 +10,8 @@ from fedmed.nn.models import build_model
 from fedmed.site.runner import SiteRunner
 from fedmed.nn.train import get_params
 
+from conftest import flux_section
+
 CFG = {"seed": 0, "data": {"image_size": 8, "channels": 1, "n_classes": 10}, "model": {"arch": "resnet9", "width": 4},
        "train": {"local_epochs": 1, "batch_size": 8, "lr": 0.01, "momentum": 0.9},
        "privacy": {"k_min": 1, "accept_k_min_below_2": True}}
@@ -28,9 +30,9 @@ def params():
 
 def test_bounds_then_descriptor(site_dir):
     r = SiteRunner("site-1", site_dir)
-    _, _, b = r.handle("latent_bounds", params(), CFG)
+    _, _, b = r.handle("latent_bounds", params(), dict(CFG, flux=flux_section()))
     assert b["lo"].shape == b["hi"].shape == (32,) and (b["hi"] >= b["lo"]).all()
-    flux = {"lo": b["lo"].tolist(), "hi": b["hi"].tolist(), "pca_seed": 0, "n_components": 5}
+    flux = flux_section(lo=b["lo"].tolist(), hi=b["hi"].tolist(), n_components=5)
     _, m, d = r.handle("descriptor", params(), dict(CFG, flux=flux))
     assert d["full"].shape == (2 * 11 * 5,) and d["label_free"].shape == (10,)
     np.testing.assert_array_equal(d["full"][:10], d["label_free"])
@@ -42,7 +44,7 @@ def test_nan_latents_are_a_clear_error(site_dir):
     p = params()
     key = [k for k in p if k.endswith("running_var")][-1]  # poison the last feature block (before fc)
     p[key] = np.full_like(p[key], np.nan)
-    flux = {"lo": [0.0] * 32, "hi": [1.0] * 32, "n_components": 5}
+    flux = flux_section(lo=[0.0] * 32, hi=[1.0] * 32, n_components=5)
     with pytest.raises(ValueError, match="site-1: latents contain NaN or inf"):
         SiteRunner("site-1", site_dir).handle("descriptor", p, dict(CFG, flux=flux))
 
@@ -50,7 +52,7 @@ def test_nan_latents_are_a_clear_error(site_dir):
 def test_unseen_site_without_images(tmp_path):
     (tmp_path / "unseen-1.json").write_text(json.dumps({"training": [], "validation": [], "test": []}))
     with pytest.raises(DataError, match="unseen-1: datalist .*unseen-1.json has no training images"):
-        SiteRunner("unseen-1", tmp_path).handle("descriptor", params(), dict(CFG, flux={"lo": [0.0] * 32, "hi": [1.0] * 32}))
+        SiteRunner("unseen-1", tmp_path).handle("descriptor", params(), dict(CFG, flux=flux_section(lo=[0.0] * 32, hi=[1.0] * 32)))
 
 
 def test_ifca_picks_lowest_loss_model(site_dir):

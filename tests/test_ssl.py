@@ -11,6 +11,8 @@ from fedmed.data.images import DataError, discover, write_site_datalists
 from fedmed.nn.mae import (ViTClassifier, encoder_state, layerwise_param_groups, mae_eval_loss, mae_loss, mae_model,
                         patchify, scheduled_lr, train_mae_local)
 from fedmed.site.mae import MAESiteRunner
+
+from conftest import mae_section
 from fedmed.nn.train import get_params, train_local
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,7 +152,7 @@ def _federation(tmp_path, parts_fn):
 
 
 MAE_CFG = {"seed": 0, "task": "mae", "data": {"image_size": 32, "channels": 1, "n_classes": 10},
-           "train": {"local_epochs": 1, "batch_size": 8}, "mae": {"rounds": 2}}
+           "train": {"local_epochs": 1, "batch_size": 8}, "mae": mae_section(2)}
 
 
 def test_mae_site_without_unlabeled_images_is_named(tmp_path):

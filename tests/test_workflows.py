@@ -43,7 +43,11 @@ def test_a_clustered_workflow_gives_the_same_models_in_process_and_in_flares_sim
     import subprocess
 
     from fedmed.run.taskconfig import fedmed_config
-    from fedmed.workflows import InProcessFederation, server_workflow, workflow_args
+    from fedmed.workflows import InProcessFederation, server_workflow
+    from fedmed.methods import server_workflow_path
+
+    def workflow_args(exp, m, seed, cfg=None):
+        return server_workflow_path(type(m)), m.workflow_options(exp, seed)
 
     cfg_path, exp, data, overrides = _fmcl_federation(tmp_path)
     method = exp.methods[0]
@@ -84,15 +88,16 @@ def test_every_task_a_method_sends_is_served_by_its_sites_runner_and_no_other(tm
     """The registry's site tasks of each method are exactly what its site runner serves for them; a segmentation or
     Fed-MAE site refuses a classification-only task by name instead of inheriting it."""
     from fedmed.site.mae import MAESiteRunner
+    from fedmed.methods import METHODS
     from fedmed.site.runner import SiteRunner, TaskError
     from fedmed.site.seg import SegSiteRunner
-    from fedmed.workflows import METHODS
+    from fedmed.site.tasks import PLUGIN_TASKS
 
     runner_of = {"classification": SiteRunner, "segmentation": SegSiteRunner}
     for name, entry in METHODS.items():
         for served in entry.serves:
             cls = MAESiteRunner if name == "fedmae" else runner_of[served]
-            assert set(entry.site_tasks) <= set(cls.TASKS), (name, served)
+            assert set(entry.site_tasks) <= set(cls.TASKS) | set(PLUGIN_TASKS[cls.KIND]), (name, served)
     assert set(SegSiteRunner.TASKS) == {"assess", "train", "validate"}
     assert set(MAESiteRunner.TASKS) == {"train", "validate"}
     (tmp_path / "site-1.json").write_text(json.dumps({"training": [], "validation": [], "test": []}))
@@ -109,7 +114,11 @@ def test_a_workflow_adds_to_its_tasks_but_never_changes_its_config(tmp_path):
     from fedmed.config import load_config
     from fedmed.run.experiment import classes_override, prepare_federation
     from fedmed.run.taskconfig import fedmed_config
-    from fedmed.workflows import InProcessFederation, server_workflow, workflow_args
+    from fedmed.workflows import InProcessFederation, server_workflow
+    from fedmed.methods import server_workflow_path
+
+    def workflow_args(exp, m, seed, cfg=None):
+        return server_workflow_path(type(m)), m.workflow_options(exp, seed)
 
     raw = {"name": "ft", "dataset": {"path": "builtin:digits", "image_size": 32, "channels": 1, "max_per_class": 12},
            "federation": {"sites": 2, "partition": "iid"}, "model": {"arch": "vit_small"},
@@ -146,7 +155,11 @@ def test_cluster_models_start_from_the_fedavg_warm_up(tmp_path):
     from that model — so in round W each site is served exactly what plain FedAvg serves it in round W (from scratch,
     a cluster model serves the untrained network instead)."""
     from fedmed.run.taskconfig import fedmed_config
-    from fedmed.workflows import InProcessFederation, server_workflow, workflow_args
+    from fedmed.workflows import InProcessFederation, server_workflow
+    from fedmed.methods import server_workflow_path
+
+    def workflow_args(exp, m, seed, cfg=None):
+        return server_workflow_path(type(m)), m.workflow_options(exp, seed)
 
     _, exp, data, _ = _fmcl_federation(tmp_path, rounds=3)
     method, sites = exp.methods[0], exp.site_names()

@@ -139,3 +139,24 @@ def flux_cluster(descriptors: dict[str, dict], *, n_clusters: int | None = None,
                 centroids_full=cluster_centroids(X, labels), centroids_label_free=cluster_centroids(XL, labels),
                 descriptor_length=int(X.shape[1]))
     return info
+
+
+def assign_by_linkage(row: dict, clusters: dict, linkage: str = "average") -> tuple[int, dict]:
+    """The cluster at the smallest linkage distance from a new site whose distance to each training site is ``row``
+    (``{site: d}``); ``clusters``: cluster id -> its training sites. Returns (cluster, {cluster: linkage distance}).
+    Clusters with no member in ``row`` are skipped; ties go to the smallest id."""
+    agg = {"single": np.min, "complete": np.max}.get(linkage, np.mean)
+    dist = {int(c): float(agg([row[s] for s in members if s in row]))
+            for c, members in clusters.items() if any(s in row for s in members)}
+    if not dist:
+        raise ValueError("no training site of any cluster to compare with")
+    return min(sorted(dist), key=lambda c: dist[c]), dist
+
+
+def cosine_of_updates(a: dict, b: dict) -> float:
+    """Cosine of two parameter dicts (keys of ``a``), flattened in key order."""
+    x = np.concatenate([np.asarray(a[k], dtype=np.float64).ravel() for k in sorted(a)])
+    y = np.concatenate([np.asarray(b[k], dtype=np.float64).ravel() for k in sorted(a)])
+    n = np.linalg.norm(x) * np.linalg.norm(y)
+    return float(x @ y / n) if n > 0 else 0.0
+

@@ -3,8 +3,9 @@ site reads the task config a job sends it through :func:`task_view` — typed, w
 (never a default restated where a value is read).
 
 The task-only sections (what a method adds to a task: ``signature``, ``flux``, ``ifca``, ``ensemble``, ``mae``,
-``finetune``, ``assess``) are here too, with their defaults; ``fedmed.workflows.registry`` builds them from a
-method's config.
+``finetune``, ``assess``) are here too. A method's option in them has **no default here**: its one definition (and
+default) is the method's model (``fedmed.methods``), whose hooks fill these sections; a field a method does not use is
+``None`` (``tests/test_methods.py`` pins this).
 """
 
 from __future__ import annotations
@@ -135,34 +136,32 @@ class DataSection(Strict):
 class TrainTask(TrainConfig):
     """``train`` as a task carries it: the recipe, and FedProx's proximal weight (from the method)."""
 
-    fedprox_mu: float = Field(0.0, ge=0, description="FedProx mu (0: FedAvg)")
+    fedprox_mu: Optional[float] = Field(None, ge=0, description="FedProx's proximal weight mu (None: no proximal "
+                                        "term; the value: fedmed.methods.FedProxMethod)")
 
 
 class SignatureTask(Strict):
     """One-shot clustering signature (FMCL, PACFL, FECFL): ``fedmed.site.runner.SiteRunner.signature``."""
 
     kind: Literal["fmcl", "pacfl", "fecfl"]
-    encoder: str = "random_cnn"
-    image_size: Optional[int] = None
-    n_basis: int = Field(3, ge=1)
+    encoder: str
+    image_size: Optional[int] = Field(None, description="the encoder's input size (None: its own)")
     seed: int = 0
-    angle: Literal["principal", "official"] = "principal"
+    n_basis: Optional[int] = Field(None, ge=1, description="PACFL's (None for the other kinds)")
+    angle: Optional[Literal["principal", "official"]] = Field(None, description="PACFL's (None for the other kinds)")
     pseudo_labels: bool = Field(False, description="a site without labels: class prototypes of all its images under "
                                 "the served model's predicted classes (onboarding, fedmed.workflows.onboard)")
 
 
 class FluxTask(Strict):
-    """Flux (``003_``): the site's side of S1-S4 and the server's clustering options."""
+    """Flux (``003_``): the site's side of S1-S4 (the server's clustering options are the Flux workflow's own)."""
 
-    pca_seed: int = 0
-    n_components: int = Field(10, ge=1)
-    scale: float = Field(1.0, gt=0)
-    k1_silhouette: Optional[float] = Field(0.25, description="None: the paper's literal DBSCAN (no K = 1 test)")
-    box: Literal["elementwise", "scalar"] = "elementwise"
-    scaling: Literal["none", "minmax"] = "none"
-    start_rule: Literal["paper", "official"] = "paper"
-    start_threshold: float = Field(0.06, description="Eq. 14's threshold on the accuracy gain")
-    absent_class: Literal["zeros", "minus_one"] = "zeros"
+    pca_seed: int
+    n_components: int = Field(10, ge=1, description="the shared PCA's components (003_)")
+    box: Optional[Literal["elementwise", "scalar"]] = Field(None, description="S1 (the method's; None: a task that "
+                                                           "builds no box)")
+    absent_class: Optional[Literal["zeros", "minus_one"]] = Field(None, description="the method's; None: a label-free "
+                                                                  "descriptor (no class slots)")
     second_moment: Literal["std", "var"] = "std"
     lo: Optional[list[float]] = None
     hi: Optional[list[float]] = None
@@ -174,9 +173,9 @@ class ClusteringTask(Strict):
 
     n_clusters: Optional[int]
     threshold: Optional[float]
-    overlap: bool
     linkage: Literal["average", "weighted", "complete", "single"]
     k1_silhouette: Optional[float]
+    overlap: Optional[bool] = Field(None, description="FMCL's (None for the other kinds)")
 
 
 class IFCATask(Strict):
@@ -193,24 +192,24 @@ class EnsembleTask(Strict):
 class MAETask(Strict):
     """Fed-MAE pre-training (``001_`` §3.2)."""
 
-    mask_ratio: float = Field(0.75, gt=0, lt=1)
-    base_lr: float = Field(1.5e-4, gt=0)
-    warmup: float = Field(0.05, ge=0, lt=1)
-    rounds: int = Field(1, ge=1)
+    mask_ratio: float = Field(gt=0, lt=1)
+    base_lr: float = Field(gt=0)
+    warmup: float = Field(ge=0, lt=1)
+    rounds: int = Field(ge=1)
 
 
 class FinetuneTask(Strict):
     """Fine-tuning (``001_`` Alg. 2): layer-wise lr decay, warm-up then cosine over the run."""
 
-    layer_decay: float = Field(0.75, gt=0, le=1)
-    warmup: float = Field(0.05, ge=0, lt=1)
-    rounds: int = Field(1, ge=1)
+    layer_decay: float = Field(gt=0, le=1)
+    warmup: float = Field(ge=0, lt=1)
+    rounds: int = Field(ge=1)
 
 
 class AssessTask(Strict):
     """The ``004_`` assessment: per-image values asked for (the encoder's weights: ``TaskConfig.encoder_weights``)."""
 
-    per_value: bool = False
+    per_value: bool
 
 
 class WeightsRef(Strict):
@@ -227,6 +226,8 @@ class TaskConfig(Strict):
 
     task: Literal["classification", "segmentation", "mae"] = "classification"
     seed: int = 0
+    plugins: list[str] = Field(default_factory=list, description="modules of the plugin methods the job uses: a party "
+                               "imports them (if its policy lists them) before it answers (fedmed.methods)")
     model: ModelSection = ModelSection()
     train: TrainTask = TrainTask()
     privacy: PrivacyConfig = PrivacyConfig()

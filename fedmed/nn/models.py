@@ -141,9 +141,7 @@ def _monai_names() -> list[str]:
     return sorted(n for n in dir(nets) if isinstance(getattr(nets, n), type) and issubclass(getattr(nets, n), nn.Module))
 
 
-def module_allowed(module: str, modules) -> bool:
-    """Whether ``module`` is among ``modules`` (package prefixes; ``"*"``: any)."""
-    return any(m == "*" or module == m or module.startswith(m + ".") for m in (modules or ()))
+from fedmed.core.plugins import module_allowed  # noqa: E402  (one rule for networks and plugins)
 
 
 def resolve_arch(arch: str, modules=()) -> type:

@@ -65,7 +65,7 @@ def seg_loss(kind: str = "dice_focal"):
 
 def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, optimizer=None, lr: float = 1e-3,
                     roi=(32, 32, 32), patches: int = 4, pos_fraction: float = 0.5, loss: str = "dice_focal",
-                    mu: float = 0.0, anchor=None, seed: int = 0, precision: str = "fp32", workers: int = 0) -> dict:
+                    mu: float | None = None, anchor=None, seed: int = 0, precision: str = "fp32", workers: int = 0) -> dict:
     """Local training: ``patches`` random ``roi`` patches per volume (``pos_fraction`` of them centred on tumour),
     flips p = 0.5 per axis, intensity scale and shift 0.1 (``004_`` App. A); ``optimizer`` kept by the caller
     between rounds (default: a fresh Adam). ``mu``/``anchor``: proximal term toward ``anchor`` parameters
@@ -82,7 +82,7 @@ def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, optimiz
     loss_fn = seg_loss(loss)
     opt = optimizer or torch.optim.Adam(model.parameters(), lr=lr)
     anchor = [a.detach().clone() for a in anchor] if anchor is not None else (
-        [p.detach().clone() for p in model.parameters()] if mu > 0 else None)
+        [p.detach().clone() for p in model.parameters()] if mu else None)
     model.train()
     total, steps, skipped = 0.0, 0, 0
     rng = np.random.default_rng(seed)
@@ -91,7 +91,7 @@ def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, optimiz
             x, y = x.to(device), y.to(device)
             with autocast(device, precision):
                 loss_v = loss_fn(model(x).float(), y)
-            if anchor is not None and mu > 0:
+            if anchor is not None and mu:
                 loss_v = loss_v + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
             skipped += not backward_step(loss_v, opt, scaler)
             total += float(loss_v.detach())

@@ -80,7 +80,7 @@ def augment_batch(x: torch.Tensor, mode: str, generator: torch.Generator | None)
 
 def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 1, batch_size: int = 16,
                 optimizer: torch.optim.Optimizer | None = None, lr: float = 0.01, momentum: float = 0.9,
-                weight_decay: float = 0.0, mu: float = 0.0, class_weights=None,
+                weight_decay: float = 0.0, mu: float | None = None, class_weights=None,
                 generator: torch.Generator | None = None, augment: str = "flip", lr_at=None,
                 precision: str = "fp32") -> dict:
     """Run ``epochs`` over (x, y) in place; returns ``{"loss": mean loss, "steps": n}``.
@@ -105,7 +105,7 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
     scaler = grad_scaler(device, precision)
     w = None if class_weights is None else torch.as_tensor(np.asarray(class_weights), dtype=torch.float32, device=device)
     loss_fn = nn.CrossEntropyLoss(weight=w)
-    anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 else None
+    anchor = [p.detach().clone() for p in model.parameters()] if mu else None
     total, steps, skipped = 0.0, 0, 0
     per_epoch = sum(1 for s in range(0, n, batch_size) if n - s >= 2 or n < 2)
     for _ in range(epochs):

@@ -32,11 +32,12 @@ import numpy as np
 
 from fedmed.config import ExperimentConfig
 from fedmed.core.resources import project_root
-from fedmed.workflows.registry import clustering_workflows, method_entry
+from fedmed.methods import clustering_workflows
+from fedmed.run.jobspec import BuildError, check_method_files, job_spec
 from fedmed.report.record import missing_sentence
 from fedmed.report.summary import read_results, rows_from_metrics, sweep_stats, sweep_table, write_outputs  # noqa: F401 (re-exported)
 
-__all__ = ["ExperimentError", "REPO_ROOT", "RunError", "classes_override", "prepare_federation", "run_experiment",
+__all__ = ["ExperimentError", "REPO_ROOT", "RunError", "classes_override", "prepare_federation", "run_config_job", "run_experiment", "with_classes",
            "run_fingerprint", "run_job"]
 
 REPO_ROOT = project_root()  # jobs/, app_configs/: the clone's or the installed package's (fedmed.core.resources)
@@ -201,10 +202,10 @@ def _stop(proc, grace: float = 30.0) -> None:
         proc.wait()
 
 
-def run_job(config_path: str, overrides: list[str], method: str, seed: int, datalists: Path, work: Path,
-            n_sites: int = 0, timeout: int = 24 * 3600, *, log=print, resume_from: Path | None = None,
-            sites: list[str] | None = None, onboard: dict | None = None) -> dict:
-    """Build one (method, seed) job from the config and run it in NVFlare's simulator (``jobs/run.py``).
+def run_job(spec, datalists: Path, work: Path, n_sites: int = 0, timeout: int = 24 * 3600, *, log=print) -> dict:
+    """Run one job (:class:`fedmed.run.jobspec.JobSpec`, built in this process from the typed config) in NVFlare's
+    simulator: the spec is written to ``work/job_spec.json`` and ``jobs/run.py --spec`` starts the simulator on it
+    (fedmed itself never imports nvflare); nothing of the config is read again.
 
     Keeps the server's ``fedmed/`` output (metrics.json, reports, plots, tb/, models/, checkpoint/) under
     ``work/server``, prints a line per round, and returns the ``metrics.json`` document.
@@ -217,31 +218,16 @@ def run_job(config_path: str, overrides: list[str], method: str, seed: int, data
     ws = work / "workspace"
     if ws.exists():
         shutil.rmtree(ws)
-    cmd = [sys.executable, str(REPO_ROOT / "jobs" / "run.py"), "--config", str(config_path), "--method", method,
-           "--seed", str(seed), "--env", "sim", "--datalists", str(Path(datalists).resolve()), "--workspace", str(ws),
-           "--jobs-dir", str(work / "job"), "--site-policy", "simulation"]
-    for o in overrides:
-        cmd += ["--set", o]
-    if resume_from is not None:
-        staged = work / "resume_from"
-        if staged.exists():
-            shutil.rmtree(staged)
-        shutil.copytree(resume_from, staged)  # the job copies it in; work/server is replaced below
-        cmd += ["--resume-from", str(staged)]
-    if sites:
-        cmd += ["--sites", *sites]
-    if onboard:  # the unseen-site test phase (fedmed.workflows.onboard), every cluster model scored as a reference
-        cmd += ["--onboard", onboard["training_result"], "--unseen", "--references"]
-        if onboard.get("known_clusters"):
-            cmd += ["--known-clusters", json.dumps(onboard["known_clusters"])]
+    spec_file = spec.to_file(work / "job_spec.json")
+    cmd = [sys.executable, str(REPO_ROOT / "jobs" / "run.py"), "--spec", str(spec_file), "--env", "sim",
+           "--datalists", str(Path(datalists).resolve()), "--workspace", str(ws), "--jobs-dir", str(work / "job"),
+           "--site-policy", "simulation"]
     total = None
     t0 = time.time()
     seen = 0
     log_path = work / "simulator.log"
     with log_path.open("w") as fh:
-        # in the caller's folder: the config, its data and weights paths and --out are relative to it, as the user
-        # wrote them (the job carries no script that would need the repository as working directory)
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)  # every path in the spec is absolute
         try:
             while proc.poll() is None:
                 time.sleep(1.0)
@@ -281,6 +267,38 @@ def run_job(config_path: str, overrides: list[str], method: str, seed: int, data
             reason = _explain_exit(-9, reason, n_sites) + f" ({reason})"
         raise RunError(res["status"], reason, doc)
     return doc
+
+
+def run_config_job(config, overrides: list[str], method: str, seed: int, datalists: Path, work: Path,
+                   n_sites: int = 0, timeout: int = 24 * 3600, *, log=print, resume_from: Path | None = None,
+                   sites: list[str] | None = None, onboard: dict | None = None) -> dict:
+    """One method of a config (a file, with ``overrides``, or an :class:`ExperimentConfig`) for ``seed`` on the
+    federation ``datalists``: its job built here (classes from the federation when the config names none), run by
+    :func:`run_job`."""
+    from fedmed.config import load_config
+    from fedmed.run.jobspec import select_method
+
+    exp = config if isinstance(config, ExperimentConfig) else load_config(config, overrides)
+    if exp.dataset.task == "classification" and not exp.dataset.classes and (Path(datalists) / "dataset.json").is_file():
+        exp = with_classes(exp, Path(datalists))
+    try:
+        spec = job_spec(exp, select_method(exp, method, str(config)), seed, sites=sites or "config",
+                        resume_from=_stage_resume(resume_from, Path(work)), onboard=onboard)
+    except BuildError as e:
+        raise RunError("failed", f"the job could not be built: {e}") from None
+    return run_job(spec, datalists, Path(work), n_sites, timeout, log=log)
+
+
+def _stage_resume(resume_from: Path | None, work: Path) -> Path | None:
+    """A copy of the checkpointed server output a resumed run continues from (``work/server`` is replaced by the
+    run)."""
+    if resume_from is None:
+        return None
+    staged = work / "resume_from"
+    if staged.exists():
+        shutil.rmtree(staged)
+    shutil.copytree(resume_from, staged)
+    return staged
 
 
 def training_assignment(doc: dict, workflow: str, folder: Path | None = None) -> dict:
@@ -348,8 +366,18 @@ def _setup(exp, data_dir: Path) -> list[str]:
     return out
 
 
+def with_classes(exp, data_dir: Path):
+    """The config with ``dataset.classes`` from a written federation (a job is built from the config alone)."""
+    if exp.dataset.task != "classification":
+        return exp
+    names = json.loads((Path(data_dir) / "dataset.json").read_text())["class_names"]
+    out = exp.model_copy(update={"dataset": exp.dataset.model_copy(update={"classes": list(names)})})
+    out._base_dir = exp.base_dir
+    return out
+
+
 def classes_override(data_dir: Path, exp) -> list[str]:
-    """``dataset.classes=[...]`` from a written federation (jobs are built from the config alone)."""
+    """``dataset.classes=[...]`` from a written federation, as a ``--set`` override."""
     if exp.dataset.task != "classification":
         return []
     names = json.loads((data_dir / "dataset.json").read_text())["class_names"]
@@ -438,6 +466,11 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
     overrides = list(overrides or [])
     exp = load_config(config_path, overrides)
     chosen = select_methods(exp.methods, methods, config_path)
+    for m in chosen:  # a missing or mismatched weights file: now, not after the methods before it have trained
+        try:
+            check_method_files(exp, m)
+        except BuildError as e:
+            raise ExperimentError(f"method {m.name!r}: {e}") from None
     out = Path(out_dir)
     command = command or _command(config_path, overrides)
     rows: list[dict] = []
@@ -457,8 +490,8 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
         meta = json.loads((data_dir / "dataset.json").read_text())
         log(f"[seed {seed}] federation: {len(meta['sites'])} sites, {exp.federation.partition} partition -> {data_dir}")
         setup = setup or _setup(exp, data_dir)
-        job_over = overrides + classes_override(data_dir, exp)
-        rows.extend(_references(exp, config_path, job_over, seed, data_dir, out, chosen, log, resume, seg))
+        exp_s = with_classes(exp, data_dir)
+        rows.extend(_references(exp_s, seed, data_dir, out, chosen, log, resume, seg))
         for m in chosen:
             k += 1
             work = out / "runs" / f"seed{seed}" / "".join(c if c.isalnum() else "_" for c in m.name)
@@ -485,8 +518,11 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
             (work / "run.json").unlink(missing_ok=True)
             log(f"[{k}/{total}] seed {seed} {m.name} ({m.workflow}, {exp.train.rounds} rounds) ...")
             try:
-                doc = run_job(str(config_path), job_over, m.name, seed, data_dir, work, len(meta["sites"]), log=log,
-                              resume_from=resume_from)
+                staged = _stage_resume(resume_from, work)
+                doc = run_job(job_spec(exp_s, m, seed, resume_from=staged), data_dir, work, len(meta["sites"]),
+                              log=log)
+            except BuildError as e:
+                raise ExperimentError(f"seed {seed} {m.name}: the job could not be built: {e}") from None
             except RunError as e:
                 work.mkdir(parents=True, exist_ok=True)
                 (work / "run.json").write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed,
@@ -508,8 +544,8 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
                         r["ari"] = clusters_ari(clusters, meta["groups"])
                 if "cluster_majority" in exp.references:
                     new += cluster_majority_rows(m.name, data_dir, clusters, len(meta["class_names"]), seed)
-            if meta.get("unseen_sites") and method_entry(m.workflow).test_phase_on_unseen:
-                new += _unseen(config_path, job_over, m, seed, data_dir, work, doc, meta, log)
+            if meta.get("unseen_sites") and type(m).onboards:
+                new += _unseen(exp_s, m, seed, data_dir, work, doc, meta, log)
             rows.extend(new)
             _log_done(m, doc, new, exp.selection, log, work)
             if doc.get("sites_missing"):
@@ -587,7 +623,7 @@ def clusters_ari(clusters: list[list[str]], labels: dict) -> float:
     return float(adjusted_rand_score([labels[s] for s in sites], [assign[s] for s in sites]))
 
 
-def _references(exp, config_path, job_over, seed, data_dir, out, chosen, log, resume, seg) -> list[dict]:
+def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict]:
     """Reference rows of one seed (reused under --resume when the config fingerprint matches)."""
     from fedmed.run.references import centralized_rows, majority_rows
 
@@ -619,11 +655,16 @@ def _references(exp, config_path, job_over, seed, data_dir, out, chosen, log, re
         # the same training sites, IID (held-out sites stay out: the reference trains what the methods train on)
         exp_iid = exp.model_copy(update={"federation": exp.federation.model_copy(update={"unseen_sites": 0})})
         iid_dir = prepare_federation(exp_iid, seed, out / "data" / f"seed{seed}_iid", partition="iid")
-        over = job_over + ["federation.partition=iid", "federation.unseen_sites=0", "sweep=[]",
-                           'methods=[{name: "FedAvg (IID)", workflow: fedavg}]']
+        from fedmed.config import ExperimentConfig
+        from fedmed.methods import FedAvgMethod
+
+        iid = FedAvgMethod(name="FedAvg (IID)")
+        exp_ref = ExperimentConfig.model_validate({
+            **exp.model_dump(exclude={"methods", "sweep", "plugins"}),
+            "federation": {**exp.federation.model_dump(), "partition": "iid", "unseen_sites": 0}, "methods": [iid.model_dump()]})
         log(f"[seed {seed}] reference: FedAvg on an IID federation ...")
         try:
-            doc = run_job(str(config_path), over, "FedAvg (IID)", seed, iid_dir, work / "iid_fedavg", len(sites), log=log)
+            doc = run_job(job_spec(exp_ref, exp_ref.methods[0], seed), iid_dir, work / "iid_fedavg", len(sites), log=log)
             rr = rows_from_metrics("FedAvg (IID federation)", seed, doc, kind="reference")
             rows += rr
             log(f"    FedAvg (IID): final test accuracy {_pct(rr[-1].get('accuracy'))} (site mean)")
@@ -633,18 +674,19 @@ def _references(exp, config_path, job_over, seed, data_dir, out, chosen, log, re
     return rows
 
 
-def _unseen(config_path, job_over, m, seed, data_dir, work, doc, meta, log) -> list[dict]:
+def _unseen(exp, m, seed, data_dir, work, doc, meta, log) -> list[dict]:
     from sklearn.metrics import adjusted_rand_score
 
     assign = training_assignment(doc, m.workflow, work / "server")
     groups = meta.get("groups")  # known only for ANDA federations
     trained = sorted(assign)
     ari = (float(adjusted_rand_score([groups[x] for x in trained], [assign[x] for x in trained]))
-           if groups and method_entry(m.workflow).clusters else None)
-    known = known_association(groups, assign, meta["unseen_sites"]) if groups and method_entry(m.workflow).clusters else {}
-    test = {"training_result": str((work / "server").resolve()), "known_clusters": known}
-    tdoc = run_job(str(config_path), job_over, m.name, seed, data_dir, work / "test_phase", len(meta["unseen_sites"]),
-                   log=lambda *_: None, sites=meta["unseen_sites"], onboard=test)
+           if groups and type(m).clustered else None)
+    known = known_association(groups, assign, meta["unseen_sites"]) if groups and type(m).clustered else {}
+    test = {"training_result": str((work / "server").resolve()), "known_clusters": known, "references": True,
+            "require_clusters": False}  # every cluster model scored as a reference; a method without clusters: global
+    tdoc = run_job(job_spec(exp, m, seed, sites=meta["unseen_sites"], onboard=test), data_dir, work / "test_phase",
+                   len(meta["unseen_sites"]), log=lambda *_: None)
     rows = []
     for r in tdoc["rounds"]:
         phase = {"test_phase": "test phase", "known_association": "known assoc.", "ensemble": "ensemble"}.get(

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedmed.run.experiment import RunError, classes_override, prepare_federation, run_fingerprint, run_job
+from fedmed.run.experiment import RunError, classes_override, prepare_federation, run_config_job, run_fingerprint
 from fedmed.report.summary import fmt
 
 __all__ = ["run_key", "run_ssl"]
@@ -165,7 +165,7 @@ def run_ssl(config_path: str, out_dir, *, overrides: list[str] | None = None, re
 
         def pretrain():
             log(f"[seed {seed}] Fed-MAE pre-training: {pexp.federation.sites} sites, {pexp.train.rounds} rounds ...")
-            doc = run_job(str(config_path), pre_over + classes_override(pdata, pexp), pre.name, seed, pdata, work,
+            doc = run_config_job(str(config_path), pre_over + classes_override(pdata, pexp), pre.name, seed, pdata, work,
                           log=log)
             curve = [(r["round"], r["summary"]["mean"].get("mae_loss"), r["summary"]["mean"].get("val_mae_loss"),
                       r["summary"]["mean"].get("train_loss")) for r in doc["rounds"]]
@@ -192,7 +192,7 @@ def run_ssl(config_path: str, out_dir, *, overrides: list[str] | None = None, re
 
                 def finetune(mover=mover, mm=mm, mwork=mwork):
                     log(f"[seed {seed}] {case.name}: {mm.name} ...")
-                    doc = run_job(str(config_path), mover, mm.name, seed, cdata, mwork, log=log)
+                    doc = run_config_job(str(config_path), mover, mm.name, seed, cdata, mwork, log=log)
                     return {**_final(doc), "prep_wfl": doc.get("prep_wfl")}
 
                 fp = run_key(mexp, mm, seed, case.set, encoder if m.init == "fedmae" else None)
@@ -233,7 +233,7 @@ def run_ssl(config_path: str, out_dir, *, overrides: list[str] | None = None, re
                     from sklearn.metrics import adjusted_rand_score
 
                     log(f"[seed {seed}] {case.name}: {mm.name} ...")
-                    doc = run_job(str(config_path), mover, mm.name, seed, cdata, mwork, log=log)
+                    doc = run_config_job(str(config_path), mover, mm.name, seed, cdata, mwork, log=log)
                     clusters = doc["clustering"]["clusters"]
                     lab = {s: k for k, c in enumerate(clusters) for s in c}
                     sites = sorted(lab)

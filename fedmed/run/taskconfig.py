@@ -6,7 +6,6 @@ A plain dict built from the experiment config alone — no site's data or paths 
 
 from __future__ import annotations
 
-from fedmed.workflows.registry import method_entry
 
 
 class BuildError(ValueError):
@@ -20,42 +19,38 @@ def min_clients(configured: int, sites: list[str] | None) -> int:
 
 
 def fedmed_config(exp, seed: int, method, sites: list[str] | None) -> dict:
-    """The plain-dict config that travels to sites in each task's ``meta['fedmed']`` (and to the server)."""
-    train = exp.train.model_dump()
-    if method.workflow == "fedprox":
-        train["fedprox_mu"] = method.fedprox_mu
+    """The plain-dict config that travels to sites in each task's ``meta['fedmed']`` (and to the server): the
+    experiment's sections, and what the method adds (:meth:`fedmed.methods.Method.task_options`)."""
     fed = exp.federation
-    common = {"seed": int(seed), "model": exp.model.model_dump(), "train": train,
-              "privacy": exp.privacy.model_dump(),
-              "federation": {"sites": sites, "min_clients": min_clients(fed.min_clients, sites), "task_timeout": fed.task_timeout,
-                             "startup_timeout": fed.startup_timeout}}
+    common = {"seed": int(seed), "model": exp.model.model_dump(), "train": exp.train.model_dump(),
+              "privacy": exp.privacy.model_dump(), "plugins": plugin_modules(exp),
+              "federation": {"sites": sites, "min_clients": min_clients(fed.min_clients, sites),
+                             "task_timeout": fed.task_timeout, "startup_timeout": fed.startup_timeout}}
     if exp.dataset.task == "segmentation":
         if not exp.dataset.modalities:
             raise BuildError("dataset.modalities is empty: a segmentation job needs the modality names")
         cfg = {"task": "segmentation", **common,
                "data": {"shape": exp.dataset.shape, "roi": exp.dataset.roi, "modalities": list(exp.dataset.modalities),
                         "in_channels": len(exp.dataset.modalities)}}
-        if method.workflow == "ditto":
-            cfg["ditto_lambda"] = method.ditto_lambda
-        if method_entry(method.workflow).server == "assessment":
-            cfg["assess"] = {"per_value": method.per_value}
-            _name_weights(cfg, method.encoder_weights)
-        return cfg
-    if not exp.dataset.classes:
-        raise BuildError("dataset.classes is not set: a job is built from the config alone, so the config must name "
-                         "the classes (fedmed experiment fills it from the data it partitions)")
-    cfg = {"task": "classification", **common, "classes": list(exp.dataset.classes),
-           "data": {"image_size": exp.dataset.image_size, "channels": exp.dataset.channels,
-                    "n_classes": len(exp.dataset.classes)}}
-    if method.workflow == "fedmae":
-        cfg.update(task="mae", mae={"mask_ratio": method.mask_ratio, "base_lr": method.base_lr, "warmup": method.warmup,
-                                    "rounds": exp.train.rounds})
-    if method.workflow == "finetune":
-        cfg["model"] = {**cfg["model"], "arch": "vit_small"}
-        cfg["finetune"] = {"layer_decay": method.layer_decay, "warmup": method.warmup, "rounds": exp.train.rounds}
-    elif method_entry(method.workflow).signature:
-        _name_weights(cfg, method.encoder_weights)
+    else:
+        if not exp.dataset.classes:
+            raise BuildError("dataset.classes is not set: a job is built from the config alone, so the config must "
+                             "name the classes (fedmed experiment fills it from the data it partitions)")
+        cfg = {"task": "classification", **common, "classes": list(exp.dataset.classes),
+               "data": {"image_size": exp.dataset.image_size, "channels": exp.dataset.channels,
+                        "n_classes": len(exp.dataset.classes)}}
+    for key, value in method.task_options(exp, seed).items():  # a section it adds, or keys of one it completes
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
+    if method.weights_file and method.workflow != "finetune":  # finetune's file is the server's (jobs/build.py)
+        _name_weights(cfg, method.weights_file)
     return cfg
+
+
+def plugin_modules(exp) -> list[str]:
+    """The module names of the config's plugins (what every party imports before a task)."""
+    from fedmed.methods import plugin_module
+
+    return [plugin_module(str(p), exp.base_dir)[0] for p in exp.plugins]
 
 
 def _name_weights(cfg: dict, weights: str | None) -> None:

@@ -1,4 +1,4 @@
-"""A site's side of every method, independent of the FL framework: its settings (settings), the task runners for classification (runner), segmentation (seg) and Fed-MAE (mae), and the one reply loop every federation runs (runner.answer).
+"""A site's side of every method, independent of the FL framework: its settings (settings), the task runners for classification (runner), segmentation (seg) and Fed-MAE (mae), and the one reply loop every federation runs (reply.answer).
 
 Every name below is importable from ``fedmed.site`` (loaded on first use)."""
 
@@ -15,22 +15,22 @@ _PUBLIC = {
     "SiteSettings": "settings",
     "Splits": "runner",
     "TaskError": "runner",
-    "answer": "runner",
+    "answer": "reply",
     "class_set": "tasks",
     "descriptor": "tasks",
     "ifca": "tasks",
     "latent_bounds": "tasks",
-    "make_runner": "runner",
+    "make_runner": "reply",
     "path_spans": "settings",
     "resolve_site_settings": "settings",
     "scrub": "settings",
     "redact": "settings",
     "redact_strings": "settings",
-    "scrubbed": "runner",
+    "scrubbed": "reply",
     "signature": "tasks",
     "site_assessment": "assessment",
     "task_seed": "runner",
-    "to_meta": "runner",
+    "to_meta": "reply",
     "train": "tasks",
     "train_locally": "tasks",
     "validate": "tasks",

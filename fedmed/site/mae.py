@@ -21,7 +21,7 @@ def _held_out_loss(runner, model, cfg):
 
     from fedmed.nn.mae import mae_eval_loss
 
-    s = runner._splits(cfg)
+    s = runner.splits(cfg)
     k = runner.k_min(cfg)  # a loss over fewer than k_min images is not sent (privacy.k_min)
     out = {}
     if s.val[0].shape[0] >= k:
@@ -36,7 +36,7 @@ def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
 
     model = runner.model(cfg)
     set_params(model, params)
-    return Reply({}, _held_out_loss(runner, model, cfg), {"n_test": int(runner._splits(cfg).test[0].shape[0])})
+    return Reply({}, _held_out_loss(runner, model, cfg), {"n_test": int(runner.splits(cfg).test[0].shape[0])})
 
 
 def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
@@ -46,7 +46,7 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     model = runner.model(cfg)
     set_params(model, params)
     metrics = _held_out_loss(runner, model, cfg)
-    x = runner._splits(cfg).train[0]
+    x = runner.splits(cfg).train[0]
     runner.require_k_min(int(x.shape[0]), "training images", cfg, "training")
     cfg = task_config(cfg)
     m, t = cfg.mae, cfg.train
@@ -64,6 +64,7 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
 
 class MAESiteRunner(SiteRunner):
     TASKS = {"train": train, "validate": validate}
+    KIND = "mae"
 
     def model(self, cfg):
         from fedmed.nn.mae import mae_model

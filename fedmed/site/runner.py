@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from fedmed.core.schema import task_config
-from fedmed.site.tasks import CLASSIFICATION, TaskError, task_seed
+from fedmed.site.tasks import CLASSIFICATION, PLUGIN_TASKS, TaskError, task_seed
 from fedmed.data.images import DataError, conversion_note, load_datalist, load_images, near_duplicates
-from fedmed.site.settings import SiteSettings, private_tokens, redact, redact_strings, settings_for_dir
+from fedmed.site.settings import SiteSettings, private_tokens, settings_for_dir
 
-__all__ = ["SiteRunner", "Splits", "TaskError", "task_seed", "answer", "make_runner", "scrubbed", "to_meta"]
+__all__ = ["SiteRunner", "Splits", "TaskError", "task_seed"]
 
 
 @dataclass
@@ -182,7 +182,9 @@ class SiteRunner:
             self.cache_note()
         return x, y
 
-    def _splits(self, cfg) -> Splits:
+    def splits(self, cfg) -> Splits:
+        """The site's training, validation and test splits for the task config (its labels checked against the
+        job's classes once)."""
         cfg = task_config(cfg)
         s = self.data(cfg.data.image_size, cfg.data.channels)
         n = cfg.data.n_classes
@@ -268,6 +270,10 @@ class SiteRunner:
         :class:`~fedmed.core.schema.TaskConfig` (validated, the schema's defaults for what it leaves out)."""
         cfg = task_config(cfg)
         self.check_policy(task, cfg)
+        if cfg.plugins:  # a plugin method's module (its site tasks), if this site's policy lists it
+            from fedmed.core.plugins import import_plugins
+
+            import_plugins(cfg.plugins, self.policy.modules)
         out, metrics, meta = self.run_task(task, params, cfg, round_)
         meta = self.account(meta)
         if not self._policy_sent:  # the effective policy, once per run, into the run's record
@@ -314,82 +320,11 @@ class SiteRunner:
     # the tasks this runner serves: name -> function(runner, params, cfg, round_) -> Reply (fedmed.site.tasks); a
     # segmentation or Fed-MAE runner lists only its own
     TASKS = CLASSIFICATION
+    KIND = "classification"  # the plugin tasks it serves (fedmed.site.tasks.register_task)
 
     def run_task(self, task: str, params: dict, cfg, round_: int = 0) -> tuple[dict, dict, dict]:
-        if task not in self.TASKS:
+        tasks = {**PLUGIN_TASKS[self.KIND], **self.TASKS}
+        if task not in tasks:
             raise TaskError(f"{self.site}: unknown task {task!r} (this site's {type(self).__name__} serves "
-                            f"{', '.join(sorted(self.TASKS))})")
-        return self.TASKS[task](self, params, task_config(cfg), round_)
-
-
-# ---------------------------------------------------------------------- one reply loop, for every federation
-def make_runner(site: str, settings, cfg: dict) -> SiteRunner:
-    """The runner of the site tasks ``cfg`` asks for (image classification, Fed-MAE or segmentation)."""
-    task = task_config(cfg).task
-    if task == "mae":
-        from fedmed.site.mae import MAESiteRunner
-
-        return MAESiteRunner(site, settings)
-    if task == "segmentation":
-        from fedmed.site.seg import SegSiteRunner
-
-        return SegSiteRunner(site, settings)
-    return SiteRunner(site, settings)
-
-
-def to_meta(d: dict) -> dict:
-    """Arrays travel in the reply's meta as lists (NVFlare: ``FLModel.meta``)."""
-    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in d.items()}
-
-
-def scrubbed(site: str, runner: SiteRunner | None, err: Exception, allow=()) -> str:
-    """The one-line error a site sends for ``err``: named by the site, its public text (the position and the kind of
-    problem: ``DataError.public``) with every path and every name of the site's datalist redacted
-    (:func:`fedmed.site.settings.redact`)."""
-    text = getattr(err, "public", None) or str(err)
-    msg = text if text.startswith(site) else f"{site}: {type(err).__name__}: {text}"
-    msg = " ".join(msg.split())  # one line
-    return redact(msg, runner.private_tokens if runner is not None else (), allow)
-
-
-def local_message(site: str, runner: SiteRunner | None, err: Exception) -> str:
-    """The same error as the site's own log has it: files named relative to the data root (never sent)."""
-    msg = str(err) if str(err).startswith(site) else f"{site}: {type(err).__name__}: {err}"
-    return runner.settings.scrub(msg) if runner is not None else msg
-
-
-def _classes(cfg) -> list:
-    """The job's class names (known to the server already: never redacted)."""
-    try:
-        return list(task_config(cfg).classes or [])
-    except Exception:
-        return []
-
-
-def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: dict, round_: int,
-           settings=None) -> tuple[SiteRunner | None, dict, dict, dict, str | None]:
-    """One task at one site, as every federation runs it: (runner, params, metrics, meta, error).
-
-    The runner is made at the site's first task (``settings``: its :class:`~fedmed.site.settings.SiteSettings` or a
-    folder holding ``<site>.json``; by default what :func:`~fedmed.site.settings.resolve_site_settings` finds). A
-    task the site cannot do is answered with ``meta = {"error": message}`` naming the site, the split and position and
-    the kind of problem (:func:`scrubbed`); every string of a reply is redacted of paths and of the names in the site's
-    datalist. ``error`` is the full message (files named relative to the data root) with the traceback, for the
-    site's own log only (``None`` when the task succeeded)."""
-    import traceback
-
-    try:
-        if runner is None:
-            if settings is None:  # the site's own settings (FEDMED_* variables or its startup kit)
-                from fedmed.site.settings import resolve_site_settings
-
-                settings = resolve_site_settings(site)
-            runner = make_runner(site, settings, cfg)
-        out, metrics, meta = runner.handle(task, params or {}, cfg, round_)
-        meta = redact_strings(meta, runner.private_tokens, [site, *_classes(cfg)])  # no path, no name in any text
-    except Exception as e:  # reported to the server by name; the federation goes on
-        msg = scrubbed(site, runner, e, [site, *_classes(cfg)])
-        return runner, {}, {"failed": 1.0}, {"error": msg, "task": task}, \
-            f"{local_message(site, runner, e)}\n{traceback.format_exc()}"
-    meta = to_meta({**meta, "task": task, "round": round_, "cluster": meta.get("cluster", task_config(cfg).cluster)})
-    return runner, out, metrics, meta, None
+                            f"{', '.join(sorted(tasks))})")
+        return tasks[task](self, params, task_config(cfg), round_)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedmed.core.schema import AssessTask, TaskConfig, task_config
+from fedmed.core.schema import TaskConfig, task_config
 from fedmed.data.images import DataError
 from fedmed.site.runner import SiteRunner
 from fedmed.site.tasks import Reply, TaskError, task_seed
@@ -89,7 +89,6 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     from fedmed.data.seg_federation import subject_of
 
     cfg = task_config(cfg)
-    a = cfg.assess or AssessTask()
     tr, te = runner.cases(cfg)
     doc = runner._datalist("segmentation")
     n_subjects = len({subject_of(e) for e in doc["training"] + doc["validation"]})
@@ -98,7 +97,7 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
         raise TaskError(f"{runner.site}: {n_subjects} subject(s) < k_min={k}; the assessment would describe fewer "
                         f"than k_min patients and is not sent")
     notes = []
-    per_image = a.per_value
+    per_image = cfg.assess is not None and cfg.assess.per_value  # asked for by the method (fedmed.methods)
     if per_image and not runner.settings.allow_per_image:
         notes.append(f"{runner.site}: per-image metadata requested by the job but not allowed by this site's "
                      f"settings; histograms and an embedding centroid are sent instead")
@@ -187,6 +186,7 @@ class SegSiteRunner(SiteRunner):
         return self._model
 
     TASKS = {"assess": assess, "train": train, "validate": validate}
+    KIND = "segmentation"
 
 
 

@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from fedmed.core.schema import FluxTask, TaskConfig, task_config
+from fedmed.core.schema import TaskConfig, task_config
 
-__all__ = ["CLASSIFICATION", "Reply", "TaskError", "class_set", "descriptor", "ifca", "latent_bounds", "signature", "train",
+__all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "register_task", "TaskError", "class_set", "descriptor", "ifca", "latent_bounds", "signature", "train",
            "task_seed", "train_locally", "validate", "validate_ensemble"]
 
 
@@ -53,7 +53,7 @@ def _eval_sets(runner, cfg):
     site that never trained is scored on all its data."""
     import torch
 
-    s = runner._splits(cfg)
+    s = runner.splits(cfg)
     if task_config(cfg).evaluate_on == "all":
         return [("test", torch.cat([s.train[0], s.val[0], s.test[0]]), torch.cat([s.train[1], s.val[1], s.test[1]]))]
     return [("val", *s.val), ("test", *s.test)]
@@ -96,7 +96,7 @@ def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
 def train_locally(runner, model, cfg, round_, key) -> dict:
     from fedmed.nn.train import train_local
 
-    s = runner._splits(cfg)
+    s = runner.splits(cfg)
     runner.require_k_min(int(s.train[0].shape[0]), "training images", cfg, "training")
     cfg = task_config(cfg)
     t = cfg.train
@@ -124,7 +124,7 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
 
 def class_set(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     """PreP-WFL's statistics round (``001_`` Alg. 2): only the ids of the classes this site holds leave it."""
-    y = runner._splits(cfg).train[1].numpy()
+    y = runner.splits(cfg).train[1].numpy()
     ids, counts = np.unique(y, return_counts=True)
     k = runner.k_min(cfg)
     held = sorted(int(c) for c, n in zip(ids, counts) if n >= k)
@@ -149,7 +149,7 @@ def signature(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
 
     cfg = task_config(cfg)
     sc = cfg.signature
-    s = runner._splits(cfg)
+    s = runner.splits(cfg)
     x, y = s.train[0], s.train[1].numpy()
     if sc.pseudo_labels:  # no labels used: every image, under the served model's predicted classes
         x, y = _pseudo_labelled(runner, params, cfg)
@@ -174,7 +174,7 @@ def _pseudo_labelled(runner, params: dict, cfg):
 
     from fedmed.nn.train import predict_proba, set_params
 
-    s = runner._splits(cfg)
+    s = runner.splits(cfg)
     x = torch.cat([s.train[0], s.val[0], s.test[0]])
     model = runner.model(cfg)
     set_params(model, params)
@@ -189,7 +189,7 @@ def _latents(runner, params, cfg, split: str = "train"):
 
     model = runner.model(cfg)
     set_params(model, params)
-    s = runner._splits(cfg)
+    s = runner.splits(cfg)
     if split == "all":
         x, y = torch.cat([s.train[0], s.val[0], s.test[0]]), torch.cat([s.train[1], s.val[1], s.test[1]])
     else:
@@ -203,7 +203,9 @@ def latent_bounds(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Rep
     from fedmed.algorithms.privacy import private_bounds
 
     cfg = task_config(cfg)
-    f = cfg.flux or FluxTask()
+    f = cfg.flux
+    if f is None or f.box is None:
+        raise TaskError(f"{runner.site}: latent_bounds needs the task's flux section with its box (the Flux method's)")
     z, _ = _latents(runner, params, cfg, "all" if f.label_free else "train")
     rng = np.random.default_rng(task_seed(cfg, runner.site, salt=3))
     lo, hi, note = private_bounds(z, k_min=runner.k_min(cfg), privacy=cfg.privacy.model_dump(), rng=rng,
@@ -221,9 +223,12 @@ def descriptor(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     z, y = _latents(runner, params, cfg, "all" if label_free else "train")
     pca = shared_pca(np.asarray(f.lo), np.asarray(f.hi), n_components=f.n_components, seed=f.pca_seed)
     rng = np.random.default_rng(task_seed(cfg, runner.site))
+    if not label_free and f.absent_class is None:
+        raise TaskError(f"{runner.site}: a descriptor with class slots needs flux.absent_class (the Flux method's)")
     d = flux_descriptor(z, pca, None if label_free else y, n_classes=None if label_free else cfg.data.n_classes,
                         second_moment=f.second_moment, dp_epsilon=cfg.privacy.dp_epsilon, rng=rng,
-                        site=runner.site, k_min=runner.k_min(cfg), absent=f.absent_class)
+                        site=runner.site, k_min=runner.k_min(cfg),
+                        **({} if label_free else {"absent": f.absent_class}))  # label-free: no class slot
     meta = {"label_free": d.label_free, "n_samples": d.n_samples, "warnings": d.warnings}
     if cfg.privacy.dp_epsilon is not None:  # the run's privacy ledger composes it (SiteRunner.account)
         meta["dp"] = {"epsilon": cfg.privacy.dp_epsilon, "mechanism": "laplace, b = Range(g_i) / (n epsilon) (003_ "
@@ -246,7 +251,7 @@ def ifca(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     cfg = task_config(cfg)
     K = cfg.ifca.k
     model = runner.model(cfg)
-    s = runner._splits(cfg)
+    s = runner.splits(cfg)
     xtr, ytr = s.train
     if cfg.ifca.pseudo_labels:  # no labels: every image, each model against its own predicted classes
         if cfg.ifca.train:
@@ -297,3 +302,17 @@ def validate_ensemble(runner, params: dict, cfg: TaskConfig, round_: int = 0) ->
 CLASSIFICATION = {"train": train, "validate": validate, "signature": signature, "latent_bounds": latent_bounds,
                   "descriptor": descriptor, "ifca": ifca, "validate_ensemble": validate_ensemble,
                   "class_set": class_set}
+
+PLUGIN_TASKS: dict = {"classification": {}, "segmentation": {}, "mae": {}}  # a plugin method's own site tasks
+
+
+def register_task(name: str, fn, *, task: str = "classification"):
+    """Add a site task of a plugin method (``fedmed.methods``): ``fn(runner, params, cfg, round_) -> Reply`` served
+    by the runners of ``task`` ("classification", "segmentation" or "mae"). A name fedmed uses is refused."""
+    builtin = {"classification": CLASSIFICATION}.get(task, {})
+    if task not in PLUGIN_TASKS:
+        raise ValueError(f"register_task: task should be one of {sorted(PLUGIN_TASKS)}, got {task!r}")
+    if name in builtin or PLUGIN_TASKS[task].get(name, fn) is not fn:
+        raise ValueError(f"register_task: site task {name!r} is taken")
+    PLUGIN_TASKS[task][name] = fn
+    return fn

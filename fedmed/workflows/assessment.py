@@ -77,3 +77,50 @@ class SegAssessment(OneShotClustered):
                                  max_intensity=self.max_intensity)
         else:
             self.assess_sites()
+
+    # ------------------------------------------------------------------ a new site after training (fedmed.workflows.onboard)
+    onboard_label_free = True
+
+    @classmethod
+    def onboard_is_label_free(cls, state: dict) -> bool:
+        return True
+
+    @classmethod
+    def onboarding_state_problem(cls, state: dict):
+        if not state.get("state", {}).get("assessed"):
+            return ("the run's clusters were given in its config, not assessed: there is no training-site assessment "
+                    "to compare a new site with")
+        return None
+
+    @classmethod
+    def assign_new_sites(cls, ob, st: dict, models: dict) -> dict:
+        """The new site's assessment; D_EMD on the image-intensity features only (label-free) or D_EUC on the
+        embedding centroids, as the run clustered; mean distance to the cluster's members."""
+        from fedmed.algorithms.assessment import assess, intensity_emd
+        from fedmed.algorithms.clustered import assign_by_linkage
+
+        state, clusters = st["state"], st["clusters"]
+        trained, distance = state["assessed"], state["distance"]
+        if not trained:
+            raise RunFailed("the training run's clusters were given in its config, not assessed: there are no "
+                            "training-site assessments to compare a new site with")
+        assign, dists = {}, {}
+        for s, (meta, _) in ob._replies("assess", ob.task({}, 0), "assessment").items():
+            sites = {**{t: m for t, m in trained.items() if t != s}, s: meta}
+            try:
+                if distance == "emd":  # label-free: the run's EMD_maxI feature, image intensities only
+                    names, D, feature = intensity_emd(sites, state.get("max_intensity"))
+                else:
+                    rep = assess(sites)
+                    names, D = rep["sites"], np.asarray(rep[distance]["matrix"])
+            except (KeyError, ValueError) as e:
+                ob.recorder.error(0, s, "assess", str(e))
+                ob.error(f"new site {s} cannot be compared with the training sites: {e}")
+                continue
+            i = names.index(s)
+            row = {n: float(D[i, j]) for j, n in enumerate(names) if n != s}
+            assign[s], dists[s] = assign_by_linkage(row, clusters, "average")
+        ob.recorder.note("onboarding", {"distances": dists, "distance": distance,
+                                          "features": (f"maximum intensity of {state.get('max_intensity')}"
+                                                       if distance == "emd" else "embedding centroids")})
+        return ob.some(assign)

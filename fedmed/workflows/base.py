@@ -63,6 +63,32 @@ class Workflow:
     stable_cluster_ids = True  # a cluster id names the same model in every round (CFL renumbers when it splits)
     fed = None  # the Federation it runs on
 
+    # a new site after this workflow's run (fedmed.workflows.onboard.Onboard dispatches to the training workflow)
+    onboard_label_free = False  # its assignment uses no labels (the new site is scored on all its data)
+    onboard_pseudo_labels = False  # without labels it can assign by the served models' predicted classes
+    onboard_needs_labels = ""  # why it cannot assign a new site without labels (empty: it can)
+    onboard_needs_state = True  # the run's onboarding.json (Workflow.save_onboarding)
+
+    @classmethod
+    def assign_new_sites(cls, ob, state: dict, models: dict) -> dict:
+        """new site -> cluster id, asked through the onboarding workflow ``ob`` (its ``task``, ``send``,
+        ``_replies``, ``labels``, ``root``), from what the run kept (``state``: ``onboarding.json``) and its final
+        ``models``."""
+        raise NotImplementedError(f"{cls.__name__} gives a new site no model")
+
+    @classmethod
+    def onboard_is_label_free(cls, state: dict) -> bool:
+        return cls.onboard_label_free
+
+    @classmethod
+    def after_onboarding(cls, ob, models: dict, sizes: dict) -> None:
+        """Scored after the assigned models (IFCA: the ensemble)."""
+
+    @classmethod
+    def onboarding_state_problem(cls, state: dict) -> str | None:
+        """Why a finished run's onboarding state cannot assign a new site (None: it can)."""
+        return None
+
     def __init__(self, num_rounds: int, fedmed_config: dict, **args):
         self.num_rounds = int(num_rounds)
         self._cfg = copy.deepcopy(dict(fedmed_config))

@@ -81,3 +81,52 @@ class CFL(FedAvg):
         self.save_onboarding("cfl", dict(enumerate(clusters)), splits=[{"cluster": sp["cluster"], "into": sp["into"]}
                                                                        for sp in splits],
                              arrays={f"{name}/{k}": v for name, p in tree.items() for k, v in p.items()})
+
+    # ------------------------------------------------------------------ a new site after training (fedmed.workflows.onboard)
+    onboard_needs_state = True
+    onboard_label_free = False  # the new site's training updates need its labels
+    onboard_needs_labels = "CFL sends a new site down its tree by the site's training updates, which need labels"
+
+    @classmethod
+    def assign_new_sites(cls, ob, st: dict, models: dict) -> dict:
+        """Down CFL's parameter tree (Sattler et al. 2020): at each split the site computes its update from the
+        model the split was made at, and follows the half whose mean update is most cosine-similar; the leaf is
+        its cluster."""
+        from fedmed.algorithms.clustered import cosine_of_updates
+        splits, clusters = st["state"]["splits"], {int(c): sorted(s) for c, s in st["clusters"].items()}
+        tree = ob.arrays()
+        root = sorted({s for m in clusters.values() for s in m} | {s for sp in splits for s in sp["cluster"]})
+        at = {s: root for s in ob.sites}  # the node (its training sites) each new site is at
+        path: dict = {s: [] for s in ob.sites}
+        leaf = {tuple(m): c for c, m in clusters.items()}
+        for depth in range(len(splits) + 1):
+            todo: dict = {}
+            for s, node in at.items():
+                i = next((i for i, sp in enumerate(splits) if sorted(sp["cluster"]) == node), None)
+                if i is not None:
+                    todo.setdefault(i, []).append(s)
+            if not todo:
+                break
+            replies = ob.send_groups("train", {i: (ob.task(tree[f"split{i}_model"], 0), sites)
+                                                 for i, sites in todo.items()})
+            for i, rows in replies.items():
+                for s, _, meta, params in rows:
+                    if meta.get("error"):
+                        ob.recorder.error(0, s, "train", meta["error"])
+                        ob.error(f"new site {s} sent no update and cannot be assigned: {meta['error']}")
+                        at.pop(s)
+                        continue
+                    theta = tree[f"split{i}_model"]
+                    update = {k: np.asarray(params[k]) - np.asarray(theta[k]) for k in theta}
+                    sims = [cosine_of_updates(update, tree[f"split{i}_u{h}"]) for h in (0, 1)]
+                    h = int(np.argmax(sims))
+                    at[s] = sorted(splits[i]["into"][h])
+                    path[s].append({"split": i, "cosine": sims, "half": h})
+        assign = {}
+        for s, node in at.items():
+            c = leaf.get(tuple(node))
+            if c is None:  # a node whose sites all left before the end: the cluster holding most of them
+                c = max(clusters, key=lambda k: len(set(clusters[k]) & set(node)))
+            assign[s] = c
+        ob.recorder.note("onboarding", {"cfl_path": path})
+        return ob.some(assign)

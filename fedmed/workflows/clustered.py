@@ -1,6 +1,8 @@
 """One-shot clustered FL: FMCL (``000_`` Fig. 1, Alg. 2-5), and PACFL / FECFL with their signatures."""
 
 
+import numpy as np
+
 from fedmed.core.schema import ClusteringTask, SignatureTask
 from fedmed.workflows.federation import RunFailed
 from fedmed.workflows.fedavg import FedAvg
@@ -131,3 +133,77 @@ class OneShotClustered(FedAvg):
             if sites:
                 self.save_final(theta[c], name=f"cluster{c}", sites=sites, cluster=c)
         return clusters
+
+    # ------------------------------------------------------------------ a new site after training (fedmed.workflows.onboard)
+    onboard_needs_state = True
+    LABEL_FREE_KINDS = ("fecfl",)  # FMCL's prototypes and PACFL's subspaces are per class
+    onboard_pseudo_labels = True
+
+    @classmethod
+    def onboard_is_label_free(cls, state: dict) -> bool:
+        return state.get("state", {}).get("signature", {}).get("kind") in cls.LABEL_FREE_KINDS
+
+    @classmethod
+    def assign_new_sites(cls, ob, st: dict, models: dict) -> dict:
+        """The new site's signature; its distance to every training site by the method's distance; the cluster at
+        the smallest linkage distance. Without labels (FMCL, PACFL): :meth:`_assign_signature_pseudo`."""
+        from fedmed.algorithms.clustered import assign_by_linkage, signature_distances
+
+        state, clusters = st["state"], st["clusters"]
+        sig = {k: v for k, v in state["signature"].items() if k != "weights"}  # the weights: cfg.encoder_weights
+        trained = state["signatures"]
+        encoders = sorted({m.get("encoder", "?") for m in trained.values()})
+        if not ob.labels and sig["kind"] not in cls.LABEL_FREE_KINDS:
+            return cls._assign_signature_pseudo(ob, state, clusters, models, sig, trained)
+        assign, dists = {}, {}
+        for s, (meta, _) in ob._replies("signature", ob.task({}, 0, signature=sig), "signature").items():
+            if meta.get("encoder", "?") not in encoders:
+                ob.recorder.error(0, s, "signature", f"{s}: signature made with encoder {meta.get('encoder')}, the "
+                                    f"run's sites used {encoders}")
+                ob.error(f"new site {s}: its signature was made with {meta.get('encoder')}, not the run's encoder "
+                           f"{encoders}; it is not compared")
+                continue
+            try:
+                names, D = signature_distances(sig["kind"], {**{t: m for t, m in trained.items() if t != s}, s: meta},
+                                               overlap=state["clustering"]["overlap"], angle=sig["angle"])
+            except ValueError as e:
+                ob.recorder.error(0, s, "signature", str(e))
+                ob.error(f"new site {s} cannot be compared with the training sites: {e}")
+                continue
+            i = names.index(s)
+            row = {n: float(D[i, j]) for j, n in enumerate(names) if n != s and np.isfinite(D[i, j])}
+            assign[s], dists[s] = assign_by_linkage(row, clusters, state["clustering"]["linkage"])
+        ob.recorder.note("onboarding", {"distances": dists, "linkage": state["clustering"]["linkage"]})
+        return ob.some(assign)
+
+
+    @classmethod
+    def _assign_signature_pseudo(cls, ob, state, clusters, models, sig, trained) -> dict:
+        """No labels at the new site: for each cluster c, its signature under cluster c's model's predicted classes,
+        compared with cluster c's members (the linkage of the run); the cluster whose model explains the site's
+        images the way its members' data look wins (docs/readings.md, "Onboarding")."""
+        from fedmed.algorithms.clustered import assign_by_linkage, signature_distances
+
+        linkage = state["clustering"]["linkage"]
+        groups = {c: (ob.task(models[c], 0, signature={**sig, "pseudo_labels": True}), list(ob.sites))
+                  for c in sorted(models) if str(c) in clusters}
+        dists: dict = {}
+        for c, rows in ob.send_groups("signature", groups).items():
+            for s, _, meta, _ in rows:
+                if meta.get("error"):
+                    ob.recorder.error(0, s, "signature", meta["error"])
+                    continue
+                try:
+                    names, D = signature_distances(sig["kind"], {**{t: m for t, m in trained.items() if t != s},
+                                                                 s: meta}, overlap=state["clustering"]["overlap"],
+                                                   angle=sig["angle"])
+                except ValueError as e:
+                    ob.recorder.error(0, s, "signature", str(e))
+                    continue
+                i = names.index(s)
+                row = {n: float(D[i, j]) for j, n in enumerate(names) if n != s and np.isfinite(D[i, j])}
+                if any(m in row for m in clusters[str(c)]):
+                    dists.setdefault(s, {})[int(c)] = assign_by_linkage(row, {c: clusters[str(c)]}, linkage)[1][int(c)]
+        assign = {s: min(sorted(d), key=lambda c: d[c]) for s, d in dists.items()}
+        ob.recorder.note("onboarding", {"distances": dists, "linkage": linkage, "pseudo_labels": True})
+        return ob.some(assign)

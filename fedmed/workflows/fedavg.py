@@ -15,6 +15,13 @@ class FedAvg(Workflow):
     """
 
     record_name = "FedAvgController"
+    onboard_label_free = True
+    onboard_needs_state = False
+
+    @classmethod
+    def assign_new_sites(cls, ob, st: dict, models: dict) -> dict:
+        """One model: every new site gets it."""
+        return {s: 0 for s in ob.sites}
 
     def __init__(self, num_rounds: int, fedmed_config: dict, down_weight_site: str = "", omega: float = 1.0, **kw):
         super().__init__(num_rounds, fedmed_config, **kw)

@@ -4,6 +4,7 @@
 import numpy as np
 
 from fedmed.core.schema import FluxTask
+from fedmed.core.jobfiles import TRAINING as TRAINING_DIR
 from fedmed.workflows.federation import RunFailed
 from fedmed.workflows.fedavg import FedAvg
 
@@ -25,13 +26,18 @@ class Flux(FedAvg):
 
     record_name = "FluxController"
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, flux: dict, participation: float = 1.0,
-                 n_clusters: int = 0, **kw):
+    START_THRESHOLD = 0.06  # Eq. 14's threshold on the accuracy gain
+
+    def __init__(self, num_rounds: int, fedmed_config: dict, *, flux: dict, participation: float, n_clusters: int,
+                 scale: float, k1_silhouette, scaling: str, start_rule: str, **kw):
+        """``flux``: the site's side (:class:`~fedmed.core.schema.FluxTask`); the rest: the server's clustering
+        options — every value from the method (``fedmed.methods.FluxMethod``)."""
         super().__init__(num_rounds, fedmed_config, **kw)
         self.flux = FluxTask.model_validate(flux)
         self.box: dict = {}  # the merged latent box (S1): lo, hi
         self.participation = float(participation)
         self.n_clusters = int(n_clusters or 0)
+        self.scale, self.k1_silhouette, self.scaling, self.start_rule = float(scale), k1_silhouette, scaling, start_rule
 
     def sample(self, r: int) -> list:
         k = max(1, int(round(self.participation * len(self.sites))))
@@ -64,8 +70,8 @@ class Flux(FedAvg):
             acc.append(mean.get("val_accuracy", mean.get("accuracy", 0.0)))
             r += 1
             self.checkpoint(r, {"global": theta}, phase="warmup", acc=acc)
-            if should_start_clustering(acc, self.num_rounds, threshold=self.flux.start_threshold,
-                                       rule=self.flux.start_rule):
+            if should_start_clustering(acc, self.num_rounds, threshold=self.START_THRESHOLD,
+                                       rule=self.start_rule):
                 break
         return theta, r
 
@@ -82,8 +88,8 @@ class Flux(FedAvg):
         lo, hi = merge_bounds(bounds)
         self.box = {"lo": lo.tolist(), "hi": hi.tolist()}
         descs = self.descriptors(theta_star, part)
-        info = flux_cluster(descs, n_clusters=self.n_clusters or None, scale=self.flux.scale, seed=self.task_cfg.seed,
-                            scaling=self.flux.scaling, k1_silhouette=self.flux.k1_silhouette)
+        info = flux_cluster(descs, n_clusters=self.n_clusters or None, scale=self.scale, seed=self.task_cfg.seed,
+                            scaling=self.scaling, k1_silhouette=self.k1_silhouette)
         n_params = sum(np.asarray(v).size for v in theta_star.values())
         self.recorder.note("clustering", {k: v for k, v in info.items() if not k.startswith("centroids")} |
                            {"start_round": r, "descriptor_to_model_ratio": info["descriptor_length"] / n_params,
@@ -138,3 +144,23 @@ class Flux(FedAvg):
                  pca_seed=self.flux.pca_seed, n_components=self.flux.n_components,
                  **{f"theta_star/{k}": v for k, v in theta_star.items()})
         self.save_onboarding("flux", {c: [s for s, a in assign.items() if a == c] for c in models})
+
+    # ------------------------------------------------------------------ a new site after training (fedmed.workflows.onboard)
+    onboard_needs_state = True
+    onboard_label_free = True
+
+    @classmethod
+    def assign_new_sites(cls, ob, st: dict, models: dict) -> dict:
+        """Algorithm 2: the new site's label-free descriptor with ``theta*`` and the training box; the nearest
+        label-free centroid (Eq. 9)."""
+        from fedmed.algorithms.flux import assign_nearest
+
+        f = ob.root / "flux_state.npz"
+        if not f.is_file():
+            raise RunFailed(f"the job carries no Flux state ({TRAINING_DIR}/flux_state.npz)")
+        z = np.load(f)
+        theta_star = {k[len("theta_star/"):]: z[k] for k in z.files if k.startswith("theta_star/")}
+        flux = {"lo": z["lo"].tolist(), "hi": z["hi"].tolist(), "pca_seed": int(z["pca_seed"]),
+                "n_components": int(z["n_components"]), "label_free": True}
+        return ob.some({s: assign_nearest(meta["label_free"], z["centroids_label_free"]) for s, (meta, _) in
+                           ob._replies("descriptor", ob.task(theta_star, 0, flux=flux), "descriptor").items()})

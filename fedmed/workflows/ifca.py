@@ -49,3 +49,23 @@ class IFCA(FedAvg):
         for j, m in enumerate(models):
             self.save_final(m, name=f"cluster{j}", sites=chose[j], cluster=j)
         self.save_onboarding("ifca", chose, k=self.k)
+
+    # ------------------------------------------------------------------ a new site after training (fedmed.workflows.onboard)
+    onboard_needs_state = True
+    onboard_pseudo_labels = True
+    onboard_label_free = False  # the K models' losses on its labeled training split
+
+    @classmethod
+    def assign_new_sites(cls, ob, st: dict, models: dict) -> dict:
+        """The K models' losses on the new site's labeled training split; the lowest (IFCA's own rule). Without
+        labels: each model against its own predicted classes (the most confident model)."""
+        ids = sorted(models)
+        packed = {f"m{j}/{n}": v for j, c in enumerate(ids) for n, v in models[c].items()}
+        replies = ob._replies("ifca", ob.task(packed, 0, ifca={"k": len(ids), "train": False,
+                                                                    "pseudo_labels": not ob.labels}), "losses")
+        ob.recorder.note("onboarding", {"losses": {s: dict(zip(ids, m["losses"])) for s, (m, _) in replies.items()}})
+        return ob.some({s: ids[int(m["cluster"])] for s, (m, _) in replies.items()})
+
+    @classmethod
+    def after_onboarding(cls, ob, models: dict, sizes: dict) -> None:
+        ob.ensemble(models, sizes, 2 + len(models), "ensemble")  # IFCA's label-free counterpart (the Flux paper's)

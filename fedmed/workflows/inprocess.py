@@ -2,7 +2,7 @@
 workflows without FLARE, for benchmarks, references (each site alone, centralized) and fast tests.
 
 It runs the *same* workflow code as the FLARE adapter (``fedmed_flare/controller.py``) and each site's task through the
-same reply loop as the FLARE site executor (:func:`fedmed.site.runner.answer`), one site after the other with one torch
+same reply loop as the FLARE site executor (:func:`fedmed.site.reply.answer`), one site after the other with one torch
 thread each, as a simulated site runs; tasks carry copies of their config and parameters as FLARE's messages do.
 A clustered workflow run here and in FLARE's simulator gives the same models bit for bit
 (``tests/test_workflows.py``).
@@ -125,7 +125,7 @@ class InProcessFederation(Federation):
         return sites
 
     def send_groups(self, task_name: str, groups: dict) -> dict:
-        from fedmed.site.runner import answer
+        from fedmed.site.reply import answer
 
         import torch
 

@@ -5,19 +5,20 @@ The job carries the training run's result (``TRAINING_DIR``: its final models, `
 ``onboarding.npz`` — what the run kept for this, written by :meth:`Workflow.save_onboarding` — and Flux's
 ``flux_state.npz``). Each new site computes what its method compares sites by, with the same site task, privacy rules
 (``k_min``, DP) and seed rule as in training; the server assigns it with the method's own distance and sends it that
-cluster's model, which it scores. ``mode`` (``fedmed.workflows.METHODS[...].onboard``):
+cluster's model, which it scores. **How a new site is assigned is the training workflow's own**
+(``assign_new_sites`` of its class; this workflow only dispatches to it):
 
-* ``signature`` (FMCL, PACFL, FECFL): the new site's signature (FMCL: class prototypes of its labeled training split;
+* ``OneShotClustered`` (FMCL, PACFL, FECFL): the new site's signature (FMCL: class prototypes of its labeled training split;
   PACFL: its class subspaces; FECFL: its mean embedding, label-free); its distance to every training site by the method's
   distance; the cluster at the smallest linkage distance (average linkage: mean distance to the cluster's members;
   single: the nearest member; complete: the farthest).
-* ``assess`` (``004_`` two clusters): the new site's assessment; D_EMD on the image-intensity features only
+* ``SegAssessment`` (``004_`` two clusters): the new site's assessment; D_EMD on the image-intensity features only
   (label-free) or D_EUC on the embedding centroids, as the run clustered; mean distance to the cluster's members.
-* ``flux``: the label-free descriptor with ``theta*`` and the training box; the nearest label-free centroid (Eq. 9).
-* ``ifca``: the K models' losses on the new site's labeled training split; the lowest (IFCA's own rule).
-* ``cfl``: down CFL's parameter tree (Sattler et al. 2020): at each split the site computes its update from the
+* ``Flux``: the label-free descriptor with ``theta*`` and the training box; the nearest label-free centroid (Eq. 9).
+* ``IFCA``: the K models' losses on the new site's labeled training split; the lowest (IFCA's own rule).
+* ``CFL``: down CFL's parameter tree (Sattler et al. 2020): at each split the site computes its update from the
   model the split was made at, and follows the half whose mean update is most cosine-similar; the leaf is its cluster.
-* ``global`` (FedAvg): the global model. ``ensemble``: the cluster models' probabilities averaged with weights equal
+* ``FedAvg``: the global model. With ``ensemble``: the cluster models' probabilities averaged with weights equal
   to their training-site counts (how the Flux paper scores baselines without test-time assignment).
 
 With ``labels=False`` (a new site without labels) FMCL and PACFL compare, for each cluster c, the site's signature
@@ -46,14 +47,10 @@ from fedmed.core import jobfiles
 from fedmed.workflows.base import Workflow
 from fedmed.workflows.federation import RunFailed
 
-__all__ = ["LABEL_FREE", "MODES", "Onboard", "OnboardingError", "TRAINING_DIR", "assign_by_linkage", "check_training_result",
+__all__ = ["Onboard", "OnboardingError", "TRAINING_DIR", "assign_by_linkage", "check_training_result",
            "find_result", "load_models", "training_files"]
 
 TRAINING_DIR = jobfiles.TRAINING  # inside what the job carries (Federation.job_files): the training run's models and state
-MODES = ("signature", "assess", "flux", "ifca", "cfl", "global", "ensemble")
-LABEL_FREE = {"assess", "flux", "global", "ensemble"}  # and "signature" of a label-free kind
-LABEL_FREE_SIGNATURES = {"fecfl"}  # FMCL's prototypes and PACFL's subspaces are per class
-PSEUDO_LABEL_MODES = {"signature", "ifca"}  # without labels: the served models' predicted classes instead
 
 
 def load_models(root: Path) -> dict:
@@ -68,23 +65,7 @@ def load_models(root: Path) -> dict:
     return out
 
 
-def assign_by_linkage(row: dict, clusters: dict, linkage: str = "average") -> tuple[int, dict]:
-    """The cluster at the smallest linkage distance from a new site whose distance to each training site is ``row``
-    (``{site: d}``); ``clusters``: cluster id -> its training sites. Returns (cluster, {cluster: linkage distance}).
-    Clusters with no member in ``row`` are skipped; ties go to the smallest id."""
-    agg = {"single": np.min, "complete": np.max}.get(linkage, np.mean)
-    dist = {int(c): float(agg([row[s] for s in members if s in row]))
-            for c, members in clusters.items() if any(s in row for s in members)}
-    if not dist:
-        raise ValueError("no training site of any cluster to compare with")
-    return min(sorted(dist), key=lambda c: dist[c]), dist
-
-
-def _cos(a: dict, b: dict) -> float:
-    x = np.concatenate([np.asarray(a[k], dtype=np.float64).ravel() for k in sorted(a)])
-    y = np.concatenate([np.asarray(b[k], dtype=np.float64).ravel() for k in sorted(a)])
-    n = np.linalg.norm(x) * np.linalg.norm(y)
-    return float(x @ y / n) if n > 0 else 0.0
+from fedmed.algorithms.clustered import assign_by_linkage  # noqa: E402,F401  (re-exported)
 
 
 class Onboard(Workflow):
@@ -94,15 +75,19 @@ class Onboard(Workflow):
 
     record_name = "OnboardController"
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, mode: str = "global", known_clusters: dict = None,
-                 references: bool = False, labels: bool = True, **kw):
+    def __init__(self, num_rounds: int, fedmed_config: dict, training: str = "fedavg", known_clusters: dict = None,
+                 references: bool = False, labels: bool = True, ensemble: bool = False, **kw):
+        """``training``: the server workflow of the finished run (``module:Class``, :func:`server_workflow`), whose
+        ``assign_new_sites`` assigns each new site; ``ensemble``: score the cluster models' weighted ensemble instead
+        of assigning (how the Flux paper scores baselines without test-time assignment)."""
+        from fedmed.workflows.registry import server_workflow
+
         super().__init__(num_rounds, fedmed_config, **kw)
-        if mode not in MODES:
-            raise ValueError(f"onboarding mode should be one of {MODES}, got {mode!r}")
-        if not labels and mode == "cfl":
-            raise ValueError("CFL sends a new site down its tree by the site's training updates, which need labels")
+        self.training = server_workflow(training)
+        if not labels and self.training.onboard_needs_labels:
+            raise ValueError(self.training.onboard_needs_labels)
         self.labels = bool(labels)
-        self.mode = mode
+        self.ensemble_only = bool(ensemble)
         self.known_clusters = dict(known_clusters or {})
         self.references = bool(references)
 
@@ -114,7 +99,7 @@ class Onboard(Workflow):
     def state(self) -> dict:
         f = self.root / "onboarding.json"
         if not f.is_file():
-            if self.mode in ("global", "ensemble"):
+            if self.ensemble_only or not self.training.onboard_needs_state:
                 return {}
             raise RunFailed(f"the job carries no onboarding state ({TRAINING_DIR}/onboarding.json): the training run "
                             f"kept nothing to assign new sites by (a run of an earlier fedmed, or one that did not "
@@ -137,32 +122,29 @@ class Onboard(Workflow):
         if not models:
             raise RunFailed(f"the job carries no trained models ({TRAINING_DIR}/)")
         st = self.state()
-        kind = st.get("state", {}).get("signature", {}).get("kind")
-        label_free = (self.mode in LABEL_FREE or (self.mode == "signature" and kind in LABEL_FREE_SIGNATURES)
-                      or not self.labels)
+        method = self.training.__name__
+        label_free = self.ensemble_only or self.training.onboard_is_label_free(st) or not self.labels
         self.task_extra = {"evaluate_on": "all" if label_free else "split"}
         sizes = {c: len(m) for c, m in st.get("clusters", {}).items()}  # training sites per cluster
-        if self.mode == "ensemble":
+        if self.ensemble_only:
             self.ensemble(models, sizes)
         else:
-            assign = {s: 0 for s in self.sites} if self.mode == "global" else getattr(self, f"assign_{self.mode}")(st, models)
+            assign = self.training.assign_new_sites(self, st, models)
             self.recorder.note("assignment", {"test_phase": assign, "known_association": self.known_clusters,
-                                              "mode": self.mode, "label_free": label_free,
-                                              "pseudo_labels": not self.labels and self.mode in PSEUDO_LABEL_MODES,
+                                              "mode": method, "label_free": label_free,
+                                              "pseudo_labels": not self.labels and self.training.onboard_pseudo_labels,
                                               "evaluated_on": "all data" if label_free else "test split"})
             for s, c in assign.items():
-                self.info(f"{s} is assigned cluster {c} ({self.mode})")
+                self.info(f"{s} is assigned cluster {c} ({method})")
             self.validate_assigned("test_phase", 0, assign, models)
             self.write_site_models(assign, models)
-            if self.mode == "ifca":  # IFCA's label-free counterpart, as the Flux paper scores it
-                self.ensemble(models, sizes, 2 + len(models), "ensemble")
+            self.training.after_onboarding(self, models, sizes)
         if self.known_clusters:
             self.validate_assigned("known_association", 1, {s: int(c) for s, c in self.known_clusters.items()
                                                             if s in self.sites and int(c) in models}, models)
         if self.references:
             for i, c in enumerate(sorted(models)):
                 self.validate_assigned(f"cluster{c}", 2 + i, {s: c for s in self.sites}, models)
-
     def validate_assigned(self, phase, index, mapping, models):
         groups = {c: (self.task(models[c], 0, cluster=c), [s for s, m in mapping.items() if m == c]) for c in models}
         replies = self.send_groups("validate", {c: g for c, g in groups.items() if g[1]})
@@ -191,156 +173,7 @@ class Onboard(Workflow):
         return out
 
     # ------------------------------------------------------------------ one assignment per mode
-    def assign_signature(self, st: dict, models: dict) -> dict:
-        from fedmed.algorithms.clustered import signature_distances
-
-        state, clusters = st["state"], st["clusters"]
-        sig = {k: v for k, v in state["signature"].items() if k != "weights"}  # the weights: cfg.encoder_weights
-        trained = state["signatures"]
-        encoders = sorted({m.get("encoder", "?") for m in trained.values()})
-        if not self.labels and sig["kind"] not in LABEL_FREE_SIGNATURES:
-            return self._assign_signature_pseudo(state, clusters, models, sig, trained)
-        assign, dists = {}, {}
-        for s, (meta, _) in self._replies("signature", self.task({}, 0, signature=sig), "signature").items():
-            if meta.get("encoder", "?") not in encoders:
-                self.recorder.error(0, s, "signature", f"{s}: signature made with encoder {meta.get('encoder')}, the "
-                                    f"run's sites used {encoders}")
-                self.error(f"new site {s}: its signature was made with {meta.get('encoder')}, not the run's encoder "
-                           f"{encoders}; it is not compared")
-                continue
-            try:
-                names, D = signature_distances(sig["kind"], {**{t: m for t, m in trained.items() if t != s}, s: meta},
-                                               overlap=state["clustering"]["overlap"], angle=sig["angle"])
-            except ValueError as e:
-                self.recorder.error(0, s, "signature", str(e))
-                self.error(f"new site {s} cannot be compared with the training sites: {e}")
-                continue
-            i = names.index(s)
-            row = {n: float(D[i, j]) for j, n in enumerate(names) if n != s and np.isfinite(D[i, j])}
-            assign[s], dists[s] = assign_by_linkage(row, clusters, state["clustering"]["linkage"])
-        self.recorder.note("onboarding", {"distances": dists, "linkage": state["clustering"]["linkage"]})
-        return self._some(assign)
-
-    def _assign_signature_pseudo(self, state, clusters, models, sig, trained) -> dict:
-        """No labels at the new site: for each cluster c, its signature under cluster c's model's predicted classes,
-        compared with cluster c's members (the linkage of the run); the cluster whose model explains the site's
-        images the way its members' data look wins (docs/readings.md, "Onboarding")."""
-        from fedmed.algorithms.clustered import signature_distances
-
-        linkage = state["clustering"]["linkage"]
-        groups = {c: (self.task(models[c], 0, signature={**sig, "pseudo_labels": True}), list(self.sites))
-                  for c in sorted(models) if str(c) in clusters}
-        dists: dict = {}
-        for c, rows in self.send_groups("signature", groups).items():
-            for s, _, meta, _ in rows:
-                if meta.get("error"):
-                    self.recorder.error(0, s, "signature", meta["error"])
-                    continue
-                try:
-                    names, D = signature_distances(sig["kind"], {**{t: m for t, m in trained.items() if t != s},
-                                                                 s: meta}, overlap=state["clustering"]["overlap"],
-                                                   angle=sig["angle"])
-                except ValueError as e:
-                    self.recorder.error(0, s, "signature", str(e))
-                    continue
-                i = names.index(s)
-                row = {n: float(D[i, j]) for j, n in enumerate(names) if n != s and np.isfinite(D[i, j])}
-                if any(m in row for m in clusters[str(c)]):
-                    dists.setdefault(s, {})[int(c)] = assign_by_linkage(row, {c: clusters[str(c)]}, linkage)[1][int(c)]
-        assign = {s: min(sorted(d), key=lambda c: d[c]) for s, d in dists.items()}
-        self.recorder.note("onboarding", {"distances": dists, "linkage": linkage, "pseudo_labels": True})
-        return self._some(assign)
-
-    def assign_assess(self, st: dict, models: dict) -> dict:
-        from fedmed.algorithms.assessment import assess, intensity_emd
-
-        state, clusters = st["state"], st["clusters"]
-        trained, distance = state["assessed"], state["distance"]
-        if not trained:
-            raise RunFailed("the training run's clusters were given in its config, not assessed: there are no "
-                            "training-site assessments to compare a new site with")
-        assign, dists = {}, {}
-        for s, (meta, _) in self._replies("assess", self.task({}, 0), "assessment").items():
-            sites = {**{t: m for t, m in trained.items() if t != s}, s: meta}
-            try:
-                if distance == "emd":  # label-free: the run's EMD_maxI feature, image intensities only
-                    names, D, feature = intensity_emd(sites, state.get("max_intensity"))
-                else:
-                    rep = assess(sites)
-                    names, D = rep["sites"], np.asarray(rep[distance]["matrix"])
-            except (KeyError, ValueError) as e:
-                self.recorder.error(0, s, "assess", str(e))
-                self.error(f"new site {s} cannot be compared with the training sites: {e}")
-                continue
-            i = names.index(s)
-            row = {n: float(D[i, j]) for j, n in enumerate(names) if n != s}
-            assign[s], dists[s] = assign_by_linkage(row, clusters, "average")
-        self.recorder.note("onboarding", {"distances": dists, "distance": distance,
-                                          "features": (f"maximum intensity of {state.get('max_intensity')}"
-                                                       if distance == "emd" else "embedding centroids")})
-        return self._some(assign)
-
-    def assign_flux(self, st: dict, models: dict) -> dict:
-        from fedmed.algorithms.flux import assign_nearest
-
-        f = self.root / "flux_state.npz"
-        if not f.is_file():
-            raise RunFailed(f"the job carries no Flux state ({TRAINING_DIR}/flux_state.npz)")
-        z = np.load(f)
-        theta_star = {k[len("theta_star/"):]: z[k] for k in z.files if k.startswith("theta_star/")}
-        flux = {"lo": z["lo"].tolist(), "hi": z["hi"].tolist(), "pca_seed": int(z["pca_seed"]),
-                "n_components": int(z["n_components"]), "label_free": True}
-        return self._some({s: assign_nearest(meta["label_free"], z["centroids_label_free"]) for s, (meta, _) in
-                           self._replies("descriptor", self.task(theta_star, 0, flux=flux), "descriptor").items()})
-
-    def assign_ifca(self, st: dict, models: dict) -> dict:
-        ids = sorted(models)
-        packed = {f"m{j}/{n}": v for j, c in enumerate(ids) for n, v in models[c].items()}
-        replies = self._replies("ifca", self.task(packed, 0, ifca={"k": len(ids), "train": False,
-                                                                    "pseudo_labels": not self.labels}), "losses")
-        self.recorder.note("onboarding", {"losses": {s: dict(zip(ids, m["losses"])) for s, (m, _) in replies.items()}})
-        return self._some({s: ids[int(m["cluster"])] for s, (m, _) in replies.items()})
-
-    def assign_cfl(self, st: dict, models: dict) -> dict:
-        splits, clusters = st["state"]["splits"], {int(c): sorted(s) for c, s in st["clusters"].items()}
-        tree = self.arrays()
-        root = sorted({s for m in clusters.values() for s in m} | {s for sp in splits for s in sp["cluster"]})
-        at = {s: root for s in self.sites}  # the node (its training sites) each new site is at
-        path: dict = {s: [] for s in self.sites}
-        leaf = {tuple(m): c for c, m in clusters.items()}
-        for depth in range(len(splits) + 1):
-            todo: dict = {}
-            for s, node in at.items():
-                i = next((i for i, sp in enumerate(splits) if sorted(sp["cluster"]) == node), None)
-                if i is not None:
-                    todo.setdefault(i, []).append(s)
-            if not todo:
-                break
-            replies = self.send_groups("train", {i: (self.task(tree[f"split{i}_model"], 0), sites)
-                                                 for i, sites in todo.items()})
-            for i, rows in replies.items():
-                for s, _, meta, params in rows:
-                    if meta.get("error"):
-                        self.recorder.error(0, s, "train", meta["error"])
-                        self.error(f"new site {s} sent no update and cannot be assigned: {meta['error']}")
-                        at.pop(s)
-                        continue
-                    theta = tree[f"split{i}_model"]
-                    update = {k: np.asarray(params[k]) - np.asarray(theta[k]) for k in theta}
-                    sims = [_cos(update, tree[f"split{i}_u{h}"]) for h in (0, 1)]
-                    h = int(np.argmax(sims))
-                    at[s] = sorted(splits[i]["into"][h])
-                    path[s].append({"split": i, "cosine": sims, "half": h})
-        assign = {}
-        for s, node in at.items():
-            c = leaf.get(tuple(node))
-            if c is None:  # a node whose sites all left before the end: the cluster holding most of them
-                c = max(clusters, key=lambda k: len(set(clusters[k]) & set(node)))
-            assign[s] = c
-        self.recorder.note("onboarding", {"cfl_path": path})
-        return self._some(assign)
-
-    def _some(self, assign: dict) -> dict:
+    def some(self, assign: dict) -> dict:
         if not assign:
             raise RunFailed("no new site could be assigned a cluster (see the errors)")
         return assign
@@ -367,25 +200,28 @@ def find_result(path) -> Path:
     root = Path(path)
     if not root.is_dir():
         raise OnboardingError(f"{path}: no such folder")
-    if (root / "metrics.json").is_file():
-        return root
-    hits = [p.parent for p in root.rglob("metrics.json") if "test_phase" not in p.relative_to(root).parts]
+    hits = [p.parent for p in [root / "metrics.json", *root.rglob("metrics.json")] if p.is_file()
+            and "test_phase" not in p.relative_to(root).parts]
     if not hits:
         raise OnboardingError(f"{path}: not a fedmed run result (no metrics.json in it)")
-    return min(hits, key=lambda p: (len(p.parts), str(p)))
+    # a run folder of fedmed experiment keeps a copy of metrics.json beside server/ (which holds the models)
+    with_models = [h for h in hits if (h / "models").is_dir()]
+    return min(with_models or hits, key=lambda p: (len(p.parts), str(p)))
 
 
-def check_training_result(path, workflow: str, *, require_clusters: bool = True) -> Path:
-    """The run folder of a *finished* run of ``workflow`` in ``path`` that a new site can be onboarded from; a one-line
-    :class:`OnboardingError` otherwise (no such run, a run that did not finish, a run of another method, a method that
-    ends without clusters)."""
-    from fedmed.workflows.registry import method_entry, server_workflow
+def check_training_result(path, workflow: str, training: str, *, onboards: bool, clustered: bool,
+                          require_clusters: bool = True, serving: tuple = ()) -> Path:
+    """The run folder of a *finished* run of method ``workflow`` (server workflow ``training``, ``module:Class``) in
+    ``path`` that a new site can be onboarded from; a one-line :class:`OnboardingError` otherwise (no such run, a run
+    that did not finish, a run of another method, a method that ends without clusters). ``onboards`` / ``clustered``:
+    the method's (``fedmed.methods``); ``serving``: the methods onboarding serves (named in the error)."""
+    from fedmed.workflows.registry import server_workflow
 
-    entry = method_entry(workflow)
-    if entry.onboard is None or (require_clusters and not entry.clusters):
+    if not onboards or (require_clusters and not clustered):
         raise OnboardingError(f"workflow {workflow!r} ends with one model and no clusters: there is no cluster to "
                               f"onboard a new site to (a new site uses the run's models/global.pt with `fedmed "
-                              f"predict`); onboarding serves {', '.join(w for w, e in _clustered())}")
+                              f"predict`); onboarding serves {', '.join(serving)}")
+    cls = server_workflow(training)
     folder = find_result(path)
     doc = json.loads((folder / "metrics.json").read_text())
     status = doc.get("status", "running")
@@ -393,12 +229,12 @@ def check_training_result(path, workflow: str, *, require_clusters: bool = True)
         why = f": {doc['reason']}" if doc.get("reason") else ""
         raise OnboardingError(f"{path}: the training run did not finish (status {status}{why}); onboarding needs a "
                               f"finished run's models")
-    expect = server_workflow(entry.server).record_name
+    expect = cls.record_name
     if doc.get("workflow") not in (None, expect):
         raise OnboardingError(f"{path}: a run of {doc.get('workflow')}, not of workflow {workflow!r} ({expect})")
     if not list((folder / "models").glob("*.pt")):
         raise OnboardingError(f"{path}: the run saved no model (models/*.pt)")
-    if entry.onboard not in ("global", "ensemble"):
+    if cls.onboard_needs_state:
         f = folder / "onboarding.json"
         if not f.is_file():
             raise OnboardingError(f"{path}: the run kept no onboarding state (onboarding.json; a run of an earlier "
@@ -408,16 +244,10 @@ def check_training_result(path, workflow: str, *, require_clusters: bool = True)
         if kind is not None and kind != workflow:
             raise OnboardingError(f"{path}: a run of {kind}, not of workflow {workflow!r}: its signatures cannot be "
                                   f"compared with a {workflow} signature")
-        if entry.onboard == "assess" and not st.get("state", {}).get("assessed"):
-            raise OnboardingError(f"{path}: the run's clusters were given in its config, not assessed: there is no "
-                                  f"training-site assessment to compare a new site with")
+        problem = cls.onboarding_state_problem(st)
+        if problem:
+            raise OnboardingError(f"{path}: {problem}")
     return folder
-
-
-def _clustered():
-    from fedmed.workflows.registry import METHODS
-
-    return [(w, e) for w, e in METHODS.items() if e.clusters and e.onboard]
 
 
 def training_files(folder: Path) -> list[Path]:

@@ -1,0 +1,42 @@
+"""Importing a plugin's module (a method of a user's own, ``fedmed.methods``) under a party's policy: the module is
+imported only when the policy lists it (``fedmed_policy.json`` ``modules``; ``("*",)``: the coordinator's own
+config), never before that check."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["PluginError", "import_plugins", "module_allowed"]
+
+
+class PluginError(ImportError):
+    """A plugin module that may not or cannot be loaded; one line naming it."""
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
+
+
+def module_allowed(module: str, modules) -> bool:
+    """Whether ``module`` is among ``modules`` (package prefixes; ``"*"``: any)."""
+    return any(m == "*" or module == m or module.startswith(m + ".") for m in (modules or ()))
+
+
+def import_plugins(names, modules=()) -> list:
+    """Import the plugin modules ``names`` (importable: a job's ``custom/fedmed_user_code`` is on the path), each only
+    if ``modules`` allows it; returns the modules."""
+    out = []
+    for name in names or ():
+        if not module_allowed(name, modules):
+            raise PluginError(f"plugin {name!r} may not be imported here (this party's policy lists the user modules "
+                              f"a job may name: fedmed_policy.json 'modules': {list(modules or ())})")
+        if name in sys.modules:
+            out.append(sys.modules[name])
+            continue
+        try:
+            out.append(importlib.import_module(name))
+        except ImportError as e:
+            raise PluginError(f"plugin {name!r}: cannot import it ({e})") from None
+        except Exception as e:
+            raise PluginError(f"plugin {name!r}: importing it failed ({type(e).__name__}: {e})") from None
+    return out

@@ -1,0 +1,415 @@
+"""fedmed's methods, each in one place: a method is a config model (its options, defined once, with their defaults)
+that says which server workflow runs it, which site tasks it uses, and what it hands to each (:class:`Method`).
+
+* :meth:`Method.workflow_options` — the options its server workflow (``fedmed.workflows``) is constructed with;
+* :meth:`Method.task_options` — what it adds to the task config every site receives (``fedmed.core.schema``; a
+  section there holds no default of its own for a method option: the value always comes from here);
+* class attributes: ``server`` (the workflow class, or ``"module:Class"`` under ``fedmed.workflows``), ``serves``
+  (classification and/or segmentation), ``site_tasks``, ``clustered`` (ends with one model per cluster), ``onboards``
+  (a new site is given a model after training; the workflow class says how: ``assign_new_sites``).
+
+**A method of your own** (a plugin): subclass :class:`Method` in a module of your own with a ``workflow`` literal and
+a server workflow (a :class:`fedmed.workflows.Workflow` subclass), register it with :func:`register_method`, and
+name the module in the experiment config (``plugins: [my_method.py]``, a file relative to the config, or an
+importable module). The module is imported when the config is read (where the job is built), by the server and by
+every site (the job carries its source, as it carries a user's network class: ``custom/fedmed_user_code/``, and a
+site imports it only when its policy lists it, ``fedmed_policy.json`` ``modules``). Site tasks of its own it registers
+with :func:`fedmed.site.tasks.register_task`. ``docs/architecture.md`` has a complete example.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, ClassVar, Literal, Optional, Union
+
+from pydantic import Field
+
+from fedmed.core.plugins import PluginError, import_plugins, module_allowed
+from fedmed.core.schema import Strict
+
+__all__ = ["CFLMethod", "DittoMethod", "FECFLMethod", "FMCLMethod", "FedAvgMethod", "FedAvgWMethod", "FedMAEMethod",
+           "FedProxMethod", "FinetuneMethod", "FluxMethod", "IFCAMethod", "METHODS", "Method", "MethodError",
+           "PACFLMethod", "PluginError", "SegAssessMethod", "SegClustersMethod", "clustering_workflows", "load_plugins",
+           "method_class", "method_union", "register_method", "server_workflow_path", "workflows_for"]
+
+CLASSIFY_TASKS = ("train", "validate")
+
+
+class MethodError(ValueError):
+    """A method that cannot be registered or found; one line naming it."""
+
+
+class Method(Strict):
+    """A method of an experiment config (``methods:``): its name, its ``workflow`` and its options.
+
+    Subclasses set ``workflow: Literal["..."]`` and the class attributes below, and override the two hooks when the
+    method hands options on."""
+
+    name: str = Field(min_length=1)
+
+    server: ClassVar = "fedavg:FedAvg"  # the server workflow: a Workflow subclass or "module:Class" (fedmed.workflows)
+    serves: ClassVar[tuple] = ("classification",)  # the dataset tasks it runs on
+    site_tasks: ClassVar[tuple] = CLASSIFY_TASKS  # the site tasks it sends
+    clustered: ClassVar[bool] = False  # ends with one model per cluster
+    onboards: ClassVar[bool] = False  # a new site is given a model after training (the workflow's assign_new_sites)
+    plugin: ClassVar[Optional[str]] = None  # the module a plugin method comes from (set by register_method)
+
+    def workflow_options(self, exp, seed: int) -> dict:
+        """The keyword options of its server workflow for a run of ``exp`` with ``seed``."""
+        return {}
+
+    def task_options(self, exp, seed: int) -> dict:
+        """What it adds to the task config every site receives (sections of :class:`fedmed.core.schema.TaskConfig`)."""
+        return {}
+
+    @property
+    def weights_file(self) -> Optional[str]:
+        """A local weights file the method names (its encoder's), or None."""
+        return None
+
+
+# --------------------------------------------------------------------------------------------- built-in methods
+
+class _Encoder(Strict):
+    encoder: str = Field("random_cnn", description="see fedmed.nn.encoders.ENCODERS")
+    encoder_weights: Optional[str] = Field(None, description="local weights file; None = seeded random init")
+    encoder_image_size: Optional[int] = Field(None, gt=7)
+
+
+class _Clusters(Strict):
+    n_clusters: Optional[int] = Field(None, ge=1, description="fixed K; None = auto-K")
+    threshold: Optional[float] = Field(None, ge=0, description="agglomerative merge threshold instead of K")
+    linkage: Literal["average", "weighted", "complete", "single"] = "average"
+    k1_silhouette: Optional[float] = Field(0.5, ge=-1, le=1, description="auto-K keeps one cluster unless the chosen "
+                                           "K's silhouette reaches this (Kaufman & Rousseeuw: 0.26-0.50 weak, could be "
+                                           "artificial; docs/readings.md); None: no K = 1 test")
+    fedavg_warmup: int = Field(0, ge=0, description="rounds of FedAvg on the whole federation before the cluster "
+                               "models start from its model (the idea of Flux's start rule; docs/readings.md); the "
+                               "run keeps train.rounds in all. 0 = cluster models from scratch (FMCL's Alg. 5)")
+
+
+class FedAvgMethod(Method):
+    workflow: Literal["fedavg"] = "fedavg"
+    serves: ClassVar[tuple] = ("classification", "segmentation")
+    onboards: ClassVar[bool] = True
+
+
+class FedProxMethod(Method):
+    workflow: Literal["fedprox"]
+    fedprox_mu: float = Field(0.01, ge=0, description="proximal weight mu (Li et al. 2020)")
+    serves: ClassVar[tuple] = ("classification", "segmentation")
+    onboards: ClassVar[bool] = True
+
+    def task_options(self, exp, seed):
+        return {"train": {"fedprox_mu": self.fedprox_mu}}
+
+
+class _Signature(Method, _Encoder, _Clusters):
+    """FMCL, PACFL and FECFL: one signature per site, clustered once (``fedmed.workflows.clustered``)."""
+
+    server: ClassVar = "clustered:OneShotClustered"
+    site_tasks: ClassVar[tuple] = ("signature", "train", "validate")
+    clustered: ClassVar[bool] = True
+    onboards: ClassVar[bool] = True
+
+    @property
+    def weights_file(self):
+        return self.encoder_weights
+
+    def signature_options(self) -> dict:
+        """The kind's own signature options (PACFL: its subspaces)."""
+        return {}
+
+    def clustering_options(self) -> dict:
+        """The kind's own distance options (FMCL: the overlap-aware multiplier)."""
+        return {}
+
+    def workflow_options(self, exp, seed):
+        return {"signature": {"kind": self.workflow, "encoder": self.encoder, "image_size": self.encoder_image_size,
+                              "seed": seed, **self.signature_options()},
+                "clustering": {"n_clusters": self.n_clusters, "threshold": self.threshold, "linkage": self.linkage,
+                               "k1_silhouette": self.k1_silhouette, **self.clustering_options()},
+                "fedavg_warmup": self.fedavg_warmup}
+
+
+class FMCLMethod(_Signature):
+    workflow: Literal["fmcl"]
+    overlap: bool = Field(True, description="overlap-aware multiplier m_ij (False: the paper's 'no overlap' ablation)")
+
+    def clustering_options(self):
+        return {"overlap": self.overlap}
+
+
+class PACFLMethod(_Signature):
+    workflow: Literal["pacfl"]
+    encoder: str = "pixels"
+    n_basis: int = Field(3, ge=1, description="singular vectors per class")
+    angle: Literal["principal", "official"] = Field(
+        "principal", description="principal: smallest principal angle between the class subspaces; official: PACFL "
+        "code's arccos of single entries of U_i^T U_j (sign dependent)")
+
+    def signature_options(self):
+        return {"n_basis": self.n_basis, "angle": self.angle}
+
+
+class FECFLMethod(_Signature):
+    workflow: Literal["fecfl"]
+
+
+class CFLMethod(Method):
+    workflow: Literal["cfl"]
+    cfl_eps1: float = Field(0.4, gt=0)
+    cfl_eps2: float = Field(1.6, gt=0)
+    warmup_rounds: int = Field(2, ge=0)
+    server: ClassVar = "cfl:CFL"
+    clustered: ClassVar[bool] = True
+    onboards: ClassVar[bool] = True
+
+    def workflow_options(self, exp, seed):
+        return {"eps1": self.cfl_eps1, "eps2": self.cfl_eps2, "warmup_rounds": self.warmup_rounds}
+
+
+class FluxMethod(Method):
+    workflow: Literal["flux"]
+    n_clusters: Optional[int] = Field(None, ge=1, description="Flux-prior: K-means with this K; None = adaptive DBSCAN")
+    participation: float = Field(1.0, gt=0, le=1, description="fraction of sites sampled per round")
+    dbscan_scale: float = Field(1.0, gt=0, description="eps scale factor (the paper's per-dataset factor)")
+    k1_silhouette: Optional[float] = Field(0.25, ge=-1, le=1, description="keep a DBSCAN split only when its "
+                                           "silhouette reaches this (None: the paper's literal DBSCAN)")
+    box: Literal["elementwise", "scalar"] = Field("elementwise", description="S1 box: the paper's element-wise "
+                                                  "min/max, or the official code's [0, 1.02 max]")
+    scaling: Literal["none", "minmax"] = Field("none", description="min-max scale descriptors before clustering "
+                                               "(official code)")
+    start_rule: Literal["paper", "official"] = Field("paper", description="Eq. 14 gains from round 3 (paper) or "
+                                                     "including round 2 (official code)")
+    absent_class: Literal["zeros", "minus_one"] = Field("zeros", description="slot of a class with < 2 samples")
+    server: ClassVar = "flux:Flux"
+    site_tasks: ClassVar[tuple] = ("train", "latent_bounds", "descriptor", "validate")
+    clustered: ClassVar[bool] = True
+    onboards: ClassVar[bool] = True
+
+    def workflow_options(self, exp, seed):
+        return {"flux": {"pca_seed": seed, "box": self.box, "absent_class": self.absent_class},
+                "participation": self.participation, "n_clusters": self.n_clusters or 0,
+                "scale": self.dbscan_scale, "k1_silhouette": self.k1_silhouette, "scaling": self.scaling,
+                "start_rule": self.start_rule}
+
+
+class IFCAMethod(Method):
+    workflow: Literal["ifca"]
+    n_clusters: int = Field(2, ge=1, description="K models")
+    participation: float = Field(1.0, gt=0, le=1)
+    empty_cluster: Literal["global", "keep"] = Field(
+        "global", description="a model no site chose in a round with every site answering: replaced by that "
+        "round's average of all updates (fedmed; docs/readings.md), or kept unchanged (the paper)")
+    server: ClassVar = "ifca:IFCA"
+    site_tasks: ClassVar[tuple] = ("ifca",)
+    clustered: ClassVar[bool] = True
+    onboards: ClassVar[bool] = True
+
+    def workflow_options(self, exp, seed):
+        return {"k": self.n_clusters, "participation": self.participation, "empty_cluster": self.empty_cluster}
+
+
+class SegAssessMethod(Method):
+    workflow: Literal["seg_assess"]
+    per_value: bool = Field(False, description="ask for per-image metadata values (the paper's form); a site answers "
+                            "only if its own settings allow per-image data")
+    encoder_weights: Optional[str] = None
+    server: ClassVar = "assessment:SegAssessment"
+    serves: ClassVar[tuple] = ("segmentation",)
+    site_tasks: ClassVar[tuple] = ("assess",)
+    mode: ClassVar[str] = "assess"
+
+    @property
+    def weights_file(self):
+        return self.encoder_weights
+
+    def workflow_options(self, exp, seed):
+        return {"mode": self.mode, **self.assessment_options()}
+
+    def assessment_options(self) -> dict:
+        return {}
+
+    def task_options(self, exp, seed):
+        return {"assess": {"per_value": self.per_value}}
+
+
+class FedAvgWMethod(SegAssessMethod):
+    workflow: Literal["fedavg_w"]
+    omega: float = Field(1.0, ge=0, le=1, description="weight of the most distant site (004_ Eq. 2)")
+    distance: Literal["emd", "euc"] = "emd"
+    site: str = Field("", description="down-weight this site instead of the assessed one")
+    site_tasks: ClassVar[tuple] = ("assess", "train", "validate")
+    mode: ClassVar[str] = "fedavg_w"
+
+    def assessment_options(self):
+        return {"distance": self.distance, "omega": self.omega, "site": self.site}
+
+
+class SegClustersMethod(SegAssessMethod):
+    workflow: Literal["seg_clusters"]
+    distance: Literal["emd", "euc"] = "emd"
+    clusters: list[list[str]] = Field(default_factory=list, description="given clusters instead of the assessed ones")
+    site_tasks: ClassVar[tuple] = ("assess", "train", "validate")
+    clustered: ClassVar[bool] = True
+    onboards: ClassVar[bool] = True
+    mode: ClassVar[str] = "clusters"
+
+    def assessment_options(self):
+        return {"distance": self.distance, "clusters": self.clusters}
+
+
+class DittoMethod(Method):
+    workflow: Literal["ditto"]
+    ditto_lambda: float = Field(0.1, gt=0)
+    serves: ClassVar[tuple] = ("segmentation",)
+
+    def task_options(self, exp, seed):
+        return {"ditto_lambda": self.ditto_lambda}
+
+
+class FedMAEMethod(Method):
+    """Fed-MAE pre-training (``001_`` §3.2, §4.1) on the sites' unlabeled images."""
+
+    workflow: Literal["fedmae"]
+    mask_ratio: float = Field(0.75, gt=0, lt=1)
+    base_lr: float = Field(1.5e-4, gt=0, description="lr = base_lr x batch / 256 (MAE's scaling rule)")
+    warmup: float = Field(0.05, ge=0, lt=1, description="share of the run spent warming the lr up")
+    unlabeled_alpha: Optional[float] = Field(0.5, gt=0, description="Dirichlet quantity skew of the unlabeled pools "
+                                             "over sites (001_ §3.2); None: IID")
+    rounds: int = Field(40, ge=1, description="pre-training rounds (train.rounds is the fine-tuning's)")
+    local_epochs: int = Field(10, ge=1)
+    batch_size: int = Field(64, ge=2)
+
+    def task_options(self, exp, seed):
+        return {"task": "mae", "mae": {"mask_ratio": self.mask_ratio, "base_lr": self.base_lr, "warmup": self.warmup,
+                                       "rounds": exp.train.rounds}}
+
+
+class FinetuneMethod(Method):
+    """Federated fine-tuning of a ViT with a linear head (``001_`` §4.2), optionally with PreP-WFL (Alg. 2)."""
+
+    workflow: Literal["finetune"]
+    init: Literal["fedmae", "random"] = Field("fedmae", description="the encoder: Fed-MAE pre-trained or random")
+    encoder_weights: Optional[str] = Field(None, description="init 'fedmae': the Fed-MAE run's models/encoder.pt "
+                                           "(fedmed ssl fills it)")
+    prep_wfl: bool = Field(False, description="PreP-WFL: one class-id round, then prevalence-weighted CE (Eq. 1-3)")
+    layer_decay: float = Field(0.75, gt=0, le=1)
+    warmup: float = Field(0.05, ge=0, lt=1)
+    local_only: bool = Field(True, description="also report every site fine-tuning alone (reference)")
+    server: ClassVar = "finetune:Finetune"
+    site_tasks: ClassVar[tuple] = ("class_set", "train", "validate")
+
+    @property
+    def weights_file(self):
+        return self.encoder_weights  # the Fed-MAE encoder: the server's, carried in the job (never a site's)
+
+    def workflow_options(self, exp, seed):
+        return {"init": self.init, "prep_wfl": self.prep_wfl}
+
+    def task_options(self, exp, seed):
+        return {"model": {"arch": "vit_small"},
+                "finetune": {"layer_decay": self.layer_decay, "warmup": self.warmup, "rounds": exp.train.rounds}}
+
+
+BUILTIN = (FedAvgMethod, FedProxMethod, FMCLMethod, PACFLMethod, FECFLMethod, CFLMethod, FluxMethod, IFCAMethod,
+           SegAssessMethod, FedAvgWMethod, SegClustersMethod, DittoMethod, FedMAEMethod, FinetuneMethod)
+
+
+# --------------------------------------------------------------------------------------------- the registry
+
+def workflow_name(cls) -> str:
+    """The ``workflow`` literal of a method class."""
+    field = cls.model_fields.get("workflow")
+    args = getattr(field.annotation, "__args__", ()) if field is not None else ()
+    if len(args) != 1 or not isinstance(args[0], str):
+        raise MethodError(f"{cls.__name__}: a method class declares workflow: Literal['<name>']")
+    return args[0]
+
+
+METHODS: dict[str, type] = {workflow_name(c): c for c in BUILTIN}
+_listeners: list = []  # called after a registration (fedmed.config rebuilds its methods union)
+
+
+def register_method(cls: type) -> type:
+    """Add a method class (a :class:`Method` subclass with a ``workflow`` literal and a ``server`` workflow) to the
+    methods an experiment config may name; usable as a class decorator. Registering the same class again is a no-op;
+    another class under a workflow name already taken is refused."""
+    if not (isinstance(cls, type) and issubclass(cls, Method)):
+        raise MethodError(f"{cls!r} is not a fedmed.methods.Method subclass")
+    name = workflow_name(cls)
+    known = METHODS.get(name)
+    if known is not None and known is not cls:
+        if known.__qualname__ == cls.__qualname__ and known.__module__ == cls.__module__:
+            METHODS[name] = cls  # the same module imported again (a plugin loaded by path)
+        else:
+            raise MethodError(f"workflow {name!r} is taken by {known.__module__}.{known.__qualname__}")
+    server = cls.server
+    if not (isinstance(server, str) and ":" in server) and not isinstance(server, type):
+        raise MethodError(f"{cls.__name__}.server should be a Workflow class or 'module:Class', got {server!r}")
+    if cls.__module__.split(".")[0] != "fedmed":
+        cls.plugin = cls.__module__
+    METHODS[name] = cls
+    for f in _listeners:
+        f()
+    return cls
+
+
+def method_class(workflow: str) -> type:
+    if workflow not in METHODS:
+        raise MethodError(f"workflow {workflow!r} is not a registered method ({', '.join(sorted(METHODS))}); a "
+                          f"plugin method's module goes in the config's plugins:")
+    return METHODS[workflow]
+
+
+def method_union():
+    """The type of one entry of ``methods:``: the registered method classes, told apart by ``workflow``."""
+    classes = tuple(METHODS.values())
+    return Annotated[Union[classes], Field(discriminator="workflow")] if len(classes) > 1 else classes[0]
+
+
+def server_workflow_path(cls) -> str:
+    """The server workflow of a method class as the job names it: ``module:Class`` (fedmed's under
+    ``fedmed.workflows``, written short)."""
+    s = cls.server
+    if isinstance(s, str):
+        return s
+    return f"{s.__module__}:{s.__qualname__}"
+
+
+def workflows_for(task: str) -> tuple:
+    """The workflows that run on a dataset of ``task`` ("classification" or "segmentation")."""
+    return tuple(w for w, c in METHODS.items() if task in c.serves)
+
+
+def clustering_workflows() -> tuple:
+    return tuple(w for w, c in METHODS.items() if c.clustered)
+
+
+# --------------------------------------------------------------------------------------------- plugins
+
+def plugin_module(ref: str, base: Path | None = None) -> tuple[str, Path | None]:
+    """(module name, source file or None) of a plugin reference: a ``.py`` file (relative to ``base``, the config's
+    folder) or a module name."""
+    if ref.endswith(".py"):
+        path = Path(ref) if Path(ref).is_absolute() or base is None else Path(base) / ref
+        if not path.is_file():
+            raise PluginError(f"plugins: {ref}: file not found" + (f" (relative to {base})" if base else ""))
+        return path.stem, path.resolve()
+    return ref, None
+
+
+def load_plugins(refs, base: Path | None = None, modules=("*",)) -> list[str]:
+    """Import each plugin (a module name, or a ``.py`` file relative to ``base``) — only a module ``modules`` allows
+    (``("*",)``: the coordinator's own config) — so that its methods and site tasks register. Returns the module
+    names."""
+    names = []
+    for ref in refs or ():
+        name, path = plugin_module(str(ref), base)
+        if path is not None and module_allowed(name, modules) and str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
+        import_plugins([name], modules)
+        names.append(name)
+    return names

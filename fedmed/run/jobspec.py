@@ -1,0 +1,284 @@
+"""The one hand-off from a command to a job: a :class:`JobSpec` built in-process from the typed experiment config.
+
+Everything a job is — the task config every site receives, the server workflow and its options (the method's own,
+``fedmed.methods``), the sites, the quorum, the files the server needs, a user's code — is decided here, from the
+validated config, in the caller's process, with every path resolved against the caller's folder. ``jobs/build.py``
+wraps a spec in FLARE's ``FedJob`` (nothing is re-read or re-validated there); ``fedmed experiment`` writes each
+run's spec to a file and starts the simulator on it (``jobs/run.py --spec``), so no config path or ``--set`` string
+is parsed a second time. Every problem is a :class:`BuildError` of one line naming the key, file or site.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from fedmed.core import jobfiles
+from fedmed.run.taskconfig import BuildError, fedmed_config, min_clients
+
+__all__ = ["BuildError", "JobSpec", "check_encoder", "find_checkpoint", "job_name", "job_spec", "run_spec_in_process",
+           "select_method"]
+
+
+@dataclass
+class JobSpec:
+    """A fedmed job, framework-neutral and JSON-serialisable (``to_file`` / ``from_file``)."""
+
+    name: str
+    method: str  # the method's name in the config
+    task_config: dict  # what every task carries to the sites (fedmed.core.schema.TaskConfig)
+    workflow: str  # the server workflow, module:Class (fedmed.workflows.server_workflow)
+    workflow_options: dict
+    rounds: int
+    sites: list | None  # None: every connected site
+    min_clients: int
+    task_request_interval: float
+    resume: bool = False
+    server_files: list = field(default_factory=list)  # [source, folder under the server app's config/fedmed_files]
+    user_code: list = field(default_factory=list)  # [source, folder under custom/]: a user's class or a plugin (BYOC)
+    simulation: dict = field(default_factory=dict)  # for simulated sites that are the experimenter's own: k_min, weights
+
+    def to_file(self, path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1))
+        return path
+
+    @classmethod
+    def from_file(cls, path) -> "JobSpec":
+        path = Path(path)
+        if not path.is_file():
+            raise BuildError(f"{path}: job spec not found")
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as e:
+            raise BuildError(f"{path}: not a fedmed job spec ({e})") from None
+
+
+def job_name(exp, method, seed: int, suffix: str = "") -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in f"{exp.name}_{method.name}{suffix}_s{seed}").lower()
+
+
+def select_method(exp, name: str, source: str = "the config"):
+    """The one method ``name`` names, by the rules ``fedmed experiment --methods`` uses: its name exactly, else
+    case-insensitively, else its workflow (``fmcl``) when one method has it."""
+    rules = (lambda m: m.name == name, lambda m: m.name.lower() == name.lower(),
+             lambda m: m.workflow.lower() == name.lower())
+    for rule in rules:
+        hits = [m for m in exp.methods if rule(m)]
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            raise BuildError(f"method {name!r} matches {len(hits)} methods of {source} ({[m.name for m in hits]}); "
+                             f"name one")
+    raise BuildError(f"method {name!r} is not in {source} (it has {sorted(m.name for m in exp.methods)})")
+
+
+def find_checkpoint(result) -> Path:
+    """The ``checkpoint/`` folder of a run result (its ``fedmed/`` folder, a run folder of ``fedmed experiment``,
+    or a downloaded FLARE job result)."""
+    root = Path(result)
+    if not root.exists():
+        raise BuildError(f"--resume-from {result}: no such folder")
+    hits = sorted(root.rglob("checkpoint/state.json"))
+    if not hits:
+        raise BuildError(f"--resume-from {result}: no checkpoint (checkpoint/state.json) in it; the run stopped "
+                         f"before its first round completed, so there is nothing to resume")
+    return hits[0].parent
+
+
+def check_encoder(name: str, weights: str | None, *, in_channels: int = 1, image_size=None):
+    """Catch a bad encoder before anything is sent: an unknown name, a missing or mismatched weights file."""
+    from fedmed.nn.encoders import ENCODERS, EncoderError, build_encoder
+
+    if name not in ENCODERS:
+        try:
+            build_encoder(name)
+        except EncoderError as e:
+            raise BuildError(str(e)) from None
+    if weights:
+        if not Path(weights).is_file():
+            raise BuildError(f"encoder {name}: weights file {weights} not found")
+        try:
+            build_encoder(name, weights=weights, in_channels=in_channels, image_size=image_size)
+        except EncoderError as e:
+            raise BuildError(str(e)) from None
+
+
+def check_method_files(exp, method) -> None:
+    """The files a method names exist and fit (its encoder, its init): checked before any run of an experiment."""
+    from fedmed.methods import FinetuneMethod, SegAssessMethod, _Signature
+
+    weights = method.weights_file
+    if isinstance(method, FinetuneMethod):
+        if method.init == "fedmae" and (not weights or not Path(weights).is_file()):
+            raise BuildError(f"method {method.name!r}: init 'fedmae' needs encoder_weights, the Fed-MAE run's "
+                             f"models/encoder.pt (got {weights!r})")
+    elif isinstance(method, _Signature):
+        check_encoder(method.encoder, weights, in_channels=exp.dataset.channels, image_size=method.encoder_image_size)
+    elif isinstance(method, SegAssessMethod) and weights:
+        check_encoder("medicalnet_resnet18", weights)
+    elif weights and not Path(weights).is_file():
+        raise BuildError(f"method {method.name!r}: weights file {weights} not found")
+
+
+def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = None, resume_from=None,
+             onboard: dict | None = None) -> JobSpec:
+    """The job of ``method`` of the experiment ``exp`` for ``seed``.
+
+    Args:
+        sites: ``"config"`` (``federation.site_names`` or site-1..N), ``"all"`` (every connected site), or a list.
+        resume_from: a run result holding ``checkpoint/`` (see :func:`find_checkpoint`).
+        onboard: ``{"training_result": DIR, "known_clusters": {...}, "references": bool, "require_clusters": bool,
+            "labels": bool}`` builds the onboarding job over ``sites`` instead (``fedmed.workflows.onboard``).
+    """
+    from fedmed.methods import server_workflow_path
+
+    names = exp.site_names() if sites == "config" else (None if sites == "all" else list(sites))
+    if names is not None:
+        from fedmed.core.validation import check_federation_site_names
+
+        try:
+            check_federation_site_names(names, what="--sites")
+        except ValueError as e:
+            raise BuildError(str(e)) from None
+    cfg = fedmed_config(exp, seed, method, names)
+    user_code, server_files = [], []
+    _network_files(exp, cfg, user_code, server_files)
+    _plugin_files(exp, user_code)
+    check_method_files(exp, method)
+    weights = method.weights_file
+    if method.workflow == "finetune" and method.init == "fedmae":
+        init_dir = Path(tempfile.mkdtemp(prefix="fedmed_init_"))
+        shutil.copy(weights, init_dir / "encoder.pt")
+        server_files.append([str(init_dir), jobfiles.FINETUNE_INIT])
+    fed = exp.federation
+    common = dict(sites=names, min_clients=min_clients(fed.min_clients, names),
+                  task_request_interval=fed.task_request_interval, user_code=user_code,
+                  simulation={"k_min": exp.privacy.k_min,
+                              "weights": str(Path(weights).resolve()) if weights and method.workflow != "finetune"
+                              else None})
+    if common["min_clients"] < fed.min_clients:
+        import sys
+
+        print(f"note: federation.min_clients={fed.min_clients} lowered to {common['min_clients']}: the job targets "
+              f"{len(names)} named site(s) {names}", file=sys.stderr)
+    if onboard is not None:
+        return _onboarding_spec(exp, method, seed, cfg, names, onboard, server_files, name, common)
+    if resume_from is not None:
+        server_files.append([str(find_checkpoint(resume_from)), jobfiles.RESUME])
+    return JobSpec(name=name or job_name(exp, method, seed), method=method.name, task_config=cfg, workflow=server_workflow_path(type(method)),
+                   workflow_options=method.workflow_options(exp, seed), rounds=exp.train.rounds,
+                   resume=resume_from is not None, server_files=server_files, **common)
+
+
+def _onboarding_spec(exp, method, seed, cfg, names, onboard, server_files, name, common) -> JobSpec:
+    from fedmed.methods import METHODS, server_workflow_path
+    from fedmed.workflows.onboard import TRAINING_DIR, OnboardingError, check_training_result, training_files
+
+    if not names:
+        raise BuildError("an onboarding job names its new sites (--sites)")
+    cls = type(method)
+    try:
+        folder = check_training_result(
+            onboard["training_result"], method.workflow, server_workflow_path(cls), onboards=cls.onboards,
+            clustered=cls.clustered, require_clusters=onboard.get("require_clusters", True),
+            serving=tuple(w for w, c in METHODS.items() if c.clustered and c.onboards))
+    except OnboardingError as e:
+        raise BuildError(str(e)) from None
+    from fedmed.workflows.registry import server_workflow
+
+    if not onboard.get("labels", True) and server_workflow(server_workflow_path(cls)).onboard_needs_labels:
+        raise BuildError(f"method {method.name!r}: CFL sends a new site down its tree by the site's training updates, "
+                         f"which need labels; --no-labels serves FMCL, PACFL, IFCA (pseudo-labels), FECFL, Flux, 004_")
+    tmp = Path(tempfile.mkdtemp(prefix="fedmed_training_"))
+    for f in training_files(folder):
+        shutil.copy(f, tmp / f.name)
+    server_files.append([str(tmp), TRAINING_DIR])
+    options = {"training": server_workflow_path(cls), "known_clusters": onboard.get("known_clusters") or {},
+               "references": bool(onboard.get("references")), "labels": bool(onboard.get("labels", True))}
+    return JobSpec(name=name or job_name(exp, method, seed, "_onboard"), method=method.name, task_config=cfg,
+                   workflow="onboard:Onboard",
+                   workflow_options=options, rounds=1, server_files=server_files, **common)
+
+
+def _network_files(exp, cfg: dict, user_code: list, server_files: list) -> None:
+    """Check the configured network once (an unknown arch, a bad argument, an output of the wrong shape is one line
+    here, before anything runs); ship ``model.init_weights`` to the server (which sends the initial model to every
+    site) and a user's network class to the server and the sites (which makes the job custom code to FLARE)."""
+    from fedmed.nn.models import USER_CODE_DIR, ArchError, check_arch, user_code_files
+
+    m = cfg["model"]
+    seg = cfg["task"] == "segmentation"
+    if cfg["task"] in ("classification", "segmentation"):
+        try:
+            if seg:
+                check_arch(m, task="segmentation", in_channels=cfg["data"]["in_channels"], n_out=3,
+                           size=tuple(cfg["data"]["roi"]))
+            else:
+                check_arch(m, task="classification", in_channels=cfg["data"]["channels"],
+                           n_out=cfg["data"]["n_classes"], size=cfg["data"]["image_size"])
+            code = user_code_files(m["arch"])
+        except ArchError as e:
+            raise BuildError(str(e)) from None
+        for src, name in code:
+            dest = f"{USER_CODE_DIR}/{name}" if Path(src).is_dir() else USER_CODE_DIR
+            user_code.append([str(Path(src).resolve()), dest])
+    if m["init_weights"]:
+        src = Path(m["init_weights"]).resolve()
+        if not src.is_file():
+            raise BuildError(f"model.init_weights: file {m['init_weights']} not found")
+        server_files.append([str(src), jobfiles.MODEL_INIT])
+        cfg["model"] = {**m, "init_weights": f"{jobfiles.MODEL_INIT}/{src.name}"}
+
+
+def _plugin_files(exp, user_code: list) -> None:
+    """A plugin method's source travels with the job, as a user's network class does (BYOC): the server and every
+    site import it from there — a site only if its policy lists the module."""
+    import importlib.util
+
+    from fedmed.methods import plugin_module
+    from fedmed.nn.models import USER_CODE_DIR
+
+    for ref in exp.plugins:
+        mod, path = plugin_module(str(ref), exp.base_dir)
+        if path is None:
+            spec = importlib.util.find_spec(mod.split(".")[0])
+            if spec is None or spec.origin is None:
+                raise BuildError(f"plugins: cannot find module {mod!r} to carry it in the job")
+            origin = Path(spec.origin)
+            src, dest = (origin.parent, f"{USER_CODE_DIR}/{mod.split('.')[0]}") if origin.name == "__init__.py" \
+                else (origin, USER_CODE_DIR)
+        else:
+            src, dest = path, USER_CODE_DIR
+        entry = [str(Path(src).resolve()), dest]
+        if entry not in user_code:
+            user_code.append(entry)
+
+
+def run_spec_in_process(spec: JobSpec, datalists, out_dir, *, log=None, policy=None):
+    """Run a job spec's workflow in this process (``fedmed.workflows.InProcessFederation``: every site answers
+    through the same reply loop as in FLARE) — the same job FLARE runs, without FLARE. The server's files are laid out
+    as a job carries them. Returns (status, federation)."""
+    from fedmed.workflows import InProcessFederation, server_workflow
+
+    out = Path(out_dir)
+    files = out / "_job_files"
+    for src, dest in spec.server_files:
+        src = Path(src)
+        target = files / dest
+        if src.is_dir():
+            shutil.copytree(src, target, dirs_exist_ok=True)
+        else:
+            target.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, target / src.name)
+    kw = {"policy": policy} if policy is not None else {}
+    if spec.simulation.get("weights"):
+        kw["weights_dir"] = Path(spec.simulation["weights"]).parent
+    fed = InProcessFederation(datalists, list(spec.sites), out, job_files=files if spec.server_files else None,
+                              resume_from=files / jobfiles.RESUME if spec.resume else None, log=log, **kw)
+    workflow = server_workflow(spec.workflow)(spec.rounds, spec.task_config, **spec.workflow_options)
+    return fed.run(workflow), fed

@@ -1,0 +1,86 @@
+"""The one reply loop every federation runs at a site (the FLARE site executor and the in-process federation):
+:func:`answer` makes the site's runner at its first task (classification, segmentation or Fed-MAE) and answers each
+task with the runner's reply, or with a one-line error that carries no path and no name of the site's data."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedmed.core.schema import task_config
+from fedmed.site.runner import SiteRunner
+from fedmed.site.settings import redact, redact_strings
+
+__all__ = ["answer", "local_message", "make_runner", "scrubbed", "to_meta"]
+
+
+# ---------------------------------------------------------------------- one reply loop, for every federation
+def make_runner(site: str, settings, cfg: dict) -> SiteRunner:
+    """The runner of the site tasks ``cfg`` asks for (image classification, Fed-MAE or segmentation)."""
+    task = task_config(cfg).task
+    if task == "mae":
+        from fedmed.site.mae import MAESiteRunner
+
+        return MAESiteRunner(site, settings)
+    if task == "segmentation":
+        from fedmed.site.seg import SegSiteRunner
+
+        return SegSiteRunner(site, settings)
+    return SiteRunner(site, settings)
+
+
+def to_meta(d: dict) -> dict:
+    """Arrays travel in the reply's meta as lists (NVFlare: ``FLModel.meta``)."""
+    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in d.items()}
+
+
+def scrubbed(site: str, runner: SiteRunner | None, err: Exception, allow=()) -> str:
+    """The one-line error a site sends for ``err``: named by the site, its public text (the position and the kind of
+    problem: ``DataError.public``) with every path and every name of the site's datalist redacted
+    (:func:`fedmed.site.settings.redact`)."""
+    text = getattr(err, "public", None) or str(err)
+    msg = text if text.startswith(site) else f"{site}: {type(err).__name__}: {text}"
+    msg = " ".join(msg.split())  # one line
+    return redact(msg, runner.private_tokens if runner is not None else (), allow)
+
+
+def local_message(site: str, runner: SiteRunner | None, err: Exception) -> str:
+    """The same error as the site's own log has it: files named relative to the data root (never sent)."""
+    msg = str(err) if str(err).startswith(site) else f"{site}: {type(err).__name__}: {err}"
+    return runner.settings.scrub(msg) if runner is not None else msg
+
+
+def _classes(cfg) -> list:
+    """The job's class names (known to the server already: never redacted)."""
+    try:
+        return list(task_config(cfg).classes or [])
+    except Exception:
+        return []
+
+
+def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: dict, round_: int,
+           settings=None) -> tuple[SiteRunner | None, dict, dict, dict, str | None]:
+    """One task at one site, as every federation runs it: (runner, params, metrics, meta, error).
+
+    The runner is made at the site's first task (``settings``: its :class:`~fedmed.site.settings.SiteSettings` or a
+    folder holding ``<site>.json``; by default what :func:`~fedmed.site.settings.resolve_site_settings` finds). A
+    task the site cannot do is answered with ``meta = {"error": message}`` naming the site, the split and position and
+    the kind of problem (:func:`scrubbed`); every string of a reply is redacted of paths and of the names in the site's
+    datalist. ``error`` is the full message (files named relative to the data root) with the traceback, for the
+    site's own log only (``None`` when the task succeeded)."""
+    import traceback
+
+    try:
+        if runner is None:
+            if settings is None:  # the site's own settings (FEDMED_* variables or its startup kit)
+                from fedmed.site.settings import resolve_site_settings
+
+                settings = resolve_site_settings(site)
+            runner = make_runner(site, settings, cfg)
+        out, metrics, meta = runner.handle(task, params or {}, cfg, round_)
+        meta = redact_strings(meta, runner.private_tokens, [site, *_classes(cfg)])  # no path, no name in any text
+    except Exception as e:  # reported to the server by name; the federation goes on
+        msg = scrubbed(site, runner, e, [site, *_classes(cfg)])
+        return runner, {}, {"failed": 1.0}, {"error": msg, "task": task}, \
+            f"{local_message(site, runner, e)}\n{traceback.format_exc()}"
+    meta = to_meta({**meta, "task": task, "round": round_, "cluster": meta.get("cluster", task_config(cfg).cluster)})
+    return runner, out, metrics, meta, None

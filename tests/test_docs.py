@@ -1,0 +1,103 @@
+"""Every command of docs/deployment.md and docs/recipes.md either runs in a test as written, or says here why it
+cannot run on this machine; a command added to those pages without either fails this file."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import doc_commands
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+
+# the start of a documented command -> the test that runs it as written
+RUN_HERE = {
+    "nvflare provision -p project.yml -w provision --force": "test_deployment.py: Deployment.provision / add_site",
+    ".venv/bin/python -m fedmed_flare.kit provision/<project>/prod_00/*/": "test_deployment.py: Deployment.allow_fedmed",
+    ".venv/bin/python jobs/build.py --config app_configs/busi_fmcl.yaml --method FMCL --out job_folders --sites":
+        "test_docs.py: test_deployment_section_6_builds_the_job_it_names_as_written",
+    ".venv/bin/fedmed experiment app_configs/busi_224.yaml":
+        "test_docs.py: test_the_busi_224_recipe_as_written_names_the_missing_weights_before_any_training",
+}
+# the start of a documented command -> why it does not run here as written
+NOT_HERE = {
+    "git clone <fedmed>": "a placeholder address; tests/test_install.py builds fedmed from its source and installs it "
+                          "into a fresh venv, as these lines do",
+    "python3 -m venv .venv": "the CI's own setup (make setup) runs it; tests/test_install.py makes a fresh venv",
+    ".venv/bin/pip install -c constraints.txt .": "tests/test_install.py installs the built wheel into a fresh venv",
+    "provision/<project>/prod_00/fl.coordinator.example.org/startup/start.sh":
+        "test_deployment.py starts every kit with its startup/sub_start.sh (what start.sh starts in the background)",
+    "provision/<project>/prod_00/hospital-a/startup/start.sh": "as above",
+    ".venv/bin/python jobs/run.py --config app_configs/busi_fmcl.yaml --method FMCL --env prod":
+        "busi_fmcl's FMCL on its 20 sites for 20 rounds; test_deployment.py submits jobs with jobs/run.py --env prod "
+        "and the admin's kit to its own provisioned sites",
+    ".venv/bin/python jobs/run.py --config CONFIG --method NAME --env prod --startup-kit ADMIN_KIT --resume-from":
+        "placeholders of a real deployment's job; test_deployment.py resumes a stopped job",
+    ".venv/bin/python jobs/build.py --config app_configs/busi_fmcl.yaml --method FMCL --out job_folders --onboard":
+        "needs a finished run of a real deployment; test_deployment.py onboards a new hospital",
+    ".venv/bin/fedmed experiment app_configs/brats_1mm.yaml":
+        "hours of 3D training on 2 cores; its jobs are built and validated in test_schema.py (every shipped config)",
+}
+
+
+@pytest.mark.parametrize("page", ["deployment.md", "recipes.md"])
+def test_every_documented_command_runs_in_a_test_or_says_why_not(page):
+    known = [*RUN_HERE, *NOT_HERE]
+    unclassified = [c for c in doc_commands(page) if not any(c.startswith(k) for k in known)]
+    assert unclassified == []
+
+
+def clone_like(tmp_path: Path) -> Path:
+    """A folder laid out as the clone a page's commands run in: this venv as .venv, the clone's jobs/ and
+    app_configs/ — so what a command writes lands here, not in the source tree."""
+    here = tmp_path / "fedmed"
+    here.mkdir()
+    (here / ".venv").symlink_to(Path(sys.prefix))
+    for name in ("jobs", "app_configs"):
+        (here / name).symlink_to(ROOT / name)
+    return here
+
+
+def _run(cmd: str, cwd: Path, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    return subprocess.run(["bash", "-c", cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _command(page: str, start: str) -> str:
+    return next(c for c in doc_commands(page) if c.startswith(start))
+
+
+def test_deployment_section_6_builds_the_job_it_names_as_written(tmp_path):
+    """§6's build command failed as written ("dataset.classes is not set") and named a job folder it did not write
+    (into the source tree's jobs/): as written it builds the job, which the page's submit_job names."""
+    here = clone_like(tmp_path)
+    cmd = _command("deployment.md", ".venv/bin/python jobs/build.py --config app_configs/busi_fmcl.yaml --method FMCL "
+                                    "--out job_folders --sites")
+    p = _run(cmd, here)
+    assert p.returncode == 0, p.stderr[-3000:]
+    folder = Path(p.stdout.strip().splitlines()[-1])
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    named = re.search(r"submit_job (job_folders/\S+?)`", text).group(1)
+    assert folder == (here / named).resolve() and (folder / "meta.json").is_file()
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["deploy_map"] == {"app_server": ["server"], "app_hospital-a": ["hospital-a"],
+                                  "app_hospital-b": ["hospital-b"]}
+    assert not list(folder.rglob("custom"))  # a job of fedmed's own methods carries no code
+
+
+def test_the_busi_224_recipe_as_written_names_the_missing_weights_before_any_training(tmp_path):
+    """The recipe's command where the weights it names are not (yet) downloaded: one line naming the file, at once —
+    not after the methods before the one that needs it have trained."""
+    here = clone_like(tmp_path)
+    if (here / "weights").exists():
+        pytest.skip("weights/ is present: the recipe would run for hours")
+    p = _run(_command("recipes.md", ".venv/bin/fedmed experiment app_configs/busi_224.yaml"), here, timeout=300)
+    assert p.returncode != 0
+    assert "weights/densenet121_3class.pt" in p.stderr and "not found" in p.stderr, p.stderr[-2000:]
+    assert len(p.stderr.strip().splitlines()) <= 2 and "Traceback" not in p.stderr
+    assert not (here / "results" / "busi_224" / "runs").exists()  # nothing trained
