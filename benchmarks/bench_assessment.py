@@ -20,7 +20,7 @@ import torch
 
 from fedmed.algorithms.aggregation import weighted_average
 from fedmed.algorithms.assessment import assess
-from fedmed.site.assessment import site_assessment
+from fedmed.site.seg_aggregates import site_assessment
 from fedmed.nn.encoders import build_encoder
 from fedmed.data.nifti import load_case
 from fedmed.nn.seg import seg_model, train_seg_local

@@ -217,7 +217,7 @@ class SegAssessMethod(Method):
     per_value: bool = Field(False, description="ask for per-image metadata values (the paper's form); a site answers "
                             "only if its own settings allow per-image data")
     encoder_weights: Optional[str] = None
-    server: ClassVar = "assessment:SegAssessment"
+    server: ClassVar = "seg_assessment:SegAssessment"
     serves: ClassVar[tuple] = ("segmentation",)
     site_tasks: ClassVar[tuple] = ("assess",)
     mode: ClassVar[str] = "assess"

@@ -233,10 +233,25 @@ def deploy_refusals(startup_kit: str, job_id: str) -> list[str]:
     return [" ".join(str(d).split()) for d in detail if not str(d).endswith(": OK")]
 
 
+def server_address(startup_kit: str) -> str:
+    """``host:port`` of the server's admin service, as the admin's startup kit names it."""
+    try:
+        a = json.loads((Path(startup_kit) / "startup" / "fed_admin.json").read_text())["admin"]
+        return f"{a['host']}:{a['port']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "the server named in its startup/fed_admin.json"
+
+
 def run_prod(job, startup_kit: str, result_dir: Path, timeout: float) -> dict:
     from nvflare.recipe import ProdEnv
 
-    run = recipe_of(job).run(ProdEnv(startup_kit_location=startup_kit, username=admin_name(startup_kit)))
+    try:
+        run = recipe_of(job).run(ProdEnv(startup_kit_location=startup_kit, username=admin_name(startup_kit)))
+    except RuntimeError as e:  # FLARE's ProdEnv: "Failed to submit job via Flare API: cannot connect ..."
+        cause = str(e).split(": ", 1)[-1].splitlines()[0] if str(e) else type(e).__name__
+        return {"status": "failed", "result": None,
+                "reason": f"the job was not submitted: {cause} (server {server_address(startup_kit)}, admin kit "
+                          f"{Path(startup_kit).name}); is the server started and reachable from here?"}
     print(f"submitted job {run.get_job_id()}", flush=True)
     downloaded = run.get_result(timeout=timeout)
     status = run.get_status()

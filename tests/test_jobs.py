@@ -548,3 +548,35 @@ def test_fedmeds_site_name_rule_is_flares():
         flare_ok = not name_check(name, "client")[0] if name else False
         assert bool(SITE_NAME.fullmatch(name)) == flare_ok, name
     assert not SITE_NAME.fullmatch("a\n")  # FLARE's re.match(...$) lets a trailing newline through; fedmed does not
+
+
+@pytest.mark.slow
+def test_a_prod_run_whose_server_is_unreachable_is_one_line_naming_the_server(tmp_path):
+    """``--env prod`` with the server down ended in a 60-line traceback naming no host; now one line naming it."""
+    import yaml
+
+    project = {"api_version": 3, "name": "p", "description": "unreachable server",
+               "participants": [{"name": "localhost", "type": "server", "org": "n", "fed_learn_port": 1,
+                                 "admin_port": 9},  # nothing listens on the discard port
+                                {"name": "hospital-a", "type": "client", "org": "a"},
+                                {"name": "admin@x.org", "type": "admin", "org": "n", "role": "project_admin"}],
+               "builders": [{"path": "nvflare.lighter.impl.workspace.WorkspaceBuilder"},
+                            {"path": "nvflare.lighter.impl.static_file.StaticFileBuilder",
+                             "args": {"config_folder": "config"}},
+                            {"path": "nvflare.lighter.impl.cert.CertBuilder"},
+                            {"path": "nvflare.lighter.impl.signature.SignatureBuilder"}]}
+    (tmp_path / "project.yml").write_text(yaml.safe_dump(project))
+    subprocess.run([str(Path(sys.executable).parent / "nvflare"), "provision", "-p", "project.yml", "-w", "ws",
+                    "--force"], cwd=tmp_path, check=True, capture_output=True, timeout=120)
+    kit = next((tmp_path / "ws").rglob("admin@x.org"))
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({"name": "p", "dataset": {"path": "builtin:digits",
+                                                                                "classes": ["a", "b"]},
+                                                       "federation": {"sites": 1, "site_names": ["hospital-a"]}}))
+    p = subprocess.run([sys.executable, str(ROOT / "jobs" / "run.py"), "--config", "cfg.yaml", "--method", "FedAvg",
+                        "--env", "prod", "--startup-kit", str(kit)], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr + p.stdout
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["status"] == "failed" and "the job was not submitted" in res["reason"]
+    assert "server localhost:9" in res["reason"]

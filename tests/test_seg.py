@@ -18,7 +18,7 @@ from fedmed.data.seg_federation import (
 )
 from fedmed.nn.encoders import build_encoder
 from fedmed.nn.seg import dice_scores, seg_metrics, seg_model, train_seg_local
-from fedmed.site.assessment import site_assessment
+from fedmed.site.seg_aggregates import site_assessment
 
 MODS = {"FLAIR": "Flair*.nii*", "T1c": "T1c*.nii*"}
 

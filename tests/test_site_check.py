@@ -112,3 +112,45 @@ def test_check_data_reads_dicom_series_with_dicom_seg_labels_and_names_a_broken_
             "after slice 2 of 4 (a slice missing?)") in out
     assert "PROBLEM: test: p3/MR: DICOM series is not a 3-D volume: its 7 slices have 7 different orientations" in out
     assert str(tmp_path) not in out and "not ready: 2 problem(s)" in out
+
+
+def test_a_sites_settings_file_is_checked_as_the_site_reads_it(tmp_path, capsys):
+    """``fedmed check-data local/fedmed_site.json``: the datalist it names, relative to its data_root (elsewhere
+    than the datalist), and the site's k_min floor — not the datalist alone with k_min 1."""
+    data = tmp_path / "data"
+    doc = federation(data)
+    kit = tmp_path / "kit"
+    (kit / "local").mkdir(parents=True)
+    (kit / "lists").mkdir()
+    (kit / "lists" / "mine.json").write_text(json.dumps(doc))  # image paths relative to the data root, not to it
+    (kit / "local" / "fedmed_site.json").write_text(json.dumps({"datalist": "../lists/mine.json",
+                                                               "data_root": str(data), "k_min": 40}))
+    assert main(["check-data", str(kit / "local" / "fedmed_site.json"), "--classes", *CLASSES]) == 1
+    out = capsys.readouterr().out
+    assert "the site's floor k_min=40 applies" in out
+    assert "fewer than k_min=40" in out and "cannot read" not in out  # images found under data_root
+    assert main(["check-data", str(kit / "lists" / "mine.json"), "--classes", *CLASSES]) == 1  # the datalist alone:
+    assert "cannot read image" in capsys.readouterr().out  # its images are not beside it
+
+
+def test_labels_written_as_class_names_are_read_with_the_jobs_classes(tmp_path, capsys):
+    """Labels written as class names were refused even with --classes (and at the site, with the job's classes)."""
+    from fedmed.site.runner import SiteRunner
+
+    doc = federation(tmp_path)
+    for split in ("training", "validation", "test"):
+        for e in doc[split]:
+            e["label"] = CLASSES[e["label"]]
+    (tmp_path / "site-1.json").write_text(json.dumps(doc))
+    assert main(["check-data", str(tmp_path / "site-1.json"), "--classes", *CLASSES, "--k-min", "1"]) == 0
+    assert "ready to join" in capsys.readouterr().out
+    assert main(["check-data", str(tmp_path / "site-1.json"), "--k-min", "1"]) == 1  # no classes: names unknown
+    assert "label should be a non-negative integer (or a class name" in capsys.readouterr().out
+    r = SiteRunner("site-1", tmp_path)
+    s = r.splits({"data": {"image_size": 8, "channels": 1, "n_classes": 10}, "classes": CLASSES})
+    assert int(s.train[1].max()) <= 9 and s.train[1].shape[0] == len(doc["training"])
+    doc["training"][0]["label"] = "eleven"
+    (tmp_path / "site-1.json").write_text(json.dumps(doc))
+    with pytest.raises(Exception, match="is not one of the job's classes"):
+        SiteRunner("site-1", tmp_path).splits({"data": {"image_size": 8, "channels": 1, "n_classes": 10},
+                                               "classes": CLASSES})

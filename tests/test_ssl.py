@@ -223,17 +223,17 @@ def test_vit_workflows_need_the_vits_image_size():
 def test_finetuning_lr_is_the_configured_lr_not_maes_batch_scaled_one(tmp_path):
     """docs/readings.md (001_ §4.2 "base learning rate 1e-3"): fine-tuning peaks at ``train.lr`` itself (x the
     layer's decay), whatever the batch size; MAE's ``x batch / 256`` rule is applied to pre-training only."""
-    from fedmed.site.runner import SiteRunner
+    from fedmed.core.schema import task_config
+    from fedmed.site.tasks import _finetune_optimizer, _finetune_schedule
 
-    cfg = {"seed": 0, "data": {"image_size": 32, "channels": 3, "n_classes": 10},
-           "train": {"lr": 1e-3, "batch_size": 16, "weight_decay": 0.05},
-           "finetune": {"layer_decay": 0.75, "warmup": 0.05, "rounds": 20}}
-    runner = SiteRunner("site-1", tmp_path)
-    at = runner.lr_schedule(cfg, 1)  # round 1 of 20: past the 5% warm-up
+    cfg = task_config({"seed": 0, "data": {"image_size": 32, "channels": 3, "n_classes": 10},
+                       "train": {"lr": 1e-3, "batch_size": 16, "weight_decay": 0.05},
+                       "finetune": {"layer_decay": 0.75, "warmup": 0.05, "rounds": 20}})
+    at = _finetune_schedule(cfg, 1)  # round 1 of 20: past the 5% warm-up
     assert at(0.0) == pytest.approx(scheduled_lr(1e-3, 1 / 20, 0.05))
     assert at(0.0) > 0.9e-3  # the batch-scaled reading would peak at 1e-3 x 16 / 256 = 6.25e-5
     clf = ViTClassifier(3, num_classes=10)
-    opt = runner.optimizer(clf, cfg)
+    opt = _finetune_optimizer(clf, cfg)  # what the training task makes for fine-tuning
     assert max(g["lr"] for g in opt.param_groups) == pytest.approx(1e-3)
     assert {g["lr_scale"] for g in opt.param_groups} == {0.75 ** d for d in range(6)}
 

@@ -1,6 +1,6 @@
 """Site heterogeneity assessment for segmentation federations (``004_``), framework-free.
 
-A site computes :func:`fedmed.site.assessment.site_assessment` on its own cases and sends only aggregates:
+A site computes :func:`fedmed.site.seg_aggregates.site_assessment` on its own cases and sends only aggregates:
 
 * metadata — per feature (max intensity of each modality, volume of each region) a histogram of
   counts on shared bin edges (default; the EMD of histograms is within one bin width of the
@@ -11,7 +11,7 @@ A site computes :func:`fedmed.site.assessment.site_assessment` on its own cases 
 
 :func:`assess` turns all sites' replies into ``D_EMD`` (Appendix C), ``D_EUC`` (Eq. 1), the most
 distant site of each (Eq. 3) and each matrix's two-cluster split (Alg. 1);
-:func:`fedmed.report.assessment.write_assessment_report` writes ``distances_emd.csv``, ``distances_euc.csv``, ``assessment.json``, heatmaps and
+:func:`fedmed.report.assessment_report.write_assessment_report` writes ``distances_emd.csv``, ``distances_euc.csv``, ``assessment.json``, heatmaps and
 ``report.md``.
 """
 

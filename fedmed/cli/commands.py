@@ -58,9 +58,26 @@ def cmd_check_data(a):
         exp = load_config(a.config)
         task, classes = exp.dataset.task, exp.dataset.classes
         size, channels, k_min = exp.dataset.image_size, exp.dataset.channels, exp.privacy.k_min
-    rep = check_datalist(a.datalist, task=a.task or task, classes=a.classes or classes,
-                         image_size=a.image_size or size, channels=a.channels or channels,
-                         k_min=a.k_min if a.k_min is not None else k_min)
+    k_min = a.k_min if a.k_min is not None else k_min
+    datalist, root = Path(a.datalist), None
+    try:
+        doc = json.loads(datalist.read_text()) if datalist.is_file() else None
+    except (OSError, ValueError):
+        doc = None
+    if isinstance(doc, dict) and "datalist" in doc and "training" not in doc:  # a site's local/fedmed_site.json
+        from fedmed.site.settings import SiteConfigError, resolve_site_settings
+
+        try:
+            s = resolve_site_settings("this site", env={"FEDMED_SITE_CONFIG": str(datalist)}, cwd=datalist.parent)
+        except SiteConfigError as e:
+            print(f"fedmed check-data: {e}")
+            return 1
+        datalist, root = s.datalist, s.data_root
+        if s.policy.k_min > k_min:
+            print(f"the site's floor k_min={s.policy.k_min} applies (the job's is {k_min})")
+            k_min = s.policy.k_min
+    rep = check_datalist(datalist, task=a.task or task, classes=a.classes or classes,
+                         image_size=a.image_size or size, channels=a.channels or channels, k_min=k_min, root=root)
     print(format_report(rep))
     if a.json:
         Path(a.json).write_text(json.dumps(rep, indent=1, default=json_default))
@@ -295,11 +312,12 @@ def register(sub):
     k = sub.add_parser("check-data", help="check a site's datalist before it joins (its first task's checks and "
                        "more: overlaps, near-duplicates, counts per class and split); the report stays at the site",
                        formatter_class=H)
-    k.add_argument("datalist", help="the site's datalist (<site>.json)")
+    k.add_argument("datalist", help="the site's datalist (<site>.json), or its settings file (local/fedmed_site.json: "
+                   "its datalist, data_root and k_min floor are used)")
     k.add_argument("--config", help="the job's experiment config: classes, image size, channels, k_min and task from it")
     k.add_argument("--task", choices=["classification", "segmentation"], help="default: the config's, else "
                    "classification")
-    k.add_argument("--classes", nargs="+", help="the job's class names (labels are their indices)")
+    k.add_argument("--classes", nargs="+", help="the job's class names (labels are their indices or these names)")
     k.add_argument("--image-size", type=int, help="decode size (default: the config's, else 32)")
     k.add_argument("--channels", type=int, help="default: the config's, else 1")
     k.add_argument("--k-min", type=int, help="the privacy floor (default: the config's, else 1)")
@@ -359,8 +377,8 @@ def cmd_assess(a):
     import json
 
     from fedmed.algorithms.assessment import assess
-    from fedmed.report.assessment import write_assessment_report as write_report
-    from fedmed.site.assessment import site_assessment
+    from fedmed.report.assessment_report import write_assessment_report as write_report
+    from fedmed.site.seg_aggregates import site_assessment
     from fedmed.nn.encoders import build_encoder
     from fedmed.site.seg import load_datalist_seg
     from fedmed.data.nifti import load_case

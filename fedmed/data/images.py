@@ -399,7 +399,7 @@ SPLITS = ("training", "validation", "test")
 
 
 def load_datalist(path, *, task: str = "classification", root=None, name: str | None = None,
-                  public: str | None = None, limits=None) -> dict:
+                  public: str | None = None, limits=None, classes=None) -> dict:
     """Read and validate a site datalist (``task="segmentation"``: ``image`` may be a list of
     files and ``label`` a label-map file). Relative paths are resolved against ``root`` (default: the
     datalist's folder). ``name`` is how the site's log calls the file (default: its path), ``public`` how a message
@@ -443,9 +443,17 @@ def load_datalist(path, *, task: str = "classification", root=None, name: str | 
             e.update({k: _resolve(e[k], root) for k in files if k in e})
             if task == "segmentation":
                 continue
+            if isinstance(e["label"], str) and classes:  # a class name: its index in the job's classes
+                if e["label"] not in classes:
+                    raise DataError(f"{name}: {key}[{j}] label {e['label']!r} is not one of the job's classes "
+                                    f"{list(classes)}", f"{public}: {key}[{j}] label is a name that is not one of "
+                                    f"the job's classes")
+                e["label"] = list(classes).index(e["label"])
             if isinstance(e["label"], bool) or not isinstance(e["label"], int) or e["label"] < 0:
-                raise DataError(f"{name}: {key}[{j}] label should be a non-negative integer, got {e['label']!r}",
-                                f"{public}: {key}[{j}] label should be a non-negative integer class id")
+                raise DataError(f"{name}: {key}[{j}] label should be a non-negative integer (or a class name when "
+                                f"the job names its classes), got {e['label']!r}",
+                                f"{public}: {key}[{j}] label should be a non-negative integer class id or a class "
+                                f"name")
     check_split_overlap(doc, name, root, public=public)
     return doc
 

@@ -24,7 +24,6 @@ _PUBLIC = {
     "encoder_state": "mae",
     "evaluate": "train",
     "extract_features": "encoders",
-    "feature_extractor": "models",
     "get_params": "train",
     "import_timm": "encoders",
     "keep_largest_component": "seg",

@@ -34,7 +34,7 @@ from torch import nn
 from fedmed.core.jobfiles import USER_CODE_DIR  # noqa: F401  (re-exported: where a job carries a user's class)
 from fedmed.core.schema import ModelSection
 
-__all__ = ["ArchError", "BUILTIN_ARCHS", "ResNet9", "build_model", "check_arch", "feature_extractor",
+__all__ = ["ArchError", "BUILTIN_ARCHS", "ResNet9", "build_model", "check_arch",
            "load_init_weights", "model_from_config", "network", "resolve_arch", "seg_model_from_config",
            "user_code_files"]
 
@@ -266,8 +266,8 @@ def network(arch: str, args: dict | None, *, spatial_dims: int, in_channels: int
             raise ArchError(f"model.arch {arch} with model.args {args}: {type(e).__name__}: {msg}") from None
 
 
-def _load_init(model: nn.Module, model_cfg: dict, root=None) -> nn.Module:
-    path = model_cfg.get("init_weights")
+def _load_init(model: nn.Module, m: ModelSection, root=None) -> nn.Module:
+    path = m.init_weights
     if path:
         from pathlib import Path
 
@@ -304,29 +304,28 @@ def model_from_config(model_cfg: dict, in_channels: int, num_classes: int, seed:
     """The 2D classifier of a config's ``model`` section (a dict): fedmed's (:func:`build_model`), a MONAI network or
     the user's class (its module among ``modules``); started from ``model.init_weights`` when set (relative to
     ``init_root``)."""
-    arch = model_cfg["arch"]
-    if arch in BUILTIN_ARCHS:
-        m = ModelSection.model_validate(dict(model_cfg))  # what the section leaves out: the schema's defaults
-        model = build_model(arch, in_channels, num_classes, width=m.width, seed=seed, norm=m.norm)
+    m = ModelSection.model_validate(dict(model_cfg))  # what the section leaves out: the schema's defaults
+    if m.arch in BUILTIN_ARCHS:
+        model = build_model(m.arch, in_channels, num_classes, width=m.width, seed=seed, norm=m.norm)
     else:
-        model = network(arch, model_cfg.get("args"), spatial_dims=2, in_channels=in_channels,
-                        out_channels=num_classes, seed=seed, modules=modules)
-    return _load_init(model, model_cfg, init_root)
+        model = network(m.arch, m.args, spatial_dims=2, in_channels=in_channels, out_channels=num_classes, seed=seed,
+                        modules=modules)
+    return _load_init(model, m, init_root)
 
 
 def seg_model_from_config(model_cfg: dict, in_channels: int, seed: int = 0, *, init_root=None,
                           modules=()) -> nn.Module:
     """The 3D segmentation network (3 sigmoid outputs: WT, TC, ET): fedmed's U-Net (``model.channels``) unless
     ``model.arch`` names a MONAI network or a user class."""
-    arch = model_cfg.get("arch", "unet")
-    if arch in BUILTIN_ARCHS or arch == "unet":
+    m = ModelSection.model_validate(dict(model_cfg))  # what the section leaves out: the schema's defaults
+    if m.arch in BUILTIN_ARCHS or m.arch == "unet":
         from fedmed.nn.seg import seg_model
 
-        model = seg_model(in_channels, channels=model_cfg.get("channels", (8, 16, 32, 64)), seed=seed)
+        model = seg_model(in_channels, channels=m.channels, seed=seed)
     else:
-        model = network(arch, model_cfg.get("args"), spatial_dims=3, in_channels=in_channels, out_channels=3,
-                        seed=seed, modules=modules)
-    return _load_init(model, model_cfg, init_root)
+        model = network(m.arch, m.args, spatial_dims=3, in_channels=in_channels, out_channels=3, seed=seed,
+                        modules=modules)
+    return _load_init(model, m, init_root)
 
 
 def check_arch(model_cfg: dict, *, task: str, in_channels: int, n_out: int, size, modules=("*",)) -> None:
@@ -336,7 +335,7 @@ def check_arch(model_cfg: dict, *, task: str, in_channels: int, n_out: int, size
     if model_cfg["arch"] in BUILTIN_ARCHS and task == "classification":
         return
     if task == "segmentation":
-        if model_cfg.get("arch", "unet") in BUILTIN_ARCHS + ("unet",):
+        if ModelSection.model_validate(dict(model_cfg)).arch in BUILTIN_ARCHS + ("unet",):
             return
         net = seg_model_from_config({**model_cfg, "init_weights": None}, in_channels, modules=modules)
         x = torch.zeros(1, in_channels, *size)
@@ -372,8 +371,3 @@ def user_code_files(arch: str) -> list:
         raise ArchError(f"model.arch {arch!r}: cannot find module {top!r} to carry it in the job")
     origin = Path(spec.origin)
     return [(origin.parent, top)] if origin.name == "__init__.py" else [(origin, origin.name)]
-
-
-def feature_extractor(model: nn.Module):
-    """``x -> latent`` of a classifier built by :func:`build_model`."""
-    return model.forward_features

@@ -29,9 +29,12 @@ def save_model(path, params: dict, cfg: dict, *, cluster=None, sites=None, workf
     """Write a model checkpoint (the format :func:`load_model` reads) from numpy ``params`` and the task config."""
     import torch
 
+    from fedmed.core.schema import task_config
+
+    t = task_config(cfg)  # what the task config leaves out: the schema's defaults
     torch.save({"format": "fedmed-model-1", "state_dict": {k: torch.as_tensor(np.asarray(v)) for k, v in params.items()},
-                "task": cfg.get("task", "classification"), "model": cfg["model"], "data": cfg["data"],
-                "classes": cfg.get("classes"), "seed": cfg.get("seed", 0), "cluster": cluster,
+                "task": t.task, "model": cfg["model"], "data": cfg["data"], "classes": t.classes, "seed": t.seed,
+                "cluster": cluster,
                 "sites": sorted(sites) if sites is not None else None, "workflow": workflow, "rounds": rounds}, str(path))
     return Path(path)
 
@@ -63,10 +66,10 @@ def load_model(path, policy=None):
     if not isinstance(ck, dict) or ck.get("format") != "fedmed-model-1":
         raise ModelFileError(f"{p}: not a fedmed model checkpoint (expected a dict with format 'fedmed-model-1', as "
                              f"a run saves in models/*.pt)")
-    if not isinstance(ck.get("model"), dict) or not isinstance(ck["model"].get("arch", "unet"), str):
+    if not isinstance(ck.get("model"), dict) or not isinstance(ck["model"].get("arch"), str):
         raise ModelFileError(f"{p}: its 'model' entry names no network")
     try:
-        policy.check_arch(ck["model"].get("arch", "unet"))
+        policy.check_arch(ck["model"]["arch"])
         return _build_and_load(p, ck, policy)
     except (PolicyError, ArchError) as e:
         raise ModelFileError(f"{p}: {e}") from None

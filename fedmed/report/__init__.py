@@ -24,7 +24,7 @@ _PUBLIC = {
     "summarize_sites": "record",
     "sweep_stats": "summary",
     "sweep_table": "summary",
-    "write_assessment_report": "assessment",
+    "write_assessment_report": "assessment_report",
     "write_outputs": "summary",
     "write_report": "html",
 }

@@ -159,9 +159,10 @@ def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -
     from fedmed.site.seg import SegSiteRunner
     from fedmed.nn.train import make_optimizer
 
-    cfg = {"task": "segmentation", "seed": int(seed), "model": exp.model.model_dump(), "train": exp.train.model_dump(),
-           "data": {"shape": exp.dataset.shape, "roi": exp.dataset.roi, "in_channels": len(exp.dataset.modalities)},
-           "privacy": exp.privacy.model_dump()}
+    from fedmed.methods import FedAvgMethod
+    from fedmed.run.taskconfig import fedmed_config
+
+    cfg = fedmed_config(exp, seed, FedAvgMethod(name="Centralized"), sites)  # the task config a job's sites get
     runners = {s: SegSiteRunner(s, datalists) for s in sites}
     cases = {s: r.cases(cfg) for s, r in runners.items()}
     test = cases[sites[0]][1]

@@ -28,7 +28,7 @@ _PUBLIC = {
     "redact_strings": "settings",
     "scrubbed": "reply",
     "signature": "tasks",
-    "site_assessment": "assessment",
+    "site_assessment": "seg_aggregates",
     "task_seed": "runner",
     "to_meta": "reply",
     "train": "tasks",

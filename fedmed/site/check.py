@@ -38,7 +38,7 @@ def check_datalist(path, *, task: str = "classification", classes: list[str] | N
     rep: dict = {"datalist": path.name, "task": task, "counts": {}, "problems": [], "warnings": [],
                  "near_duplicates": []}
     try:
-        doc = load_datalist(path, task=task, root=root, name=path.name)
+        doc = load_datalist(path, task=task, root=root, name=path.name, classes=classes)
     except DataError as e:
         rep["problems"].append(str(e))
         return rep

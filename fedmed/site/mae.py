@@ -16,6 +16,13 @@ from fedmed.site.tasks import Reply, TaskError
 __all__ = ["MAESiteRunner"]
 
 
+def _mae_optimizer(model, cfg: TaskConfig):
+    """MAE's AdamW, betas (0.9, 0.95) (He et al.); kept across rounds (its lr follows the run's schedule)."""
+    import torch
+
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=cfg.train.weight_decay)
+
+
 def _held_out_loss(runner, model, cfg):
     import torch
 
@@ -52,7 +59,8 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     m, t = cfg.mae, cfg.train
     rounds = m.rounds
     out = train_mae_local(model, x, epochs=t.local_epochs, batch_size=t.batch_size,
-                          optimizer=runner.optimizer(model, cfg), progress=(round_ / rounds, (round_ + 1) / rounds),
+                          optimizer=runner.optimizer(model, cfg, make=lambda: _mae_optimizer(model, cfg), keep=True),
+                          progress=(round_ / rounds, (round_ + 1) / rounds),
                           base_lr=m.base_lr, warmup=m.warmup,
                           generator=runner.generator(cfg, round_))
     if not np.isfinite(out["loss"]):
@@ -66,7 +74,7 @@ class MAESiteRunner(SiteRunner):
     TASKS = {"train": train, "validate": validate}
     KIND = "mae"
 
-    def model(self, cfg):
+    def model(self, cfg: TaskConfig):
         from fedmed.nn.mae import mae_model
 
         cfg = task_config(cfg)
@@ -76,14 +84,6 @@ class MAESiteRunner(SiteRunner):
             self._model_key = key
             self._optimizers = {}
         return self._model
-
-    def optimizer(self, model, cfg, key=None):
-        import torch
-
-        if key not in self._optimizers:  # AdamW, betas (0.9, 0.95) as MAE; kept across rounds
-            self._optimizers[key] = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95),
-                                                      weight_decay=task_config(cfg).train.weight_decay)
-        return self._optimizers[key]
 
     def check_label_space(self, s, n, names=None) -> None:
         """Pre-training never reads labels: an unlabeled pool may carry any (or placeholder) labels."""

@@ -49,14 +49,6 @@ def local_message(site: str, runner: SiteRunner | None, err: Exception) -> str:
     return runner.settings.scrub(msg) if runner is not None else msg
 
 
-def _classes(cfg) -> list:
-    """The job's class names (known to the server already: never redacted)."""
-    try:
-        return list(task_config(cfg).classes or [])
-    except Exception:
-        return []
-
-
 def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: dict, round_: int,
            settings=None) -> tuple[SiteRunner | None, dict, dict, dict, str | None]:
     """One task at one site, as every federation runs it: (runner, params, metrics, meta, error).
@@ -69,18 +61,21 @@ def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: d
     site's own log only (``None`` when the task succeeded)."""
     import traceback
 
+    known = [site]  # names the server knows already (the site, the job's classes): never redacted
     try:
+        t = task_config(cfg)  # validated once for this task; the runner and the task read the typed config
+        known += list(t.classes or [])
         if runner is None:
             if settings is None:  # the site's own settings (FEDMED_* variables or its startup kit)
                 from fedmed.site.settings import resolve_site_settings
 
                 settings = resolve_site_settings(site)
-            runner = make_runner(site, settings, cfg)
-        out, metrics, meta = runner.handle(task, params or {}, cfg, round_)
-        meta = redact_strings(meta, runner.private_tokens, [site, *_classes(cfg)])  # no path, no name in any text
+            runner = make_runner(site, settings, t)
+        out, metrics, meta = runner.handle(task, params or {}, t, round_)
+        meta = redact_strings(meta, runner.private_tokens, known)  # no path, no name in any text
     except Exception as e:  # reported to the server by name; the federation goes on
-        msg = scrubbed(site, runner, e, [site, *_classes(cfg)])
+        msg = scrubbed(site, runner, e, known)
         return runner, {}, {"failed": 1.0}, {"error": msg, "task": task}, \
             f"{local_message(site, runner, e)}\n{traceback.format_exc()}"
-    meta = to_meta({**meta, "task": task, "round": round_, "cluster": meta.get("cluster", task_config(cfg).cluster)})
+    meta = to_meta({**meta, "task": task, "round": round_, "cluster": meta.get("cluster", t.cluster)})
     return runner, out, metrics, meta, None

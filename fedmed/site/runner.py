@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedmed.core.schema import task_config
+from fedmed.core.schema import TaskConfig, task_config
 from fedmed.site.tasks import CLASSIFICATION, PLUGIN_TASKS, TaskError, task_seed
 from fedmed.data.images import DataError, conversion_note, load_datalist, load_images, near_duplicates
 from fedmed.site.settings import SiteSettings, private_tokens, settings_for_dir
@@ -69,11 +69,11 @@ class SiteRunner:
     def display(self, path) -> str:
         return self.settings.display(path)
 
-    def k_min(self, cfg: dict) -> int:
+    def k_min(self, cfg: TaskConfig) -> int:
         """The job's minimum group size, raised to this site's floor (its policy's ``k_min``) if that is larger."""
         return self.policy.effective_k_min(task_config(cfg).privacy.k_min)
 
-    def device(self, cfg: dict):
+    def device(self, cfg: TaskConfig):
         """This site's torch device: its own setting, else the job's ``train.device`` (:mod:`fedmed.core.device`)."""
         from fedmed.core.device import resolve_device
 
@@ -82,16 +82,16 @@ class SiteRunner:
             self._device, self._device_spec = resolve_device(spec, where=self.site), spec
         return self._device
 
-    def weights(self, cfg):
+    def weights(self, cfg: TaskConfig):
         """The encoder weights file the job names (``cfg.encoder_weights``), from this site's weights folder (its
         policy's ``weights_dir``; a path or a file of another hash is refused); ``None`` for a seeded random init."""
         ref = task_config(cfg).encoder_weights
         return None if ref is None else str(self.policy.weights_path(ref))
 
-    def precision(self, cfg: dict) -> str:
+    def precision(self, cfg: TaskConfig) -> str:
         return task_config(cfg).train.precision
 
-    def require_k_min(self, n: int, what: str, cfg: dict, task: str) -> None:
+    def require_k_min(self, n: int, what: str, cfg: TaskConfig, task: str) -> None:
         """A reply computed from ``n`` samples leaves only when ``n >= k_min``; else this site sits out ``task``
         (the error, which names no count below k_min but this site's own total, is what the server records)."""
         k = self.k_min(cfg)
@@ -100,19 +100,20 @@ class SiteRunner:
                             f"would describe fewer than k_min samples")
 
     # ------------------------------------------------------------------ data and model
-    def _datalist(self, task: str = "classification") -> dict:
+    def _datalist(self, task: str = "classification", classes=None) -> dict:
+        """The site's datalist, checked (``classes``: the job's class names, which a label may be written as)."""
         try:  # its names, even from a datalist load_datalist then refuses (the error must not show them)
             self.private_tokens |= private_tokens(json.loads(self.datalist_path.read_text()))
         except (OSError, ValueError):
             pass  # load_datalist says what is wrong with it
         return load_datalist(self.datalist_path, task=task, root=self.settings.data_root,
                              name=f"{self.site}: datalist {self.display(self.datalist_path)}",
-                             public=f"{self.site}: its datalist", limits=self.policy.limits)
+                             public=f"{self.site}: its datalist", limits=self.policy.limits, classes=classes)
 
-    def data(self, image_size: int, channels: int) -> Splits:
-        key = (image_size, channels)
+    def data(self, image_size: int, channels: int, classes=None) -> Splits:
+        key = (image_size, channels, tuple(classes or ()))
         if self._data is None or self._data_key != key:
-            doc = self._datalist()
+            doc = self._datalist(classes=classes)
             done: set = set()
             splits = Splits(*(self._load_split(doc[k], image_size, channels, done, k)
                               for k in ("training", "validation", "test")))
@@ -142,7 +143,7 @@ class SiteRunner:
             self._cache = SiteCache(root, self.site) if root is not None else None
         return self._cache
 
-    def skipped_note(self, out: dict, cfg) -> None:
+    def skipped_note(self, out: dict, cfg: TaskConfig) -> None:
         """Say (this site's log and the server's) how many local steps were skipped for non-finite gradients."""
         if out.get("skipped"):
             note = (f"{self.site}: {out['skipped']} of {out['steps']} local step(s) skipped: non-finite gradients "
@@ -182,11 +183,11 @@ class SiteRunner:
             self.cache_note()
         return x, y
 
-    def splits(self, cfg) -> Splits:
+    def splits(self, cfg: TaskConfig) -> Splits:
         """The site's training, validation and test splits for the task config (its labels checked against the
         job's classes once)."""
         cfg = task_config(cfg)
-        s = self.data(cfg.data.image_size, cfg.data.channels)
+        s = self.data(cfg.data.image_size, cfg.data.channels, cfg.classes)
         n = cfg.data.n_classes
         if n and self._labels_checked != n:
             self.check_label_space(s, int(n), cfg.classes)
@@ -206,7 +207,7 @@ class SiteRunner:
                                 f"{self.site}: {split}[{first}]: a label outside the job's global label space "
                                 f"0..{n - 1}{space} ({sum(v >= n for v in ys)} such entries in {split})")
 
-    def model(self, cfg: dict):
+    def model(self, cfg: TaskConfig):
         from fedmed.nn.models import model_from_config
 
         cfg = task_config(cfg)
@@ -220,43 +221,21 @@ class SiteRunner:
             self._optimizers = {}
         return self._model
 
-    def optimizer(self, model, cfg: dict, key=None):
-        """The optimizer for the model served as ``key`` (a cluster id); kept between rounds when the
-        recipe says so, so momentum / Adam moments carry over."""
+    def optimizer(self, model, cfg: TaskConfig, key=None, *, make=None, keep=None):
+        """The optimizer of the model served as ``key`` (a cluster id): made by ``make()`` — the task's choice; by
+        default the recipe's (``fedmed.nn.train.make_optimizer``) — and kept between rounds when ``keep`` (default:
+        ``train.keep_optimizer_state``), so momentum / Adam moments carry over. The runner only holds it."""
         from fedmed.nn.train import make_optimizer
 
-        cfg = task_config(cfg)
-        t = cfg.train
-
-        def new():
-            if cfg.finetune:  # 001_ fine-tuning: AdamW with layer-wise lr decay groups
-                import torch
-
-                from fedmed.nn.mae import layerwise_param_groups
-
-                return torch.optim.AdamW(layerwise_param_groups(model, cfg.finetune.layer_decay), lr=t.lr,
-                                         weight_decay=t.weight_decay)
-            return make_optimizer(model, t.model_dump())
-
-        if not t.keep_optimizer_state:
-            return new()
+        t = task_config(cfg).train
+        make = make or (lambda: make_optimizer(model, t.model_dump()))
+        if not (t.keep_optimizer_state if keep is None else keep):
+            return make()
         if key not in self._optimizers:
-            self._optimizers[key] = new()
+            self._optimizers[key] = make()
         return self._optimizers[key]
 
-    def lr_schedule(self, cfg, round_):
-        """Fine-tuning (``cfg["finetune"]``): warm-up then cosine over the whole federated run, as a function of the
-        fraction of this round's local steps; None otherwise (constant lr)."""
-        cfg = task_config(cfg)
-        ft = cfg.finetune
-        if not ft:
-            return None
-        from fedmed.nn.mae import scheduled_lr
-
-        rounds, base, warmup = ft.rounds, cfg.train.lr, ft.warmup
-        return lambda f: scheduled_lr(base, (round_ + f) / rounds, warmup)
-
-    def generator(self, cfg: dict, round_: int):
+    def generator(self, cfg: TaskConfig, round_: int):
         import torch
 
         g = torch.Generator()
@@ -287,7 +266,7 @@ class SiteRunner:
     # the tasks whose reply is a statistic of the site's data released once (a signature): the DP rules apply
     SIGNATURE_TASKS = ("signature", "descriptor", "latent_bounds", "assess")
 
-    def check_policy(self, task: str, cfg) -> None:
+    def check_policy(self, task: str, cfg: TaskConfig) -> None:
         """Refuse, in one line naming the setting, what this site's policy does not allow a job to make it do; note
         (once) a job's k_min raised to the site's floor."""
         p = self.policy

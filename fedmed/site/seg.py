@@ -84,7 +84,7 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
 
 def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     """``004_`` assessment of this site's cases (only aggregates unless the site allows per-image data)."""
-    from fedmed.site.assessment import site_assessment
+    from fedmed.site.seg_aggregates import site_assessment
     from fedmed.nn.encoders import build_encoder
     from fedmed.data.seg_federation import subject_of
 
@@ -117,7 +117,7 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
 
 
 class SegSiteRunner(SiteRunner):
-    def cases(self, cfg):
+    def cases(self, cfg: TaskConfig):
         """(training cases, test cases) of this site, loaded once per shape (from its cache when it can)."""
         from fedmed.data.seg_federation import check_no_leakage
 
@@ -162,7 +162,7 @@ class SegSiteRunner(SiteRunner):
             self.cache_note()
         return case
 
-    def model(self, cfg):
+    def model(self, cfg: TaskConfig):
         from fedmed.nn.models import seg_model_from_config
 
         cfg = task_config(cfg)
@@ -175,7 +175,7 @@ class SegSiteRunner(SiteRunner):
             self._optimizers = {}
         return self._model
 
-    def served_model(self, cfg):
+    def served_model(self, cfg: TaskConfig):
         """The model this site uses: its Ditto personal model when personalising, else the global one."""
         import copy
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from fedmed.core.packing import unpack_model
 from fedmed.core.schema import TaskConfig, task_config
 
 __all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "register_task", "TaskError", "class_set", "descriptor", "ifca", "latent_bounds", "signature", "train",
@@ -93,17 +94,40 @@ def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     return Reply({}, metrics, meta)
 
 
+def _finetune_optimizer(model, cfg: TaskConfig):
+    """001_ fine-tuning: AdamW with layer-wise lr decay groups."""
+    import torch
+
+    from fedmed.nn.mae import layerwise_param_groups
+
+    return torch.optim.AdamW(layerwise_param_groups(model, cfg.finetune.layer_decay), lr=cfg.train.lr,
+                             weight_decay=cfg.train.weight_decay)
+
+
+def _finetune_schedule(cfg: TaskConfig, round_: int):
+    """001_ fine-tuning: warm-up then cosine over the whole federated run, as a function of the fraction of this
+    round's local steps; None without fine-tuning (constant lr)."""
+    ft = cfg.finetune
+    if not ft:
+        return None
+    from fedmed.nn.mae import scheduled_lr
+
+    return lambda f: scheduled_lr(cfg.train.lr, (round_ + f) / ft.rounds, ft.warmup)
+
+
 def train_locally(runner, model, cfg, round_, key) -> dict:
+    """Local training of the served model (the recipe's optimizer kept per served model; fine-tuning's own)."""
     from fedmed.nn.train import train_local
 
     s = runner.splits(cfg)
     runner.require_k_min(int(s.train[0].shape[0]), "training images", cfg, "training")
     cfg = task_config(cfg)
     t = cfg.train
+    make = (lambda: _finetune_optimizer(model, cfg)) if cfg.finetune else None
     out = train_local(model, s.train[0], s.train[1], epochs=t.local_epochs, batch_size=t.batch_size,
-                      optimizer=runner.optimizer(model, cfg, key), mu=t.fedprox_mu,
+                      optimizer=runner.optimizer(model, cfg, key, make=make), mu=t.fedprox_mu,
                       class_weights=cfg.class_weights, generator=runner.generator(cfg, round_),
-                      augment=t.augment, lr_at=runner.lr_schedule(cfg, round_),
+                      augment=t.augment, lr_at=_finetune_schedule(cfg, round_),
                       precision=runner.precision(cfg))
     if not np.isfinite(out["loss"]):
         raise TaskError(f"{runner.site}: training diverged (loss {out['loss']}) in round {round_}")
@@ -262,14 +286,14 @@ def ifca(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     xd, yd = (xtr.to(dev) - 0.5) / 0.5, ytr.to(dev)
     losses = []
     for k in range(K):
-        set_params(model, {n[len(f"m{k}/"):]: v for n, v in params.items() if n.startswith(f"m{k}/")})
+        set_params(model, unpack_model(params, k))
         model.eval()
         with torch.no_grad():
             out = model(xd)
             target = out.argmax(dim=1) if cfg.ifca.pseudo_labels else yd
             losses.append(float(torch.nn.functional.cross_entropy(out, target)))
     best = int(np.argmin(losses))
-    set_params(model, {n[len(f"m{best}/"):]: v for n, v in params.items() if n.startswith(f"m{best}/")})
+    set_params(model, unpack_model(params, best))
     metrics, meta = _served_metrics(runner, model, cfg)
     meta.update(cluster=best, losses=losses)
     if cfg.ifca.train:
@@ -291,7 +315,7 @@ def validate_ensemble(runner, params: dict, cfg: TaskConfig, round_: int = 0) ->
     def prob(x):
         out = 0.0
         for k, w in enumerate(weights):
-            set_params(model, {n[len(f"m{k}/"):]: v for n, v in params.items() if n.startswith(f"m{k}/")})
+            set_params(model, unpack_model(params, k))
             out = out + w * predict_proba(model, x, precision=runner.precision(cfg))
         return out
 

@@ -7,7 +7,35 @@ import copy
 from pathlib import Path
 from types import MappingProxyType
 
-__all__ = ["Workflow", "initial_params"]
+from typing import NamedTuple
+
+__all__ = ["SiteReply", "Workflow", "initial_params", "round_mean"]
+
+
+class SiteReply(NamedTuple):
+    """A site's reply to a task, as a workflow reads it (a tuple: ``site, metrics, meta, params``); a site that could
+    not do the task carries its one-line ``error`` (and no parameters)."""
+
+    site: str
+    metrics: dict
+    meta: dict
+    params: dict
+
+    @property
+    def error(self):
+        return self.meta.get("error")
+
+
+def round_mean(rows, key: str):
+    """The mean over the sites' replies of a metric (its finite values; NaN when none is finite), None when no reply
+    has it — what the round's record summarises, read from the replies themselves."""
+    import math
+
+    vals = [r.metrics[key] for r in rows if key in r.metrics]
+    if not vals:
+        return None
+    finite = [float(v) for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
 
 
 def initial_params(cfg: dict, job_files=None, modules=()) -> dict:
@@ -45,7 +73,7 @@ def screen(rows: list) -> list:
             meta = {**meta, "error": f"{site}: its update has NaN or infinite values in {len(bad)} parameter "
                     f"tensor(s) (e.g. {bad[0]}); left out of this round"}
             metrics, params = {"failed": 1.0}, {}
-        out.append((site, metrics, meta, params))
+        out.append(SiteReply(site, metrics, meta, params))
     return out
 
 
@@ -89,7 +117,10 @@ class Workflow:
         """Why a finished run's onboarding state cannot assign a new site (None: it can)."""
         return None
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, **args):
+    def __init__(self, num_rounds: int, fedmed_config: dict, aggregator=None, **args):
+        from fedmed.workflows.aggregators import WeightedAverage
+
+        self.aggregator = aggregator if aggregator is not None else WeightedAverage()
         self.num_rounds = int(num_rounds)
         self._cfg = copy.deepcopy(dict(fedmed_config))
         self.task_extra: dict = {}  # what this run adds to every task it sends (e.g. PreP-WFL's class weights)
@@ -153,6 +184,36 @@ class Workflow:
 
     def record_rows(self, round_, rows, task) -> list:
         return self.fed.record_rows(round_, rows, task)
+
+    # ------------------------------------------------------------------ steps a workflow is made of
+    def gather(self, task_name: str, message, what: str, *, targets=None, round_: int = -1,
+               who: str = "site", consequence: str = "is left out") -> dict:
+        """Step: one statistic from each site (a signature, an assessment, a descriptor, latent bounds): the
+        replies of the sites that sent it, by site. A site that could not is recorded and named in the log ("site X
+        sent no <what> and <consequence>: reason"); notes a reply carries go to the log."""
+        got = {}
+        for reply in self.send(task_name, message, targets):
+            if reply.error:
+                self.recorder.error(round_, reply.site, task_name, reply.error)
+                self.error(f"{who} {reply.site} sent no {what} and {consequence}: {reply.error}")
+                continue
+            got[reply.site] = reply
+            for note in reply.meta.get("notes", []) or []:
+                self.warning(f"{who} {reply.site}: {note}")
+        return got
+
+    def cluster_round(self, round_: int, task_name: str, models: dict, members: dict, **extra) -> dict:
+        """Step: one round of a per-cluster workflow — cluster c's model to its members, the round recorded — the
+        replies of the sites that answered, by cluster."""
+        replies = self.send_groups(task_name, {c: (self.task(models[c], round_, cluster=c, **extra), sites)
+                                               for c, sites in members.items() if sites})
+        ok = {r.site for r in self.record_rows(round_, [r for rows in replies.values() for r in rows], task_name)}
+        return {c: [r for r in rows if r.site in ok] for c, rows in replies.items()}
+
+    def aggregate(self, rows) -> dict:
+        """The new model from the sites' updates: the workflow's aggregator (FedAvg's weighted average unless one is
+        passed in, as FLARE's ModelAggregator is)."""
+        return self.aggregator.aggregate(rows)
 
     def checkpoint(self, next_round: int, models: dict, **state):
         self.fed.checkpoint(next_round, models, **state)

@@ -56,17 +56,9 @@ class OneShotClustered(FedAvg):
                              clustering={"overlap": c.overlap, "linkage": c.linkage})
 
     def collect_signatures(self) -> dict:
-        rows = self.send("signature", self.task({}, 0, signature=self.signature.model_dump()))
-        sigs, spent = {}, {}
-        for site, _, meta, _ in rows:
-            if meta.get("error"):
-                self.recorder.error(-1, site, "signature", meta["error"])
-                self.error(f"site {site} sent no signature and is left out: {meta['error']}")
-                continue
-            sigs[site] = meta
-            spent[site] = meta.get("dp", {})
-            for note in meta.get("notes", []) or []:
-                self.warning(f"site {site}: {note}")
+        got = self.gather("signature", self.task({}, 0, signature=self.signature.model_dump()), "signature")
+        sigs = {s: r.meta for s, r in got.items()}
+        spent = {s: m.get("dp", {}) for s, m in sigs.items()}
         self.recorder.note("privacy", {"k_min": self.task_cfg.privacy.k_min, "signatures": spent,
                                        "withheld_classes": {s: m.get("withheld_classes", []) for s, m in sigs.items()}})
         return sigs
@@ -120,12 +112,9 @@ class OneShotClustered(FedAvg):
         theta = {c: saved.get(f"cluster{c}") or saved.get("global") or self.initial_params() for c in range(len(clusters))}
         for r in range(start, self.num_rounds + 1):
             task = "train" if r < self.num_rounds else "validate"
-            replies = self.send_groups(task, {c: (self.task(theta[c], r, cluster=c), sites)
-                                              for c, sites in enumerate(clusters) if sites})
-            ok = {row[0] for row in self.record_rows(r, [row for rows in replies.values() for row in rows], task)}
+            replies = self.cluster_round(r, task, theta, dict(enumerate(clusters)))
             if task == "train":
-                for c, rows in replies.items():
-                    good = [row for row in rows if row[0] in ok]
+                for c, good in replies.items():
                     if good:
                         theta[c] = self.aggregate(good)
                 self.checkpoint(r + 1, {f"cluster{c}": t for c, t in theta.items()}, clusters=clusters, **state)

@@ -6,6 +6,7 @@ import numpy as np
 from fedmed.core.schema import FluxTask
 from fedmed.core.jobfiles import TRAINING as TRAINING_DIR
 from fedmed.workflows.federation import RunFailed
+from fedmed.workflows.base import round_mean
 from fedmed.workflows.fedavg import FedAvg
 
 
@@ -45,16 +46,10 @@ class Flux(FedAvg):
         return sorted(rng.choice(self.sites, size=k, replace=False).tolist())
 
     def descriptors(self, theta_star, sites, label_free=False) -> dict:
-        out = {}
-        for s, _, meta, _ in self.send("descriptor", self.task(theta_star, 0, flux={**self.flux.model_dump(), **self.box,
-                                                                                        "label_free": label_free}),
-                                       targets=sites):
-            if meta.get("error"):
-                self.recorder.error(-1, s, "descriptor", meta["error"])
-                self.error(f"site {s} sent no descriptor and stays unassigned: {meta['error']}")
-            else:
-                out[s] = meta
-        return out
+        got = self.gather("descriptor", self.task(theta_star, 0, flux={**self.flux.model_dump(), **self.box,
+                                                                       "label_free": label_free}),
+                          "descriptor", targets=sites, consequence="stays unassigned")
+        return {s: r.meta for s, r in got.items()}
 
     def warmup(self):
         """FedAvg until Eq. 14 fires; returns (theta*, the round clustering happens at)."""
@@ -66,8 +61,9 @@ class Flux(FedAvg):
         while r < self.num_rounds - 1:
             rows = self.record_rows(r, self.send("train", self.task(theta, r), targets=self.sample(r)), "train")
             theta = self.aggregate(rows)
-            mean = self.recorder.doc["rounds"][-1]["summary"]["mean"]
-            acc.append(mean.get("val_accuracy", mean.get("accuracy", 0.0)))
+            score = round_mean(rows, "val_accuracy")  # the served model's validation accuracy (Eq. 14's a_r)
+            score = round_mean(rows, "accuracy") if score is None else score
+            acc.append(0.0 if score is None else score)
             r += 1
             self.checkpoint(r, {"global": theta}, phase="warmup", acc=acc)
             if should_start_clustering(acc, self.num_rounds, threshold=self.START_THRESHOLD,
@@ -80,9 +76,9 @@ class Flux(FedAvg):
         from fedmed.algorithms.flux import merge_bounds
 
         part = self.sample(r)
-        bounds = [(np.asarray(m["lo"]), np.asarray(m["hi"]))
-                  for s, _, m, _ in self.send("latent_bounds", self.task(theta_star, r, flux=self.flux.model_dump()), targets=part)
-                  if not m.get("error")]
+        got = self.gather("latent_bounds", self.task(theta_star, r, flux=self.flux.model_dump()), "latent bounds",
+                          targets=part, round_=r)
+        bounds = [(np.asarray(g.meta["lo"]), np.asarray(g.meta["hi"])) for g in got.values()]
         if not bounds:
             raise RunFailed(f"round {r}: no site sent latent bounds; Flux cannot build its descriptor space")
         lo, hi = merge_bounds(bounds)
@@ -124,13 +120,10 @@ class Flux(FedAvg):
             for s, meta in self.descriptors(theta_star, new).items() if new else []:
                 assign[s] = assign_nearest(meta["full"], info["centroids_full"])
                 self.info(f"{s} joins cluster {assign[s]} (nearest centroid)")
-            groups = {c: (self.task(models[c], rr, cluster=c), [s for s in sampled if assign.get(s) == c])
-                      for c in models}
-            replies = self.send_groups(task, {c: g for c, g in groups.items() if g[1]})
-            ok = {row[0] for row in self.record_rows(rr, [row for rows in replies.values() for row in rows], task)}
+            replies = self.cluster_round(rr, task, models, {c: [s for s in sampled if assign.get(s) == c]
+                                                            for c in models})
             if task == "train":
-                for c, rows in replies.items():
-                    good = [row for row in rows if row[0] in ok]
+                for c, good in replies.items():
                     if good:
                         models[c] = self.aggregate(good)
                 self.checkpoint(rr + 1, {"theta_star": theta_star, **{f"cluster{c}": m for c, m in models.items()}},

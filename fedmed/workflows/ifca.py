@@ -3,6 +3,7 @@
 import numpy as np
 
 from fedmed.algorithms.aggregation import ifca_models
+from fedmed.core.packing import pack_models
 from fedmed.workflows.fedavg import FedAvg
 
 
@@ -29,23 +30,23 @@ class IFCA(FedAvg):
         saved = self.resumed_models()
         models = [saved.get(f"cluster{j}") or self.initial_params({**self.cfg, "seed": self.task_cfg.seed * 1000 + j})
                   for j in range(self.k)]
+        rows = []
         for r in range(self.start_round(), self.num_rounds + 1):
             train = r < self.num_rounds
-            packed = {f"m{j}/{n}": v for j, m in enumerate(models) for n, v in m.items()}
+            packed = pack_models(models)
             sites = self.sample(r) if train else list(self.sites)
             rows = self.record_rows(r, self.send("ifca", self.task(packed, r, ifca={"k": self.k, "train": train}),
                                                  targets=sites), "train" if train else "validate")
             if train:
                 models, refilled = ifca_models(
-                    models, [p for *_, p in rows], [meta["n_train"] for _, _, meta, _ in rows],
-                    [meta.get("cluster") for _, _, meta, _ in rows], empty=self.empty_cluster,
-                    all_answered=len(rows) == len(self.sites), names=[s for s, *_ in rows])
+                    models, [x.params for x in rows], [x.meta["n_train"] for x in rows],
+                    [x.meta["cluster"] for x in rows], empty=self.empty_cluster,
+                    all_answered=len(rows) == len(self.sites), names=[x.site for x in rows])
                 if refilled:
                     self.info(f"IFCA round {r}: no site chose model(s) {refilled}; set to this round's average")
                 self.checkpoint(r + 1, {f"cluster{j}": m for j, m in enumerate(models)})
-        last = self.recorder.doc["rounds"][-1]["sites"]
         self.recorder.note("clustering", {"k": self.k, "rule": "IFCA (lowest local loss)"})
-        chose = {j: [s for s, v in last.items() if v.get("cluster") == j] for j in range(self.k)}
+        chose = {j: [x.site for x in rows if x.meta["cluster"] == j] for j in range(self.k)}  # the final round's
         for j, m in enumerate(models):
             self.save_final(m, name=f"cluster{j}", sites=chose[j], cluster=j)
         self.save_onboarding("ifca", chose, k=self.k)
@@ -60,7 +61,7 @@ class IFCA(FedAvg):
         """The K models' losses on the new site's labeled training split; the lowest (IFCA's own rule). Without
         labels: each model against its own predicted classes (the most confident model)."""
         ids = sorted(models)
-        packed = {f"m{j}/{n}": v for j, c in enumerate(ids) for n, v in models[c].items()}
+        packed = pack_models([models[c] for c in ids])
         replies = ob._replies("ifca", ob.task(packed, 0, ifca={"k": len(ids), "train": False,
                                                                     "pseudo_labels": not ob.labels}), "losses")
         ob.recorder.note("onboarding", {"losses": {s: dict(zip(ids, m["losses"])) for s, (m, _) in replies.items()}})

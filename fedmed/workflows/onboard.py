@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from fedmed.core import jobfiles
+from fedmed.core.packing import pack_models
 from fedmed.workflows.base import Workflow
 from fedmed.workflows.federation import RunFailed
 
@@ -146,6 +147,7 @@ class Onboard(Workflow):
             for i, c in enumerate(sorted(models)):
                 self.validate_assigned(f"cluster{c}", 2 + i, {s: c for s in self.sites}, models)
     def validate_assigned(self, phase, index, mapping, models):
+        """Each new site scores the model it is mapped to (recorded as ``phase``)."""
         groups = {c: (self.task(models[c], 0, cluster=c), [s for s, m in mapping.items() if m == c]) for c in models}
         replies = self.send_groups("validate", {c: g for c, g in groups.items() if g[1]})
         self.record_rows(index, [row for rows in replies.values() for row in rows], phase)
@@ -160,13 +162,8 @@ class Onboard(Workflow):
 
     def _replies(self, task: str, message, what: str) -> dict:
         """meta of each new site's reply to ``task``; a site that could not answer is recorded and left unassigned."""
-        out = {}
-        for s, _, meta, params in self.send(task, message):
-            if meta.get("error"):
-                self.recorder.error(0, s, task, meta["error"])
-                self.error(f"new site {s} sent no {what} and cannot be assigned: {meta['error']}")
-            else:
-                out[s] = (meta, params)
+        out = {s: (r.meta, r.params) for s, r in self.gather(task, message, what, round_=0, who="new site",
+                                                              consequence="cannot be assigned").items()}
         if not out:
             raise RunFailed(f"no new site sent its {what}: " + "; ".join(
                 e["error"] for e in self.recorder.doc["errors"][-3:]))
@@ -179,7 +176,7 @@ class Onboard(Workflow):
         return assign
 
     def ensemble(self, models: dict, sizes: dict, index: int = 0, phase: str = "test_phase"):
-        packed = {f"m{k}/{n}": v for k, m in sorted(models.items()) for n, v in m.items()}
+        packed = pack_models(dict(sorted(models.items())))
         weights = [float(sizes.get(str(k), sizes.get(k, 0)) or 0) for k in sorted(models)]
         weights = weights if sum(weights) > 0 else [1.0] * len(models)
         rows = self.send("validate_ensemble", self.task(packed, 0, ensemble={"weights": weights}))

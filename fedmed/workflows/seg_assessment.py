@@ -25,24 +25,17 @@ class SegAssessment(OneShotClustered):
 
     def __init__(self, num_rounds: int, fedmed_config: dict, mode: str = "assess", distance: str = "emd",
                  omega: float = 1.0, site: str = "", clusters: list = None, **kw):
-        super().__init__(num_rounds, fedmed_config, signature={}, clustering={}, omega=omega, **kw)
+        super().__init__(num_rounds, fedmed_config, signature={}, clustering={}, **kw)
+        self.omega = float(omega)
         self.assessed: dict = {}
         self.max_intensity = None  # the modality of EMD_maxI in the run's assessment
         self.mode, self.distance, self.site, self.clusters = mode, distance, site, clusters or []
 
     def assess_sites(self) -> dict:
         from fedmed.algorithms.assessment import assess
-        from fedmed.report.assessment import write_assessment_report
+        from fedmed.report.assessment_report import write_assessment_report
 
-        sites = {}
-        for name, _, meta, _ in self.send("assess", self.task({}, 0)):
-            if meta.get("error"):
-                self.recorder.error(-1, name, "assess", meta["error"])
-                self.error(f"site {name} could not be assessed and is left out: {meta['error']}")
-                continue
-            sites[name] = meta
-            for note in meta.get("notes", []) or []:
-                self.warning(f"site {name}: {note}")
+        sites = {s: r.meta for s, r in self.gather("assess", self.task({}, 0), "assessment").items()}
         if len(sites) < max(2, self.min_clients):
             raise RunFailed(f"{len(sites)} site(s) sent an assessment; the 004_ assessment needs at least "
                             f"{max(2, self.min_clients)}")
@@ -62,7 +55,9 @@ class SegAssessment(OneShotClustered):
             site = st.get("down_weight_site") or self.site
             if not site:
                 site = self.assess_sites()[self.distance]["most_distant"]
-            self.down_weight_site = site
+            from fedmed.workflows.aggregators import DownWeighted
+
+            self.aggregator = DownWeighted(site, self.omega)
             self.recorder.note("down_weighted", {"site": site, "omega": self.omega,
                                                  "source": "given" if self.site else f"assessment ({self.distance})"})
             self.train_global(self.resumed_models().get("global") or self.initial_params(), down_weight_site=site)

@@ -1,0 +1,119 @@
+"""The steps server workflows are made of (fedmed.workflows.base): typed replies that carry their error, one
+statistic gathered from every site, a per-cluster round, several models in one message, aggregation passed in."""
+
+import numpy as np
+import pytest
+
+from fedmed.core.packing import pack_models, unpack_model, unpack_models
+from fedmed.workflows.aggregators import DownWeighted, WeightedAverage
+from fedmed.workflows.base import SiteReply, Workflow, round_mean, screen
+
+
+def _reply(site, value, n, error=None, **metrics):
+    meta = {"n_train": n, **({"error": error} if error else {})}
+    return SiteReply(site, metrics, meta, {} if error else {"w": np.full(2, value, dtype=np.float32)})
+
+
+def test_a_reply_is_a_tuple_with_its_error():
+    r = _reply("site-1", 1.0, 4)
+    site, metrics, meta, params = r  # what workflows unpack
+    assert site == "site-1" and r.error is None and params is r.params
+    assert _reply("site-2", 0, 4, error="site-2: no data").error == "site-2: no data"
+    bad = screen([SiteReply("site-3", {}, {"n_train": 1}, {"w": np.array([np.nan])})])[0]
+    assert isinstance(bad, SiteReply) and "NaN or infinite" in bad.error and bad.params == {}
+
+
+def test_aggregation_is_passed_in_not_inherited():
+    """FedAvg_w's down-weighting used to live in FedAvg, so IFCA, CFL and Flux inherited a down_weight_site; now a
+    workflow is given its aggregator (FedAvg's weighted average by default)."""
+    from fedmed.workflows.cfl import CFL
+    from fedmed.workflows.flux import Flux
+    from fedmed.workflows.ifca import IFCA
+
+    rows = [_reply("site-1", 1.0, 1), _reply("site-2", 4.0, 3)]
+    assert np.allclose(WeightedAverage().aggregate(rows)["w"], 3.25)
+    assert np.allclose(DownWeighted("site-2", 0.0).aggregate(rows)["w"], 1.0)
+    assert np.allclose(DownWeighted("site-9", 0.0).aggregate(rows)["w"], 3.25)  # a site not in the round
+    for cls in (CFL, IFCA):
+        wf = cls(2, {})
+        assert isinstance(wf.aggregator, WeightedAverage) and not hasattr(wf, "down_weight_site")
+    given = DownWeighted("site-1", 0.5)
+    assert CFL(2, {}, aggregator=given).aggregate(rows) is not None and CFL(2, {}, aggregator=given).aggregator is given
+    flux = Flux(2, {}, flux={"pca_seed": 0}, participation=1.0, n_clusters=0, scale=1.0, k1_silhouette=None,
+                scaling="none", start_rule="paper")
+    assert not hasattr(flux, "down_weight_site")
+
+
+def test_several_models_travel_packed_and_come_back():
+    models = {0: {"a": np.ones(2), "b": np.zeros(1)}, 3: {"a": np.full(2, 3.0), "b": np.ones(1)}}
+    packed = pack_models(models)
+    assert sorted(packed) == ["m0/a", "m0/b", "m3/a", "m3/b"]
+    back = unpack_models(packed)
+    assert sorted(back) == [0, 3] and np.array_equal(back[3]["a"], models[3]["a"])
+    assert sorted(unpack_model(packed, 0)) == ["a", "b"]
+    assert sorted(pack_models([models[0], models[3]])) == ["m0/a", "m0/b", "m1/a", "m1/b"]
+
+
+class _Fed:
+    """A federation of fixed replies (what the steps see of one)."""
+
+    def __init__(self, replies):
+        self.replies, self.sites, self.logged = replies, [r.site for r in replies], []
+        self.recorder = _Rec()
+
+    def message(self, params, round_, config):
+        return {"params": params, "round": round_, **config}
+
+    def send(self, task, data, targets=None):
+        return [r for r in self.replies if targets is None or r.site in targets]
+
+    def send_groups(self, task, groups):
+        return {k: self.send(task, d, sites) for k, (d, sites) in groups.items()}
+
+    def record_rows(self, round_, rows, task):
+        self.logged.append((round_, task, [r.site for r in rows]))
+        return [r for r in rows if not r.error]
+
+    def error(self, msg):
+        self.logged.append(msg)
+
+    def warning(self, msg):
+        self.logged.append(msg)
+
+
+class _Rec:
+    def __init__(self):
+        self.errors = []
+
+    def error(self, round_, site, task, msg):
+        self.errors.append((round_, site, task, msg))
+
+    def account(self, rows):
+        pass
+
+
+def test_gather_keeps_the_sites_that_sent_the_statistic_and_names_the_others():
+    fed = _Fed([_reply("site-1", 1.0, 2), _reply("site-2", 0, 2, error="site-2: 1 image < k_min=5")])
+    wf = Workflow(1, {})
+    wf.fed = fed
+    got = wf.gather("signature", {}, "signature")
+    assert list(got) == ["site-1"] and got["site-1"].meta["n_train"] == 2
+    assert fed.recorder.errors == [(-1, "site-2", "signature", "site-2: 1 image < k_min=5")]
+    assert "site site-2 sent no signature and is left out: site-2: 1 image < k_min=5" in fed.logged
+
+
+def test_a_cluster_round_sends_each_cluster_its_model_and_returns_the_answers_by_cluster():
+    fed = _Fed([_reply("a", 1.0, 1), _reply("b", 2.0, 1), _reply("c", 0, 1, error="c: failed")])
+    wf = Workflow(1, {})
+    wf.fed = fed
+    out = wf.cluster_round(0, "train", {0: {"w": 0}, 1: {"w": 1}}, {0: ["a", "c"], 1: ["b"], 2: []})
+    assert {c: [r.site for r in rows] for c, rows in out.items()} == {0: ["a"], 1: ["b"]}
+    assert np.allclose(wf.aggregate(out[0])["w"], 1.0)
+
+
+def test_round_mean_reads_the_replies_as_the_record_summarises_them():
+    rows = [SiteReply("a", {"val_accuracy": 0.5}, {}, {}), SiteReply("b", {"val_accuracy": float("nan")}, {}, {}),
+            SiteReply("c", {"val_accuracy": 0.7}, {}, {})]
+    assert round_mean(rows, "val_accuracy") == pytest.approx(0.6)
+    assert round_mean(rows, "accuracy") is None
+    assert np.isnan(round_mean([SiteReply("a", {"x": float("nan")}, {}, {})], "x"))
