@@ -197,7 +197,7 @@ def dicom_with_text_rescale_slope(root):
 TABLE = [
     (label_outside_classes, ["site-2: training[0]: a label outside the job's global label space 0..9"], ["[12]"]),
     (nan_label, ["site-2: its datalist: training[0] label should be a non-negative integer class id"], ["got nan"]),
-    (string_label, ["site-2: its datalist: training[0] label should be a non-negative integer class id"],
+    (string_label, ["site-2: its datalist: training[0] label is a name that is not one of the job's classes"],
      ["'benign'"]),
     (empty_training, ["site-2: its datalist has no training images"], ["site-2.json"]),
     (misspelled_split, ["site-2: its datalist: 1 list(s) that are not splits"], ["tset"]),

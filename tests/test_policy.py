@@ -330,7 +330,7 @@ def test_the_epsilon_recorded_is_the_composition_of_what_each_site_sent(sites, t
     cfg = {**CFG, "privacy": {"k_min": 2, "dp_epsilon": eps}, "federation": {"sites": ["site-1", "site-2"]}}
     args = {"signature": {"kind": "fmcl", "encoder": "random_cnn", "seed": 0},
             "clustering": {"n_clusters": 2, "threshold": None, "overlap": True, "linkage": "average",
-                           "k1_silhouette": None}}
+                           "k1_silhouette": None}, "fedavg_warmup": 0}
     fed = InProcessFederation(sites, ["site-1", "site-2"], tmp_path / "run", log=None)
     assert fed.run(OneShotClustered(1, cfg, **args)) == "finished"
     doc = fed.recorder.doc

@@ -411,3 +411,30 @@ def test_a_dicom_seg_that_does_not_fit_its_series_is_refused_naming_it(tmp_path)
     with pytest.raises(DataError, match=r"^site-1: DICOM-SEG label .*fractional.dcm is FRACTIONAL; a label map needs "
                                         r"BINARY or LABELMAP segments$"):
         load_case({**entry, "label": str(tmp_path / "fractional.dcm")}, shape=(8, 8, 4), site="site-1")
+
+
+def test_ditto_keeps_a_personal_model_that_the_site_serves_and_trains_toward_the_global_one(phantoms, tmp_path):
+    """Ditto (Li et al. 2021): a site's personal model lives in its runner's state between rounds (the task, not the
+    runner, decides to serve it); training moves the global model and the personal one, which stays a different
+    network from the global one."""
+    import torch
+
+    from fedmed.nn.train import get_params
+    from fedmed.site.seg import SegSiteRunner, served_model
+
+    entries = discover_subjects(phantoms, MODS, "OTMultiClass*", "brainmask*", hemispheres=False)
+    (tmp_path / "site-1.json").write_text(json.dumps({"training": entries[1:7], "validation": [], "test": entries[7:9]}))
+    cfg = {"task": "segmentation", "seed": 0, "data": {"shape": [16, 16, 16], "roi": [16, 16, 16], "in_channels": 2},
+           "model": {"channels": [4, 8, 16]}, "train": {"local_epochs": 1, "lr": 1e-2},
+           "privacy": {"k_min": 2}, "ditto_lambda": 0.1}
+    runner = SegSiteRunner("site-1", tmp_path)
+    g0 = get_params(runner.model(cfg))
+    personal = served_model(runner, cfg)
+    assert personal is not runner.model(cfg) and served_model(runner, cfg) is personal  # kept between tasks
+    before = {k: v.clone() for k, v in personal.state_dict().items()}
+    out, metrics, _ = runner.handle("train", g0, cfg, 0)
+    assert np.isfinite(metrics["train_loss"])
+    assert any(not torch.equal(before[k], v) for k, v in served_model(runner, cfg).state_dict().items())
+    assert any(not np.array_equal(out[k], g0[k]) for k in g0)  # the global update went back
+    no_ditto = {**cfg, "ditto_lambda": None}
+    assert served_model(runner, no_ditto) is runner.model(no_ditto)

@@ -34,11 +34,12 @@ def test_aggregation_is_passed_in_not_inherited():
     assert np.allclose(WeightedAverage().aggregate(rows)["w"], 3.25)
     assert np.allclose(DownWeighted("site-2", 0.0).aggregate(rows)["w"], 1.0)
     assert np.allclose(DownWeighted("site-9", 0.0).aggregate(rows)["w"], 3.25)  # a site not in the round
-    for cls in (CFL, IFCA):
-        wf = cls(2, {})
+    for wf in (CFL(2, {}, eps1=0.4, eps2=1.6, warmup_rounds=2), IFCA(2, {}, k=2, participation=1.0,
+                                                                   empty_cluster="global")):
         assert isinstance(wf.aggregator, WeightedAverage) and not hasattr(wf, "down_weight_site")
     given = DownWeighted("site-1", 0.5)
-    assert CFL(2, {}, aggregator=given).aggregate(rows) is not None and CFL(2, {}, aggregator=given).aggregator is given
+    cfl = CFL(2, {}, eps1=0.4, eps2=1.6, warmup_rounds=2, aggregator=given)
+    assert cfl.aggregator is given and np.allclose(cfl.aggregate(rows)["w"], (0.5 * 1 + 4 * 3) / 3.5)
     flux = Flux(2, {}, flux={"pca_seed": 0}, participation=1.0, n_clusters=0, scale=1.0, k1_silhouette=None,
                 scaling="none", start_rule="paper")
     assert not hasattr(flux, "down_weight_site")

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fedmed.core.schema import ModelSection
+
 __all__ = ["ModelFileError", "load_model", "predict_images", "predict_volume", "save_model"]
 
 
@@ -33,7 +35,7 @@ def save_model(path, params: dict, cfg: dict, *, cluster=None, sites=None, workf
 
     t = task_config(cfg)  # what the task config leaves out: the schema's defaults
     torch.save({"format": "fedmed-model-1", "state_dict": {k: torch.as_tensor(np.asarray(v)) for k, v in params.items()},
-                "task": t.task, "model": cfg["model"], "data": cfg["data"], "classes": t.classes, "seed": t.seed,
+                "task": t.task, "model": t.model.model_dump(), "data": cfg["data"], "classes": t.classes, "seed": t.seed,
                 "cluster": cluster,
                 "sites": sorted(sites) if sites is not None else None, "workflow": workflow, "rounds": rounds}, str(path))
     return Path(path)
@@ -66,10 +68,14 @@ def load_model(path, policy=None):
     if not isinstance(ck, dict) or ck.get("format") != "fedmed-model-1":
         raise ModelFileError(f"{p}: not a fedmed model checkpoint (expected a dict with format 'fedmed-model-1', as "
                              f"a run saves in models/*.pt)")
-    if not isinstance(ck.get("model"), dict) or not isinstance(ck["model"].get("arch"), str):
-        raise ModelFileError(f"{p}: its 'model' entry names no network")
+    from pydantic import ValidationError
+
+    try:  # what the entry leaves out (a checkpoint of an earlier fedmed): the schema's defaults
+        arch = ModelSection.model_validate(ck.get("model")).arch
+    except ValidationError:
+        raise ModelFileError(f"{p}: its 'model' entry names no network") from None
     try:
-        policy.check_arch(ck["model"]["arch"])
+        policy.check_arch(arch)
         return _build_and_load(p, ck, policy)
     except (PolicyError, ArchError) as e:
         raise ModelFileError(f"{p}: {e}") from None
@@ -86,19 +92,17 @@ def _build_and_load(p, ck, policy):
 
         net = seg_model_from_config({**ck["model"], "init_weights": None}, ck["data"]["in_channels"],
                                     modules=policy.modules)
-        arch = ck["model"].get("arch")
-        desc = (f"a 3D U-Net with channels {ck['model']['channels']}" if arch in (None, "unet", "resnet9", "resnet18",
-                "vit_small") else f"a {arch} ({ck['model'].get('args') or {}})") + \
-            f" and {ck['data']['in_channels']} input channels"
+        m = ModelSection.model_validate(ck["model"])  # an earlier checkpoint's gaps: the schema's defaults
+        desc = (f"a 3D U-Net with channels {m.channels}" if m.arch in ("unet", "resnet9", "resnet18", "vit_small")
+                else f"a {m.arch} ({m.args})") + f" and {ck['data']['in_channels']} input channels"
     else:
         from fedmed.nn.models import model_from_config
 
         net = model_from_config({**ck["model"], "init_weights": None}, ck["data"]["channels"], ck["data"]["n_classes"],
                                 modules=policy.modules)
-        arch = ck["model"]["arch"]
-        shape = (f"width {ck['model'].get('width')}, {ck['model'].get('norm', 'batch')} norm" if arch in ("resnet9", "resnet18",
-                 "vit_small") else f"{ck['model'].get('args') or {}}")
-        desc = f"a {arch} ({shape}) with {ck['data']['channels']} input channels and {ck['data']['n_classes']} classes"
+        m = ModelSection.model_validate(ck["model"])
+        shape = f"width {m.width}, {m.norm} norm" if m.arch in ("resnet9", "resnet18", "vit_small") else f"{m.args}"
+        desc = f"a {m.arch} ({shape}) with {ck['data']['channels']} input channels and {ck['data']['n_classes']} classes"
     own = net.state_dict()
     sd = ck["state_dict"]
     missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))

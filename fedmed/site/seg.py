@@ -45,7 +45,7 @@ def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     from fedmed.nn.train import set_params
 
     set_params(runner.model(cfg), params)
-    metrics, meta = _metrics(runner, runner.served_model(cfg), cfg)
+    metrics, meta = _metrics(runner, served_model(runner, cfg), cfg)
     return Reply({}, metrics, meta)
 
 
@@ -59,6 +59,18 @@ def _local(runner, model, cases, cfg, seed, key, **kw):
                            loss=s.loss, seed=seed, precision=runner.precision(cfg), workers=t.workers, **kw)
 
 
+def served_model(runner, cfg: TaskConfig):
+    """The model this site uses: with Ditto (``ditto_lambda``, Li et al. 2021) its personal model, which the runner
+    keeps in its state between rounds; else the global one."""
+    import copy
+
+    if task_config(cfg).ditto_lambda:
+        if "personal" not in runner.state:
+            runner.state["personal"] = copy.deepcopy(runner.model(cfg))
+        return runner.state["personal"]
+    return runner.model(cfg)
+
+
 def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     from fedmed.nn.train import get_params, set_params
 
@@ -66,7 +78,7 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     runner.require_k_min(len({c["meta"]["subject"] for c in tr}), "training subjects", cfg, "training")
     model = runner.model(cfg)
     set_params(model, params)
-    served = runner.served_model(cfg)
+    served = served_model(runner, cfg)
     metrics, meta = _metrics(runner, served, cfg)
     seed = _seed(runner, cfg, round_)
     anchor = [p.detach().clone() for p in model.parameters()]
@@ -173,16 +185,6 @@ class SegSiteRunner(SiteRunner):
                                                 seed=cfg.seed, modules=self.policy.modules).to(self.device(cfg))
             self._model_key = key
             self._optimizers = {}
-        return self._model
-
-    def served_model(self, cfg: TaskConfig):
-        """The model this site uses: its Ditto personal model when personalising, else the global one."""
-        import copy
-
-        if task_config(cfg).ditto_lambda:
-            if "personal" not in self.state:
-                self.state["personal"] = copy.deepcopy(self._model)
-            return self.state["personal"]
         return self._model
 
     TASKS = {"assess": assess, "train": train, "validate": validate}

@@ -84,10 +84,12 @@ class Workflow:
     Args:
         num_rounds: training rounds R (a final ``validate`` round R follows).
         fedmed_config: the task config every task carries to the sites (:func:`fedmed.run.taskconfig.fedmed_config`).
-        **args: the workflow's own options (the registry builds them from the method's config).
+        aggregator: how updates become a model (``fedmed.workflows.aggregators``; FedAvg's weighted average).
+        **args: the workflow's own options (its method's ``workflow_options``, ``fedmed.methods``).
     """
 
     record_name = "Workflow"  # what the run's record, checkpoint and saved models call this workflow
+    earlier_record_names: tuple = ()  # names earlier fedmed versions recorded for it (still read back)
     stable_cluster_ids = True  # a cluster id names the same model in every round (CFL renumbers when it splits)
     fed = None  # the Federation it runs on
 
@@ -237,6 +239,15 @@ class Workflow:
         (self.out_dir / "onboarding.json").write_text(json.dumps(doc, default=json_default))
         if arrays:
             np.savez(self.out_dir / "onboarding.npz", **{k: np.asarray(v) for k, v in arrays.items()})
+
+    def sample(self, round_: int, share: float) -> list:
+        """Step: the sites taking part in round ``round_`` — a ``share`` of the federation drawn with the run's seed
+        and the round (the same draw in every federation and on a resumed run)."""
+        import numpy as np
+
+        k = max(1, int(round(share * len(self.sites))))
+        rng = np.random.default_rng(self.task_cfg.seed * 100_003 + round_)
+        return sorted(rng.choice(self.sites, size=k, replace=False).tolist())
 
     def start_round(self) -> int:
         return int(self.resumed.get("next_round", 0))

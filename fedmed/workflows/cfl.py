@@ -18,12 +18,13 @@ class CFL(FedAvg):
     model at each split and each half's mean update) is kept so a new site can be sent down it (Sattler et al.,
     Sec. "clustering new clients"; :class:`fedmed.workflows.onboard.Onboard`)."""
 
-    record_name = "CFLController"
+    record_name = "CFL"
+    earlier_record_names = ("CFLController",)  # what runs of fedmed before 2026-11-25 recorded
 
     stable_cluster_ids = False
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, eps1: float = 0.4, eps2: float = 1.6,
-                 warmup_rounds: int = 2, **kw):
+    def __init__(self, num_rounds: int, fedmed_config: dict, *, eps1: float, eps2: float, warmup_rounds: int, **kw):
+        """Every option from the method (``fedmed.methods.CFLMethod``)."""
         super().__init__(num_rounds, fedmed_config, **kw)
         self.eps1, self.eps2, self.warmup_rounds = float(eps1), float(eps2), int(warmup_rounds)
 

@@ -30,10 +30,12 @@ class OneShotClustered(FedAvg):
        each site is scored with its cluster's model, and each cluster's model is saved.
     """
 
-    record_name = "ClusteredFedAvgController"
+    record_name = "OneShotClustered"
+    earlier_record_names = ("ClusteredFedAvgController",)  # what runs of fedmed before 2026-11-25 recorded
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, signature: dict, clustering: dict, fedavg_warmup: int = 0,
+    def __init__(self, num_rounds: int, fedmed_config: dict, *, signature: dict, clustering: dict, fedavg_warmup: int,
                  **kw):
+        """``signature``, ``clustering``, ``fedavg_warmup``: the method's (``fedmed.methods``)."""
         super().__init__(num_rounds, fedmed_config, **kw)
         self.fedavg_warmup = int(fedavg_warmup)
         if not 0 <= self.fedavg_warmup < self.num_rounds:

@@ -13,7 +13,8 @@ class FedAvg(Workflow):
     then every site scores the final theta ("validate"); the final model is saved.
     """
 
-    record_name = "FedAvgController"
+    record_name = "FedAvg"
+    earlier_record_names = ("FedAvgController",)  # what runs of fedmed before 2026-11-25 recorded
     onboard_label_free = True
     onboard_needs_state = False
 

@@ -224,7 +224,7 @@ class Federation:
         if not (Path(src) / "state.json").is_file():
             raise RunFailed(f"resume requested but the job carries no checkpoint ({RESUME_DIR}/state.json)")
         doc = json.loads((Path(src) / "state.json").read_text())
-        if doc.get("workflow") != self.workflow.record_name:
+        if doc.get("workflow") not in (self.workflow.record_name, *self.workflow.earlier_record_names):
             raise RunFailed(f"the checkpoint is from workflow {doc.get('workflow')}, not {self.workflow.record_name}")
         z = np.load(Path(src) / "models.npz")
         models: dict = {}

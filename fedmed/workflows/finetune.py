@@ -19,9 +19,11 @@ class Finetune(FedAvg):
     (``init="fedmae"``, carried in the job) or from random weights.
     """
 
-    record_name = "FinetuneController"
+    record_name = "Finetune"
+    earlier_record_names = ("FinetuneController",)  # what runs of fedmed before 2026-11-25 recorded
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, init: str = "random", prep_wfl: bool = False, **kw):
+    def __init__(self, num_rounds: int, fedmed_config: dict, *, init: str, prep_wfl: bool, **kw):
+        """Every option from the method (``fedmed.methods.FinetuneMethod``)."""
         super().__init__(num_rounds, fedmed_config, **kw)
         self.init = init
         self.prep_wfl = bool(prep_wfl)

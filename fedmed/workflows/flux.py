@@ -25,7 +25,8 @@ class Flux(FedAvg):
     Writes ``flux_state.npz`` (``theta*``, the box, centroids) for the test-time job.
     """
 
-    record_name = "FluxController"
+    record_name = "Flux"
+    earlier_record_names = ("FluxController",)  # what runs of fedmed before 2026-11-25 recorded
 
     START_THRESHOLD = 0.06  # Eq. 14's threshold on the accuracy gain
 
@@ -39,11 +40,6 @@ class Flux(FedAvg):
         self.participation = float(participation)
         self.n_clusters = int(n_clusters or 0)
         self.scale, self.k1_silhouette, self.scaling, self.start_rule = float(scale), k1_silhouette, scaling, start_rule
-
-    def sample(self, r: int) -> list:
-        k = max(1, int(round(self.participation * len(self.sites))))
-        rng = np.random.default_rng(self.task_cfg.seed * 100_003 + r)
-        return sorted(rng.choice(self.sites, size=k, replace=False).tolist())
 
     def descriptors(self, theta_star, sites, label_free=False) -> dict:
         got = self.gather("descriptor", self.task(theta_star, 0, flux={**self.flux.model_dump(), **self.box,
@@ -59,7 +55,8 @@ class Flux(FedAvg):
         theta = self.resumed_models().get("global") or self.initial_params()
         acc, r = list(st.get("acc", [])), self.start_round()
         while r < self.num_rounds - 1:
-            rows = self.record_rows(r, self.send("train", self.task(theta, r), targets=self.sample(r)), "train")
+            part = self.sample(r, self.participation)
+            rows = self.record_rows(r, self.send("train", self.task(theta, r), targets=part), "train")
             theta = self.aggregate(rows)
             score = round_mean(rows, "val_accuracy")  # the served model's validation accuracy (Eq. 14's a_r)
             score = round_mean(rows, "accuracy") if score is None else score
@@ -75,7 +72,7 @@ class Flux(FedAvg):
         from fedmed.algorithms.clustered import flux_cluster
         from fedmed.algorithms.flux import merge_bounds
 
-        part = self.sample(r)
+        part = self.sample(r, self.participation)
         got = self.gather("latent_bounds", self.task(theta_star, r, flux=self.flux.model_dump()), "latent bounds",
                           targets=part, round_=r)
         bounds = [(np.asarray(g.meta["lo"]), np.asarray(g.meta["hi"])) for g in got.values()]
@@ -115,7 +112,7 @@ class Flux(FedAvg):
             models = {c: theta_star for c in range(info["k"])}
         for rr in range(r0, self.num_rounds + 1):
             task = "train" if rr < self.num_rounds else "validate"
-            sampled = self.sample(rr) if task == "train" else list(self.sites)
+            sampled = self.sample(rr, self.participation) if task == "train" else list(self.sites)
             new = [s for s in sampled if s not in assign]
             for s, meta in self.descriptors(theta_star, new).items() if new else []:
                 assign[s] = assign_nearest(meta["full"], info["centroids_full"])

@@ -1,7 +1,5 @@
 """IFCA (Ghosh et al. 2020): K models, each site trains the one with the lowest local loss."""
 
-import numpy as np
-
 from fedmed.algorithms.aggregation import ifca_models
 from fedmed.core.packing import pack_models
 from fedmed.workflows.fedavg import FedAvg
@@ -12,19 +10,16 @@ class IFCA(FedAvg):
     with the lowest loss on its training data and trains it; the server averages per chosen model
     (:func:`fedmed.algorithms.aggregation.ifca_models`; a model nobody chose: ``empty_cluster``)."""
 
-    record_name = "IFCAController"
+    record_name = "IFCA"
+    earlier_record_names = ("IFCAController",)  # what runs of fedmed before 2026-11-25 recorded
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, k: int = 2, participation: float = 1.0,
-                 empty_cluster: str = "global", **kw):
+    def __init__(self, num_rounds: int, fedmed_config: dict, *, k: int, participation: float, empty_cluster: str,
+                 **kw):
+        """Every option from the method (``fedmed.methods.IFCAMethod``)."""
         super().__init__(num_rounds, fedmed_config, **kw)
         self.k = int(k)
         self.participation = float(participation)
         self.empty_cluster = empty_cluster
-
-    def sample(self, r: int) -> list:
-        n = max(1, int(round(self.participation * len(self.sites))))
-        rng = np.random.default_rng(self.task_cfg.seed * 100_003 + r)
-        return sorted(rng.choice(self.sites, size=n, replace=False).tolist())
 
     def run(self):
         saved = self.resumed_models()
@@ -34,7 +29,7 @@ class IFCA(FedAvg):
         for r in range(self.start_round(), self.num_rounds + 1):
             train = r < self.num_rounds
             packed = pack_models(models)
-            sites = self.sample(r) if train else list(self.sites)
+            sites = self.sample(r, self.participation) if train else list(self.sites)
             rows = self.record_rows(r, self.send("ifca", self.task(packed, r, ifca={"k": self.k, "train": train}),
                                                  targets=sites), "train" if train else "validate")
             if train:

@@ -74,7 +74,8 @@ class Onboard(Workflow):
     assigns it a cluster by the method's own distance; 3. the site scores that cluster's model (and its true group's,
     and every cluster's as references)."""
 
-    record_name = "OnboardController"
+    record_name = "Onboard"
+    earlier_record_names = ("OnboardController",)  # what runs of fedmed before 2026-11-25 recorded
 
     def __init__(self, num_rounds: int, fedmed_config: dict, training: str = "fedavg", known_clusters: dict = None,
                  references: bool = False, labels: bool = True, ensemble: bool = False, **kw):
@@ -227,7 +228,7 @@ def check_training_result(path, workflow: str, training: str, *, onboards: bool,
         raise OnboardingError(f"{path}: the training run did not finish (status {status}{why}); onboarding needs a "
                               f"finished run's models")
     expect = cls.record_name
-    if doc.get("workflow") not in (None, expect):
+    if doc.get("workflow") not in (None, expect, *cls.earlier_record_names):
         raise OnboardingError(f"{path}: a run of {doc.get('workflow')}, not of workflow {workflow!r} ({expect})")
     if not list((folder / "models").glob("*.pt")):
         raise OnboardingError(f"{path}: the run saved no model (models/*.pt)")

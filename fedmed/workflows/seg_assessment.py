@@ -21,12 +21,15 @@ class SegAssessment(OneShotClustered):
     With the site or clusters given, the assessment round is skipped.
     """
 
-    record_name = "SegAssessmentController"
+    record_name = "SegAssessment"
+    earlier_record_names = ("SegAssessmentController",)  # what runs of fedmed before 2026-11-25 recorded
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, mode: str = "assess", distance: str = "emd",
-                 omega: float = 1.0, site: str = "", clusters: list = None, **kw):
-        super().__init__(num_rounds, fedmed_config, signature={}, clustering={}, **kw)
-        self.omega = float(omega)
+    def __init__(self, num_rounds: int, fedmed_config: dict, *, mode: str, distance: str | None = None,
+                 omega: float | None = None, site: str | None = None, clusters: list | None = None, **kw):
+        """``mode`` and the options of its method (``fedmed.methods``: FedAvg_w's distance, omega, site; the two-cluster
+        split's distance, clusters); None: an option the mode does not take."""
+        super().__init__(num_rounds, fedmed_config, signature={}, clustering={}, fedavg_warmup=0, **kw)
+        self.omega = omega
         self.assessed: dict = {}
         self.max_intensity = None  # the modality of EMD_maxI in the run's assessment
         self.mode, self.distance, self.site, self.clusters = mode, distance, site, clusters or []
