@@ -30,7 +30,8 @@ from fedmed.core.schema import Strict
 
 __all__ = ["CFLMethod", "DittoMethod", "FECFLMethod", "FMCLMethod", "FedAvgMethod", "FedAvgWMethod", "FedMAEMethod",
            "FedProxMethod", "FinetuneMethod", "FluxMethod", "IFCAMethod", "METHODS", "Method", "MethodError",
-           "PACFLMethod", "PluginError", "SegAssessMethod", "SegClustersMethod", "clustering_workflows", "load_plugins",
+           "PACFLMethod", "PluginError", "SegAssessMethod", "SegClustersMethod", "SignatureMethod", "clustering_workflows",
+           "load_plugins",
            "method_class", "method_union", "register_method", "server_workflow_path", "workflows_for"]
 
 CLASSIFY_TASKS = ("train", "validate")
@@ -105,7 +106,7 @@ class FedProxMethod(Method):
         return {"train": {"fedprox_mu": self.fedprox_mu}}
 
 
-class _Signature(Method, _Encoder, _Clusters):
+class SignatureMethod(Method, _Encoder, _Clusters):
     """FMCL, PACFL and FECFL: one signature per site, clustered once (``fedmed.workflows.clustered``)."""
 
     server: ClassVar = "clustered:OneShotClustered"
@@ -133,7 +134,7 @@ class _Signature(Method, _Encoder, _Clusters):
                 "fedavg_warmup": self.fedavg_warmup}
 
 
-class FMCLMethod(_Signature):
+class FMCLMethod(SignatureMethod):
     workflow: Literal["fmcl"]
     overlap: bool = Field(True, description="overlap-aware multiplier m_ij (False: the paper's 'no overlap' ablation)")
 
@@ -141,7 +142,7 @@ class FMCLMethod(_Signature):
         return {"overlap": self.overlap}
 
 
-class PACFLMethod(_Signature):
+class PACFLMethod(SignatureMethod):
     workflow: Literal["pacfl"]
     encoder: str = "pixels"
     n_basis: int = Field(3, ge=1, description="singular vectors per class")
@@ -153,7 +154,7 @@ class PACFLMethod(_Signature):
         return {"n_basis": self.n_basis, "angle": self.angle}
 
 
-class FECFLMethod(_Signature):
+class FECFLMethod(SignatureMethod):
     workflow: Literal["fecfl"]
 
 

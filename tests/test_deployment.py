@@ -101,8 +101,16 @@ class Deployment:
         (self.kits[name] / "local" / "authorization.json").write_text(json.dumps(authz, indent=1))
 
     def start(self, name: str):
-        p = subprocess.Popen(["bash", str(self.kits[name] / "startup" / "sub_start.sh")], cwd=self.kits[name],
-                             env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        """docs/deployment.md §5: the kit's startup/start.sh, the page's line as written (its placeholders: this
+        project's folder and the party's name). start.sh starts sub_start.sh in the background, in the session
+        started here, which stop() ends as a whole."""
+        lines = [c for c in doc_commands("deployment.md") if c.endswith("/startup/start.sh") or "/startup/start.sh " in c]
+        line = next(c for c in lines if ("# the server" in c) == (name == "localhost"))
+        kit = self.kits[name]
+        cmd = (line.replace("provision/<project>/prod_00", str(kit.parent))
+               .replace("fl.coordinator.example.org", name).replace("hospital-a", name))
+        p = subprocess.Popen(["bash", "-c", cmd], cwd=self.root, env=self.env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
         self.procs.append(p)
 
     def session(self):

@@ -21,6 +21,8 @@ RUN_HERE = {
     ".venv/bin/python -m fedmed_flare.kit provision/<project>/prod_00/*/": "test_deployment.py: Deployment.allow_fedmed",
     ".venv/bin/python jobs/build.py --config app_configs/busi_fmcl.yaml --method FMCL --out job_folders --sites":
         "test_docs.py: test_deployment_section_6_builds_the_job_it_names_as_written",
+    "provision/<project>/prod_00/fl.coordinator.example.org/startup/start.sh": "test_deployment.py: Deployment.start",
+    "provision/<project>/prod_00/hospital-a/startup/start.sh": "test_deployment.py: Deployment.start",
     ".venv/bin/fedmed experiment app_configs/busi_224.yaml":
         "test_docs.py: test_the_busi_224_recipe_as_written_names_the_missing_weights_before_any_training",
 }
@@ -30,9 +32,6 @@ NOT_HERE = {
                           "into a fresh venv, as these lines do",
     "python3 -m venv .venv": "the CI's own setup (make setup) runs it; tests/test_install.py makes a fresh venv",
     ".venv/bin/pip install -c constraints.txt .": "tests/test_install.py installs the built wheel into a fresh venv",
-    "provision/<project>/prod_00/fl.coordinator.example.org/startup/start.sh":
-        "test_deployment.py starts every kit with its startup/sub_start.sh (what start.sh starts in the background)",
-    "provision/<project>/prod_00/hospital-a/startup/start.sh": "as above",
     ".venv/bin/python jobs/run.py --config app_configs/busi_fmcl.yaml --method FMCL --env prod":
         "busi_fmcl's FMCL on its 20 sites for 20 rounds; test_deployment.py submits jobs with jobs/run.py --env prod "
         "and the admin's kit to its own provisioned sites",

@@ -110,14 +110,14 @@ def check_encoder(name: str, weights: str | None, *, in_channels: int = 1, image
 
 def check_method_files(exp, method) -> None:
     """The files a method names exist and fit (its encoder, its init): checked before any run of an experiment."""
-    from fedmed.methods import FinetuneMethod, SegAssessMethod, _Signature
+    from fedmed.methods import FinetuneMethod, SegAssessMethod, SignatureMethod
 
     weights = method.weights_file
     if isinstance(method, FinetuneMethod):
         if method.init == "fedmae" and (not weights or not Path(weights).is_file()):
             raise BuildError(f"method {method.name!r}: init 'fedmae' needs encoder_weights, the Fed-MAE run's "
                              f"models/encoder.pt (got {weights!r})")
-    elif isinstance(method, _Signature):
+    elif isinstance(method, SignatureMethod):
         check_encoder(method.encoder, weights, in_channels=exp.dataset.channels, image_size=method.encoder_image_size)
     elif isinstance(method, SegAssessMethod) and weights:
         check_encoder("medicalnet_resnet18", weights)
