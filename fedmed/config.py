@@ -25,8 +25,8 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 
 from fedmed.core.schema import FederationTiming, ModelSection, PrivacyConfig, Strict, TrainConfig
 from fedmed.core.validation import SITE_NAME as _SITE_NAME_RE
-from fedmed.methods import (METHODS, FedAvgMethod, Method, PluginError, _listeners, load_plugins, method_class,  # noqa: F401
-                            method_union)
+from fedmed.methods import (METHODS, FedAvgMethod, Method, PluginError, load_plugins, method_class,  # noqa: F401
+                            method_union, on_register)
 from fedmed.methods import *  # noqa: F401,F403  (the method models, importable from here as before)
 
 __all__ = ["ConfigError", "DatasetConfig", "ExperimentConfig", "FederationConfig", "MethodConfig", "ModelConfig",
@@ -254,7 +254,7 @@ def _rebuild_methods() -> None:
     ExperimentConfig.model_rebuild(force=True)
 
 
-_listeners.append(_rebuild_methods)
+on_register(_rebuild_methods)
 
 
 # --------------------------------------------------------------------------------------------- loading

@@ -32,7 +32,7 @@ __all__ = ["CFLMethod", "DittoMethod", "FECFLMethod", "FMCLMethod", "FedAvgMetho
            "FedProxMethod", "FinetuneMethod", "FluxMethod", "IFCAMethod", "METHODS", "Method", "MethodError",
            "PACFLMethod", "PluginError", "SegAssessMethod", "SegClustersMethod", "SignatureMethod", "clustering_workflows",
            "load_plugins",
-           "method_class", "method_union", "register_method", "server_workflow_path", "workflows_for"]
+           "method_class", "method_union", "on_register", "register_method", "server_workflow_path", "workflows_for"]
 
 CLASSIFY_TASKS = ("train", "validate")
 
@@ -356,6 +356,11 @@ def register_method(cls: type) -> type:
     for f in _listeners:
         f()
     return cls
+
+
+def on_register(callback) -> None:
+    """Call ``callback()`` after every registration (``fedmed.config`` rebuilds its ``methods:`` type)."""
+    _listeners.append(callback)
 
 
 def method_class(workflow: str) -> type:
