@@ -29,7 +29,7 @@ from fedmed.methods import (METHODS, FedAvgMethod, Method, PluginError, load_plu
                             method_union, on_register)
 from fedmed.methods import *  # noqa: F401,F403  (the method models, importable from here as before)
 
-__all__ = ["ConfigError", "DatasetConfig", "ExperimentConfig", "FederationConfig", "MethodConfig", "ModelConfig",
+__all__ = ["ConfigError", "DatasetConfig", "SourceConfig", "ExperimentConfig", "FederationConfig", "MethodConfig", "ModelConfig",
            "PrivacyConfig", "TrainConfig", "WORKFLOWS", "apply_overrides", "load_config", "method_options"]
 
 
@@ -43,8 +43,30 @@ _Strict = Strict
 SITE_NAME = _SITE_NAME_RE.pattern  # what FLARE accepts as a client name (fedmed.core.validation)
 
 
+class SourceConfig(_Strict):
+    """One source of a multi-source dataset (``dataset.sources``, :mod:`fedmed.data.sources`)."""
+
+    path: str = Field(description="a hospital-style index CSV (image, label, site, patient or case, optional mask; "
+                      "other columns ignored; paths relative to the CSV), or a folder of class folders (one source)")
+    site: Optional[str] = Field(None, pattern=SITE_NAME, description="the source's site name: required for a folder; "
+                                "for a CSV, every row's site instead of its site column")
+    image_column: str = "image"
+    label_column: str = Field("label", description="class names, or integer indices into dataset.classes")
+    site_column: str = "site"
+    patient_column: Optional[str] = Field(None, description="the patient or case id (default: 'patient', else 'case'); "
+                                          "a folder source has none: each image is its own patient")
+    mask_column: Optional[str] = Field(None, description="lesion masks (2D segmentation)")
+    ignore_labels: list[str] = Field(default_factory=list, description="labels left out of this source (e.g. BUSI's "
+                                     "'normal' in a benign-vs-malignant study); any other label outside "
+                                     "dataset.classes is an error")
+
+
 class DatasetConfig(_Strict):
-    path: str = Field(description="dataset root (class folders, MedMNIST .npz, NIfTI subjects) or 'builtin:digits'")
+    path: Optional[str] = Field(None, description="dataset root (class folders, MedMNIST .npz, NIfTI subjects) or "
+                                "'builtin:digits'; or leave it out and give sources")
+    sources: list[SourceConfig] = Field(default_factory=list, description="several sources (hospitals, scanners) "
+                                        "pooled, each image knowing its source and patient: federation.partition "
+                                        "natural makes a site per source; every split is by patient")
     task: Literal["classification", "segmentation"] = "classification"
     classes: Optional[list[str]] = Field(None, min_length=2, description="class names, in label order (the schema a job "
                                          "is built from); filled from the data by `fedmed experiment`")
@@ -59,6 +81,19 @@ class DatasetConfig(_Strict):
     shape: list[int] = Field(default_factory=lambda: [32, 48, 40], min_length=3, max_length=3)
     roi: list[int] = Field(default_factory=lambda: [32, 32, 32], min_length=3, max_length=3)
 
+    @model_validator(mode="after")
+    def _one_origin(self):
+        if (self.path is None) == (not self.sources):
+            raise ValueError("give dataset.path or dataset.sources (one of them)")
+        if self.sources and self.task != "classification":
+            raise ValueError("dataset.sources: multi-source datasets are classification datasets for now")
+        return self
+
+    def describe(self) -> str:
+        """Where the data comes from, in one line."""
+        return self.path if self.path is not None else " + ".join(
+            s.path + (f" ({s.site})" if s.site else "") for s in self.sources)
+
     @field_validator("classes")
     @classmethod
     def _unique_classes(cls, v):
@@ -72,7 +107,13 @@ class FederationConfig(FederationTiming):
     site_names: Optional[list[Annotated[str, Field(pattern=SITE_NAME)]]] = Field(
         None, min_length=1, description="the sites' names (default site-1..N for generated federations; a deployed "
         "job targets these sites, or every connected site when left out)")
-    partition: Literal["iid", "dirichlet", "quantity", "predi", "anda", "label_volume"] = "iid"
+    partition: Literal["iid", "dirichlet", "quantity", "predi", "anda", "label_volume", "natural"] = Field(
+        "iid", description="how the pool becomes sites; natural: a site per source of dataset.sources (the sites "
+        "count and names come from the data)")
+    split_sources: dict[str, int] = Field(default_factory=dict, description="natural: a large source dealt by "
+                                          "patient into this many sites (<source>-1..n)")
+    holdout_sources: list[str] = Field(default_factory=list, description="natural: sources held out of training as "
+                                       "unseen sites (unseen-<source>), for onboarding")
     dirichlet_scheme: Literal["hsu", "per_client"] = Field(
         "hsu", description="hsu: q_k ~ Dir(alpha p) per site (Hsu et al., FMCL); per_client: each class split over "
         "sites ~ Dir(alpha) (FedLab / NIID-Bench)")
@@ -117,7 +158,7 @@ class ModelConfig(ModelSection):
     @field_validator("arch")
     @classmethod
     def _known_arch(cls, v):
-        if v in ("resnet9", "resnet18", "vit_small", "unet"):
+        if v in ("resnet9", "resnet18", "vit_small", "unet", "efficientnet_lite0"):
             return v
         from fedmed.nn.models import ArchError, resolve_arch
 
@@ -208,10 +249,24 @@ class ExperimentConfig(_Strict):
             if unknown:
                 raise ValueError(f"sweep case {c.name!r} names unknown method(s) {unknown}; the config has {names}")
         fed = self.federation
-        if fed.site_names is not None and fed.partition != "label_volume" and len(fed.site_names) != fed.sites:
+        if fed.partition == "natural" and not self.dataset.sources:
+            raise ValueError("federation.partition natural makes a site per source: it needs dataset.sources")
+        if fed.partition != "natural" and (fed.split_sources or fed.holdout_sources):
+            raise ValueError("federation.split_sources / holdout_sources are for federation.partition natural")
+        if self.dataset.sources and fed.common_test_fraction > 0:
+            raise ValueError("federation.common_test_fraction is not available for dataset.sources (a common test set "
+                             "would have to be drawn by patient across sources)")
+        if fed.partition == "natural" and fed.unseen_sites:
+            raise ValueError("federation.unseen_sites: a natural federation holds out whole sources "
+                             "(federation.holdout_sources)")
+        if any(n < 1 for n in fed.split_sources.values()):
+            raise ValueError(f"federation.split_sources: site counts should be at least 1, got {fed.split_sources}")
+        if fed.partition == "natural" and fed.site_names is None:
+            pass  # the sites' names and count come from the data (fedmed experiment fills them in)
+        elif fed.site_names is not None and fed.partition != "label_volume" and len(fed.site_names) != fed.sites:
             raise ValueError(f"federation.site_names has {len(fed.site_names)} names but federation.sites is "
                              f"{fed.sites}")
-        if fed.min_clients > fed.sites:
+        if fed.min_clients > fed.sites and not (fed.partition == "natural" and fed.site_names is None):
             raise ValueError(f"federation.min_clients ({fed.min_clients}) should not exceed federation.sites "
                              f"({fed.sites})")
         seg = self.dataset.task == "segmentation"
@@ -221,6 +276,9 @@ class ExperimentConfig(_Strict):
                 raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} needs dataset.task: segmentation")
             if seg and "segmentation" not in serves:
                 raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} is for classification, not segmentation")
+            if m.workflow == "fedbn" and self.model.arch in ("resnet9", "resnet18") and self.model.norm != "batch":
+                raise ValueError(f"method {m.name!r}: FedBN keeps each site's batch-norm layers; model.norm is "
+                                 f"{self.model.norm!r} (set model.norm: batch)")
             if m.workflow == "flux" and self.model.arch not in ("resnet9", "resnet18", "vit_small"):
                 raise ValueError(f"method {m.name!r}: Flux describes a site by the latents of fedmed's networks "
                                  f"(forward_features); model.arch {self.model.arch!r} has none")

@@ -28,7 +28,8 @@ from pydantic import Field
 from fedmed.core.plugins import PluginError, import_plugins, module_allowed
 from fedmed.core.schema import Strict
 
-__all__ = ["CFLMethod", "DittoMethod", "FECFLMethod", "FMCLMethod", "FedAvgMethod", "FedAvgWMethod", "FedMAEMethod",
+__all__ = ["CFLMethod", "DittoMethod", "FECFLMethod", "FMCLMethod", "FedAvgMethod", "FedAvgWMethod", "FedBNMethod",
+           "FedMAEMethod",
            "FedProxMethod", "FinetuneMethod", "FluxMethod", "IFCAMethod", "METHODS", "Method", "MethodError",
            "PACFLMethod", "PluginError", "SegAssessMethod", "SegClustersMethod", "SignatureMethod", "clustering_workflows",
            "load_plugins",
@@ -104,6 +105,18 @@ class FedProxMethod(Method):
 
     def task_options(self, exp, seed):
         return {"train": {"fedprox_mu": self.fedprox_mu}}
+
+
+class FedBNMethod(Method):
+    """FedBN (Li et al., ICLR 2021): FedAvg in which every site keeps its own batch-norm layers — the standard answer
+    to scanner and feature shift. The server averages the whole model (its batch-norm values are only a new site's
+    starting point); each site trains and is scored with the shared weights and its own batch norm."""
+
+    workflow: Literal["fedbn"]
+    onboards: ClassVar[bool] = True
+
+    def task_options(self, exp, seed):
+        return {"train": {"local_norm": True}}
 
 
 class SignatureMethod(Method, _Encoder, _Clusters):
@@ -315,7 +328,7 @@ class FinetuneMethod(Method):
                 "finetune": {"layer_decay": self.layer_decay, "warmup": self.warmup, "rounds": exp.train.rounds}}
 
 
-BUILTIN = (FedAvgMethod, FedProxMethod, FMCLMethod, PACFLMethod, FECFLMethod, CFLMethod, FluxMethod, IFCAMethod,
+BUILTIN = (FedAvgMethod, FedProxMethod, FedBNMethod, FMCLMethod, PACFLMethod, FECFLMethod, CFLMethod, FluxMethod, IFCAMethod,
            SegAssessMethod, FedAvgWMethod, SegClustersMethod, DittoMethod, FedMAEMethod, FinetuneMethod)
 
 

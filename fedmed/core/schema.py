@@ -138,6 +138,9 @@ class TrainTask(TrainConfig):
 
     fedprox_mu: Optional[float] = Field(None, ge=0, description="FedProx's proximal weight mu (None: no proximal "
                                         "term; the value: fedmed.methods.FedProxMethod)")
+    local_norm: bool = Field(False, description="FedBN: the site keeps its own batch-norm layers (weights, biases, "
+                             "running statistics) and takes only the rest of the served model (fedmed.methods."
+                             "FedBNMethod)")
 
 
 class SignatureTask(Strict):

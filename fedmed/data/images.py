@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -139,6 +139,9 @@ class ImagePool:
     labels: np.ndarray
     class_names: list[str]
     source: str
+    sites: Optional[list] = None  # each image's source (fedmed.data.sources), None for a single-source pool
+    groups: Optional[list] = None  # each image's patient: images of one patient are never split apart
+    masks: Optional[list] = None  # each image's mask file (or None), where the source has masks
 
     @property
     def n_classes(self) -> int:
@@ -146,7 +149,12 @@ class ImagePool:
 
     def subset(self, idx) -> "ImagePool":
         idx = np.asarray(idx, dtype=np.int64)
-        return ImagePool([self.items[i] for i in idx], self.labels[idx], self.class_names, self.source)
+
+        def pick(xs):
+            return None if xs is None else [xs[i] for i in idx]
+
+        return ImagePool([self.items[i] for i in idx], self.labels[idx], self.class_names, self.source,
+                         sites=pick(self.sites), groups=pick(self.groups), masks=pick(self.masks))
 
 
 def _class_dirs(root: Path) -> list[Path]:
@@ -335,6 +343,25 @@ def split_sizes(n: int, test_fraction: float, val_fraction: float) -> tuple[int,
     return n_test, n_val
 
 
+def _patient_cuts(idx: np.ndarray, groups: list, n_test: int, n_val: int) -> tuple[np.ndarray, int, int]:
+    """``idx`` reordered so that each patient's images are adjacent (patients in their shuffled order), and the test
+    and validation cuts moved to patient boundaries: whole patients go to test until it holds at least ``n_test``
+    images, then to validation likewise; training keeps at least one patient."""
+    order = list(dict.fromkeys(groups))
+    members = {g: [] for g in order}
+    for i, g in zip(idx, groups):
+        members[g].append(int(i))
+    sizes = [len(members[g]) for g in order]
+    cuts, at = [], 0
+    for want in (n_test, n_val):
+        got = 0
+        while got < want and at < len(order) - 1:
+            got += sizes[at]
+            at += 1
+        cuts.append(got)
+    return np.asarray([i for g in order for i in members[g]], dtype=np.int64), cuts[0], cuts[1]
+
+
 def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, *, test_fraction: float = 0.2,
                          val_fraction: float = 0.0, seed: int = 0, site_names: Sequence[str] | None = None,
                          transforms: Sequence[Callable] | None = None, extra: dict | None = None,
@@ -346,7 +373,8 @@ def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, 
     ``transforms[k](array, label) -> (array, label)`` shifts site ``k``'s images (ANDA); shifted
     and array images are written as PNGs under ``out_dir/images/<site>/``. With ``common_test`` (indices into the
     pool, disjoint from every part) every site's ``test`` split is that common set and its own samples are split
-    into validation and training only (``001_`` §4.3: one common test set in the global label space).
+    into validation and training only (``001_`` §4.3: one common test set in the global label space). A pool that
+    knows its patients (``pool.groups``) is split by patient: no patient has images in two splits.
 
     Returns:
         the site datalist paths.
@@ -372,6 +400,8 @@ def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, 
             n_test, n_val = split_sizes(idx.size, test_fraction, val_fraction)
         else:
             n_test, n_val = 0, split_sizes(idx.size, 0.0, val_fraction)[1] if idx.size >= 3 else 0
+        if pool.groups is not None:  # whole patients: the cuts move to the nearest patient boundary
+            idx, n_test, n_val = _patient_cuts(idx, [pool.groups[i] for i in idx], n_test, n_val)
         entries = []
         for j, i in enumerate(idx):
             item, label = pool.items[i], int(pool.labels[i])

@@ -11,6 +11,9 @@ seed, never global state, and retries a bounded number of times before raising a
 * :func:`anda_federation` — ANDA-style shifts of ``003_`` Appendix B.1/F.1 (feature, label,
   P(Y|X), P(X|Y), quantity) with the ground-truth group of every site;
   :func:`apply_anda_transform` applies a site's image transform.
+* :func:`natural_partition` — a site per source (hospital, scanner), a large source dealt by patient into several
+  sites, sources held out as unseen sites; :func:`group_units` / :func:`expand_units` make any partition split by
+  patient.
 * :func:`label_volume_federation` — ``004_`` Appendix D: subjects ordered by label volume and cut
   into contiguous sites.
 """
@@ -31,8 +34,11 @@ __all__ = [
     "apply_anda_transform",
     "as_rng",
     "dirichlet_label_partition",
+    "expand_units",
+    "group_units",
     "iid_partition",
     "label_volume_federation",
+    "natural_partition",
     "predi",
     "predi_partition",
     "quantity_partition",
@@ -516,3 +522,79 @@ def label_volume_federation(volumes, n_sites: int) -> list[np.ndarray]:
     n_sites = _check_sites(n_sites, v.size, "subjects")
     order = np.argsort(v, kind="mergesort")
     return [np.asarray(part, dtype=np.int64) for part in np.array_split(order, n_sites)]
+
+
+# --------------------------------------------------------------------------------------------- patients and sources
+
+def group_units(groups) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The patients of a pool as partition units: ``(first, members)`` — per patient (in order of first appearance)
+    the index of its first image and the indices of all its images. A partition of the units (by the first image's
+    label) expanded with :func:`expand_units` splits a pool by patient, never by image."""
+    first: dict = {}
+    members: list[list[int]] = []
+    for i, g in enumerate(groups):
+        if g not in first:
+            first[g] = len(members)
+            members.append([])
+        members[first[g]].append(i)
+    return np.asarray([m[0] for m in members], dtype=np.int64), [np.asarray(m, dtype=np.int64) for m in members]
+
+
+def expand_units(parts, members) -> list[np.ndarray]:
+    """Unit indices per site -> image indices per site (:func:`group_units`)."""
+    return [np.concatenate([members[u] for u in p]).astype(np.int64) if len(p) else np.zeros(0, dtype=np.int64)
+            for p in parts]
+
+
+def natural_partition(sites, groups, seed, *, split: dict | None = None, holdout=()) -> tuple[list, list, dict, list]:
+    """A site per source (``003_``/``004_``'s real federations: a hospital or scanner is a site).
+
+    Args:
+        sites: each image's source name.
+        groups: each image's patient (:func:`group_units`).
+        split: ``{source: n}``: deal that source's patients over ``n`` sites ``<source>-1..n`` of about equal image
+            counts (seeded; a patient's images stay together).
+        holdout: sources held out of training as unseen sites ``unseen-<source>``.
+
+    Returns:
+        ``(names, parts, source_of, unseen)``: site names, image indices per site, site -> source, the held-out
+        sites' names.
+
+    Raises:
+        ValueError: a split or held-out source that is not in the data (the sources are listed), or a split into
+            more sites than the source has patients.
+    """
+    rng = as_rng(seed)
+    split = dict(split or {})
+    order = list(dict.fromkeys(sites))  # sources in order of first appearance
+    unknown = sorted((set(split) | set(holdout)) - set(order))
+    if unknown:
+        raise ValueError(f"federation: source(s) {unknown} are not in the data; its sources are {order}")
+    names, parts, source_of, unseen = [], [], {}, []
+    sites = np.asarray(sites)
+    for src in order:
+        idx = np.flatnonzero(sites == src)
+        n = int(split.get(src, 1))
+        if src in holdout or n <= 1:
+            name = f"unseen-{src}" if src in holdout else src
+            names.append(name)
+            parts.append(idx)
+            source_of[name] = src
+            if src in holdout:
+                unseen.append(name)
+            continue
+        _, members = group_units([groups[i] for i in idx])
+        if n > len(members):
+            raise ValueError(f"federation.split_sources: {src!r} has {len(members)} patients, too few for {n} sites")
+        load = np.zeros(n, dtype=np.int64)
+        own: list[list[int]] = [[] for _ in range(n)]
+        for u in rng.permutation(len(members)):  # each patient to the site with the fewest images so far
+            k = int(np.argmin(load))
+            own[k].append(u)
+            load[k] += members[u].size
+        for k in range(n):
+            name = f"{src}-{k + 1}"
+            names.append(name)
+            parts.append(np.sort(idx[np.concatenate([members[u] for u in own[k]])]))
+            source_of[name] = src
+    return names, parts, source_of, unseen

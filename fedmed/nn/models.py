@@ -5,6 +5,8 @@ by name, or the user's own class.
 
 * ``resnet9`` | ``resnet18`` | ``vit_small`` — fedmed's 2D classifiers (for segmentation: fedmed's 3D U-Net with
   ``model.channels``);
+* ``efficientnet_lite0`` — EfficientNet-Lite0 (:class:`EfficientNetLiteClassifier`), which ``model.init_weights`` may
+  start from the ImageNet release file as shipped (transfer learning);
 * a class of ``monai.networks.nets`` by name (``DenseNet121``, ``EfficientNetBN``, ``SegResNet``, ``SwinUNETR``,
   ``DynUNet``, ...) with ``model.args``; fedmed fills what the task fixes when the constructor takes it —
   ``spatial_dims`` (2 or 3), the input channels (``in_channels`` / ``n_input_channels`` / ``in_chans``) and the
@@ -34,7 +36,7 @@ from torch import nn
 from fedmed.core.jobfiles import USER_CODE_DIR  # noqa: F401  (re-exported: where a job carries a user's class)
 from fedmed.core.schema import ModelSection
 
-__all__ = ["ArchError", "BUILTIN_ARCHS", "ResNet9", "build_model", "check_arch",
+__all__ = ["ArchError", "BUILTIN_ARCHS", "EfficientNetLiteClassifier", "PRETRAINED_ARCHS", "ResNet9", "build_model", "check_arch",
            "load_init_weights", "model_from_config", "network", "resolve_arch", "seg_model_from_config",
            "user_code_files"]
 
@@ -96,6 +98,32 @@ class ResNet9(nn.Module):
 
     def forward(self, x):
         return self.fc(self.features(x))
+
+
+class EfficientNetLiteClassifier(nn.Module):
+    """EfficientNet-Lite0 (timm ``tf_efficientnet_lite0``, the encoder :mod:`fedmed.nn.encoders` names
+    ``efficientnet_lite0``) as a site's classifier, with the release's preprocessing inside: images in [0, 1] become
+    ``(x - 0.5) / 0.5`` (TF's ``(x - 127) / 128``). ``model.init_weights`` may be the released ImageNet file as shipped
+    (:func:`load_init_weights` converts its ``efficientnet_pytorch`` names and leaves the new head as initialised):
+    transfer learning from ImageNet."""
+
+    def __init__(self, in_channels: int, num_classes: int):
+        super().__init__()
+        if in_channels != 3:
+            raise ArchError(f"model.arch efficientnet_lite0 takes RGB images (its release is ImageNet's): set "
+                            f"dataset.channels: 3 (got {in_channels})")
+        from fedmed.nn.encoders import import_timm
+
+        self.net = import_timm().create_model("tf_efficientnet_lite0", pretrained=False, num_classes=num_classes)
+
+    def forward_features(self, x):
+        return self.net.forward_head(self.net.forward_features((x - 0.5) / 0.5), pre_logits=True)
+
+    def forward(self, x):
+        return self.net.classifier(self.forward_features(x))
+
+
+PRETRAINED_ARCHS = {"efficientnet_lite0": EfficientNetLiteClassifier}  # fedmed's networks with a released file
 
 
 class _MonaiResNet18(nn.Module):
@@ -170,7 +198,7 @@ def resolve_arch(arch: str, modules=()) -> type:
         return cls
     import difflib
 
-    hint = difflib.get_close_matches(arch, _monai_names() + list(BUILTIN_ARCHS), n=1)
+    hint = difflib.get_close_matches(arch, _monai_names() + list(BUILTIN_ARCHS) + list(PRETRAINED_ARCHS), n=1)
     raise ArchError(f"model.arch {arch!r} is not fedmed's ({', '.join(BUILTIN_ARCHS)}), a network of "
                     f"monai.networks.nets, or package.module:Class" + (f"; did you mean {hint[0]!r}?" if hint else ""))
 
@@ -290,6 +318,15 @@ def load_init_weights(model: nn.Module, path) -> None:
     except EncoderError as e:
         raise ArchError(str(e)) from None
     own = model.state_dict()
+    if isinstance(model, EfficientNetLiteClassifier) and any(k.startswith("_conv_stem.") for k in state):
+        from fedmed.nn.encoders import effnet_lite_key
+
+        stages = [len(b) for b in model.net.blocks]  # the release as shipped: its names as timm's, its head dropped
+        head = sorted(k for k in state if k.startswith("_fc."))
+        state = {"net." + effnet_lite_key(k, stages): v for k, v in state.items() if not k.startswith("_fc.")}
+        state.update({k: v for k, v in own.items() if k.startswith("net.classifier.")})
+        print(f"[fedmed] model.init_weights: {p.name} is the EfficientNet-Lite release; its ImageNet head {head} "
+              f"dropped, the classifier for the job's classes starts seeded", flush=True)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     shapes = [k for k in sorted(set(own) & set(state)) if tuple(own[k].shape) != tuple(state[k].shape)]
     if missing or unexpected or shapes:
@@ -307,6 +344,10 @@ def model_from_config(model_cfg: dict, in_channels: int, num_classes: int, seed:
     m = ModelSection.model_validate(dict(model_cfg))  # what the section leaves out: the schema's defaults
     if m.arch in BUILTIN_ARCHS:
         model = build_model(m.arch, in_channels, num_classes, width=m.width, seed=seed, norm=m.norm)
+    elif m.arch in PRETRAINED_ARCHS:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = PRETRAINED_ARCHS[m.arch](in_channels, num_classes)
     else:
         model = network(m.arch, m.args, spatial_dims=2, in_channels=in_channels, out_channels=num_classes, seed=seed,
                         modules=modules)

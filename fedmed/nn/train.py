@@ -42,6 +42,17 @@ def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> None:
     model.load_state_dict(new)
 
 
+def norm_keys(model: nn.Module) -> list[str]:
+    """The state-dict keys of ``model``'s batch-norm layers (affine weights and biases, running statistics): what a
+    FedBN site keeps for itself (Li et al. 2021, "FedBN: federated learning on non-IID features via local batch
+    normalization")."""
+    keys = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._NormBase):
+            keys += [f"{name}.{k}" if name else k for k in mod.state_dict()]
+    return keys
+
+
 def make_optimizer(model: nn.Module, train: Mapping) -> torch.optim.Optimizer:
     """The optimizer of a ``train`` config section (``optimizer``, ``lr``, ``momentum``, ``weight_decay``; what it
     leaves out: the defaults of :class:`fedmed.core.schema.TrainConfig`)."""

@@ -78,14 +78,42 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
         return write_seg_federation(entries, fed.sites, out, partition=part if part in ("iid", "label_volume")
                                     else "label_volume", region=fed.volume_region, test_fraction=fed.test_fraction,
                                     val_fraction=fed.val_fraction, seed=seed, site_names=exp.site_names())
-    pool = discover(exp.dataset.path, max_per_class=exp.dataset.max_per_class, seed=seed)
+    if exp.dataset.sources:
+        from fedmed.data.sources import read_sources
+
+        pool = read_sources(exp.dataset.sources, exp.dataset.classes)
+        if exp.dataset.max_per_class:
+            raise ValueError("dataset.max_per_class would cut patients apart in a multi-source dataset; leave it out")
+    else:
+        pool = discover(exp.dataset.path, max_per_class=exp.dataset.max_per_class, seed=seed)
     check_readable(pool)  # nothing unreadable goes into a datalist
     if exp.dataset.classes and exp.dataset.classes != pool.class_names:
-        raise ValueError(f"dataset.classes {exp.dataset.classes} differ from the classes found in {exp.dataset.path} "
+        raise ValueError(f"dataset.classes {exp.dataset.classes} differ from the classes found in {exp.dataset.describe()} "
                          f"{pool.class_names}")
     rng = np.random.default_rng(seed)
     transforms = None
     extra: dict = {"partition": part, "seed": seed}
+    if part == "natural":
+        names, parts, source_of, unseen = P.natural_partition(pool.sites, pool.groups, rng,
+                                                              split=fed.split_sources, holdout=fed.holdout_sources)
+        extra.update(groups=source_of, unseen_sites=unseen, patient_wise=True,
+                     sources={s: int(np.sum(np.asarray(pool.sites) == s)) for s in dict.fromkeys(pool.sites)})
+        write_site_datalists(pool, parts, out, test_fraction=fed.test_fraction, val_fraction=fed.val_fraction,
+                             seed=seed, extra=extra, site_names=names)
+        meta_path = out / "dataset.json"
+        meta = json.loads(meta_path.read_text())
+        meta["sites"] = [n for n in names if n not in unseen]
+        meta_path.write_text(json.dumps(meta, indent=1))
+        return out
+    if fed.holdout_sources and pool.sites is not None:  # e.g. the IID reference of a natural federation: held-out
+        held = set(fed.holdout_sources)                   # sources stay out, it trains what the methods train on
+        pool = pool.subset(np.asarray([i for i, x in enumerate(pool.sites) if x not in held], dtype=np.int64))
+    units = None
+    if pool.groups is not None:  # any partition of a multi-source pool deals patients, not images
+        first, members = P.group_units(pool.groups)
+        units = (pool, members)
+        pool = pool.subset(first)
+        extra["patient_wise"] = True
     common = None
     if fed.common_test_fraction > 0:  # one stratified test set every site scores; the rest is partitioned
         common = np.sort(np.concatenate([rng.permutation(np.flatnonzero(pool.labels == c))[
@@ -143,6 +171,9 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
     elif fed.unseen_sites:  # no known groups: the last sites dealt are held out
         names = names + [f"unseen-{j + 1}" for j in range(fed.unseen_sites)]
         extra.update(unseen_sites=names[fed.sites:])
+    if units is not None:  # patients back to their images
+        pool, members = units
+        parts = P.expand_units(parts, members)
     if common is not None:  # the common test images join the pool's end so the datalists can refer to them
         from fedmed.data.images import ImagePool
 
@@ -279,7 +310,9 @@ def run_config_job(config, overrides: list[str], method: str, seed: int, datalis
     from fedmed.run.jobspec import select_method
 
     exp = config if isinstance(config, ExperimentConfig) else load_config(config, overrides)
-    if exp.dataset.task == "classification" and not exp.dataset.classes and (Path(datalists) / "dataset.json").is_file():
+    natural = exp.federation.partition == "natural" and exp.federation.site_names is None
+    if exp.dataset.task == "classification" and (not exp.dataset.classes or natural) and \
+            (Path(datalists) / "dataset.json").is_file():
         exp = with_classes(exp, Path(datalists))
     try:
         spec = job_spec(exp, select_method(exp, method, str(config)), seed, sites=sites or "config",
@@ -349,7 +382,7 @@ def _setup(exp, data_dir: Path) -> list[str]:
         n_test.append(len(doc.get("test", [])))
     part = f.partition + (f" (alpha {f.alpha}, {f.dirichlet_scheme})" if f.partition == "dirichlet" else "") + \
         (f" ({f.anda_shift}, level {f.anda_level}, {f.anda_groups} groups)" if f.partition == "anda" else "")
-    out = [f"data {exp.dataset.path}", f"{len(meta['sites'])} sites, {part}",
+    out = [f"data {exp.dataset.describe()}", f"{len(meta['sites'])} sites, {part}",
            f"test {f.test_fraction:.0%} / validation {f.val_fraction:.0%} of each site ({sum(n_test)} test samples, "
            f"median {int(np.median(n_test)) if n_test else 0} per site)"]
     if exp.dataset.task == "classification":
@@ -367,11 +400,16 @@ def _setup(exp, data_dir: Path) -> list[str]:
 
 
 def with_classes(exp, data_dir: Path):
-    """The config with ``dataset.classes`` from a written federation (a job is built from the config alone)."""
+    """The config with ``dataset.classes`` from a written federation (a job is built from the config alone), and for a
+    natural federation its sites (their names and count come from the data)."""
     if exp.dataset.task != "classification":
         return exp
-    names = json.loads((Path(data_dir) / "dataset.json").read_text())["class_names"]
-    out = exp.model_copy(update={"dataset": exp.dataset.model_copy(update={"classes": list(names)})})
+    meta = json.loads((Path(data_dir) / "dataset.json").read_text())
+    update = {"dataset": exp.dataset.model_copy(update={"classes": list(meta["class_names"])})}
+    if exp.federation.partition == "natural" and exp.federation.site_names is None:
+        update["federation"] = exp.federation.model_copy(update={"site_names": list(meta["sites"]),
+                                                                 "sites": len(meta["sites"])})
+    out = exp.model_copy(update=update)
     out._base_dir = exp.base_dir
     return out
 
@@ -661,7 +699,8 @@ def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict
         iid = FedAvgMethod(name="FedAvg (IID)")
         exp_ref = ExperimentConfig.model_validate({
             **exp.model_dump(exclude={"methods", "sweep", "plugins"}),
-            "federation": {**exp.federation.model_dump(), "partition": "iid", "unseen_sites": 0}, "methods": [iid.model_dump()]})
+            "federation": {**exp.federation.model_dump(), "partition": "iid", "unseen_sites": 0, "split_sources": {},
+                           "holdout_sources": []}, "methods": [iid.model_dump()]})
         log(f"[seed {seed}] reference: FedAvg on an IID federation ...")
         try:
             doc = run_job(job_spec(exp_ref, exp_ref.methods[0], seed), iid_dir, work / "iid_fedavg", len(sites), log=log)

@@ -48,6 +48,7 @@ class SiteRunner:
         self._model_key = None
         self._optimizers: dict = {}
         self.state: dict = {}  # workflow state kept between tasks (e.g. a personal model)
+        self.local_norm: dict = {}  # FedBN: this site's own batch-norm values per served model (the task's to set)
         self.notes: list[str] = []  # notes for this site's log and the server, sent with the next reply
         self._labels_checked = None
         self._device = self._device_spec = None
@@ -193,6 +194,20 @@ class SiteRunner:
             self.check_label_space(s, int(n), cfg.classes)
             self._labels_checked = n
         return s
+
+    def images_at(self, cfg: TaskConfig, image_size: int, splits=("training",)):
+        """The images of ``splits`` (concatenated, in datalist order) decoded at ``image_size`` — an encoder's own input
+        size: a signature sees each image at the size its encoder was trained on, not upsampled from the classifier's
+        training size (docs/readings.md "Encoder input size"). The classifier's splits stay as they are."""
+        import torch
+
+        cfg = task_config(cfg)
+        s = self.splits(cfg)  # the datalist checked, the labels in the job's space
+        if image_size == cfg.data.image_size:
+            parts = {"training": s.train[0], "validation": s.val[0], "test": s.test[0]}
+            return torch.cat([parts[k] for k in splits])
+        doc = self._datalist(classes=cfg.classes)
+        return torch.cat([self._load_split(doc[k], image_size, cfg.data.channels, set(), k)[0] for k in splits])
 
     def check_label_space(self, s: Splits, n: int, names=None) -> None:
         """Every label must be a class id of the job's global label space ``0..n-1``."""

@@ -85,11 +85,35 @@ def _served_metrics(runner, model, cfg):
     return _metrics_of(runner, lambda x: predict_proba(model, x, precision=runner.precision(cfg)), cfg)
 
 
-def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+def _served(runner, params: dict, cfg: TaskConfig):
+    """The model the site serves: the server's ``params``; under FedBN (``train.local_norm``) with the site's own
+    batch-norm layers once it has trained them (the first round takes the server's)."""
     from fedmed.nn.train import set_params
 
     model = runner.model(cfg)
     set_params(model, params)
+    own = runner.local_norm.get(task_config(cfg).cluster) if task_config(cfg).train.local_norm else None
+    if own:
+        import torch
+
+        state = model.state_dict()
+        with torch.no_grad():
+            for k, v in own.items():
+                state[k].copy_(torch.as_tensor(v))
+    return model
+
+
+def _keep_local_norm(runner, model, cfg) -> None:
+    """FedBN: after local training the site keeps its batch-norm layers for the next round's model."""
+    if task_config(cfg).train.local_norm:
+        from fedmed.nn.train import norm_keys
+
+        state = model.state_dict()
+        runner.local_norm[task_config(cfg).cluster] = {k: state[k].detach().clone() for k in norm_keys(model)}
+
+
+def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    model = _served(runner, params, cfg)
     metrics, meta = _served_metrics(runner, model, cfg)
     return Reply({}, metrics, meta)
 
@@ -136,12 +160,12 @@ def train_locally(runner, model, cfg, round_, key) -> dict:
 
 
 def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
-    from fedmed.nn.train import get_params, set_params
+    from fedmed.nn.train import get_params
 
-    model = runner.model(cfg)
-    set_params(model, params)
+    model = _served(runner, params, cfg)
     metrics, meta = _served_metrics(runner, model, cfg)
     meta.update(train_locally(runner, model, cfg, round_, task_config(cfg).cluster))
+    _keep_local_norm(runner, model, cfg)
     metrics["train_loss"] = meta["train_loss"]
     return Reply(get_params(model), metrics, meta)
 
@@ -168,15 +192,18 @@ def signature(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     :meth:`~fedmed.site.runner.SiteRunner.weights`); ``cfg["privacy"]``:
     ``k_min`` (classes with fewer samples are withheld), DP settings (:mod:`fedmed.algorithms.privacy`).
     """
-    from fedmed.nn.encoders import build_encoder, extract_features
+    from fedmed.nn.encoders import ENCODERS, build_encoder, extract_features
     from fedmed.algorithms.privacy import signature_payload
 
     cfg = task_config(cfg)
     sc = cfg.signature
     s = runner.splits(cfg)
-    x, y = s.train[0], s.train[1].numpy()
+    spec = ENCODERS.get(sc.encoder)
+    size = sc.image_size or (spec.size if spec is not None else None) or cfg.data.image_size
+    x, y = runner.images_at(cfg, size), s.train[1].numpy()  # decoded at the encoder's input size
     if sc.pseudo_labels:  # no labels used: every image, under the served model's predicted classes
-        x, y = _pseudo_labelled(runner, params, cfg)
+        y = _pseudo_labelled(runner, params, cfg)
+        x = runner.images_at(cfg, size, ("training", "validation", "test"))
     enc = build_encoder(sc.encoder, weights=runner.weights(cfg), seed=sc.seed, in_channels=cfg.data.channels,
                         image_size=sc.image_size, device=runner.device(cfg))
     feats = extract_features(enc, x, progress=lambda m: print(f"[{runner.site}] {m}", flush=True))
@@ -193,16 +220,15 @@ def signature(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     return Reply({}, {"n_classes_sent": float(len(meta.get("classes", [])))}, meta)
 
 def _pseudo_labelled(runner, params: dict, cfg):
-    """All the site's images and the classes the served model (``params``) predicts for them."""
+    """The classes the served model (``params``) predicts for all the site's images (training, validation, test)."""
     import torch
 
-    from fedmed.nn.train import predict_proba, set_params
+    from fedmed.nn.train import predict_proba
 
     s = runner.splits(cfg)
     x = torch.cat([s.train[0], s.val[0], s.test[0]])
-    model = runner.model(cfg)
-    set_params(model, params)
-    return x, predict_proba(model, x, precision=runner.precision(cfg)).argmax(axis=1)
+    model = _served(runner, params, cfg)
+    return predict_proba(model, x, precision=runner.precision(cfg)).argmax(axis=1)
 
 # ------------------------------------------------------------------ Flux (003_)
 

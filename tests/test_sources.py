@@ -1,0 +1,207 @@
+"""Multi-source datasets (fedmed.data.sources) and natural federations (federation.partition: natural): a site per
+source, splits by patient, sources held out as unseen sites, and a bad index named in one line."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fedmed.config import ConfigError, load_config
+from fedmed.data.images import DataError
+from fedmed.run.experiment import prepare_federation
+
+# source -> (patients, images per patient)
+SOURCES = {"scannerA": (12, 2), "scannerB": (8, 1), "scannerC": (5, 3)}
+
+
+def _index(tmp_path, rows=None, header=("image", "mask", "label", "site", "case", "birads")):
+    """A small hospital-style index: PNGs of a shade per source, two or three views per patient at some sources."""
+    img = tmp_path / "img"
+    img.mkdir(exist_ok=True)
+    if rows is None:
+        rows, rng = [], np.random.default_rng(0)
+        for s, (n_pat, views) in SOURCES.items():
+            for p in range(n_pat):
+                lab = p % 2
+                for v in range(views):
+                    name = f"{s}_{p}_{v}.png"
+                    Image.fromarray(rng.integers(0, 255, (12, 12), dtype=np.uint8)).save(img / name)
+                    rows.append({"image": f"img/{name}", "mask": "", "label": ["benign", "malignant"][lab],
+                                 "site": s, "case": f"{s[-1]}{p}", "birads": "3"})
+    f = tmp_path / "index.csv"
+    with f.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(header), extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return f
+
+
+def _config(tmp_path, index, **federation):
+    cfg = {"name": "natural", "dataset": {"sources": [{"path": str(index)}], "classes": ["benign", "malignant"],
+                                          "image_size": 8},
+           "federation": {"partition": "natural", "test_fraction": 0.25, "val_fraction": 0.2, **federation},
+           "seeds": [0]}
+    p = tmp_path / "cfg.json"
+    p.write_text(json.dumps(cfg))
+    return load_config(p)
+
+
+def _patient_of(index):
+    with index.open() as fh:
+        return {r["image"].split("/")[-1]: (r["site"], r["case"]) for r in csv.DictReader(fh)}
+
+
+def _written(out):
+    meta = json.loads((out / "dataset.json").read_text())
+    names = meta["sites"] + meta.get("unseen_sites", [])
+    return meta, {s: json.loads((out / f"{s}.json").read_text()) for s in names}
+
+
+def test_a_natural_federation_has_a_site_per_source_and_splits_by_patient(tmp_path):
+    index = _index(tmp_path)
+    exp = _config(tmp_path, index, split_sources={"scannerA": 2})
+    meta, docs = _written(prepare_federation(exp, 0, tmp_path / "fed"))
+    assert meta["sites"] == ["scannerA-1", "scannerA-2", "scannerB", "scannerC"]
+    assert meta["groups"] == {"scannerA-1": "scannerA", "scannerA-2": "scannerA", "scannerB": "scannerB",
+                              "scannerC": "scannerC"}
+    patient = _patient_of(index)
+    where: dict = {}
+    for site, doc in docs.items():
+        for split in ("training", "validation", "test"):
+            for e in doc[split]:
+                src, pid = patient[e["image"].split("/")[-1]]
+                assert src == meta["groups"][site]  # every image at the site of its own source
+                where.setdefault((src, pid), set()).add((site, split))
+        assert doc["test"] and doc["training"]
+    assert all(len(v) == 1 for v in where.values()), [k for k, v in where.items() if len(v) > 1]  # no patient split
+    assert len(where) == sum(n for n, _ in SOURCES.values())  # every patient placed
+    sizes = [sum(len(docs[s][k]) for k in ("training", "validation", "test")) for s in ("scannerA-1", "scannerA-2")]
+    assert sizes == [12, 12]  # the split source dealt by patient into sites of equal image counts
+
+
+def test_held_out_sources_are_unseen_sites_and_stay_out_of_every_training_federation(tmp_path):
+    index = _index(tmp_path)
+    exp = _config(tmp_path, index, holdout_sources=["scannerC"])
+    meta, docs = _written(prepare_federation(exp, 0, tmp_path / "fed"))
+    assert meta["sites"] == ["scannerA", "scannerB"] and meta["unseen_sites"] == ["unseen-scannerC"]
+    assert sum(len(docs["unseen-scannerC"][k]) for k in ("training", "validation", "test")) == 15
+    # the IID reference deals the training sources only (it trains what the methods train on)
+    from fedmed.run.experiment import with_classes
+
+    exp_s = with_classes(exp, tmp_path / "fed")
+    assert exp_s.federation.site_names == ["scannerA", "scannerB"] and exp_s.federation.sites == 2
+    iid = prepare_federation(exp_s, 0, tmp_path / "iid", partition="iid")
+    _, idocs = _written(iid)
+    files = {e["image"].split("/")[-1] for d in idocs.values() for k in ("training", "validation", "test")
+             for e in d[k]}
+    assert len(files) == 24 + 8 and not any(f.startswith("scannerC") for f in files)
+
+
+def test_the_existing_partitions_work_on_a_multi_source_dataset_and_deal_patients(tmp_path):
+    index = _index(tmp_path)
+    for part in ("iid", "dirichlet"):
+        exp = _config(tmp_path, index, partition=part, sites=3, alpha=1.0)
+        meta, docs = _written(prepare_federation(exp, 1, tmp_path / part))
+        assert meta["patient_wise"] and len(docs) == 3
+        patient = _patient_of(index)
+        where: dict = {}
+        for site, doc in docs.items():
+            for split in ("training", "validation", "test"):
+                for e in doc[split]:
+                    where.setdefault(patient[e["image"].split("/")[-1]], set()).add((site, split))
+        assert all(len(v) == 1 for v in where.values())
+        assert len(where) == 25
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("missing_column", "no patient column (looked for ['patient', 'case']"),
+    ("outside", "label 'normal' is not one of the classes ['benign', 'malignant']"),
+    ("two_sites", "patient 'P1' appears at two sites ('scannerA' row 2, 'scannerB' row 3)"),
+    ("int_outside", "label 2 is outside the classes"),
+])
+def test_a_bad_index_is_one_line_naming_the_file(tmp_path, case, expected):
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "a.png")
+    rows = [{"image": "a.png", "label": "benign", "site": "scannerA", "case": "P1"},
+            {"image": "a.png", "label": "malignant", "site": "scannerA", "case": "P2"}]
+    header = ("image", "label", "site", "case")
+    if case == "missing_column":
+        header = ("image", "label", "site")
+    elif case == "outside":
+        rows[1]["label"] = "normal"
+    elif case == "two_sites":
+        rows[1].update(site="scannerB", case="P1")
+    else:
+        rows[1]["label"] = "2"
+    index = _index(tmp_path, rows, header)
+    exp = _config(tmp_path, index)
+    with pytest.raises(DataError) as e:
+        prepare_federation(exp, 0, tmp_path / "fed")
+    msg = str(e.value)
+    assert expected in msg and str(index) in msg and "\n" not in msg
+
+
+def test_a_source_left_out_by_label_is_said_and_other_labels_are_errors(tmp_path, capsys):
+    from fedmed.data.sources import read_folder_source
+
+    rng = np.random.default_rng(0)
+    for c in ("benign", "malignant", "normal"):
+        (tmp_path / "busi" / c).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)).save(tmp_path / "busi" / c / f"{c}{i}.png")
+    pool = read_folder_source(tmp_path / "busi", "busi", classes=["benign", "malignant"], ignore_labels=["normal"])
+    assert len(pool.items) == 6 and set(pool.sites) == {"busi"} and len(set(pool.groups)) == 6
+    assert "3 image(s) with an ignored label ['normal'] left out" in capsys.readouterr().out
+    with pytest.raises(DataError, match=r"class folder\(s\) \['normal'\] are not among the classes"):
+        read_folder_source(tmp_path / "busi", "busi", classes=["benign", "malignant"])
+
+
+def test_natural_settings_are_checked_when_the_config_is_read(tmp_path):
+    index = _index(tmp_path)
+    with pytest.raises(ConfigError, match="natural makes a site per source: it needs dataset.sources"):
+        p = tmp_path / "c.json"
+        p.write_text(json.dumps({"name": "x", "dataset": {"path": str(tmp_path)}, "federation": {"partition": "natural"}}))
+        load_config(p)
+    with pytest.raises(ConfigError, match="give dataset.path or dataset.sources"):
+        p.write_text(json.dumps({"name": "x", "dataset": {"path": str(tmp_path), "sources": [{"path": str(index)}]}}))
+        load_config(p)
+    exp = _config(tmp_path, index, split_sources={"scannerZ": 2})
+    with pytest.raises(ValueError, match=r"source\(s\) \['scannerZ'\] are not in the data; its sources are "
+                                         r"\['scannerA', 'scannerB', 'scannerC'\]"):
+        prepare_federation(exp, 0, tmp_path / "fed")
+
+
+@pytest.mark.data
+def test_the_breast_ultrasound_federation_of_five_sources_is_split_by_patient():
+    """app_configs/breast_us_natural.yaml on the real data: BUS-BRA's four scanners and BUSI, 17 sites, no case in two
+    splits (two views of one lesion share BUS-BRA's `case`)."""
+    from conftest import ROOT, shared_path
+
+    shared_path("bus_bra", "index.csv")
+    shared_path("busi")
+    import os
+    import tempfile
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the config's paths are relative to the repository, as its command runs
+    try:
+        exp = load_config("app_configs/breast_us_natural.yaml")
+        with tempfile.TemporaryDirectory() as d:
+            meta, docs = _written(prepare_federation(exp, 0, f"{d}/fed"))
+    finally:
+        os.chdir(cwd)
+    assert len(meta["sites"]) == 17 and set(meta["groups"].values()) == {"geLogiq7", "geLogiq5", "toshibaAplio300",
+                                                                          "uSystems", "busi"}
+    assert meta["sources"] == {"geLogiq7": 902, "geLogiq5": 809, "uSystems": 25, "toshibaAplio300": 139, "busi": 646}
+    case = {}
+    with open(shared_path("bus_bra", "index.csv")) as fh:
+        for r in csv.DictReader(fh):
+            case[r["image"].split("/")[-1]] = r["case"]
+    where: dict = {}
+    for site, doc in docs.items():
+        for split in ("training", "validation", "test"):
+            for e in doc[split]:
+                name = e["image"].split("/")[-1]
+                where.setdefault(case.get(name, name), set()).add((site, split))
+    assert all(len(v) == 1 for v in where.values())
