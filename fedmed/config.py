@@ -158,7 +158,8 @@ class ModelConfig(ModelSection):
     @field_validator("arch")
     @classmethod
     def _known_arch(cls, v):
-        if v in ("resnet9", "resnet18", "vit_small", "unet", "efficientnet_lite0"):
+        if v in ("resnet9", "resnet18", "vit_small", "unet", "efficientnet_lite0", "efficientnet_lite1",
+                 "efficientnet_lite2"):
             return v
         from fedmed.nn.models import ArchError, resolve_arch
 

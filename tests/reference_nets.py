@@ -24,6 +24,8 @@ imports fedmed or timm.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -413,17 +415,33 @@ class LiteBlock(nn.Module):
         return x + h if self.skip else h
 
 
-class EfficientNetLite0(nn.Module):
-    def __init__(self, num_classes=1000):
+# efficientnet_lite_builder.py: (width, depth) per variant; round_filters (divisor 8, never below 90%) and
+# round_repeats (ceil) as in efficientnet_model.py, with fix_head_stem: stem (32) and head (1280) unscaled and the
+# first and last stages' repeats unscaled
+LITE_PARAMS = {0: (1.0, 1.0), 1: (1.0, 1.1), 2: (1.1, 1.2)}
+
+
+def _round_filters(c, width, divisor=8):
+    new = max(divisor, int(c * width + divisor / 2) // divisor * divisor)
+    return int(new + divisor) if new < 0.9 * c * width else int(new)
+
+
+class EfficientNetLite(nn.Module):
+    def __init__(self, variant=0, num_classes=1000):
         super().__init__()
+        width, depth = LITE_PARAMS[variant]
         self._conv_stem = SameConv(3, 32, 3, stride=2, bias=False)
         self._bn0 = _bn(32)
         blocks = []
-        for r, k, s, e, cin, cout in LITE0_BLOCKS:
+        last = len(LITE0_BLOCKS) - 1
+        for i, (r, k, s, e, cin, cout) in enumerate(LITE0_BLOCKS):
+            cin = 32 if i == 0 else _round_filters(cin, width)
+            cout = _round_filters(cout, width)
+            r = r if i in (0, last) else int(math.ceil(depth * r))
             blocks.append(LiteBlock(k, s, e, cin, cout))
             blocks += [LiteBlock(k, 1, e, cout, cout) for _ in range(r - 1)]
         self._blocks = nn.ModuleList(blocks)
-        self._conv_head = SameConv(320, 1280, 1, bias=False)
+        self._conv_head = SameConv(_round_filters(320, width), 1280, 1, bias=False)
         self._bn1 = _bn(1280)
         self._fc = nn.Linear(1280, num_classes)
 
@@ -435,3 +453,8 @@ class EfficientNetLite0(nn.Module):
 
     def forward(self, x):
         return self._fc(self.features(x))
+
+
+class EfficientNetLite0(EfficientNetLite):
+    def __init__(self, num_classes=1000):
+        super().__init__(0, num_classes)

