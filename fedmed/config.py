@@ -85,8 +85,11 @@ class DatasetConfig(_Strict):
     def _one_origin(self):
         if (self.path is None) == (not self.sources):
             raise ValueError("give dataset.path or dataset.sources (one of them)")
-        if self.sources and self.task != "classification":
-            raise ValueError("dataset.sources: multi-source datasets are classification datasets for now")
+        if self.sources and self.task == "segmentation":  # 2D lesion segmentation: every source names its masks
+            bad = [s.path for s in self.sources if not s.mask_column]
+            if bad:
+                raise ValueError(f"dataset.sources: a segmentation dataset reads each image's mask; source(s) {bad} "
+                                 f"name no mask_column")
         return self
 
     def describe(self) -> str:

@@ -131,6 +131,8 @@ class DataSection(Strict):
     roi: Optional[list[int]] = None
     modalities: Optional[list[str]] = None
     in_channels: Optional[int] = None
+    spatial_dims: Literal[2, 3] = Field(3, description="segmentation: 3 (NIfTI volumes, WT/TC/ET) or 2 (lesion masks "
+                                        "of 2D images, fedmed.site.seg2d)")
 
 
 class TrainTask(TrainConfig):

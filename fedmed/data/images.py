@@ -365,7 +365,7 @@ def _patient_cuts(idx: np.ndarray, groups: list, n_test: int, n_val: int) -> tup
 def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, *, test_fraction: float = 0.2,
                          val_fraction: float = 0.0, seed: int = 0, site_names: Sequence[str] | None = None,
                          transforms: Sequence[Callable] | None = None, extra: dict | None = None,
-                         common_test: np.ndarray | None = None) -> list[Path]:
+                         common_test: np.ndarray | None = None, segmentation: bool = False) -> list[Path]:
     """Write one datalist per site (and ``dataset.json``) for a partition of ``pool``.
 
     Each site's samples are shuffled (seeded); :func:`split_sizes` gives its local ``test`` split and
@@ -374,7 +374,8 @@ def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, 
     and array images are written as PNGs under ``out_dir/images/<site>/``. With ``common_test`` (indices into the
     pool, disjoint from every part) every site's ``test`` split is that common set and its own samples are split
     into validation and training only (``001_`` §4.3: one common test set in the global label space). A pool that
-    knows its patients (``pool.groups``) is split by patient: no patient has images in two splits.
+    knows its patients (``pool.groups``) is split by patient: no patient has images in two splits. ``segmentation``:
+    each entry's label is its mask file (``pool.masks``) and its ``subject`` the patient (2D lesion segmentation).
 
     Returns:
         the site datalist paths.
@@ -413,7 +414,10 @@ def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, 
                 target = out / "images" / name / f"{j:06d}_{int(i)}.png"
                 _save_png(arr, target)
                 item = str(target.relative_to(out))  # relative to the datalist's folder (the default data root)
-            entries.append({"image": item, "label": label})
+            if segmentation:  # 2D lesion segmentation: the mask is the label; the patient keeps the splits apart
+                entries.append({"image": item, "label": pool.masks[i], "subject": pool.groups[i]})
+            else:
+                entries.append({"image": item, "label": label})
         doc = {"site": name, "training": entries[n_test + n_val:], "validation": entries[n_test:n_test + n_val],
                "test": entries[:n_test] if common_entries is None else common_entries}
         path = out / f"{name}.json"

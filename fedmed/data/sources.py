@@ -40,6 +40,8 @@ def _label_index(value: str, classes: Sequence[str] | None, ignore: Sequence[str
     except ValueError:
         raise DataError(f"{where}: label {v!r} is not one of the classes {list(classes or [])}"
                         + (f" (ignored: {list(ignore)})" if ignore else "")) from None
+    if classes is None and i >= 0:  # no classes named: integer labels are class ids (a segmentation index)
+        return i
     if classes is None or not 0 <= i < len(classes):
         raise DataError(f"{where}: label {i} is outside the classes {list(classes or [])} (an integer label is an "
                         f"index into dataset.classes)")

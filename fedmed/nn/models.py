@@ -357,17 +357,23 @@ def model_from_config(model_cfg: dict, in_channels: int, num_classes: int, seed:
 
 
 def seg_model_from_config(model_cfg: dict, in_channels: int, seed: int = 0, *, init_root=None,
-                          modules=()) -> nn.Module:
-    """The 3D segmentation network (3 sigmoid outputs: WT, TC, ET): fedmed's U-Net (``model.channels``) unless
-    ``model.arch`` names a MONAI network or a user class."""
+                          modules=(), spatial_dims: int = 3) -> nn.Module:
+    """The segmentation network: 3D with 3 sigmoid outputs (WT, TC, ET), or 2D (``spatial_dims=2``) with one (the
+    lesion); fedmed's U-Net (``model.channels``) unless ``model.arch`` names a MONAI network or a user class."""
     m = ModelSection.model_validate(dict(model_cfg))  # what the section leaves out: the schema's defaults
+    out = 3 if spatial_dims == 3 else 1
     if m.arch in BUILTIN_ARCHS or m.arch == "unet":
-        from fedmed.nn.seg import seg_model
+        if spatial_dims == 2:
+            from fedmed.nn.seg2d import seg2d_model
 
-        model = seg_model(in_channels, channels=m.channels, seed=seed)
+            model = seg2d_model(in_channels, channels=m.channels, seed=seed)
+        else:
+            from fedmed.nn.seg import seg_model
+
+            model = seg_model(in_channels, channels=m.channels, seed=seed)
     else:
-        model = network(m.arch, m.args, spatial_dims=3, in_channels=in_channels, out_channels=3, seed=seed,
-                        modules=modules)
+        model = network(m.arch, m.args, spatial_dims=spatial_dims, in_channels=in_channels, out_channels=out,
+                        seed=seed, modules=modules)
     return _load_init(model, m, init_root)
 
 
@@ -380,9 +386,10 @@ def check_arch(model_cfg: dict, *, task: str, in_channels: int, n_out: int, size
     if task == "segmentation":
         if ModelSection.model_validate(dict(model_cfg)).arch in BUILTIN_ARCHS + ("unet",):
             return
-        net = seg_model_from_config({**model_cfg, "init_weights": None}, in_channels, modules=modules)
+        net = seg_model_from_config({**model_cfg, "init_weights": None}, in_channels, modules=modules,
+                                    spatial_dims=len(size))
         x = torch.zeros(1, in_channels, *size)
-        want = (1, 3, *size)
+        want = (1, n_out, *size)
     else:
         net = model_from_config({**model_cfg, "init_weights": None}, in_channels, n_out, modules=modules)
         x = torch.zeros(2, in_channels, size, size)
@@ -397,7 +404,7 @@ def check_arch(model_cfg: dict, *, task: str, in_channels: int, n_out: int, size
     out = out[0] if isinstance(out, (list, tuple)) else out
     if tuple(out.shape) != want:
         raise ArchError(f"model.arch {model_cfg['arch']}: output shape {tuple(out.shape)} for a {tuple(x.shape)} "
-                        f"input, expected {want} ({'classes' if task == 'classification' else 'WT, TC, ET regions'})")
+                        f"input, expected {want} ({'classes' if task == 'classification' else 'WT, TC, ET regions' if n_out == 3 else 'the lesion'})")
 
 
 def user_code_files(arch: str) -> list:

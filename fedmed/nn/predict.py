@@ -87,6 +87,9 @@ def _build_and_load(p, ck, policy):
 
         net = mae_model(ck["data"]["channels"])
         desc = "a Fed-MAE masked autoencoder"
+    elif ck["task"] == "segmentation" and (ck.get("data") or {}).get("spatial_dims") == 2:
+        raise ModelFileError(f"{p}: a 2D lesion-segmentation model; fedmed predict applies classifiers and 3D "
+                           f"segmentation models (2D lesion prediction is not there yet)")
     elif ck["task"] == "segmentation":
         from fedmed.nn.models import seg_model_from_config
 

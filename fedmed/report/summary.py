@@ -28,7 +28,7 @@ __all__ = ["CLS_METRICS", "FIELDS", "SEG_METRICS", "read_results", "reported_row
 
 CLS_METRICS = ("accuracy", "macro_f1", "auc")
 SEG_METRICS = ("dice_wt", "dice_tc", "dice_et", "dice_mean", "hd95_wt", "hd95_tc", "hd95_et", "dice_wt_per_sample",
-               "fp_voxels")
+               "fp_voxels", "fp_pixels")
 FIELDS = ["method", "kind", "seed", "round", "task", "phase", "attempt", *CLS_METRICS, *[f"{m}_std" for m in CLS_METRICS],
           *[f"pooled_{m}" for m in CLS_METRICS], "val_accuracy", "val_macro_f1", "pooled_val_accuracy",
           *SEG_METRICS, "val_dice_mean", "train_loss", "ari", "n_clusters", "n_sites", "n_failed", "n_test", "withheld"]
@@ -133,7 +133,7 @@ def summarize(rows: list[dict], selection: str = "final") -> list[dict]:
         withheld = all("n_test" in r and not r["n_test"] for r in runs)
         entry = {"method": m, "kind": runs[0].get("kind", "method"), "seeds": len(runs),
                  "rounds": sorted({r["round"] for r in runs if r.get("round") is not None}),
-                 **{k: _withheld(fmt([r.get(k) for r in runs], 1.0 if k.startswith("hd95") or k == "fp_voxels"
+                 **{k: _withheld(fmt([r.get(k) for r in runs], 1.0 if k.startswith("hd95") or k in ("fp_voxels", "fp_pixels")
                                      else 100.0), withheld)
                     for k in metrics},
                  "_values": {k: _finite([r.get(k) for r in runs]) for k in metrics},
@@ -200,6 +200,13 @@ def classification_table(summ: list[dict], selection: str) -> str:
 
 def seg_table(summ: list[dict], selection: str) -> str:
     sites = sorted({s for e in summ for s in e.get("per_site", {})})
+    if all(e.get("dice_wt", "n/a") == "n/a" for e in summ):  # 2D lesion segmentation (fedmed.site.seg2d)
+        head = ("| Method | Round | Dice (lesion, image mean) | FP pixels (lesion-free) |" + "".join(f" {s} |" for s in sites)
+                + "\n" + "|---" * (4 + len(sites)) + "|\n")
+        return head + "".join(
+            f"| {e['method']}{' (reference)' if e['kind'] == 'reference' else ''} | {_round_label(e, selection)} | "
+            f"{e['dice_mean']} | {e.get('fp_pixels', 'n/a')} |" + "".join(f" {e.get('per_site', {}).get(s, 'n/a')} |"
+                                                                         for s in sites) + "\n" for e in summ)
     head = ("| Method | Round | WT | TC | ET | Mean Dice | HD95 WT (mm) | WT per hemisphere | FP voxels (tumour-free) |"
             + "".join(f" {s} |" for s in sites) + "\n" + "|---" * (9 + len(sites)) + "|\n")
     body = "".join(f"| {e['method']}{' (reference)' if e['kind'] == 'reference' else ''} | {_round_label(e, selection)} | {e['dice_wt']} | {e['dice_tc']} | {e['dice_et']} | "

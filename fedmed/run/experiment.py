@@ -70,7 +70,8 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
     out = Path(out_dir)
     if out.exists():
         shutil.rmtree(out)
-    if exp.dataset.task == "segmentation":
+    seg2d = exp.dataset.task == "segmentation" and bool(exp.dataset.sources)  # 2D lesion masks from an index
+    if exp.dataset.task == "segmentation" and not seg2d:
         from fedmed.data.seg_federation import discover_subjects, write_seg_federation
 
         d = exp.dataset
@@ -87,6 +88,14 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
     else:
         pool = discover(exp.dataset.path, max_per_class=exp.dataset.max_per_class, seed=seed)
     check_readable(pool)  # nothing unreadable goes into a datalist
+    if seg2d:
+        missing = [pool.items[i] for i, m in enumerate(pool.masks or [None] * len(pool.items)) if not m]
+        if missing:
+            raise ValueError(f"dataset.sources: {len(missing)} image(s) have no mask in a segmentation dataset, e.g. "
+                             f"{missing[0]}")
+        from fedmed.data.images import ImagePool
+
+        check_readable(ImagePool(list(pool.masks), pool.labels, pool.class_names, pool.source + " (masks)"))
     if exp.dataset.classes and exp.dataset.classes != pool.class_names:
         raise ValueError(f"dataset.classes {exp.dataset.classes} differ from the classes found in {exp.dataset.describe()} "
                          f"{pool.class_names}")
@@ -99,7 +108,7 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
         extra.update(groups=source_of, unseen_sites=unseen, patient_wise=True,
                      sources={s: int(np.sum(np.asarray(pool.sites) == s)) for s in dict.fromkeys(pool.sites)})
         write_site_datalists(pool, parts, out, test_fraction=fed.test_fraction, val_fraction=fed.val_fraction,
-                             seed=seed, extra=extra, site_names=names)
+                             seed=seed, extra=extra, site_names=names, segmentation=seg2d)
         meta_path = out / "dataset.json"
         meta = json.loads(meta_path.read_text())
         meta["sites"] = [n for n in names if n not in unseen]
@@ -181,7 +190,7 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
                          pool.class_names, pool.source)
         common = np.arange(len(pool.labels) - len(common_items.labels), len(pool.labels))
     write_site_datalists(pool, parts, out, test_fraction=fed.test_fraction, val_fraction=fed.val_fraction, seed=seed,
-                         transforms=transforms, extra=extra, site_names=names, common_test=common)
+                         transforms=transforms, extra=extra, site_names=names, common_test=common, segmentation=seg2d)
     meta_path = out / "dataset.json"
     meta = json.loads(meta_path.read_text())
     meta["sites"] = [n for n in names if not n.startswith("unseen-")]
@@ -311,7 +320,7 @@ def run_config_job(config, overrides: list[str], method: str, seed: int, datalis
 
     exp = config if isinstance(config, ExperimentConfig) else load_config(config, overrides)
     natural = exp.federation.partition == "natural" and exp.federation.site_names is None
-    if exp.dataset.task == "classification" and (not exp.dataset.classes or natural) and \
+    if ((exp.dataset.task == "classification" and not exp.dataset.classes) or natural) and \
             (Path(datalists) / "dataset.json").is_file():
         exp = with_classes(exp, Path(datalists))
     try:
@@ -402,10 +411,11 @@ def _setup(exp, data_dir: Path) -> list[str]:
 def with_classes(exp, data_dir: Path):
     """The config with ``dataset.classes`` from a written federation (a job is built from the config alone), and for a
     natural federation its sites (their names and count come from the data)."""
-    if exp.dataset.task != "classification":
+    seg2d = exp.dataset.task == "segmentation" and bool(exp.dataset.sources)
+    if exp.dataset.task != "classification" and not seg2d:
         return exp
     meta = json.loads((Path(data_dir) / "dataset.json").read_text())
-    update = {"dataset": exp.dataset.model_copy(update={"classes": list(meta["class_names"])})}
+    update = {} if seg2d else {"dataset": exp.dataset.model_copy(update={"classes": list(meta["class_names"])})}
     if exp.federation.partition == "natural" and exp.federation.site_names is None:
         update["federation"] = exp.federation.model_copy(update={"site_names": list(meta["sites"]),
                                                                  "sites": len(meta["sites"])})
@@ -676,6 +686,13 @@ def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict
         log(f"[seed {seed}] references: reused")
         return saved["rows"]
     meta = json.loads((data_dir / "dataset.json").read_text())
+    if seg and exp.dataset.sources:  # 2D lesion segmentation
+        from fedmed.run.references import seg2d_reference_rows
+
+        rows = seg2d_reference_rows(exp, data_dir, meta["sites"], seed, meta.get("groups"), log=log) \
+            if "centralized" in wanted else []
+        (work / "run.json").write_text(json.dumps({"fingerprint": fp, "status": "finished", "rows": rows}))
+        return rows
     if seg:
         from fedmed.run.references import seg_reference_rows
 

@@ -119,8 +119,9 @@ def check_method_files(exp, method) -> None:
                              f"models/encoder.pt (got {weights!r})")
     elif isinstance(method, SignatureMethod):
         check_encoder(method.encoder, weights, in_channels=exp.dataset.channels, image_size=method.encoder_image_size)
-    elif isinstance(method, SegAssessMethod) and weights:
-        check_encoder("medicalnet_resnet18", weights)
+    elif isinstance(method, SegAssessMethod) and weights:  # 3D: MedicalNet; 2D lesions: EfficientNet-Lite0
+        check_encoder("efficientnet_lite0" if exp.dataset.sources else "medicalnet_resnet18", weights,
+                      in_channels=exp.dataset.channels if exp.dataset.sources else 1)
     elif weights and not Path(weights).is_file():
         raise BuildError(f"method {method.name!r}: weights file {weights} not found")
 
@@ -215,7 +216,10 @@ def _network_files(exp, cfg: dict, user_code: list, server_files: list) -> None:
     seg = cfg["task"] == "segmentation"
     if cfg["task"] in ("classification", "segmentation"):
         try:
-            if seg:
+            if seg and cfg["data"].get("spatial_dims") == 2:  # 2D lesion masks: one output
+                check_arch(m, task="segmentation", in_channels=cfg["data"]["in_channels"], n_out=1,
+                           size=(cfg["data"]["image_size"],) * 2)
+            elif seg:
                 check_arch(m, task="segmentation", in_channels=cfg["data"]["in_channels"], n_out=3,
                            size=tuple(cfg["data"]["roi"]))
             else:

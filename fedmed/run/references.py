@@ -202,3 +202,68 @@ def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -
     log(f"    each-site-alone reference: final WT Dice per site "
         + ", ".join(f"{s} {100 * v['dice_wt']:.1f}%" for s, v in alone.items()))
     return rows
+
+
+def seg2d_reference_rows(exp, datalists, sites: list[str], seed: int, groups: dict | None = None,
+                         log=print) -> list[dict]:
+    """2D lesion-segmentation references (:mod:`fedmed.site.seg2d`), each site scored on its own test split like the
+    federated methods:
+
+    * **Centralized**: one U-Net on all sites' pooled training images, ``rounds x local_epochs`` epochs with the same
+      recipe (one optimizer for the whole run), scored after every ``local_epochs`` epochs;
+    * **Each source alone**: per source (``groups``: site -> source; else per site) one U-Net on that source's sites'
+      pooled training images with the same budget; each site scored with its source's model.
+    """
+    import torch
+
+    from fedmed.core.device import resolve_device
+    from fedmed.methods import FedAvgMethod
+    from fedmed.nn.models import seg_model_from_config
+    from fedmed.nn.seg2d import seg2d_metrics, train_seg2d_local
+    from fedmed.nn.train import make_optimizer
+    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.site.seg2d import Seg2DSiteRunner
+
+    cfg = fedmed_config(exp, seed, FedAvgMethod(name="Centralized"), sites)
+    cases = {s: Seg2DSiteRunner(s, datalists).cases(cfg) for s in sites}
+    t = exp.train
+    device = resolve_device(t.device, where="the 2D segmentation references")
+
+    def fresh():
+        m = seg_model_from_config(exp.model.model_dump(), exp.dataset.channels, seed=seed, modules=("*",),
+                                  spatial_dims=2).to(device)
+        return m, make_optimizer(m, cfg["train"])
+
+    def scores(model, which):
+        return {s: seg2d_metrics(model, *cases[s]["test"]) for s in which}
+
+    def pooled(which):
+        return (torch.cat([cases[s]["training"][0] for s in which]), torch.cat([cases[s]["training"][1] for s in which]))
+
+    rows: list[dict] = []
+    model, opt = fresh()
+    x, y = pooled(sites)
+    g = torch.Generator().manual_seed(seed * 1000)
+    for r in range(t.rounds + 1):
+        if r:
+            train_seg2d_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt,
+                              loss=t.seg.loss, generator=g, precision=t.precision)
+        rows.append(_seg_row("Centralized", seed, scores(model, sites), r))
+    log(f"    centralized reference: {int(x.shape[0])} pooled training images, final lesion Dice "
+        f"{100 * rows[-1]['dice_mean']:.1f}% (site mean)")
+    by_source: dict = {}
+    for s in sites:
+        by_source.setdefault((groups or {}).get(s, s), []).append(s)
+    final: dict = {}
+    for k, (src, members) in enumerate(by_source.items()):
+        model, opt = fresh()
+        x, y = pooled(members)
+        g = torch.Generator().manual_seed(seed * 1000 + 100 * (k + 1))
+        for _ in range(t.rounds):
+            train_seg2d_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt,
+                              loss=t.seg.loss, generator=g, precision=t.precision)
+        final.update(scores(model, members))
+    rows.append(_seg_row("Each source alone", seed, final, t.rounds))
+    log("    each-source-alone reference: final lesion Dice " + ", ".join(
+        f"{src} {100 * np.nanmean([final[s]['dice_mean'] for s in m]):.1f}%" for src, m in by_source.items()))
+    return rows

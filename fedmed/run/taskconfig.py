@@ -26,7 +26,10 @@ def fedmed_config(exp, seed: int, method, sites: list[str] | None) -> dict:
               "privacy": exp.privacy.model_dump(), "plugins": plugin_modules(exp),
               "federation": {"sites": sites, "min_clients": min_clients(fed.min_clients, sites),
                              "task_timeout": fed.task_timeout, "startup_timeout": fed.startup_timeout}}
-    if exp.dataset.task == "segmentation":
+    if exp.dataset.task == "segmentation" and exp.dataset.sources:  # 2D lesion masks (fedmed.site.seg2d)
+        cfg = {"task": "segmentation", **common,
+               "data": {"spatial_dims": 2, "image_size": exp.dataset.image_size, "in_channels": exp.dataset.channels}}
+    elif exp.dataset.task == "segmentation":
         if not exp.dataset.modalities:
             raise BuildError("dataset.modalities is empty: a segmentation job needs the modality names")
         cfg = {"task": "segmentation", **common,

@@ -15,12 +15,16 @@ __all__ = ["answer", "local_message", "make_runner", "scrubbed", "to_meta"]
 
 # ---------------------------------------------------------------------- one reply loop, for every federation
 def make_runner(site: str, settings, cfg: dict) -> SiteRunner:
-    """The runner of the site tasks ``cfg`` asks for (image classification, Fed-MAE or segmentation)."""
+    """The runner of the site tasks ``cfg`` asks for (image classification, Fed-MAE, 3D or 2D segmentation)."""
     task = task_config(cfg).task
     if task == "mae":
         from fedmed.site.mae import MAESiteRunner
 
         return MAESiteRunner(site, settings)
+    if task == "segmentation" and task_config(cfg).data.spatial_dims == 2:
+        from fedmed.site.seg2d import Seg2DSiteRunner
+
+        return Seg2DSiteRunner(site, settings)
     if task == "segmentation":
         from fedmed.site.seg import SegSiteRunner
 

@@ -353,7 +353,7 @@ CLASSIFICATION = {"train": train, "validate": validate, "signature": signature, 
                   "descriptor": descriptor, "ifca": ifca, "validate_ensemble": validate_ensemble,
                   "class_set": class_set}
 
-PLUGIN_TASKS: dict = {"classification": {}, "segmentation": {}, "mae": {}}  # a plugin method's own site tasks
+PLUGIN_TASKS: dict = {"classification": {}, "segmentation": {}, "segmentation_2d": {}, "mae": {}}  # a plugin method's own site tasks
 
 
 def register_task(name: str, fn, *, task: str = "classification"):

@@ -53,7 +53,8 @@ def initial_params(cfg: dict, job_files=None, modules=()) -> dict:
     if t.task == "segmentation":
         from fedmed.nn.models import seg_model_from_config
 
-        return get_params(seg_model_from_config(m, d.in_channels, seed=t.seed, init_root=job_files, modules=modules))
+        return get_params(seg_model_from_config(m, d.in_channels, seed=t.seed, init_root=job_files, modules=modules,
+                                                spatial_dims=d.spatial_dims))
     from fedmed.nn.models import model_from_config
 
     return get_params(model_from_config(m, d.channels, d.n_classes, seed=t.seed, init_root=job_files, modules=modules))
