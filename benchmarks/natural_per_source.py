@@ -1,0 +1,102 @@
+"""Per-source numbers of a natural-federation experiment (fedmed experiment app_configs/breast_us_natural.yaml): for
+every method's run, at the round the experiment reports (its ``selection``: final, or validation-selected
+— never test), the balanced accuracy of each source pooled over its sites' test splits (from the sites' confusion
+matrices, the aggregates the sites sent; n/a where a site withheld a class row of fewer than k_min test images, as
+U-Systems' 5-6 test images do) and the site-mean AUC of the source's sites; mean ± std over seeds.
+
+    python benchmarks/natural_per_source.py results/breast_us_natural
+
+Writes ``per_source.md`` into the experiment folder and prints it. The references are absent here: the centralized model
+keeps no per-site record and the IID reference's sites mix the sources (their numbers are in ``summary.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def balanced_accuracy(conf: np.ndarray) -> float | None:
+    """Mean recall over the classes present (rows of the confusion matrix: true class)."""
+    rows = conf.sum(axis=1)
+    present = rows > 0
+    return float(np.mean(np.diag(conf)[present] / rows[present])) if present.any() else None
+
+
+def run_record(out: Path, method: str, seed: int) -> Path | None:
+    folder = out / "runs" / f"seed{seed}" / "".join(c if c.isalnum() else "_" for c in method)
+    for f in (folder / "server" / "metrics.json", folder / "metrics.json"):
+        if f.is_file():
+            return f
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="the experiment's output folder")
+    ap.add_argument("--selection", choices=("final", "validation"), default=None,
+                    help="default: the experiment config's, as its summary.md says")
+    a = ap.parse_args(argv)
+    from fedmed.report.summary import read_results, reported_rows
+
+    out = Path(a.out)
+    selection = a.selection or ("validation" if "validation-selected" in (out / "summary.md").read_text() else "final")
+    rows = read_results(out / "results.csv")
+    chosen = reported_rows(rows, selection)
+    cells: dict = {}  # (method, source) -> {"bacc": [...], "auc": [...]}
+    sources: list = []
+    for (method, seed), row in sorted(chosen.items()):
+        if row.get("kind") == "reference":  # the IID reference's sites are not sources; centralized has no sites
+            continue
+        f = run_record(out, method, seed)
+        if f is None:
+            continue
+        meta = json.loads((out / "data" / f"seed{seed}" / "dataset.json").read_text())
+        groups = meta.get("groups") or {}
+        if not groups:
+            continue
+        doc = json.loads(f.read_text())
+        rnd = next((r for r in doc["rounds"] if r["round"] == row["round"]), None)
+        if rnd is None:
+            continue
+        for src in dict.fromkeys(groups.values()):
+            if src not in sources:
+                sources.append(src)
+            sites = [s for s, g in groups.items() if g == src and s in rnd["sites"]]
+            confs = [np.asarray(rnd["sites"][s]["confusion"]) for s in sites if rnd["sites"][s].get("confusion")]
+            c = cells.setdefault((method, src), {"bacc": [], "auc": []})
+            withheld = any(rnd["sites"][s].get("withheld") for s in sites)  # rows below k_min, zeroed at the site
+            if confs and not withheld:
+                b = balanced_accuracy(sum(confs))
+                if b is not None and (sum(confs).sum(axis=1) > 0).all():
+                    c["bacc"].append(b)
+            aucs = [rnd["sites"][s]["auc"] for s in sites if rnd["sites"][s].get("auc") is not None]
+            if aucs:
+                c["auc"].append(float(np.mean(aucs)))
+
+    def fmt(v):
+        return f"{100 * np.mean(v):.1f} ± {100 * np.std(v):.1f}" if v else "n/a"
+
+    methods = list(dict.fromkeys(m for m, _ in cells))
+    head = "| Method | " + " | ".join(f"{s}: bal. acc | {s}: AUC" for s in sources) + " |"
+    lines = [head, "|---|" + "---|---|" * len(sources)]
+    for m in methods:
+        lines.append(f"| {m} | " + " | ".join(f"{fmt(cells.get((m, s), {}).get('bacc'))} | "
+                                              f"{fmt(cells.get((m, s), {}).get('auc'))}" for s in sources) + " |")
+    cmd = "python benchmarks/natural_per_source.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = (f"Per source ({selection} round; balanced accuracy from the source's pooled test confusion matrices, AUC "
+            f"the mean over its sites; %, mean ± std over seeds). Produced by: `{cmd}`\n\n" + "\n".join(lines) + "\n")
+    (out / "per_source.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
