@@ -11,7 +11,7 @@ import torch
 from fedmed.data.nifti import REGIONS, SegCase
 
 __all__ = ["dice_scores", "keep_largest_component", "predict_masks", "score_masks", "seg_loss", "seg_metrics", "seg_model",
-           "train_seg_local"]
+           "seg_step", "train_seg_local"]
 
 
 def seg_model(in_channels: int, *, channels=(8, 16, 32, 64), seed: int = 0):
@@ -72,7 +72,7 @@ def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, optimiz
     (FedProx, Ditto's personal objective). Patches go to the model's device; ``precision``: fp32 / bf16 / fp16
     autocast (:mod:`fedmed.core.device`); ``workers`` > 0: patches are cut in that many data-loader processes (MONAI's
     ``DataLoader``, which seeds each worker's transforms from ``seed``)."""
-    from fedmed.core.device import autocast, backward_step, grad_scaler, model_device
+    from fedmed.core.device import grad_scaler, model_device
 
     if not cases:
         raise ValueError("no training cases")
@@ -88,15 +88,27 @@ def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, optimiz
     rng = np.random.default_rng(seed)
     for epoch in range(epochs):
         for x, y in _patch_batches(cases, rng.permutation(len(cases)), tf, workers, seed + epoch):
-            x, y = x.to(device), y.to(device)
-            with autocast(device, precision):
-                loss_v = loss_fn(model(x).float(), y)
-            if anchor is not None and mu:
-                loss_v = loss_v + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
-            skipped += not backward_step(loss_v, opt, scaler)
-            total += float(loss_v.detach())
+            loss_v, ok = seg_step(model, loss_fn, x, y, opt, scaler, precision=precision, mu=mu, anchor=anchor)
+            skipped += not ok
+            total += loss_v
             steps += 1
     return {"loss": total / max(steps, 1), "steps": steps, "skipped": skipped}
+
+
+def seg_step(model, loss_fn, x, y, optimizer, scaler, *, precision: str = "fp32", mu: float | None = None,
+             anchor=None) -> tuple[float, bool]:
+    """One optimisation step of a segmentation network (3D patches or 2D images): the loss on the sigmoid outputs
+    under ``precision`` autocast, plus ``mu / 2 * ||theta - anchor||^2`` when ``mu`` (FedProx, Ditto). Returns the
+    loss and whether the step was taken (a non-finite gradient is skipped, :func:`fedmed.core.device.backward_step`)."""
+    from fedmed.core.device import autocast, backward_step, model_device
+
+    device = model_device(model)
+    x, y = x.to(device), y.to(device)
+    with autocast(device, precision):
+        loss_v = loss_fn(model(x).float(), y)
+    if anchor is not None and mu:
+        loss_v = loss_v + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+    return float(loss_v.detach()), bool(backward_step(loss_v, optimizer, scaler))
 
 
 def _stack(out):

@@ -26,8 +26,8 @@ def train_seg2d_local(model, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 
     """``epochs`` over the images in seeded random batches, each flipped left-right with p = 0.5 (image and mask
     together); the loss on the sigmoid output (:func:`fedmed.nn.seg.seg_loss`). ``mu`` / ``anchor``: a proximal term
     (FedProx, Ditto). Returns ``{"loss": mean, "steps": n, "skipped": k}``."""
-    from fedmed.core.device import autocast, backward_step, grad_scaler, model_device
-    from fedmed.nn.seg import seg_loss
+    from fedmed.core.device import grad_scaler, model_device
+    from fedmed.nn.seg import seg_loss, seg_step
 
     n = int(x.shape[0])
     if n == 0:
@@ -50,13 +50,9 @@ def train_seg2d_local(model, x: torch.Tensor, y: torch.Tensor, *, epochs: int = 
             xb, yb = x[idx].clone(), y[idx].clone()
             flip = torch.rand(idx.numel(), generator=g) < 0.5
             xb[flip], yb[flip] = xb[flip].flip(-1), yb[flip].flip(-1)
-            xb, yb = xb.to(device), yb.to(device)
-            with autocast(device, precision):
-                loss_v = loss_fn(model(xb).float(), yb)
-            if anchor is not None and mu:
-                loss_v = loss_v + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
-            skipped += not backward_step(loss_v, opt, scaler)
-            total += float(loss_v.detach())
+            loss_v, ok = seg_step(model, loss_fn, xb, yb, opt, scaler, precision=precision, mu=mu, anchor=anchor)
+            skipped += not ok
+            total += loss_v
             steps += 1
     return {"loss": total / max(steps, 1), "steps": steps, "skipped": skipped}
 

@@ -98,10 +98,8 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     seeded random) — aggregates of at least k_min images (per-image values only if this site allows them)."""
     import torch
 
-    from fedmed.algorithms.assessment import histogram_edges
-    from fedmed.algorithms.heterogeneity import metadata_histogram
-    from fedmed.algorithms.privacy import privacy_settings, private_histogram, private_mean
     from fedmed.nn.encoders import build_encoder, extract_features
+    from fedmed.site.seg_aggregates import assessment_payload
 
     cfg = task_config(cfg)
     s = runner.cases(cfg)
@@ -117,33 +115,14 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
         notes.append(f"{runner.site}: per-image metadata requested by the job but not allowed by this site's "
                      f"settings; histograms and an embedding centroid are sent instead")
         per_image = False
-    settings = privacy_settings(cfg.privacy.model_dump())
-    values = image_metadata(x, y)
-    eps = settings.dp_epsilon if not per_image else None
-    share = eps / (len(values) + 1) if eps else None
-    rng = np.random.default_rng(task_seed(cfg, runner.site, salt=5))
-    meta: dict = {"n_cases": int(x.shape[0]), "dp": {"epsilon": eps, "releases": []}, "notes": notes}
-    for key, v in values.items():
-        if per_image:
-            meta[key] = v
-            continue
-        e = histogram_edges(key, {k_: v_ for k_, v_ in EDGES_2D.items()})
-        meta[key], rec = private_histogram(metadata_histogram(v, e), epsilon=share, rng=rng)
-        meta[f"edges__{key}"] = e
-        if rec:
-            meta["dp"]["releases"].append({"feature": key, **rec})
     enc = build_encoder("efficientnet_lite0", weights=runner.weights(cfg), seed=cfg.seed,
                         in_channels=cfg.data.in_channels, device=runner.device(cfg))
     emb = extract_features(enc, runner.images_at_size(cfg, enc.image_size))
-    if per_image:
-        meta["embeddings"] = emb
-    elif share:
-        meta["embedding_centroid"], rec = private_mean(emb, clip=settings.clip, epsilon=share,
-                                                       delta=settings.dp_delta, rng=rng)
-        meta["dp"]["releases"].append({"embedding_centroid": True, **rec})
-    else:
-        meta["embedding_centroid"] = emb.mean(axis=0)
-    meta["encoder"] = enc.description
+    rng = np.random.default_rng(task_seed(cfg, runner.site, salt=5))
+    meta = assessment_payload(image_metadata(x, y), emb, enc.description, n_cases=int(x.shape[0]),
+                              per_value=per_image, per_image=per_image, edges=EDGES_2D,
+                              privacy=cfg.privacy.model_dump(), rng=rng)
+    meta["notes"] = notes
     for n in notes:
         print(f"[fedmed] {n}", flush=True)
     return Reply({}, {"n_cases": float(x.shape[0])}, meta)

@@ -7,12 +7,28 @@ import numpy as np
 
 from fedmed.algorithms.assessment import histogram_edges
 
-__all__ = ["site_assessment"]
+__all__ = ["assessment_payload", "site_assessment"]
 
 
 def site_assessment(cases, encoder=None, *, per_value: bool = False, per_image: bool = False,
                     edges: dict | None = None, privacy: dict | None = None, rng=None) -> dict:
-    """What one site sends for the assessment (see the module notes).
+    """What one 3D site sends for the assessment (see the module notes): :func:`assessment_payload` of its cases'
+    metadata (:func:`fedmed.data.nifti.case_metadata`) and, with ``encoder``, their embeddings."""
+    from fedmed.data.nifti import case_metadata
+    from fedmed.nn.encoders import site_embeddings
+
+    emb = site_embeddings(cases, encoder) if encoder is not None else None
+    return assessment_payload(case_metadata(cases), emb, encoder.description if encoder is not None else None,
+                              n_cases=len(cases), per_value=per_value, per_image=per_image, edges=edges,
+                              privacy=privacy, rng=rng)
+
+
+def assessment_payload(values: dict, embeddings=None, encoder: str | None = None, *, n_cases: int,
+                       per_value: bool = False, per_image: bool = False, edges: dict | None = None,
+                       privacy: dict | None = None, rng=None) -> dict:
+    """The assessment reply from per-case metadata ``values`` (``{"intensity__<m>" | "label__<r>": values}``) and
+    ``embeddings`` (rows, or None): histograms on shared edges and the embeddings' centroid — or, when the site allows
+    them, the values and embeddings themselves (3D cases and 2D images alike, :mod:`fedmed.site.seg2d`).
 
     With ``privacy["dp_epsilon"]`` (and aggregates, not per-image values) every histogram gets Laplace noise
     (L1 sensitivity 2 per feature) and the embedding centroid analytic Gaussian noise on vectors clipped to
@@ -22,16 +38,13 @@ def site_assessment(cases, encoder=None, *, per_value: bool = False, per_image: 
     """
     from fedmed.algorithms.heterogeneity import metadata_histogram
     from fedmed.algorithms.privacy import privacy_settings, private_histogram, private_mean
-    from fedmed.data.nifti import case_metadata
-    from fedmed.nn.encoders import site_embeddings
 
     settings = privacy_settings(privacy)
-    values = case_metadata(cases)
     eps = settings.dp_epsilon if not (per_value or per_image) else None
-    releases = len(values) + (1 if encoder is not None else 0)
+    releases = len(values) + (1 if embeddings is not None else 0)
     share = eps / releases if eps else None
     rng = rng if rng is not None else np.random.default_rng(0)
-    out: dict = {"n_cases": len(cases), "dp": {"epsilon": eps, "releases": []}}
+    out: dict = {"n_cases": int(n_cases), "dp": {"epsilon": eps, "releases": []}}
     for k, v in values.items():
         if per_value:
             out[k] = v
@@ -41,8 +54,8 @@ def site_assessment(cases, encoder=None, *, per_value: bool = False, per_image: 
             out[f"edges__{k}"] = e
             if rec:
                 out["dp"]["releases"].append({"feature": k, **rec})
-    if encoder is not None:
-        emb = site_embeddings(cases, encoder)
+    if embeddings is not None:
+        emb = embeddings
         if per_image:
             out["embeddings"] = emb
         elif share:
@@ -51,5 +64,5 @@ def site_assessment(cases, encoder=None, *, per_value: bool = False, per_image: 
             out["dp"]["releases"].append({"embedding_centroid": True, **rec})
         else:
             out["embedding_centroid"] = emb.mean(axis=0)
-        out["encoder"] = encoder.description
+        out["encoder"] = encoder
     return out
