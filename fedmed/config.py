@@ -265,9 +265,8 @@ class ExperimentConfig(_Strict):
                              "(federation.holdout_sources)")
         if any(n < 1 for n in fed.split_sources.values()):
             raise ValueError(f"federation.split_sources: site counts should be at least 1, got {fed.split_sources}")
-        if fed.partition == "natural" and fed.site_names is None:
-            pass  # the sites' names and count come from the data (fedmed experiment fills them in)
-        elif fed.site_names is not None and fed.partition != "label_volume" and len(fed.site_names) != fed.sites:
+        # natural: the sites' names and count come from the data (fedmed experiment fills them in)
+        if fed.site_names is not None and fed.partition != "label_volume" and len(fed.site_names) != fed.sites:
             raise ValueError(f"federation.site_names has {len(fed.site_names)} names but federation.sites is "
                              f"{fed.sites}")
         if fed.min_clients > fed.sites and not (fed.partition == "natural" and fed.site_names is None):
