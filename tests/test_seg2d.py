@@ -105,7 +105,16 @@ def test_the_2d_references_score_each_site_on_its_own_test_split(tmp_path):
     meta = json.loads((data / "dataset.json").read_text())
     rows = seg2d_reference_rows(exp, data, meta["sites"], 0, meta["groups"], log=lambda *_: None)
     names = [r["method"] for r in rows]
-    assert names.count("Centralized") == exp.train.rounds + 1 and names[-1] == "Each source alone"
+    assert names.count("Centralized") == exp.train.rounds + 1
+    assert names.count("Each source alone") == exp.train.rounds and names[-1] == "Each source alone"
     central = [r for r in rows if r["method"] == "Centralized"]
     assert central[-1]["dice_mean"] > central[0]["dice_mean"] + 0.3
     assert set(rows[-1]["sites"]) == {"scanA", "scanB", "scanC"}
+    # every round has the sites' validation Dice: `selection: validation` picks the references' round on it (a
+    # BUS-BRA experiment stopped here: "Centralized seed 0: selection 'validation' needs validation metrics")
+    assert all(isinstance(r.get("val_dice_mean"), float) for r in rows)
+    from fedmed.report.summary import reported_rows
+
+    picked = reported_rows(rows, "validation")
+    best = max(central, key=lambda r: (r["val_dice_mean"], -r["round"]))
+    assert picked[("Centralized", 0)]["round"] == best["round"]

@@ -212,7 +212,11 @@ def seg2d_reference_rows(exp, datalists, sites: list[str], seed: int, groups: di
     * **Centralized**: one U-Net on all sites' pooled training images, ``rounds x local_epochs`` epochs with the same
       recipe (one optimizer for the whole run), scored after every ``local_epochs`` epochs;
     * **Each source alone**: per source (``groups``: site -> source; else per site) one U-Net on that source's sites'
-      pooled training images with the same budget; each site scored with its source's model.
+      pooled training images with the same budget; each site scored with its source's model, after every
+      ``local_epochs`` epochs too.
+
+    Every row also has each site's validation Dice (``val_dice_mean``), so that ``selection: validation`` picks these
+    rows' round on validation data as it does the federated runs'.
     """
     import torch
 
@@ -235,7 +239,12 @@ def seg2d_reference_rows(exp, datalists, sites: list[str], seed: int, groups: di
         return m, make_optimizer(m, cfg["train"])
 
     def scores(model, which):
-        return {s: seg2d_metrics(model, *cases[s]["test"]) for s in which}
+        out = {}
+        for s in which:
+            out[s] = seg2d_metrics(model, *cases[s]["test"])
+            if len(cases[s]["validation"][0]):
+                out[s]["val_dice_mean"] = seg2d_metrics(model, *cases[s]["validation"])["dice_mean"]
+        return out
 
     def pooled(which):
         return (torch.cat([cases[s]["training"][0] for s in which]), torch.cat([cases[s]["training"][1] for s in which]))
@@ -254,16 +263,17 @@ def seg2d_reference_rows(exp, datalists, sites: list[str], seed: int, groups: di
     by_source: dict = {}
     for s in sites:
         by_source.setdefault((groups or {}).get(s, s), []).append(s)
-    final: dict = {}
+    per_round: list[dict] = [{} for _ in range(t.rounds)]
     for k, (src, members) in enumerate(by_source.items()):
         model, opt = fresh()
         x, y = pooled(members)
         g = torch.Generator().manual_seed(seed * 1000 + 100 * (k + 1))
-        for _ in range(t.rounds):
+        for r in range(t.rounds):
             train_seg2d_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt,
                               loss=t.seg.loss, generator=g, precision=t.precision)
-        final.update(scores(model, members))
-    rows.append(_seg_row("Each source alone", seed, final, t.rounds))
+            per_round[r].update(scores(model, members))
+    rows += [_seg_row("Each source alone", seed, per_round[r], r + 1) for r in range(t.rounds)]
+    final = per_round[-1]
     log("    each-source-alone reference: final lesion Dice " + ", ".join(
         f"{src} {100 * np.nanmean([final[s]['dice_mean'] for s in m]):.1f}%" for src, m in by_source.items()))
     return rows
