@@ -438,3 +438,26 @@ def test_ditto_keeps_a_personal_model_that_the_site_serves_and_trains_toward_the
     assert any(not np.array_equal(out[k], g0[k]) for k in g0)  # the global update went back
     no_ditto = {**cfg, "ditto_lambda": None}
     assert served_model(runner, no_ditto) is runner.model(no_ditto)
+
+
+def test_a_site_scores_its_validation_subjects_when_it_has_k_min_of_them(phantoms, tmp_path):
+    """#38: 3D segmentation never scored the validation split (every round said "val dice_mean n/a" and
+    `selection: validation` could not work). A site now sends its validation subjects' Dice beside the test one — and
+    withholds it when it has fewer than k_min validation subjects (an aggregate of fewer would leave the site)."""
+    from fedmed.nn.train import get_params
+    from fedmed.site.seg import SegSiteRunner
+
+    entries = discover_subjects(phantoms, MODS, "OTMultiClass*", "brainmask*", hemispheres=False)
+    cfg = {"task": "segmentation", "seed": 0, "data": {"shape": [16, 16, 16], "roi": [16, 16, 16], "in_channels": 2},
+           "model": {"channels": [4, 8, 16]}, "train": {"local_epochs": 1, "lr": 1e-2}, "privacy": {"k_min": 5}}
+    for n_val, sent in ((5, True), (4, False)):  # a site's default policy floor: k_min 5
+        d = tmp_path / f"v{n_val}"
+        d.mkdir()
+        (d / "site-1.json").write_text(json.dumps({"training": entries[:1], "validation": entries[1:1 + n_val],
+                                                   "test": entries[6:11]}))
+        runner = SegSiteRunner("site-1", d)
+        _, metrics, _ = runner.handle("validate", get_params(runner.model(cfg)), cfg, 0)
+        assert "dice_mean" in metrics
+        assert ("val_dice_mean" in metrics) is sent, (n_val, sorted(metrics))
+        if sent:
+            assert 0.0 <= metrics["val_dice_mean"] <= 1.0

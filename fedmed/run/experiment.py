@@ -383,6 +383,8 @@ def run_fingerprint(exp, method, seed: int) -> str:
 # --------------------------------------------------------------------------------------------- experiment
 
 def _setup(exp, data_dir: Path) -> list[str]:
+    from fedmed.core.io import shown_path
+
     meta = json.loads((data_dir / "dataset.json").read_text())
     f, t, m = exp.federation, exp.train, exp.model
     n_test = []
@@ -391,7 +393,10 @@ def _setup(exp, data_dir: Path) -> list[str]:
         n_test.append(len(doc.get("test", [])))
     part = f.partition + (f" (alpha {f.alpha}, {f.dirichlet_scheme})" if f.partition == "dirichlet" else "") + \
         (f" ({f.anda_shift}, level {f.anda_level}, {f.anda_groups} groups)" if f.partition == "anda" else "")
-    out = [f"data {exp.dataset.describe()}", f"{len(meta['sites'])} sites, {part}",
+    d = exp.dataset
+    data = (shown_path(d.path, data_dir.parents[1]) if d.path is not None else " + ".join(
+        shown_path(x.path, data_dir.parents[1]) + (f" ({x.site})" if x.site else "") for x in d.sources))
+    out = [f"data {data}", f"{len(meta['sites'])} sites, {part}",
            f"test {f.test_fraction:.0%} / validation {f.val_fraction:.0%} of each site ({sum(n_test)} test samples, "
            f"median {int(np.median(n_test)) if n_test else 0} per site)"]
     if exp.dataset.task == "classification":
