@@ -279,6 +279,9 @@ class ExperimentConfig(_Strict):
                 raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} needs dataset.task: segmentation")
             if seg and "segmentation" not in serves:
                 raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} is for classification, not segmentation")
+            if seg and self.dataset.sources and m.workflow == "ditto":
+                raise ValueError(f"method {m.name!r}: Ditto is not available for 2D lesion segmentation (3D "
+                                 f"segmentation and classification have it)")
             if m.workflow == "fedbn" and self.model.arch in ("resnet9", "resnet18") and self.model.norm != "batch":
                 raise ValueError(f"method {m.name!r}: FedBN keeps each site's batch-norm layers; model.norm is "
                                  f"{self.model.norm!r} (set model.norm: batch)")
