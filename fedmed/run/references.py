@@ -153,8 +153,8 @@ def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -
     * **Each site alone**: every site trains only on its own cases with the same budget; the row is the mean over
       sites of each site's own model (per-site columns: that site's model).
 
-    Where the sites have validation subjects, every row also has their Dice (``val_dice_mean``), as the federated
-    runs' rounds do.
+    Under ``selection: validation``, where the sites have validation subjects, every row also has their Dice
+    (``val_dice_mean``), as the federated runs' rounds do.
     """
     from fedmed.core.device import resolve_device
     from fedmed.nn.models import seg_model_from_config
@@ -184,7 +184,8 @@ def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -
     pooled = [c for s in sites for c in cases[s][0]]
     model = seg_model_from_config(exp.model.model_dump(), cfg["data"]["in_channels"], seed=seed, modules=("*",)).to(device)
     opt = make_optimizer(model, cfg["train"])
-    val = {s: runners[s].validation_cases(cfg) for s in sites}
+    # the sites' validation subjects, scored only where a round is selected on them (`selection: validation`)
+    val = {s: runners[s].validation_cases(cfg) if exp.selection == "validation" else [] for s in sites}
 
     def scored(model, which):  # the common test subjects, and each site's validation subjects where it has them
         m = seg_metrics(model, test, roi)
