@@ -461,3 +461,31 @@ def test_a_site_scores_its_validation_subjects_when_it_has_k_min_of_them(phantom
         assert ("val_dice_mean" in metrics) is sent, (n_val, sorted(metrics))
         if sent:
             assert 0.0 <= metrics["val_dice_mean"] <= 1.0
+
+
+def test_the_3d_references_are_selected_on_validation_subjects(tmp_path):
+    """`selection: validation` on a 3D federation: the centralized and each-site-alone rows carry the sites'
+    validation Dice, and the reported round is the one best on it (the references stopped such a run before)."""
+    import yaml
+
+    from fedmed.config import load_config
+    from fedmed.report.summary import reported_rows
+    from fedmed.run.experiment import prepare_federation
+    from fedmed.run.references import seg_reference_rows
+
+    root = tmp_path / "ph"
+    write_phantom_subjects(root, [0, 2, 3, 3, 4, 4, 5, 6, 6, 9, 10, 11, 3, 5, 8, 2, 3, 4, 5, 6, 7], size=24)
+    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "app_configs" / "demo_seg_phantoms.yaml").read_text())
+    raw["dataset"]["path"] = str(root)
+    raw["federation"].update(sites=2, val_fraction=0.4)
+    raw["train"].update(rounds=2, local_epochs=1)
+    raw.update(selection="validation", methods=[{"name": "FedAvg", "workflow": "fedavg"}])
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    exp = load_config(tmp_path / "c.yaml")
+    data = prepare_federation(exp, 0, tmp_path / "fed")
+    sites = json.loads((data / "dataset.json").read_text())["sites"]
+    rows = seg_reference_rows(exp, data, sites, 0, log=lambda *_: None)
+    assert rows and all(isinstance(r.get("val_dice_mean"), float) for r in rows)
+    central = [r for r in rows if r["method"] == "Centralized"]
+    best = max(central, key=lambda r: (r["val_dice_mean"], -r["round"]))
+    assert reported_rows(rows, "validation")[("Centralized", 0)]["round"] == best["round"]
