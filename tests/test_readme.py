@@ -67,8 +67,10 @@ def test_demo_report_in_a_headless_browser():
     assert res["broken"] == [] and res["images"] >= 6, res
     html = page.read_text()
     for part in ("Classification", "demo-seg-phantoms", "demo-flux", "Centralized", "cluster-majority", "Command:",
-                 "test cases: image, ground truth, prediction"):
+                 "test cases: image, ground truth, prediction", "classification: learning curves",
+                 "segmentation: learning curves", "flux: learning curves"):  # each part's curves (#38)
         assert part in html, part
+    assert str(ROOT) not in html  # no absolute path in a report (#38: its Setup line showed one)
 
 
 def test_the_demo_trains_what_it_says():
