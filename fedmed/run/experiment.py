@@ -104,7 +104,8 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
     extra: dict = {"partition": part, "seed": seed}
     if part == "natural":
         names, parts, source_of, unseen = P.natural_partition(pool.sites, pool.groups, rng,
-                                                              split=fed.split_sources, holdout=fed.holdout_sources)
+                                                              split=fed.split_sources, holdout=fed.holdout_sources,
+                                                              holdout_sites=fed.holdout_sites)
         extra.update(groups=source_of, unseen_sites=unseen, patient_wise=True,
                      sources={s: int(np.sum(np.asarray(pool.sites) == s)) for s in dict.fromkeys(pool.sites)})
         write_site_datalists(pool, parts, out, test_fraction=fed.test_fraction, val_fraction=fed.val_fraction,
@@ -722,7 +723,7 @@ def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict
         exp_ref = ExperimentConfig.model_validate({
             **exp.model_dump(exclude={"methods", "sweep", "plugins"}),
             "federation": {**exp.federation.model_dump(), "partition": "iid", "unseen_sites": 0, "split_sources": {},
-                           "holdout_sources": []}, "methods": [iid.model_dump()]})
+                           "holdout_sources": [], "holdout_sites": {}}, "methods": [iid.model_dump()]})
         log(f"[seed {seed}] reference: FedAvg on an IID federation ...")
         try:
             doc = run_job(job_spec(exp_ref, exp_ref.methods[0], seed), iid_dir, work / "iid_fedavg", len(sites), log=log)
