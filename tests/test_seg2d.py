@@ -125,3 +125,37 @@ def test_the_2d_references_score_each_site_on_its_own_test_split(tmp_path):
     picked = reported_rows(rows, "validation")
     best = max(central, key=lambda r: (r["val_dice_mean"], -r["round"]))
     assert picked[("Centralized", 0)]["round"] == best["round"]
+
+
+def test_a_2d_experiments_report_and_table_are_written(tmp_path):
+    """A BUS-BRA run stopped at its very end: the report tried to draw 3D slices with the final 2D model (`fedmed
+    predict` refuses 2D lesion models). A 2D run's report is written without them; its table's intro speaks of images,
+    and the FP column says n/a when no test image is lesion-free (BUS-BRA has none)."""
+    from fedmed.nn.predict import save_model
+    from fedmed.nn.seg2d import seg2d_metrics, seg2d_model
+    from fedmed.nn.train import get_params
+    from fedmed.report.html import write_report
+    from fedmed.report.summary import write_outputs
+
+    import torch
+
+    x = torch.rand(3, 1, 16, 16)
+    y = torch.zeros(3, 1, 16, 16)
+    y[:, :, 4:9, 4:9] = 1  # every image holds a lesion
+    assert np.isnan(seg2d_metrics(seg2d_model(1, channels=(4, 8), seed=0), x, y)["fp_pixels"])
+    out = tmp_path / "out"
+    run = out / "runs" / "seed0" / "FedAvg"
+    (run / "server" / "models").mkdir(parents=True)
+    (out / "data" / "seed0").mkdir(parents=True)
+    (out / "data" / "seed0" / "dataset.json").write_text(json.dumps({"sites": ["scanA"]}))
+    cfg = {"task": "segmentation", "data": {"spatial_dims": 2, "image_size": 16, "in_channels": 1},
+           "model": {"arch": "unet", "channels": [4, 8]}}
+    save_model(run / "server" / "models" / "global.pt", get_params(seg2d_model(1, channels=(4, 8), seed=0)), cfg)
+    (run / "metrics.json").write_text(json.dumps({"status": "finished", "reason": "", "sites": ["scanA"], "rounds": [],
+                                                  "meta": {"config": cfg}}))
+    rows = [{"method": "FedAvg", "kind": "method", "seed": 0, "round": r, "task": "train", "dice_mean": 0.3 + 0.2 * r,
+             "fp_pixels": float("nan"), "sites": {"scanA": {"dice_mean": 0.3 + 0.2 * r}}} for r in range(2)]
+    md = write_outputs(rows, out, title="t", command="fedmed experiment x")
+    assert "Dice per test image holding a lesion" in md and "HD95" not in md
+    assert "| FedAvg | final (1) | 50.00 | n/a |" in md, md
+    assert write_report(out).is_file()

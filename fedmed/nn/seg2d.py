@@ -82,11 +82,11 @@ def dice_per_image(pred: np.ndarray, gt: np.ndarray) -> np.ndarray:
 
 def seg2d_metrics(model, x: torch.Tensor, y: torch.Tensor) -> dict:
     """``dice_mean``: the mean Dice over the images holding a lesion; ``fp_pixels``: the mean predicted lesion pixels
-    on lesion-free images (0 when there are none); the image counts."""
+    on lesion-free images (NaN — "n/a" in a table — when there are none: BUS-BRA has none); the image counts."""
     pred = predict_masks2d(model, x)
     gt = y[:, 0].numpy() > 0.5 if len(y) else np.zeros_like(pred, dtype=bool)
     d = dice_per_image(pred, gt)
     free = gt.reshape(len(gt), -1).sum(1) == 0
     return {"dice_mean": float(np.nanmean(d)) if np.isfinite(d).any() else float("nan"),
-            "fp_pixels": float(pred[free].reshape(int(free.sum()), -1).sum(1).mean()) if free.any() else 0.0,
+            "fp_pixels": float(pred[free].reshape(int(free.sum()), -1).sum(1).mean()) if free.any() else float("nan"),
             "n_lesion_images": int(np.isfinite(d).sum()), "n_lesion_free_images": int(free.sum())}

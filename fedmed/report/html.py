@@ -203,7 +203,9 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
             parts.append(_sites_table(doc))
             parts.append(privacy_table(doc))
             seed_dir = case / "data" / run.parent.name
-            if doc.get("meta", {}).get("config", {}).get("task") == "segmentation" and seed_dir.is_dir():
+            config = doc.get("meta", {}).get("config", {})
+            if (config.get("task") == "segmentation" and seed_dir.is_dir()
+                    and (config.get("data") or {}).get("spatial_dims", 3) != 2):  # 3D cases: the middle slice
                 png = _seg_slices(run, seed_dir, run / "test_slices.png")
                 if png:
                     parts.append(_img(png, "test cases: image, ground truth, prediction (whole tumour, middle slice)"))

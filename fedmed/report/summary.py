@@ -259,7 +259,13 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
     rule = ("at each run's final round" if selection == "final" else
             "at each run's validation-selected round (best site-mean accuracy on the sites' validation splits, "
             "held out of training; test data never selects)")
-    if is_seg(rows):
+    if is_seg(rows) and all(e.get("dice_wt", "n/a") == "n/a" for e in summ):  # 2D lesion segmentation
+        intro = (f"Dice in %, mean ± std over {seeds} seed(s) {rule}; Dice per test image holding a lesion, averaged "
+                 f"over a site's test images and then over sites; FP pixels: predicted lesion pixels on lesion-free "
+                 f"test images (n/a where there are none); per-site columns: each site's mean Dice with the model it "
+                 f"is served, on its own test split.")
+        table = seg_table(summ, selection)
+    elif is_seg(rows):
         intro = (f"Dice in %, mean ± std over {seeds} seed(s)/fold(s) {rule}; Dice and HD95 (mm) per test subject "
                  f"(a subject's hemisphere samples scored together, as BraTS scores a patient; regions a subject "
                  f"lacks left out, as DiceMetric's ignore_empty=True); WT per hemisphere: the WT Dice averaged over "
