@@ -89,7 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--atol", type=float, default=1e-3, help="GPU: largest weight difference (relative to each tensor's "
                     "scale, at least 1) still 'the same'")
     ap.add_argument("--json", help="also write the result here")
-    ap.add_argument("--deterministic", action="store_true", help="cuDNN's deterministic algorithms on both sides")
+    ap.add_argument("--deterministic", action="store_true", help="cuDNN's deterministic algorithms on both sides (the "
+                    "site through its train.deterministic)")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("bench_gpu: no CUDA GPU on this machine; nothing measured (give --device cpu for a smoke run)")
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     from fedmed.nn.train import get_params, set_params
 
     device = torch.device(a.device)
-    if a.deterministic:  # cuDNN's deterministic algorithms only (both sides)
+    if a.deterministic:  # cuDNN's deterministic algorithms only: the site by its train.deterministic, the loop here
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     tmp = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
     root, n_classes = federation(a.n, tmp)
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
            "model": model_cfg, "privacy": {"k_min": 1},
            "train": {"local_epochs": a.epochs, "batch_size": a.batch_size, "optimizer": "adam", "lr": 1e-3,
                      "weight_decay": 0.0, "augment": "flip", "keep_optimizer_state": False, "device": a.device,
-                     "precision": a.precision}}
+                     "precision": a.precision, "deterministic": a.deterministic}}
     runner = SiteRunner("site-1", root)
     s = runner.splits(cfg)
     x, y = s.train

@@ -132,10 +132,10 @@ def _trained_latents(exp, data, rounds=4):
     for s in meta["sites"]:
         sp = SiteRunner(s, data).data(28, 3)
         out[s] = (latents(model, sp.train[0]), sp.train[1].numpy())
-    return meta, out, [x["mean"].get("val_accuracy") for x in summ]
+    return meta, out, [x["mean"].get("val_accuracy") for x in summ], [x["mean"].get("accuracy") for x in summ]
 
 
-def _flux_ari(meta, lat, *, box="elementwise", scaling="none", absent="zeros", k_min=5):
+def _flux_ari(meta, lat, *, box="elementwise", scaling="none", absent="zeros", k_min=5, second="std", eps=None):
     from sklearn.metrics import adjusted_rand_score
 
     from fedmed.algorithms.clustered import flux_cluster
@@ -147,7 +147,8 @@ def _flux_ari(meta, lat, *, box="elementwise", scaling="none", absent="zeros", k
     pca = shared_pca(lo, hi, n_components=10, seed=0)
     descs = {}
     for s, (z, y) in lat.items():
-        d = flux_descriptor(z, pca, y, n_classes=2, k_min=k_min, absent=absent)
+        d = flux_descriptor(z, pca, y, n_classes=2, k_min=k_min, absent=absent, second_moment=second, dp_epsilon=eps,
+                            rng=np.random.default_rng(0) if eps else None)
         descs[s] = {"full": d.full, "label_free": d.label_free}
     info = flux_cluster(descs, scaling=scaling)
     sites = info["sites"]
@@ -158,8 +159,11 @@ def flux(tmp: Path):
     from fedmed.algorithms.flux import should_start_clustering
 
     exp, data = _anda_federation("channel", tmp)
-    meta, lat, acc = _trained_latents(exp, data)
+    meta, lat, acc, test_acc = _trained_latents(exp, data)
     for name, kw in (("paper readings (element-wise box, raw descriptors, absent = 0)", {}),
+                     ("Σ of Eq. 7 as variances (second_moment var)", {"second": "var"}),
+                     ("DP on, ε = 10 (Laplace scale from the public box's range / n)", {"eps": 10.0}),
+                     ("DP on, ε = 1", {"eps": 1.0}),
                      ("S1 box: official scalar [0, 1.02 max]", {"box": "scalar"}),
                      ("descriptors min-max scaled (official)", {"scaling": "minmax"}),
                      ("absent class = -1 (official), k_min 1", {"absent": "minus_one", "k_min": 1}),
@@ -167,18 +171,20 @@ def flux(tmp: Path):
                      ("all official readings", {"box": "scalar", "scaling": "minmax", "absent": "minus_one", "k_min": 1})):
         ari, k = _flux_ari(meta, lat, **kw)
         print(f"Flux {name}: ARI {ari:.2f}, K {k}")
-    acc = [a for a in acc[1:]]  # accuracy after rounds 1..R
-    for rule in ("paper", "official"):
-        fires = next((r for r in range(1, len(acc) + 1) if should_start_clustering(acc[:r], 8, rule=rule)), None)
-        print(f"start rule ({rule}) on the FedAvg validation-accuracy curve {np.round(acc, 3).tolist()}: fires at "
-              f"round {fires}")
+    for which, curve in (("validation", acc), ("test", test_acc)):  # Eq. 14's accuracy: fedmed's validation reading
+        curve = [a for a in curve[1:]]  # accuracy after rounds 1..R
+        for rule in ("paper", "official"):
+            fires = next((r for r in range(1, len(curve) + 1) if should_start_clustering(curve[:r], 8, rule=rule)),
+                         None)
+            print(f"start rule ({rule}) on the FedAvg {which}-accuracy curve {np.round(curve, 3).tolist()}: fires at "
+                  f"round {fires}")
     return meta, lat
 
 
 def anda(tmp: Path):
     for colour in ("channel", "anda"):
         exp, data = _anda_federation(colour, tmp)
-        meta, lat, acc = _trained_latents(exp, data)
+        meta, lat, acc, _ = _trained_latents(exp, data)
         ari, k = _flux_ari(meta, lat)
         print(f"ANDA colour '{colour}': FedAvg validation accuracy after 4 rounds {100 * acc[-1]:.1f}%, Flux ARI "
               f"{ari:.2f} (K {k})")
@@ -244,11 +250,35 @@ def encoders():
           f"the final-norm CLS token {np.mean([cos(torch.from_numpy(a), torch.from_numpy(b)) for a, b in zip(mean, cls)]):.4f}")
 
 
+def preprocessing():
+    """Each 2D encoder's own input normalisation vs the one fedmed used for all before #26, ``(x - 0.5) / 0.25``: the
+    cosine of the two features of 16 BUSI images (the ImageNet EfficientNet-Lite0 release when installed; the others
+    seeded random: no release is stored here)."""
+    import dataclasses
+
+    import torch
+
+    from fedmed.data.images import discover, load_images
+    from fedmed.nn.encoders import build_encoder, extract_features, released_weights
+
+    pool = discover(str(SHARED / "busi"), max_per_class=6)
+    x, _ = load_images([{"image": str(f), "label": 0} for f in pool.items[:16]], image_size=224, channels=3)
+    names = ["vit_tiny", "usfm", "ctranspath", "efficientnet_lite0"]
+    for name in names:
+        w = released_weights(name) if name.startswith("efficientnet") else None
+        enc = build_encoder(name, weights=w, seed=0, in_channels=3)
+        own = torch.from_numpy(extract_features(enc, x))
+        old = torch.from_numpy(extract_features(dataclasses.replace(enc, normalize="half"), x))
+        c = torch.nn.functional.cosine_similarity(own, old, dim=1)
+        print(f"{name} ({'ImageNet release' if w else 'random weights'}; its own input: {enc.preprocessing}): cosine "
+              f"of its features vs (x - 0.5) / 0.25 on 16 BUSI images {float(c.mean()):.4f} (min {float(c.min()):.4f})")
+
+
 def main(argv=None):
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", default=["pacfl", "dirichlet", "flux", "anda", "encoders"])
+    ap.add_argument("--only", nargs="*", default=["pacfl", "dirichlet", "flux", "anda", "encoders", "preprocessing"])
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="readings_"))
@@ -262,6 +292,8 @@ def main(argv=None):
         anda(tmp)
     if "encoders" in a.only:
         encoders()
+    if "preprocessing" in a.only:
+        preprocessing()
 
 
 if __name__ == "__main__":

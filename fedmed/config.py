@@ -117,6 +117,9 @@ class FederationConfig(FederationTiming):
                                           "patient into this many sites (<source>-1..n)")
     holdout_sources: list[str] = Field(default_factory=list, description="natural: sources held out of training as "
                                        "unseen sites (unseen-<source>), for onboarding")
+    holdout_sites: dict[str, int] = Field(default_factory=dict, description="natural: of a source split into n "
+                                          "sites, hold out the last k (unseen-<source>-1..k) for onboarding; its "
+                                          "other sites train, so the newcomer's own source has a cluster")
     dirichlet_scheme: Literal["hsu", "per_client"] = Field(
         "hsu", description="hsu: q_k ~ Dir(alpha p) per site (Hsu et al., FMCL); per_client: each class split over "
         "sites ~ Dir(alpha) (FedLab / NIID-Bench)")
@@ -255,8 +258,14 @@ class ExperimentConfig(_Strict):
         fed = self.federation
         if fed.partition == "natural" and not self.dataset.sources:
             raise ValueError("federation.partition natural makes a site per source: it needs dataset.sources")
-        if fed.partition != "natural" and (fed.split_sources or fed.holdout_sources):
-            raise ValueError("federation.split_sources / holdout_sources are for federation.partition natural")
+        if fed.partition != "natural" and (fed.split_sources or fed.holdout_sources or fed.holdout_sites):
+            raise ValueError("federation.split_sources / holdout_sources / holdout_sites are for federation.partition "
+                             "natural")
+        if fed.holdout_sites and "iid_fedavg" in self.references:
+            if "references" in self.model_fields_set:  # asked for: say why it cannot be
+                raise ValueError("federation.holdout_sites: the IID reference cannot leave out part of a source's "
+                                 "patients; drop iid_fedavg from references")
+            self.references = [r for r in self.references if r != "iid_fedavg"]  # the default set, without it
         if self.dataset.sources and fed.common_test_fraction > 0:
             raise ValueError("federation.common_test_fraction is not available for dataset.sources (a common test set "
                              "would have to be drawn by patient across sources)")
@@ -279,6 +288,9 @@ class ExperimentConfig(_Strict):
                 raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} needs dataset.task: segmentation")
             if seg and "segmentation" not in serves:
                 raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} is for classification, not segmentation")
+            if seg and self.dataset.sources and m.workflow == "ditto":
+                raise ValueError(f"method {m.name!r}: Ditto is not available for 2D lesion segmentation (3D "
+                                 f"segmentation and classification have it)")
             if m.workflow == "fedbn" and self.model.arch in ("resnet9", "resnet18") and self.model.norm != "batch":
                 raise ValueError(f"method {m.name!r}: FedBN keeps each site's batch-norm layers; model.norm is "
                                  f"{self.model.norm!r} (set model.norm: batch)")

@@ -276,9 +276,13 @@ class SegClustersMethod(SegAssessMethod):
 
 
 class DittoMethod(Method):
+    """Ditto (Li et al. 2021): FedAvg's global model, and at each site a personal model trained on the same data with
+    a proximal term ``ditto_lambda`` toward the round's global model; the site serves (and is scored with) its
+    personal model."""
+
     workflow: Literal["ditto"]
     ditto_lambda: float = Field(0.1, gt=0)
-    serves: ClassVar[tuple] = ("segmentation",)
+    serves: ClassVar[tuple] = ("classification", "segmentation")
 
     def task_options(self, exp, seed):
         return {"ditto_lambda": self.ditto_lambda}

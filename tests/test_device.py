@@ -185,3 +185,16 @@ def test_a_step_with_non_finite_gradients_is_skipped_not_taken():
     assert backward_step((w * 2).sum(), opt) and torch.allclose(w, torch.full((3,), 0.8))
     assert not backward_step((w * torch.tensor([1.0, float("nan"), 1.0])).sum(), opt)
     assert torch.allclose(w, torch.full((3,), 0.8))  # unchanged
+
+
+def test_train_deterministic_asks_cudnn_for_deterministic_algorithms(site, monkeypatch):
+    """On a GPU, default fp32 cuDNN gave two runs of the same seed weights 30% apart in a batch-norm variance after one
+    round (docs/results.md "On a GPU"); `train.deterministic` makes a site's process use cuDNN's deterministic
+    algorithms (and no benchmark-mode autotuning), which gave bit-identical runs there."""
+    root, cfg = site
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    SiteRunner("site-1", root).device(cfg)
+    assert torch.backends.cudnn.deterministic is False  # the default leaves the process as it is
+    SiteRunner("site-1", root).device({**cfg, "train": {**cfg["train"], "deterministic": True}})
+    assert torch.backends.cudnn.deterministic is True and torch.backends.cudnn.benchmark is False

@@ -371,3 +371,28 @@ def test_a_missing_weights_file_is_named_before_any_method_trains(tmp_path, fake
     with pytest.raises(E.ExperimentError, match=r"method 'F': encoder random_cnn: weights file .*missing.pth not found"):
         E.run_experiment(str(cfg), tmp_path / "out", log=lambda *a: None)
     assert fake_job == [] and not (tmp_path / "out" / "data").exists()
+
+
+def test_a_reports_setup_line_never_shows_an_absolute_data_path(tmp_path, monkeypatch):
+    """#38: the demo's combined report said "Setup: data /tmp/.../phantoms" — a hospital's folder names in a report.
+    A data path is shown as given when relative, relative to the working or output folder, else as .../name."""
+    import json
+
+    from fedmed.config import load_config
+    from fedmed.core.io import shown_path
+    from fedmed.run.experiment import _setup
+
+    monkeypatch.chdir(tmp_path)
+    assert shown_path("../shared/data/busi") == "../shared/data/busi"
+    assert shown_path(str(tmp_path / "data" / "x")) == "data/x"
+    assert shown_path("/srv/hospital/patients_2024") == ".../patients_2024"
+    assert shown_path(str(tmp_path / "out" / "phantoms"), tmp_path / "out") == "out/phantoms"  # cwd first
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("name: x\ndataset: {path: /srv/hospital/patients_2024, image_size: 8, channels: 1}\n"
+                   "federation: {sites: 2}\nmethods: [{name: FedAvg, workflow: fedavg}]\n")
+    exp = load_config(cfg)
+    d = tmp_path / "o" / "data" / "seed0"
+    d.mkdir(parents=True)
+    (d / "dataset.json").write_text(json.dumps({"sites": []}))
+    line = "; ".join(_setup(exp, d))
+    assert "/srv" not in line and "data .../patients_2024" in line, line

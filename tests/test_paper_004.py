@@ -55,6 +55,18 @@ def test_column_sums_of_table2():
     np.testing.assert_allclose(KITS_EUC.sum(0), [6154, 4591, 4017, 8104, 3658])
 
 
+
+def test_table2_printed_emd_sums_are_not_column_sums_but_name_the_same_site():
+    """Table 2 prints a "Sum" row under each matrix; 7 of its 13 EMD sums are not the column sums of the printed
+    matrix (the EUC ones are). fedmed sums the columns (Eq. 3); the most distant site is the same either way."""
+    printed = {"fets": ([25.38, 6.30, 4.73, 21.45], FETS_EMD), "prostate": ([12.79, 13.75, 7.02, 23.90], PROSTATE_EMD),
+               "kits": ([18.70, 15.95, 13.21, 8.40, 42.34], KITS_EMD)}
+    off = 0
+    for name, (sums, D) in printed.items():
+        off += int((np.abs(D.sum(0) - np.asarray(sums)) > 0.015).sum())
+        assert most_distant_site(D) == int(np.argmax(sums)), name
+    assert off == 7
+
 # Table 6 (as printed, including its asymmetric 3.07 / 3.16 entry)
 FLAIR = np.array([[0, .33, .32, .27], [.33, 0, .34, 1.45], [.32, .34, 0, .86], [.27, 1.45, .86, 0]])
 ET = np.array([[0, 6.87, 15.42, 27.55], [6.87, 0, 3.07, 7.40], [15.42, 3.16, 0, 5.18], [27.55, 7.40, 5.18, 0]])

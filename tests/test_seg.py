@@ -438,3 +438,54 @@ def test_ditto_keeps_a_personal_model_that_the_site_serves_and_trains_toward_the
     assert any(not np.array_equal(out[k], g0[k]) for k in g0)  # the global update went back
     no_ditto = {**cfg, "ditto_lambda": None}
     assert served_model(runner, no_ditto) is runner.model(no_ditto)
+
+
+def test_a_site_scores_its_validation_subjects_when_it_has_k_min_of_them(phantoms, tmp_path):
+    """#38: 3D segmentation never scored the validation split (every round said "val dice_mean n/a" and
+    `selection: validation` could not work). A site now sends its validation subjects' Dice beside the test one — and
+    withholds it when it has fewer than k_min validation subjects (an aggregate of fewer would leave the site)."""
+    from fedmed.nn.train import get_params
+    from fedmed.site.seg import SegSiteRunner
+
+    entries = discover_subjects(phantoms, MODS, "OTMultiClass*", "brainmask*", hemispheres=False)
+    cfg = {"task": "segmentation", "seed": 0, "data": {"shape": [16, 16, 16], "roi": [16, 16, 16], "in_channels": 2},
+           "model": {"channels": [4, 8, 16]}, "train": {"local_epochs": 1, "lr": 1e-2}, "privacy": {"k_min": 5}}
+    for n_val, sent in ((5, True), (4, False)):  # a site's default policy floor: k_min 5
+        d = tmp_path / f"v{n_val}"
+        d.mkdir()
+        (d / "site-1.json").write_text(json.dumps({"training": entries[:1], "validation": entries[1:1 + n_val],
+                                                   "test": entries[6:11]}))
+        runner = SegSiteRunner("site-1", d)
+        _, metrics, _ = runner.handle("validate", get_params(runner.model(cfg)), cfg, 0)
+        assert "dice_mean" in metrics
+        assert ("val_dice_mean" in metrics) is sent, (n_val, sorted(metrics))
+        if sent:
+            assert 0.0 <= metrics["val_dice_mean"] <= 1.0
+
+
+def test_the_3d_references_are_selected_on_validation_subjects(tmp_path):
+    """`selection: validation` on a 3D federation: the centralized and each-site-alone rows carry the sites'
+    validation Dice, and the reported round is the one best on it (the references stopped such a run before)."""
+    import yaml
+
+    from fedmed.config import load_config
+    from fedmed.report.summary import reported_rows
+    from fedmed.run.experiment import prepare_federation
+    from fedmed.run.references import seg_reference_rows
+
+    root = tmp_path / "ph"
+    write_phantom_subjects(root, [0, 2, 3, 3, 4, 4, 5, 6, 6, 9, 10, 11, 3, 5, 8, 2, 3, 4, 5, 6, 7], size=24)
+    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "app_configs" / "demo_seg_phantoms.yaml").read_text())
+    raw["dataset"]["path"] = str(root)
+    raw["federation"].update(sites=2, val_fraction=0.4)
+    raw["train"].update(rounds=2, local_epochs=1)
+    raw.update(selection="validation", methods=[{"name": "FedAvg", "workflow": "fedavg"}])
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    exp = load_config(tmp_path / "c.yaml")
+    data = prepare_federation(exp, 0, tmp_path / "fed")
+    sites = json.loads((data / "dataset.json").read_text())["sites"]
+    rows = seg_reference_rows(exp, data, sites, 0, log=lambda *_: None)
+    assert rows and all(isinstance(r.get("val_dice_mean"), float) for r in rows)
+    central = [r for r in rows if r["method"] == "Centralized"]
+    best = max(central, key=lambda r: (r["val_dice_mean"], -r["round"]))
+    assert reported_rows(rows, "validation")[("Centralized", 0)]["round"] == best["round"]

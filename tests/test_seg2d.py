@@ -70,6 +70,13 @@ def test_a_segmentation_source_without_masks_is_refused_when_the_config_is_read(
                 dataset={"task": "segmentation", "sources": [{"path": str(tmp_path / "x.csv")}]})
 
 
+def test_ditto_for_2d_lesions_is_refused_when_the_config_is_read(tmp_path):
+    """Ditto runs for classification and 3D segmentation; a 2D lesion site cannot, so the config says so before any
+    round (the site's own refusal came only once the job ran)."""
+    with pytest.raises(ConfigError, match="Ditto is not available for 2D lesion segmentation"):
+        _config(tmp_path, [{"name": "Ditto", "workflow": "ditto"}])
+
+
 def test_fedavg_learns_2d_lesions_and_the_assessment_sees_the_sources(tmp_path):
     """FedAvg of a 2D U-Net over three sources: the served model's lesion Dice rises well above the untrained one's;
     the 004_ assessment on 2D images names the brightest source as the most distant by EMD, and the two-cluster split

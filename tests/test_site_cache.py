@@ -45,6 +45,32 @@ def test_a_later_run_reads_the_cache_and_gets_the_same_data(tmp_path, cache_dir,
     assert sorted(d.name for d in cache_dir.iterdir()) == ["site-1"]  # the site's own folder only
 
 
+def test_a_cold_and_a_warm_cache_train_to_the_same_weights(tmp_path, cache_dir):
+    """#38 "the same seed does not give the same numbers": two identical BUSI FedAvg runs differed (49.36% vs 50.00%)
+    because freshly decoded RGB images kept a channels-last layout (a stack of HWC->CHW views) while the cache handed
+    back C-contiguous arrays, and a convolution sums in another order over the two layouts. Both now give the same
+    layout, and a training step from either gives bit-identical weights."""
+    import torch
+
+    from fedmed.nn.models import build_model
+    from fedmed.nn.train import train_local
+
+    federation(tmp_path / "data")
+    cold = SiteRunner("site-1", tmp_path / "data").data(16, 3)
+    warm_runner = SiteRunner("site-1", tmp_path / "data")
+    warm = warm_runner.data(16, 3)
+    assert warm_runner.cache.hits == 3
+    x_cold, x_warm = cold.train[0], warm.train[0]
+    assert x_cold.stride() == x_warm.stride() and x_cold.is_contiguous()
+    weights = []
+    for x, y in (cold.train, warm.train):
+        model = build_model("resnet9", 3, 10, width=8, seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        train_local(model, x, y, epochs=1, batch_size=8, optimizer=opt, generator=torch.Generator().manual_seed(0))
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(weights[0], weights[1])
+
+
 def test_a_changed_file_or_setting_is_decoded_again(tmp_path, cache_dir):
     from PIL import Image
 

@@ -157,6 +157,32 @@ def test_a_source_left_out_by_label_is_said_and_other_labels_are_errors(tmp_path
         read_folder_source(tmp_path / "busi", "busi", classes=["benign", "malignant"])
 
 
+def test_held_out_sites_of_a_split_source_leave_its_other_sites_training(tmp_path):
+    """holdout_sites: a newcomer from a source the federation already knows — of scannerA's 3 sites the last is held
+    out (unseen-scannerA-1), the other two train, so the newcomer's own source has a cluster to be compared with."""
+    index = _index(tmp_path)
+    exp = _config(tmp_path, index, split_sources={"scannerA": 3}, holdout_sites={"scannerA": 1})
+    meta, docs = _written(prepare_federation(exp, 0, tmp_path / "fed"))
+    assert meta["sites"] == ["scannerA-1", "scannerA-2", "scannerB", "scannerC"]
+    assert meta["unseen_sites"] == ["unseen-scannerA-1"] and meta["groups"]["unseen-scannerA-1"] == "scannerA"
+    patient = _patient_of(index)
+    pids = {site: {patient[e["image"].split("/")[-1]][1] for k in ("training", "validation", "test") for e in doc[k]}
+            for site, doc in docs.items()}
+    assert not pids["unseen-scannerA-1"] & (pids["scannerA-1"] | pids["scannerA-2"])  # its patients only there
+    assert sum(len(v) for k, v in pids.items() if k.startswith(("scannerA", "unseen-scannerA"))) == 12
+    with pytest.raises(ValueError, match=r"holdout_sites: 'scannerA' can hold out 1 to n - 1 of the n sites it is "
+                                         r"split into \(federation.split_sources: 3\), not 3"):
+        prepare_federation(_config(tmp_path, index, split_sources={"scannerA": 3}, holdout_sites={"scannerA": 3}), 0,
+                           tmp_path / "bad")
+    with pytest.raises(ConfigError, match="the IID reference cannot leave out part of a source"):
+        p = tmp_path / "c2.json"
+        p.write_text(json.dumps({"name": "x", "dataset": {"sources": [{"path": str(index)}]},
+                                 "federation": {"partition": "natural", "split_sources": {"scannerA": 2},
+                                                "holdout_sites": {"scannerA": 1}}, "references": ["iid_fedavg"]}))
+        load_config(p)
+    assert "iid_fedavg" not in exp.references and "centralized" in exp.references  # the default set, without it
+
+
 def test_natural_settings_are_checked_when_the_config_is_read(tmp_path):
     index = _index(tmp_path)
     with pytest.raises(ConfigError, match="natural makes a site per source: it needs dataset.sources"):

@@ -101,3 +101,20 @@ def test_a_segmentation_table_has_the_untrained_networks_row():
     assert summ[S.UNTRAINED]["kind"] == "reference" and summ["Centralized"]["dice_wt"] == "80.00 ± 5.00"
     assert [e["method"] for e in S.summarize(rows, "final")][-1] == S.UNTRAINED
     assert S.UNTRAINED not in {e["method"] for e in S.summarize(ROWS, "final")}  # classification: no such row
+
+
+def test_a_3d_table_says_when_every_site_is_served_one_model():
+    """#38: the demo's per-site Dice columns were four copies of one number (FedAvg serves one model, scored on the
+    common test subjects); they now say '=' there, and keep each site's own value where the models differ."""
+    def seg(method, per_site, kind="method"):
+        return {"method": method, "kind": kind, "seed": 0, "round": 1, "task": "train", "dice_wt": 0.5,
+                "dice_tc": 0.5, "dice_et": 0.5, "dice_mean": 0.5, "hd95_wt": 3.0, "fp_voxels": 0.0,
+                "sites": {s: {"dice_mean": v} for s, v in per_site.items()}}
+
+    rows = [seg("FedAvg", {"site-1": 0.5, "site-2": 0.5}), seg("Each site alone", {"site-1": 0.7, "site-2": 0.2},
+                                                                 "reference")]
+    table = S.seg_table(S.summarize(rows, "final"), "final")
+    fedavg = next(ln for ln in table.splitlines() if ln.startswith("| FedAvg"))
+    alone = next(ln for ln in table.splitlines() if ln.startswith("| Each site alone"))
+    assert fedavg.endswith("| = | = |"), fedavg
+    assert alone.endswith("| 70.00 | 20.00 |"), alone

@@ -170,7 +170,7 @@ def _demo_segmentation(out: Path, command: str) -> None:
 
     print("004_ site assessment and a trained 3D U-Net (synthetic NIfTI phantoms, 4 sites)", flush=True)
     phantoms = out / "phantoms"
-    write_phantom_subjects(phantoms, [0, 2, 3, 3, 4, 4, 5, 6, 6, 9, 10, 11, 3, 5, 8], size=24)
+    write_phantom_subjects(phantoms, [0, 2, 3, 3, 4, 4, 5, 6, 6, 9, 10, 11, 3, 5, 8, 2, 3, 4, 5, 6, 7, 8, 9, 10, 4, 6, 7], size=24)  # 27 subjects: two validation subjects a site
     run_experiment(str(shipped_config("demo_seg_phantoms.yaml")), out / "segmentation",
                    overrides=[f"dataset.path={phantoms.resolve()}"], command=command)
     report = next((out / "segmentation" / "runs").rglob("report.md"), None)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["json_default", "read_distance_csv", "write_distance_csv", "read_signature_dir"]
+__all__ = ["json_default", "read_distance_csv", "read_signature_dir", "shown_path", "write_distance_csv"]
 
 
 def read_distance_csv(path) -> tuple[list[str], np.ndarray]:
@@ -85,3 +85,19 @@ def json_default(o):
     if isinstance(o, Path):
         return str(o)
     raise TypeError(f"{type(o).__name__} is not JSON serialisable")
+
+
+def shown_path(path, out_dir=None) -> str:
+    """A data path as a report shows it: as given when relative, else relative to the working folder or the output
+    folder, else ``.../<name>`` — a report never carries an absolute path (a hospital's folder names)."""
+    p = Path(str(path))
+    if str(path).startswith("builtin:") or not p.is_absolute():
+        return str(path)
+    for base in (Path.cwd(), out_dir):
+        if base is None:
+            continue
+        try:
+            return str(p.resolve().relative_to(Path(base).resolve()))
+        except (ValueError, OSError):
+            pass
+    return f".../{p.name}"

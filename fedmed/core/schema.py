@@ -72,6 +72,8 @@ class TrainConfig(Strict):
                                                        "inference (fp16 with a gradient scaler on a GPU)")
     workers: int = Field(0, ge=0, le=64, description="data-loader processes that cut 3D training patches (0: in the "
                          "site's process)")
+    deterministic: bool = Field(False, description="on a GPU, cuDNN's deterministic algorithms only: the same seed "
+                                "gives the same numbers (default fp32 cuDNN does not; docs/results.md 'On a GPU')")
 
 
 class PrivacyConfig(Strict):

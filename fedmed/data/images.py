@@ -723,7 +723,9 @@ def load_images(entries: Sequence[dict], *, image_size: int, channels: int, site
         ys.append(int(e["label"]))
     if not xs:
         return torch.zeros((0, channels, image_size, image_size)), torch.zeros(0, dtype=torch.long)
-    return torch.from_numpy(np.stack(xs)), torch.tensor(ys, dtype=torch.long)
+    # C-contiguous, as the site cache hands them back: an RGB stack of HWC->CHW views kept a channels-last layout,
+    # and a convolution over channels-last memory sums in another order (a cold and a warm cache trained apart)
+    return torch.from_numpy(np.ascontiguousarray(np.stack(xs))), torch.tensor(ys, dtype=torch.long)
 
 
 def conversion_note(site: str, conversions) -> str:

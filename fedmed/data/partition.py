@@ -546,7 +546,8 @@ def expand_units(parts, members) -> list[np.ndarray]:
             for p in parts]
 
 
-def natural_partition(sites, groups, seed, *, split: dict | None = None, holdout=()) -> tuple[list, list, dict, list]:
+def natural_partition(sites, groups, seed, *, split: dict | None = None, holdout=(),
+                      holdout_sites: dict | None = None) -> tuple[list, list, dict, list]:
     """A site per source (``003_``/``004_``'s real federations: a hospital or scanner is a site).
 
     Args:
@@ -555,6 +556,8 @@ def natural_partition(sites, groups, seed, *, split: dict | None = None, holdout
         split: ``{source: n}``: deal that source's patients over ``n`` sites ``<source>-1..n`` of about equal image
             counts (seeded; a patient's images stay together).
         holdout: sources held out of training as unseen sites ``unseen-<source>``.
+        holdout_sites: ``{source: k}``: of a source split into ``n > k`` sites, the last ``k`` are held out as
+            ``unseen-<source>-1..k``; its other sites train, so a newcomer's own source has a cluster to compare with.
 
     Returns:
         ``(names, parts, source_of, unseen)``: site names, image indices per site, site -> source, the held-out
@@ -566,10 +569,16 @@ def natural_partition(sites, groups, seed, *, split: dict | None = None, holdout
     """
     rng = as_rng(seed)
     split = dict(split or {})
+    held_sites = dict(holdout_sites or {})
     order = list(dict.fromkeys(sites))  # sources in order of first appearance
-    unknown = sorted((set(split) | set(holdout)) - set(order))
+    unknown = sorted((set(split) | set(holdout) | set(held_sites)) - set(order))
     if unknown:
         raise ValueError(f"federation: source(s) {unknown} are not in the data; its sources are {order}")
+    for src, k in held_sites.items():
+        if src in holdout or not 1 <= int(k) < int(split.get(src, 1)):
+            raise ValueError(f"federation.holdout_sites: {src!r} can hold out 1 to n - 1 of the n sites it is split into "
+                             f"(federation.split_sources: {split.get(src, 1)}), not {k}"
+                             + (" — it is held out whole (holdout_sources)" if src in holdout else ""))
     names, parts, source_of, unseen = [], [], {}, []
     sites = np.asarray(sites)
     for src in order:
@@ -592,9 +601,12 @@ def natural_partition(sites, groups, seed, *, split: dict | None = None, holdout
             k = int(np.argmin(load))
             own[k].append(u)
             load[k] += members[u].size
+        kept = n - int(held_sites.get(src, 0))
         for k in range(n):
-            name = f"{src}-{k + 1}"
+            name = f"{src}-{k + 1}" if k < kept else f"unseen-{src}-{k - kept + 1}"
             names.append(name)
             parts.append(np.sort(idx[np.concatenate([members[u] for u in own[k]])]))
             source_of[name] = src
+            if k >= kept:
+                unseen.append(name)
     return names, parts, source_of, unseen

@@ -93,7 +93,7 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
                 optimizer: torch.optim.Optimizer | None = None, lr: float = 0.01, momentum: float = 0.9,
                 weight_decay: float = 0.0, mu: float | None = None, class_weights=None,
                 generator: torch.Generator | None = None, augment: str = "flip", lr_at=None,
-                precision: str = "fp32") -> dict:
+                precision: str = "fp32", anchor: list | None = None) -> dict:
     """Run ``epochs`` over (x, y) in place; returns ``{"loss": mean loss, "steps": n}``.
 
     ``optimizer`` (kept by the caller between rounds) defaults to a fresh SGD with ``lr``/``momentum``.
@@ -116,7 +116,8 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
     scaler = grad_scaler(device, precision)
     w = None if class_weights is None else torch.as_tensor(np.asarray(class_weights), dtype=torch.float32, device=device)
     loss_fn = nn.CrossEntropyLoss(weight=w)
-    anchor = [p.detach().clone() for p in model.parameters()] if mu else None
+    # the proximal term's centre: the model as it starts (FedProx), or the one given (Ditto: the global model)
+    anchor = (anchor if anchor is not None else [p.detach().clone() for p in model.parameters()]) if mu else None
     total, steps, skipped = 0.0, 0, 0
     per_epoch = sum(1 for s in range(0, n, batch_size) if n - s >= 2 or n < 2)
     for _ in range(epochs):

@@ -17,6 +17,8 @@ import json
 import re
 from pathlib import Path
 
+from fedmed.core.io import shown_path
+
 __all__ = ["markdown_to_html", "write_report"]
 
 
@@ -166,6 +168,10 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
         if (out / png).is_file():
             parts.append(_img(out / png, alt))
     cases = [out] + sorted(p for p in out.iterdir() if p.is_dir() and (p / "summary.md").is_file())
+    for case in cases[1:]:  # a sweep's cases, the demo's parts: each its own learning curves
+        if (case / "curves.png").is_file():
+            parts.append(_img(case / "curves.png", f"{case.name}: learning curves: validation and test score, train "
+                                                   f"loss (band: ± std over seeds)"))
     for case in cases:
         runs = sorted((case / "runs").glob("seed*/*/metrics.json")) if (case / "runs").is_dir() else []
         seen = set()
@@ -209,7 +215,7 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
              "figcaption{font-size:0.8em;color:#555}code{background:#f4f4f4;padding:1px 3px}.cmd{font-size:1.05em}")
     page = (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{style}</style></head><body>{''.join(parts)}<hr><p>Regenerate: <code>fedmed report "
-            f"{html.escape(str(out))}</code></p></body></html>")
+            f"{html.escape(shown_path(out))}</code></p></body></html>")
     path = out / "report.html"
     path.write_text(page)
     return path

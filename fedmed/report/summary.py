@@ -209,9 +209,13 @@ def seg_table(summ: list[dict], selection: str) -> str:
                                                                          for s in sites) + "\n" for e in summ)
     head = ("| Method | Round | WT | TC | ET | Mean Dice | HD95 WT (mm) | WT per hemisphere | FP voxels (tumour-free) |"
             + "".join(f" {s} |" for s in sites) + "\n" + "|---" * (9 + len(sites)) + "|\n")
+    def per_site(e):  # one model served to every site, scored on the common test subjects: the same value everywhere
+        cells = [e.get("per_site", {}).get(s, "n/a") for s in sites]
+        return ["=" for _ in cells] if len(set(cells)) == 1 and len(cells) > 1 and cells[0] != "n/a" else cells
+
     body = "".join(f"| {e['method']}{' (reference)' if e['kind'] == 'reference' else ''} | {_round_label(e, selection)} | {e['dice_wt']} | {e['dice_tc']} | {e['dice_et']} | "
                    f"{e['dice_mean']} | {e['hd95_wt']} | {e.get('dice_wt_per_sample', 'n/a')} | {e['fp_voxels']} |"
-                   + "".join(f" {e.get('per_site', {}).get(s, 'n/a')} |" for s in sites) + "\n" for e in summ)
+                   + "".join(f" {c} |" for c in per_site(e)) + "\n" for e in summ)
     return head + body
 
 
@@ -266,7 +270,8 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
                  f"(a subject's hemisphere samples scored together, as BraTS scores a patient; regions a subject "
                  f"lacks left out, as DiceMetric's ignore_empty=True); WT per hemisphere: the WT Dice averaged over "
                  f"tumour-bearing hemisphere samples instead; false-positive voxels on tumour-free hemispheres; "
-                 f"per-site columns: each site's mean Dice with the model it is served.")
+                 f"per-site columns: each site's mean Dice with the model it is served on the common test subjects ('=': every "
+                 f"site is served the same model, so each has the Mean Dice).")
         table = seg_table(summ, selection)
     else:
         intro = (f"Values in %, mean ± std over {seeds} seed(s) {rule}. Per-site metrics are averaged over sites "

@@ -104,7 +104,8 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
     extra: dict = {"partition": part, "seed": seed}
     if part == "natural":
         names, parts, source_of, unseen = P.natural_partition(pool.sites, pool.groups, rng,
-                                                              split=fed.split_sources, holdout=fed.holdout_sources)
+                                                              split=fed.split_sources, holdout=fed.holdout_sources,
+                                                              holdout_sites=fed.holdout_sites)
         extra.update(groups=source_of, unseen_sites=unseen, patient_wise=True,
                      sources={s: int(np.sum(np.asarray(pool.sites) == s)) for s in dict.fromkeys(pool.sites)})
         write_site_datalists(pool, parts, out, test_fraction=fed.test_fraction, val_fraction=fed.val_fraction,
@@ -383,6 +384,8 @@ def run_fingerprint(exp, method, seed: int) -> str:
 # --------------------------------------------------------------------------------------------- experiment
 
 def _setup(exp, data_dir: Path) -> list[str]:
+    from fedmed.core.io import shown_path
+
     meta = json.loads((data_dir / "dataset.json").read_text())
     f, t, m = exp.federation, exp.train, exp.model
     n_test = []
@@ -391,7 +394,10 @@ def _setup(exp, data_dir: Path) -> list[str]:
         n_test.append(len(doc.get("test", [])))
     part = f.partition + (f" (alpha {f.alpha}, {f.dirichlet_scheme})" if f.partition == "dirichlet" else "") + \
         (f" ({f.anda_shift}, level {f.anda_level}, {f.anda_groups} groups)" if f.partition == "anda" else "")
-    out = [f"data {exp.dataset.describe()}", f"{len(meta['sites'])} sites, {part}",
+    d = exp.dataset
+    data = (shown_path(d.path, data_dir.parents[1]) if d.path is not None else " + ".join(
+        shown_path(x.path, data_dir.parents[1]) + (f" ({x.site})" if x.site else "") for x in d.sources))
+    out = [f"data {data}", f"{len(meta['sites'])} sites, {part}",
            f"test {f.test_fraction:.0%} / validation {f.val_fraction:.0%} of each site ({sum(n_test)} test samples, "
            f"median {int(np.median(n_test)) if n_test else 0} per site)"]
     if exp.dataset.task == "classification":
@@ -717,7 +723,7 @@ def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict
         exp_ref = ExperimentConfig.model_validate({
             **exp.model_dump(exclude={"methods", "sweep", "plugins"}),
             "federation": {**exp.federation.model_dump(), "partition": "iid", "unseen_sites": 0, "split_sources": {},
-                           "holdout_sources": []}, "methods": [iid.model_dump()]})
+                           "holdout_sources": [], "holdout_sites": {}}, "methods": [iid.model_dump()]})
         log(f"[seed {seed}] reference: FedAvg on an IID federation ...")
         try:
             doc = run_job(job_spec(exp_ref, exp_ref.methods[0], seed), iid_dir, work / "iid_fedavg", len(sites), log=log)

@@ -152,6 +152,9 @@ def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -
       the same recipe (one optimizer for the whole run); evaluated after every ``local_epochs`` epochs.
     * **Each site alone**: every site trains only on its own cases with the same budget; the row is the mean over
       sites of each site's own model (per-site columns: that site's model).
+
+    Under ``selection: validation``, where the sites have validation subjects, every row also has their Dice
+    (``val_dice_mean``), as the federated runs' rounds do.
     """
     from fedmed.core.device import resolve_device
     from fedmed.nn.models import seg_model_from_config
@@ -181,11 +184,18 @@ def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -
     pooled = [c for s in sites for c in cases[s][0]]
     model = seg_model_from_config(exp.model.model_dump(), cfg["data"]["in_channels"], seed=seed, modules=("*",)).to(device)
     opt = make_optimizer(model, cfg["train"])
+    # the sites' validation subjects, scored only where a round is selected on them (`selection: validation`)
+    val = {s: runners[s].validation_cases(cfg) if exp.selection == "validation" else [] for s in sites}
+
+    def scored(model, which):  # the common test subjects, and each site's validation subjects where it has them
+        m = seg_metrics(model, test, roi)
+        return {s: {**m, **({"val_dice_mean": seg_metrics(model, val[s], roi)["dice_mean"]} if val[s] else {})}
+                for s in which}
+
     for r in range(t.rounds + 1):
         if r:
             train(model, opt, pooled, seed * 1000 + r)
-        m = seg_metrics(model, test, roi)
-        rows.append(_seg_row("Centralized", seed, {s: m for s in sites}, r))
+        rows.append(_seg_row("Centralized", seed, scored(model, sites), r))
     log(f"    centralized reference: {len(pooled)} pooled training cases, final WT Dice {100 * rows[-1]['dice_wt']:.1f}%")
     alone: dict = {}
     per_round: list[dict] = [{} for _ in range(t.rounds + 1)]
@@ -196,7 +206,7 @@ def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -
             if r:
                 train(model, opt, cases[s][0], seed * 1000 + 100 * k + r)
             if r == t.rounds or r == 0:
-                per_round[r][s] = seg_metrics(model, test, roi)
+                per_round[r][s] = scored(model, [s])[s]
         alone[s] = per_round[t.rounds][s]
     rows += [_seg_row("Each site alone", seed, per_round[r], r) for r in (0, t.rounds)]
     log(f"    each-site-alone reference: final WT Dice per site "

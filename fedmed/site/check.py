@@ -78,7 +78,7 @@ def _check_classification(doc, root, rep, classes, image_size, channels, k_min, 
                 rep["problems"].append(f"{split}: cannot read image {_show(e['image'], root)} (corrupt or not an "
                                        f"image: {type(err).__name__})")
         rep["counts"][split] = dict(sorted(counts.items()))
-        loaded[split] = (torch.from_numpy(np.stack(xs)) if xs else torch.zeros((0, channels, image_size, image_size)),
+        loaded[split] = (torch.from_numpy(np.ascontiguousarray(np.stack(xs))) if xs else torch.zeros((0, channels, image_size, image_size)),
                          [e for e in entries])
         if not entries:
             (rep["problems"] if split == "training" else rep["warnings"]).append(f"{split}: empty")

@@ -81,6 +81,10 @@ class SiteRunner:
         spec = self.settings.device or task_config(cfg).train.device
         if self._device_spec != spec:
             self._device, self._device_spec = resolve_device(spec, where=self.site), spec
+        if task_config(cfg).train.deterministic:  # process-wide: a site runs in its own process
+            import torch
+
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
         return self._device
 
     def weights(self, cfg: TaskConfig):

@@ -38,6 +38,11 @@ def _metrics(runner, model, cfg):
     if len({str(c["meta"].get("subject") or c["meta"].get("id")) for c in te}) < runner.k_min(cfg):
         return {}, {"n_test": 0}  # scores of fewer than k_min test subjects are not sent (privacy.k_min)
     metrics = seg_metrics(model, te, roi=tuple(task_config(cfg).data.roi)) if te else {}
+    va = runner.validation_cases(cfg) if task_config(cfg).evaluate_on != "all" else []
+    if len({str(c["meta"].get("subject") or c["meta"].get("id")) for c in va}) >= max(1, runner.k_min(cfg)):
+        # the site's validation subjects (held out of its training): what `selection: validation` reads
+        val = seg_metrics(model, va, roi=tuple(task_config(cfg).data.roi))
+        metrics.update({f"val_{k}": val[k] for k in ("dice_mean", "dice_wt") if k in val})
     return metrics, {"n_test": len(te)}
 
 
@@ -142,8 +147,15 @@ class SegSiteRunner(SiteRunner):
             if not tr:
                 raise DataError(f"{self.site}: datalist {self.display(self.datalist_path)} has no training cases",
                                 f"{self.site}: its datalist has no training cases")
-            self._data, self._data_key = (tr, te), shape
+            va = [self._case(e, shape, "validation", i) for i, e in enumerate(doc.get("validation", []))]
+            self._data, self._data_key, self._val = (tr, te), shape, va
         return self._data
+
+    def validation_cases(self, cfg: TaskConfig) -> list:
+        """This site's validation cases (held out of its training; none when the federation has no validation
+        split)."""
+        self.cases(cfg)
+        return self._val
 
     def _case(self, entry: dict, shape, split: str = "entries", index: int = 0):
         """One case, from this site's cache when its files were loaded with the same settings before. An error names

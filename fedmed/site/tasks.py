@@ -112,9 +112,22 @@ def _keep_local_norm(runner, model, cfg) -> None:
         runner.local_norm[task_config(cfg).cluster] = {k: state[k].detach().clone() for k in norm_keys(model)}
 
 
+def _personal(runner, cfg):
+    """Ditto (Li et al. 2021; ``ditto_lambda``): the site's personal model, kept in its runner between rounds and
+    started from the first global model it received; ``None`` without Ditto."""
+    import copy
+
+    if not task_config(cfg).ditto_lambda:
+        return None
+    if "personal" not in runner.state:
+        runner.state["personal"] = copy.deepcopy(runner.model(cfg))
+    return runner.state["personal"]
+
+
 def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     model = _served(runner, params, cfg)
-    metrics, meta = _served_metrics(runner, model, cfg)
+    personal = _personal(runner, cfg)
+    metrics, meta = _served_metrics(runner, personal if personal is not None else model, cfg)
     return Reply({}, metrics, meta)
 
 
@@ -139,8 +152,9 @@ def _finetune_schedule(cfg: TaskConfig, round_: int):
     return lambda f: scheduled_lr(cfg.train.lr, (round_ + f) / ft.rounds, ft.warmup)
 
 
-def train_locally(runner, model, cfg, round_, key) -> dict:
-    """Local training of the served model (the recipe's optimizer kept per served model; fine-tuning's own)."""
+def train_locally(runner, model, cfg, round_, key, *, mu=None, anchor=None) -> dict:
+    """Local training of the served model (the recipe's optimizer kept per served model; fine-tuning's own); ``mu``
+    and ``anchor``: a proximal term toward ``anchor`` instead of FedProx's (Ditto's personal model)."""
     from fedmed.nn.train import train_local
 
     s = runner.splits(cfg)
@@ -149,7 +163,8 @@ def train_locally(runner, model, cfg, round_, key) -> dict:
     t = cfg.train
     make = (lambda: _finetune_optimizer(model, cfg)) if cfg.finetune else None
     out = train_local(model, s.train[0], s.train[1], epochs=t.local_epochs, batch_size=t.batch_size,
-                      optimizer=runner.optimizer(model, cfg, key, make=make), mu=t.fedprox_mu,
+                      optimizer=runner.optimizer(model, cfg, key, make=make),
+                      mu=mu if mu is not None else t.fedprox_mu, anchor=anchor,
                       class_weights=cfg.class_weights, generator=runner.generator(cfg, round_),
                       augment=t.augment, lr_at=_finetune_schedule(cfg, round_),
                       precision=runner.precision(cfg))
@@ -163,8 +178,12 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     from fedmed.nn.train import get_params
 
     model = _served(runner, params, cfg)
-    metrics, meta = _served_metrics(runner, model, cfg)
+    personal = _personal(runner, cfg)
+    metrics, meta = _served_metrics(runner, personal if personal is not None else model, cfg)
+    anchor = [p.detach().clone() for p in model.parameters()] if personal is not None else None
     meta.update(train_locally(runner, model, cfg, round_, task_config(cfg).cluster))
+    if personal is not None:  # Ditto: the personal model trained on the same data, pulled toward this round's global
+        train_locally(runner, personal, cfg, round_, "personal", mu=task_config(cfg).ditto_lambda, anchor=anchor)
     _keep_local_norm(runner, model, cfg)
     metrics["train_loss"] = meta["train_loss"]
     return Reply(get_params(model), metrics, meta)
