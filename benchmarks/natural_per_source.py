@@ -6,8 +6,9 @@ U-Systems' 5-6 test images do) and the site-mean AUC of the source's sites; mean
 
     python benchmarks/natural_per_source.py results/breast_us_natural
 
-Writes ``per_source.md`` into the experiment folder and prints it. The references are absent here: the centralized model
-keeps no per-site record and the IID reference's sites mix the sources (their numbers are in ``summary.md``).
+Writes ``per_source.md`` into the experiment folder and prints it. Of the references only "Each source alone" is here (it
+keeps its sites' records, as a site would send them); the centralized model keeps none and the IID reference's sites mix
+the sources (their numbers are in ``summary.md``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ def run_record(out: Path, method: str, seed: int) -> Path | None:
     return None
 
 
+def reference_round(out: Path, method: str, seed: int, round_) -> dict | None:
+    """A reference row's per-site records (``{"sites": ...}``), where the reference keeps them (each source alone)."""
+    f = out / "runs" / f"seed{seed}" / "_references" / "run.json"
+    if not f.is_file():
+        return None
+    for r in json.loads(f.read_text()).get("rows", []):
+        if r.get("method") == method and r.get("round") == round_ and r.get("sites"):
+            return {"sites": r["sites"]}
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="the experiment's output folder")
@@ -53,17 +65,18 @@ def main(argv=None) -> int:
     cells: dict = {}  # (method, source) -> {"bacc": [...], "auc": [...]}
     sources: list = []
     for (method, seed), row in sorted(chosen.items()):
-        if row.get("kind") == "reference":  # the IID reference's sites are not sources; centralized has no sites
-            continue
-        f = run_record(out, method, seed)
-        if f is None:
-            continue
+        if row.get("kind") == "reference":  # each source alone keeps its sites' records; the others have none
+            rnd = reference_round(out, method, seed, row.get("round"))
+        else:
+            f = run_record(out, method, seed)
+            rnd = None
+            if f is not None:
+                doc = json.loads(f.read_text())
+                rnd = next((r for r in doc["rounds"] if r["round"] == row["round"]), None)
         meta = json.loads((out / "data" / f"seed{seed}" / "dataset.json").read_text())
         groups = meta.get("groups") or {}
         if not groups:
             continue
-        doc = json.loads(f.read_text())
-        rnd = next((r for r in doc["rounds"] if r["round"] == row["round"]), None)
         if rnd is None:
             continue
         for src in dict.fromkeys(groups.values()):

@@ -224,8 +224,9 @@ class ExperimentConfig(_Strict):
     selection: Literal["final", "validation"] = Field(
         "final", description="which round the tables report: the final one, or the one with the best validation "
         "accuracy (validation splits are held out of the sites' training data; test data never selects)")
-    references: list[Literal["centralized", "iid_fedavg", "majority", "cluster_majority"]] = Field(
-        default_factory=lambda: list(REFERENCES), description="reference rows of classification tables")
+    references: list[Literal["centralized", "iid_fedavg", "majority", "cluster_majority", "alone"]] = Field(
+        default_factory=lambda: list(REFERENCES), description="reference rows of classification tables ('alone': each "
+        "source of a natural federation trains alone, else each site; not in the default set)")
     sweep: list[SweepCase] = Field(default_factory=list, description="cases run by `fedmed sweep CONFIG`")
 
     @model_validator(mode="before")
@@ -266,6 +267,9 @@ class ExperimentConfig(_Strict):
                 raise ValueError("federation.holdout_sites: the IID reference cannot leave out part of a source's "
                                  "patients; drop iid_fedavg from references")
             self.references = [r for r in self.references if r != "iid_fedavg"]  # the default set, without it
+        if "alone" in self.references and self.dataset.task == "segmentation":
+            raise ValueError("references: 'alone' is a classification reference; segmentation's 'centralized' "
+                             "reference already trains each site (3D) or each source (2D) alone")
         if self.dataset.sources and fed.common_test_fraction > 0:
             raise ValueError("federation.common_test_fraction is not available for dataset.sources (a common test set "
                              "would have to be drawn by patient across sources)")

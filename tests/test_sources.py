@@ -3,6 +3,8 @@ source, splits by patient, sources held out as unseen sites, and a bad index nam
 
 import csv
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -231,3 +233,76 @@ def test_the_breast_ultrasound_federation_of_five_sources_is_split_by_patient():
                 name = e["image"].split("/")[-1]
                 where.setdefault(case.get(name, name), set()).add((site, split))
     assert all(len(v) == 1 for v in where.values())
+
+
+def _opposed_index(tmp_path):
+    """Two scanners whose bright images mean opposite classes: one model for both cannot fit either; a model per
+    scanner can. scannerA has 16 patients (split into two sites), scannerB 16."""
+    img = tmp_path / "img"
+    img.mkdir(exist_ok=True)
+    rows, rng = [], np.random.default_rng(0)
+    for s, flip in (("scannerA", 0), ("scannerB", 1)):
+        for p in range(16):
+            bright = p % 2
+            lab = bright ^ flip
+            name = f"{s}_{p}.png"
+            level = 210 if bright else 40
+            Image.fromarray(np.clip(level + rng.normal(0, 8, (8, 8)), 0, 255).astype(np.uint8)).save(img / name)
+            rows.append({"image": f"img/{name}", "label": ["benign", "malignant"][lab], "site": s, "case": f"{s}{p}"})
+    f = tmp_path / "index.csv"
+    with f.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=["image", "label", "site", "case"])
+        w.writeheader()
+        w.writerows(rows)
+    return f
+
+
+def test_each_source_alone_trains_a_model_per_source_and_scores_each_site_with_its_own(tmp_path):
+    """references: [alone] on a natural federation: one model per source (scannerA's two sites pooled), each site scored
+    with its source's model. Where the sources mean opposite things by the same image, each source alone fits every
+    site and the centralized model cannot; under another partition the reference is each site alone."""
+    from fedmed.run.references import alone_rows, centralized_rows
+    from fedmed.run.experiment import with_classes
+
+    index = _opposed_index(tmp_path)
+    cfg = {"name": "alone", "dataset": {"sources": [{"path": str(index)}], "classes": ["benign", "malignant"],
+                                        "image_size": 8},
+           "federation": {"partition": "natural", "split_sources": {"scannerA": 2}, "test_fraction": 0.25,
+                          "val_fraction": 0.0},
+           "model": {"arch": "resnet9", "width": 4, "norm": "group"},
+           "train": {"rounds": 4, "local_epochs": 5, "batch_size": 4, "optimizer": "adam", "lr": 0.01},
+           "references": ["alone", "centralized"], "seeds": [0]}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    exp = load_config(tmp_path / "cfg.json")
+    fed = prepare_federation(exp, 0, tmp_path / "fed")
+    exp = with_classes(exp, fed)
+    meta = json.loads((fed / "dataset.json").read_text())
+    logs: list[str] = []
+    alone = alone_rows(exp, fed, meta["sites"], 0, meta["groups"], log=logs.append)
+    central = centralized_rows(exp, fed, meta["sites"], 0, log=lambda *_: None)
+    assert [r["round"] for r in alone] == list(range(5)) and {r["method"] for r in alone} == {"Each source alone"}
+    assert alone[-1]["n_sites"] == 3 and "scannerA" in logs[0] and "scannerB" in logs[0]
+    assert alone[-1]["pooled_accuracy"] == 1.0, alone[-1]
+    assert central[-1]["pooled_accuracy"] <= 0.75, central[-1]  # one model for opposed sources
+    # each site's record as the site would send it (class rows below k_min withheld), for the per-source table
+    docs = {s: json.loads((fed / f"{s}.json").read_text()) for s in meta["sites"]}
+    for s, rec in alone[-1]["sites"].items():
+        assert np.sum(rec["confusion"]) + rec["withheld"] == len(docs[s]["test"])
+        assert all(sum(r) == 0 or sum(r) >= exp.privacy.k_min for r in rec["confusion"])
+    work = tmp_path / "out" / "runs" / "seed0" / "_references"
+    work.mkdir(parents=True)
+    (work / "run.json").write_text(json.dumps({"rows": alone}))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from natural_per_source import reference_round
+
+    assert reference_round(tmp_path / "out", "Each source alone", 0, 4) == {"sites": alone[-1]["sites"]}
+    per_site = alone_rows(exp, fed, meta["sites"], 0, None, log=lambda *_: None)
+    assert {r["method"] for r in per_site} == {"Each site alone"}
+
+
+def test_the_alone_reference_is_for_classification(tmp_path):
+    p = tmp_path / "cfg.json"
+    p.write_text(json.dumps({"name": "x", "dataset": {"path": str(tmp_path), "task": "segmentation"},
+                             "references": ["alone"]}))
+    with pytest.raises(ConfigError, match="'alone' is a classification reference"):
+        load_config(p)

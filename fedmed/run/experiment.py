@@ -679,7 +679,7 @@ def clusters_ari(clusters: list[list[str]], labels: dict) -> float:
 
 def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict]:
     """Reference rows of one seed (reused under --resume when the config fingerprint matches)."""
-    from fedmed.run.references import centralized_rows, majority_rows
+    from fedmed.run.references import alone_rows, centralized_rows, majority_rows
 
     wanted = [r for r in exp.references if r != "cluster_majority"]
     if not wanted:
@@ -712,6 +712,10 @@ def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict
     if "centralized" in wanted:
         exp_c = exp.model_copy(update={"dataset": exp.dataset.model_copy(update={"classes": meta["class_names"]})})
         rows += centralized_rows(exp_c, data_dir, sites, seed, log=log)
+    if "alone" in wanted:
+        exp_c = exp.model_copy(update={"dataset": exp.dataset.model_copy(update={"classes": meta["class_names"]})})
+        sources = meta.get("groups") if meta.get("partition") == "natural" else None
+        rows += alone_rows(exp_c, data_dir, sites, seed, sources, log=log)
     if "iid_fedavg" in wanted and exp.federation.partition != "iid":
         # the same training sites, IID (held-out sites stay out: the reference trains what the methods train on)
         exp_iid = exp.model_copy(update={"federation": exp.federation.model_copy(update={"unseen_sites": 0})})

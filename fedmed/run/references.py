@@ -9,6 +9,8 @@
   and budget (``rounds x local_epochs`` epochs, the same optimizer, batch size and augmentation),
   evaluated after every ``local_epochs`` epochs like a federated round, scored on every site's
   validation and test splits.
+* :func:`alone_rows` — the same per source of a natural federation (each source alone: what a hospital or scanner
+  gets without federating), or per site elsewhere; each site scored with its own source's model.
 
 (FedAvg on an IID federation is the fourth reference; ``fedmed experiment`` runs it as a federated job.)
 These are computed by the experimenter from the simulated federation's datalists — they are
@@ -25,7 +27,7 @@ import numpy as np
 from fedmed.algorithms.metrics import site_metrics
 from fedmed.report.record import summarize_sites
 
-__all__ = ["centralized_rows", "cluster_majority_rows", "majority_rows"]
+__all__ = ["alone_rows", "centralized_rows", "cluster_majority_rows", "majority_rows"]
 
 
 def _labels(datalists: Path, site: str) -> dict:
@@ -91,46 +93,96 @@ def run_clusters(doc: dict) -> list[list[str]]:
     return [sorted(v) for _, v in sorted(groups.items(), key=lambda kv: str(kv[0]))]
 
 
-def centralized_rows(exp, datalists, sites: list[str], seed: int, log=print) -> list[dict]:
-    """Train one model on the pooled training data (same recipe and budget); one row per 'round'."""
+def _pooled_training(exp, data: dict, members: list[str], seed: int, gseed: int, n_classes: int) -> list[dict]:
+    """Train one model on ``members``' pooled training data (the recipe and budget of a federated run: ``rounds x
+    local_epochs`` epochs, one optimizer) and score it on each member's test and validation splits after every
+    ``local_epochs`` epochs; one ``{site: entry}`` per 'round' 0..rounds."""
     import torch
 
+    from fedmed.core.device import resolve_device
     from fedmed.nn.models import model_from_config
-    from fedmed.site.runner import SiteRunner
     from fedmed.nn.train import make_optimizer, predict_proba, train_local
 
-    runners = {s: SiteRunner(s, datalists) for s in sites}
-    cfg_data = (exp.dataset.image_size, exp.dataset.channels)
-    data = {s: r.data(*cfg_data) for s, r in runners.items()}
-    x = torch.cat([d.train[0] for d in data.values()])
-    y = torch.cat([d.train[1] for d in data.values()])
-    n_classes = len(exp.dataset.classes)
-    from fedmed.core.device import resolve_device
-
+    x = torch.cat([data[s].train[0] for s in members])
+    y = torch.cat([data[s].train[1] for s in members])
     model = model_from_config(exp.model.model_dump(), exp.dataset.channels, n_classes, seed=seed, modules=("*",)).to(
         resolve_device(exp.train.device, where="the centralized reference"))
     t = exp.train
     opt = make_optimizer(model, t.model_dump())
     g = torch.Generator()
-    g.manual_seed(int(seed) * 7919 + 11)
-    rows = []
+    g.manual_seed(gseed)
+    per_round = []
     for r in range(t.rounds + 1):
         if r > 0:
             train_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt, generator=g,
                         augment=t.augment, precision=t.precision)
         per_site = {}
-        for s, d in data.items():
+        for s in members:
             e = {}
-            for pre, (xs, ys) in (("", d.test), ("val_", d.val)):
+            for pre, (xs, ys) in (("", data[s].test), ("val_", data[s].val)):
                 if xs.shape[0]:
                     res = site_metrics(ys.numpy(), predict_proba(model, xs, precision=t.precision), n_classes)
                     e.update({pre + k: res[k] for k in ("accuracy", "macro_f1", "auc")})
                     e.update({pre + "n_test": res["n_test"], pre + "confusion": res["confusion"],
                               pre + "score_hist": res["score_hist"]})
             per_site[s] = e
-        rows.append(_row("Centralized", seed, per_site, round_=r))
-    log(f"    centralized reference: {x.shape[0]} pooled training images, {t.rounds} x {t.local_epochs} epochs, "
+        per_round.append(per_site)
+    return per_round
+
+
+def _as_sent(entry: dict, k_min: int) -> dict:
+    """A site's test record as its ``validate`` task sends it: the confusion matrix with class rows below ``k_min``
+    zeroed (``withheld`` counts them) and the AUC."""
+    conf = np.asarray(entry.get("confusion", []), dtype=np.int64)
+    small = (conf.sum(axis=1) < k_min) if conf.size else np.zeros(0, bool)
+    withheld = int(conf[small].sum()) if conf.size else 0
+    if conf.size:
+        conf[small] = 0
+    auc = entry.get("auc")
+    return {"confusion": conf.tolist(), "auc": None if auc is None or auc != auc else float(auc), "withheld": withheld}
+
+
+def _site_data(exp, datalists, sites):
+    from fedmed.site.runner import SiteRunner
+
+    return {s: SiteRunner(s, datalists).data(exp.dataset.image_size, exp.dataset.channels) for s in sites}
+
+
+def centralized_rows(exp, datalists, sites: list[str], seed: int, log=print) -> list[dict]:
+    """Train one model on the pooled training data (same recipe and budget); one row per 'round'."""
+    data = _site_data(exp, datalists, sites)
+    per_round = _pooled_training(exp, data, list(sites), seed, int(seed) * 7919 + 11, len(exp.dataset.classes))
+    rows = [_row("Centralized", seed, per_site, round_=r) for r, per_site in enumerate(per_round)]
+    n = sum(int(data[s].train[0].shape[0]) for s in sites)
+    log(f"    centralized reference: {n} pooled training images, {exp.train.rounds} x {exp.train.local_epochs} epochs, "
         f"final test accuracy {100 * rows[-1]['accuracy']:.2f}% (site mean)")
+    return rows
+
+
+def alone_rows(exp, datalists, sites: list[str], seed: int, sources: dict | None = None, log=print) -> list[dict]:
+    """**Each source alone** (``sources``: site -> source, a natural federation's): per source one model on its sites'
+    pooled training data, with the recipe and budget of a federated run; every site scored with its source's model.
+    Without ``sources``, **each site alone**: every site trains only on its own data. One row per 'round', the mean
+    over sites as the federated rows."""
+    data = _site_data(exp, datalists, sites)
+    groups: dict = {}
+    for s in sites:
+        groups.setdefault((sources or {}).get(s, s), []).append(s)
+    n_classes = len(exp.dataset.classes)
+    per_round: list[dict] = [{} for _ in range(exp.train.rounds + 1)]
+    for k, (_, members) in enumerate(groups.items()):
+        for r, per_site in enumerate(_pooled_training(exp, data, members, seed, int(seed) * 7919 + 11 + 101 * (k + 1),
+                                                      n_classes)):
+            per_round[r].update(per_site)
+    name = "Each source alone" if sources else "Each site alone"
+    rows = [_row(name, seed, {s: per_site[s] for s in sites}, round_=r) for r, per_site in enumerate(per_round)]
+    k_min = exp.privacy.k_min
+    for row, per_site in zip(rows, per_round):  # per-site records for per-source tables, as a site would send them
+        row["sites"] = {s: _as_sent(per_site[s], k_min) for s in sites}
+    final = per_round[-1]
+    log(f"    {name.lower()} reference: final test accuracy " + ", ".join(
+        f"{g} {100 * np.mean([final[s]['accuracy'] for s in m if 'accuracy' in final[s]]):.1f}%"
+        for g, m in groups.items() if any("accuracy" in final[s] for s in m)))
     return rows
 
 
