@@ -23,27 +23,33 @@ def test_a_run_tracked_in_mlflow_has_every_sites_and_the_servers_rounds_its_sett
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from fedmed.cli.main import main
+    from conftest import doc_commands
+    from test_docs import _run, clone_like
 
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump(TINY))
-    assert main(["experiment", str(cfg), "--out", str(tmp_path / "out")]) == 0
-    server = tmp_path / "out" / "runs" / "seed0" / "FedAvg" / "server"
+    here = clone_like(tmp_path)  # docs/recipes.md's command, as written
+    cmd = next(c for c in doc_commands("recipes.md") if c.startswith(".venv/bin/fedmed experiment "
+                                                                  "app_configs/demo_digits.yaml --out results/tracked"))
+    p = _run(cmd, here)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = here / "results" / "tracked"
+    server = out / "runs" / "seed0" / "FedAvg" / "server"
     record = json.loads((server / "metrics.json").read_text())
     assert record["status"] == "finished"
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = MlflowClient((tmp_path / "out" / "mlruns").as_uri())  # fedmed experiment: one store for its runs
-    exp = client.get_experiment_by_name("tracked")  # the config's name
+    client = MlflowClient((out / "mlruns").as_uri())  # fedmed experiment: one store for its runs
+    exp = client.get_experiment_by_name("demo-digits")  # the config's name
     by_site = {}  # FLARE names a run "<site>-<job id>-<job name>-<run name>"; the simulator's server is simulator_server
     for r in client.search_runs([exp.experiment_id]):
         who = r.info.run_name.split("-")[0]
         by_site["server" if who == "simulator_server" else "-".join(r.info.run_name.split("-")[:2])] = r
-    assert sorted(by_site) == ["server", "site-1", "site-2", "site-3"]
-    for s in ("site-1", "site-2", "site-3"):  # each site's per-round metrics, as the site sent them
+    sites = record["sites"]
+    assert sorted(by_site) == ["server", *sorted(sites)] and len(sites) == 4
+    rounds = list(range(len(record["rounds"])))
+    for s in sites:  # each site's per-round metrics, as the site sent them
         hist = client.get_metric_history(by_site[s].info.run_id, f"{s}/test/accuracy")
         steps = sorted(m.step for m in hist)
-        assert steps == [0, 1, 2]
+        assert steps == rounds
         sent = {r["round"]: r["sites"][s]["accuracy"] for r in record["rounds"] if s in r["sites"]}
         assert {m.step: m.value for m in hist} == pytest.approx(sent)
     run = by_site["server"]
@@ -51,17 +57,17 @@ def test_a_run_tracked_in_mlflow_has_every_sites_and_the_servers_rounds_its_sett
     assert {m.step: m.value for m in hist} == pytest.approx(
         {r["round"]: r["summary"]["mean"]["accuracy"] for r in record["rounds"]})
     params = run.data.params
-    assert params["config.train.rounds"] == "2" and params["workflow"] == "FedAvg"
+    assert params["config.train.rounds"] == "5" and params["workflow"] == "FedAvg"
     assert run.data.tags["fedmed.status"] == "finished"
     result = json.loads(Path(client.download_artifacts(run.info.run_id, "result.json", str(tmp_path))).read_text())
-    assert result["status"] == "finished" and result["final_round"] == 2
+    assert result["status"] == "finished" and result["final_round"] == 5
     assert str(tmp_path) not in json.dumps(params)  # no absolute path of the experimenter's in the shared store
 
     # TensorBoard (on by default): FLARE's receiver, a folder per site and one for the server, kept with the run
     for who, tag in (("site-2", "site-2/test/accuracy"), ("simulator_server", "test/accuracy_site_mean")):
         acc = EventAccumulator(str(server / "tb" / who))
         acc.Reload()
-        assert [e.step for e in acc.Scalars(tag)] == [0, 1, 2]
+        assert [e.step for e in acc.Scalars(tag)] == rounds
 
 
 def test_a_tracker_that_is_not_installed_is_one_line_before_any_run(tmp_path):
