@@ -210,6 +210,22 @@ class SweepCase(_Strict):
 REFERENCES = ("centralized", "iid_fedavg", "majority", "cluster_majority")
 
 
+class TrackingConfig(_Strict):
+    """Where a run's metrics go besides ``metrics.json``: FLARE's own receivers at the server
+    (``nvflare.app_opt.tracking``), each site's per-round metrics as its own run and the server's (site mean and pooled
+    metrics, the run's settings as parameters, its result as an artifact) as another. Nothing here changes a result."""
+
+    tensorboard: bool = Field(True, description="TensorBoard event files in the run's server folder (tb/<site>/)")
+    mlflow: bool = Field(False, description="MLflow (pip install 'fedmed[mlflow]')")
+    mlflow_uri: Optional[str] = Field(None, description="MLflow tracking URI: a server (http(s)://...), a database "
+                                      "(sqlite:///...) or a file: store; None: a file: store, mlruns/ in the run's "
+                                      "server folder")
+    wandb: bool = Field(False, description="Weights & Biases (pip install 'fedmed[wandb]')")
+    wandb_mode: Literal["offline", "online"] = Field("offline", description="online sends to W&B's servers")
+    experiment: Optional[str] = Field(None, min_length=1, description="MLflow experiment / W&B project (default: the "
+                                      "config's name)")
+
+
 class ExperimentConfig(_Strict):
     name: str = Field(min_length=1)
     dataset: DatasetConfig
@@ -228,6 +244,8 @@ class ExperimentConfig(_Strict):
         default_factory=lambda: list(REFERENCES), description="reference rows of classification tables ('alone': each "
         "source of a natural federation trains alone, else each site; not in the default set)")
     sweep: list[SweepCase] = Field(default_factory=list, description="cases run by `fedmed sweep CONFIG`")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="experiment tracking (TensorBoard, "
+                                     "MLflow, W&B) through FLARE's receivers")
 
     @model_validator(mode="before")
     @classmethod

@@ -63,6 +63,8 @@ class WorkflowController(Federation, ModelController):
         if hasattr(communicator, "_task_check_period"):
             communicator._task_check_period = self._task_check_period
 
+    tensorboard = False  # FLARE's TensorBoard receiver writes the server's metrics (fedmed_flare.tracking)
+
     def __init__(self, num_rounds: int, fedmed_config: dict, workflow_name: str = "fedavg",
                  workflow_args: dict | None = None, resume: bool = False, **kwargs):
         super().__init__(persistor_id="", ignore_result_error=True, task_check_period=TASK_CHECK_PERIOD_S, **kwargs)
@@ -131,6 +133,42 @@ class WorkflowController(Federation, ModelController):
             self.panic(f"fedmed run failed: the server cannot run the job's workflow: {e}")
             return
         Federation.run(self, cls(self.num_rounds, self.fedmed_config, **self.workflow_args))
+
+    # ------------------------------------------------------------------ tracking: FLARE analytics to the receivers
+    def _send_analytics(self, dxo, event_type):
+        from nvflare.apis.utils.analytix_utils import send_analytic_dxo
+
+        try:
+            with self.engine.new_context() as ctx:
+                send_analytic_dxo(self, dxo, ctx, event_type=event_type)
+        except Exception as e:  # a tracker never takes a run down
+            self.warning(f"[fedmed] experiment tracking: {type(e).__name__}: {e}")
+
+    def track_round(self, scalars: dict, round_: int) -> None:
+        from nvflare.apis.analytix import AnalyticsDataType
+        from nvflare.apis.utils.analytix_utils import create_analytic_dxo
+
+        from fedmed_flare.tracking import SERVER_EVENTS
+
+        for tag, v in scalars.items():
+            self._send_analytics(create_analytic_dxo(tag, float(v), AnalyticsDataType.SCALAR, global_step=int(round_)),
+                       SERVER_EVENTS[0])
+
+    def track_run(self, params: dict | None = None, result: dict | None = None) -> None:
+        from nvflare.apis.analytix import AnalyticsDataType
+        from nvflare.apis.utils.analytix_utils import create_analytic_dxo
+
+        from fedmed.core.io import json_default
+        from fedmed_flare.tracking import RUN_EVENT
+
+        if params:
+            self._send_analytics(create_analytic_dxo("params", {k: v[:500] for k, v in params.items()},
+                                           AnalyticsDataType.PARAMETERS), RUN_EVENT)
+        if result is not None:
+            tags = {"fedmed.status": str(result.get("status")), "fedmed.workflow": self.workflow_name}
+            self._send_analytics(create_analytic_dxo("tags", tags, AnalyticsDataType.TAGS), RUN_EVENT)
+            self._send_analytics(create_analytic_dxo("result", json.dumps(result, default=json_default, indent=1),
+                                           AnalyticsDataType.TEXT, path="result.json"), RUN_EVENT)
 
     def aborted(self) -> bool:
         return self.abort_signal is not None and self.abort_signal.triggered

@@ -33,8 +33,9 @@ def new_job(name: str, spec, controller):
     ``config/`` folder (never code); its ``user_code``: ``(source, folder)`` of a user's network class or a plugin
     method, into every app's ``custom/`` (the job is then custom code to FLARE)."""
     from nvflare.app_common.widgets.convert_to_fed_event import ConvertToFedEvent
-    from nvflare.app_opt.tracking.tb.tb_receiver import TBAnalyticsReceiver
     from nvflare.job_config.api import FedJob
+
+    from fedmed_flare.tracking import receivers
 
     from fedmed.core.jobfiles import FILES_DIR
     from fedmed_flare.executor import SiteExecutor
@@ -43,7 +44,8 @@ def new_job(name: str, spec, controller):
     job = FedJob(name=name, min_clients=quorum)
     job.set_app_packages(["fedmed", "fedmed_flare"])  # installed at every party; never copied into the job
     job.to_server(controller, id="controller")
-    job.to_server(TBAnalyticsReceiver(events=["fed.analytix_log_stats"]), id="tb_receiver")
+    for rid, receiver in receivers(spec.tracking):  # TensorBoard, MLflow, W&B: FLARE's receivers (tracking)
+        job.to_server(receiver, id=rid)
     # FLARE reads it at the path server.task_request_interval (server_json_config.py); a top-level key is ignored
     job.to_server({"server": {"task_request_interval": spec.task_request_interval}})
     targets = sites if sites else [None]

@@ -98,11 +98,29 @@ def missing_sentence(missing: dict) -> str:
     return "finished without every site: " + "; ".join(parts)
 
 
+def round_scalars(summary: dict) -> dict:
+    """``{tag: value}`` of a round's summary: every site-mean metric and the pooled test and validation metrics."""
+    out = {}
+    for m, v in summary["mean"].items():
+        if v is not None and math.isfinite(v):
+            group = "train" if m == "train_loss" else ("val" if m.startswith("val_") else "test")
+            name = m[4:] if m.startswith("val_") else m
+            out[f"{group}/{name}_site_mean"] = float(v)
+    for key in ("pooled", "pooled_val"):
+        for m, v in (summary.get(key) or {}).items():
+            if m in METRICS and v is not None and math.isfinite(v):
+                out[f"{'val' if key == 'pooled_val' else 'test'}/{m}_pooled"] = float(v)
+    return out
+
+
 class Recorder:
     """Collects each round's site results; writes ``metrics.json`` and TensorBoard scalars."""
 
-    def __init__(self, out_dir, *, tensorboard: bool = True, meta: dict | None = None):
+    def __init__(self, out_dir, *, tensorboard: bool = True, meta: dict | None = None, sink=None):
+        """``sink(scalars, round)``, when given, also receives each recorded round's :func:`round_scalars` (the FLARE
+        server sends them to its tracking receivers)."""
         self.out_dir = Path(out_dir)
+        self._sink = sink
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.doc = {"status": "running", "reason": "", "rounds": [], "errors": [], "attempts": [], "meta": meta or {}}
         self._tb = None
@@ -184,17 +202,14 @@ class Recorder:
                                    "summary": summary, "elapsed": time.time() - self._t0})
         if self.doc["attempts"]:
             self.doc["attempts"][-1]["rounds"].append(round_)
-        if self._tb is not None:
-            for m, v in summary["mean"].items():
-                if v is not None and math.isfinite(v):
-                    group = "train" if m == "train_loss" else ("val" if m.startswith("val_") else "test")
-                    name = m[4:] if m.startswith("val_") else m
-                    self._tb.add_scalar(f"{group}/{name}_site_mean", v, round_)
-            for key in ("pooled", "pooled_val"):
-                for m, v in (summary.get(key) or {}).items():
-                    if m in METRICS and v is not None and math.isfinite(v):
-                        self._tb.add_scalar(f"{'val' if key == 'pooled_val' else 'test'}/{m}_pooled", v, round_)
-            self._tb.flush()
+        if self._tb is not None or self._sink is not None:
+            scalars = round_scalars(summary)
+            if self._tb is not None:
+                for tag, v in scalars.items():
+                    self._tb.add_scalar(tag, v, round_)
+                self._tb.flush()
+            if self._sink is not None and scalars:
+                self._sink(scalars, round_)
         self.write()
         return ok
 

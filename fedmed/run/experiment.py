@@ -370,12 +370,13 @@ def known_association(groups: dict, assign: dict, unseen: list) -> dict:
 
 def run_fingerprint(exp, method, seed: int) -> str:
     """What determines one (seed, method) run: the resolved config (less the other methods, the seed list,
-    the sweep block and the reporting choices), the method's settings and the seed. ``--resume`` reuses a
+    the sweep block and the reporting and tracking choices), the method's settings and the seed. ``--resume`` reuses a
     run only when this matches. The files under ``dataset.path`` are not hashed: a dataset replaced in
     place needs a run without ``--resume``."""
     import hashlib
 
-    cfg = exp.model_dump(mode="json", exclude={"methods", "seeds", "sweep", "name", "selection", "references"})
+    cfg = exp.model_dump(mode="json", exclude={"methods", "seeds", "sweep", "name", "selection", "references",
+                                                "tracking"})
     blob = json.dumps({"config": cfg, "method": method.model_dump(mode="json") if method is not None else None,
                        "seed": seed}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -526,6 +527,11 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
         except BuildError as e:
             raise ExperimentError(f"method {m.name!r}: {e}") from None
     out = Path(out_dir)
+    if exp.tracking.mlflow and not exp.tracking.mlflow_uri:  # one store for the experiment's runs, kept with its outputs
+        exp = exp.model_copy(update={"tracking": exp.tracking.model_copy(
+            update={"mlflow_uri": (out / "mlruns").resolve().as_uri()})})
+        log(f"MLflow: every run of this experiment in {out / 'mlruns'} (mlflow ui --backend-store-uri "
+            f"{(out / 'mlruns').resolve().as_uri()})")
     command = command or _command(config_path, overrides)
     rows: list[dict] = []
     problems: list[str] = []

@@ -40,6 +40,7 @@ class JobSpec:
     server_files: list = field(default_factory=list)  # [source, folder under the server app's config/fedmed_files]
     user_code: list = field(default_factory=list)  # [source, folder under custom/]: a user's class or a plugin (BYOC)
     simulation: dict = field(default_factory=dict)  # for simulated sites that are the experimenter's own: k_min, weights
+    tracking: dict = field(default_factory=dict)  # the server's receivers (fedmed.config.TrackingConfig); {}: TensorBoard
 
     def to_file(self, path) -> Path:
         path = Path(path)
@@ -126,6 +127,22 @@ def check_method_files(exp, method) -> None:
         raise BuildError(f"method {method.name!r}: weights file {weights} not found")
 
 
+def tracking_settings(exp) -> dict:
+    """The job's tracking receivers (``exp.tracking``), checked here: a tracker that is not installed is one line."""
+    import importlib.util
+
+    t = getattr(exp, "tracking", None)
+    if t is None:
+        return {}
+    out = t.model_dump()
+    out["experiment"] = t.experiment or exp.name
+    for key, module, extra in (("mlflow", "mlflow", "mlflow"), ("wandb", "wandb", "wandb")):
+        if out[key] and importlib.util.find_spec(module) is None:
+            raise BuildError(f"tracking.{key}: {module} is not installed here (pip install 'fedmed[{extra}]'), and the "
+                             f"FLARE server needs it too")
+    return out
+
+
 def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = None, resume_from=None,
              onboard: dict | None = None) -> JobSpec:
     """The job of ``method`` of the experiment ``exp`` for ``seed``.
@@ -159,6 +176,7 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
     fed = exp.federation
     common = dict(sites=names, min_clients=min_clients(fed.min_clients, names),
                   task_request_interval=fed.task_request_interval, user_code=user_code,
+                  tracking=tracking_settings(exp),
                   simulation={"k_min": exp.privacy.k_min,
                               "weights": str(Path(weights).resolve()) if weights and method.workflow != "finetune"
                               else None})

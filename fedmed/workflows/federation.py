@@ -29,9 +29,28 @@ import numpy as np
 from fedmed.core import jobfiles, memtrace
 from fedmed.report.record import Recorder
 
-__all__ = ["RESUME_DIR", "Federation", "RunFailed", "RunStopped"]
+__all__ = ["RESUME_DIR", "Federation", "RunFailed", "RunStopped", "flat_params", "run_result"]
 
 RESUME_DIR = jobfiles.RESUME  # inside the folder of what a resumed job carries (:attr:`Federation.job_files`)
+
+
+def flat_params(doc: dict, prefix: str = "") -> dict:
+    """``{"config.train.lr": "0.001", ...}``: a nested settings document as flat string parameters (MLflow's form)."""
+    out = {}
+    for k, v in doc.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flat_params(v, key + "."))
+        else:
+            out[key] = json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else str(v)
+    return out
+
+
+def run_result(doc: dict) -> dict:
+    """A run's result for a tracker: its status and reason, the rounds it ran and its final round's summary."""
+    last = doc["rounds"][-1] if doc.get("rounds") else {}
+    return {"status": doc.get("status"), "reason": doc.get("reason", ""), "rounds": len(doc.get("rounds", [])),
+            "final_round": last.get("round"), "final_summary": last.get("summary")}
 
 
 class RunStopped(Exception):
@@ -150,11 +169,14 @@ class Federation:
             self.recorder.finish("finished")
             return "finished"
         finally:
+            self.track_run(result=run_result(self.recorder.doc))
             self.recorder.close()
 
     def start_recording(self):
         memtrace.start()
-        self.recorder = Recorder(self.out_dir, tensorboard=self.tensorboard, meta={"config": self.cfg, "workflow": self.workflow.record_name})
+        self.recorder = Recorder(self.out_dir, tensorboard=self.tensorboard, sink=self.track_round,
+                                 meta={"config": self.cfg, "workflow": self.workflow.record_name})
+        self.track_run(params=flat_params({"config": self.cfg, "workflow": self.workflow.record_name}))
         from fedmed.algorithms.privacy import k_min_consent_note
 
         from fedmed.core.schema import task_config
@@ -163,6 +185,14 @@ class Federation:
         if consent:  # stated in the run's record and the server's log
             self.recorder.note("privacy_consent", consent)
             self.warning(consent)
+
+    # ------------------------------------------------------------------ tracking (FLARE's receivers; none in-process)
+    def track_round(self, scalars: dict, round_: int) -> None:
+        """A recorded round's server-side metrics (``{tag: value}``) for the experiment trackers, where there are any."""
+
+    def track_run(self, params: dict | None = None, result: dict | None = None) -> None:
+        """The run's settings (flat ``{name: value}``) at its start and its result (``metrics.json``'s status, reason and
+        final summary) at its end, for the experiment trackers that keep them."""
 
     def record_rows(self, round_, rows, task) -> list:
         """Record ``(site, metrics, meta, params)`` rows; log each failed site by name; enforce the quorum.

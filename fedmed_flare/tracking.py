@@ -1,0 +1,62 @@
+"""Experiment tracking through FLARE's own receivers (``nvflare.app_opt.tracking``), as a fedmed job uses them.
+
+Each site's executor sends its per-round metrics as FLARE analytics (``analytix_log_stats``, turned into a federated
+event); the server's controller sends its own (the site mean and pooled metrics of every round) as a local one, and the
+run's settings and result as :data:`RUN_EVENT`. The receivers sit at the server (``tracking`` of the experiment config,
+:class:`fedmed.config.TrackingConfig`):
+
+* **TensorBoard** (default): FLARE's ``TBAnalyticsReceiver``, one event folder per site and one for the server under
+  the run's ``fedmed/tb/`` — the folder the run keeps.
+* **MLflow**: :class:`MLflowReceiver`, FLARE's receiver with three changes: the server's own metrics, parameters and
+  result are a run beside each site's (FLARE's opens runs for the connected clients only); without a URI the store
+  is a ``file:`` store in the run's ``fedmed/mlruns/`` (``fedmed experiment`` gives all its runs one store,
+  ``<out>/mlruns/``); a new experiment's artifacts go beside a ``file:`` or ``sqlite:`` store (``mlartifacts/``), not
+  into the job's workspace. MLflow 3 asks ``MLFLOW_ALLOW_FILE_STORE=true`` for a file store: set for this process
+  when the store is one.
+* **W&B**: FLARE's ``WandBReceiver`` (``wandb_mode`` offline by default), the sites' metrics.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE
+
+__all__ = ["RUN_EVENT", "SERVER_EVENTS", "SITE_EVENTS", "receivers"]
+
+SITE_EVENTS = [f"fed.{ANALYTIC_EVENT_TYPE}"]  # the sites' analytics, as federated events at the server
+SERVER_EVENTS = [ANALYTIC_EVENT_TYPE]  # the server's own
+RUN_EVENT = "fedmed.run_info"  # the run's parameters and result: for trackers that keep them (not TensorBoard)
+
+
+def receivers(tracking: dict) -> list:
+    """``[(component id, receiver)]`` for the server of a job with these settings (``JobSpec.tracking``)."""
+    out = []
+    if tracking.get("tensorboard", True):
+        from nvflare.app_opt.tracking.tb.tb_receiver import TBAnalyticsReceiver
+
+        out.append(("tb_receiver", TBAnalyticsReceiver(tb_folder="fedmed/tb", events=SITE_EVENTS + SERVER_EVENTS)))
+    if tracking.get("mlflow"):
+        from fedmed_flare.mlflow_receiver import MLflowReceiver
+
+        out.append(("mlflow_receiver", MLflowReceiver(
+            tracking_uri=tracking.get("mlflow_uri") or None, kw_args={"experiment_name": tracking["experiment"]},
+            events=SITE_EVENTS + SERVER_EVENTS + [RUN_EVENT])))
+    if tracking.get("wandb"):
+        from nvflare.app_opt.tracking.wandb.wandb_receiver import WandBReceiver
+
+        out.append(("wandb_receiver", WandBReceiver(
+            wandb_args={"project": tracking["experiment"], "name": tracking["experiment"]},
+            mode=tracking.get("wandb_mode", "offline"), events=SITE_EVENTS)))
+    return out
+
+
+def file_store_uri(run_dir) -> str:
+    """The default MLflow store of a run: ``mlruns/`` in its ``fedmed/`` folder (kept with the run's record)."""
+    return (Path(run_dir) / "fedmed" / "mlruns").resolve().as_uri()
+
+
+def allow_file_store(uri: str) -> None:
+    if uri.startswith("file:"):
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")

@@ -1,0 +1,92 @@
+"""Experiment tracking through FLARE's receivers (``tracking`` of an experiment config, ``fedmed_flare.tracking``):
+an MLflow file store and TensorBoard event folders holding each site's and the server's per-round metrics, the run's
+settings and its result; a tracker that is not installed is one line before any run; tracking never moves a result."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedmed.config import load_config
+
+TINY = {"name": "tracked", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 8},
+        "federation": {"sites": 3, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},
+        "train": {"rounds": 2, "local_epochs": 1, "batch_size": 8}, "methods": [{"name": "FedAvg"}],
+        "privacy": {"k_min": 2}, "references": [], "tracking": {"mlflow": True}}
+
+
+@pytest.mark.slow
+def test_a_run_tracked_in_mlflow_has_every_sites_and_the_servers_rounds_its_settings_and_result(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow", reason="MLflow is an optional extra (pip install 'fedmed[mlflow]')")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from conftest import doc_commands
+    from test_docs import _run, clone_like
+
+    here = clone_like(tmp_path)  # docs/recipes.md's command, as written
+    cmd = next(c for c in doc_commands("recipes.md") if c.startswith(".venv/bin/fedmed experiment "
+                                                                  "app_configs/demo_digits.yaml --out results/tracked"))
+    p = _run(cmd, here)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = here / "results" / "tracked"
+    server = out / "runs" / "seed0" / "FedAvg" / "server"
+    record = json.loads((server / "metrics.json").read_text())
+    assert record["status"] == "finished"
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient((out / "mlruns").as_uri())  # fedmed experiment: one store for its runs
+    exp = client.get_experiment_by_name("demo-digits")  # the config's name
+    by_site = {}  # FLARE names a run "<site>-<job id>-<job name>-<run name>"; the simulator's server is simulator_server
+    for r in client.search_runs([exp.experiment_id]):
+        who = r.info.run_name.split("-")[0]
+        by_site["server" if who == "simulator_server" else "-".join(r.info.run_name.split("-")[:2])] = r
+    sites = record["sites"]
+    assert sorted(by_site) == ["server", *sorted(sites)] and len(sites) == 4
+    rounds = list(range(len(record["rounds"])))
+    for s in sites:  # each site's per-round metrics, as the site sent them
+        hist = client.get_metric_history(by_site[s].info.run_id, f"{s}/test/accuracy")
+        steps = sorted(m.step for m in hist)
+        assert steps == rounds
+        sent = {r["round"]: r["sites"][s]["accuracy"] for r in record["rounds"] if s in r["sites"]}
+        assert {m.step: m.value for m in hist} == pytest.approx(sent)
+    run = by_site["server"]
+    hist = client.get_metric_history(run.info.run_id, "test/accuracy_site_mean")
+    assert {m.step: m.value for m in hist} == pytest.approx(
+        {r["round"]: r["summary"]["mean"]["accuracy"] for r in record["rounds"]})
+    params = run.data.params
+    assert params["config.train.rounds"] == "5" and params["workflow"] == "FedAvg"
+    assert run.data.tags["fedmed.status"] == "finished"
+    result = json.loads(Path(client.download_artifacts(run.info.run_id, "result.json", str(tmp_path))).read_text())
+    assert result["status"] == "finished" and result["final_round"] == 5
+    assert str(tmp_path) not in json.dumps(params)  # no absolute path of the experimenter's in the shared store
+
+    # TensorBoard (on by default): FLARE's receiver, a folder per site and one for the server, kept with the run
+    for who, tag in (("site-2", "site-2/test/accuracy"), ("simulator_server", "test/accuracy_site_mean")):
+        acc = EventAccumulator(str(server / "tb" / who))
+        acc.Reload()
+        assert [e.step for e in acc.Scalars(tag)] == rounds
+
+
+def test_a_tracker_that_is_not_installed_is_one_line_before_any_run(tmp_path):
+    from fedmed.run.jobspec import BuildError, tracking_settings
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump({**TINY, "tracking": {"wandb": True}}))
+    exp = load_config(p)
+    with pytest.raises(BuildError, match=r"^tracking.wandb: wandb is not installed here \(pip install 'fedmed\[wandb\]'\)"):
+        tracking_settings(exp)  # what job_spec asks first of a job's tracking
+
+
+def test_tracking_settings_never_change_what_a_run_is():
+    from fedmed.run.experiment import run_fingerprint
+
+    a = load_config({**TINY, "tracking": {}})
+    b = load_config({**TINY, "tracking": {"mlflow": True, "tensorboard": False, "mlflow_uri": "http://tracking:5000"}})
+    assert run_fingerprint(a, a.methods[0], 0) == run_fingerprint(b, b.methods[0], 0)
+    with pytest.raises(Exception, match="tracking.wandb_mode"):
+        load_config({**TINY, "tracking": {"wandb_mode": "sometimes"}})
