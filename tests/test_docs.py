@@ -41,6 +41,11 @@ NOT_HERE = {
         "placeholders of a real deployment's job; test_deployment.py resumes a stopped job",
     ".venv/bin/python jobs/build.py --config app_configs/busi_fmcl.yaml --method FMCL --out job_folders --onboard":
         "needs a finished run of a real deployment; test_deployment.py onboards a new hospital",
+    "fedmed bundle results/readme/runs/seed0/FedAvg/server/models/global.pt":
+        "a model of the README's run; test_bundle.py runs fedmed bundle on a checkpoint and a run's own export",
+    "python -m monai.bundle run --config_file BUNDLE/configs/inference.json":
+        "placeholders (BUNDLE, IMAGES, OUT); test_bundle.py runs this command on a finished run's bundle and compares "
+        "it with fedmed predict",
     ".venv/bin/fedmed experiment app_configs/brats_1mm.yaml":
         "hours of 3D training on 2 cores; its jobs are built and validated in test_schema.py (every shipped config)",
 }

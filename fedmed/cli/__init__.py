@@ -6,6 +6,7 @@ from fedmed.core.faces import lazy_face
 
 _PUBLIC = {
     "cmd_assess": "commands",
+    "cmd_bundle": "commands",
     "cmd_data": "commands",
     "cmd_demo": "commands",
     "cmd_encoders": "commands",

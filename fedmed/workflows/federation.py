@@ -289,6 +289,13 @@ class Federation:
         out.mkdir(parents=True, exist_ok=True)
         save_model(out / f"{name}.pt", params, self.cfg, cluster=cluster, sites=sites,
                    workflow=self.workflow.record_name, rounds=self.workflow.num_rounds)
+        if self.workflow.task_cfg.task == "classification":  # the same model as a MONAI bundle (fedmed.nn.bundle)
+            from fedmed.nn.bundle import export_bundle
+
+            try:
+                export_bundle(out / f"{name}.pt", out / f"{name}_bundle", policy=self.policy)
+            except Exception as e:  # a bundle never fails a finished run: the checkpoint is there
+                self.warning(f"[fedmed] models/{name}_bundle not written: {type(e).__name__}: {e}")
         if self.workflow.task_cfg.task == "mae":  # the encoder the registry loads as "fedmae_vit" (a plain state dict)
             import torch
 

@@ -1,0 +1,249 @@
+"""A trained classifier as a MONAI bundle (``models/<name>_bundle/``): what MONAI Label, MONAI Deploy and
+``python -m monai.bundle run`` take, runnable without fedmed.
+
+::
+
+    <name>_bundle/
+      configs/metadata.json    MONAI's metadata: inputs, outputs, classes; "fedmed": the sites or cluster it serves and
+                               how it was trained
+      configs/inference.json   network_def, preprocessing, inferer, postprocessing (the keys MONAI Label and MONAI
+                               Deploy read) and a run that writes predictions.csv for every image of dataset_dir
+      models/model.pt          the state dict (MONAI's convention: loaded into network_def)
+      models/model.ts          TorchScript of the network, where it scripts (or traces)
+      scripts/fedmed_image.py  the image reading fedmed trains with (8-bit and wider images, channels, bilinear
+                               resize, [0, 1]), standalone: numpy and PIL; preprocessing then scales to [-1, 1]
+                               as fedmed feeds every network (fedmed.nn.train)
+      docs/README.md
+
+``network_def`` is the MONAI network itself for a network of ``monai.networks.nets`` (``_target_`` with its
+arguments: the standard, editable form) and the TorchScript file otherwise (fedmed's own networks, a user's class),
+so nothing of fedmed is imported when the bundle runs::
+
+    python -m monai.bundle run --config_file configs/inference.json --meta_file configs/metadata.json \\
+        --bundle_root . --dataset_dir IMAGES --output_dir OUT
+
+:func:`export_bundle` writes one from a fedmed checkpoint (``models/*.pt``); a run writes one beside each final
+classifier (``Federation.save_final``). Segmentation models and DICOM inputs are not exported yet (the one line of
+:class:`BundleExportError` says so).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["BundleExportError", "export_bundle"]
+
+
+class BundleExportError(ValueError):
+    """A model this exporter cannot write as a bundle; the message says why."""
+
+
+# the bundle's own image reader: kept equal to fedmed.data.images.decode_image for PNG/JPEG/TIFF (tests/test_bundle.py
+# compares them on 8-bit grayscale, colour and 16-bit images)
+_READER = '''"""Image reading as the fedmed run that made this bundle trained: one file -> float32 (C, H, W) in [0, 1].
+
+8-bit images / 255 (colour to grayscale by PIL's ITU-R 601-2 luma, grayscale repeated to RGB); 16-bit, 32-bit integer and
+float images scaled by their own range; bilinear resize to the training size. Needs numpy and PIL only.
+"""
+
+import numpy as np
+import torch
+from PIL import Image
+
+WIDE_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+
+
+def read(path, image_size, channels):
+    size = (int(image_size), int(image_size))
+    with Image.open(str(path)) as im:
+        if im.mode in WIDE_MODES:
+            a = np.asarray(im, dtype=np.float64)
+            if a.ndim == 3:
+                a = a.mean(axis=2)
+            lo, hi = float(a.min()), float(a.max())
+            a = (a - lo) / (hi - lo) if hi > lo else np.zeros_like(a)
+            arr = np.clip(np.asarray(Image.fromarray(a.astype(np.float32), mode="F").resize(size, Image.BILINEAR),
+                                     dtype=np.float32), 0.0, 1.0)
+            if int(channels) != 1:
+                arr = np.repeat(arr[..., None], 3, axis=2)
+        else:
+            arr = np.asarray(im.convert("L" if int(channels) == 1 else "RGB").resize(size, Image.BILINEAR),
+                             dtype=np.float32) / 255.0
+    arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def load(image_size, channels):
+    """A MONAI dictionary transform's function: {"image": path} -> {"image": tensor, "filename": path}."""
+    def f(d):
+        return {**d, "image": read(d["image"], image_size, channels), "filename": str(d["image"])}
+    return f
+
+
+def predict(network, preprocessing, inferer, postprocessing, images, classes, output_dir, device):
+    """Every image through preprocessing, the inferer and postprocessing; predictions.csv in output_dir."""
+    import csv
+    import os
+
+    os.makedirs(output_dir, exist_ok=True)
+    rows = []
+    with torch.no_grad():
+        for f in images:
+            d = preprocessing({"image": f})
+            x = torch.as_tensor(d["image"])[None].to(device)
+            d["pred"] = inferer(x, network)[0]
+            d = postprocessing(d)
+            p = torch.as_tensor(d["pred"]).float().cpu().numpy()
+            rows.append([d["filename"], classes[int(p.argmax())]] + [f"{v:.6f}" for v in p])
+    with open(os.path.join(output_dir, "predictions.csv"), "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["image", "prediction"] + list(classes))
+        w.writerows(rows)
+    return rows
+'''
+
+
+def _network_def(ck) -> tuple[dict | str, bool]:
+    """``(network_def, uses model.pt)``: the MONAI network with its arguments, or the TorchScript file."""
+    from fedmed.core.schema import ModelSection
+
+    m = ModelSection.model_validate(ck["model"])
+    try:
+        import monai.networks.nets as nets
+    except ImportError:  # pragma: no cover - MONAI is a fedmed dependency
+        nets = None
+    if nets is not None and m.arch in getattr(nets, "__all__", dir(nets)) and hasattr(nets, m.arch):
+        import inspect
+
+        params = inspect.signature(getattr(nets, m.arch)).parameters
+        d = {"_target_": f"monai.networks.nets.{m.arch}", **dict(m.args)}
+        for key, value in (("spatial_dims", 2), ("in_channels", ck["data"]["channels"]),
+                           ("out_channels", ck["data"]["n_classes"]), ("num_classes", ck["data"]["n_classes"])):
+            if key in params and key not in d:
+                d[key] = value
+        if "pretrained" in params:
+            d["pretrained"] = False  # the bundle's weights are model.pt; nothing is downloaded
+        return d, True
+    return "$torch.jit.load(@bundle_root + '/models/model.ts', map_location='cpu')", False
+
+
+def _torchscript(net, example):
+    import torch
+
+    try:
+        return torch.jit.script(net), "scripted"
+    except Exception:
+        try:
+            return torch.jit.trace(net, example, check_trace=False), "traced"
+        except Exception:
+            return None, ""
+
+
+def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=None) -> Path:
+    """Write the bundle of a fedmed classifier checkpoint (default: ``<checkpoint stem>_bundle/`` beside it).
+
+    ``policy``: the :class:`~fedmed.core.policy.SitePolicy` deciding which network module may be imported (default:
+    this machine's, as :func:`fedmed.nn.predict.load_model`).
+
+    Raises:
+        BundleExportError: not a classifier, or a network that is neither a MONAI network nor scriptable/traceable.
+        fedmed.nn.predict.ModelFileError: not a fedmed checkpoint.
+    """
+    import torch
+
+    from fedmed.nn.predict import load_model
+
+    ck_path = Path(checkpoint)
+    net, ck = load_model(ck_path, policy=policy)
+    if ck["task"] != "classification":
+        raise BundleExportError(f"{ck_path.name}: a {ck['task']} model; the bundle export writes classifiers only "
+                                f"(segmentation bundles are not there yet)")
+    d = ck["data"]
+    size, ch, n = int(d["image_size"]), int(d["channels"]), int(d["n_classes"])
+    classes = list(ck.get("classes") or [str(c) for c in range(n)])
+    out = Path(out_dir) if out_dir is not None else ck_path.with_name(f"{ck_path.stem}_bundle")
+    for sub in ("configs", "models", "scripts", "docs"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    net = net.cpu().eval()
+    torch.save(net.state_dict(), out / "models" / "model.pt")
+    example = torch.zeros(1, ch, size, size)
+    ts, how = _torchscript(net, example)
+    if ts is not None:
+        ts.save(str(out / "models" / "model.ts"))
+    network_def, uses_pt = _network_def(ck)
+    if not uses_pt and ts is None:
+        raise BundleExportError(f"{ck_path.name}: model.arch {ck['model'].get('arch')} is not a MONAI network and "
+                                f"neither scripts nor traces to TorchScript; no bundle can rebuild it without fedmed")
+    (out / "scripts" / "__init__.py").write_text("")
+    (out / "scripts" / "fedmed_image.py").write_text(_READER)
+    inference = {
+        "imports": ["$import glob", "$import importlib", "$import os", "$import torch"],
+        "bundle_root": ".",
+        # the bundle's own reader (scripts/; monai.bundle run puts the bundle's folder on the path before "run")
+        "reader": "$importlib.import_module('scripts.fedmed_image')",
+        "device": "$torch.device('cuda' if torch.cuda.is_available() else 'cpu')",
+        "dataset_dir": "$@bundle_root + '/sample'",
+        "output_dir": "$@bundle_root + '/eval'",
+        "images": "$sorted(f for f in glob.glob(os.path.join(@dataset_dir, '*')) if os.path.isfile(f))",
+        "image_size": size,
+        "channels": ch,
+        "classes": classes,
+        "network_def": network_def,
+        "network": "$@network_def.to(@device).eval()",
+        "preprocessing": {"_target_": "Compose", "transforms": [
+            {"_target_": "Lambda", "func": "$@reader.load(@image_size, @channels)"},
+            {"_target_": "EnsureTyped", "keys": "image", "dtype": "$torch.float32"},
+            # fedmed's input scaling (fedmed.nn.train): [0, 1] -> [-1, 1]
+            {"_target_": "NormalizeIntensityd", "keys": "image", "subtrahend": 0.5, "divisor": 0.5}]},
+        "inferer": {"_target_": "SimpleInferer"},
+        "postprocessing": {"_target_": "Compose", "transforms": [
+            {"_target_": "Activationsd", "keys": "pred", "softmax": True}]},
+        "run": ["$@reader.predict(@network, @preprocessing, @inferer, @postprocessing, @images, @classes, "
+                "@output_dir, @device)"],
+    }
+    if uses_pt:
+        inference["load_weights"] = ("$@network.load_state_dict(torch.load(@bundle_root + '/models/model.pt', "
+                                     "map_location=@device, weights_only=True))")
+        inference["initialize"] = ["$@load_weights"]
+    (out / "configs" / "inference.json").write_text(json.dumps(inference, indent=2))
+    import monai
+
+    served = (f"cluster {ck['cluster']}" if ck.get("cluster") is not None else "the federation's global model")
+    meta = {
+        "schema": "https://github.com/Project-MONAI/MONAI-extra-test-data/releases/download/0.8.1/meta_schema_20220324.json",
+        "version": "0.1.0",
+        "changelog": {"0.1.0": "exported by fedmed"},
+        "monai_version": monai.__version__,
+        "pytorch_version": torch.__version__.split("+")[0],
+        "numpy_version": __import__("numpy").__version__,
+        "optional_packages_version": {"pillow": __import__("PIL").__version__},
+        "name": f"fedmed {ck.get('workflow') or 'federated'} classifier ({served})",
+        "task": f"{n}-class image classification",
+        "description": description or (f"A {ck['model'].get('arch')} trained with fedmed ({ck.get('workflow')}, "
+                                       f"{ck.get('rounds')} rounds) for {', '.join(classes)}."),
+        "authors": "fedmed",
+        "copyright": "the federation that trained it",
+        "network_data_format": {
+            "inputs": {"image": {"type": "image", "format": "magnitude", "modality": "image file",
+                                 "num_channels": ch, "spatial_shape": [size, size], "dtype": "float32",
+                                 "value_range": [-1, 1], "is_patch_data": False,
+                                 "channel_def": ({"0": "grayscale"} if ch == 1 else
+                                                 {"0": "red", "1": "green", "2": "blue"})}},
+            "outputs": {"pred": {"type": "probabilities", "format": "classes", "num_channels": n,
+                                 "spatial_shape": [n], "dtype": "float32", "value_range": [0, 1],
+                                 "is_onehot": False, "channel_def": {str(i): c for i, c in enumerate(classes)}}}},
+        "fedmed": {"format": ck.get("format"), "workflow": ck.get("workflow"), "rounds": ck.get("rounds"),
+                   "seed": ck.get("seed"), "cluster": ck.get("cluster"), "sites": ck.get("sites"),
+                   "model": ck.get("model"), "data": d, "torchscript": how or None,
+                   "network_def": "monai" if uses_pt else "torchscript"},
+    }
+    (out / "configs" / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))
+    (out / "docs" / "README.md").write_text(
+        f"# {meta['name']}\n\n{meta['description']}\n\nServes: "
+        f"{'sites ' + ', '.join(ck['sites']) if ck.get('sites') else served}.\n\n"
+        f"Input: an image file (PNG/JPEG/TIFF), read as in training (scripts/fedmed_image.py) to {ch} x {size} x "
+        f"{size} in [0, 1], then scaled to [-1, 1] as fedmed feeds its networks. Output: the probabilities of {', '.join(classes)}.\n\n"
+        "```bash\npython -m monai.bundle run --config_file configs/inference.json --meta_file configs/metadata.json "
+        "--bundle_root . --dataset_dir IMAGES --output_dir OUT\n```\n\nwrites OUT/predictions.csv.\n")
+    return out
