@@ -353,15 +353,17 @@ def test_the_released_efficientnet_lite0_starts_a_sites_classifier(capsys):
     net = model_from_config({"arch": "efficientnet_lite0", "init_weights": f}, 3, 2, seed=0).eval()
     said = capsys.readouterr().out
     assert "its ImageNet head ['_fc.bias', '_fc.weight'] dropped" in said
-    x = torch.rand(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    x = torch.rand(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))  # images in [0, 1], as sites load them
     enc = build_encoder("efficientnet_lite0", weights=f)
-    with torch.no_grad():
-        got = net.forward_features(x).numpy()
-        logits = net(x)
-    want = extract_features(enc, x)
+    from fedmed.nn.train import latents, predict_proba
+
+    got = latents(net, x)  # the classifier as fedmed's training and scoring feed it ((x - 0.5) / 0.5 first)
+    want = extract_features(enc, x)  # the release's own preprocessing of the same images
     for g, w in zip(got, want):
-        assert _cos(g, w) >= 0.9999
-    assert logits.shape == (2, 2)
+        assert _cos(g, w) >= 0.9999  # the input was scaled twice (to [-3, 1]) before: cosine ~0.6
+    logits = net((x - 0.5) / 0.5)
+    assert logits.shape == (2, 2) and np.allclose(predict_proba(net, x), torch.softmax(logits, 1).detach().numpy(),
+                                                  atol=1e-6)
     again = model_from_config({"arch": "efficientnet_lite0", "init_weights": f}, 3, 2, seed=0)
     assert torch.equal(again.net.classifier.weight, net.net.classifier.weight)  # the new head: seeded
     with pytest.raises(Exception, match="takes RGB images"):

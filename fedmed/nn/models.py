@@ -102,8 +102,10 @@ class ResNet9(nn.Module):
 
 class EfficientNetLiteClassifier(nn.Module):
     """EfficientNet-Lite0 (timm ``tf_efficientnet_lite0``, the encoder :mod:`fedmed.nn.encoders` names
-    ``efficientnet_lite0``) as a site's classifier, with the release's preprocessing inside: images in [0, 1] become
-    ``(x - 0.5) / 0.5`` (TF's ``(x - 127) / 128``). ``model.init_weights`` may be the released ImageNet file as shipped
+    ``efficientnet_lite0``) as a site's classifier. fedmed feeds every classifier ``(x - 0.5) / 0.5`` of its [0, 1]
+    images (:mod:`fedmed.nn.train`), which is the release's own preprocessing (TF's ``(x - 127) / 128``), so the network
+    takes its input as it comes (until this was seen the input was scaled a second time, to [-3, 1]: the ImageNet
+    features were fed off their range). ``model.init_weights`` may be the released ImageNet file as shipped
     (:func:`load_init_weights` converts its ``efficientnet_pytorch`` names and leaves the new head as initialised):
     transfer learning from ImageNet."""
 
@@ -118,7 +120,7 @@ class EfficientNetLiteClassifier(nn.Module):
                                               num_classes=num_classes)
 
     def forward_features(self, x):
-        return self.net.forward_head(self.net.forward_features((x - 0.5) / 0.5), pre_logits=True)
+        return self.net.forward_head(self.net.forward_features(x), pre_logits=True)  # x: already (x - 0.5) / 0.5
 
     def forward(self, x):
         return self.net.classifier(self.forward_features(x))
