@@ -159,7 +159,36 @@ class FederationConfig(FederationTiming):
 
 class ModelConfig(ModelSection):
     """``model``: :class:`~fedmed.core.schema.ModelSection` with the checks a coordinator can make (a known network, an
-    init-weights file that exists)."""
+    init-weights file that exists), and ``bundle``: a MONAI bundle folder whose network and weights the sites train
+    (:func:`fedmed.nn.bundle.read_bundle`: its ``network_def`` becomes ``arch`` and ``args``, its ``models/model.pt``
+    ``init_weights``; its inputs, outputs and loss are checked against the federation when the config is read)."""
+
+    bundle: Optional[str] = Field(None, description="a MONAI bundle folder on the coordinator: its network_def (a "
+                                  "network of monai.networks.nets) and models/model.pt are the sites' model")
+    _bundle: Optional[dict] = PrivateAttr(None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_bundle(cls, data):
+        if not isinstance(data, dict) or not data.get("bundle"):
+            return data
+        clash = sorted(k for k in ("arch", "args", "init_weights") if data.get(k))
+        if clash:
+            raise ValueError(f"model.bundle: the bundle names the network and its weights; drop model.{clash[0]}")
+        from fedmed.nn.bundle import BundleExportError, read_bundle
+
+        try:
+            b = read_bundle(data["bundle"])
+        except BundleExportError as e:
+            raise ValueError(str(e)) from None
+        return {**data, "arch": b["arch"], "args": b["args"], "init_weights": b["init_weights"]}
+
+    def model_post_init(self, context):
+        super().model_post_init(context)
+        if self.bundle:
+            from fedmed.nn.bundle import read_bundle
+
+            self._bundle = read_bundle(self.bundle)
 
     @field_validator("arch")
     @classmethod
@@ -256,6 +285,26 @@ class ExperimentConfig(_Strict):
                                for m in data["methods"]]
         return data
 
+    def _check_bundle(self):
+        """A bundle's inputs, outputs and loss against this federation (one line, before any round); its segmentation
+        loss becomes train.seg.loss unless that is set."""
+        from fedmed.nn.bundle import _SEG_LOSSES, check_bundle_fits
+
+        d, b = self.dataset, self.model._bundle
+        where = f"model.bundle {Path(self.model.bundle).name}"
+        if d.task == "classification":
+            spec = dict(task="classification", channels=d.channels, size=[d.image_size] * 2,
+                        n_out=len(d.classes) if d.classes else None)
+        elif d.sources:  # 2D lesion segmentation: one output
+            spec = dict(task="segmentation", channels=d.channels, size=[d.image_size] * 2, n_out=1)
+        else:  # 3D: one channel per modality, the three BraTS regions
+            spec = dict(task="segmentation", channels=len(d.modalities) or 1, size=list(d.roi), n_out=3)
+        problem = check_bundle_fits(b, where=where, **spec)
+        if problem:
+            raise ValueError(problem)
+        if d.task == "segmentation" and b.get("loss") in _SEG_LOSSES and "seg" not in self.train.model_fields_set:
+            self.train.seg.loss = _SEG_LOSSES[b["loss"]]
+
     @model_validator(mode="after")
     def _consistent(self):
         names = [m.name for m in self.methods]
@@ -285,6 +334,8 @@ class ExperimentConfig(_Strict):
                 raise ValueError("federation.holdout_sites: the IID reference cannot leave out part of a source's "
                                  "patients; drop iid_fedavg from references")
             self.references = [r for r in self.references if r != "iid_fedavg"]  # the default set, without it
+        if self.model.bundle:
+            self._check_bundle()
         if "alone" in self.references and self.dataset.task == "segmentation":
             raise ValueError("references: 'alone' is a classification reference; segmentation's 'centralized' "
                              "reference already trains each site (3D) or each source (2D) alone")

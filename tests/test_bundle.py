@@ -2,6 +2,7 @@
 ``python -m monai.bundle run`` without fedmed, giving the same prediction as ``fedmed predict``."""
 
 import csv
+import re
 import json
 import os
 import subprocess
@@ -132,3 +133,103 @@ def test_a_3d_segmentation_model_is_one_line_saying_it_is_not_exported_yet(tmp_p
     assert main(["bundle", str(ck)]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "a segmentation model" in err[0]
+
+
+# ------------------------------------------------------------------------------------------------ a bundle brought in
+def _bundle(root: Path, *, in_channels=1, classes=2, size=16, loss="CrossEntropyLoss", weights_seed=0):
+    """A small 2D classification bundle as MONAI's tools read it: a DenseNet121 network_def whose channels are
+    references, metadata.json, a train.json with its loss, and models/model.pt."""
+    import torch
+    from monai.bundle import ConfigParser
+    from monai.networks.nets import DenseNet121
+
+    (root / "configs").mkdir(parents=True)
+    (root / "models").mkdir()
+    net_def = {"_target_": "monai.networks.nets.DenseNet121", "spatial_dims": 2, "in_channels": "@num_channels",
+               "out_channels": "@num_classes", "init_features": 8, "growth_rate": 4, "block_config": [2, 2]}
+    inference = {"imports": ["$import torch"], "bundle_root": ".", "num_channels": in_channels, "num_classes": classes,
+                 "network_def": net_def, "network": "$@network_def.to('cpu')"}
+    (root / "configs" / "inference.json").write_text(json.dumps(inference))
+    (root / "configs" / "train.json").write_text(json.dumps({"loss": {"_target_": f"torch.nn.{loss}"}}))
+    meta = {"version": "0.1.0", "name": "small classifier", "network_data_format": {
+        "inputs": {"image": {"type": "image", "num_channels": in_channels, "spatial_shape": [size, size]}},
+        "outputs": {"pred": {"type": "probabilities", "format": "classes", "num_channels": classes}}}}
+    (root / "configs" / "metadata.json").write_text(json.dumps(meta))
+    parser = ConfigParser()
+    parser.read_config(str(root / "configs" / "inference.json"))
+    torch.manual_seed(weights_seed)
+    net = parser.get_parsed_content("network_def")
+    assert isinstance(net, DenseNet121)
+    torch.save(net.state_dict(), root / "models" / "model.pt")
+    return root
+
+
+def _cfg(tmp_path, bundle, **dataset):
+    raw = {"name": "from-bundle", "dataset": {"path": "builtin:digits", "image_size": 16, "channels": 1,
+                                              "max_per_class": 20, "classes": [str(i) for i in range(10)], **dataset},
+           "federation": {"sites": 3, "partition": "iid"}, "model": {"bundle": str(bundle)},
+           "train": {"rounds": 4, "local_epochs": 4, "batch_size": 8, "lr": 0.003}, "privacy": {"k_min": 2},
+           "methods": [{"name": "FedAvg"}, {"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn",
+                                             "n_clusters": 2}], "references": []}
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+def test_a_bundle_whose_inputs_or_outputs_do_not_fit_is_one_line_when_the_config_is_read(tmp_path):
+    from fedmed.config import ConfigError, load_config
+
+    cases = [(dict(in_channels=3, classes=10), "its input has 3 channel(s) (metadata.json), the federation's images 1"),
+             (dict(classes=5), "its output has 5 channel(s) (metadata.json), the federation 10 classes"),
+             (dict(classes=10, size=32), "its input is 32x32 (metadata.json), the federation trains at 16x16"),
+             (dict(classes=10, loss="MSELoss"), "its loss MSELoss is not one fedmed trains a classifier with")]
+    for i, (kw, msg) in enumerate(cases):
+        b = _bundle(tmp_path / f"b{i}", **kw)
+        with pytest.raises(ConfigError, match=re.escape(f"model.bundle b{i}: {msg}")):
+            load_config(_cfg(tmp_path, b))
+    with pytest.raises(ConfigError, match="model.bundle: the bundle names the network and its weights; drop model.arch"):
+        raw = yaml.safe_load(_cfg(tmp_path, _bundle(tmp_path / "ok", classes=10)).read_text())
+        raw["model"]["arch"] = "resnet9"
+        load_config(raw)
+
+
+@pytest.mark.slow
+def test_a_bundle_is_the_sites_model_in_fedavg_and_fmcl_in_the_simulator(tmp_path):
+    """The bundle's DenseNet121 (its references resolved) and its weights are what every site trains: FedAvg and FMCL
+    learn the digits in FLARE's simulator, starting from the bundle's model.pt (round 0 scores it at every site)."""
+    import torch
+
+    from fedmed.cli.main import main
+    from fedmed.config import load_config
+    from fedmed.nn.predict import load_model
+
+    b = _bundle(tmp_path / "bundle", classes=10)
+    cfg = _cfg(tmp_path, b)
+    exp = load_config(cfg)
+    assert exp.model.arch == "DenseNet121" and exp.model.args["in_channels"] == 1 and exp.model.args["out_channels"] == 10
+    assert exp.model.init_weights == str(b / "models" / "model.pt")
+    assert main(["experiment", str(cfg), "--out", str(tmp_path / "out")]) == 0
+    for method in ("FedAvg", "FMCL"):
+        doc = json.loads((tmp_path / "out" / "runs" / "seed0" / method / "metrics.json").read_text())
+        assert doc["status"] == "finished"
+        acc = [r["summary"]["pooled"]["accuracy"] for r in doc["rounds"]]
+        assert acc[-1] > max(0.3, acc[0] + 0.1), acc  # learns (chance 0.1) from the bundle's start
+        models = sorted((tmp_path / "out" / "runs" / "seed0" / method / "server" / "models").glob("*.pt"))
+        net, ck = load_model(models[0])
+        assert type(net).__name__ == "DenseNet121" and ck["model"]["arch"] == "DenseNet121"
+    # round 0 scores the model every site was sent before training: the bundle's network with its model.pt
+    from monai.bundle import ConfigParser
+
+    from fedmed.data.images import load_images
+    from fedmed.nn.train import predict_proba
+
+    parser = ConfigParser()
+    parser.read_config(str(b / "configs" / "inference.json"))
+    start = parser.get_parsed_content("network_def")
+    start.load_state_dict(torch.load(b / "models" / "model.pt", weights_only=True))
+    data = tmp_path / "out" / "data" / "seed0"
+    doc = json.loads((tmp_path / "out" / "runs" / "seed0" / "FedAvg" / "metrics.json").read_text())
+    for site, entry in doc["rounds"][0]["sites"].items():
+        test = json.loads((data / f"{site}.json").read_text())["test"]
+        x, y = load_images([{**e, "image": str(data / e["image"])} for e in test], image_size=16, channels=1)
+        assert entry["accuracy"] == pytest.approx(float((predict_proba(start, x).argmax(1) == y.numpy()).mean()))

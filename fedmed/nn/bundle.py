@@ -247,3 +247,110 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
         "```bash\npython -m monai.bundle run --config_file configs/inference.json --meta_file configs/metadata.json "
         "--bundle_root . --dataset_dir IMAGES --output_dir OUT\n```\n\nwrites OUT/predictions.csv.\n")
     return out
+
+
+# --------------------------------------------------------------------------------------------- a bundle brought in
+
+# a bundle's loss (its train.json "loss") -> fedmed's segmentation loss (train.seg.loss); classification trains with
+# cross-entropy
+_SEG_LOSSES = {"DiceFocalLoss": "dice_focal", "DiceLoss": "dice", "DiceCELoss": "dice_bce"}
+_CLS_LOSSES = ("CrossEntropyLoss",)
+
+
+def read_bundle(path) -> dict:
+    """What fedmed takes from a MONAI bundle folder (``model.bundle``): its network (``network_def`` of
+    ``configs/inference.json``, else ``configs/train.json``: a network of ``monai.networks.nets`` with its arguments,
+    references resolved by MONAI's ``ConfigParser``), its weights (``models/model.pt``, when there), the inputs and
+    outputs its ``configs/metadata.json`` declares, and the loss of its ``train.json``.
+
+    Returns ``{"arch", "args", "init_weights", "inputs", "outputs", "loss", "name"}``.
+
+    Raises:
+        BundleExportError: one line naming the bundle and what does not fit (no configs, a network that is not a
+            MONAI network fedmed can name, a loss fedmed cannot drive).
+    """
+    from monai.bundle import ConfigParser
+
+    root = Path(path)
+    where = f"model.bundle {root.name}"
+    if not root.is_dir():
+        raise BundleExportError(f"model.bundle {path}: no such bundle folder")
+    configs = [root / "configs" / f for f in ("inference.json", "train.json", "inference.yaml", "train.yaml")]
+    found = [c for c in configs if c.is_file()]
+    meta_file = root / "configs" / "metadata.json"
+    if not found or not meta_file.is_file():
+        raise BundleExportError(f"{where}: a MONAI bundle has configs/metadata.json and configs/inference.json (or "
+                                f"train.json); found {sorted(p.name for p in (root / 'configs').glob('*'))}"
+                                if (root / "configs").is_dir() else f"{where}: no configs/ folder (not a MONAI bundle)")
+    meta = json.loads(meta_file.read_text())
+    net_cfg, parser = None, None
+    for c in found:
+        p = ConfigParser()
+        p.read_config(str(c))
+        p["bundle_root"] = str(root)
+        if "network_def" in p.get():
+            net_cfg, parser = p.get("network_def"), p
+            break
+    if net_cfg is None:
+        raise BundleExportError(f"{where}: no network_def in {', '.join(c.name for c in found)}")
+    target = net_cfg.get("_target_") if isinstance(net_cfg, dict) else None
+    import monai.networks.nets as nets
+
+    name = str(target or "").split(".")[-1]
+    if not target or not (str(target).startswith("monai.networks.nets.") or "." not in str(target)) \
+            or not hasattr(nets, name):
+        raise BundleExportError(f"{where}: its network_def ({target or net_cfg!r:.80}) is not a network of "
+                                f"monai.networks.nets, which fedmed's sites build by name (a bundle's own network "
+                                f"code is not run)")
+    args = {}
+    for k in net_cfg:
+        if k.startswith("_"):
+            continue
+        args[k] = parser.get_parsed_content(f"network_def#{k}", instantiate=False, eval_expr=True)
+    weights = root / "models" / "model.pt"
+    loss = None
+    train = root / "configs" / "train.json"
+    if train.is_file():
+        t = ConfigParser()
+        t.read_config(str(train))
+        lc = t.get("loss") if "loss" in t.get() else None
+        if isinstance(lc, dict):
+            loss = str(lc.get("_target_", "")).split(".")[-1]
+    fmt = meta.get("network_data_format") or {}
+    return {"name": meta.get("name") or root.name, "arch": name, "args": args,
+            "init_weights": str(weights) if weights.is_file() else None,
+            "inputs": fmt.get("inputs") or {}, "outputs": fmt.get("outputs") or {}, "loss": loss}
+
+
+def check_bundle_fits(b: dict, *, task: str, channels: int, size, n_out: int | None, where: str) -> str | None:
+    """The first thing of a bundle (:func:`read_bundle`) that does not fit the federation's data, as one line; None when
+    it fits. ``size``: the image size (2D) or ROI (3D) fedmed trains at; ``n_out``: classes, or the segmentation
+    outputs (None: not known yet)."""
+    inputs = list(b["inputs"].values())
+    outputs = list(b["outputs"].values())
+    if inputs:
+        i = inputs[0]
+        if i.get("num_channels") is not None and int(i["num_channels"]) != int(channels):
+            return (f"{where}: its input has {i['num_channels']} channel(s) (metadata.json), the federation's images "
+                    f"{channels}")
+        shape = i.get("spatial_shape")
+        if shape and all(isinstance(v, int) for v in shape) and list(shape) != list(size):
+            return (f"{where}: its input is {'x'.join(map(str, shape))} (metadata.json), the federation trains at "
+                    f"{'x'.join(map(str, size))}")
+    if outputs and n_out is not None:
+        o = outputs[0]
+        if task == "classification" and o.get("format") not in (None, "classes"):
+            return f"{where}: its output is '{o.get('format')}', not classes: a bundle of another task"
+        if task == "segmentation" and o.get("format") == "classes":
+            return f"{where}: its output is classes: a classification bundle, not a segmentation one"
+        if o.get("num_channels") is not None and int(o["num_channels"]) != int(n_out):
+            what = "classes" if task == "classification" else "output channels"
+            return f"{where}: its output has {o['num_channels']} channel(s) (metadata.json), the federation {n_out} {what}"
+    loss = b.get("loss")
+    if loss:
+        if task == "classification" and loss not in _CLS_LOSSES:
+            return f"{where}: its loss {loss} is not one fedmed trains a classifier with (cross-entropy)"
+        if task == "segmentation" and loss not in _SEG_LOSSES:
+            return (f"{where}: its loss {loss} is not one fedmed drives (DiceLoss, DiceFocalLoss, DiceCELoss: "
+                    f"train.seg.loss)")
+    return None

@@ -22,7 +22,7 @@ def fedmed_config(exp, seed: int, method, sites: list[str] | None) -> dict:
     """The plain-dict config that travels to sites in each task's ``meta['fedmed']`` (and to the server): the
     experiment's sections, and what the method adds (:meth:`fedmed.methods.Method.task_options`)."""
     fed = exp.federation
-    common = {"seed": int(seed), "model": exp.model.model_dump(), "train": exp.train.model_dump(),
+    common = {"seed": int(seed), "model": exp.model.model_dump(exclude={"bundle"}), "train": exp.train.model_dump(),
               "privacy": exp.privacy.model_dump(), "plugins": plugin_modules(exp),
               "federation": {"sites": sites, "min_clients": min_clients(fed.min_clients, sites),
                              "task_timeout": fed.task_timeout, "startup_timeout": fed.startup_timeout}}
