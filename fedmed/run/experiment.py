@@ -375,8 +375,8 @@ def run_fingerprint(exp, method, seed: int) -> str:
     place needs a run without ``--resume``."""
     import hashlib
 
-    cfg = exp.model_dump(mode="json", exclude={"methods", "seeds", "sweep", "name", "selection", "references",
-                                                "tracking"})
+    skip = {k: True for k in ("methods", "seeds", "sweep", "name", "selection", "references", "tracking")}
+    cfg = exp.model_dump(mode="json", exclude={**skip, "model": {"bundle"}})  # a bundle is its arch and weights
     blob = json.dumps({"config": cfg, "method": method.model_dump(mode="json") if method is not None else None,
                        "seed": seed}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
