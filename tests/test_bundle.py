@@ -233,3 +233,65 @@ def test_a_bundle_is_the_sites_model_in_fedavg_and_fmcl_in_the_simulator(tmp_pat
         test = json.loads((data / f"{site}.json").read_text())["test"]
         x, y = load_images([{**e, "image": str(data / e["image"])} for e in test], image_size=16, channels=1)
         assert entry["accuracy"] == pytest.approx(float((predict_proba(start, x).argmax(1) == y.numpy()).mean()))
+
+
+def _seg_bundle(root: Path, *, in_channels=2, roi=16, loss="DiceLoss"):
+    import torch
+    from monai.bundle import ConfigParser
+
+    (root / "configs").mkdir(parents=True)
+    (root / "models").mkdir()
+    net_def = {"_target_": "UNet", "spatial_dims": 3, "in_channels": in_channels, "out_channels": 3,
+               "channels": [8, 16, 32], "strides": [2, 2], "num_res_units": 1}
+    (root / "configs" / "train.json").write_text(json.dumps({"network_def": net_def,
+                                                             "loss": {"_target_": f"monai.losses.{loss}"}}))
+    meta = {"version": "0.1.0", "name": "small brain-tumour segmenter", "network_data_format": {
+        "inputs": {"image": {"type": "image", "num_channels": in_channels, "spatial_shape": [roi] * 3}},
+        "outputs": {"pred": {"type": "image", "format": "segmentation", "num_channels": 3}}}}
+    (root / "configs" / "metadata.json").write_text(json.dumps(meta))
+    parser = ConfigParser()
+    parser.read_config(str(root / "configs" / "train.json"))
+    torch.manual_seed(0)
+    torch.save(parser.get_parsed_content("network_def").state_dict(), root / "models" / "model.pt")
+    return root
+
+
+def test_a_3d_segmentation_bundle_trains_with_fedavg_and_its_loss(tmp_path):
+    """A 3D U-Net bundle (train.json's network_def and DiceLoss) on brain-tumour phantoms: the sites train MONAI's UNet
+    from the bundle's weights with its loss (train.seg.loss dice), in-process (the simulator path is the
+    classification test's), and the Dice rises; a bundle for another number of
+    modalities is one line."""
+    from fedmed.config import ConfigError, load_config
+    from fedmed.data.phantoms import write_phantom_subjects
+    from fedmed.methods import server_workflow_path
+    from fedmed.run.experiment import classes_override, prepare_federation
+    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.workflows import InProcessFederation, server_workflow
+
+    root = tmp_path / "phantoms"
+    write_phantom_subjects(root, [2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 8, 9], size=24)
+    raw = {"name": "seg-bundle", "dataset": {"path": str(root), "task": "segmentation",
+                                             "modalities": {"FLAIR": "Flair*", "T1c": "T1c*"},
+                                             "label_pattern": "OTMultiClass*", "mask_pattern": "brainmask*",
+                                             "shape": [16, 16, 16], "roi": [16, 16, 16]},
+           "federation": {"sites": 3, "partition": "iid", "test_fraction": 0.25},
+           "model": {"bundle": str(_seg_bundle(tmp_path / "bundle"))},
+           "train": {"rounds": 4, "local_epochs": 3, "optimizer": "adam", "lr": 0.003}, "privacy": {"k_min": 1,
+                                                                                                  "accept_k_min_below_2": True},
+           "methods": [{"name": "FedAvg"}], "references": []}
+    exp = load_config(raw)
+    assert exp.model.arch == "UNet" and exp.train.seg.loss == "dice"  # the bundle's DiceLoss
+    data = prepare_federation(exp, 0, tmp_path / "data")
+    exp = load_config(raw, classes_override(data, exp))
+    m = exp.methods[0]
+    cfg = fedmed_config(exp, 0, m, exp.site_names())
+    fed = InProcessFederation(data, exp.site_names(), tmp_path / "run", log=None)
+    assert fed.run(server_workflow(server_workflow_path(type(m)))(exp.train.rounds, cfg, **m.workflow_options(exp, 0))) \
+        == "finished"
+    dice = [r["summary"]["mean"]["dice_mean"] for r in fed.recorder.doc["rounds"]]
+    assert dice[-1] > 2 * dice[0] and dice[-1] == max(dice), dice  # measured 1.2% -> 3.9% in 4 short rounds
+    loss = [r["summary"]["mean"]["train_loss"] for r in fed.recorder.doc["rounds"] if "train_loss" in r["summary"]["mean"]]
+    assert loss[-1] < loss[0], loss
+    with pytest.raises(ConfigError, match=re.escape("model.bundle b4: its input has 4 channel(s) (metadata.json), the "
+                                                    "federation's images 2")):
+        load_config({**raw, "model": {"bundle": str(_seg_bundle(tmp_path / "b4", in_channels=4))}})
