@@ -172,15 +172,16 @@ class ModelConfig(ModelSection):
     def _from_bundle(cls, data):
         if not isinstance(data, dict) or not data.get("bundle"):
             return data
-        clash = sorted(k for k in ("arch", "args", "init_weights") if data.get(k))
-        if clash:
-            raise ValueError(f"model.bundle: the bundle names the network and its weights; drop model.{clash[0]}")
         from fedmed.nn.bundle import BundleExportError, read_bundle
 
         try:
             b = read_bundle(data["bundle"])
         except BundleExportError as e:
             raise ValueError(str(e)) from None
+        # a dump of a config read before (arch, args, init_weights already the bundle's) validates again as it was
+        clash = sorted(k for k in ("arch", "args", "init_weights") if data.get(k) and data.get(k) != b[k])
+        if clash:
+            raise ValueError(f"model.bundle: the bundle names the network and its weights; drop model.{clash[0]}")
         return {**data, "arch": b["arch"], "args": b["args"], "init_weights": b["init_weights"]}
 
     def model_post_init(self, context):

@@ -40,6 +40,8 @@ class ModelSection(Strict):
                                             "original; chosen on validation data, docs/readings.md) or GroupNorm")
     channels: list[int] = Field(default_factory=lambda: [8, 16, 32, 64], min_length=2,
                                 description="3D U-Net channels per level (segmentation)")
+    bundle: Optional[str] = Field(None, description="the MONAI bundle arch, args and init_weights were read from "
+                                  "(fedmed.config.ModelConfig; the coordinator's path, never in a job's task config)")
 
 
 class SegTrainConfig(Strict):
