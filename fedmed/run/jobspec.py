@@ -131,9 +131,7 @@ def tracking_settings(exp) -> dict:
     """The job's tracking receivers (``exp.tracking``), checked here: a tracker that is not installed is one line."""
     import importlib.util
 
-    t = getattr(exp, "tracking", None)
-    if t is None:
-        return {}
+    t = exp.tracking
     out = t.model_dump()
     out["experiment"] = t.experiment or exp.name
     for key, module, extra in (("mlflow", "mlflow", "mlflow"), ("wandb", "wandb", "wandb")):
