@@ -108,12 +108,10 @@ def _network_def(ck) -> tuple[dict | str, bool]:
     """``(network_def, uses model.pt)``: the MONAI network with its arguments, or the TorchScript file."""
     from fedmed.core.schema import ModelSection
 
+    import monai.networks.nets as nets
+
     m = ModelSection.model_validate(ck["model"])
-    try:
-        import monai.networks.nets as nets
-    except ImportError:  # pragma: no cover - MONAI is a fedmed dependency
-        nets = None
-    if nets is not None and m.arch in getattr(nets, "__all__", dir(nets)) and hasattr(nets, m.arch):
+    if hasattr(nets, m.arch):
         import inspect
 
         params = inspect.signature(getattr(nets, m.arch)).parameters

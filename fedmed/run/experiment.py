@@ -715,11 +715,10 @@ def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict
     rows: list[dict] = []
     if "majority" in wanted:
         rows += majority_rows(data_dir, sites, n_classes, seed)
+    exp_c = exp.model_copy(update={"dataset": exp.dataset.model_copy(update={"classes": meta["class_names"]})})
     if "centralized" in wanted:
-        exp_c = exp.model_copy(update={"dataset": exp.dataset.model_copy(update={"classes": meta["class_names"]})})
         rows += centralized_rows(exp_c, data_dir, sites, seed, log=log)
     if "alone" in wanted:
-        exp_c = exp.model_copy(update={"dataset": exp.dataset.model_copy(update={"classes": meta["class_names"]})})
         sources = meta.get("groups") if meta.get("partition") == "natural" else None
         rows += alone_rows(exp_c, data_dir, sites, seed, sources, log=log)
     if "iid_fedavg" in wanted and exp.federation.partition != "iid":
