@@ -288,7 +288,7 @@ class ExperimentConfig(_Strict):
 
     def _check_bundle(self):
         """A bundle's inputs, outputs and loss against this federation (one line, before any round); its segmentation
-        loss becomes train.seg.loss unless that is set."""
+        loss becomes train.seg.loss unless the config sets that loss itself (other train.seg settings keep it)."""
         from fedmed.nn.bundle import _SEG_LOSSES, check_bundle_fits
 
         d, b = self.dataset, self.model._bundle
@@ -303,7 +303,7 @@ class ExperimentConfig(_Strict):
         problem = check_bundle_fits(b, where=where, **spec)
         if problem:
             raise ValueError(problem)
-        if d.task == "segmentation" and b.get("loss") in _SEG_LOSSES and "seg" not in self.train.model_fields_set:
+        if d.task == "segmentation" and b.get("loss") in _SEG_LOSSES and "loss" not in self.train.seg.model_fields_set:
             self.train.seg.loss = _SEG_LOSSES[b["loss"]]
 
     @model_validator(mode="after")

@@ -257,12 +257,12 @@ def cmd_predict(a):
 
 
 def cmd_bundle(a):
-    """Write a trained classifier (a run's models/*.pt) as a MONAI bundle (fedmed.nn.bundle)."""
+    """Write a trained classifier or 3D segmentation model (a run's models/*.pt) as a MONAI bundle (fedmed.nn.bundle)."""
     from fedmed.nn.bundle import export_bundle
 
     out = export_bundle(a.model, a.out)
     print(f"wrote {out} (python -m monai.bundle run --config_file {out}/configs/inference.json --meta_file "
-          f"{out}/configs/metadata.json --bundle_root {out} --dataset_dir IMAGES --output_dir OUT)")
+          f"{out}/configs/metadata.json --bundle_root {out} --dataset_dir IMAGES_OR_CASES --output_dir OUT)")
 
 
 def cmd_encoders(a):
@@ -377,9 +377,10 @@ def register(sub):
     p.add_argument("--mask", help="segmentation: brain mask of the case (default: the first modality's non-zero voxels)")
     p.add_argument("--device", default="auto", help="auto (a CUDA GPU when there is one), cpu, cuda or cuda:N")
     p.set_defaults(func=cmd_predict)
-    b = sub.add_parser("bundle", help="write a trained classifier (a run's models/*.pt) as a MONAI bundle (a run "
-                       "writes one beside each final classifier)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    b.add_argument("model", help="a classifier checkpoint of a finished run (models/global.pt, models/cluster0.pt)")
+    b = sub.add_parser("bundle", help="write a trained classifier or 3D segmentation model (a run's models/*.pt) as a "
+                       "MONAI bundle (a run writes one beside each final model)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b.add_argument("model", help="a checkpoint of a finished run (models/global.pt, models/cluster0.pt)")
     b.add_argument("--out", help="the bundle folder (default: <model>_bundle beside the checkpoint)")
     b.set_defaults(func=cmd_bundle)
     register_assess(sub)

@@ -1,4 +1,4 @@
-"""A trained classifier as a MONAI bundle (``models/<name>_bundle/``): what MONAI Label, MONAI Deploy and
+"""A trained classifier or 3D segmentation model as a MONAI bundle (``models/<name>_bundle/``): what MONAI Label, MONAI Deploy and
 ``python -m monai.bundle run`` take, runnable without fedmed.
 
 ::
@@ -13,6 +13,8 @@
       scripts/fedmed_image.py  the image reading fedmed trains with (8-bit and wider images, channels, bilinear
                                resize, [0, 1]), standalone: numpy and PIL; preprocessing then scales to [-1, 1]
                                as fedmed feeds every network (fedmed.nn.train)
+      scripts/fedmed_volume.py (3D segmentation, instead) a case folder's modalities cropped to the brain and
+                               resampled as fedmed trains and predicts; the label map written back on the case's grid
       docs/README.md
 
 ``network_def`` is the MONAI network itself for a network of ``monai.networks.nets`` (``_target_`` with its
@@ -23,8 +25,8 @@ so nothing of fedmed is imported when the bundle runs::
         --bundle_root . --dataset_dir IMAGES --output_dir OUT
 
 :func:`export_bundle` writes one from a fedmed checkpoint (``models/*.pt``); a run writes one beside each final
-classifier (``Federation.save_final``). Segmentation models and DICOM inputs are not exported yet (the one line of
-:class:`BundleExportError` says so).
+classifier and 3D segmentation model (``Federation.save_final``). 2D lesion-segmentation models and DICOM inputs are
+not exported yet (one line says so).
 """
 
 from __future__ import annotations
@@ -104,20 +106,25 @@ def predict(network, preprocessing, inferer, postprocessing, images, classes, ou
 '''
 
 
-def _network_def(ck) -> tuple[dict | str, bool]:
+def _network_def(ck, *, spatial_dims: int, in_channels: int, n_out: int) -> tuple[dict | str, bool]:
     """``(network_def, uses model.pt)``: the MONAI network with its arguments, or the TorchScript file."""
     from fedmed.core.schema import ModelSection
 
     import monai.networks.nets as nets
 
     m = ModelSection.model_validate(ck["model"])
+    if ck["task"] == "segmentation" and m.arch in ("unet", "resnet9", "resnet18", "vit_small"):
+        # fedmed's 3D U-Net (fedmed.nn.seg.seg_model) is MONAI's UNet with these arguments
+        ch = [int(c) for c in m.channels]
+        return {"_target_": "monai.networks.nets.UNet", "spatial_dims": 3, "in_channels": in_channels,
+                "out_channels": n_out, "channels": ch, "strides": [2] * (len(ch) - 1), "num_res_units": 1}, True
     if hasattr(nets, m.arch):
         import inspect
 
         params = inspect.signature(getattr(nets, m.arch)).parameters
         d = {"_target_": f"monai.networks.nets.{m.arch}", **dict(m.args)}
-        for key, value in (("spatial_dims", 2), ("in_channels", ck["data"]["channels"]),
-                           ("out_channels", ck["data"]["n_classes"]), ("num_classes", ck["data"]["n_classes"])):
+        for key, value in (("spatial_dims", spatial_dims), ("in_channels", in_channels),
+                           ("out_channels", n_out), ("num_classes", n_out)):
             if key in params and key not in d:
                 d[key] = value
         if "pretrained" in params:
@@ -139,13 +146,15 @@ def _torchscript(net, example):
 
 
 def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=None) -> Path:
-    """Write the bundle of a fedmed classifier checkpoint (default: ``<checkpoint stem>_bundle/`` beside it).
+    """Write the bundle of a fedmed classifier or 3D segmentation checkpoint (default: ``<checkpoint stem>_bundle/``
+    beside it).
 
     ``policy``: the :class:`~fedmed.core.policy.SitePolicy` deciding which network module may be imported (default:
     this machine's, as :func:`fedmed.nn.predict.load_model`).
 
     Raises:
-        BundleExportError: not a classifier, or a network that is neither a MONAI network nor scriptable/traceable.
+        BundleExportError: neither a classifier nor a 3D segmentation model, or a network that is neither a MONAI
+            network nor scriptable/traceable.
         fedmed.nn.predict.ModelFileError: not a fedmed checkpoint.
     """
     import torch
@@ -154,13 +163,15 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
 
     ck_path = Path(checkpoint)
     net, ck = load_model(ck_path, policy=policy)
+    out = Path(out_dir) if out_dir is not None else ck_path.with_name(f"{ck_path.stem}_bundle")
+    if ck["task"] == "segmentation":
+        return _export_seg3d(net, ck, ck_path, out, description)
     if ck["task"] != "classification":
-        raise BundleExportError(f"{ck_path.name}: a {ck['task']} model; the bundle export writes classifiers only "
-                                f"(segmentation bundles are not there yet)")
+        raise BundleExportError(f"{ck_path.name}: a {ck['task']} model; the bundle export writes classifiers and 3D "
+                                f"segmentation models")
     d = ck["data"]
     size, ch, n = int(d["image_size"]), int(d["channels"]), int(d["n_classes"])
     classes = list(ck.get("classes") or [str(c) for c in range(n)])
-    out = Path(out_dir) if out_dir is not None else ck_path.with_name(f"{ck_path.stem}_bundle")
     for sub in ("configs", "models", "scripts", "docs"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     net = net.cpu().eval()
@@ -169,7 +180,7 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
     ts, how = _torchscript(net, example)
     if ts is not None:
         ts.save(str(out / "models" / "model.ts"))
-    network_def, uses_pt = _network_def(ck)
+    network_def, uses_pt = _network_def(ck, spatial_dims=2, in_channels=ch, n_out=n)
     if not uses_pt and ts is None:
         raise BundleExportError(f"{ck_path.name}: model.arch {ck['model'].get('arch')} is not a MONAI network and "
                                 f"neither scripts nor traces to TorchScript; no bundle can rebuild it without fedmed")
@@ -205,17 +216,9 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
                                      "map_location=@device, weights_only=True))")
         inference["initialize"] = ["$@load_weights"]
     (out / "configs" / "inference.json").write_text(json.dumps(inference, indent=2))
-    import monai
-
-    served = (f"cluster {ck['cluster']}" if ck.get("cluster") is not None else "the federation's global model")
+    served = _served(ck)
     meta = {
-        "schema": "https://github.com/Project-MONAI/MONAI-extra-test-data/releases/download/0.8.1/meta_schema_20220324.json",
-        "version": "0.1.0",
-        "changelog": {"0.1.0": "exported by fedmed"},
-        "monai_version": monai.__version__,
-        "pytorch_version": torch.__version__.split("+")[0],
-        "numpy_version": __import__("numpy").__version__,
-        "optional_packages_version": {"pillow": __import__("PIL").__version__},
+        **_meta_header({"pillow": __import__("PIL").__version__}),
         "name": f"fedmed {ck.get('workflow') or 'federated'} classifier ({served})",
         "task": f"{n}-class image classification",
         "description": description or (f"A {ck['model'].get('arch')} trained with fedmed ({ck.get('workflow')}, "
@@ -231,10 +234,7 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
             "outputs": {"pred": {"type": "probabilities", "format": "classes", "num_channels": n,
                                  "spatial_shape": [n], "dtype": "float32", "value_range": [0, 1],
                                  "is_onehot": False, "channel_def": {str(i): c for i, c in enumerate(classes)}}}},
-        "fedmed": {"format": ck.get("format"), "workflow": ck.get("workflow"), "rounds": ck.get("rounds"),
-                   "seed": ck.get("seed"), "cluster": ck.get("cluster"), "sites": ck.get("sites"),
-                   "model": ck.get("model"), "data": d, "torchscript": how or None,
-                   "network_def": "monai" if uses_pt else "torchscript"},
+        "fedmed": _fedmed_meta(ck, how, uses_pt),
     }
     (out / "configs" / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))
     (out / "docs" / "README.md").write_text(
@@ -244,6 +244,224 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
         f"{size} in [0, 1], then scaled to [-1, 1] as fedmed feeds its networks. Output: the probabilities of {', '.join(classes)}.\n\n"
         "```bash\npython -m monai.bundle run --config_file configs/inference.json --meta_file configs/metadata.json "
         "--bundle_root . --dataset_dir IMAGES --output_dir OUT\n```\n\nwrites OUT/predictions.csv.\n")
+    return out
+
+
+def _served(ck) -> str:
+    return f"cluster {ck['cluster']}" if ck.get("cluster") is not None else "the federation's global model"
+
+
+def _meta_header(optional_packages: dict) -> dict:
+    import monai
+    import numpy
+    import torch
+
+    return {"schema": "https://github.com/Project-MONAI/MONAI-extra-test-data/releases/download/0.8.1/"
+                      "meta_schema_20220324.json",
+            "version": "0.1.0", "changelog": {"0.1.0": "exported by fedmed"}, "monai_version": monai.__version__,
+            "pytorch_version": torch.__version__.split("+")[0], "numpy_version": numpy.__version__,
+            "optional_packages_version": optional_packages}
+
+
+def _fedmed_meta(ck, how: str, uses_pt: bool) -> dict:
+    return {"format": ck.get("format"), "task": ck.get("task"), "workflow": ck.get("workflow"),
+            "rounds": ck.get("rounds"), "seed": ck.get("seed"), "cluster": ck.get("cluster"), "sites": ck.get("sites"),
+            "model": ck.get("model"), "data": ck.get("data"), "torchscript": how or None,
+            "network_def": "monai" if uses_pt else "torchscript"}
+
+
+# the bundle's own case reading and writing for a 3D segmentation model: kept equal to fedmed.nn.predict.predict_volume
+# (tests/test_bundle.py compares the label maps voxel for voxel)
+_VOLUME = '''"""Brain-tumour cases as the fedmed run that made this bundle trained and predicts (fedmed.nn.predict.predict_volume).
+
+A case is a folder with one NIfTI file per modality (found by its pattern, case-insensitive) and optionally a brain
+mask. Each case is cropped to the brain mask (else the first modality's non-zero voxels), resampled (trilinear) to the
+model's grid, segmented with the bundle's inferer (sliding windows), the whole tumour kept to its largest 26-connected
+component with TC and ET inside it, resampled back (nearest-exact) and written as BraTS labels (4 = ET, 1 = TC without
+ET, 2 = WT without TC) on the first modality's grid and affine: <case>_seg.nii.gz. Needs numpy, scipy and nibabel.
+"""
+
+import fnmatch
+import os
+
+import numpy as np
+import torch
+
+
+def _resize(a, shape, mode):
+    t = torch.from_numpy(np.ascontiguousarray(a))[None][None]
+    kw = {"align_corners": False} if mode == "trilinear" else {}
+    return torch.nn.functional.interpolate(t.float(), size=tuple(shape), mode=mode, **kw)[0].numpy()
+
+
+def _find(folder, pattern, what):
+    hits = sorted(f for f in os.listdir(folder) if fnmatch.fnmatchcase(f.lower(), pattern.lower())
+                  and (f.lower().endswith(".nii") or f.lower().endswith(".nii.gz")))
+    if len(hits) != 1:
+        raise ValueError(f"case {os.path.basename(folder)}: {len(hits)} NIfTI files match the {what} pattern "
+                         f"{pattern!r} (one is needed; set it with --modality_patterns / --mask_pattern)")
+    return os.path.join(folder, hits[0])
+
+
+def cases(dataset_dir, modalities, patterns, mask_pattern):
+    """dataset_dir: one case folder, or a folder of case folders -> [{"case", "image": [files], "mask": file | None}]."""
+    def is_case(d):
+        names = [f.lower() for f in os.listdir(d)]
+        return any(fnmatch.fnmatchcase(n, patterns[modalities[0]].lower()) for n in names)
+
+    root = str(dataset_dir)
+    folders = [root] if is_case(root) else sorted(
+        os.path.join(root, d) for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    out = []
+    for f in folders:
+        mask = None
+        if mask_pattern and any(fnmatch.fnmatchcase(n.lower(), mask_pattern.lower()) for n in os.listdir(f)):
+            mask = _find(f, mask_pattern, "mask")
+        out.append({"case": os.path.basename(os.path.normpath(f)),
+                    "image": [_find(f, patterns[m], m) for m in modalities], "mask": mask})
+    return out
+
+
+def load(shape):
+    """A MONAI dictionary transform's function: a case -> its cropped, resampled (C, D, H, W) image and the crop."""
+    import nibabel as nib
+
+    def f(d):
+        imgs = [nib.load(p) for p in d["image"]]
+        vols = [np.asarray(i.dataobj, dtype=np.float32) for i in imgs]
+        fg = (np.asarray(nib.load(d["mask"]).dataobj) > 0) if d.get("mask") else vols[0] != 0
+        if not fg.any():
+            raise ValueError(f"case {d['case']}: empty foreground, nothing to segment")
+        idx = np.argwhere(fg)
+        lo, hi = idx.min(0), idx.max(0) + 1
+        sl = tuple(slice(int(a), int(b)) for a, b in zip(lo, hi))
+        x = np.stack([_resize(v[sl], shape, "trilinear")[0] for v in vols]).astype(np.float32)
+        return {**d, "image": torch.from_numpy(x), "crop": (lo.tolist(), hi.tolist()), "grid": vols[0].shape,
+                "affine": imgs[0].affine}
+    return f
+
+
+def largest_component(masks):
+    from scipy import ndimage
+
+    wt = masks[0] > 0
+    lab, n = ndimage.label(wt, structure=np.ones((3, 3, 3)))
+    if n <= 1:
+        return masks
+    sizes = ndimage.sum_labels(wt, lab, index=np.arange(1, n + 1))
+    keep = lab == 1 + int(np.argmax(sizes))
+    return (masks * keep[None]).astype(masks.dtype)
+
+
+def predict(network, preprocessing, inferer, postprocessing, cases, output_dir, device):
+    """Every case through preprocessing, the inferer and postprocessing; <case>_seg.nii.gz in output_dir."""
+    import nibabel as nib
+
+    os.makedirs(output_dir, exist_ok=True)
+    written = []
+    with torch.no_grad():
+        for c in cases:
+            d = preprocessing(c)
+            x = torch.as_tensor(d["image"])[None].to(device)
+            d["pred"] = inferer(x, network)[0].cpu()
+            d = postprocessing(d)
+            masks = largest_component(torch.as_tensor(d["pred"]).numpy().astype(np.uint8))
+            (lo, hi) = d["crop"]
+            size = tuple(int(b) - int(a) for a, b in zip(lo, hi))
+            crop = [_resize(m.astype(np.float32), size, "nearest-exact")[0] > 0.5 for m in masks]
+            region = np.zeros(size, np.uint8)
+            region[crop[0]] = 2
+            region[crop[1]] = 1
+            region[crop[2]] = 4
+            lab = np.zeros(d["grid"], np.uint8)
+            lab[tuple(slice(int(a), int(b)) for a, b in zip(lo, hi))] = region
+            f = os.path.join(output_dir, f"{d['case']}_seg.nii.gz")
+            nib.save(nib.Nifti1Image(lab, d["affine"]), f)
+            written.append(f)
+    return written
+'''
+
+
+def _export_seg3d(net, ck, ck_path: Path, out: Path, description: str) -> Path:
+    """The bundle of a 3D brain-tumour segmentation model: its case reading, sliding-window inference and label map
+    writing as :func:`fedmed.nn.predict.predict_volume`."""
+    import torch
+
+    d = ck["data"]
+    c, shape, roi = int(d["in_channels"]), [int(v) for v in d["shape"]], [int(v) for v in d["roi"]]
+    mods = list(d.get("modalities") or [f"ch{i}" for i in range(c)])
+    for sub in ("configs", "models", "scripts", "docs"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    net = net.cpu().eval()
+    torch.save(net.state_dict(), out / "models" / "model.pt")
+    ts, how = _torchscript(net, torch.zeros(1, c, *roi))
+    if ts is not None:
+        ts.save(str(out / "models" / "model.ts"))
+    network_def, uses_pt = _network_def(ck, spatial_dims=3, in_channels=c, n_out=3)
+    if not uses_pt and ts is None:
+        raise BundleExportError(f"{ck_path.name}: model.arch {ck['model'].get('arch')} is not a MONAI network and "
+                                f"neither scripts nor traces to TorchScript; no bundle can rebuild it without fedmed")
+    (out / "scripts" / "__init__.py").write_text("")
+    (out / "scripts" / "fedmed_volume.py").write_text(_VOLUME)
+    inference = {
+        "imports": ["$import importlib", "$import torch"],
+        "bundle_root": ".",
+        "reader": "$importlib.import_module('scripts.fedmed_volume')",
+        "device": "$torch.device('cuda' if torch.cuda.is_available() else 'cpu')",
+        "dataset_dir": "$@bundle_root + '/sample'",
+        "output_dir": "$@bundle_root + '/eval'",
+        "modalities": mods,
+        # each modality's file in a case folder (fnmatch, case-insensitive); the training data's own names may differ
+        "modality_patterns": {m: f"{m}*" for m in mods},
+        "mask_pattern": "brainmask*",
+        "shape": shape,
+        "cases": "$@reader.cases(@dataset_dir, @modalities, @modality_patterns, @mask_pattern)",
+        "network_def": network_def,
+        "network": "$@network_def.to(@device).eval()",
+        "preprocessing": {"_target_": "Compose", "transforms": [
+            {"_target_": "Lambda", "func": "$@reader.load(@shape)"}]},
+        "inferer": {"_target_": "SlidingWindowInferer", "roi_size": roi, "sw_batch_size": 4, "overlap": 0.25},
+        "postprocessing": {"_target_": "Compose", "transforms": [
+            {"_target_": "Activationsd", "keys": "pred", "sigmoid": True},
+            {"_target_": "AsDiscreted", "keys": "pred", "threshold": 0.5}]},
+        "run": ["$@reader.predict(@network, @preprocessing, @inferer, @postprocessing, @cases, @output_dir, @device)"],
+    }
+    if uses_pt:
+        inference["load_weights"] = ("$@network.load_state_dict(torch.load(@bundle_root + '/models/model.pt', "
+                                     "map_location=@device, weights_only=True))")
+        inference["initialize"] = ["$@load_weights"]
+    (out / "configs" / "inference.json").write_text(json.dumps(inference, indent=2))
+    served = _served(ck)
+    regions = {"0": "whole tumour (WT: labels 1, 2, 3, 4)", "1": "tumour core (TC: 1, 3, 4)",
+               "2": "enhancing tumour (ET: 4)"}
+    meta = {
+        **_meta_header({"nibabel": __import__("nibabel").__version__, "scipy": __import__("scipy").__version__}),
+        "name": f"fedmed {ck.get('workflow') or 'federated'} brain-tumour segmenter ({served})",
+        "task": "3D brain-tumour segmentation (WT, TC, ET)",
+        "description": description or (f"A 3D {ck['model'].get('arch')} trained with fedmed ({ck.get('workflow')}, "
+                                       f"{ck.get('rounds')} rounds) on {', '.join(mods)}."),
+        "authors": "fedmed",
+        "copyright": "the federation that trained it",
+        "network_data_format": {
+            "inputs": {"image": {"type": "image", "format": "magnitude", "modality": "MR", "num_channels": c,
+                                 "spatial_shape": roi, "dtype": "float32", "value_range": [],
+                                 "is_patch_data": True, "channel_def": {str(i): m for i, m in enumerate(mods)}}},
+            "outputs": {"pred": {"type": "image", "format": "segmentation", "num_channels": 3,
+                                 "spatial_shape": roi, "dtype": "float32", "value_range": [0, 1],
+                                 "is_patch_data": True, "channel_def": regions}}},
+        "fedmed": {**_fedmed_meta(ck, how, uses_pt), "grid": shape},
+    }
+    (out / "configs" / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))
+    (out / "docs" / "README.md").write_text(
+        f"# {meta['name']}\n\n{meta['description']}\n\nServes: "
+        f"{'sites ' + ', '.join(ck['sites']) if ck.get('sites') else served}.\n\n"
+        f"Input: a case folder (or a folder of case folders) with one NIfTI file per modality ({', '.join(mods)}; "
+        f"found by `modality_patterns`) and optionally a brain mask (`mask_pattern`). Each case is cropped to its "
+        f"brain, resampled to {'x'.join(map(str, shape))} and segmented in {'x'.join(map(str, roi))} sliding windows, "
+        f"as fedmed trained and predicts (scripts/fedmed_volume.py). Output: `<case>_seg.nii.gz`, BraTS labels "
+        f"(4 = ET, 1 = TC without ET, 2 = WT without TC) on the first modality's grid.\n\n"
+        "```bash\npython -m monai.bundle run --config_file configs/inference.json --meta_file configs/metadata.json "
+        "--bundle_root . --dataset_dir CASES --output_dir OUT\n```\n")
     return out
 
 

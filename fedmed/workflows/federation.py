@@ -289,7 +289,9 @@ class Federation:
         out.mkdir(parents=True, exist_ok=True)
         save_model(out / f"{name}.pt", params, self.cfg, cluster=cluster, sites=sites,
                    workflow=self.workflow.record_name, rounds=self.workflow.num_rounds)
-        if self.workflow.task_cfg.task == "classification":  # the same model as a MONAI bundle (fedmed.nn.bundle)
+        tc = self.workflow.task_cfg
+        if tc.task == "classification" or (tc.task == "segmentation" and (self.cfg.get("data") or {}).get(
+                "spatial_dims", 3) == 3):  # the same model as a MONAI bundle (fedmed.nn.bundle; no 2D lesion one yet)
             from fedmed.nn.bundle import export_bundle
 
             try:
