@@ -157,6 +157,16 @@ class FederationConfig(FederationTiming):
         return v
 
 
+def _in_file_units(step: dict) -> bool:
+    """A preprocessing step whose arguments are intensities of the image file (not invariant to its scaling)."""
+    a = step.get("args") or {}
+    if step["name"] in ("ScaleIntensityRange", "ThresholdIntensity"):
+        return True
+    if step["name"] == "NormalizeIntensity":
+        return a.get("subtrahend") is not None or a.get("divisor") is not None
+    return step["name"] == "ScaleIntensity" and a.get("factor") is not None
+
+
 class ModelConfig(ModelSection):
     """``model``: :class:`~fedmed.core.schema.ModelSection` with the checks a coordinator can make (a known network, an
     init-weights file that exists), and ``bundle``: a MONAI bundle folder whose network and weights the sites train
@@ -179,10 +189,13 @@ class ModelConfig(ModelSection):
         except BundleExportError as e:
             raise ValueError(str(e)) from None
         # a dump of a config read before (arch, args, init_weights already the bundle's) validates again as it was
-        clash = sorted(k for k in ("arch", "args", "init_weights") if data.get(k) and data.get(k) != b[k])
+        clash = sorted(k for k in ("arch", "args", "init_weights", "preprocessing")
+                       if data.get(k) is not None and data.get(k) != b[k])
         if clash:
-            raise ValueError(f"model.bundle: the bundle names the network and its weights; drop model.{clash[0]}")
-        return {**data, "arch": b["arch"], "args": b["args"], "init_weights": b["init_weights"]}
+            raise ValueError(f"model.bundle: the bundle names the network, its weights and its preprocessing; drop "
+                             f"model.{clash[0]}")
+        return {**data, "arch": b["arch"], "args": b["args"], "init_weights": b["init_weights"],
+                "preprocessing": b["preprocessing"]}
 
     def model_post_init(self, context):
         super().model_post_init(context)
@@ -303,6 +316,12 @@ class ExperimentConfig(_Strict):
         problem = check_bundle_fits(b, where=where, **spec)
         if problem:
             raise ValueError(problem)
+        for step in (b.get("preprocessing") or []) if len(spec["size"]) == 2 else []:
+            if _in_file_units(step):  # a 2D image reaches the sites' transforms as fedmed reads it: [0, 1]
+                raise ValueError(f"{where}: its preprocessing {step['name']} {step['args']} is in the image file's "
+                                 f"intensity units, and fedmed's sites read 2D images to [0, 1] (8-bit / 255, wider "
+                                 f"images by their own range): it would not do what it does in the bundle (a "
+                                 f"ScaleIntensity or a NormalizeIntensity without fixed values fits)")
         if d.task == "segmentation" and b.get("loss") in _SEG_LOSSES and "loss" not in self.train.seg.model_fields_set:
             self.train.seg.loss = _SEG_LOSSES[b["loss"]]
 

@@ -91,7 +91,9 @@ def test_a_monai_networks_bundle_names_the_network_and_loads_model_pt(tmp_path):
     from fedmed.nn.models import model_from_config
     from fedmed.nn.predict import predict_images, save_model
 
-    model = {"arch": "DenseNet121", "args": {"init_features": 8, "growth_rate": 4, "block_config": [2, 2]}}
+    model = {"arch": "DenseNet121", "args": {"init_features": 8, "growth_rate": 4, "block_config": [2, 2]},
+             "preprocessing": [{"name": "ScaleIntensityRangePercentiles",
+                                "args": {"lower": 5, "upper": 95, "b_min": -1.0, "b_max": 1.0, "clip": True}}]}
     net = model_from_config(model, 3, 2, seed=0, modules=("*",))
     cfg = {"task": "classification", "model": model, "classes": ["benign", "malignant"],
            "data": {"channels": 3, "n_classes": 2, "image_size": 32}}
@@ -104,6 +106,11 @@ def test_a_monai_networks_bundle_names_the_network_and_loads_model_pt(tmp_path):
     inference = json.loads((bundle / "configs" / "inference.json").read_text())
     assert inference["network_def"]["_target_"] == "monai.networks.nets.DenseNet121"
     assert inference["network_def"]["in_channels"] == 3 and inference["network_def"]["out_channels"] == 2
+    # the sites' preprocessing (a bundle's, model.preprocessing) in place of fedmed's own [-1, 1] scaling
+    assert inference["preprocessing"]["transforms"][-1] == {
+        "_target_": "ScaleIntensityRangePercentilesd", "keys": "image", "lower": 5, "upper": 95, "b_min": -1.0,
+        "b_max": 1.0, "clip": True}
+    assert not any(t["_target_"] == "NormalizeIntensityd" for t in inference["preprocessing"]["transforms"])
     meta = json.loads((bundle / "configs" / "metadata.json").read_text())
     assert meta["fedmed"]["cluster"] == 1 and meta["fedmed"]["sites"] == ["hospital-a", "hospital-b"]
     rng = np.random.default_rng(0)
@@ -141,7 +148,7 @@ def test_a_model_that_is_no_classifier_or_3d_segmenter_is_one_line_saying_so(tmp
 
 
 # ------------------------------------------------------------------------------------------------ a bundle brought in
-def _bundle(root: Path, *, in_channels=1, classes=2, size=16, loss="CrossEntropyLoss", weights_seed=0):
+def _bundle(root: Path, *, in_channels=1, classes=2, size=16, loss="CrossEntropyLoss", weights_seed=0, extra=()):
     """A small 2D classification bundle as MONAI's tools read it: a DenseNet121 network_def whose channels are
     references, metadata.json, a train.json with its loss, and models/model.pt."""
     import torch
@@ -152,8 +159,13 @@ def _bundle(root: Path, *, in_channels=1, classes=2, size=16, loss="CrossEntropy
     (root / "models").mkdir()
     net_def = {"_target_": "monai.networks.nets.DenseNet121", "spatial_dims": 2, "in_channels": "@num_channels",
                "out_channels": "@num_classes", "init_features": 8, "growth_rate": 4, "block_config": [2, 2]}
+    # its preprocessing as such bundles have it: loading and channels (fedmed's reading does these) and a per-image
+    # z-score (the sites apply it); ``extra``: more steps
+    pre = [{"_target_": "LoadImaged", "keys": "@image_key"}, {"_target_": "EnsureChannelFirstd", "keys": "@image_key"},
+           {"_target_": "NormalizeIntensityd", "keys": "@image_key", "channel_wise": True}] + list(extra)
     inference = {"imports": ["$import torch"], "bundle_root": ".", "num_channels": in_channels, "num_classes": classes,
-                 "network_def": net_def, "network": "$@network_def.to('cpu')"}
+                 "image_key": "image", "network_def": net_def, "network": "$@network_def.to('cpu')",
+                 "preprocessing": {"_target_": "Compose", "transforms": pre}}
     (root / "configs" / "inference.json").write_text(json.dumps(inference))
     (root / "configs" / "train.json").write_text(json.dumps({"loss": {"_target_": f"torch.nn.{loss}"}}))
     meta = {"version": "0.1.0", "name": "small classifier", "network_data_format": {
@@ -173,7 +185,7 @@ def _cfg(tmp_path, bundle, **dataset):
     raw = {"name": "from-bundle", "dataset": {"path": "builtin:digits", "image_size": 16, "channels": 1,
                                               "max_per_class": 20, "classes": [str(i) for i in range(10)], **dataset},
            "federation": {"sites": 3, "partition": "iid"}, "model": {"bundle": str(bundle)},
-           "train": {"rounds": 4, "local_epochs": 4, "batch_size": 8, "lr": 0.003}, "privacy": {"k_min": 2},
+           "train": {"rounds": 6, "local_epochs": 4, "batch_size": 8, "lr": 0.003}, "privacy": {"k_min": 2},
            "methods": [{"name": "FedAvg"}, {"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn",
                                              "n_clusters": 2}], "references": []}
     p = tmp_path / "c.yaml"
@@ -192,7 +204,17 @@ def test_a_bundle_whose_inputs_or_outputs_do_not_fit_is_one_line_when_the_config
         b = _bundle(tmp_path / f"b{i}", **kw)
         with pytest.raises(ConfigError, match=re.escape(f"model.bundle b{i}: {msg}")):
             load_config(_cfg(tmp_path, b))
-    with pytest.raises(ConfigError, match="model.bundle: the bundle names the network and its weights; drop model.arch"):
+    steps = [({"_target_": "RandFlipd", "keys": "image", "prob": 0.5},
+              "its preprocessing step RandFlipd (inference.json) is not one fedmed's sites apply"),
+             ({"_target_": "ScaleIntensityRanged", "keys": "image", "a_min": 0, "a_max": 255, "b_min": 0, "b_max": 1},
+              "its preprocessing ScaleIntensityRange {'a_min': 0, 'a_max': 255, 'b_min': 0, 'b_max': 1} is in the "
+              "image file's intensity units")]
+    for i, (step, msg) in enumerate(steps):
+        b = _bundle(tmp_path / f"p{i}", classes=10, extra=[step])
+        with pytest.raises(ConfigError, match=re.escape(f"model.bundle p{i}: {msg}")):
+            load_config(_cfg(tmp_path, b))
+    with pytest.raises(ConfigError, match="model.bundle: the bundle names the network, its weights and its "
+                                          "preprocessing; drop model.arch"):
         raw = yaml.safe_load(_cfg(tmp_path, _bundle(tmp_path / "ok", classes=10)).read_text())
         raw["model"]["arch"] = "resnet9"
         load_config(raw)
@@ -222,22 +244,35 @@ def test_a_bundle_is_the_sites_model_in_fedavg_and_fmcl_in_the_simulator(tmp_pat
         models = sorted((tmp_path / "out" / "runs" / "seed0" / method / "server" / "models").glob("*.pt"))
         net, ck = load_model(models[0])
         assert type(net).__name__ == "DenseNet121" and ck["model"]["arch"] == "DenseNet121"
-    # round 0 scores the model every site was sent before training: the bundle's network with its model.pt
+        assert ck["model"]["preprocessing"] == [{"name": "NormalizeIntensity", "args": {"channel_wise": True}}]
+    # round 0 scores the model every site was sent before training: the bundle's network with its model.pt, on each
+    # image as fedmed reads it ([0, 1]) put through the bundle's own z-score step, as MONAI builds it from the bundle
     from monai.bundle import ConfigParser
 
     from fedmed.data.images import load_images
-    from fedmed.nn.train import predict_proba
 
     parser = ConfigParser()
     parser.read_config(str(b / "configs" / "inference.json"))
-    start = parser.get_parsed_content("network_def")
+    start = parser.get_parsed_content("network_def").eval()
     start.load_state_dict(torch.load(b / "models" / "model.pt", weights_only=True))
+    zscore = parser.get_parsed_content("preprocessing#transforms#2")
+    assert type(zscore).__name__ == "NormalizeIntensityd"
     data = tmp_path / "out" / "data" / "seed0"
     doc = json.loads((tmp_path / "out" / "runs" / "seed0" / "FedAvg" / "metrics.json").read_text())
+    from fedmed.algorithms.metrics import site_metrics
+
+    unscaled = []
     for site, entry in doc["rounds"][0]["sites"].items():
         test = json.loads((data / f"{site}.json").read_text())["test"]
         x, y = load_images([{**e, "image": str(data / e["image"])} for e in test], image_size=16, channels=1)
-        assert entry["accuracy"] == pytest.approx(float((predict_proba(start, x).argmax(1) == y.numpy()).mean()))
+        with torch.no_grad():
+            z = torch.stack([torch.as_tensor(zscore({"image": xi})["image"]) for xi in x])
+            prob = torch.softmax(start(z), 1).numpy()
+            unscaled.append(site_metrics(y.numpy(), torch.softmax(start((x - 0.5) / 0.5), 1).numpy(), 10)["auc"])
+        assert entry["accuracy"] == pytest.approx(float((prob.argmax(1) == y.numpy()).mean()))
+        assert entry["auc"] == pytest.approx(site_metrics(y.numpy(), prob, 10)["auc"])
+    # without the bundle's step (fedmed's own scaling alone) the start scores otherwise
+    assert unscaled != pytest.approx([doc["rounds"][0]["sites"][s]["auc"] for s in doc["rounds"][0]["sites"]])
 
 
 def _seg_bundle(root: Path, *, in_channels=2, roi=16, loss="DiceLoss", channels=(8, 16, 32)):
@@ -248,8 +283,17 @@ def _seg_bundle(root: Path, *, in_channels=2, roi=16, loss="DiceLoss", channels=
     (root / "models").mkdir()
     net_def = {"_target_": "UNet", "spatial_dims": 3, "in_channels": in_channels, "out_channels": 3,
                "channels": list(channels), "strides": [2] * (len(channels) - 1), "num_res_units": 1}
+    # validation preprocessing as MONAI's brain-tumour bundles have it: loading, channels, orientation, spacing
+    # (fedmed's reading does these) and a z-score over the brain of each modality (the sites apply it)
+    keys = ["image", "label"]
+    pre = [{"_target_": "LoadImaged", "keys": keys}, {"_target_": "EnsureChannelFirstd", "keys": keys},
+           {"_target_": "Orientationd", "keys": keys, "axcodes": "RAS"},
+           {"_target_": "Spacingd", "keys": keys, "pixdim": [1.0, 1.0, 1.0], "mode": ["bilinear", "nearest"]},
+           {"_target_": "NormalizeIntensityd", "keys": "image", "nonzero": True, "channel_wise": True}]
     (root / "configs" / "train.json").write_text(json.dumps({"network_def": net_def,
-                                                             "loss": {"_target_": f"monai.losses.{loss}"}}))
+                                                             "loss": {"_target_": f"monai.losses.{loss}"},
+                                                             "validate": {"preprocessing": {
+                                                                 "_target_": "Compose", "transforms": pre}}}))
     meta = {"version": "0.1.0", "name": "small brain-tumour segmenter", "network_data_format": {
         "inputs": {"image": {"type": "image", "num_channels": in_channels, "spatial_shape": [roi] * 3}},
         "outputs": {"pred": {"type": "image", "format": "segmentation", "num_channels": 3}}}}
@@ -280,8 +324,25 @@ def test_a_3d_segmentation_bundles_loss_becomes_train_seg_loss_and_a_bundle_for_
            "methods": [{"name": "FedAvg"}], "references": []}
     exp = load_config(raw)
     assert exp.model.arch == "UNet" and exp.model.args["channels"] == [8, 16, 32]
+    assert exp.model.preprocessing == [{"name": "NormalizeIntensity", "args": {"nonzero": True, "channel_wise": True}}]
     assert exp.train.seg.loss == "dice" and exp.train.seg.patches_per_volume == 2  # the bundle's DiceLoss
     assert load_config({**raw, "train": {"seg": {"loss": "dice_focal"}}}).train.seg.loss == "dice_focal"
+    # a site applies the bundle's z-score to each whole case it reads (not to patches); the assessment sees the raw case
+    from fedmed.methods import FedAvgMethod
+    from fedmed.run.experiment import prepare_federation
+    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.site.seg import SegSiteRunner
+
+    data = prepare_federation(exp, 0, tmp_path / "data")
+    cfg = fedmed_config(exp, 0, FedAvgMethod(name="FedAvg"), exp.site_names())
+    assert cfg["model"]["preprocessing"] == exp.model.preprocessing
+    runner = SegSiteRunner("site-1", data)
+    (tr, _), (raw_tr, _) = runner.cases(cfg), runner.cases(cfg, raw=True)
+    assert len(tr) == len(raw_tr) and not np.allclose(tr[0]["image"], raw_tr[0]["image"])
+    for ch_raw, ch in zip(raw_tr[0]["image"], tr[0]["image"]):
+        nz = ch_raw != 0
+        assert np.allclose(ch[nz], (ch_raw[nz] - ch_raw[nz].mean()) / ch_raw[nz].std(), atol=1e-4)
+        assert np.all(ch[~nz] == 0)
     with pytest.raises(ConfigError, match=re.escape("model.bundle b4: its input has 4 channel(s) (metadata.json), the "
                                                     "federation's images 2")):
         load_config({**raw, "model": {"bundle": str(_seg_bundle(tmp_path / "b4", in_channels=4))}})
@@ -337,6 +398,9 @@ def test_a_3d_segmentation_bundle_trains_in_the_simulator_and_its_exported_bundl
     assert inference["network_def"]["_target_"] == "monai.networks.nets.UNet"
     assert inference["inferer"] == {"_target_": "SlidingWindowInferer", "roi_size": [16, 16, 16], "sw_batch_size": 4,
                                     "overlap": 0.25}
+    # the bundle's z-score, which the sites applied, after fedmed's reading of the case
+    assert inference["preprocessing"]["transforms"][1:] == [
+        {"_target_": "NormalizeIntensityd", "keys": "image", "nonzero": True, "channel_wise": True}]
     case = sorted((BRATS / "brats2015TrainingData" / "test").iterdir())[0]
     files = [str(next(case.glob(p))) for p in ("Flair*.nii*", "T1c*.nii*")]
     want = predict_volume(models / "global.pt", files, tmp_path / "predict.nii.gz",

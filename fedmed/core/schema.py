@@ -24,6 +24,20 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
 
+# the monai.transforms a site applies to its inputs (ModelSection.preprocessing): intensity only, each rebuilt by name
+# from plain arguments (fedmed's own reading does the loading, channels and resizing)
+INPUT_TRANSFORMS = ("ScaleIntensity", "ScaleIntensityRange", "ScaleIntensityRangePercentiles", "NormalizeIntensity",
+                    "ThresholdIntensity", "ClipIntensityPercentiles")
+
+
+def _literal(v) -> bool:
+    if isinstance(v, str):
+        return not v.startswith(("$", "@", "%"))
+    if isinstance(v, (list, tuple)):
+        return all(_literal(x) for x in v)
+    return v is None or isinstance(v, (bool, int, float))
+
+
 class ModelSection(Strict):
     """The network a site trains (``fedmed.nn.models``); the experiment config's ``ModelConfig`` adds the checks
     that need the coordinator's files and fedmed's networks."""
@@ -42,6 +56,27 @@ class ModelSection(Strict):
                                 description="3D U-Net channels per level (segmentation)")
     bundle: Optional[str] = Field(None, description="the MONAI bundle arch, args and init_weights were read from "
                                   "(fedmed.config.ModelConfig; the coordinator's path, never in a job's task config)")
+    preprocessing: Optional[list[dict]] = Field(
+        None, description="intensity transforms of monai.transforms applied to every input at the sites before the "
+        "network, as [{name: ScaleIntensity, args: {...}}] (a MONAI bundle's preprocessing: fedmed.nn.bundle; only "
+        "the names of INPUT_TRANSFORMS, literal arguments); None: fedmed's own input scaling alone")
+
+    @field_validator("preprocessing")
+    @classmethod
+    def _known_transforms(cls, v):
+        if v is None:
+            return v
+        for i, step in enumerate(v):
+            name, args = step.get("name"), step.get("args", {})
+            if set(step) - {"name", "args"}:
+                raise ValueError(f"preprocessing[{i}]: keys name and args only, got {sorted(step)}")
+            if name not in INPUT_TRANSFORMS:
+                raise ValueError(f"preprocessing[{i}]: {name!r} is not one of the intensity transforms the sites "
+                                 f"apply ({', '.join(INPUT_TRANSFORMS)})")
+            if not isinstance(args, dict) or not all(_literal(a) for a in args.values()):
+                raise ValueError(f"preprocessing[{i}] {name}: arguments must be plain numbers, booleans, lists or "
+                                 f"names (no expressions), got {args!r}")
+        return v
 
 
 class SegTrainConfig(Strict):

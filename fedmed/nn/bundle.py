@@ -133,6 +133,11 @@ def _network_def(ck, *, spatial_dims: int, in_channels: int, n_out: int) -> tupl
     return "$torch.jit.load(@bundle_root + '/models/model.ts', map_location='cpu')", False
 
 
+def _dict_steps(steps: list) -> list:
+    """``model.preprocessing`` as MONAI dictionary transforms on the image."""
+    return [{"_target_": f"{st['name']}d", "keys": "image", **dict(st.get("args") or {})} for st in steps]
+
+
 def _torchscript(net, example):
     import torch
 
@@ -177,6 +182,8 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
     net = net.cpu().eval()
     torch.save(net.state_dict(), out / "models" / "model.pt")
     example = torch.zeros(1, ch, size, size)
+    pre = ck["model"].get("preprocessing")
+    net._forward_pre_hooks.clear()  # model.preprocessing is the bundle's preprocessing below, not the network's
     ts, how = _torchscript(net, example)
     if ts is not None:
         ts.save(str(out / "models" / "model.ts"))
@@ -202,9 +209,10 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
         "network": "$@network_def.to(@device).eval()",
         "preprocessing": {"_target_": "Compose", "transforms": [
             {"_target_": "Lambda", "func": "$@reader.load(@image_size, @channels)"},
-            {"_target_": "EnsureTyped", "keys": "image", "dtype": "$torch.float32"},
+            {"_target_": "EnsureTyped", "keys": "image", "dtype": "$torch.float32"}] + (
             # fedmed's input scaling (fedmed.nn.train): [0, 1] -> [-1, 1]
-            {"_target_": "NormalizeIntensityd", "keys": "image", "subtrahend": 0.5, "divisor": 0.5}]},
+            [{"_target_": "NormalizeIntensityd", "keys": "image", "subtrahend": 0.5, "divisor": 0.5}] if pre is None
+            else _dict_steps(pre))},  # the sites' model.preprocessing (a bundle's) on the [0, 1] image instead
         "inferer": {"_target_": "SimpleInferer"},
         "postprocessing": {"_target_": "Compose", "transforms": [
             {"_target_": "Activationsd", "keys": "pred", "softmax": True}]},
@@ -228,7 +236,7 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
         "network_data_format": {
             "inputs": {"image": {"type": "image", "format": "magnitude", "modality": "image file",
                                  "num_channels": ch, "spatial_shape": [size, size], "dtype": "float32",
-                                 "value_range": [-1, 1], "is_patch_data": False,
+                                 "value_range": [-1, 1] if pre is None else [], "is_patch_data": False,
                                  "channel_def": ({"0": "grayscale"} if ch == 1 else
                                                  {"0": "red", "1": "green", "2": "blue"})}},
             "outputs": {"pred": {"type": "probabilities", "format": "classes", "num_channels": n,
@@ -394,6 +402,8 @@ def _export_seg3d(net, ck, ck_path: Path, out: Path, description: str) -> Path:
         (out / sub).mkdir(parents=True, exist_ok=True)
     net = net.cpu().eval()
     torch.save(net.state_dict(), out / "models" / "model.pt")
+    pre = ck["model"].get("preprocessing")
+    net._forward_pre_hooks.clear()  # model.preprocessing is the bundle's preprocessing below, not the network's
     ts, how = _torchscript(net, torch.zeros(1, c, *roi))
     if ts is not None:
         ts.save(str(out / "models" / "model.ts"))
@@ -419,7 +429,7 @@ def _export_seg3d(net, ck, ck_path: Path, out: Path, description: str) -> Path:
         "network_def": network_def,
         "network": "$@network_def.to(@device).eval()",
         "preprocessing": {"_target_": "Compose", "transforms": [
-            {"_target_": "Lambda", "func": "$@reader.load(@shape)"}]},
+            {"_target_": "Lambda", "func": "$@reader.load(@shape)"}] + _dict_steps(pre or [])},
         "inferer": {"_target_": "SlidingWindowInferer", "roi_size": roi, "sw_batch_size": 4, "overlap": 0.25},
         "postprocessing": {"_target_": "Compose", "transforms": [
             {"_target_": "Activationsd", "keys": "pred", "sigmoid": True},
@@ -533,9 +543,73 @@ def read_bundle(path) -> dict:
         if isinstance(lc, dict):
             loss = str(lc.get("_target_", "")).split(".")[-1]
     fmt = meta.get("network_data_format") or {}
+    steps, read_by_fedmed = _preprocessing(root, found, where)
     return {"name": meta.get("name") or root.name, "arch": name, "args": args,
             "init_weights": str(weights) if weights.is_file() else None,
-            "inputs": fmt.get("inputs") or {}, "outputs": fmt.get("outputs") or {}, "loss": loss}
+            "inputs": fmt.get("inputs") or {}, "outputs": fmt.get("outputs") or {}, "loss": loss,
+            "preprocessing": steps, "read_by_fedmed": read_by_fedmed}
+
+
+# a bundle's preprocessing steps that fedmed's own reading does (loading, channels first, types, resizing to the
+# federation's size, orientation, spacing, the brain crop): not applied a second time
+_READ_BY_FEDMED = ("LoadImage", "EnsureChannelFirst", "AddChannel", "AsChannelFirst", "EnsureType", "ToTensor",
+                   "CastToType", "Resize", "Orientation", "Spacing", "CropForeground", "Identity", "ToDevice",
+                   "SqueezeDim", "RepeatChannel")
+# arguments of a dictionary transform that say which keys, not what it does to the image
+_KEY_ARGS = ("keys", "allow_missing_keys", "dtype", "meta_keys", "meta_key_postfix")
+
+
+def _preprocessing(root: Path, found: list, where: str) -> tuple[list | None, list]:
+    """``(steps for model.preprocessing or None, the steps fedmed's reading does instead)`` of the bundle's
+    ``preprocessing`` (``inference.json``; else ``validate#preprocessing`` of ``train.json``): its intensity transforms
+    (``fedmed.core.schema.INPUT_TRANSFORMS``) on the image, with their arguments resolved to plain values."""
+    from monai.bundle import ConfigParser
+
+    from fedmed.core.schema import INPUT_TRANSFORMS, _literal
+
+    for c in found:
+        p = ConfigParser()
+        p.read_config(str(c))
+        p["bundle_root"] = str(root)
+        for key in ("preprocessing", "validate#preprocessing"):
+            try:
+                cfg = p.get(key)
+            except (KeyError, ValueError, TypeError):
+                cfg = None
+            if isinstance(cfg, dict) and isinstance(cfg.get("transforms"), list):
+                break
+        else:
+            continue
+        steps, skipped = [], []
+        for i, t in enumerate(cfg["transforms"]):
+            target = t.get("_target_") if isinstance(t, dict) else None
+            name = str(target or t).split(".")[-1]
+            base = name[:-1] if name.endswith("d") and name[:-1] in INPUT_TRANSFORMS + _READ_BY_FEDMED else name
+            if base in _READ_BY_FEDMED:
+                skipped.append(name)
+                continue
+            if base not in INPUT_TRANSFORMS:
+                raise BundleExportError(
+                    f"{where}: its preprocessing step {name} ({c.name}) is not one fedmed's sites apply: they read, "
+                    f"resize and crop images themselves and apply the intensity transforms {', '.join(INPUT_TRANSFORMS)}")
+            keys = t.get("keys") if name != base else "image"
+            keys = p.get_parsed_content(f"{key}#transforms#{i}#keys", instantiate=False, eval_expr=True) \
+                if name != base else keys
+            if "image" not in ([keys] if isinstance(keys, str) else list(keys or [])):
+                skipped.append(name)  # not the image's (a label's, a mask's)
+                continue
+            args = {}
+            for k in t:
+                if k.startswith("_") or k in _KEY_ARGS:
+                    continue
+                v = p.get_parsed_content(f"{key}#transforms#{i}#{k}", instantiate=False, eval_expr=True)
+                if not _literal(v):
+                    raise BundleExportError(f"{where}: its preprocessing step {name} has argument {k} = {v!r}, not a "
+                                            f"plain value the sites can rebuild it from")
+                args[k] = list(v) if isinstance(v, tuple) else v
+            steps.append({"name": base, "args": args})
+        return steps, skipped
+    return None, []
 
 
 def check_bundle_fits(b: dict, *, task: str, channels: int, size, n_out: int | None, where: str) -> str | None:

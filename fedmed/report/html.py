@@ -119,8 +119,11 @@ def _seg_slices(run: Path, data_dir: Path, out_png: Path) -> Path | None:
         return None
     plt = _plt()
     fig, axes = plt.subplots(len(cases), 3, figsize=(7.5, 2.6 * len(cases)), squeeze=False)
+    from fedmed.nn.seg import case_transform
+
+    pre = case_transform(ck["model"].get("preprocessing"))  # what the network took at the sites
     for row, c in zip(axes, cases):
-        pred = predict_masks(net, c["image"], roi=tuple(ck["data"]["roi"]))
+        pred = predict_masks(net, pre(c["image"]), roi=tuple(ck["data"]["roi"]))
         z = int(c["label"][0].sum(axis=(0, 1)).argmax()) if c["label"][0].any() else c["image"].shape[-1] // 2
         for ax, (im, name) in zip(row, ((c["image"][0, :, :, z], "image"), (c["label"][0, :, :, z], "ground truth WT"),
                                         (pred[0, :, :, z], "prediction WT"))):

@@ -376,7 +376,9 @@ def run_fingerprint(exp, method, seed: int) -> str:
     import hashlib
 
     skip = {k: True for k in ("methods", "seeds", "sweep", "name", "selection", "references", "tracking")}
-    cfg = exp.model_dump(mode="json", exclude={**skip, "model": {"bundle"}})  # a bundle is its arch and weights
+    from fedmed.run.taskconfig import model_exclude
+
+    cfg = exp.model_dump(mode="json", exclude={**skip, "model": model_exclude(exp.model)})  # a bundle: its arch, weights
     blob = json.dumps({"config": cfg, "method": method.model_dump(mode="json") if method is not None else None,
                        "seed": seed}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()

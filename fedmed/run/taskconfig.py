@@ -18,11 +18,17 @@ def min_clients(configured: int, sites: list[str] | None) -> int:
     return min(int(configured), len(sites)) if sites else int(configured)
 
 
+def model_exclude(model) -> set:
+    """What of the model section stays out of a task config and a run's fingerprint: the bundle (its arch, args and
+    weights are there) and an unset preprocessing (so a run without one is the run it was before the field)."""
+    return {"bundle"} | ({"preprocessing"} if model.preprocessing is None else set())
+
+
 def fedmed_config(exp, seed: int, method, sites: list[str] | None) -> dict:
     """The plain-dict config that travels to sites in each task's ``meta['fedmed']`` (and to the server): the
     experiment's sections, and what the method adds (:meth:`fedmed.methods.Method.task_options`)."""
     fed = exp.federation
-    common = {"seed": int(seed), "model": exp.model.model_dump(exclude={"bundle"}), "train": exp.train.model_dump(),
+    common = {"seed": int(seed), "model": exp.model.model_dump(exclude=model_exclude(exp.model)), "train": exp.train.model_dump(),
               "privacy": exp.privacy.model_dump(), "plugins": plugin_modules(exp),
               "federation": {"sites": sites, "min_clients": min_clients(fed.min_clients, sites),
                              "task_timeout": fed.task_timeout, "startup_timeout": fed.startup_timeout}}

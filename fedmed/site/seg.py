@@ -12,7 +12,7 @@ both its training and its test data.
 
 from __future__ import annotations
 
-
+import json
 from pathlib import Path
 
 import numpy as np
@@ -106,7 +106,7 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     from fedmed.data.seg_federation import subject_of
 
     cfg = task_config(cfg)
-    tr, te = runner.cases(cfg)
+    tr, te = runner.cases(cfg, raw=True)  # the data as read, not as a bundle's preprocessing makes it for the network
     doc = runner._datalist("segmentation")
     n_subjects = len({subject_of(e) for e in doc["training"] + doc["validation"]})
     k = runner.k_min(cfg)
@@ -134,8 +134,29 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
 
 
 class SegSiteRunner(SiteRunner):
-    def cases(self, cfg: TaskConfig):
-        """(training cases, test cases) of this site, loaded once per shape (from its cache when it can)."""
+    _pre, _pre_key = None, None  # the cases with model.preprocessing applied, and for which settings
+
+    def cases(self, cfg: TaskConfig, *, raw: bool = False):
+        """(training cases, test cases) of this site as the network takes them: each whole case put through
+        ``model.preprocessing`` (a bundle's intensity transforms) when the model has one; ``raw``: as read (what the
+        ``004_`` assessment measures)."""
+        tr, te = self._read_cases(cfg)
+        steps = task_config(cfg).model.preprocessing
+        if raw or steps is None:
+            return tr, te
+        key = (self._data_key, json.dumps(steps, sort_keys=True))
+        if self._pre_key != key:
+            from fedmed.data.nifti import SegCase
+            from fedmed.nn.seg import case_transform
+
+            f = case_transform(steps)
+            self._pre = tuple([SegCase(image=f(c["image"]), label=c["label"], meta=c["meta"]) for c in cases]
+                              for cases in (tr, te, self._val))
+            self._pre_key = key
+        return self._pre[0], self._pre[1]
+
+    def _read_cases(self, cfg: TaskConfig):
+        """(training cases, test cases) of this site as read, loaded once per shape (from its cache when it can)."""
         from fedmed.data.seg_federation import check_no_leakage
 
         shape = tuple(task_config(cfg).data.shape)
@@ -153,9 +174,9 @@ class SegSiteRunner(SiteRunner):
 
     def validation_cases(self, cfg: TaskConfig) -> list:
         """This site's validation cases (held out of its training; none when the federation has no validation
-        split)."""
+        split), as the network takes them."""
         self.cases(cfg)
-        return self._val
+        return self._val if task_config(cfg).model.preprocessing is None else self._pre[2]
 
     def _case(self, entry: dict, shape, split: str = "entries", index: int = 0):
         """One case, from this site's cache when its files were loaded with the same settings before. An error names
