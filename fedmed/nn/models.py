@@ -355,47 +355,9 @@ def model_from_config(model_cfg: dict, in_channels: int, num_classes: int, seed:
     else:
         model = network(m.arch, m.args, spatial_dims=2, in_channels=in_channels, out_channels=num_classes, seed=seed,
                         modules=modules)
+    from fedmed.nn.preprocessing import with_preprocessing
+
     return with_preprocessing(_load_init(model, m, init_root), m.preprocessing, scaled=True)
-
-
-def input_transform(steps):
-    """``model.preprocessing`` as one callable: the named transforms of ``monai.transforms``, in order, each built from
-    its plain arguments (:data:`fedmed.core.schema.INPUT_TRANSFORMS` only: the schema refuses any other)."""
-    import monai.transforms as mt
-
-    from fedmed.core.schema import INPUT_TRANSFORMS
-
-    fns = []
-    for s in steps:
-        if s["name"] not in INPUT_TRANSFORMS:  # the schema's check, again where the transform is built
-            raise ArchError(f"model.preprocessing: {s['name']!r} is not one of {', '.join(INPUT_TRANSFORMS)}")
-        fns.append(getattr(mt, s["name"])(**dict(s.get("args") or {})))
-    return mt.Compose(fns)
-
-
-def with_preprocessing(model: nn.Module, steps, *, scaled: bool) -> nn.Module:
-    """``model`` applying ``steps`` (``model.preprocessing``: a MONAI bundle's intensity transforms) to each input
-    before its forward, by a forward pre-hook (its state dict, hence the exchanged weights, stay the network's own).
-    ``scaled``: the input arrives as fedmed feeds a classifier, ``(x - 0.5) / 0.5`` of its [0, 1] reading; the steps
-    get that [0, 1] image (a segmentation network's input arrives as read). An empty list: the [0, 1] image alone."""
-    if steps is None:
-        return model
-    from monai.data import MetaTensor
-
-    t = input_transform(steps)
-
-    def hook(module, args):
-        x = args[0]
-        raw = x * 0.5 + 0.5 if scaled else x.clone()  # MONAI's transforms work in place: never on the caller's batch
-        outs = []
-        for xi in raw:
-            y = t(xi)
-            outs.append(y.as_tensor() if isinstance(y, MetaTensor) else torch.as_tensor(y))
-        return (torch.stack(outs).to(dtype=x.dtype, device=x.device),) + tuple(args[1:])
-
-    model.register_forward_pre_hook(hook)
-    model.fedmed_preprocessing = list(steps)  # what the hook applies (the bundle export writes it out)
-    return model
 
 
 def seg_model_from_config(model_cfg: dict, in_channels: int, seed: int = 0, *, init_root=None,
@@ -416,8 +378,10 @@ def seg_model_from_config(model_cfg: dict, in_channels: int, seed: int = 0, *, i
     else:
         model = network(m.arch, m.args, spatial_dims=spatial_dims, in_channels=in_channels, out_channels=out,
                         seed=seed, modules=modules)
+    from fedmed.nn.preprocessing import with_preprocessing
+
     # a 2D image is the network's whole input; a 3D volume reaches it in patches and windows, so its preprocessing is
-    # applied to each whole case where it is read (fedmed.nn.seg.case_transform), not here
+    # applied to each whole case where it is read (fedmed.nn.preprocessing.case_transform), not here
     return with_preprocessing(_load_init(model, m, init_root), m.preprocessing if spatial_dims == 2 else None,
                               scaled=False)
 

@@ -183,7 +183,7 @@ def predict_volume(model_path, modality_files, out_path, *, mask=None, device: s
     lo, hi = idx.min(0), idx.max(0) + 1
     sl = tuple(slice(a, b) for a, b in zip(lo, hi))
     img = np.stack([_resize(v[sl], shape, "trilinear")[0] for v in vols]).astype(np.float32)
-    from fedmed.nn.seg import case_transform
+    from fedmed.nn.preprocessing import case_transform
 
     img = case_transform(ck["model"].get("preprocessing"))(img)  # a bundle's intensity steps, as the sites applied them
     with torch.no_grad():

@@ -24,24 +24,6 @@ def seg_model(in_channels: int, *, channels=(8, 16, 32, 64), seed: int = 0):
                     strides=(2,) * (len(channels) - 1), num_res_units=1)
 
 
-def case_transform(steps):
-    """``model.preprocessing`` (a bundle's intensity transforms) as a function of one (C, D, H, W) image (numpy) ->
-    the same, applied to the whole case as read (cropped and resampled), before any patch or window; None: identity."""
-    if steps is None:
-        return lambda image: image
-    from monai.data import MetaTensor
-
-    from fedmed.nn.models import input_transform
-
-    t = input_transform(steps)
-
-    def f(image):
-        y = t(torch.from_numpy(np.array(image, dtype=np.float32, copy=True)))  # MONAI's transforms work in place
-        y = y.as_tensor() if isinstance(y, MetaTensor) else torch.as_tensor(y)
-        return y.numpy().astype(np.float32)
-    return f
-
-
 def _train_transforms(roi, seed, patches: int = 4, pos_fraction: float = 0.5):
     from monai.transforms import (Compose, RandCropByPosNegLabeld, RandFlipd, RandScaleIntensityd,
                                   RandShiftIntensityd)

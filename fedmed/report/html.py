@@ -119,7 +119,7 @@ def _seg_slices(run: Path, data_dir: Path, out_png: Path) -> Path | None:
         return None
     plt = _plt()
     fig, axes = plt.subplots(len(cases), 3, figsize=(7.5, 2.6 * len(cases)), squeeze=False)
-    from fedmed.nn.seg import case_transform
+    from fedmed.nn.preprocessing import case_transform
 
     pre = case_transform(ck["model"].get("preprocessing"))  # what the network took at the sites
     for row, c in zip(axes, cases):

@@ -147,7 +147,7 @@ class SegSiteRunner(SiteRunner):
         key = (self._data_key, json.dumps(steps, sort_keys=True))
         if self._pre_key != key:
             from fedmed.data.nifti import SegCase
-            from fedmed.nn.seg import case_transform
+            from fedmed.nn.preprocessing import case_transform
 
             f = case_transform(steps)
             self._pre = tuple([SegCase(image=f(c["image"]), label=c["label"], meta=c["meta"]) for c in cases]

@@ -290,8 +290,8 @@ class Federation:
         save_model(out / f"{name}.pt", params, self.cfg, cluster=cluster, sites=sites,
                    workflow=self.workflow.record_name, rounds=self.workflow.num_rounds)
         tc = self.workflow.task_cfg
-        if tc.task == "classification" or (tc.task == "segmentation" and (self.cfg.get("data") or {}).get(
-                "spatial_dims", 3) == 3):  # the same model as a MONAI bundle (fedmed.nn.bundle; no 2D lesion one yet)
+        if tc.task == "classification" or (tc.task == "segmentation" and tc.data.spatial_dims == 3):
+            # the same model as a MONAI bundle (fedmed.nn.bundle; no 2D lesion one yet)
             from fedmed.nn.bundle import export_bundle
 
             try:
