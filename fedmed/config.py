@@ -265,6 +265,9 @@ class TrackingConfig(_Strict):
                                       "server folder")
     wandb: bool = Field(False, description="Weights & Biases (pip install 'fedmed[wandb]')")
     wandb_mode: Literal["offline", "online"] = Field("offline", description="online sends to W&B's servers")
+    wandb_dir: Optional[str] = Field(None, description="where wandb writes (offline runs: offline-run-*/; sync them "
+                                     "later with `wandb sync`); None: wandb/ in the run's server folder (fedmed "
+                                     "experiment: <out>/wandb)")
     experiment: Optional[str] = Field(None, min_length=1, description="MLflow experiment / W&B project (default: the "
                                       "config's name)")
 

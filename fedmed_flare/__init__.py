@@ -21,7 +21,7 @@ COMPONENTS = {
     "executor": "fedmed_flare.executor.SiteExecutor",
     "tb_receiver": "nvflare.app_opt.tracking.tb.tb_receiver.TBAnalyticsReceiver",
     "mlflow_receiver": "fedmed_flare.mlflow_receiver.MLflowReceiver",  # tracking.mlflow
-    "wandb_receiver": "nvflare.app_opt.tracking.wandb.wandb_receiver.WandBReceiver",  # tracking.wandb
+    "wandb_receiver": "fedmed_flare.wandb_receiver.WandBReceiver",  # tracking.wandb
     "event_to_fed": "nvflare.app_common.widgets.convert_to_fed_event.ConvertToFedEvent",
 }
 # the prefix a site adds to its class_allow_list (FLARE's other two are on its default list)

@@ -13,7 +13,9 @@ run's settings and result as :data:`RUN_EVENT`. The receivers sit at the server 
   ``<out>/mlruns/``); a new experiment's artifacts go beside a ``file:`` or ``sqlite:`` store (``mlartifacts/``), not
   into the job's workspace. MLflow 3 asks ``MLFLOW_ALLOW_FILE_STORE=true`` for a file store: set for this process
   when the store is one.
-* **W&B**: FLARE's ``WandBReceiver`` (``wandb_mode`` offline by default), the sites' metrics.
+* **W&B**: :class:`WandBReceiver`, FLARE's receiver (``wandb_mode`` offline by default) with the server as a run of
+  its own as for MLflow (the run's parameters its W&B config), and offline runs in the run's ``fedmed/wandb/`` by
+  default (``fedmed experiment``: ``<out>/wandb/``).
 """
 
 from __future__ import annotations
@@ -44,11 +46,12 @@ def receivers(tracking: dict) -> list:
             tracking_uri=tracking.get("mlflow_uri") or None, kw_args={"experiment_name": tracking["experiment"]},
             events=SITE_EVENTS + SERVER_EVENTS + [RUN_EVENT])))
     if tracking.get("wandb"):
-        from nvflare.app_opt.tracking.wandb.wandb_receiver import WandBReceiver
+        from fedmed_flare.wandb_receiver import WandBReceiver
 
         out.append(("wandb_receiver", WandBReceiver(
             wandb_args={"project": tracking["experiment"], "name": tracking["experiment"]},
-            mode=tracking.get("wandb_mode", "offline"), events=SITE_EVENTS)))
+            mode=tracking["wandb_mode"], wandb_dir=tracking["wandb_dir"],
+            events=SITE_EVENTS + SERVER_EVENTS + [RUN_EVENT])))
     return out
 
 

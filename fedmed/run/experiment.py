@@ -534,6 +534,11 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
             update={"mlflow_uri": (out / "mlruns").resolve().as_uri()})})
         log(f"MLflow: every run of this experiment in {out / 'mlruns'} (mlflow ui --backend-store-uri "
             f"{(out / 'mlruns').resolve().as_uri()})")
+    if exp.tracking.wandb and not exp.tracking.wandb_dir:  # the experiment's W&B runs, kept with its outputs
+        exp = exp.model_copy(update={"tracking": exp.tracking.model_copy(
+            update={"wandb_dir": str((out / "wandb").resolve())})})
+        log(f"W&B ({exp.tracking.wandb_mode}): every run of this experiment in {out / 'wandb'}"
+            + (" (wandb sync DIR/offline-run-* to upload)" if exp.tracking.wandb_mode == "offline" else ""))
     command = command or _command(config_path, overrides)
     rows: list[dict] = []
     problems: list[str] = []
