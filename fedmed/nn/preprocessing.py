@@ -49,7 +49,6 @@ def with_preprocessing(model: nn.Module, steps, *, scaled: bool) -> nn.Module:
         return (torch.stack(outs).to(dtype=x.dtype, device=x.device),) + tuple(args[1:])
 
     model.register_forward_pre_hook(hook)
-    model.fedmed_preprocessing = list(steps)  # what the hook applies (the bundle export writes it out)
     return model
 
 
