@@ -167,9 +167,11 @@ def main(argv=None):
         last_r = doc["rounds"][-1] if doc.get("rounds") else {}
         mean = last_r.get("summary", {}).get("mean", {})
         sizes = Counter(v.get("cluster") for v in last_r.get("sites", {}).values() if v.get("cluster") is not None)
+        acc = mean.get("accuracy")  # None: every site withheld it (fewer than k_min test images)
         print(f"status {doc.get('status')}; final round {last_r.get('round')} ({last_r.get('task')}): "
               f"{last_r.get('summary', {}).get('n_sites')} site(s), test accuracy (site mean) "
-              f"{100 * mean.get('accuracy', float('nan')):.2f}%; {len(doc.get('errors', []))} site error(s)"
+              f"{'n/a (withheld below k_min)' if acc is None else f'{100 * acc:.2f}%'}; "
+              f"{len(doc.get('errors', []))} site error(s)"
               + (f"; cluster sizes {dict(sorted(sizes.items()))}" if sizes else ""))
     print(f"| process | RSS at round {first[0]} (MB) | RSS at round {last[0]} (MB) | growth | MB per round |")
     print("|---|---|---|---|---|")
