@@ -31,7 +31,9 @@ class WandBReceiver(_FlareWandBReceiver):
 
     def __init__(self, wandb_args: dict, mode: str = "offline", events=None, process_timeout: float = 60.0,
                  wandb_dir: str | None = None):
-        super().__init__(wandb_args={"job_type": "fedmed", **wandb_args}, mode=mode, events=events,
+        # "config": FLARE's receiver fills each site's W&B config (job id, site, run name) into this dict if there is
+        # one, and drops it otherwise
+        super().__init__(wandb_args={"job_type": "fedmed", "config": {}, **wandb_args}, mode=mode, events=events,
                          process_timeout=process_timeout)
         self.wandb_dir = wandb_dir
 

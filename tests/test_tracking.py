@@ -122,7 +122,8 @@ def test_a_run_tracked_in_wandb_offline_has_every_sites_and_the_servers_rounds_i
     sites = record["sites"]
     assert sorted(runs) == ["server", *sorted(sites)]
     for s in sites:  # each site's per-round metrics, as the site sent them
-        _, _, history, _ = runs[s]
+        _, config, history, _ = runs[s]
+        assert config["client"] == s and config["run_name"] == "tracked"
         got = {h["_step"]: h[f"{s}/test/accuracy"] for h in history}
         assert got == pytest.approx({r["round"]: r["sites"][s]["accuracy"] for r in record["rounds"] if s in r["sites"]})
     run, config, history, folder = runs["server"]
