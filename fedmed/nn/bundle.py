@@ -150,6 +150,43 @@ def _torchscript(net, example):
             return None, ""
 
 
+def _write_network(net, ck, ck_path: Path, out: Path, example, *, spatial_dims: int, in_channels: int, n_out: int,
+                   script: str, source: str) -> tuple[dict | str, bool, str]:
+    """The bundle's folders, ``models/model.pt``, ``models/model.ts`` (where the network scripts or traces) and its
+    reading script (``scripts/<script>.py``); returns ``(network_def, uses model.pt, how it became TorchScript)``."""
+    import torch
+
+    net = net.cpu().eval()
+    net._forward_pre_hooks.clear()  # model.preprocessing is the bundle's preprocessing, not the network's
+    ts, how = _torchscript(net, example)
+    network_def, uses_pt = _network_def(ck, spatial_dims=spatial_dims, in_channels=in_channels, n_out=n_out)
+    if not uses_pt and ts is None:
+        raise BundleExportError(f"{ck_path.name}: model.arch {ck['model'].get('arch')} is not a MONAI network and "
+                                f"neither scripts nor traces to TorchScript; no bundle can rebuild it without fedmed")
+    for sub in ("configs", "models", "scripts", "docs"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    torch.save(net.state_dict(), out / "models" / "model.pt")
+    if ts is not None:
+        ts.save(str(out / "models" / "model.ts"))
+    (out / "scripts" / "__init__.py").write_text("")
+    (out / "scripts" / f"{script}.py").write_text(source)
+    return network_def, uses_pt, how
+
+
+def _write_configs(out: Path, inference: dict, uses_pt: bool, meta: dict, readme: str) -> None:
+    """``configs/inference.json`` (loading ``model.pt`` into ``network_def`` when it is a MONAI network),
+    ``configs/metadata.json`` and ``docs/README.md`` (its how-to-run line added)."""
+    if uses_pt:
+        inference["load_weights"] = ("$@network.load_state_dict(torch.load(@bundle_root + '/models/model.pt', "
+                                     "map_location=@device, weights_only=True))")
+        inference["initialize"] = ["$@load_weights"]
+    (out / "configs" / "inference.json").write_text(json.dumps(inference, indent=2))
+    (out / "configs" / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))
+    (out / "docs" / "README.md").write_text(
+        readme + "\n\n```bash\npython -m monai.bundle run --config_file configs/inference.json --meta_file "
+        "configs/metadata.json --bundle_root . --dataset_dir INPUTS --output_dir OUT\n```\n")
+
+
 def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=None) -> Path:
     """Write the bundle of a fedmed classifier or 3D segmentation checkpoint (default: ``<checkpoint stem>_bundle/``
     beside it).
@@ -177,22 +214,9 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
     d = ck["data"]
     size, ch, n = int(d["image_size"]), int(d["channels"]), int(d["n_classes"])
     classes = list(ck.get("classes") or [str(c) for c in range(n)])
-    for sub in ("configs", "models", "scripts", "docs"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
-    net = net.cpu().eval()
-    torch.save(net.state_dict(), out / "models" / "model.pt")
-    example = torch.zeros(1, ch, size, size)
     pre = ck["model"].get("preprocessing")
-    net._forward_pre_hooks.clear()  # model.preprocessing is the bundle's preprocessing below, not the network's
-    ts, how = _torchscript(net, example)
-    if ts is not None:
-        ts.save(str(out / "models" / "model.ts"))
-    network_def, uses_pt = _network_def(ck, spatial_dims=2, in_channels=ch, n_out=n)
-    if not uses_pt and ts is None:
-        raise BundleExportError(f"{ck_path.name}: model.arch {ck['model'].get('arch')} is not a MONAI network and "
-                                f"neither scripts nor traces to TorchScript; no bundle can rebuild it without fedmed")
-    (out / "scripts" / "__init__.py").write_text("")
-    (out / "scripts" / "fedmed_image.py").write_text(_READER)
+    network_def, uses_pt, how = _write_network(net, ck, ck_path, out, torch.zeros(1, ch, size, size), spatial_dims=2,
+                                               in_channels=ch, n_out=n, script="fedmed_image", source=_READER)
     inference = {
         "imports": ["$import glob", "$import importlib", "$import os", "$import torch"],
         "bundle_root": ".",
@@ -219,11 +243,6 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
         "run": ["$@reader.predict(@network, @preprocessing, @inferer, @postprocessing, @images, @classes, "
                 "@output_dir, @device)"],
     }
-    if uses_pt:
-        inference["load_weights"] = ("$@network.load_state_dict(torch.load(@bundle_root + '/models/model.pt', "
-                                     "map_location=@device, weights_only=True))")
-        inference["initialize"] = ["$@load_weights"]
-    (out / "configs" / "inference.json").write_text(json.dumps(inference, indent=2))
     served = _served(ck)
     meta = {
         **_meta_header({"pillow": __import__("PIL").__version__}),
@@ -244,14 +263,13 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
                                  "is_onehot": False, "channel_def": {str(i): c for i, c in enumerate(classes)}}}},
         "fedmed": _fedmed_meta(ck, how, uses_pt),
     }
-    (out / "configs" / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))
-    (out / "docs" / "README.md").write_text(
+    scaled = ("then scaled to [-1, 1] as fedmed feeds its networks" if pre is None else
+              "then through the preprocessing the sites applied (" + ", ".join(st["name"] for st in pre) + ")")
+    _write_configs(out, inference, uses_pt, meta, readme=(
         f"# {meta['name']}\n\n{meta['description']}\n\nServes: "
         f"{'sites ' + ', '.join(ck['sites']) if ck.get('sites') else served}.\n\n"
         f"Input: an image file (PNG/JPEG/TIFF), read as in training (scripts/fedmed_image.py) to {ch} x {size} x "
-        f"{size} in [0, 1], then scaled to [-1, 1] as fedmed feeds its networks. Output: the probabilities of {', '.join(classes)}.\n\n"
-        "```bash\npython -m monai.bundle run --config_file configs/inference.json --meta_file configs/metadata.json "
-        "--bundle_root . --dataset_dir IMAGES --output_dir OUT\n```\n\nwrites OUT/predictions.csv.\n")
+        f"{size} in [0, 1], {scaled}. Output: OUT/predictions.csv, the probabilities of {', '.join(classes)}."))
     return out
 
 
@@ -398,21 +416,9 @@ def _export_seg3d(net, ck, ck_path: Path, out: Path, description: str) -> Path:
     d = ck["data"]
     c, shape, roi = int(d["in_channels"]), [int(v) for v in d["shape"]], [int(v) for v in d["roi"]]
     mods = list(d.get("modalities") or [f"ch{i}" for i in range(c)])
-    for sub in ("configs", "models", "scripts", "docs"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
-    net = net.cpu().eval()
-    torch.save(net.state_dict(), out / "models" / "model.pt")
     pre = ck["model"].get("preprocessing")
-    net._forward_pre_hooks.clear()  # model.preprocessing is the bundle's preprocessing below, not the network's
-    ts, how = _torchscript(net, torch.zeros(1, c, *roi))
-    if ts is not None:
-        ts.save(str(out / "models" / "model.ts"))
-    network_def, uses_pt = _network_def(ck, spatial_dims=3, in_channels=c, n_out=3)
-    if not uses_pt and ts is None:
-        raise BundleExportError(f"{ck_path.name}: model.arch {ck['model'].get('arch')} is not a MONAI network and "
-                                f"neither scripts nor traces to TorchScript; no bundle can rebuild it without fedmed")
-    (out / "scripts" / "__init__.py").write_text("")
-    (out / "scripts" / "fedmed_volume.py").write_text(_VOLUME)
+    network_def, uses_pt, how = _write_network(net, ck, ck_path, out, torch.zeros(1, c, *roi), spatial_dims=3,
+                                               in_channels=c, n_out=3, script="fedmed_volume", source=_VOLUME)
     inference = {
         "imports": ["$import importlib", "$import torch"],
         "bundle_root": ".",
@@ -436,11 +442,6 @@ def _export_seg3d(net, ck, ck_path: Path, out: Path, description: str) -> Path:
             {"_target_": "AsDiscreted", "keys": "pred", "threshold": 0.5}]},
         "run": ["$@reader.predict(@network, @preprocessing, @inferer, @postprocessing, @cases, @output_dir, @device)"],
     }
-    if uses_pt:
-        inference["load_weights"] = ("$@network.load_state_dict(torch.load(@bundle_root + '/models/model.pt', "
-                                     "map_location=@device, weights_only=True))")
-        inference["initialize"] = ["$@load_weights"]
-    (out / "configs" / "inference.json").write_text(json.dumps(inference, indent=2))
     served = _served(ck)
     regions = {"0": "whole tumour (WT: labels 1, 2, 3, 4)", "1": "tumour core (TC: 1, 3, 4)",
                "2": "enhancing tumour (ET: 4)"}
@@ -461,17 +462,17 @@ def _export_seg3d(net, ck, ck_path: Path, out: Path, description: str) -> Path:
                                  "is_patch_data": True, "channel_def": regions}}},
         "fedmed": {**_fedmed_meta(ck, how, uses_pt), "grid": shape},
     }
-    (out / "configs" / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))
-    (out / "docs" / "README.md").write_text(
+    _write_configs(out, inference, uses_pt, meta, readme=(
         f"# {meta['name']}\n\n{meta['description']}\n\nServes: "
         f"{'sites ' + ', '.join(ck['sites']) if ck.get('sites') else served}.\n\n"
         f"Input: a case folder (or a folder of case folders) with one NIfTI file per modality ({', '.join(mods)}; "
         f"found by `modality_patterns`) and optionally a brain mask (`mask_pattern`). Each case is cropped to its "
-        f"brain, resampled to {'x'.join(map(str, shape))} and segmented in {'x'.join(map(str, roi))} sliding windows, "
-        f"as fedmed trained and predicts (scripts/fedmed_volume.py). Output: `<case>_seg.nii.gz`, BraTS labels "
-        f"(4 = ET, 1 = TC without ET, 2 = WT without TC) on the first modality's grid.\n\n"
-        "```bash\npython -m monai.bundle run --config_file configs/inference.json --meta_file configs/metadata.json "
-        "--bundle_root . --dataset_dir CASES --output_dir OUT\n```\n")
+        f"brain, resampled to {'x'.join(map(str, shape))}"
+        + ("" if pre is None else " and put through the preprocessing the sites applied ("
+           + ", ".join(st["name"] for st in pre) + ")")
+        + f" and segmented in {'x'.join(map(str, roi))} sliding windows, as fedmed trained and predicts "
+        f"(scripts/fedmed_volume.py). Output: OUT/<case>_seg.nii.gz, BraTS labels (4 = ET, 1 = TC without ET, "
+        f"2 = WT without TC) on the first modality's grid."))
     return out
 
 
@@ -509,14 +510,13 @@ def read_bundle(path) -> dict:
                                 f"train.json); found {sorted(p.name for p in (root / 'configs').glob('*'))}"
                                 if (root / "configs").is_dir() else f"{where}: no configs/ folder (not a MONAI bundle)")
     meta = json.loads(meta_file.read_text())
-    net_cfg, parser = None, None
+    parsers = []
     for c in found:
         p = ConfigParser()
         p.read_config(str(c))
         p["bundle_root"] = str(root)
-        if "network_def" in p.get():
-            net_cfg, parser = p.get("network_def"), p
-            break
+        parsers.append((c.name, p))
+    net_cfg, parser = next(((p.get("network_def"), p) for _, p in parsers if "network_def" in p.get()), (None, None))
     if net_cfg is None:
         raise BundleExportError(f"{where}: no network_def in {', '.join(c.name for c in found)}")
     target = net_cfg.get("_target_") if isinstance(net_cfg, dict) else None
@@ -535,19 +535,17 @@ def read_bundle(path) -> dict:
         args[k] = parser.get_parsed_content(f"network_def#{k}", instantiate=False, eval_expr=True)
     weights = root / "models" / "model.pt"
     loss = None
-    train = root / "configs" / "train.json"
-    if train.is_file():
-        t = ConfigParser()
-        t.read_config(str(train))
-        lc = t.get("loss") if "loss" in t.get() else None
+    train = dict(parsers).get("train.json")
+    if train is not None:
+        lc = train.get("loss") if "loss" in train.get() else None
         if isinstance(lc, dict):
             loss = str(lc.get("_target_", "")).split(".")[-1]
     fmt = meta.get("network_data_format") or {}
-    steps, read_by_fedmed = _preprocessing(root, found, where)
+    steps = _preprocessing(parsers, where)
     return {"name": meta.get("name") or root.name, "arch": name, "args": args,
             "init_weights": str(weights) if weights.is_file() else None,
             "inputs": fmt.get("inputs") or {}, "outputs": fmt.get("outputs") or {}, "loss": loss,
-            "preprocessing": steps, "read_by_fedmed": read_by_fedmed}
+            "preprocessing": steps}
 
 
 # a bundle's preprocessing steps that fedmed's own reading does (loading, channels first, types, resizing to the
@@ -559,18 +557,14 @@ _READ_BY_FEDMED = ("LoadImage", "EnsureChannelFirst", "AddChannel", "AsChannelFi
 _KEY_ARGS = ("keys", "allow_missing_keys", "dtype", "meta_keys", "meta_key_postfix")
 
 
-def _preprocessing(root: Path, found: list, where: str) -> tuple[list | None, list]:
-    """``(steps for model.preprocessing or None, the steps fedmed's reading does instead)`` of the bundle's
-    ``preprocessing`` (``inference.json``; else ``validate#preprocessing`` of ``train.json``): its intensity transforms
-    (``fedmed.core.schema.INPUT_TRANSFORMS``) on the image, with their arguments resolved to plain values."""
-    from monai.bundle import ConfigParser
-
+def _preprocessing(parsers: list, where: str) -> list | None:
+    """``model.preprocessing`` from the bundle's ``preprocessing`` (``inference.json``; else ``validate#preprocessing``
+    of ``train.json``; ``parsers``: ``[(file name, ConfigParser)]``): its intensity transforms
+    (``fedmed.core.schema.INPUT_TRANSFORMS``) on the image, with their arguments resolved to plain values; the steps
+    fedmed's own reading does (:data:`_READ_BY_FEDMED`) and steps on other keys left out. None: no preprocessing."""
     from fedmed.core.schema import INPUT_TRANSFORMS, _literal
 
-    for c in found:
-        p = ConfigParser()
-        p.read_config(str(c))
-        p["bundle_root"] = str(root)
+    for file, p in parsers:
         for key in ("preprocessing", "validate#preprocessing"):
             try:
                 cfg = p.get(key)
@@ -580,24 +574,21 @@ def _preprocessing(root: Path, found: list, where: str) -> tuple[list | None, li
                 break
         else:
             continue
-        steps, skipped = [], []
+        steps = []
         for i, t in enumerate(cfg["transforms"]):
             target = t.get("_target_") if isinstance(t, dict) else None
             name = str(target or t).split(".")[-1]
             base = name[:-1] if name.endswith("d") and name[:-1] in INPUT_TRANSFORMS + _READ_BY_FEDMED else name
             if base in _READ_BY_FEDMED:
-                skipped.append(name)
                 continue
             if base not in INPUT_TRANSFORMS:
                 raise BundleExportError(
-                    f"{where}: its preprocessing step {name} ({c.name}) is not one fedmed's sites apply: they read, "
+                    f"{where}: its preprocessing step {name} ({file}) is not one fedmed's sites apply: they read, "
                     f"resize and crop images themselves and apply the intensity transforms {', '.join(INPUT_TRANSFORMS)}")
-            keys = t.get("keys") if name != base else "image"
-            keys = p.get_parsed_content(f"{key}#transforms#{i}#keys", instantiate=False, eval_expr=True) \
-                if name != base else keys
-            if "image" not in ([keys] if isinstance(keys, str) else list(keys or [])):
-                skipped.append(name)  # not the image's (a label's, a mask's)
-                continue
+            if name != base:  # a dictionary transform: only the image's counts (not a label's, a mask's)
+                keys = p.get_parsed_content(f"{key}#transforms#{i}#keys", instantiate=False, eval_expr=True)
+                if "image" not in ([keys] if isinstance(keys, str) else list(keys or [])):
+                    continue
             args = {}
             for k in t:
                 if k.startswith("_") or k in _KEY_ARGS:
@@ -608,8 +599,8 @@ def _preprocessing(root: Path, found: list, where: str) -> tuple[list | None, li
                                             f"plain value the sites can rebuild it from")
                 args[k] = list(v) if isinstance(v, tuple) else v
             steps.append({"name": base, "args": args})
-        return steps, skipped
-    return None, []
+        return steps
+    return None
 
 
 def check_bundle_fits(b: dict, *, task: str, channels: int, size, n_out: int | None, where: str) -> str | None:
