@@ -20,11 +20,12 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/fedmed demo $(if $(DATA),--data $(DATA),)
 
+# two workers, one file to each at a time (a file's tests keep their order and share its fixtures)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -ra -m "not slow"
+	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_server_math.py

@@ -24,6 +24,18 @@ def pytest_configure(config):
     os.environ.setdefault("FEDMED_CACHE_DIR", tempfile.mkdtemp(prefix="fedmed_test_cache_"))
 
 
+# The files with the longest tests, longest first. ``make test`` runs the suite on two workers, a file to a worker
+# (``pytest -n 2 --dist loadfile``); a worker takes the next file when it is free, so a long file collected last
+# would run alone at the end (test_readme's ``make demo``, about 5 minutes, did). Only the order changes.
+LONG_FILES = ("test_readme.py", "test_deployment.py", "test_networks.py", "test_jobs_e2e.py", "test_bundle.py",
+              "test_install.py", "test_jobs.py", "test_encoders.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: a file's own order is kept
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
