@@ -396,3 +396,25 @@ def test_a_reports_setup_line_never_shows_an_absolute_data_path(tmp_path, monkey
     (d / "dataset.json").write_text(json.dumps({"sites": []}))
     line = "; ".join(_setup(exp, d))
     assert "/srv" not in line and "data .../patients_2024" in line, line
+
+
+def test_the_setup_line_names_resnet9s_width_and_no_other_networks(tmp_path):
+    """The Setup line said "width 16 (batch norm)" — ResNet-9's settings — for any network (a DenseNet121 too)."""
+    import json
+
+    from fedmed.config import load_config
+    from fedmed.run.experiment import _setup
+
+    d = tmp_path / "o" / "data" / "seed0"
+    d.mkdir(parents=True)
+    (d / "dataset.json").write_text(json.dumps({"sites": []}))
+    lines = {}
+    for arch, model in (("resnet9", "{width: 8, norm: group}"),
+                        ("DenseNet121", "{arch: DenseNet121, args: {spatial_dims: 2, dropout_prob: 0.1}}")):
+        cfg = tmp_path / f"{arch}.yaml"
+        cfg.write_text(f"name: x\ndataset: {{path: data, image_size: 8, channels: 1}}\nfederation: {{sites: 2}}\n"
+                       f"model: {model}\nmethods: [{{name: FedAvg, workflow: fedavg}}]\n")
+        lines[arch] = "; ".join(_setup(load_config(cfg), d))
+    assert "8x8x1, resnet9 width 8 (group norm)" in lines["resnet9"], lines["resnet9"]
+    assert "8x8x1, DenseNet121 (dropout_prob=0.1, spatial_dims=2)" in lines["DenseNet121"], lines["DenseNet121"]
+    assert "width" not in lines["DenseNet121"] and "norm" not in lines["DenseNet121"]

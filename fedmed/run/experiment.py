@@ -386,6 +386,21 @@ def run_fingerprint(exp, method, seed: int) -> str:
 
 # --------------------------------------------------------------------------------------------- experiment
 
+def _network(m) -> str:
+    """The classifier as the Setup line names it: ResNet-9's width and norm are its own settings, not another
+    network's (a MONAI network's arguments, a bundle, a weights file are named instead)."""
+    from fedmed.core.io import shown_path
+
+    text = f"{m.arch} width {m.width} ({m.norm} norm)" if m.arch == "resnet9" else m.arch
+    if m.arch != "resnet9" and m.args:
+        text += " (" + ", ".join(f"{k}={v}" for k, v in sorted(m.args.items())) + ")"
+    if m.bundle:
+        text += f", from the bundle {shown_path(m.bundle)}"
+    if m.init_weights:
+        text += f", started from {shown_path(m.init_weights)}"
+    return text
+
+
 def _setup(exp, data_dir: Path) -> list[str]:
     from fedmed.core.io import shown_path
 
@@ -404,8 +419,7 @@ def _setup(exp, data_dir: Path) -> list[str]:
            f"test {f.test_fraction:.0%} / validation {f.val_fraction:.0%} of each site ({sum(n_test)} test samples, "
            f"median {int(np.median(n_test)) if n_test else 0} per site)"]
     if exp.dataset.task == "classification":
-        out.append(f"{exp.dataset.image_size}x{exp.dataset.image_size}x{exp.dataset.channels}, {m.arch} width {m.width} "
-                   f"({m.norm} norm)")
+        out.append(f"{exp.dataset.image_size}x{exp.dataset.image_size}x{exp.dataset.channels}, {_network(m)}")
     out += [f"{t.rounds} rounds x {t.local_epochs} local epochs, {t.optimizer} lr {t.lr}, batch {t.batch_size}, "
             f"augment {t.augment}", f"seeds {exp.seeds}", f"k_min {exp.privacy.k_min}, DP "
             + (f"epsilon {exp.privacy.dp_epsilon}" if exp.privacy.dp_epsilon else "off")]
