@@ -118,3 +118,28 @@ def test_a_3d_table_says_when_every_site_is_served_one_model():
     alone = next(ln for ln in table.splitlines() if ln.startswith("| Each site alone"))
     assert fedavg.endswith("| = | = |"), fedavg
     assert alone.endswith("| 70.00 | 20.00 |"), alone
+
+
+def test_learning_curves_without_a_validation_split_warn_nothing_and_say_so(tmp_path, monkeypatch):
+    """A run with no validation scores drew an empty first panel and asked it for a legend: matplotlib warned "No
+    artists with labels found to put in legend" and the panel was a blank frame. The legend goes on the first panel
+    with curves, and an empty panel says "no scores"."""
+    import warnings
+
+    from fedmed.report import plots
+
+    seen = {}
+
+    def keep(fig, path):
+        seen["panels"] = [([t.get_text() for t in ax.texts], ax.get_legend() is not None) for ax in fig.axes]
+        return saved(fig, path)
+
+    saved = plots._save
+    monkeypatch.setattr(plots, "_save", keep)
+    rows = [{"method": m, "seed": s, "round": r, "accuracy": 0.5 + 0.1 * r, "train_loss": 1.0 / (r + 1)}
+            for m in ("FedAvg", "FMCL") for s in (0, 1) for r in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        S.plot_curves(rows, tmp_path / "c.png", "t")
+    assert (tmp_path / "c.png").stat().st_size > 0
+    assert seen["panels"] == [(["no scores"], False), ([], True), ([], False)], seen

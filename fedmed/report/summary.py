@@ -384,6 +384,10 @@ def plot_curves(rows: list[dict], path: Path, title: str) -> None:
     for ax in axes:
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+        if not ax.lines:  # e.g. a run with no validation split: say so instead of a blank frame
+            ax.text(0.5, 0.5, "no scores", ha="center", va="center", transform=ax.transAxes, color="0.4")
+    with_curves = [ax for ax in axes if ax.lines]
+    if with_curves:
+        with_curves[0].legend(fontsize=7)
     fig.suptitle(f"{title} (band: ± std over seeds)")
     _save(fig, path)
