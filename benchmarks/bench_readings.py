@@ -1,6 +1,6 @@
 """The measured effect of every reading in docs/readings.md, each pair of readings on the same inputs.
 
-    .venv/bin/python benchmarks/bench_readings.py [--only pacfl dirichlet flux anda]
+    .venv/bin/python benchmarks/bench_readings.py [--only pacfl dirichlet flux anda encoders preprocessing usfm]
 
 * pacfl — PACFL on a BUSI Dirichlet(0.1) federation of 20 sites (raw-pixel class bases, p = 3): the distance
   matrices under the principal-angle and the official-code angle; agreement of their K = 3 clusterings (ARI),
@@ -17,6 +17,10 @@
   resampled trilinearly vs by the authors' ``ndimage.zoom(order=0)``, and the official dilated network vs MONAI's
   resnet18 with the same weights; USFM: the authors' mean-pooled feature vs the final-norm CLS token (random weights:
   no release is stored here).
+* usfm — USFM's two features on BUSI clustering: FMCL Table 1's federation (``app_configs/busi_fmcl.yaml``, 20 sites,
+  Dirichlet(0.1) label skew), each site's FMCL signature from the authors' mean-pooled feature and from the CLS token
+  (random weights), clustered at the table's K = 3 and at Auto-K; the ARI between the two readings' clusters and of
+  each against the sites' label mixes (their majority class).
 * anda — the same federation with ANDA's colour reading (channel at full intensity, gray elsewhere) vs fedmed's
   (gray in one channel): clustering ARI of the Flux descriptors.
 """
@@ -250,6 +254,58 @@ def encoders():
           f"the final-norm CLS token {np.mean([cos(torch.from_numpy(a), torch.from_numpy(b)) for a, b in zip(mean, cls)]):.4f}")
 
 
+def usfm_busi(seeds=(0, 1, 2)):
+    """USFM's mean-pooled patch feature (the authors' downstream one, fedmed's default) vs the final-norm CLS token,
+    as FMCL signatures on FMCL Table 1's BUSI federation: the clusters each gives (random weights: no release is
+    stored here, so this measures what the reading alone moves)."""
+    import time
+
+    from sklearn.metrics import adjusted_rand_score
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from natural_assessment import site_features
+
+    from fedmed.algorithms.clustered import choose_clusters, signature_distances
+    from fedmed.algorithms.privacy import signature_payload
+    from fedmed.config import load_config
+    from fedmed.run.experiment import prepare_federation, with_classes
+
+    exp = load_config(ROOT / "app_configs" / "busi_fmcl.yaml")
+    tmp = Path(tempfile.mkdtemp(prefix="readings_usfm_"))
+    t0 = time.time()
+    rows = []
+    for seed in seeds:
+        data_dir = tmp / f"seed{seed}"
+        prepare_federation(exp, seed, data_dir)
+        sites = json.loads((data_dir / "dataset.json").read_text())["sites"]
+        exp_s = with_classes(exp, data_dir)
+        clusters, majority = {}, None
+        for enc in ("usfm", "usfm_cls"):
+            feats = site_features(exp_s, data_dir, sites, enc, None, "encoder", seed, tmp / f"f_{seed}_{enc}.npz")
+            majority = {s: int(np.bincount(y).argmax()) for s, (_, y) in feats.items()}
+            sigs = {s: signature_payload("fmcl", x, y, k_min=exp.privacy.k_min, privacy=exp.privacy.model_dump(),
+                                         rng=np.random.default_rng(seed), site=s) for s, (x, y) in feats.items()}
+            names, D = signature_distances("fmcl", sigs, overlap=True)
+            for label, k in (("K=3", 3), ("Auto-K", None)):
+                info = choose_clusters(D, names, n_clusters=k)
+                clusters[(enc, label)] = {s: i for i, c in enumerate(info["clusters"]) for s in c}
+        for label in ("K=3", "Auto-K"):
+            a, b = clusters[("usfm", label)], clusters[("usfm_cls", label)]
+            rows.append((seed, label, max(a.values()) + 1, max(b.values()) + 1,
+                         adjusted_rand_score([a[s] for s in sites], [b[s] for s in sites]),
+                         adjusted_rand_score([majority[s] for s in sites], [a[s] for s in sites]),
+                         adjusted_rand_score([majority[s] for s in sites], [b[s] for s in sites])))
+            print(f"[seed {seed}] {label}: K mean-patch {rows[-1][2]}, CLS {rows[-1][3]}; ARI between them "
+                  f"{rows[-1][4]:.2f}; vs the sites' majority class: mean-patch {rows[-1][5]:.2f}, CLS {rows[-1][6]:.2f} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+    for label in ("K=3", "Auto-K"):
+        r = np.asarray([x[2:] for x in rows if x[1] == label], dtype=float)
+        print(f"USFM on BUSI clustering (busi_fmcl.yaml, FMCL {label}, random weights, seeds {list(seeds)}): K mean-patch "
+              f"{r[:, 0].astype(int).tolist()}, CLS {r[:, 1].astype(int).tolist()}; ARI between the two readings' "
+              f"clusters {r[:, 2].mean():.2f} ± {r[:, 2].std():.2f}; ARI vs the sites' majority class: mean-patch "
+              f"{r[:, 3].mean():.2f} ± {r[:, 3].std():.2f}, CLS {r[:, 4].mean():.2f} ± {r[:, 4].std():.2f}")
+
+
 def preprocessing():
     """Each 2D encoder's own input normalisation vs the one fedmed used for all before #26, ``(x - 0.5) / 0.25``: the
     cosine of the two features of 16 BUSI images (the ImageNet EfficientNet-Lite0 release when installed; the others
@@ -278,7 +334,9 @@ def main(argv=None):
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", default=["pacfl", "dirichlet", "flux", "anda", "encoders", "preprocessing"])
+    ap.add_argument("--only", nargs="*", default=["pacfl", "dirichlet", "flux", "anda", "encoders", "preprocessing",
+                                                  "usfm"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of --only usfm")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="readings_"))
@@ -294,6 +352,8 @@ def main(argv=None):
         encoders()
     if "preprocessing" in a.only:
         preprocessing()
+    if "usfm" in a.only:
+        usfm_busi(a.seeds)
 
 
 if __name__ == "__main__":
