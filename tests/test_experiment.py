@@ -116,6 +116,52 @@ def test_sweep_runs_the_config_cases_and_writes_one_table(tmp_path, fake_job, ca
     assert len(fake_job) == 6 and (out / "summary.md").read_text() == text
 
 
+def test_a_sweep_case_on_another_dataset_with_the_base_classes_fails_before_any_case_runs(tmp_path, fake_job, capsys):
+    """dp_cost.yaml's Flux cases moved to PneumoniaMNIST but kept busi_fmcl.yaml's classes: the sweep ran its FMCL
+    cases for 20 minutes, then failed. Every case is checked before the first runs."""
+    digits = [str(i) for i in range(10)]
+    other = tmp_path / "two"
+    for c in ("cat", "dog"):
+        (other / c).mkdir(parents=True)
+        for i in range(3):
+            from PIL import Image
+
+            Image.fromarray(np.full((8, 8), 40 * i, np.uint8)).save(other / c / f"{i}.png")
+    cfg = write_cfg(tmp_path, dataset={**BASE["dataset"], "classes": digits},
+                    sweep=[{"name": "digits", "set": []}, {"name": "pets", "set": [f"dataset.path={other}"]}])
+    assert main(["sweep", str(cfg), "--out", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert "sweep case 'pets': dataset.classes" in err and "['cat', 'dog']" in err and "nothing was run" in err
+    assert fake_job == []
+    # the same case with its own classes runs, and so does the sweep
+    cfg = write_cfg(tmp_path, dataset={**BASE["dataset"], "classes": digits},
+                    sweep=[{"name": "digits", "set": []},
+                           {"name": "pets", "set": [f"dataset.path={other}", "dataset.classes=null"]}])
+    assert main(["sweep", str(cfg), "--out", str(tmp_path / "s2"), "--cases", "digits"]) == 0
+    assert len(fake_job) == 4
+
+
+def test_every_shipped_sweep_case_names_its_datasets_classes(monkeypatch):
+    """The check above, on every committed config with sweep cases whose data is here (each case's dataset
+    discovered). It found dp_cost.yaml's Flux cases."""
+    from argparse import Namespace
+
+    from fedmed.cli.commands import _check_cases
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # shipped configs name ../shared/data/... from the repository root
+    if not (root.parent / "shared" / "data").is_dir():
+        pytest.skip("../shared/data is absent (the shared data sets)")
+    checked = 0
+    for f in sorted((root / "app_configs").glob("*.yaml")):
+        cases = [(c.name, list(c.set), c.methods) for c in load_config(f).sweep]
+        paths = [load_config(f, s).dataset.path for _, s, _ in cases]
+        if cases and all(p is None or p.startswith("builtin:") or Path(p).exists() for p in paths):
+            _check_cases(Namespace(config=str(f), set=[], cases=None, report_only=False), cases)
+            checked += 1
+    assert checked >= 3, checked
+
+
 def test_sweep_rejects_unknown_cases(tmp_path, capsys):
     cfg = write_cfg(tmp_path, sweep=[{"name": "a", "set": []}])
     assert main(["sweep", str(cfg), "--cases", "b"]) == 2

@@ -460,7 +460,30 @@ def cmd_sweep(a):
         return _sweep_cases(a, cases, out, run_experiment, read_results, sweep_table, clustering_agreement, sweep_stats)
 
 
+def _check_cases(a, cases) -> None:
+    """Every case a sweep will run is checked before the first one runs: its config validates and, for a
+    classification dataset read from one path, the classes the config names are that dataset's. A case that changed
+    ``dataset.path`` but inherited another dataset's ``dataset.classes`` used to fail only when its turn came, after
+    the cases before it had run (``dp_cost.yaml``'s Flux cases, after 20 minutes of FMCL runs)."""
+    from fedmed.config import load_config
+    from fedmed.data.images import discover
+
+    for name, sets, _ in cases:
+        if a.report_only or (a.cases and name not in a.cases):
+            continue
+        exp = load_config(a.config, list(a.set) + sets)
+        d = exp.dataset
+        if d.task != "classification" or d.sources or not d.classes or d.path is None:
+            continue
+        found = discover(d.path, max_per_class=d.max_per_class).class_names
+        if list(d.classes) != list(found):
+            raise ValueError(f"sweep case {name!r}: dataset.classes {list(d.classes)} differ from the classes found in "
+                             f"{d.describe()} {found} (set dataset.classes for the case, or dataset.classes=null); "
+                             f"nothing was run")
+
+
 def _sweep_cases(a, cases, out, run_experiment, read_results, sweep_table, clustering_agreement, sweep_stats):
+    _check_cases(a, cases)
     for name, sets, methods in cases:
         if a.report_only or (a.cases and name not in a.cases):
             continue
