@@ -279,16 +279,16 @@ def usfm_busi(seeds=(0, 1, 2)):
         prepare_federation(exp, seed, data_dir)
         sites = json.loads((data_dir / "dataset.json").read_text())["sites"]
         exp_s = with_classes(exp, data_dir)
-        clusters, majority = {}, None
-        for enc in ("usfm", "usfm_cls"):
+        clusters = {}
+        for enc in ("usfm", "usfm_cls"):  # the same seeded weights: the two networks differ only in their pooling/norm
             feats = site_features(exp_s, data_dir, sites, enc, None, "encoder", seed, tmp / f"f_{seed}_{enc}.npz")
-            majority = {s: int(np.bincount(y).argmax()) for s, (_, y) in feats.items()}
             sigs = {s: signature_payload("fmcl", x, y, k_min=exp.privacy.k_min, privacy=exp.privacy.model_dump(),
                                          rng=np.random.default_rng(seed), site=s) for s, (x, y) in feats.items()}
             names, D = signature_distances("fmcl", sigs, overlap=True)
             for label, k in (("K=3", 3), ("Auto-K", None)):
                 info = choose_clusters(D, names, n_clusters=k)
                 clusters[(enc, label)] = {s: i for i, c in enumerate(info["clusters"]) for s in c}
+        majority = {s: int(np.bincount(y).argmax()) for s, (_, y) in feats.items()}  # the labels: either encoder's
         for label in ("K=3", "Auto-K"):
             a, b = clusters[("usfm", label)], clusters[("usfm_cls", label)]
             rows.append((seed, label, max(a.values()) + 1, max(b.values()) + 1,

@@ -119,13 +119,13 @@ def test_sweep_runs_the_config_cases_and_writes_one_table(tmp_path, fake_job, ca
 def test_a_sweep_case_on_another_dataset_with_the_base_classes_fails_before_any_case_runs(tmp_path, fake_job, capsys):
     """dp_cost.yaml's Flux cases moved to PneumoniaMNIST but kept busi_fmcl.yaml's classes: the sweep ran its FMCL
     cases for 20 minutes, then failed. Every case is checked before the first runs."""
+    from PIL import Image
+
     digits = [str(i) for i in range(10)]
     other = tmp_path / "two"
     for c in ("cat", "dog"):
         (other / c).mkdir(parents=True)
         for i in range(3):
-            from PIL import Image
-
             Image.fromarray(np.full((8, 8), 40 * i, np.uint8)).save(other / c / f"{i}.png")
     cfg = write_cfg(tmp_path, dataset={**BASE["dataset"], "classes": digits},
                     sweep=[{"name": "digits", "set": []}, {"name": "pets", "set": [f"dataset.path={other}"]}])

@@ -462,12 +462,15 @@ def cmd_sweep(a):
 
 def _check_cases(a, cases) -> None:
     """Every case a sweep will run is checked before the first one runs: its config validates and, for a
-    classification dataset read from one path, the classes the config names are that dataset's. A case that changed
-    ``dataset.path`` but inherited another dataset's ``dataset.classes`` used to fail only when its turn came, after
-    the cases before it had run (``dp_cost.yaml``'s Flux cases, after 20 minutes of FMCL runs)."""
+    classification dataset read from one path, the classes the config names are that dataset's (the check
+    ``prepare_federation`` makes when the case's turn comes). A case that changed ``dataset.path`` but inherited
+    another dataset's ``dataset.classes`` used to fail only then, after the cases before it had run
+    (``dp_cost.yaml``'s Flux cases, after 20 minutes of FMCL runs)."""
     from fedmed.config import load_config
     from fedmed.data.images import discover
+    from fedmed.run.experiment import check_classes
 
+    found: dict = {}  # (path, max_per_class) -> class names: each dataset discovered once
     for name, sets, _ in cases:
         if a.report_only or (a.cases and name not in a.cases):
             continue
@@ -475,11 +478,14 @@ def _check_cases(a, cases) -> None:
         d = exp.dataset
         if d.task != "classification" or d.sources or not d.classes or d.path is None:
             continue
-        found = discover(d.path, max_per_class=d.max_per_class).class_names
-        if list(d.classes) != list(found):
-            raise ValueError(f"sweep case {name!r}: dataset.classes {list(d.classes)} differ from the classes found in "
-                             f"{d.describe()} {found} (set dataset.classes for the case, or dataset.classes=null); "
-                             f"nothing was run")
+        key = (d.path, d.max_per_class)
+        if key not in found:
+            found[key] = discover(d.path, max_per_class=d.max_per_class).class_names
+        try:
+            check_classes(exp, found[key])
+        except ValueError as e:
+            raise ValueError(f"sweep case {name!r}: {e} (set dataset.classes for the case, or dataset.classes=null); "
+                             f"nothing was run") from None
 
 
 def _sweep_cases(a, cases, out, run_experiment, read_results, sweep_table, clustering_agreement, sweep_stats):

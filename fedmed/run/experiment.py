@@ -37,7 +37,7 @@ from fedmed.run.jobspec import BuildError, check_method_files, job_spec
 from fedmed.report.record import missing_sentence
 from fedmed.report.summary import read_results, rows_from_metrics, sweep_stats, sweep_table, write_outputs  # noqa: F401 (re-exported)
 
-__all__ = ["ExperimentError", "REPO_ROOT", "RunError", "classes_override", "prepare_federation", "run_config_job", "run_experiment", "with_classes",
+__all__ = ["ExperimentError", "REPO_ROOT", "RunError", "check_classes", "classes_override", "prepare_federation", "run_config_job", "run_experiment", "with_classes",
            "run_fingerprint", "run_job"]
 
 REPO_ROOT = project_root()  # jobs/, app_configs/: the clone's or the installed package's (fedmed.core.resources)
@@ -58,6 +58,13 @@ class ExperimentError(RuntimeError):
 
 
 # --------------------------------------------------------------------------------------------- federations
+
+def check_classes(exp, found: list[str]) -> None:
+    """The classes a config names (``dataset.classes``: a job is built from the config alone) are the dataset's."""
+    if exp.dataset.classes and list(exp.dataset.classes) != list(found):
+        raise ValueError(f"dataset.classes {list(exp.dataset.classes)} differ from the classes found in "
+                         f"{exp.dataset.describe()} {list(found)}")
+
 
 def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: str | None = None) -> Path:
     """Partition the dataset for ``seed`` and write the site datalists into ``out_dir`` (``partition``
@@ -96,9 +103,7 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
         from fedmed.data.images import ImagePool
 
         check_readable(ImagePool(list(pool.masks), pool.labels, pool.class_names, pool.source + " (masks)"))
-    if exp.dataset.classes and exp.dataset.classes != pool.class_names:
-        raise ValueError(f"dataset.classes {exp.dataset.classes} differ from the classes found in {exp.dataset.describe()} "
-                         f"{pool.class_names}")
+    check_classes(exp, pool.class_names)
     rng = np.random.default_rng(seed)
     transforms = None
     extra: dict = {"partition": part, "seed": seed}
