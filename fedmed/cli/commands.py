@@ -461,7 +461,7 @@ def cmd_sweep(a):
 
 
 def _check_cases(a, cases) -> None:
-    """Every case a sweep will run is checked before the first one runs: its config validates and, for a
+    """Every case a sweep will run (``cases``: those chosen) is checked before the first one runs: its config validates and, for a
     classification dataset read from one path, the classes the config names are that dataset's (the check
     ``prepare_federation`` makes when the case's turn comes). A case that changed ``dataset.path`` but inherited
     another dataset's ``dataset.classes`` used to fail only then, after the cases before it had run
@@ -472,8 +472,6 @@ def _check_cases(a, cases) -> None:
 
     found: dict = {}  # (path, max_per_class) -> class names: each dataset discovered once
     for name, sets, _ in cases:
-        if a.report_only or (a.cases and name not in a.cases):
-            continue
         exp = load_config(a.config, list(a.set) + sets)
         d = exp.dataset
         if d.task != "classification" or d.sources or not d.classes or d.path is None:
@@ -489,10 +487,9 @@ def _check_cases(a, cases) -> None:
 
 
 def _sweep_cases(a, cases, out, run_experiment, read_results, sweep_table, clustering_agreement, sweep_stats):
-    _check_cases(a, cases)
-    for name, sets, methods in cases:
-        if a.report_only or (a.cases and name not in a.cases):
-            continue
+    todo = [] if a.report_only else [c for c in cases if not a.cases or c[0] in a.cases]
+    _check_cases(a, todo)
+    for name, sets, methods in todo:
         chosen = [m for m in methods if m in a.methods] if methods and a.methods else methods or a.methods
         if chosen == []:
             continue  # --methods leaves nothing of this case
