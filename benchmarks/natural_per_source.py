@@ -40,7 +40,11 @@ def run_record(out: Path, method: str, seed: int) -> Path | None:
 
 
 def reference_round(out: Path, method: str, seed: int, round_) -> dict | None:
-    """A reference row's per-site records (``{"sites": ...}``), where the reference keeps them (each source alone)."""
+    """A reference row's per-site records (``{"sites": ...}``) for "Each source alone", the one reference whose sites
+    are the sources' own; None for the others (the IID federation's reference keeps records too, but of sites that mix
+    the sources, which say nothing per source)."""
+    if method != "Each source alone":
+        return None
     f = out / "runs" / f"seed{seed}" / "_references" / "run.json"
     if not f.is_file():
         return None

@@ -291,11 +291,13 @@ def test_each_source_alone_trains_a_model_per_source_and_scores_each_site_with_i
         assert all(sum(r) == 0 or sum(r) >= exp.privacy.k_min for r in rec["confusion"])
     work = tmp_path / "out" / "runs" / "seed0" / "_references"
     work.mkdir(parents=True)
-    (work / "run.json").write_text(json.dumps({"rows": alone}))
+    iid = [dict(r, method="FedAvg (IID federation)") for r in alone]  # a reference that also keeps site records
+    (work / "run.json").write_text(json.dumps({"rows": alone + iid}))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from natural_per_source import reference_round
 
     assert reference_round(tmp_path / "out", "Each source alone", 0, 4) == {"sites": alone[-1]["sites"]}
+    assert reference_round(tmp_path / "out", "FedAvg (IID federation)", 0, 4) is None  # its sites mix the sources
     per_site = alone_rows(exp, fed, meta["sites"], 0, None, log=lambda *_: None)
     assert {r["method"] for r in per_site} == {"Each site alone"}
 
