@@ -147,6 +147,32 @@ def test_a_model_that_is_no_classifier_or_3d_segmenter_is_one_line_saying_so(tmp
     assert len(err) == 1 and "a mae model" in err[0]
 
 
+def test_job_text_never_becomes_a_live_expression_in_the_exported_bundle(tmp_path):
+    """A job's class names, site names and model arguments go into the exported bundle's configs, which
+    ``monai.bundle run`` parses as code: a string MONAI would evaluate, follow or expand is refused before anything is
+    written (a class named ``$...`` would run where the hospital runs the bundle)."""
+    from fedmed.nn.bundle import BundleExportError, export_bundle
+    from fedmed.nn.models import model_from_config
+    from fedmed.nn.predict import save_model
+
+    marker = tmp_path / "MARKER"
+    run = f"$__import__('pathlib').Path({str(marker)!r}).touch() or 'benign'"
+    model = {"arch": "resnet9", "width": 4}
+    params = {k: v.numpy() for k, v in model_from_config(model, 1, 2, seed=0).state_dict().items()}
+    cases = [({"classes": [run, "malignant"]}, {}, "classes[0]"),
+             ({"classes": ["benign", "@network_def"]}, {}, "classes[1]"),
+             ({"classes": ["benign", "malignant"]}, {"sites": ["%/etc/passwd", "b"]}, "sites[0]"),
+             ({"classes": ["benign", "malignant"]}, {"workflow": "$os.system('x')"}, "workflow")]
+    for i, (extra, kw, at) in enumerate(cases):
+        cfg = {"task": "classification", "model": model, "data": {"channels": 1, "n_classes": 2, "image_size": 8},
+               **extra}
+        ck = save_model(tmp_path / f"m{i}.pt", params, cfg, **kw)
+        with pytest.raises(BundleExportError, match=re.escape(f"m{i}.pt: {at} = ") + ".* would be a live expression"):
+            export_bundle(ck)
+        assert not (tmp_path / f"m{i}_bundle").exists()
+    assert not marker.exists()
+
+
 # ------------------------------------------------------------------------------------------------ a bundle brought in
 def _bundle(root: Path, *, in_channels=1, classes=2, size=16, loss="CrossEntropyLoss", weights_seed=0, extra=()):
     """A small 2D classification bundle as MONAI's tools read it: a DenseNet121 network_def whose channels are
@@ -218,6 +244,102 @@ def test_a_bundle_whose_inputs_or_outputs_do_not_fit_is_one_line_when_the_config
         raw = yaml.safe_load(_cfg(tmp_path, _bundle(tmp_path / "ok", classes=10)).read_text())
         raw["model"]["arch"] = "resnet9"
         load_config(raw)
+
+
+def _edit(bundle: Path, file: str, f):
+    p = bundle / "configs" / file
+    d = json.loads(p.read_text())
+    f(d)
+    p.write_text(json.dumps(d))
+
+
+def test_a_bundle_is_read_as_data_no_expression_macro_or_reference_to_one_runs(tmp_path):
+    """A bundle is code to MONAI (``$`` expressions, ``%`` macros, ``@`` references to expressions) and data to
+    fedmed: whatever fedmed reads of it — network_def arguments, the items they reference, preprocessing arguments and
+    keys in inference.json and train.json#validate#preprocessing — is refused in one line naming the key, and nothing
+    runs (a marker file proves it)."""
+    from fedmed.config import ConfigError, load_config
+
+    marker = tmp_path / "MARKER"
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"key": 7}))
+    run = f"$__import__('pathlib').Path({str(marker)!r}).touch() or 8"
+    net = lambda k, v: lambda d: d["network_def"].__setitem__(k, v)  # noqa: E731
+    cases = [
+        ("inference.json", net("init_features", run), "network_def#init_features is a Python expression"),
+        ("inference.json", net("init_features", f"%{secret}#key"), "network_def#init_features is a macro"),
+        ("inference.json", net("init_features", f"$open({str(secret)!r}).read()"),
+         "network_def#init_features is a Python expression"),
+        # a reference to an expression: the referenced item runs in MONAI's parser
+        ("inference.json", lambda d: d.update(num_channels=run),
+         "network_def#in_channels (@num_channels) is a Python expression"),
+        ("inference.json", lambda d: d["network_def"].__setitem__("block_config", [2, run]),
+         "network_def#block_config#1 is a Python expression"),
+        ("inference.json", lambda d: d["preprocessing"]["transforms"][2].__setitem__("channel_wise", run),
+         "preprocessing#transforms#2#channel_wise is a Python expression"),
+        ("inference.json", lambda d: d["preprocessing"]["transforms"][2].__setitem__("keys", run),
+         "preprocessing#transforms#2#keys is a Python expression"),
+        ("inference.json", lambda d: d.update(image_key=run),
+         "preprocessing#transforms#2#keys (@image_key) is a Python expression"),
+        ("inference.json", lambda d: d.update(network_def=f"%{secret}#net"), "network_def is a macro"),
+    ]
+    for i, (file, edit, msg) in enumerate(cases):
+        b = _bundle(tmp_path / f"x{i}", classes=10)
+        _edit(b, file, edit)
+        with pytest.raises(ConfigError, match=re.escape(f"model.bundle x{i} ({file}): {msg}")):
+            load_config(_cfg(tmp_path, b))
+    # train.json's validate#preprocessing (read when inference.json has no preprocessing)
+    b = _bundle(tmp_path / "t", classes=10)
+    inf = json.loads((b / "configs" / "inference.json").read_text())
+    pre = inf.pop("preprocessing")
+    pre["transforms"][2]["channel_wise"] = run
+    (b / "configs" / "inference.json").write_text(json.dumps(inf))
+    _edit(b, "train.json", lambda d: d.update(image_key="image", validate={"preprocessing": pre}))
+    with pytest.raises(ConfigError, match=re.escape("model.bundle t (train.json): validate#preprocessing#transforms#2"
+                                                    "#channel_wise is a Python expression")):
+        load_config(_cfg(tmp_path, b))
+    assert not marker.exists(), "a bundle's expression ran"
+    # the plain form still reads: references to plain values resolved
+    cfg = load_config(_cfg(tmp_path, _bundle(tmp_path / "plain", classes=10)))
+    assert cfg.model.args["in_channels"] == 1 and cfg.model.args["out_channels"] == 10
+    assert cfg.model.preprocessing == [{"name": "NormalizeIntensity", "args": {"channel_wise": True}}]
+
+
+def test_a_bundles_files_are_regular_files_inside_it_and_model_pt_is_a_state_dict(tmp_path):
+    """A ``models/model.pt`` (or a config) that is a symbolic link would ship any file of the coordinator's machine
+    into the job; a model.pt that is no state dict (a pickle, a text file) is refused before anything is shipped."""
+    import pickle
+
+    from fedmed.config import ConfigError, load_config
+
+    outside = tmp_path / "private.txt"
+    outside.write_text("patient list")
+    b = _bundle(tmp_path / "link", classes=10)
+    (b / "models" / "model.pt").unlink()
+    (b / "models" / "model.pt").symlink_to(outside)
+    with pytest.raises(ConfigError, match=re.escape("model.bundle link: models/model.pt is a symbolic link; a "
+                                                    "bundle's files must be regular files inside its folder")):
+        load_config(_cfg(tmp_path, b))
+    b = _bundle(tmp_path / "clink", classes=10)
+    real = tmp_path / "elsewhere.json"
+    (b / "configs" / "inference.json").rename(real)
+    (b / "configs" / "inference.json").symlink_to(real)
+    with pytest.raises(ConfigError, match=re.escape("model.bundle clink: configs/inference.json is a symbolic link")):
+        load_config(_cfg(tmp_path, b))
+    marker = tmp_path / "PICKLED"
+
+    class Boom:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    for name, write in (("pickle", lambda f: f.write_bytes(pickle.dumps({"w": Boom()}))),
+                        ("text", lambda f: f.write_text("not weights")),
+                        ("empty", lambda f: __import__("torch").save({}, f))):
+        b = _bundle(tmp_path / name, classes=10)
+        write(b / "models" / "model.pt")
+        with pytest.raises(ConfigError, match=re.escape(f"model.bundle {name}: models/model.pt ")):
+            load_config(_cfg(tmp_path, b))
+    assert not marker.exists()
 
 
 @pytest.mark.slow

@@ -215,6 +215,8 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
     size, ch, n = int(d["image_size"]), int(d["channels"]), int(d["n_classes"])
     classes = list(ck.get("classes") or [str(c) for c in range(n)])
     pre = ck["model"].get("preprocessing")
+    _check_literal(ck_path, classes=classes, model=ck["model"], data=ck["data"], sites=ck.get("sites"),
+                   workflow=ck.get("workflow"), cluster=ck.get("cluster"), description=description)
     network_def, uses_pt, how = _write_network(net, ck, ck_path, out, torch.zeros(1, ch, size, size), spatial_dims=2,
                                                in_channels=ch, n_out=n, script="fedmed_image", source=_READER)
     inference = {
@@ -271,6 +273,30 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
         f"Input: an image file (PNG/JPEG/TIFF), read as in training (scripts/fedmed_image.py) to {ch} x {size} x "
         f"{size} in [0, 1], {scaled}. Output: OUT/predictions.csv, the probabilities of {', '.join(classes)}."))
     return out
+
+
+def _live_strings(value, at: str = ""):
+    """``(where, string)`` for every string (or key) of ``value`` that MONAI's config parser would act on: a ``$``
+    expression, an ``@`` reference or a ``%`` macro."""
+    if isinstance(value, str):
+        if value.startswith(("$", "@", "%")):
+            yield at, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _live_strings(k, f"{at}.{k}" if at else str(k))
+            yield from _live_strings(v, f"{at}.{k}" if at else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _live_strings(v, f"{at}[{i}]")
+
+
+def _check_literal(ck_path: Path, **job_values) -> None:
+    """Every string of the job (class and modality names, the model's arguments and preprocessing, site names, the
+    description) goes into the bundle's configs, which ``monai.bundle run`` parses as code: one that MONAI would
+    evaluate, follow or expand (``$``, ``@``, ``%`` at its start) is refused before anything is written."""
+    for at, v in _live_strings(job_values):
+        raise BundleExportError(f"{ck_path.name}: {at} = {v[:40]!r} would be a live expression, reference or macro in "
+                                f"the bundle's configs (a string starting with $, @ or %); no bundle written")
 
 
 def _served(ck) -> str:
@@ -417,6 +443,8 @@ def _export_seg3d(net, ck, ck_path: Path, out: Path, description: str) -> Path:
     c, shape, roi = int(d["in_channels"]), [int(v) for v in d["shape"]], [int(v) for v in d["roi"]]
     mods = list(d.get("modalities") or [f"ch{i}" for i in range(c)])
     pre = ck["model"].get("preprocessing")
+    _check_literal(ck_path, modalities=mods, model=ck["model"], data=ck["data"], sites=ck.get("sites"),
+                   workflow=ck.get("workflow"), cluster=ck.get("cluster"), description=description)
     network_def, uses_pt, how = _write_network(net, ck, ck_path, out, torch.zeros(1, c, *roi), spatial_dims=3,
                                                in_channels=c, n_out=3, script="fedmed_volume", source=_VOLUME)
     inference = {
@@ -486,39 +514,47 @@ _CLS_LOSSES = ("CrossEntropyLoss",)
 
 def read_bundle(path) -> dict:
     """What fedmed takes from a MONAI bundle folder (``model.bundle``): its network (``network_def`` of
-    ``configs/inference.json``, else ``configs/train.json``: a network of ``monai.networks.nets`` with its arguments,
-    references resolved by MONAI's ``ConfigParser``), its weights (``models/model.pt``, when there), the inputs and
-    outputs its ``configs/metadata.json`` declares, and the loss of its ``train.json``.
+    ``configs/inference.json``, else ``configs/train.json``: a network of ``monai.networks.nets`` with its arguments),
+    its weights (``models/model.pt``, when there: a state dict), the inputs and outputs its ``configs/metadata.json``
+    declares, and the loss of its ``train.json``.
 
-    Returns ``{"arch", "args", "init_weights", "inputs", "outputs", "loss", "name"}``.
+    A bundle is read as **data**: its files are parsed as JSON (or YAML without tags) and nothing in them is ever
+    evaluated. A value fedmed reads may be a plain value or an ``@id`` reference to one; a ``$`` expression, a ``%``
+    macro or a reference that leads to one is refused in one line naming the key, before anything runs. Every file
+    fedmed reads is a regular file inside the bundle folder (no symbolic link), and ``models/model.pt`` must load as
+    a state dict (``weights_only``) before it is shipped to any party.
+
+    Returns ``{"arch", "args", "init_weights", "inputs", "outputs", "loss", "name", "preprocessing"}``.
 
     Raises:
         BundleExportError: one line naming the bundle and what does not fit (no configs, a network that is not a
-            MONAI network fedmed can name, a loss fedmed cannot drive).
+            MONAI network fedmed can name, an expression or macro, a file outside the bundle, weights that are no
+            state dict, a loss fedmed cannot drive).
     """
-    from monai.bundle import ConfigParser
-
     root = Path(path)
     where = f"model.bundle {root.name}"
     if not root.is_dir():
-        raise BundleExportError(f"model.bundle {path}: no such bundle folder")
+        raise BundleExportError(f"model.bundle {root.name}: no such bundle folder")
     configs = [root / "configs" / f for f in ("inference.json", "train.json", "inference.yaml", "train.yaml")]
-    found = [c for c in configs if c.is_file()]
+    found = [c for c in configs if c.is_file() or c.is_symlink()]
     meta_file = root / "configs" / "metadata.json"
-    if not found or not meta_file.is_file():
+    if not found or not (meta_file.is_file() or meta_file.is_symlink()):
         raise BundleExportError(f"{where}: a MONAI bundle has configs/metadata.json and configs/inference.json (or "
                                 f"train.json); found {sorted(p.name for p in (root / 'configs').glob('*'))}"
                                 if (root / "configs").is_dir() else f"{where}: no configs/ folder (not a MONAI bundle)")
-    meta = json.loads(meta_file.read_text())
+    meta = _bundle_data(root, meta_file, where)
+    if not isinstance(meta, dict):
+        raise BundleExportError(f"{where}: configs/metadata.json is not a JSON object")
     parsers = []
     for c in found:
-        p = ConfigParser()
-        p.read_config(str(c))
-        p["bundle_root"] = str(root)
-        parsers.append((c.name, p))
-    net_cfg, parser = next(((p.get("network_def"), p) for _, p in parsers if "network_def" in p.get()), (None, None))
-    if net_cfg is None:
+        cfg = _bundle_data(root, c, where)
+        if not isinstance(cfg, dict):
+            raise BundleExportError(f"{where}: configs/{c.name} is not a mapping of ids to values")
+        parsers.append((c.name, cfg))
+    file, cfg = next(((f, p) for f, p in parsers if "network_def" in p), (None, None))
+    if cfg is None:
         raise BundleExportError(f"{where}: no network_def in {', '.join(c.name for c in found)}")
+    net_cfg = _plain(cfg, cfg["network_def"], "network_def", f"{where} ({file})")
     target = net_cfg.get("_target_") if isinstance(net_cfg, dict) else None
     import monai.networks.nets as nets
 
@@ -528,24 +564,119 @@ def read_bundle(path) -> dict:
         raise BundleExportError(f"{where}: its network_def ({target or net_cfg!r:.80}) is not a network of "
                                 f"monai.networks.nets, which fedmed's sites build by name (a bundle's own network "
                                 f"code is not run)")
-    args = {}
-    for k in net_cfg:
-        if k.startswith("_"):
-            continue
-        args[k] = parser.get_parsed_content(f"network_def#{k}", instantiate=False, eval_expr=True)
+    args = {k: v for k, v in net_cfg.items() if not k.startswith("_")}
     weights = root / "models" / "model.pt"
+    init = None
+    if weights.is_file() or weights.is_symlink():
+        _inside(root, weights, where)
+        _check_state_dict(weights, where)
+        init = str(weights)
     loss = None
     train = dict(parsers).get("train.json")
-    if train is not None:
-        lc = train.get("loss") if "loss" in train.get() else None
+    if train is not None and isinstance(train.get("loss"), (dict, str)):
+        lc = _plain(train, train["loss"], "loss", f"{where} (train.json)")
         if isinstance(lc, dict):
             loss = str(lc.get("_target_", "")).split(".")[-1]
     fmt = meta.get("network_data_format") or {}
     steps = _preprocessing(parsers, where)
-    return {"name": meta.get("name") or root.name, "arch": name, "args": args,
-            "init_weights": str(weights) if weights.is_file() else None,
-            "inputs": fmt.get("inputs") or {}, "outputs": fmt.get("outputs") or {}, "loss": loss,
-            "preprocessing": steps}
+    return {"name": str(meta.get("name") or root.name), "arch": name, "args": args,
+            "init_weights": init, "inputs": fmt.get("inputs") or {}, "outputs": fmt.get("outputs") or {},
+            "loss": loss, "preprocessing": steps}
+
+
+def _inside(root: Path, f: Path, where: str) -> None:
+    """``f`` is a regular file of the bundle folder: no symbolic link on its way, nothing outside ``root``."""
+    rel = f.relative_to(root)
+    p = root
+    for part in rel.parts:
+        p = p / part
+        if p.is_symlink():
+            raise BundleExportError(f"{where}: {rel.as_posix()} is a symbolic link; a bundle's files must be regular "
+                                    f"files inside its folder")
+    if not f.is_file():
+        raise BundleExportError(f"{where}: {rel.as_posix()} is not a regular file")
+
+
+def _bundle_data(root: Path, f: Path, where: str):
+    """A bundle's config file as plain data: JSON, or YAML without tags (nothing constructed, nothing evaluated)."""
+    _inside(root, f, where)
+    text = f.read_text()
+    try:
+        if f.suffix == ".json":
+            return json.loads(text)
+        import yaml
+
+        return yaml.safe_load(text)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise BundleExportError(f"{where}: configs/{f.name} does not parse ({type(e).__name__}: {first:.120})") \
+            from None
+
+
+def _check_state_dict(f: Path, where: str) -> None:
+    """``models/model.pt`` loads as a state dict (string keys, tensors; ``weights_only``: no pickle runs)."""
+    import torch
+
+    try:
+        state = torch.load(str(f), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise BundleExportError(f"{where}: models/model.pt does not load as a state dict of tensors "
+                                f"({type(e).__name__})") from None
+    from fedmed.nn.encoders import _unwrap
+
+    state = _unwrap(state) if isinstance(state, dict) else {}
+    if not state or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise BundleExportError(f"{where}: models/model.pt is not a state dict (a mapping of names to tensors)")
+
+
+# MONAI's id separators: "::" (and the older "#")
+_ID_SEP = ("::", "#")
+
+
+def _id_parts(ref: str) -> list[str]:
+    return [p for p in ref.replace("#", "::").split("::")]
+
+
+def _plain(cfg: dict, value, key: str, where: str, *, _seen: tuple = ()):
+    """``value`` (at ``key`` of the bundle config ``cfg``) as plain data: ``@id`` references to plain values
+    resolved, anything MONAI would evaluate refused (a component's ``_target_`` stays a name; nothing is built)."""
+    if isinstance(value, str):
+        if value.startswith("$"):
+            raise BundleExportError(f"{where}: {key} is a Python expression ({value:.60}); fedmed reads a bundle as "
+                                    f"data and evaluates nothing: give a plain value")
+        if value.startswith("%"):
+            raise BundleExportError(f"{where}: {key} is a macro ({value:.60}); fedmed reads a bundle as data and "
+                                    f"expands no macro: give a plain value")
+        if value.startswith("@"):
+            ref = value[1:]
+            if not ref or ref.startswith(_ID_SEP):
+                raise BundleExportError(f"{where}: {key} is a relative reference ({value:.60}); fedmed resolves "
+                                        f"only whole-id references (@id) to plain values")
+            if ref in _seen:
+                raise BundleExportError(f"{where}: {key} refers to itself through @{ref}")
+            node = cfg
+            for part in _id_parts(ref):
+                if isinstance(node, dict) and part in node:
+                    node = node[part]
+                elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                    node = node[int(part)]
+                else:
+                    raise BundleExportError(f"{where}: {key} refers to @{ref:.60}, which the bundle does not define")
+            return _plain(cfg, node, f"{key} (@{ref})", where, _seen=_seen + (ref,))
+        return value
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise BundleExportError(f"{where}: {key} has a key {k!r} that is not a string")
+            out[k] = _plain(cfg, v, f"{key}#{k}", where, _seen=_seen)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_plain(cfg, v, f"{key}#{i}", where, _seen=_seen)
+                for i, v in enumerate(value)]
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    raise BundleExportError(f"{where}: {key} is a {type(value).__name__}, not a plain value")
 
 
 # a bundle's preprocessing steps that fedmed's own reading does (loading, channels first, types, resizing to the
@@ -559,45 +690,50 @@ _KEY_ARGS = ("keys", "allow_missing_keys", "dtype", "meta_keys", "meta_key_postf
 
 def _preprocessing(parsers: list, where: str) -> list | None:
     """``model.preprocessing`` from the bundle's ``preprocessing`` (``inference.json``; else ``validate#preprocessing``
-    of ``train.json``; ``parsers``: ``[(file name, ConfigParser)]``): its intensity transforms
-    (``fedmed.core.schema.INPUT_TRANSFORMS``) on the image, with their arguments resolved to plain values; the steps
-    fedmed's own reading does (:data:`_READ_BY_FEDMED`) and steps on other keys left out. None: no preprocessing."""
-    from fedmed.core.schema import INPUT_TRANSFORMS, _literal
+    of ``train.json``; ``parsers``: ``[(file name, its data)]``): its intensity transforms
+    (``fedmed.core.schema.INPUT_TRANSFORMS``) on the image, with their arguments as plain values (:func:`_plain`);
+    the steps fedmed's own reading does (:data:`_READ_BY_FEDMED`) and steps on other keys left out. None: no
+    preprocessing."""
+    from fedmed.core.schema import INPUT_TRANSFORMS
 
     for file, p in parsers:
+        w = f"{where} ({file})"
         for key in ("preprocessing", "validate#preprocessing"):
-            try:
-                cfg = p.get(key)
-            except (KeyError, ValueError, TypeError):
-                cfg = None
-            if isinstance(cfg, dict) and isinstance(cfg.get("transforms"), list):
+            node = p
+            for part in _id_parts(key):
+                node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, dict) and isinstance(node.get("transforms"), list):
+                cfg = node
                 break
         else:
             continue
         steps = []
         for i, t in enumerate(cfg["transforms"]):
-            target = t.get("_target_") if isinstance(t, dict) else None
+            at = f"{key}#transforms#{i}"
+            if isinstance(t, str) and t.startswith("@"):
+                t = _plain(p, t, at, w)
+            target = _plain(p, t.get("_target_"), f"{at}#_target_", w) if isinstance(t, dict) else None
             name = str(target or t).split(".")[-1]
             base = name[:-1] if name.endswith("d") and name[:-1] in INPUT_TRANSFORMS + _READ_BY_FEDMED else name
             if base in _READ_BY_FEDMED:
                 continue
             if base not in INPUT_TRANSFORMS:
                 raise BundleExportError(
-                    f"{where}: its preprocessing step {name} ({file}) is not one fedmed's sites apply: they read, "
+                    f"{where}: its preprocessing step {name:.60} ({file}) is not one fedmed's sites apply: they read, "
                     f"resize and crop images themselves and apply the intensity transforms {', '.join(INPUT_TRANSFORMS)}")
             if name != base:  # a dictionary transform: only the image's counts (not a label's, a mask's)
-                keys = p.get_parsed_content(f"{key}#transforms#{i}#keys", instantiate=False, eval_expr=True)
+                keys = _plain(p, t.get("keys"), f"{at}#keys", w)
                 if "image" not in ([keys] if isinstance(keys, str) else list(keys or [])):
                     continue
             args = {}
             for k in t:
                 if k.startswith("_") or k in _KEY_ARGS:
                     continue
-                v = p.get_parsed_content(f"{key}#transforms#{i}#{k}", instantiate=False, eval_expr=True)
-                if not _literal(v):
-                    raise BundleExportError(f"{where}: its preprocessing step {name} has argument {k} = {v!r}, not a "
-                                            f"plain value the sites can rebuild it from")
-                args[k] = list(v) if isinstance(v, tuple) else v
+                v = _plain(p, t[k], f"{at}#{k}", w)
+                if isinstance(v, dict):
+                    raise BundleExportError(f"{where}: its preprocessing step {name} has argument {k} = {v!r:.60}, "
+                                            f"not a plain value the sites can rebuild it from")
+                args[k] = v
             steps.append({"name": base, "args": args})
         return steps
     return None
