@@ -19,13 +19,12 @@ with :func:`fedmed.site.tasks.register_task`. ``docs/architecture.md`` has a com
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal, Optional, Union
 
 from pydantic import Field
 
-from fedmed.core.plugins import PluginError, import_plugins, module_allowed
+from fedmed.core.plugins import PluginError, add_code_folder, import_plugins, module_allowed
 from fedmed.core.schema import Strict
 
 __all__ = ["CFLMethod", "DittoMethod", "FECFLMethod", "FMCLMethod", "FedAvgMethod", "FedAvgWMethod", "FedBNMethod",
@@ -431,8 +430,8 @@ def load_plugins(refs, base: Path | None = None, modules=("*",)) -> list[str]:
     names = []
     for ref in refs or ():
         name, path = plugin_module(str(ref), base)
-        if path is not None and module_allowed(name, modules) and str(path.parent) not in sys.path:
-            sys.path.insert(0, str(path.parent))
+        if path is not None and module_allowed(name, modules):
+            add_code_folder(path.parent)
         import_plugins([name], modules)
         names.append(name)
     return names

@@ -25,7 +25,6 @@ hospital:
 import json
 import os
 import time
-import sys
 from pathlib import Path
 
 from nvflare.app_common.abstract.fl_model import FLModel
@@ -121,11 +120,11 @@ class WorkflowController(Federation, ModelController):
 
     def run(self):
         """FLARE's entry point: the named workflow, run on this federation."""
-        from fedmed.core.plugins import PluginError, import_plugins
+        from fedmed.core.plugins import PluginError, add_code_folder, import_plugins
         from fedmed.workflows import WorkflowNotFound
 
-        if self.user_code.is_dir() and str(self.user_code) not in sys.path:
-            sys.path.insert(0, str(self.user_code))  # a plugin or a user's class the job carries (BYOC)
+        if self.user_code.is_dir():
+            add_code_folder(self.user_code)  # a plugin or a user's class the job carries (BYOC), after what is installed
         try:  # a plugin method's module, if the server's policy lists it
             import_plugins(task_config(self.fedmed_config).plugins, self.policy.modules)
             cls = server_workflow(self.workflow_name)

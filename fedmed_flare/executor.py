@@ -13,7 +13,6 @@ the site's own log has the full message.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 from nvflare.apis.analytix import AnalyticsDataType
@@ -64,10 +63,13 @@ class SiteExecutor(Executor):
             memtrace.start()  # benchmarks/bench_memory.py --trace only
             app_root = fl_ctx.get_prop(FLContextKey.APP_ROOT)
             user_code = Path(app_root or ".") / "custom" / USER_CODE_DIR
-            if user_code.is_dir() and str(user_code) not in sys.path:
+            if user_code.is_dir():
+                from fedmed.core.plugins import add_code_folder
+
                 # only a job FLARE authorised as custom code (BYOC) has this folder; whether a module in it may be
-                # imported is still the site policy's decision (fedmed.site.policy)
-                sys.path.insert(0, str(user_code))
+                # imported is still the site policy's decision (fedmed.site.policy); it comes after everything
+                # installed, so none of its modules shadows an installed one
+                add_code_folder(user_code)
 
     def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         from fedmed.core import memtrace

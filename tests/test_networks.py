@@ -209,3 +209,31 @@ def test_the_full_size_3d_recipe_runs_shrunk(tmp_path):
     res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1500)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     assert "FedAvg" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_the_server_starts_the_model_only_from_the_jobs_own_files(tmp_path):
+    """``model.init_weights`` at the server (``config_fed_server.json``) may name only a file the job carries: an
+    absolute path, a ``..`` out of ``fedmed_files`` or a symbolic link is refused with one line that reads the same
+    whether such a file exists or not (no existence oracle), and the job's own file still starts the model."""
+    from fedmed.nn.models import ArchError, model_from_config
+
+    files = tmp_path / "config" / "fedmed_files"
+    (files / "model_init").mkdir(parents=True)
+    torch.manual_seed(3)
+    want = model_from_config({"arch": "resnet9", "width": 4}, 1, 2, seed=7).state_dict()
+    torch.save(want, files / "model_init" / "w.pt")
+    outside = tmp_path / "server_secret.pt"
+    torch.save(want, outside)
+    (files / "model_init" / "link.pt").symlink_to(outside)
+    base = {"arch": "resnet9", "width": 4}
+    got = model_from_config({**base, "init_weights": "model_init/w.pt"}, 1, 2, seed=0, init_root=files).state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    refusals = set()
+    for path in (str(outside), str(tmp_path / "absent.pt"), "../../server_secret.pt", "../../absent.pt",
+                 "model_init/link.pt", "model_init/absent.pt", "/etc/passwd"):
+        with pytest.raises(ArchError, match=r"is not a file this job carries \(the server starts the model only from "
+                                            r"the job's own files, fedmed_files/\)") as e:
+            model_from_config({**base, "init_weights": path}, 1, 2, seed=0, init_root=files)
+        refusals.add(str(e.value).replace(Path(path).name, "NAME"))
+        assert str(tmp_path) not in str(e.value)
+    assert len(refusals) == 1, refusals  # present or absent: the same line

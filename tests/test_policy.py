@@ -392,3 +392,39 @@ def test_no_name_of_a_sites_data_reaches_anything_the_server_writes(tmp_path, ca
                                               if f.is_file() and f.suffix in (".json", ".md", ".html", ".csv"))
     assert not [s for s in SECRETS if s in written], [s for s in SECRETS if s in written]
     assert "Doe" in capfd.readouterr().err  # the site's own log has it
+
+
+def test_a_jobs_code_folder_cannot_shadow_an_installed_module(tmp_path):
+    """A BYOC job's ``custom/fedmed_user_code`` holding ``scipy/__init__.py`` (server) or ``numpy/__init__.py`` (site)
+    must not be what ``import scipy`` finds: the folder comes after everything installed (the site executor's
+    START_RUN, the server controller, the in-process federation), while the job's own module stays importable."""
+    import subprocess
+
+    app = tmp_path / "app"
+    code = app / "custom" / "fedmed_user_code"
+    for mod in ("scipy", "sklearn", "jobs_own_module"):
+        (code / mod).mkdir(parents=True)
+        (code / mod / "__init__.py").write_text(
+            f"import pathlib\npathlib.Path({str(tmp_path / ('RAN_' + mod))!r}).touch()\n")
+    script = f"""
+import sys
+from nvflare.apis.event_type import EventType
+from nvflare.apis.fl_constant import FLContextKey
+from nvflare.apis.fl_context import FLContext
+from fedmed_flare.executor import SiteExecutor
+from fedmed.workflows.federation import Federation
+ctx = FLContext()
+ctx.set_prop(FLContextKey.APP_ROOT, {str(app)!r}, private=True, sticky=False)
+SiteExecutor().handle_event(EventType.START_RUN, ctx)
+from fedmed.core.plugins import add_code_folder
+add_code_folder({str(code)!r})  # the server's path (controller, in-process federation) calls the same
+assert {str(code)!r} in sys.path and sys.path.index({str(code)!r}) == len(sys.path) - 1, sys.path
+import scipy, sklearn, jobs_own_module
+print(scipy.__file__, sklearn.__file__, jobs_own_module.__file__)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    sci, skl, own = r.stdout.split()[-3:]
+    assert str(code) not in sci and str(code) not in skl and own.startswith(str(code))
+    assert not (tmp_path / "RAN_scipy").exists() and not (tmp_path / "RAN_sklearn").exists()
+    assert (tmp_path / "RAN_jobs_own_module").exists()

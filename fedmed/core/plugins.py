@@ -7,7 +7,17 @@ from __future__ import annotations
 import importlib
 import sys
 
-__all__ = ["PluginError", "import_plugins", "module_allowed"]
+__all__ = ["PluginError", "add_code_folder", "import_plugins", "module_allowed"]
+
+
+def add_code_folder(folder) -> None:
+    """Make the modules of ``folder`` (a job's ``custom/fedmed_user_code``, a plugin file's folder) importable
+    **after** everything installed: the folder is appended to ``sys.path``, never put before it, so a job's
+    ``numpy/__init__.py`` or ``scipy/`` cannot shadow the installed package of that name (FLARE appends its own
+    ``custom/`` folder too)."""
+    folder = str(folder)
+    if folder not in sys.path:
+        sys.path.append(folder)
 
 
 class PluginError(ImportError):

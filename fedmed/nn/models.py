@@ -299,15 +299,39 @@ def network(arch: str, args: dict | None, *, spatial_dims: int, in_channels: int
 
 
 def _load_init(model: nn.Module, m: ModelSection, root=None) -> nn.Module:
+    """Start ``model`` from ``model.init_weights``. ``root``: the job's files at the server (``fedmed_files``): the
+    path is then one of the job's own files — relative, inside ``root``, a regular file — and any other path (absolute,
+    ``..`` out of it, a symbolic link) is refused with the same line whether or not such a file exists."""
     path = m.init_weights
     if path:
         from pathlib import Path
 
         p = Path(path)
-        if not p.is_absolute() and root is not None:
-            p = Path(root) / p
+        if root is not None:
+            p = _job_file(Path(root), path)
         load_init_weights(model, p)
     return model
+
+
+def _job_file(root, path: str):
+    """``path`` as a file the job carries (inside ``root``), else :class:`ArchError` — one line for every refusal, so
+    that the answer says nothing of the server's own files."""
+    from pathlib import Path, PurePosixPath
+
+    rel = PurePosixPath(str(path).replace("\\", "/"))
+    ok = not rel.is_absolute() and ".." not in rel.parts and rel.parts
+    p = Path(root).joinpath(*rel.parts) if ok else None
+    if ok:
+        q = Path(root)
+        for part in rel.parts:  # no symbolic link on the way
+            q = q / part
+            if q.is_symlink():
+                ok = False
+                break
+    if not ok or not p.is_file() or not p.resolve().is_relative_to(Path(root).resolve()):
+        raise ArchError(f"model.init_weights: {rel.name or path!s:.80} is not a file this job carries (the server "
+                        f"starts the model only from the job's own files, {Path(root).name}/)")
+    return p
 
 
 def load_init_weights(model: nn.Module, path) -> None:

@@ -21,7 +21,6 @@ and save the same way.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -145,8 +144,10 @@ class Federation:
         is also returned (``"finished"``) or raised further (an unexpected error)."""
         self.workflow = workflow
         workflow.fed = self
-        if self.user_code is not None and Path(self.user_code).is_dir() and str(self.user_code) not in sys.path:
-            sys.path.insert(0, str(self.user_code))  # importable; whether it is imported is the server policy's call
+        if self.user_code is not None and Path(self.user_code).is_dir():
+            from fedmed.core.plugins import add_code_folder
+
+            add_code_folder(self.user_code)  # importable; whether it is imported is the server policy's call
         self.start_recording()
         try:
             self.restore()
