@@ -310,6 +310,29 @@ def test_dp_required_and_the_epsilon_ceiling_are_the_sites(sites):
     assert r.epsilon_spent == 2.0
 
 
+def test_the_dp_delta_has_a_ceiling_in_the_sites_policy(sites, tmp_path):
+    """``dp_required: true, max_epsilon: 1`` means nothing if a job may set ``dp_delta: 0.999999`` (the Gaussian
+    noise falls from sigma 1.07 to 0.063): δ has a ceiling too, ``max_delta`` (default 1e-5, fedmed's own dp_delta)."""
+    sig = {**CFG, "signature": {"kind": "fecfl", "encoder": "random_cnn", "seed": 0}}
+    weak = {**sig, "privacy": {"dp_epsilon": 1.0, "dp_delta": 0.999999}}
+    strict = SitePolicy(dp_required=True, max_epsilon=1.0)
+    assert strict.max_delta == 1e-5
+    r = site(sites, policy=strict)
+    with pytest.raises(PolicyError, match=r"the job's privacy.dp_delta=0.999999 is above this site's ceiling "
+                                          r"\(max_delta of this site's policy .*: 1e-05\)"):
+        r.handle("signature", {}, weak)
+    assert r.epsilon_spent == 0.0  # nothing released
+    _, _, meta = r.handle("signature", {}, {**sig, "privacy": {"dp_epsilon": 1.0, "dp_delta": 1e-6}})
+    assert meta["dp"]["epsilon"] == 1.0
+    f = tmp_path / "fedmed_policy.json"
+    f.write_text(json.dumps({"max_delta": 1e-3}))
+    assert SitePolicy.from_file(f).max_delta == 1e-3 and SitePolicy.from_file(f).summary()["max_delta"] == 1e-3
+    for bad in (0, 1, 2.0, "1e-5", True):
+        f.write_text(json.dumps({"max_delta": bad}))
+        with pytest.raises(PolicyError, match="fedmed_policy.json: max_delta should be a number between 0 and 1"):
+            SitePolicy.from_file(f)
+
+
 def test_a_raw_pixel_signature_without_dp_is_the_sites_choice(sites):
     job = {**CFG, "signature": {"kind": "pacfl", "encoder": "pixels", "seed": 0, "n_basis": 2}}
     with pytest.raises(PolicyError, match="allow_pixel_signatures.*false"):

@@ -16,6 +16,7 @@ The file (JSON; every key optional)::
      "k_min": 5,                     # the smallest group an aggregate may describe
      "dp_required": false,           # every signature must be released with differential privacy
      "max_epsilon": null,            # ceiling on the epsilon this site spends in one run (all signatures composed)
+     "max_delta": 1e-05,             # ceiling on a job's privacy.dp_delta whenever it releases with DP
      "allow_per_image": false,       # may per-image values/embeddings leave (004_'s paper form)?
      "allow_pixel_signatures": false,# may a raw-pixel signature (PACFL's "pixels") leave without DP?
      "max_image_pixels": 100000000,  # a 2D image larger than this is refused (decompression bombs)
@@ -55,7 +56,9 @@ class ReadLimits:
     max_file_bytes: int = 2 * 1024**3
 
 
-_KEYS = {"modules", "architectures", "encoders", "weights_dir", "k_min", "dp_required", "max_epsilon",
+DEFAULT_MAX_DELTA = 1e-5  # fedmed's default privacy.dp_delta: a site without a policy accepts no weaker DP
+
+_KEYS = {"modules", "architectures", "encoders", "weights_dir", "k_min", "dp_required", "max_epsilon", "max_delta",
          "allow_per_image", "allow_pixel_signatures", "max_image_pixels", "max_volume_voxels", "max_file_bytes"}
 
 
@@ -68,6 +71,7 @@ class SitePolicy:
     k_min: int = DEFAULT_K_MIN
     dp_required: bool = False
     max_epsilon: float | None = None
+    max_delta: float = DEFAULT_MAX_DELTA
     allow_per_image: bool = False
     allow_pixel_signatures: bool = False
     limits: ReadLimits = field(default_factory=ReadLimits)
@@ -108,6 +112,10 @@ class SitePolicy:
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps)
                                 or eps <= 0):
             raise PolicyError(f"{source}: max_epsilon should be a number > 0 or null, got {eps!r}")
+        delta = doc.get("max_delta", DEFAULT_MAX_DELTA)
+        if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not math.isfinite(delta) \
+                or not 0 < delta < 1:
+            raise PolicyError(f"{source}: max_delta should be a number between 0 and 1 (exclusive), got {delta!r}")
         wd = doc.get("weights_dir")
         if wd is not None and (not isinstance(wd, str) or not wd.strip()):
             raise PolicyError(f"{source}: weights_dir should be a folder or null, got {wd!r}")
@@ -116,6 +124,7 @@ class SitePolicy:
         return cls(modules=names("modules", False), architectures=names("architectures", True),
                    encoders=names("encoders", True), weights_dir=wd, k_min=positive_int("k_min", DEFAULT_K_MIN),
                    dp_required=flag("dp_required"), max_epsilon=None if eps is None else float(eps),
+                   max_delta=float(delta),
                    allow_per_image=flag("allow_per_image"), allow_pixel_signatures=flag("allow_pixel_signatures"),
                    limits=ReadLimits(positive_int("max_image_pixels", ReadLimits.max_image_pixels),
                                      positive_int("max_volume_voxels", ReadLimits.max_volume_voxels),
@@ -190,14 +199,19 @@ class SitePolicy:
                               f"average image of each class; this site does not send one "
                               f"({self._setting('allow_pixel_signatures')}: false; set privacy.dp_epsilon)")
 
-    def check_dp(self, epsilon: float | None) -> None:
-        """A job's ``privacy.dp_epsilon`` for a signature against this site's ``dp_required`` / ``max_epsilon``."""
+    def check_dp(self, epsilon: float | None, delta: float | None = None) -> None:
+        """A job's ``privacy.dp_epsilon`` and ``privacy.dp_delta`` for a signature against this site's
+        ``dp_required`` / ``max_epsilon`` / ``max_delta`` (an (ε, δ) guarantee is only as strong as its δ: δ near 1
+        makes any ε meaningless)."""
         if epsilon is None and self.dp_required:
             raise PolicyError(f"this site sends signatures only with differential privacy "
                               f"({self._setting('dp_required')}: true) and the job has privacy.dp_epsilon: null")
         if epsilon is not None and self.max_epsilon is not None and epsilon > self.max_epsilon:
             raise PolicyError(f"the job's privacy.dp_epsilon={epsilon:g} is above this site's ceiling "
                               f"({self._setting('max_epsilon')}: {self.max_epsilon:g})")
+        if epsilon is not None and delta is not None and delta > self.max_delta * (1 + 1e-9):
+            raise PolicyError(f"the job's privacy.dp_delta={delta:g} is above this site's ceiling "
+                              f"({self._setting('max_delta')}: {self.max_delta:g})")
 
     def check_budget(self, spent: float, epsilon: float) -> None:
         """Refuse a release that would take this run's composed epsilon above the ceiling."""
@@ -233,7 +247,7 @@ class SitePolicy:
     def summary(self) -> dict:
         """The effective values a run records for this site (no path)."""
         return {"source": self.source, "k_min": self.k_min, "dp_required": self.dp_required,
-                "max_epsilon": self.max_epsilon, "allow_per_image": self.allow_per_image,
+                "max_epsilon": self.max_epsilon, "max_delta": self.max_delta, "allow_per_image": self.allow_per_image,
                 "allow_pixel_signatures": self.allow_pixel_signatures, "modules": list(self.modules),
                 "architectures": None if self.architectures is None else list(self.architectures),
                 "encoders": None if self.encoders is None else list(self.encoders),

@@ -291,7 +291,7 @@ class SiteRunner:
         p = self.policy
         p.check_arch(cfg.model.arch)
         if task in self.SIGNATURE_TASKS:
-            p.check_dp(cfg.privacy.dp_epsilon)
+            p.check_dp(cfg.privacy.dp_epsilon, cfg.privacy.dp_delta)
         if task == "signature" and cfg.signature is not None:
             p.check_encoder(cfg.signature.encoder, dp=cfg.privacy.dp_epsilon is not None)
         if task == "assess":
