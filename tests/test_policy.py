@@ -157,6 +157,36 @@ def test_a_site_may_restrict_the_networks_and_encoders_it_runs(sites):
     assert meta["classes"]
 
 
+def test_every_encoder_and_network_a_task_builds_is_the_one_the_policy_checks(sites):
+    """2D lesion ``assess`` embeds with EfficientNet-Lite0 (3D ``assess`` with MedicalNet): the policy checks the encoder
+    that task builds, not another; a Fed-MAE ``train`` builds MONAI's MaskedAutoEncoderViT whatever model.arch says, so
+    a site that runs only ResNet-9 refuses it. Each refusal comes before any data is read or network built."""
+    from conftest import mae_section
+
+    from fedmed.core.schema import task_config
+    from fedmed.site.mae import MAESiteRunner
+    from fedmed.site.seg import SegSiteRunner
+    from fedmed.site.seg2d import Seg2DSiteRunner
+
+    def runner(cls, policy):
+        return cls("site-1", settings_for_dir("site-1", sites, policy=policy))
+
+    seg2d = {"task": "segmentation", "seed": 0, "data": {"spatial_dims": 2, "image_size": 16, "in_channels": 1},
+             "model": {"arch": "unet", "channels": [4, 8]}, "privacy": {"k_min": 2}}
+    with pytest.raises(PolicyError, match="encoder 'efficientnet_lite0' is not among the encoders this site runs "
+                                          r"\(encoders of this site's policy .*: \['medicalnet_resnet18'\]\)"):
+        runner(Seg2DSiteRunner, SitePolicy(encoders=("medicalnet_resnet18",))).handle("assess", {}, seg2d)
+    with pytest.raises(PolicyError, match="encoder 'medicalnet_resnet18' is not among"):
+        runner(SegSiteRunner, SitePolicy(encoders=("efficientnet_lite0",))).handle(
+            "assess", {}, {**seg2d, "data": {"in_channels": 1, "shape": [16, 16, 16], "roi": [16, 16, 16]}})
+    ok = runner(Seg2DSiteRunner, SitePolicy(encoders=("efficientnet_lite0",)))
+    ok.check_policy("assess", task_config(seg2d))  # allowed: no error
+    mae = {**CFG, "task": "mae", "data": {**CFG["data"], "image_size": 32}, "mae": mae_section(1)}
+    with pytest.raises(PolicyError, match="model.arch 'MaskedAutoEncoderViT' is not among the networks this site runs "
+                                          r"\(architectures of this site's policy .*: \['resnet9'\]\)"):
+        runner(MAESiteRunner, SitePolicy(architectures=("resnet9",))).handle("train", {}, mae)
+
+
 # ------------------------------------------------------------------------------------------------ 2. network
 class Listener:
     """A loopback HTTP server that records every request it gets (nothing may reach it)."""

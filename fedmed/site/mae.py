@@ -73,6 +73,10 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
 class MAESiteRunner(SiteRunner):
     TASKS = {"train": train, "validate": validate}
     KIND = "mae"
+    ARCH = "MaskedAutoEncoderViT"  # the network Fed-MAE pre-trains (fedmed.nn.mae.mae_model), whatever model.arch says
+
+    def networks(self, cfg: TaskConfig) -> list[str]:
+        return [self.ARCH]
 
     def model(self, cfg: TaskConfig):
         from fedmed.nn.mae import mae_model

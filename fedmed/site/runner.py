@@ -284,18 +284,26 @@ class SiteRunner:
 
     # the tasks whose reply is a statistic of the site's data released once (a signature): the DP rules apply
     SIGNATURE_TASKS = ("signature", "descriptor", "latent_bounds", "assess")
+    # the encoder this kind of site's ``assess`` task embeds its images with (the policy checks this one)
+    ASSESS_ENCODER: str | None = None
+
+    def networks(self, cfg: TaskConfig) -> list[str]:
+        """The networks this site's tasks build for ``cfg`` (what the policy's ``architectures`` is checked
+        against): the job's ``model.arch``, unless the kind of site builds another (Fed-MAE's ViT)."""
+        return [cfg.model.arch]
 
     def check_policy(self, task: str, cfg: TaskConfig) -> None:
         """Refuse, in one line naming the setting, what this site's policy does not allow a job to make it do; note
         (once) a job's k_min raised to the site's floor."""
         p = self.policy
-        p.check_arch(cfg.model.arch)
+        for arch in self.networks(cfg):
+            p.check_arch(arch)
         if task in self.SIGNATURE_TASKS:
             p.check_dp(cfg.privacy.dp_epsilon, cfg.privacy.dp_delta)
         if task == "signature" and cfg.signature is not None:
             p.check_encoder(cfg.signature.encoder, dp=cfg.privacy.dp_epsilon is not None)
-        if task == "assess":
-            p.check_encoder("medicalnet_resnet18", dp=cfg.privacy.dp_epsilon is not None)
+        if task == "assess" and self.ASSESS_ENCODER is not None:
+            p.check_encoder(self.ASSESS_ENCODER, dp=cfg.privacy.dp_epsilon is not None)
         job_k = cfg.privacy.k_min
         if job_k < p.k_min and job_k not in self._k_min_noted:
             self._k_min_noted.add(job_k)

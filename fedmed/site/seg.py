@@ -124,7 +124,7 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
                      f"settings)")
     for n in notes:
         print(f"[fedmed] {n}", flush=True)
-    enc = build_encoder("medicalnet_resnet18", weights=runner.weights(cfg), seed=cfg.seed,
+    enc = build_encoder(runner.ASSESS_ENCODER, weights=runner.weights(cfg), seed=cfg.seed,
                         device=runner.device(cfg))
     rng = np.random.default_rng(task_seed(cfg, runner.site, salt=5))
     meta = site_assessment(tr, enc, per_value=per_image, per_image=per_image, privacy=cfg.privacy.model_dump(),
@@ -222,6 +222,7 @@ class SegSiteRunner(SiteRunner):
 
     TASKS = {"assess": assess, "train": train, "validate": validate}
     KIND = "segmentation"
+    ASSESS_ENCODER = "medicalnet_resnet18"  # 004_'s 3D embedding
 
 
 

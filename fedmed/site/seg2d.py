@@ -115,7 +115,7 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
         notes.append(f"{runner.site}: per-image metadata requested by the job but not allowed by this site's "
                      f"settings; histograms and an embedding centroid are sent instead")
         per_image = False
-    enc = build_encoder("efficientnet_lite0", weights=runner.weights(cfg), seed=cfg.seed,
+    enc = build_encoder(runner.ASSESS_ENCODER, weights=runner.weights(cfg), seed=cfg.seed,
                         in_channels=cfg.data.in_channels, device=runner.device(cfg))
     emb = extract_features(enc, runner.images_at_size(cfg, enc.image_size))
     rng = np.random.default_rng(task_seed(cfg, runner.site, salt=5))
@@ -206,3 +206,4 @@ class Seg2DSiteRunner(SiteRunner):
 
     TASKS = {"assess": assess, "train": train, "validate": validate}
     KIND = "segmentation_2d"
+    ASSESS_ENCODER = "efficientnet_lite0"  # the 2D counterpart of 004_'s embedding
