@@ -3,8 +3,14 @@
 FLARE builds the components of a job without custom code only from the classes its site allows
 (``class_allow_list`` in ``local/resources.json``; a provisioned kit ships ``local/resources.json.default`` with
 FLARE's own list). This writes ``local/resources.json`` — the kit's current settings (``resources.json``, else the
-shipped default) with fedmed's adapters (:data:`fedmed_flare.ALLOW_LIST`) added to the list and nothing else changed.
+shipped default) with fedmed's adapters (:data:`fedmed_flare.ALLOW_LIST`) added to the list, and **live log
+streaming off** (``allow_log_streaming: false``) unless the kit's owner passes ``--allow-log-streaming``.
 Run it once in the server's kit and in every site's kit before starting them (docs/deployment.md §4).
+
+Log streaming: a provisioned FLARE 2.9 kit streams every job's full site log to the server by default (its
+``SiteLogStreamer`` injects FLARE's ``JobLogStreamer``, which is on FLARE's default class allow-list, into every job;
+the server's ``JobLogReceiver`` stores what arrives). A site's log holds what its operator needs and no other party
+should see (its folder names, tracebacks from its data), so a site sends it only when it turns streaming on itself.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from fedmed_flare import ALLOW_LIST, allow_list
 __all__ = ["allow_fedmed", "main"]
 
 
-def allow_fedmed(kit) -> Path:
-    """Add fedmed's adapters to the kit's ``class_allow_list``; returns the ``local/resources.json`` written."""
+def allow_fedmed(kit, *, log_streaming: bool = False) -> Path:
+    """Add fedmed's adapters to the kit's ``class_allow_list`` and set its ``allow_log_streaming`` (off unless
+    ``log_streaming``); returns the ``local/resources.json`` written."""
     local = Path(kit) / "local"
     if not local.is_dir():
         raise FileNotFoundError(f"{kit}: not a FLARE startup kit (no local/ folder)")
@@ -30,17 +37,35 @@ def allow_fedmed(kit) -> Path:
     have = doc.get("class_allow_list")
     doc["class_allow_list"] = (allow_list() if have is None
                                else list(have) + [p for p in ALLOW_LIST if p not in have])
+    doc["allow_log_streaming"] = bool(log_streaming)
     target.write_text(json.dumps(doc, indent=2))
     return target
+
+
+def _current_streaming(kit):
+    """The kit's own ``local/resources.json`` setting of ``allow_log_streaming`` (None: not set there)."""
+    f = Path(kit) / "local" / "resources.json"
+    try:
+        v = json.loads(f.read_text()).get("allow_log_streaming") if f.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return None if v is None else bool(v)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kits", nargs="+", help="startup kit folders (the server's and the sites')")
+    ap.add_argument("--allow-log-streaming", action="store_true",
+                    help="let FLARE stream this kit's job logs to the server (off unless given: a site's log stays "
+                         "at the site)")
     a = ap.parse_args(argv)
     for kit in a.kits:
         try:
-            print(f"{allow_fedmed(kit)}: class_allow_list allows {', '.join(ALLOW_LIST)}")
+            was = _current_streaming(kit)
+            f = allow_fedmed(kit, log_streaming=a.allow_log_streaming)
+            note = "" if was is None or was == a.allow_log_streaming else f" (was {str(was).lower()})"
+            print(f"{f}: class_allow_list allows {', '.join(ALLOW_LIST)}; allow_log_streaming "
+                  f"{str(a.allow_log_streaming).lower()}{note}")
         except (OSError, ValueError) as e:
             print(f"fedmed_flare.kit: error: {e}", file=sys.stderr)
             return 2

@@ -1,7 +1,7 @@
 """A provisioned federation on loopback, run as a hospital IT team runs it (docs/deployment.md):
 
 ``nvflare provision`` writes startup kits with certificates for a server, three hospitals and an admin; every kit's
-``class_allow_list`` allows fedmed's adapters (``python -m fedmed_flare.kit``); hospital-a allows no custom code
+``class_allow_list`` allows fedmed's adapters and live log streaming is off (``python -m fedmed_flare.kit``); hospital-a allows no custom code
 (``"byoc": "none"`` for every role in its ``local/authorization.json``) — fedmed's jobs carry none, so it runs them,
 and it refuses a job that carries a user's network; the server and two hospitals are started with their kits'
 ``startup/start.sh`` (hospital-c never starts); each hospital's data setting and policy sit in its kit's
@@ -228,6 +228,26 @@ def test_clustering_job_on_provisioned_sites(deployment, site_data, tmp_path):
     assert any(e["site"] == "hospital-c" and "never registered" in e["error"] for e in doc["errors"])
     assert sorted(s for c in doc["clustering"]["clusters"] for s in c) == ["hospital-a", "hospital-b"]
     assert (Path(res["result"]) / "distance_heatmap.png").is_file() and list(Path(res["result"]).glob("models/*.pt"))
+    job_id = next(ln.split()[-1] for ln in p.stdout.splitlines() if ln.startswith("submitted job "))
+    no_site_log_reached_the_server(deployment, job_id)
+
+
+def no_site_log_reached_the_server(deployment, job_id: str):
+    """docs/deployment.md §4: the kit command turned FLARE's live log streaming off in every kit, so no site's log
+    reached the server (FLARE's JobLogReceiver says "Saved live log ... from <site>" for each log it stores; with
+    streaming on, as a provisioned kit ships, every job's site logs arrive there)."""
+    for site in ("hospital-a", "hospital-b"):
+        res = json.loads((deployment.kits[site] / "local" / "resources.json").read_text())
+        assert res["allow_log_streaming"] is False
+    server_logs = [p for p in deployment.kits["localhost"].rglob("*.txt") if "log" in p.name]
+    assert server_logs
+    for p in server_logs:
+        text = p.read_text(errors="replace")
+        assert "Saved live log" not in text and "Live log stream from" not in text, p
+    server = json.loads((deployment.kits["localhost"] / "local" / "resources.json").read_text())
+    store = next(c["args"]["uri_root"] for c in server["components"] if c.get("id") == "job_manager")
+    stored = [f.name for f in (Path(store) / job_id).rglob("*")] if (Path(store) / job_id).is_dir() else []
+    assert not [n for n in stored if "LOG_" in n or n.startswith("log")], stored  # JobLogReceiver's data types
 
 
 def test_a_site_that_runs_no_custom_code_runs_fedavg_and_fmcl_to_the_end(deployment, site_data, tmp_path):
@@ -340,6 +360,10 @@ def test_every_site_failing_is_a_failed_run(deployment, site_data, tmp_path):
     assert p.returncode == 1 and res["status"] == "failed" and "fewer than min_clients=2" in res["reason"]
     assert res["flare_status"] != "FINISHED:COMPLETED"
     assert not list(Path(res["result"]).glob("models/*.pt"))
+    # every site's error log has the full message now: none of it reached the server (FLARE streams error_log.txt)
+    job_id = next(ln.split()[-1] for ln in p.stdout.splitlines() if ln.startswith("submitted job "))
+    assert any(p.stat().st_size for p in deployment.kits["hospital-a"].glob(f"{job_id}/error_log.txt"))
+    no_site_log_reached_the_server(deployment, job_id)
 
 
 def test_a_hospital_added_after_training_gets_its_cluster_model(deployment, site_data, tmp_path):

@@ -19,6 +19,8 @@ DATA = ROOT.parent / "shared" / "data"
 RUN_HERE = {
     "nvflare provision -p project.yml -w provision --force": "test_deployment.py: Deployment.provision / add_site",
     ".venv/bin/python -m fedmed_flare.kit provision/<project>/prod_00/*/": "test_deployment.py: Deployment.allow_fedmed",
+    ".venv/bin/python -m fedmed_flare.kit --allow-log-streaming provision/<project>/prod_00/hospital-a/":
+        "test_docs.py: test_the_kit_command_turns_log_streaming_off_unless_the_site_turns_it_on",
     ".venv/bin/python jobs/build.py --config app_configs/busi_fmcl.yaml --method FMCL --out job_folders --sites":
         "test_docs.py: test_deployment_section_6_builds_the_job_it_names_as_written",
     "provision/<project>/prod_00/fl.coordinator.example.org/startup/start.sh": "test_deployment.py: Deployment.start",
@@ -107,3 +109,39 @@ def test_the_busi_224_recipe_as_written_names_the_missing_weights_before_any_tra
     assert "weights/densenet121_3class.pt" in p.stderr and "not found" in p.stderr, p.stderr[-2000:]
     assert len(p.stderr.strip().splitlines()) <= 2 and "Traceback" not in p.stderr
     assert not (here / "results" / "busi_224" / "runs").exists()  # nothing trained
+
+
+def test_the_kit_command_turns_log_streaming_off_unless_the_site_turns_it_on(tmp_path):
+    """docs/deployment.md §4's two kit commands as written, on kits laid out as ``nvflare provision`` writes them (FLARE's
+    shipped ``resources.json.default`` has ``allow_log_streaming: true``): the first turns streaming off in every kit
+    and keeps FLARE's allow list and settings; the second turns it on in hospital-a's kit alone and says it changed."""
+    prod = tmp_path / "provision" / "<project>" / "prod_00"
+    shipped = {"format_version": 2, "allow_log_streaming": True, "class_allow_list": ["nvflare.app_common."],
+               "components": [{"id": "site_log_streamer",
+                               "path": "nvflare.app_common.logging.site_log_streamer.SiteLogStreamer"}]}
+    for kit in ("server1", "hospital-a", "hospital-b"):
+        (prod / kit / "local").mkdir(parents=True)
+        (prod / kit / "startup").mkdir()
+        (prod / kit / "local" / "resources.json.default").write_text(json.dumps(shipped))
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+
+    def run(cmd):
+        cmd = cmd.replace(".venv/bin/python", sys.executable).replace("provision/<project>/prod_00", str(prod))
+        r = subprocess.run(["bash", "-c", cmd.replace("<project>", "'<project>'")], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    cmds = [c for c in doc_commands("deployment.md") if "fedmed_flare.kit" in c]
+    everyone, one = cmds
+    out = run(everyone)
+    for kit in ("server1", "hospital-a", "hospital-b"):
+        doc = json.loads((prod / kit / "local" / "resources.json").read_text())
+        assert doc["allow_log_streaming"] is False
+        assert doc["components"] == shipped["components"] and doc["class_allow_list"][0] == "nvflare.app_common."
+        assert any(p.startswith("fedmed_flare.") for p in doc["class_allow_list"])
+    assert out.count("allow_log_streaming false") == 3
+    out = run(one)
+    assert "allow_log_streaming true (was false)" in out
+    assert json.loads((prod / "hospital-a" / "local" / "resources.json").read_text())["allow_log_streaming"] is True
+    assert json.loads((prod / "hospital-b" / "local" / "resources.json").read_text())["allow_log_streaming"] is False
