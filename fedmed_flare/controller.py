@@ -133,6 +133,15 @@ class WorkflowController(Federation, ModelController):
             return
         Federation.run(self, cls(self.num_rounds, self.fedmed_config, **self.workflow_args))
 
+    def preflight(self) -> None:
+        """The job's tracking receivers against the server's policy: a refused one sent nothing
+        (``fedmed_flare.tracking.check_receiver``), and the run does not go on without it."""
+        from fedmed_flare.tracking import refused_receivers
+
+        why = refused_receivers(self.policy, getattr(getattr(self.engine, "run_manager", None), "components", None))
+        if why:
+            raise RunFailed(f"the server does not send this job's metrics where it asks: {why}")
+
     # ------------------------------------------------------------------ tracking: FLARE analytics to the receivers
     def _send_analytics(self, dxo, event_type):
         from nvflare.apis.utils.analytix_utils import send_analytic_dxo

@@ -71,6 +71,20 @@ class SiteExecutor(Executor):
                 # installed, so none of its modules shadows an installed one
                 add_code_folder(user_code)
 
+    def _may_track(self, cfg: dict, fl_ctx: FLContext) -> bool:
+        """Whether this site sends its per-round metrics to the job's trackers: only where its policy allows every
+        destination the job names besides the server's own workspace (``tracking`` of the task config; said once in
+        the site's log when it does not)."""
+        dests = list(cfg.get("tracking") or [])
+        if not dests or self._runner is None:
+            return True
+        why = self._runner.policy.refused_tracking(dests)
+        if why and not getattr(self, "_tracking_noted", False):
+            self._tracking_noted = True
+            self.log_warning(fl_ctx, f"[fedmed] this site sends no metrics to the job's trackers: {why}",
+                             fire_event=False)
+        return why is None
+
     def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         from fedmed.core import memtrace
         from fedmed.site.reply import answer
@@ -84,7 +98,8 @@ class SiteExecutor(Executor):
         if error is not None:  # the full message stays in this site's log; the server gets the one-line reply
             self.log_error(fl_ctx, f"[fedmed] {error}", fire_event=False)
             return FLModelUtils.to_shareable(FLModel(params={}, metrics=metrics, meta=meta))
-        for k, v in metrics.items():  # served model's metrics before training; train loss of this round
+        for k, v in metrics.items() if self._may_track(cfg, fl_ctx) else ():  # served model's metrics before
+            # training; train loss of this round
             if isinstance(v, (int, float)) and math.isfinite(v):
                 dxo = create_analytic_dxo(f"{site}/{_tag(k)}", float(v), AnalyticsDataType.SCALAR, global_step=rnd)
                 send_analytic_dxo(self, dxo, fl_ctx)

@@ -22,12 +22,19 @@ from pathlib import Path
 
 from fedmed_flare import ALLOW_LIST, allow_list
 
-__all__ = ["allow_fedmed", "main"]
+__all__ = ["FLARE_TRACKERS", "allow_fedmed", "main"]
+
+# FLARE's own receivers that send a job's metrics wherever the job says (an MLflow server, W&B online): taken off the
+# kit's allow list; fedmed's subclasses (fedmed_flare.mlflow_receiver, fedmed_flare.wandb_receiver) replace them and
+# send only where the party's policy allows (fedmed_flare.tracking)
+FLARE_TRACKERS = ("nvflare.app_opt.tracking.mlflow.mlflow_receiver.MLflowReceiver",
+                  "nvflare.app_opt.tracking.wandb.wandb_receiver.WandBReceiver")
 
 
 def allow_fedmed(kit, *, log_streaming: bool = False) -> Path:
-    """Add fedmed's adapters to the kit's ``class_allow_list`` and set its ``allow_log_streaming`` (off unless
-    ``log_streaming``); returns the ``local/resources.json`` written."""
+    """Add fedmed's adapters to the kit's ``class_allow_list`` (and take FLARE's own MLflow and W&B receivers,
+    :data:`FLARE_TRACKERS`, off it) and set its ``allow_log_streaming`` (off unless ``log_streaming``); returns the
+    ``local/resources.json`` written."""
     local = Path(kit) / "local"
     if not local.is_dir():
         raise FileNotFoundError(f"{kit}: not a FLARE startup kit (no local/ folder)")
@@ -37,6 +44,7 @@ def allow_fedmed(kit, *, log_streaming: bool = False) -> Path:
     have = doc.get("class_allow_list")
     doc["class_allow_list"] = (allow_list() if have is None
                                else list(have) + [p for p in ALLOW_LIST if p not in have])
+    doc["class_allow_list"] = [p for p in doc["class_allow_list"] if p not in FLARE_TRACKERS]
     doc["allow_log_streaming"] = bool(log_streaming)
     target.write_text(json.dumps(doc, indent=2))
     return target

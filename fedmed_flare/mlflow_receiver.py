@@ -8,7 +8,7 @@ from pathlib import Path
 from nvflare.apis.fl_context import FLContext
 from nvflare.app_opt.tracking.mlflow.mlflow_receiver import MLflowReceiver as _FlareMLflowReceiver
 
-from fedmed_flare.tracking import allow_file_store, file_store_uri
+from fedmed_flare.tracking import allow_file_store, check_receiver, file_store_uri
 
 __all__ = ["MLflowReceiver"]
 
@@ -34,6 +34,7 @@ class MLflowReceiver(_FlareMLflowReceiver):
         return super()._get_artifact_location(relative_path, fl_ctx)
 
     def initialize(self, fl_ctx: FLContext):
+        check_receiver(self)  # the server's policy decides where metrics may go, before anything is contacted
         super().initialize(fl_ctx)
         me = fl_ctx.get_identity_name()  # the server: its own metrics, the run's parameters and result
         if me and me not in self.buffer:

@@ -23,6 +23,8 @@ from nvflare.apis.shareable import Shareable
 from nvflare.app_opt.tracking.wandb.wandb_receiver import WandBReceiver as _FlareWandBReceiver
 from nvflare.app_opt.tracking.wandb.wandb_receiver import WandBTask, _get_job_id_tag
 
+from fedmed_flare.tracking import check_receiver
+
 __all__ = ["WandBReceiver"]
 
 
@@ -38,6 +40,7 @@ class WandBReceiver(_FlareWandBReceiver):
         self.wandb_dir = wandb_dir
 
     def initialize(self, fl_ctx: FLContext):
+        check_receiver(self)  # the server's policy decides where metrics may go, before anything is contacted
         folder = Path(self.wandb_dir) if self.wandb_dir else (
             Path(fl_ctx.get_engine().get_workspace().get_run_dir(fl_ctx.get_job_id())) / "fedmed" / "wandb")
         folder.mkdir(parents=True, exist_ok=True)

@@ -116,7 +116,9 @@ def test_the_kit_command_turns_log_streaming_off_unless_the_site_turns_it_on(tmp
     shipped ``resources.json.default`` has ``allow_log_streaming: true``): the first turns streaming off in every kit
     and keeps FLARE's allow list and settings; the second turns it on in hospital-a's kit alone and says it changed."""
     prod = tmp_path / "provision" / "<project>" / "prod_00"
-    shipped = {"format_version": 2, "allow_log_streaming": True, "class_allow_list": ["nvflare.app_common."],
+    shipped = {"format_version": 2, "allow_log_streaming": True, "class_allow_list": [
+        "nvflare.app_common.", "nvflare.app_opt.tracking.mlflow.mlflow_receiver.MLflowReceiver",
+        "nvflare.app_opt.tracking.wandb.wandb_receiver.WandBReceiver"],
                "components": [{"id": "site_log_streamer",
                                "path": "nvflare.app_common.logging.site_log_streamer.SiteLogStreamer"}]}
     for kit in ("server1", "hospital-a", "hospital-b"):
@@ -140,6 +142,7 @@ def test_the_kit_command_turns_log_streaming_off_unless_the_site_turns_it_on(tmp
         assert doc["allow_log_streaming"] is False
         assert doc["components"] == shipped["components"] and doc["class_allow_list"][0] == "nvflare.app_common."
         assert any(p.startswith("fedmed_flare.") for p in doc["class_allow_list"])
+        assert not any("tracking.mlflow.mlflow_receiver" in p or "tracking.wandb" in p for p in doc["class_allow_list"])
     assert out.count("allow_log_streaming false") == 3
     out = run(one)
     assert "allow_log_streaming true (was false)" in out

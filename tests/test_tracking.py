@@ -156,3 +156,86 @@ def test_tracking_settings_never_change_what_a_run_is():
     assert run_fingerprint(a, a.methods[0], 0) == run_fingerprint(b, b.methods[0], 0)
     with pytest.raises(Exception, match="tracking.wandb_mode"):
         load_config({**TINY, "tracking": {"wandb_mode": "sometimes"}})
+
+
+def test_where_metrics_go_is_the_parties_choice_not_the_jobs(tmp_path):
+    """A job's ``tracking.mlflow_uri`` (an MLflow server: here a loopback listener standing in for an outside host)
+    at a server whose policy does not list it: fedmed's receiver contacts nothing and the run fails in one line naming
+    the setting, in FLARE's simulator. W&B online, a folder of the job's choosing and FLARE's own receivers named by a
+    job are refused the same way; the run's own folder is always allowed; a site sends its metrics to the trackers
+    only where its own policy allows every destination the job names."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("mlflow", reason="MLflow is an optional extra (pip install 'fedmed[mlflow]')")
+    from nvflare.app_opt.tracking.mlflow.mlflow_receiver import MLflowReceiver as FlareMLflow
+    from nvflare.app_opt.tracking.wandb.wandb_receiver import WandBReceiver as FlareWandB
+    from test_policy import Listener
+
+    from fedmed.core.policy import SitePolicy
+    from fedmed.run.experiment import REPO_ROOT, prepare_federation
+    from fedmed.run.jobspec import job_spec
+    from fedmed_flare.mlflow_receiver import MLflowReceiver
+    from fedmed_flare.tracking import receiver_destinations, refused_receivers
+    from fedmed_flare.wandb_receiver import WandBReceiver
+
+    lis = Listener()
+    try:
+        cfg = {**TINY, "dataset": {**TINY["dataset"], "classes": [str(c) for c in range(10)]},
+               "tracking": {"mlflow": True, "mlflow_uri": lis.url, "tensorboard": False}}
+        exp = load_config(cfg)
+        data = prepare_federation(exp, 0, tmp_path / "data")
+        spec = job_spec(exp, exp.methods[0], 0).to_file(tmp_path / "spec.json")
+        assert json.loads(spec.read_text())["task_config"]["tracking"] == [lis.url]  # what each site is told
+        policy = SitePolicy(k_min=2).write(tmp_path / "fedmed_policy.json")  # a party's: tracking []
+        r = subprocess.run([sys.executable, str(REPO_ROOT / "jobs" / "run.py"), "--spec", str(spec), "--env", "sim",
+                            "--datalists", str(data), "--workspace", str(tmp_path / "ws"), "--site-policy",
+                            str(policy)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        res = json.loads(next(ln for ln in reversed(r.stdout.splitlines()) if ln.startswith("{") and '"status"' in ln))
+        assert res["status"] == "failed", res
+        assert ("the server does not send this job's metrics where it asks: tracking (mlflow_receiver): the job "
+                "sends metrics to a 'http:' destination, which this party's policy does not allow") in res["reason"]
+        assert "127.0.0.1" not in res["reason"]
+        assert lis.requests == [], lis.requests  # nothing reached the stand-in
+    finally:
+        lis.close()
+    # the destinations of every receiver a job may name, and the parties' decisions on them
+    allowed = SitePolicy(tracking=("http://mlflow.hospital:5000",))
+    assert receiver_destinations(MLflowReceiver()) == [] and receiver_destinations(FlareMLflow()) == []
+    assert receiver_destinations(MLflowReceiver(tracking_uri="sqlite:////etc/x.db")) == ["sqlite:////etc/x.db"]
+    assert receiver_destinations(FlareMLflow(artifact_location="/etc/art")) == ["file:/etc/art"]
+    assert receiver_destinations(WandBReceiver({"project": "p", "name": "n"})) == []
+    assert receiver_destinations(WandBReceiver({"project": "p", "name": "n"}, mode="online")) == ["wandb:online"]
+    assert receiver_destinations(WandBReceiver({"project": "p"}, wandb_dir="/etc/w")) == ["file:/etc/w"]
+    assert receiver_destinations(FlareWandB({"project": "p", "mode": "online"})) == ["wandb:online"]
+    assert receiver_destinations(object()) is None
+    jobs = {"mlflow_receiver": MLflowReceiver(tracking_uri="http://mlflow.hospital:5000"), "tb": object()}
+    assert refused_receivers(allowed, jobs) is None and refused_receivers(SitePolicy(), jobs)
+    assert refused_receivers(SitePolicy(), {"w": WandBReceiver({"project": "p"}, mode="online")}).startswith(
+        "tracking (w): the job sends metrics to W&B's servers, which this party's policy does not allow")
+    assert refused_receivers(SitePolicy(), {"m": MLflowReceiver(), "w": WandBReceiver({"project": "p"})}) is None
+    assert SitePolicy.simulating(2).refused_tracking(["http://anything"]) is None  # fedmed experiment: the config's own
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"tracking": ["http://mlflow.hospital:5000"]}))
+    assert SitePolicy.from_file(f).tracking == ("http://mlflow.hospital:5000",)
+
+
+def test_a_site_sends_its_metrics_to_the_trackers_only_where_its_policy_allows():
+    """The job tells each site where its server sends metrics besides its own folder (``tracking`` of the task
+    config); the site's executor sends its per-round metrics as FLARE analytics only where its policy allows all."""
+    from types import SimpleNamespace
+
+    from nvflare.apis.fl_context import FLContext
+
+    from fedmed.core.policy import SitePolicy
+    from fedmed_flare.executor import SiteExecutor
+
+    ex = SiteExecutor()
+    ctx = FLContext()
+    ex._runner = SimpleNamespace(policy=SitePolicy())
+    assert ex._may_track({}, ctx) and ex._may_track({"tracking": []}, ctx)  # the server's own folder: always
+    assert not ex._may_track({"tracking": ["http://mlflow.elsewhere:5000"]}, ctx)
+    assert not ex._may_track({"tracking": ["wandb:online"]}, ctx)
+    ex._runner = SimpleNamespace(policy=SitePolicy(tracking=("http://mlflow.hospital:5000",)))
+    assert ex._may_track({"tracking": ["http://mlflow.hospital:5000"]}, ctx)
+    assert not ex._may_track({"tracking": ["http://mlflow.hospital:5000", "wandb:online"]}, ctx)

@@ -21,7 +21,8 @@ The file (JSON; every key optional)::
      "allow_pixel_signatures": false,# may a raw-pixel signature (PACFL's "pixels") leave without DP?
      "max_image_pixels": 100000000,  # a 2D image larger than this is refused (decompression bombs)
      "max_volume_voxels": 268435456, # a 3D volume larger than this is refused
-     "max_file_bytes": 2147483648}   # an input file larger than this is refused
+     "max_file_bytes": 2147483648,   # an input file larger than this is refused
+     "tracking": []}                 # where this party's metrics may go besides its own workspace ("*": anywhere)
 
 Nothing here imports a module a job names: :meth:`SitePolicy.allows_module` is asked first
 (``fedmed.nn.models.resolve_arch``).
@@ -35,7 +36,8 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-__all__ = ["ANY", "POLICY_FILE", "PolicyError", "ReadLimits", "SitePolicy", "kit_file", "load_policy", "weights_ref"]
+__all__ = ["ANY", "POLICY_FILE", "PolicyError", "ReadLimits", "SitePolicy", "kit_file", "load_policy",
+           "tracking_destinations", "weights_ref"]
 
 POLICY_FILE = "fedmed_policy.json"
 ANY = "*"  # in "modules": any module
@@ -59,7 +61,24 @@ class ReadLimits:
 DEFAULT_MAX_DELTA = 1e-5  # fedmed's default privacy.dp_delta: a site without a policy accepts no weaker DP
 
 _KEYS = {"modules", "architectures", "encoders", "weights_dir", "k_min", "dp_required", "max_epsilon", "max_delta",
-         "allow_per_image", "allow_pixel_signatures", "max_image_pixels", "max_volume_voxels", "max_file_bytes"}
+         "allow_per_image", "allow_pixel_signatures", "max_image_pixels", "max_volume_voxels", "max_file_bytes",
+         "tracking"}
+
+
+def tracking_destinations(tracking: dict) -> list[str]:
+    """Where a run's tracking settings (``fedmed.config.TrackingConfig``, as a dict) send metrics besides the server's
+    own workspace: an MLflow ``tracking_uri`` (a server, a database or a ``file:`` store the job names), ``wandb:online``
+    (W&B's servers), a W&B folder the job names (``file:<folder>``). ``[]``: TensorBoard, MLflow's and W&B's stores in
+    the run's own folder only — what every party allows."""
+    out = []
+    if tracking.get("mlflow") and tracking.get("mlflow_uri"):
+        out.append(str(tracking["mlflow_uri"]))
+    if tracking.get("wandb"):
+        if tracking.get("wandb_mode", "offline") != "offline":
+            out.append("wandb:online")
+        if tracking.get("wandb_dir"):
+            out.append(f"file:{tracking['wandb_dir']}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,7 @@ class SitePolicy:
     allow_per_image: bool = False
     allow_pixel_signatures: bool = False
     limits: ReadLimits = field(default_factory=ReadLimits)
+    tracking: tuple = ()
     source: str = "default"  # which file it came from (its name), for the lines that name a setting
 
     # ------------------------------------------------------------------ reading
@@ -129,6 +149,7 @@ class SitePolicy:
                    limits=ReadLimits(positive_int("max_image_pixels", ReadLimits.max_image_pixels),
                                      positive_int("max_volume_voxels", ReadLimits.max_volume_voxels),
                                      positive_int("max_file_bytes", ReadLimits.max_file_bytes)),
+                   tracking=names("tracking", False),
                    source=source)
 
     @classmethod
@@ -146,7 +167,7 @@ class SitePolicy:
         """The policy as its file writes it (``weights_dir`` absolute)."""
         d = {k: v for k, v in asdict(self).items() if k not in ("limits", "source")}
         d.update(asdict(self.limits))
-        for k in ("modules", "architectures", "encoders"):
+        for k in ("modules", "architectures", "encoders", "tracking"):
             d[k] = None if d[k] is None else list(d[k])
         d["weights_dir"] = None if self.weights_dir is None else str(self.weights_dir)
         return d
@@ -169,7 +190,7 @@ class SitePolicy:
         the config's author decides for every site, so the config's ``k_min`` is the floor, its modules may run, its
         weights come from ``weights_dir``. Never the policy of a real site."""
         return cls(modules=(ANY,), k_min=int(k_min), weights_dir=Path(weights_dir) if weights_dir else None,
-                   allow_per_image=allow_per_image, allow_pixel_signatures=True, source="simulation")
+                   allow_per_image=allow_per_image, allow_pixel_signatures=True, tracking=(ANY,), source="simulation")
 
     # ------------------------------------------------------------------ what a job may do here
     def _setting(self, key: str) -> str:
@@ -220,6 +241,16 @@ class SitePolicy:
                               f"{spent + epsilon:g}, above its ceiling ({self._setting('max_epsilon')}: "
                               f"{self.max_epsilon:g})")
 
+    def refused_tracking(self, destinations) -> str | None:
+        """The first of a job's tracking ``destinations`` (:func:`tracking_destinations`) this party does not let its
+        metrics go to, as one line; None when every one is allowed (``[]``, the run's own folder, always is)."""
+        for d in destinations or ():
+            if ANY not in self.tracking and str(d) not in self.tracking:
+                what = "W&B's servers" if d == "wandb:online" else f"{_scheme(str(d))} destination"
+                return (f"the job sends metrics to {what}, which this party's policy does not allow "
+                        f"({self._setting('tracking')}; the stores in its own workspace are always allowed)")
+        return None
+
     def effective_k_min(self, job_k_min: int) -> int:
         return max(int(job_k_min), self.k_min)
 
@@ -251,7 +282,13 @@ class SitePolicy:
                 "allow_pixel_signatures": self.allow_pixel_signatures, "modules": list(self.modules),
                 "architectures": None if self.architectures is None else list(self.architectures),
                 "encoders": None if self.encoders is None else list(self.encoders),
-                "weights_dir": self.weights_dir is not None, **asdict(self.limits)}
+                "weights_dir": self.weights_dir is not None, "tracking": list(self.tracking), **asdict(self.limits)}
+
+
+def _scheme(uri: str) -> str:
+    """A destination's kind, never its address (a refusal that leaves a party names no host or path)."""
+    head = uri.split(":", 1)[0] if ":" in uri else ""
+    return f"a '{head}:'" if head.replace("+", "").isalnum() else "a"
 
 
 def _bare_name(name: str) -> bool:

@@ -291,6 +291,9 @@ class TaskConfig(Strict):
     assess: Optional[AssessTask] = None
     encoder_weights: Optional[WeightsRef] = Field(None, description="the encoder's weights file, which every site "
                                                   "holds in its weights folder (None: seeded random init)")
+    tracking: list[str] = Field(default_factory=list, description="where the job's server sends metrics besides its "
+                                "own workspace (fedmed.core.policy.tracking_destinations): a site sends its per-round "
+                                "metrics to the trackers only where its policy's 'tracking' allows every one")
 
 
 def task_config(cfg) -> TaskConfig:

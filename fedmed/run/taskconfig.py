@@ -32,6 +32,11 @@ def fedmed_config(exp, seed: int, method, sites: list[str] | None) -> dict:
               "privacy": exp.privacy.model_dump(), "plugins": plugin_modules(exp),
               "federation": {"sites": sites, "min_clients": min_clients(fed.min_clients, sites),
                              "task_timeout": fed.task_timeout, "startup_timeout": fed.startup_timeout}}
+    from fedmed.core.policy import tracking_destinations
+
+    dests = tracking_destinations(exp.tracking.model_dump())
+    if dests:  # where the server's receivers send metrics besides its workspace: each site consents or sends none
+        common["tracking"] = dests
     if exp.dataset.task == "segmentation" and exp.dataset.sources:  # 2D lesion masks (fedmed.site.seg2d)
         cfg = {"task": "segmentation", **common,
                "data": {"spatial_dims": 2, "image_size": exp.dataset.image_size, "in_channels": exp.dataset.channels}}

@@ -150,6 +150,7 @@ class Federation:
             add_code_folder(self.user_code)  # importable; whether it is imported is the server policy's call
         self.start_recording()
         try:
+            self.preflight()
             self.restore()
             self.sites = self.wait_for_sites()
             self.active = set(self.sites)
@@ -172,6 +173,10 @@ class Federation:
         finally:
             self.track_run(result=run_result(self.recorder.doc))
             self.recorder.close()
+
+    def preflight(self) -> None:
+        """What this federation checks before the run starts (raise :class:`RunFailed` with the reason: the record
+        says ``failed``); nothing in-process."""
 
     def start_recording(self):
         memtrace.start()
