@@ -398,14 +398,63 @@ def test_the_epsilon_recorded_is_the_composition_of_what_each_site_sent(sites, t
 
 # ------------------------------------------------------------------------------------------------ limits
 def test_a_site_sets_the_sizes_it_reads(sites):
-    r = site(sites, policy=SitePolicy.from_dict({"max_image_pixels": 10}))
-    with pytest.raises(Exception) as err:
-        r.handle("validate", get_params(r.model(CFG)), CFG)
-    assert "more than this site decodes (its policy's max_image_pixels=10)" in err.value.public
+    small = {**CFG, "data": {**CFG["data"], "image_size": 4}}  # 16 values a task image: within the limit below
+    r = site(sites, policy=SitePolicy.from_dict({"max_image_pixels": 20}))
+    with pytest.raises(Exception) as err:  # the 8x8 source images are larger than that: refused when decoded
+        r.handle("validate", get_params(r.model(small)), small)
+    assert "more than this site decodes (its policy's max_image_pixels=20)" in err.value.public
     r = site(sites, policy=SitePolicy.from_dict({"max_file_bytes": 10}))
     with pytest.raises(Exception) as err:
         r.handle("validate", get_params(r.model(CFG)), CFG)
     assert "larger than this site reads" in err.value.public
+
+
+def test_a_jobs_image_and_volume_sizes_are_capped_by_the_sites_limits_before_anything_is_allocated(sites, tmp_path):
+    """``data.image_size: 60000`` would allocate 14 GB per image, a checkpoint's ``image_size`` 1e6 killed ``fedmed
+    predict``: a task's (and a checkpoint's) sizes are checked against the site's read limits first, in one line."""
+    import resource
+    import subprocess
+
+    from fedmed.nn.predict import ModelFileError, load_model, save_model
+
+    r = site(sites)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for data, msg in (({"image_size": 60000}, r"data.image_size 60000 \(1 channel\(s\)\) is 3600000000 values per "
+                       r"image, more than this site allocates \(max_image_pixels of this site's policy"),
+                      ({"image_size": 0}, "data.image_size should be a positive number of pixels"),
+                      ({"image_size": 6000, "channels": 3}, r"data.image_size 6000 \(3 channel\(s\)\)")):
+        with pytest.raises(PolicyError, match=msg):
+            r.handle("train", {}, {**CFG, "data": {**CFG["data"], **data}})
+    seg = {"task": "segmentation", "seed": 0, "model": {"arch": "unet", "channels": [4, 8]}, "privacy": {"k_min": 2},
+           "data": {"in_channels": 2, "shape": [2048, 2048, 1024], "roi": [16, 16, 16]}}
+    from fedmed.site.seg import SegSiteRunner
+
+    seg_site = SegSiteRunner("site-1", settings_for_dir("site-1", sites, policy=SitePolicy()))
+    with pytest.raises(PolicyError, match=r"data.shape 2048x2048x1024 \(2 channel\(s\)\) is 8589934592 values per "
+                                          r"volume, more than this site allocates \(max_volume_voxels"):
+        seg_site.handle("train", {}, seg)
+    with pytest.raises(PolicyError, match=r"data.roi 4096x4096x16"):
+        seg_site.handle("train", {}, {**seg, "data": {**seg["data"], "shape": [16, 16, 16], "roi": [4096, 4096, 16]}})
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: nothing was allocated
+    net = get_params(r.model(CFG))
+    ck = save_model(tmp_path / "big.pt", net, {**CFG, "data": {**CFG["data"], "image_size": 1_000_000}})
+    with pytest.raises(ModelFileError, match=r"big.pt: data.image_size 1000000 .* more than this site allocates"):
+        load_model(ck, policy=SitePolicy())
+    # a datalist naming a 1.5 GB file: hashed for the split-overlap check in chunks (bounded memory), or not read at
+    # all when it is larger than max_file_bytes (refused, naming it, when the images are read)
+    big = tmp_path / "huge.png"
+    with open(big, "wb") as fh:
+        fh.truncate(1_500_000_000)  # sparse: no disk
+    doc = {"training": [{"image": str(big), "label": 0}], "validation": [], "test": [{"image": "other.png", "label": 0}]}
+    (tmp_path / "dl.json").write_text(json.dumps(doc))
+    code = ("import json, resource, sys; from fedmed.data.images import load_datalist; from fedmed.core.policy import "
+            "ReadLimits; load_datalist(sys.argv[1], limits=ReadLimits(max_file_bytes=int(sys.argv[2]))); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    for limit in (2 * 1024**3, 1_000_000):
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dl.json"), str(limit)], capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert int(out.stdout.split()[-1]) < 700_000, out.stdout  # KiB peak: far below the file's 1.5 GB
 
 
 # ------------------------------------------------------------------------------------------------ 5. names

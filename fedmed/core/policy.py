@@ -241,6 +241,33 @@ class SitePolicy:
                               f"{spent + epsilon:g}, above its ceiling ({self._setting('max_epsilon')}: "
                               f"{self.max_epsilon:g})")
 
+    def check_task_sizes(self, data) -> None:
+        """A job's (or a checkpoint's) image and volume sizes against what this site reads at most, before anything
+        is allocated: ``image_size`` squared times the channels within ``max_image_pixels``, each of ``shape`` and
+        ``roi`` times the channels within ``max_volume_voxels`` (``data``: the task's ``data`` section, a dict or
+        :class:`~fedmed.core.schema.DataSection`)."""
+        d = data if isinstance(data, dict) else data.model_dump()
+        ch = max(int(d.get("channels") or 1), int(d.get("in_channels") or 1))
+        size = d.get("image_size")
+        if size is not None:
+            if int(size) < 1:
+                raise PolicyError(f"data.image_size should be a positive number of pixels, got {size}")
+            if int(size) ** 2 * ch > self.limits.max_image_pixels:
+                raise PolicyError(f"data.image_size {int(size)} ({ch} channel(s)) is {int(size) ** 2 * ch} values per "
+                                  f"image, more than this site allocates ({self._setting('max_image_pixels')}: "
+                                  f"{self.limits.max_image_pixels})")
+        for key in ("shape", "roi"):
+            dims = d.get(key)
+            if dims is None:
+                continue
+            if any(int(v) < 1 for v in dims):
+                raise PolicyError(f"data.{key} {list(dims)} should be positive sizes")
+            n = math.prod(int(v) for v in dims) * ch
+            if n > self.limits.max_volume_voxels:
+                raise PolicyError(f"data.{key} {'x'.join(str(int(v)) for v in dims)} ({ch} channel(s)) is {n} values "
+                                  f"per volume, more than this site allocates ({self._setting('max_volume_voxels')}: "
+                                  f"{self.limits.max_volume_voxels})")
+
     def refused_tracking(self, destinations) -> str | None:
         """The first of a job's tracking ``destinations`` (:func:`tracking_destinations`) this party does not let its
         metrics go to, as one line; None when every one is allowed (``[]``, the run's own folder, always is)."""

@@ -488,7 +488,7 @@ def load_datalist(path, *, task: str = "classification", root=None, name: str | 
                                 f"the job names its classes), got {e['label']!r}",
                                 f"{public}: {key}[{j}] label should be a non-negative integer class id or a class "
                                 f"name")
-    check_split_overlap(doc, name, root, public=public)
+    check_split_overlap(doc, name, root, public=public, limits=limits)
     return doc
 
 
@@ -496,8 +496,11 @@ def _sample_files(e: dict) -> list[str]:
     return [str(f) for f in (e["image"] if isinstance(e["image"], list) else [e["image"]])]
 
 
-def _content_hash(files, cache: dict) -> str | None:
+def _content_hash(files, cache: dict, max_bytes: int) -> str | None:
+    """The files' content hash, read in 1 MiB chunks (memory stays bounded whatever the file's size); None when one
+    is missing, not a regular file or larger than ``max_bytes`` (each refused, naming it, when the images are read)."""
     import hashlib
+    import os
 
     h = hashlib.sha1()
     for f in files:
@@ -505,7 +508,13 @@ def _content_hash(files, cache: dict) -> str | None:
             try:
                 if not is_regular_file(f):  # a FIFO or a device is refused, naming it, when the images are read
                     raise OSError("not a regular file")
-                cache[f] = hashlib.sha1(Path(f).read_bytes()).hexdigest()
+                if os.stat(f).st_size > max_bytes:  # refused when read (max_file_bytes): never read for a hash
+                    raise OSError("larger than the site reads")
+                fh_hash = hashlib.sha1()
+                with open(f, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(1 << 20), b""):
+                        fh_hash.update(chunk)
+                cache[f] = fh_hash.hexdigest()
             except OSError:  # a missing file is reported, naming it, when the images are read
                 cache[f] = None
         if cache[f] is None:
@@ -514,12 +523,16 @@ def _content_hash(files, cache: dict) -> str | None:
     return h.hexdigest()
 
 
-def check_split_overlap(doc: dict, name: str, root, public: str = "datalist") -> None:
+def check_split_overlap(doc: dict, name: str, root, public: str = "datalist", limits=None) -> None:
     """No sample in two splits of one datalist — by path or by identical file content: a test image that was also
     trained on (or selected on) inflates every score. Raises a :class:`DataError` naming the first such images
-    relative to the data root (never an absolute path) and the splits."""
+    relative to the data root (never an absolute path) and the splits. Files are hashed in chunks; one larger than
+    ``limits.max_file_bytes`` is never read (it is refused when the images are read)."""
     import os
 
+    from fedmed.core.policy import ReadLimits
+
+    max_bytes = (limits or ReadLimits()).max_file_bytes
     seen: dict = {}
     cache: dict = {}
     clashes = []
@@ -527,7 +540,7 @@ def check_split_overlap(doc: dict, name: str, root, public: str = "datalist") ->
         for e in doc.get(split, []):
             files = _sample_files(e)
             region = (e["region"],) if "region" in e else ()  # a hemisphere of a volume is its own sample
-            digest = _content_hash(files, cache)
+            digest = _content_hash(files, cache, max_bytes)
             ids = [("path", tuple(files) + region)] + ([("content", (digest,) + region)] if digest else [])
             for kind, k in ids:
                 first = seen.setdefault(k, (split, e["image"], len(seen)))

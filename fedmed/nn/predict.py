@@ -76,6 +76,8 @@ def load_model(path, policy=None):
         raise ModelFileError(f"{p}: its 'model' entry names no network") from None
     try:
         policy.check_arch(arch)
+        if isinstance(ck.get("data"), dict):  # sizes a checkpoint names are allocated: this machine's limits first
+            policy.check_task_sizes(ck["data"])
         return _build_and_load(p, ck, policy)
     except (PolicyError, ArchError) as e:
         raise ModelFileError(f"{p}: {e}") from None

@@ -298,6 +298,7 @@ class SiteRunner:
         p = self.policy
         for arch in self.networks(cfg):
             p.check_arch(arch)
+        p.check_task_sizes(cfg.data)
         if task in self.SIGNATURE_TASKS:
             p.check_dp(cfg.privacy.dp_epsilon, cfg.privacy.dp_delta)
         if task == "signature" and cfg.signature is not None:
