@@ -355,6 +355,8 @@ def _main(a, template) -> int:
                 raise BuildError(f"{e} (the simulator runs every site on this machine)") from None
         if a.site_policy and a.env != "sim":
             raise BuildError("--site-policy is for the simulator; a real site keeps its own local/fedmed_policy.json")
+        if a.env == "sim" and not os.environ.get("FEDMED_CACHE_DIR"):  # the simulated sites' cache: in the workspace
+            os.environ["FEDMED_CACHE_DIR"] = str((Path(a.workspace) / "fedmed_cache").resolve())
         if a.site_policy == "simulation":
             Path(a.workspace).mkdir(parents=True, exist_ok=True)
             os.environ["FEDMED_SITE_POLICY"] = str(simulation_policy(spec, Path(a.workspace).resolve()))

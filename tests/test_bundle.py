@@ -584,3 +584,25 @@ def test_a_2d_lesion_segmentation_bundle_learns_with_fedavg_and_the_two_clusters
         dice = [r["summary"]["mean"]["dice_mean"] for r in fed.recorder.doc["rounds"]
                 if "dice_mean" in r["summary"]["mean"]]
         assert dice[-1] > 0.5 and dice[-1] > dice[0] + 0.3, (m.name, dice)
+
+
+def test_the_minimal_bundle_privacy_md_shows_is_read_and_an_expression_in_it_is_refused(tmp_path):
+    """docs/privacy.md's minimal ``configs/inference.json``, as written: fedmed reads its network (the reference
+    resolved) and preprocessing, and never evaluates its ``$`` items; the same file with an expression where fedmed
+    reads is refused naming the key."""
+    from fedmed.nn.bundle import BundleExportError, read_bundle
+    from conftest import doc_json
+
+    inference = doc_json("privacy.md", "`configs/inference.json`:")
+    root = tmp_path / "minimal"
+    (root / "configs").mkdir(parents=True)
+    (root / "configs" / "inference.json").write_text(json.dumps(inference))
+    (root / "configs" / "metadata.json").write_text(json.dumps({"name": "minimal", "network_data_format": {}}))
+    b = read_bundle(root)
+    assert b["arch"] == "DenseNet121" and b["args"]["out_channels"] == 2 and b["init_weights"] is None
+    assert b["preprocessing"] == [{"name": "NormalizeIntensity", "args": {"channel_wise": True}}]
+    inference["num_classes"] = "$__import__('os').getpid() % 2 + 2"
+    (root / "configs" / "inference.json").write_text(json.dumps(inference))
+    with pytest.raises(BundleExportError, match=re.escape("model.bundle minimal (inference.json): network_def#"
+                                                          "out_channels (@num_classes) is a Python expression")):
+        read_bundle(root)

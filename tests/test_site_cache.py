@@ -159,3 +159,41 @@ def test_an_unwritable_cache_runs_uncached_and_says_so(tmp_path, monkeypatch):
     data = r.data(12, 1)
     assert data.train[0].shape[0] > 0 and r.cache.unwritable
     assert any("its data cache cannot be written" in n and "decodes without one" in n for n in r.notes)
+
+
+def test_the_cache_lives_in_the_sites_workspace_never_in_a_home_folder(tmp_path, monkeypatch):
+    """Decoded patient images stay with the site: a startup kit's site caches in its kit's ``local/fedmed_cache/``, a
+    site given only a datalist (no workspace) caches nothing, ``fedmed experiment`` caches in ``<out>/cache/`` (its
+    later runs reuse it), ``"cache_dir": false`` turns it off — and nothing is written under the home folder of
+    whoever started the site."""
+    import yaml
+
+    from fedmed.site.settings import resolve_site_settings
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("FEDMED_CACHE_DIR", raising=False)
+    federation(tmp_path / "data")
+    kit = tmp_path / "kit"
+    (kit / "local").mkdir(parents=True)
+    (kit / "startup").mkdir()
+    (kit / "local" / "fedmed_site.json").write_text(json.dumps({"datalist": str(tmp_path / "data" / "site-1.json")}))
+    r = SiteRunner("site-1", resolve_site_settings("site-1", cwd=kit / "job-1", env={}))
+    r.data(12, 1)
+    assert r.cache.dir == kit / "local" / "fedmed_cache" / "site-1" and list(r.cache.dir.rglob("*.npz"))
+    assert main(["cache", "info"]) == 0  # no folder named: says where a site's cache is, reads nothing
+    (kit / "local" / "fedmed_site.json").write_text(json.dumps({"datalist": str(tmp_path / "data" / "site-1.json"),
+                                                                "cache_dir": False}))
+    assert SiteRunner("site-1", resolve_site_settings("site-1", cwd=kit, env={})).cache is None
+    env = {"FEDMED_DATALIST": str(tmp_path / "data" / "site-2.json")}
+    assert SiteRunner("site-2", resolve_site_settings("site-2", env=env)).cache is None
+    cfg = {"name": "cached", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 8},
+           "federation": {"sites": 2, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},
+           "train": {"rounds": 1, "local_epochs": 1, "batch_size": 8}, "methods": [{"name": "FedAvg"}],
+           "privacy": {"k_min": 2}, "references": []}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["experiment", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "out")]) == 0
+    assert sorted(d.name for d in (tmp_path / "out" / "cache").iterdir()) == ["site-1", "site-2"]
+    assert not list(home.rglob("*.npz")) and not (home / ".cache" / "fedmed").exists()
+    assert "FEDMED_CACHE_DIR" not in __import__("os").environ  # the experiment's setting ends with it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -89,7 +90,10 @@ def cmd_cache(a):
 
     root = Path(a.dir) if a.dir else cache_root()
     if root is None:
-        print("the cache is off (FEDMED_CACHE=0)")
+        off = os.environ.get("FEDMED_CACHE", "1").lower() in ("0", "false", "no", "off")
+        print("the cache is off (FEDMED_CACHE=0)" if off else
+              "no cache folder given: a site's cache is in its workspace (a kit's local/fedmed_cache, fedmed "
+              "experiment's <out>/cache); name it with --dir or FEDMED_CACHE_DIR")
         return 0
     sites = [a.site] if a.site else sorted(d.name for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
     for s in sites:
@@ -337,7 +341,8 @@ def register(sub):
                         formatter_class=H)
     ca.add_argument("action", choices=["info", "clear"], help="info: entries and size per site; clear: remove them")
     ca.add_argument("--site", help="only this site's folder (default: every site's)")
-    ca.add_argument("--dir", help="the cache root (default: FEDMED_CACHE_DIR, else ~/.cache/fedmed)")
+    ca.add_argument("--dir", help="the cache root: a kit's local/fedmed_cache, fedmed experiment's <out>/cache "
+                    "(default: FEDMED_CACHE_DIR)")
     ca.set_defaults(func=cmd_cache)
 
     m = sub.add_parser("demo", help="the embedded demo: small federations, every table, an HTML report", formatter_class=H)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -531,9 +532,24 @@ def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = N
         ExperimentError: after all runs, when some did not finish (each named with its reason).
         OutputBusy: another run is writing ``out_dir``.
     """
-    with output_lock(Path(out_dir)):
+    with output_lock(Path(out_dir)), _site_cache_in(Path(out_dir) / "cache"):
         return _run_experiment(config_path, out_dir, overrides=overrides, methods=methods, log=log, resume=resume,
                                command=command)
+
+
+@contextlib.contextmanager
+def _site_cache_in(folder: Path):
+    """The simulated sites' decoded-data cache in the experiment's own folder (``<out>/cache/``: its later runs,
+    methods and seeds reuse it), unless ``FEDMED_CACHE_DIR`` names another; never a home folder
+    (``fedmed.site.cache``)."""
+    if os.environ.get("FEDMED_CACHE_DIR"):
+        yield
+        return
+    os.environ["FEDMED_CACHE_DIR"] = str(folder.resolve())
+    try:
+        yield
+    finally:
+        os.environ.pop("FEDMED_CACHE_DIR", None)
 
 
 def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, command) -> list[dict]:

@@ -4,8 +4,12 @@ An entry is keyed by the **content** of the files it was made from (SHA-1 of eac
 preprocessing settings (image size and channels; a 3D case's shape, region and allowed labels) and
 :data:`CACHE_VERSION` (bumped when decoding changes): a changed file, another setting or another fedmed decoding
 never hits an old entry. Each site has its own folder (``<cache root>/<site>/``); nothing in it is ever sent, and
-it is never shared between sites. The cache root: the site settings' ``cache_dir`` (``false`` turns it off), else
-``FEDMED_CACHE_DIR``, else ``~/.cache/fedmed``; ``FEDMED_CACHE=0`` turns it off. ``fedmed cache clear`` empties it.
+it is never shared between sites. The cache holds decoded patient images, so it lives in the site's own workspace,
+never in the home folder of whoever started the site. The cache root: the site settings' ``cache_dir`` (``false``
+turns it off), else ``FEDMED_CACHE_DIR``, else the site's workspace (``fedmed_cache/`` beside its settings file: a
+startup kit's ``local/fedmed_cache/``; ``fedmed experiment``: ``<out>/cache/``; ``jobs/run.py --env sim``:
+``<workspace>/fedmed_cache/``); a site with none of these runs without a cache. ``FEDMED_CACHE=0`` turns it off.
+``fedmed cache clear`` empties it.
 """
 
 from __future__ import annotations
@@ -23,15 +27,19 @@ __all__ = ["CACHE_VERSION", "SiteCache", "cache_root"]
 CACHE_VERSION = 1
 
 
-def cache_root(configured=None) -> Path | None:
-    """The cache root folder (see the module notes); ``None`` when caching is off."""
+WORKSPACE_CACHE = "fedmed_cache"  # the folder in a site's workspace (beside its settings file)
+
+
+def cache_root(configured=None, workspace=None) -> Path | None:
+    """The cache root folder (see the module notes): ``configured`` (the settings' ``cache_dir``), else
+    ``FEDMED_CACHE_DIR``, else ``<workspace>/fedmed_cache``; ``None`` when caching is off or no place is known."""
     if configured is False or os.environ.get("FEDMED_CACHE", "1").lower() in ("0", "false", "no", "off"):
         return None
     if configured:
         return Path(configured)
     if os.environ.get("FEDMED_CACHE_DIR"):
         return Path(os.environ["FEDMED_CACHE_DIR"])
-    return Path.home() / ".cache" / "fedmed"
+    return Path(workspace) / WORKSPACE_CACHE if workspace is not None else None
 
 
 class SiteCache:

@@ -144,7 +144,7 @@ class SiteRunner:
         if not hasattr(self, "_cache"):
             from fedmed.site.cache import SiteCache, cache_root
 
-            root = cache_root(self.settings.cache_dir)
+            root = cache_root(self.settings.cache_dir, getattr(self.settings, "workspace", None))
             self._cache = SiteCache(root, self.site) if root is not None else None
         return self._cache
 

@@ -17,7 +17,8 @@ The settings file (JSON)::
      "k_min": 10,                        # optional: raise the job's minimum group size at this site
      "device": "cuda:1",                 # optional: this site's device (overrides the job's train.device)
      "cache_dir": "/scratch/fedmed"}     # optional: where decoded data is cached (false: no cache; default
-                                         #   FEDMED_CACHE_DIR or ~/.cache/fedmed; fedmed.site.cache)
+                                         #   FEDMED_CACHE_DIR, else fedmed_cache/ beside this file — a kit's
+                                         #   local/fedmed_cache/; fedmed.site.cache)
 
 ``FEDMED_ALLOW_PER_IMAGE=1`` is the environment form of ``allow_per_image`` (simulations), ``FEDMED_DEVICE`` of
 ``device``. What a job may make the site do — modules, networks, encoders, weights files, the privacy floor and DP —
@@ -58,6 +59,7 @@ class SiteSettings:
     roots: list[Path] = field(default_factory=list)  # folders whose absolute paths are scrubbed from messages
     device: str | None = None  # this site's train.device (overrides the job's)
     cache_dir: object = None  # decoded-data cache root (fedmed.site.cache): None = default, False = off, or a folder
+    workspace: Path | None = None  # the site's own folder (its settings file's; a kit's local/): the default cache
     policy: SitePolicy = field(default_factory=SitePolicy)  # what a job may make this site do (fedmed.core.policy)
 
     @property
@@ -373,6 +375,7 @@ def resolve_site_settings(site: str, *, cwd=None, env=None) -> SiteSettings:
         if isinstance(cache_dir, str) and not Path(cache_dir).is_absolute():
             cache_dir = str(f.parent / cache_dir)
         settings = SiteSettings(site, dl, root, source, roots=[f.parent], device=device, cache_dir=cache_dir,
+                                workspace=f.parent,
                                 policy=policy(f, k_min, bool(doc.get("allow_per_image", False))))
     if settings.device is None and env.get("FEDMED_DEVICE"):
         settings.device = env["FEDMED_DEVICE"]
