@@ -435,3 +435,66 @@ def test_a_consented_k_min_below_2_is_stated_in_the_setup_the_console_and_the_re
     assert k_min_consent_note({"k_min": 2}) is None
     note = k_min_consent_note({"k_min": 1, "accept_k_min_below_2": True})
     assert "WARNING" in note and "k_min=1" in note and "single" in note
+
+
+# ------------------------------------------------------------------------------------------------ ids of every form
+PLANTED_IDS = ["4711", "12", "7", "Wa", "Wang", "Grace", "Ali", "Doe", "Brown", "Doe_Jane_MRN12345"]
+
+
+@pytest.mark.parametrize("planted", PLANTED_IDS)
+def test_no_id_of_a_3d_site_leaves_it_whatever_its_length_or_spelling(tmp_path, planted):
+    """A 3D site's errors name positions and kinds in fedmed's own words: a subject or case id — numeric, one or two
+    characters, a common word of fedmed's own source, a patient name — never leaves, and a job that lists the id as
+    one of its classes gets nothing back for it (no membership oracle)."""
+    from fedmed.site.reply import answer
+    from fedmed.site.settings import settings_for_dir
+
+    root = tmp_path / "data"
+    root.mkdir()
+    lab = str(root / f"{planted}_seg.nii.gz")
+    cases = {
+        # the same subject in training and test: subject leakage
+        "leak": {"training": [{"image": [str(root / f"{planted}_t1.nii.gz")], "label": lab, "subject": planted}],
+                 "validation": [],
+                 "test": [{"image": [str(root / f"{planted}_t1b.nii.gz")], "label": lab, "subject": planted}]},
+        # a case that lists no image files, and one whose files are missing
+        "empty": {"training": [{"image": [], "label": lab, "id": planted, "subject": "s1"}], "validation": [],
+                  "test": [{"image": [str(root / "x.nii.gz")], "label": str(root / "y.nii.gz"), "subject": "s2"}]},
+        "missing": {"training": [{"image": [str(root / planted / "t1.nii.gz")], "label": lab, "id": planted,
+                                  "subject": planted}], "validation": [],
+                    "test": [{"image": [str(root / "x.nii.gz")], "label": str(root / "y.nii.gz"), "subject": "s2"}]},
+    }
+    cfg = {"task": "segmentation", "seed": 0, "classes": [planted, "tumour"], "model": {"arch": "unet",
+           "channels": [4, 8]}, "privacy": {"k_min": 1}, "data": {"in_channels": 1, "shape": [8, 8, 8],
+                                                                     "roi": [8, 8, 8]}}
+    for kind, doc in cases.items():
+        (root / "site-1.json").write_text(json.dumps(doc))
+        _, _, metrics, meta, local = answer("site-1", None, "train", {}, cfg, 0,
+                                            settings=settings_for_dir("site-1", root))
+        err = meta["error"]
+        assert metrics == {"failed": 1.0} and err.startswith("site-1: "), err
+        assert not re.search(rf"(?<![A-Za-z0-9]){re.escape(planted)}(?![A-Za-z0-9])", err.replace("site-1", "")), \
+            (kind, err)
+        assert planted in local  # the site's own log names it
+    assert "subject leakage" in err or "not found" in err
+
+
+def test_redaction_never_touches_fedmeds_own_text(tmp_path):
+    """What leaves a site is fedmed's own text plus positions and kinds: its refusal lines name the setting that
+    refused (``local/fedmed_policy.json``, ``['random_cnn']``), its encoder description keeps its formula, a URL is
+    redacted whole (never ``https:<path>``); a path or a name of the site's data is still replaced."""
+    from fedmed.site.settings import redact
+
+    own = ["site-1: PolicyError: encoder 'vit_tiny' is not among the encoders this site runs (encoders of this site's "
+           "policy (default; local/fedmed_policy.json sets it): ['random_cnn'])",
+           "random_cnn: seeded random CNN (seed 0), input (x - 0.5) / 0.25, 128-d features",
+           "the cache is in local/fedmed_cache; models/model.pt and configs/inference.json are the bundle's"]
+    for text in own:
+        assert redact(text, {"Doe_Jane_MRN12345"}) == text
+    assert redact("weights from https://example.org/w.pt refused") == "weights from <path> refused"
+    assert redact("site-1: cannot read 'Doe_Jane_MRN12345/scan.png' (Doe_Jane_MRN12345)", {"Doe_Jane_MRN12345"}) == \
+        "site-1: cannot read <path> (<name>)"
+    from fedmed.nn.encoders import build_encoder
+
+    desc = build_encoder("random_cnn", seed=0).description
+    assert redact(desc) == desc and "<path>" not in desc

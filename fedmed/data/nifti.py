@@ -47,9 +47,17 @@ def _limits(limits):
     return limits or ReadLimits()
 
 
+def _kind(what: str) -> str:
+    """How a message that leaves the site names a file of a case: by its role (``its FLAIR image``, ``its label``),
+    never by its path, the case's id or a modality name its datalist gives."""
+    return "its image" if what.endswith("image") else f"its {what}"
+
+
 def _check_voxels(n: int, limits, site: str, what: str, p) -> None:
     if n > limits.max_volume_voxels:
         raise DataError(f"{site}: {what} {p} has {n} voxels, more than this site reads (its policy's "
+                        f"max_volume_voxels={limits.max_volume_voxels})",
+                        f"{site}: {_kind(what)} has {n} voxels, more than this site reads (its policy's "
                         f"max_volume_voxels={limits.max_volume_voxels})")
 
 
@@ -68,26 +76,31 @@ def load_volume(path, site: str, what: str, limits=None) -> tuple[np.ndarray, np
     if p.is_dir():
         return _load_dicom_series(p, site, what, limits)
     if not p.exists():
-        raise DataError(f"{site}: {what} file {p} not found")
+        raise DataError(f"{site}: {what} file {p} not found", f"{site}: {_kind(what)} file not found")
     try:
         check_input_file(p, limits)
     except DataError as e:
-        raise DataError(f"{site}: {what} file {p} {e.public}") from None
+        raise DataError(f"{site}: {what} file {p} {e.public}", f"{site}: {_kind(what)} file {e.public}") from None
     if not (p.name.endswith(".nii") or p.name.endswith(".nii.gz")):
+        seg_note = " (a DICOM-SEG file is read as a case's label only)" if what != "label" and is_dicom_seg(p) else ""
         raise DataError(f"{site}: {what} file {p} is not a NIfTI file (.nii or .nii.gz) or a DICOM series folder"
-                        + (" (a DICOM-SEG file is read as a case's label only)" if what != "label" and is_dicom_seg(p)
-                           else ""))
+                        + seg_note, f"{site}: {_kind(what)} file is not a NIfTI file (.nii or .nii.gz) or a DICOM "
+                        f"series folder" + seg_note)
     try:
         img = nib.load(str(p))
     except Exception as e:
-        raise DataError(f"{site}: cannot read {what} file {p} ({type(e).__name__}: {e})") from None
+        raise DataError(f"{site}: cannot read {what} file {p} ({type(e).__name__}: {e})",
+                        f"{site}: cannot read {_kind(what)} file: not a readable NIfTI ({type(e).__name__})") from None
     _check_voxels(int(np.prod(img.shape)), limits, site, f"{what} file", p)
     try:
         arr = np.asarray(img.dataobj, dtype=np.float32)
     except Exception as e:
-        raise DataError(f"{site}: cannot read {what} file {p} ({type(e).__name__}: {e})") from None
+        raise DataError(f"{site}: cannot read {what} file {p} ({type(e).__name__}: {e})",
+                        f"{site}: cannot read the voxels of {_kind(what)} file: damaged or truncated "
+                        f"({type(e).__name__})") from None
     if arr.ndim != 3:
-        raise DataError(f"{site}: {what} file {p} should be a 3-D volume, got shape {arr.shape}")
+        raise DataError(f"{site}: {what} file {p} should be a 3-D volume, got shape {arr.shape}",
+                        f"{site}: {_kind(what)} file should be a 3-D volume, got {arr.ndim} dimension(s)")
     return arr, np.asarray(img.affine, dtype=np.float64)
 
 
@@ -99,30 +112,36 @@ def _load_dicom_series(p: Path, site: str, what: str, limits) -> tuple[np.ndarra
     reader = sitk.ImageSeriesReader()
     ids = reader.GetGDCMSeriesIDs(str(p))
     if not ids:
-        raise DataError(f"{site}: {what} folder {p} holds no DICOM series")
+        raise DataError(f"{site}: {what} folder {p} holds no DICOM series",
+                        f"{site}: {_kind(what)} folder holds no DICOM series")
     if len(ids) > 1:
-        raise DataError(f"{site}: {what} folder {p} holds {len(ids)} DICOM series; one series per folder")
+        raise DataError(f"{site}: {what} folder {p} holds {len(ids)} DICOM series; one series per folder",
+                        f"{site}: {_kind(what)} folder holds {len(ids)} DICOM series; one series per folder")
     files = reader.GetGDCMSeriesFileNames(str(p), ids[0])  # sorted along the slice normal
     if len(files) < 2:
-        raise DataError(f"{site}: {what} folder {p} holds a single slice, not a 3-D series")
+        raise DataError(f"{site}: {what} folder {p} holds a single slice, not a 3-D series",
+                        f"{site}: {_kind(what)} folder holds a single slice, not a 3-D series")
     for f in files:
         try:
             check_input_file(f, limits)
         except DataError as e:
-            raise DataError(f"{site}: a file of the DICOM series in {what} folder {p} {e.public}") from None
+            raise DataError(f"{site}: a file of the DICOM series in {what} folder {p} {e.public}",
+                            f"{site}: a file of the DICOM series of {_kind(what)} {e.public}") from None
     problem = series_geometry_problem(files)
     if problem:
-        raise DataError(f"{site}: the DICOM series in {what} folder {p} is not a 3-D volume: {problem}")
+        raise DataError(f"{site}: the DICOM series in {what} folder {p} is not a 3-D volume: {problem}",
+                        f"{site}: the DICOM series of {_kind(what)} is not a 3-D volume: {problem}")
     _check_voxels(len(files) * _slice_pixels(files[0]), limits, site, f"DICOM series in {what} folder", p)
     reader.SetFileNames(files)
     try:
         img = reader.Execute()
     except RuntimeError as e:
-        raise DataError(f"{site}: cannot read the DICOM series in {what} folder {p} ({str(e).splitlines()[0][:120]})") \
-            from None
+        raise DataError(f"{site}: cannot read the DICOM series in {what} folder {p} ({str(e).splitlines()[0][:120]})",
+                        f"{site}: cannot read the DICOM series of {_kind(what)} (SimpleITK)") from None
     arr = sitk.GetArrayFromImage(img).astype(np.float32)
     if arr.ndim != 3:
-        raise DataError(f"{site}: the DICOM series in {what} folder {p} is not a 3-D grayscale volume ({arr.shape})")
+        raise DataError(f"{site}: the DICOM series in {what} folder {p} is not a 3-D grayscale volume ({arr.shape})",
+                        f"{site}: the DICOM series of {_kind(what)} is not a 3-D grayscale volume ({arr.shape})")
     arr = arr.transpose(2, 1, 0)  # SimpleITK's (z, y, x) to NIfTI's (x, y, z)
     direction = np.asarray(img.GetDirection(), dtype=np.float64).reshape(3, 3)
     lps = np.eye(4)
@@ -212,16 +231,20 @@ def load_dicom_seg(path, site: str, shape: Sequence[int], affine: np.ndarray,
     try:
         seg = hd.seg.segread(str(p))
     except Exception as e:
-        raise DataError(f"{site}: cannot read DICOM-SEG label {p} ({type(e).__name__})") from None
+        raise DataError(f"{site}: cannot read DICOM-SEG label {p} ({type(e).__name__})",
+                        f"{site}: cannot read its DICOM-SEG label ({type(e).__name__})") from None
     if frame_of_reference and str(seg.get("FrameOfReferenceUID", "")) != frame_of_reference:
-        raise DataError(f"{site}: DICOM-SEG label {p} is in another frame of reference than its image series")
+        raise DataError(f"{site}: DICOM-SEG label {p} is in another frame of reference than its image series",
+                        f"{site}: its DICOM-SEG label is in another frame of reference than its image series")
     if seg.segmentation_type == hd.seg.SegmentationTypeValues.FRACTIONAL:
-        raise DataError(f"{site}: DICOM-SEG label {p} is FRACTIONAL; a label map needs BINARY or LABELMAP segments")
+        raise DataError(f"{site}: DICOM-SEG label {p} is FRACTIONAL; a label map needs BINARY or LABELMAP segments",
+                        f"{site}: its DICOM-SEG label is FRACTIONAL; a label map needs BINARY or LABELMAP segments")
     try:
         vol = seg.get_volume(combine_segments=True)
     except Exception as e:  # overlapping segments, an irregular stack of frames
         raise DataError(f"{site}: DICOM-SEG label {p} is not one label per voxel on a regular grid "
-                        f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") from None
+                        f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})",
+                        f"{site}: its DICOM-SEG label is not one label per voxel on a regular grid") from None
     arr = np.asarray(vol.array)
     if arr.ndim == 4:
         arr = arr[..., 0]
@@ -231,11 +254,13 @@ def load_dicom_seg(path, site: str, shape: Sequence[int], affine: np.ndarray,
     if not (np.allclose(np.abs(rot).sum(axis=0), 1, atol=1e-3) and np.allclose(np.abs(rot), np.round(np.abs(rot)),
                                                                                     atol=1e-3)
             and np.allclose(off, np.round(off), atol=1e-2)):
-        raise DataError(f"{site}: DICOM-SEG label {p} is not on its image's voxel grid (resample it onto the series)")
+        raise DataError(f"{site}: DICOM-SEG label {p} is not on its image's voxel grid (resample it onto the series)",
+                        f"{site}: its DICOM-SEG label is not on its image's voxel grid (resample it onto the series)")
     nz = np.argwhere(arr > 0)
     idx = np.rint(nz @ np.round(rot).T + np.round(off)).astype(np.int64)
     if len(idx) and ((idx < 0).any() or (idx >= np.asarray(shape)).any()):
-        raise DataError(f"{site}: DICOM-SEG label {p} has segment voxels outside its image volume")
+        raise DataError(f"{site}: DICOM-SEG label {p} has segment voxels outside its image volume",
+                        f"{site}: its DICOM-SEG label has segment voxels outside its image volume")
     out = np.zeros(tuple(shape), np.float32)
     out[tuple(idx.T)] = arr[tuple(nz.T)]
     return out
@@ -312,18 +337,21 @@ def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "
         images = [images]
     mods = entry.get("modalities") or [f"ch{i}" for i in range(len(images or []))]
     if not images:
-        raise DataError(f"{site}: case {entry.get('id', '?')} lists no image files")
+        raise DataError(f"{site}: case {entry.get('id', '?')} lists no image files", f"{site}: lists no image files")
     if len(mods) != len(images):
-        raise DataError(f"{site}: case {entry.get('id', '?')} names {len(mods)} modalities for {len(images)} images")
+        raise DataError(f"{site}: case {entry.get('id', '?')} names {len(mods)} modalities for {len(images)} images",
+                        f"{site}: names {len(mods)} modalities for {len(images)} images")
     vols, affines = [], []
     for m, f in zip(mods, images):
         if f is None:
-            raise DataError(f"{site}: case {entry.get('id', '?')} is missing modality {m}")
+            raise DataError(f"{site}: case {entry.get('id', '?')} is missing modality {m}",
+                            f"{site}: is missing its image {mods.index(m) + 1} of {len(mods)}")
         a, aff = load_volume(f, site, f"{m} image", limits)
         bad = int(a.size - np.isfinite(a).sum())
         if bad:
             raise DataError(f"{site}: case {entry.get('id', Path(str(f)).parent.name)}: {m} image {f} has {bad} NaN or "
-                            f"infinite voxel(s)")
+                            f"infinite voxel(s)", f"{site}: its image {images.index(f) + 1} of {len(images)} has {bad} "
+                            f"NaN or infinite voxel(s)")
         vols.append(a)
         affines.append(aff)
     lab, lab_aff = load_label(entry["label"], site, vols[0].shape, affines[0], images[0], limits)
@@ -334,25 +362,31 @@ def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "
     voxel = float(abs(np.linalg.det(lab_aff[:3, :3])))
     for m, f, a in zip(mods, images, vols):
         if a.shape != vols[0].shape:
-            raise DataError(f"{site}: {m} image {f} has shape {a.shape} but {mods[0]} image {images[0]} has {vols[0].shape}")
+            raise DataError(f"{site}: {m} image {f} has shape {a.shape} but {mods[0]} image {images[0]} has {vols[0].shape}",
+                            f"{site}: its images differ in shape ({a.shape} and {vols[0].shape})")
     if lab.shape != vols[0].shape:
-        raise DataError(f"{site}: image {images[0]} has shape {vols[0].shape} but label {entry['label']} has {lab.shape}")
+        raise DataError(f"{site}: image {images[0]} has shape {vols[0].shape} but label {entry['label']} has {lab.shape}",
+                        f"{site}: its image has shape {vols[0].shape} but its label map {lab.shape}")
     values = np.unique(lab)
     bad = sorted(set(values.astype(int).tolist()) - set(allowed_labels))
     if bad or not np.allclose(values, np.round(values)):
         raise DataError(f"{site}: label {entry['label']} has unexpected labels {bad or values.tolist()} "
-                        f"(allowed {list(allowed_labels)})")
+                        f"(allowed {list(allowed_labels)})",
+                        f"{site}: its label map has {len(bad) or 'non-integer'} value(s) outside the allowed labels "
+                        f"{list(allowed_labels)}")
     lab = lab.astype(np.int16)
     if entry.get("mask"):
         brain, brain_aff = load_volume(entry["mask"], site, "brain mask")
         brain = _to_orientation(brain, brain_aff, lab_aff)
         if brain.shape != lab.shape:
-            raise DataError(f"{site}: brain mask {entry['mask']} has shape {brain.shape}, image has {lab.shape}")
+            raise DataError(f"{site}: brain mask {entry['mask']} has shape {brain.shape}, image has {lab.shape}",
+                            f"{site}: its brain mask has shape {brain.shape}, its image {lab.shape}")
         fg = brain > 0
     else:
         fg = vols[0] != 0
     if not fg.any():
-        raise DataError(f"{site}: case {entry.get('id', images[0])} has an empty foreground")
+        raise DataError(f"{site}: case {entry.get('id', images[0])} has an empty foreground",
+                        f"{site}: has an empty foreground (no brain-mask or nonzero image voxel)")
     lo = np.array([np.flatnonzero(fg.any(axis=tuple(j for j in range(3) if j != i))).min() for i in range(3)])
     hi = np.array([np.flatnonzero(fg.any(axis=tuple(j for j in range(3) if j != i))).max() + 1 for i in range(3)])
     region = entry.get("region", "whole")
@@ -360,7 +394,8 @@ def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "
         mid = (lo[0] + hi[0]) // 2
         lo[0], hi[0] = (lo[0], mid) if region == "left" else (mid, hi[0])
     elif region != "whole":
-        raise DataError(f"{site}: case {entry.get('id', '?')} region should be whole/left/right, got {region!r}")
+        raise DataError(f"{site}: case {entry.get('id', '?')} region should be whole/left/right, got {region!r}",
+                        f"{site}: its region should be whole, left or right")
     sl = tuple(slice(a, b) for a, b in zip(lo, hi))
     crop_lab = lab[sl]
     zooms = np.asarray(_zooms(lab_aff), dtype=np.float64)

@@ -73,7 +73,9 @@ def check_no_leakage(training: list[dict], test: list[dict], where: str = "feder
     """
     both = sorted({subject_of(e) for e in training} & {subject_of(e) for e in test})
     if both:
-        raise DataError(f"{where}: subject(s) {both} are in both the training and the test data (subject leakage)")
+        raise DataError(f"{where}: subject(s) {both} are in both the training and the test data (subject leakage)",
+                        f"{where}: {len(both)} subject(s) are in both the training and the test data (subject "
+                        f"leakage; the site's log names them)")
 
 
 def write_seg_federation(entries: list[dict], n_sites: int, out_dir, *, partition: str = "label_volume",

@@ -65,10 +65,10 @@ def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: d
     site's own log only (``None`` when the task succeeded)."""
     import traceback
 
-    known = [site]  # names the server knows already (the site, the job's classes): never redacted
+    known = [site]  # the site's own name, which the server knows: never redacted (a job's class names grant nothing:
+    # a datalist's label written as a class name is no private token, an id of the same text is; settings.private_tokens)
     try:
         t = task_config(cfg)  # validated once for this task; the runner and the task read the typed config
-        known += list(t.classes or [])
         if runner is None:
             if settings is None:  # the site's own settings (FEDMED_* variables or its startup kit)
                 from fedmed.site.settings import resolve_site_settings

@@ -107,8 +107,11 @@ class SiteRunner:
     # ------------------------------------------------------------------ data and model
     def _datalist(self, task: str = "classification", classes=None) -> dict:
         """The site's datalist, checked (``classes``: the job's class names, which a label may be written as)."""
-        try:  # its names, even from a datalist load_datalist then refuses (the error must not show them)
-            self.private_tokens |= private_tokens(json.loads(self.datalist_path.read_text()))
+        from fedmed.data.images import check_input_file
+
+        try:  # its names, even from a datalist load_datalist then refuses (the error must not show them); a datalist
+            check_input_file(self.datalist_path, self.policy.limits)  # larger than the site reads is never read
+            self.private_tokens |= private_tokens(json.loads(self.datalist_path.read_text()), classes)
         except (OSError, ValueError):
             pass  # load_datalist says what is wrong with it
         return load_datalist(self.datalist_path, task=task, root=self.settings.data_root,

@@ -183,8 +183,9 @@ class SegSiteRunner(SiteRunner):
         the case's split and position for the server (``training[3]``; the site's log has the files)."""
         try:
             return self._load_case(entry, shape)
-        except DataError as e:
-            kind = str(e)[len(self.site) + 2:] if str(e).startswith(f"{self.site}: ") else str(e)
+        except DataError as e:  # the server gets the position and fedmed's own words for the kind, never an id
+            text = e.public or "cannot be read (the site's log says why)"
+            kind = text[len(self.site) + 2:] if text.startswith(f"{self.site}: ") else text
             raise DataError(str(e), f"{self.site}: {split}[{index}]: {kind}") from None
 
     def _load_case(self, entry: dict, shape):

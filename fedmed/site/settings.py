@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedmed.core.policy import PolicyError, SitePolicy, kit_file, load_policy
+from fedmed.core.policy import POLICY_FILE, PolicyError, SitePolicy, kit_file, load_policy
 
 __all__ = ["NAME_MARK", "PATH_MARK", "SETTINGS_FILE", "SiteConfigError", "SiteSettings", "path_spans",
            "private_tokens", "redact", "redact_strings", "resolve_site_settings", "scrub"]
@@ -91,6 +91,7 @@ _OPENERS = frozenset(" \t\r\n'\"([{=:,;<")  # what may stand right before an abs
 _QUOTES = "'\""
 _NAME_STOP = frozenset(" \t\r\n'\"),;]}>")  # what ends the file name of an unquoted path
 _NEXT_PATH = re.compile(r"\s['\"]?~?/")  # where the next absolute path of a line starts
+_URL_SCHEME = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*:$")  # "https:" right before "//"
 
 
 def _closing_quote(text: str, q: str, start: int, line_end: int) -> int:
@@ -119,7 +120,13 @@ def path_spans(text: str) -> list[tuple[int, int]]:
         if j < 0:
             break
         start = j
-        if j > 0 and text[j - 1] == "~" and (j == 1 or text[j - 2] in _OPENERS):
+        if j + 1 >= n or text[j + 1] in " \t\r\n":  # a division sign ("(x - 0.5) / 0.25"), not a path
+            i = j + 1
+            continue
+        url = _URL_SCHEME.search(text[max(0, j - 32):j]) if text.startswith("//", j) else None
+        if url is not None:  # scheme://host/...: the address whole, scheme included (never "https:<path>")
+            start = j - len(url.group(0))
+        elif j > 0 and text[j - 1] == "~" and (j == 1 or text[j - 2] in _OPENERS):
             start = j - 1
         elif j > 0 and text[j - 1] not in _OPENERS:
             i = j + 1
@@ -175,7 +182,8 @@ PATH_MARK = "<path>"  # what a path of any form becomes in a text that leaves a 
 NAME_MARK = "<name>"  # what a name taken from the site's datalist becomes
 
 _WINDOWS_START = re.compile(r"(?<![\w\\])(?:[A-Za-z]:[\\/]|\\\\[^\\\s]+\\)")  # C:\ or C:/ or \\server\
-_QUOTED = re.compile(r"'[^'\n]*[/\\][^'\n]*'|\"[^\"\n]*[/\\][^\"\n]*\"")
+# a quoted text holding a separator; the quotes must be quotes, not apostrophes ("this site's policy (local/...): ['x']")
+_QUOTED = re.compile(r"(?<![A-Za-z0-9])'[^'\n]*[/\\][^'\n]*'(?![A-Za-z0-9])|(?<![A-Za-z0-9])\"[^\"\n]*[/\\][^\"\n]*\"(?![A-Za-z0-9])")
 _TOKEN = re.compile(r"[^\s'\"()\[\]{}<>,;]+")
 _STOP = frozenset({"training", "validation", "test", "image", "images", "label", "labels", "mask", "masks", "data",
                    "train", "val", "valid", "png", "jpg", "jpeg", "nii", "dcm", "tif", "tiff", "bmp", "npz", "json",
@@ -227,11 +235,44 @@ def fedmed_words() -> set:
     return _WORDS
 
 
-def private_tokens(doc) -> set:
+_PATHS: set = set()
+
+
+def fedmed_paths() -> set:
+    """The relative paths fedmed's own messages name (``local/fedmed_policy.json``, ``models/model.pt``, …): every
+    path-like token of a string literal of fedmed's code (docstrings left out). A message naming one of these is
+    fedmed's own text and is never redacted; any other relative path is."""
+    if not _PATHS:
+        import ast
+
+        root = Path(__file__).resolve().parents[1]
+        for f in root.rglob("*.py"):
+            try:
+                tree = ast.parse(f.read_text(errors="ignore"))
+            except SyntaxError:
+                continue
+            docs = {id(n.body[0].value) for n in ast.walk(tree)
+                    if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                    and isinstance(n.body[0], ast.Expr) and isinstance(getattr(n.body[0], "value", None), ast.Constant)}
+            for n in ast.walk(tree):
+                if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
+                    _PATHS.update(t.rstrip(".:,;") for t in _TOKEN.findall(n.value) if _is_relative_path(t))
+        from fedmed.site.cache import WORKSPACE_CACHE
+
+        # the kit files fedmed's messages name through a constant (f"local/{POLICY_FILE}")
+        _PATHS.update({f"local/{POLICY_FILE}", f"local/{SETTINGS_FILE}", f"local/{WORKSPACE_CACHE}"})
+        _PATHS.add("")  # computed
+    return _PATHS
+
+
+def private_tokens(doc, classes=()) -> set:
     """The names a datalist holds — every folder and file name of its paths (and their stems), every other value of
     its entries (labels as written, ids, extra fields) and its keys that are not splits — that no text leaving the
-    site may show (:func:`redact`). Short or generic words are left out (they would blank fedmed's own words)."""
+    site may show (:func:`redact`). Short or generic words are left out (they would blank fedmed's own words); a
+    label written as one of the job's ``classes`` tells nothing the job does not know and is left out too — the
+    same text as an id, a file name or any other field is not (a job's class names grant nothing)."""
     out: set = set()
+    job_classes = {str(c) for c in classes or ()}
 
     def add(v):
         if isinstance(v, bool) or v is None:
@@ -256,6 +297,8 @@ def private_tokens(doc) -> set:
                 for e in entries:
                     if isinstance(e, dict):
                         for k, v in e.items():
+                            if k == "label" and isinstance(v, str) and v in job_classes:
+                                continue
                             for x in (v if isinstance(v, list) else [v]):
                                 add(x)
                     else:
@@ -273,8 +316,9 @@ def redact(text: str, tokens=(), allow=()) -> str:
         spans = finder(text)
         for a, b in reversed(spans):
             text = text[:a] + PATH_MARK + text[b:]
-    text = _QUOTED.sub(PATH_MARK, text)
-    text = _TOKEN.sub(lambda m: PATH_MARK if _is_relative_path(m.group(0)) else m.group(0), text)
+    text = _QUOTED.sub(lambda m: m.group(0) if m.group(0)[1:-1] in fedmed_paths() else PATH_MARK, text)
+    text = _TOKEN.sub(lambda m: PATH_MARK if _is_relative_path(m.group(0)) and m.group(0).rstrip(".:,;") not in
+                      fedmed_paths() else m.group(0), text)
     names = _names_pattern(frozenset(tokens or ()), frozenset(str(a) for a in allow or ()))
     return names.sub(NAME_MARK, text) if names is not None else text
 
