@@ -526,6 +526,7 @@ def load_config(path_or_dict, overrides: list[str] | None = None) -> ExperimentC
             parent = (path.parent / base)
             raw = _merge(load_raw(parent), raw)
     raw = apply_overrides(raw, overrides)
+    _check_expansion(raw, source)
     base = path.resolve().parent if not isinstance(path_or_dict, dict) else Path.cwd()
     if isinstance(raw.get("plugins"), list):  # before the methods are read: a plugin registers its own
         try:
@@ -538,6 +539,37 @@ def load_config(path_or_dict, overrides: list[str] | None = None) -> ExperimentC
         raise ConfigError(_format(e, source, raw)) from None
     exp._base_dir = base
     return exp
+
+
+MAX_CONFIG_VALUES = 100_000  # a config expands to far fewer values (the largest shipped one: a few hundred)
+
+
+def _check_expansion(raw, source: str) -> None:
+    """Refuse a config whose YAML anchors and aliases expand to more than :data:`MAX_CONFIG_VALUES` values (a
+    430-byte "billion laughs" file is tiny as parsed — aliases share their objects — and huge as soon as anything
+    prints or copies it), before anything else reads it."""
+    memo: dict = {}
+
+    def size(v, depth=0):
+        if depth > 200:
+            raise ConfigError(f"{source}: nests deeper than 200 levels")
+        if not isinstance(v, (dict, list)):
+            return 1
+        if id(v) in memo:
+            return memo[id(v)]
+        items = v.values() if isinstance(v, dict) else v
+        n = 1
+        for x in items:
+            n += size(x, depth + 1)
+            if n > MAX_CONFIG_VALUES:
+                break
+        memo[id(v)] = n
+        return n
+
+    n = size(raw)
+    if n > MAX_CONFIG_VALUES:
+        raise ConfigError(f"{source}: expands to more than {MAX_CONFIG_VALUES} values (YAML anchors and aliases "
+                          f"nested into each other?); a config holds a few hundred")
 
 
 def shipped_or_given(path: Path) -> Path:

@@ -307,3 +307,116 @@ def test_a_site_whose_update_is_not_finite_sits_out_that_round(federation, tmp_p
 
     final = torch.load(tmp_path / "run" / "models" / "global.pt", weights_only=True)["state_dict"]
     assert all(torch.isfinite(v).all() for v in final.values() if v.is_floating_point())
+
+
+# ------------------------------------------------------------------------------------------------ the probe's findings
+BOMB = """name: bomb
+a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
+b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
+c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
+d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]
+e: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]
+f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]
+g: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]
+h: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]
+dataset: {path: "builtin:digits", classes: *h}
+"""
+
+
+def test_a_yaml_alias_bomb_is_one_short_line_in_little_memory(tmp_path):
+    """A few hundred bytes of nested YAML aliases expand to 387 million values as soon as anything prints the config:
+    refused in one line before anything reads it (it printed a 254 MB error at 0.8 GB)."""
+    import resource
+    import subprocess
+    import sys
+
+    (tmp_path / "bomb.yaml").write_text(BOMB)
+    assert len(BOMB) < 500
+    code = ("import resource, sys; from fedmed.cli.main import main; rc = main(['experiment', sys.argv[1], '--out', "
+            "sys.argv[2]]); print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "bomb.yaml"), str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and len(err[0]) < 300 and "expands to more than 100000 values" in err[0], err[:3]
+    assert int(r.stdout.split("RSS")[-1]) < 700_000  # KiB: importing fedmed and torch is about 560 MB; it was 800+
+    del resource
+
+
+def test_a_model_file_whose_class_names_do_not_match_its_outputs_is_one_line(tmp_path):
+    """``fedmed predict`` on a checkpoint of 2 outputs naming 1 class dropped a probability silently."""
+    from fedmed.cli.main import main
+    from fedmed.nn.models import model_from_config
+    from fedmed.nn.predict import save_model
+
+    model = {"arch": "resnet9", "width": 4}
+    params = {k: v.numpy() for k, v in model_from_config(model, 1, 2, seed=0).state_dict().items()}
+    ck = save_model(tmp_path / "m.pt", params, {"task": "classification", "model": model, "classes": ["benign"],
+                                                 "data": {"channels": 1, "n_classes": 2, "image_size": 8}})
+    from PIL import Image
+
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "x.png")
+    assert main(["predict", str(ck), str(tmp_path / "x.png")]) == 2
+
+
+@pytest.mark.parametrize("kind,says", [("folder", "is a folder, not a file"), ("fifo", "is a FIFO, not a regular file"),
+                                       ("loop", "is a symbolic link that loops"),
+                                       ("dangling", "is a symbolic link that leads nowhere"), ("absent", "not found")])
+def test_a_datalist_that_is_no_regular_file_says_what_it_is(tmp_path, kind, says):
+    import os
+
+    from fedmed.data.images import DataError, load_datalist
+    from fedmed.site.settings import SiteConfigError, resolve_site_settings
+
+    f = tmp_path / "site-1.json"
+    {"folder": lambda: f.mkdir(), "fifo": lambda: os.mkfifo(f), "loop": lambda: f.symlink_to(f),
+     "dangling": lambda: f.symlink_to(tmp_path / "nowhere"), "absent": lambda: None}[kind]()
+    with pytest.raises(DataError) as e:
+        load_datalist(f, name="site-1: datalist")
+    assert str(e.value) == f"site-1: datalist: datalist {says}" and e.value.public == f"datalist: {says}"
+    with pytest.raises(SiteConfigError, match="the datalist named by FEDMED_DATALIST " +
+                       ("does not exist" if kind == "absent" else says)):
+        resolve_site_settings("site-1", env={"FEDMED_DATALIST": str(f)})
+
+
+def test_3d_check_data_says_what_is_wrong_with_each_volume(tmp_path):
+    """``fedmed check-data`` on a segmentation datalist: a text file, a truncated NIfTI, a 4-D volume and a missing
+    file each get their own reason (they all read "missing or not a readable NIfTI")."""
+    import gzip
+
+    import nibabel as nib
+
+    from fedmed.site.check import check_datalist
+
+    good = tmp_path / "ok.nii.gz"
+    nib.save(nib.Nifti1Image(np.ones((4, 4, 4), np.float32), np.eye(4)), good)
+    (tmp_path / "text.nii.gz").write_text("not a volume")
+    (tmp_path / "cut.nii.gz").write_bytes(gzip.compress(gzip.decompress(good.read_bytes())[:400]))  # voxels cut
+    nib.save(nib.Nifti1Image(np.ones((4, 4, 4, 2), np.float32), np.eye(4)), tmp_path / "four.nii.gz")
+    (tmp_path / "notnifti.png").write_bytes(b"x")
+    entries = [{"image": [str(tmp_path / n)], "label": str(good)} for n in
+               ("text.nii.gz", "cut.nii.gz", "four.nii.gz", "gone.nii.gz", "notnifti.png")]
+    (tmp_path / "dl.json").write_text(json.dumps({"training": entries, "validation": [], "test": []}))
+    rep = check_datalist(tmp_path / "dl.json", task="segmentation")
+    got = "\n".join(rep["problems"])
+    assert "text.nii.gz: image file cannot be read: not a readable NIfTI" in got, got
+    assert "cut.nii.gz: image file's voxels cannot be read: damaged or truncated" in got, got
+    assert "four.nii.gz: image file should be a 3-D volume, got 4" in got, got
+    assert "gone.nii.gz: image file not found" in got and "notnifti.png: image file is not a NIfTI file" in got, got
+    assert str(tmp_path) not in got
+
+
+def test_a_bundle_that_does_not_read_is_one_line_never_a_traceback(tmp_path, capsys):
+    from fedmed.cli.main import main
+
+    b = tmp_path / "b"
+    (b / "configs").mkdir(parents=True)
+    (b / "configs" / "inference.json").write_text(json.dumps({"network_def": {
+        "_target_": "monai.networks.nets.DenseNet121", "spatial_dims": 2, "in_channels": 1, "out_channels": 10}}))
+    for meta in ({"network_data_format": ["not", "a", "mapping"]}, ["a", "list"], "{not json"):
+        (b / "configs" / "metadata.json").write_text(meta if isinstance(meta, str) else json.dumps(meta))
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(f"name: x\ndataset: {{path: 'builtin:digits', classes: {CLASSES}}}\nmodel: {{bundle: '{b}'}}\n")
+        assert main(["experiment", str(cfg), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "model.bundle b" in err[0] and "Traceback" not in err[0], err

@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     _exit_on_sigterm()
     try:
         rc = a.func(a)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError) as e:  # one line each (OSError: a folder it cannot write)
         from fedmed.run.experiment import ExperimentError
 
         print(f"fedmed {a.verb}: error: {e}", file=sys.stderr)

@@ -447,8 +447,9 @@ def load_datalist(path, *, task: str = "classification", root=None, name: str | 
     name = name or str(path)
     public = public or "datalist"
     root = Path(root) if root is not None else path.parent
-    if not path.is_file():
-        raise DataError(f"{name}: datalist not found", f"{public}: not found")
+    what = file_problem(path)
+    if what:
+        raise DataError(f"{name}: datalist {what}", f"{public}: {what}")
     check_input_file(path, limits, public=f"{public}:")
     try:
         doc = json.loads(path.read_text())
@@ -570,6 +571,28 @@ def _resolve(v, root: Path):
     if isinstance(v, str) and v and not Path(v).is_absolute():
         return str(root / v)
     return v
+
+
+def file_problem(path) -> str | None:
+    """Why ``path`` is not a file a site can read, in words that name no path (``not found``, ``is a folder``, ``is a
+    FIFO``, ``is a symbolic link that leads nowhere or loops``), or None for a regular file."""
+    import os
+    import stat
+
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        return "is a symbolic link that leads nowhere" if p.is_symlink() else "not found"
+    except OSError as e:  # ELOOP: a link that loops; EACCES: unreadable
+        import errno
+
+        return ("is a symbolic link that loops" if e.errno == errno.ELOOP else
+                "cannot be opened (no permission)" if e.errno == errno.EACCES else f"cannot be opened ({e.strerror})")
+    if stat.S_ISREG(st.st_mode):
+        return None
+    return ("is a folder, not a file" if stat.S_ISDIR(st.st_mode) else "is a FIFO, not a regular file"
+            if stat.S_ISFIFO(st.st_mode) else "is a device or other special file, not a regular file")
 
 
 def check_input_file(path, limits=None, *, public: str = "") -> None:

@@ -90,13 +90,13 @@ def load_volume(path, site: str, what: str, limits=None) -> tuple[np.ndarray, np
         img = nib.load(str(p))
     except Exception as e:
         raise DataError(f"{site}: cannot read {what} file {p} ({type(e).__name__}: {e})",
-                        f"{site}: cannot read {_kind(what)} file: not a readable NIfTI ({type(e).__name__})") from None
+                        f"{site}: {_kind(what)} file cannot be read: not a readable NIfTI ({type(e).__name__})") from None
     _check_voxels(int(np.prod(img.shape)), limits, site, f"{what} file", p)
     try:
         arr = np.asarray(img.dataobj, dtype=np.float32)
     except Exception as e:
         raise DataError(f"{site}: cannot read {what} file {p} ({type(e).__name__}: {e})",
-                        f"{site}: cannot read the voxels of {_kind(what)} file: damaged or truncated "
+                        f"{site}: {_kind(what)} file's voxels cannot be read: damaged or truncated "
                         f"({type(e).__name__})") from None
     if arr.ndim != 3:
         raise DataError(f"{site}: {what} file {p} should be a 3-D volume, got shape {arr.shape}",

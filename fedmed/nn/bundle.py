@@ -529,8 +529,19 @@ def read_bundle(path) -> dict:
     Raises:
         BundleExportError: one line naming the bundle and what does not fit (no configs, a network that is not a
             MONAI network fedmed can name, an expression or macro, a file outside the bundle, weights that are no
-            state dict, a loss fedmed cannot drive).
+            state dict, a loss fedmed cannot drive, anything else that does not read).
     """
+    try:
+        return _read_bundle(path)
+    except BundleExportError:
+        raise
+    except Exception as e:  # a bundle of an unexpected shape (a section that is not a mapping, ...): one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise BundleExportError(f"model.bundle {Path(path).name}: cannot be read as a MONAI bundle "
+                                f"({type(e).__name__}: {first:.120})") from None
+
+
+def _read_bundle(path) -> dict:
     root = Path(path)
     where = f"model.bundle {root.name}"
     if not root.is_dir():
@@ -578,6 +589,9 @@ def read_bundle(path) -> dict:
         if isinstance(lc, dict):
             loss = str(lc.get("_target_", "")).split(".")[-1]
     fmt = meta.get("network_data_format") or {}
+    if not isinstance(fmt, dict) or not all(isinstance(fmt.get(k, {}), dict) for k in ("inputs", "outputs")):
+        raise BundleExportError(f"{where}: configs/metadata.json's network_data_format should map inputs and outputs "
+                                f"to their descriptions")
     steps = _preprocessing(parsers, where)
     return {"name": str(meta.get("name") or root.name), "arch": name, "args": args,
             "init_weights": init, "inputs": fmt.get("inputs") or {}, "outputs": fmt.get("outputs") or {},

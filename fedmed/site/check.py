@@ -115,7 +115,7 @@ def _check_seg(doc, root, rep):
             vols = {}
             for f in images + ([e["mask"]] if e.get("mask") else []):
                 try:
-                    vols[f] = load_volume(f, "", "")
+                    vols[f] = load_volume(f, "", "brain mask" if f == e.get("mask") else "image")
                 except DataError as err:
                     rep["problems"].append(f"{split}: {_show(f, root)}: {_why(err, f)}")
             ref = vols.get(images[0]) if images else None  # a DICOM-SEG label is placed on the first image's grid
@@ -137,15 +137,14 @@ def _check_seg(doc, root, rep):
 
 
 def _why(err, f) -> str:
-    """What is wrong with a volume, from the loader's message without its (absolute) path: a DICOM series that is not a
-    regular volume says why; anything else is 'missing or not a readable ...'."""
-    msg = str(err)
-    if "is not a 3-D volume: " in msg:
-        return "DICOM series is not a 3-D volume: " + msg.split("is not a 3-D volume: ", 1)[1]
-    if "DICOM-SEG label" in msg:
-        return "DICOM-SEG label " + msg.split(str(f), 1)[-1].strip()
-    kind = "DICOM series" if Path(f).is_dir() else "NIfTI image or DICOM-SEG label"
-    return f"missing or not a readable {kind}"
+    """What is wrong with a volume, in the loader's words without its (absolute) path (its ``public`` text: not found,
+    not a NIfTI file, unreadable voxels, not 3-D, too many voxels, a DICOM series or SEG that is not a regular
+    volume, ...)."""
+    msg = (getattr(err, "public", None) or "").lstrip(": ").strip()
+    if not msg:
+        kind = "DICOM series" if Path(f).is_dir() else "NIfTI image or DICOM-SEG label"
+        return f"missing or not a readable {kind}"
+    return msg[4:] if msg.startswith("its ") else msg
 
 
 def format_report(rep: dict) -> str:

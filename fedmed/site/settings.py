@@ -83,7 +83,7 @@ class SiteSettings:
 def _relative(p: Path, root: Path) -> str:
     try:
         return str(p.resolve().relative_to(root.resolve()))
-    except (ValueError, OSError):
+    except (ValueError, OSError, RuntimeError):  # RuntimeError: a symbolic link that loops
         return p.name
 
 
@@ -423,8 +423,12 @@ def resolve_site_settings(site: str, *, cwd=None, env=None) -> SiteSettings:
                                 policy=policy(f, k_min, bool(doc.get("allow_per_image", False))))
     if settings.device is None and env.get("FEDMED_DEVICE"):
         settings.device = env["FEDMED_DEVICE"]
-    if not settings.datalist.is_file():
-        raise SiteConfigError(f"{site}: the datalist named by {settings.source} does not exist "
+    from fedmed.data.images import file_problem
+
+    problem = file_problem(settings.datalist)
+    if problem:
+        raise SiteConfigError(f"{site}: the datalist named by {settings.source} "
+                              f"{'does not exist' if problem == 'not found' else problem} "
                               f"({settings.display(settings.datalist)})")
     return settings
 
