@@ -17,8 +17,8 @@ def shared_path(*parts) -> Path:
 
 
 def pytest_configure(config):
-    """Sites cache decoded data (fedmed.site.cache); the suite keeps its cache in a folder of its own, not the user's
-    ~/.cache/fedmed (jobs started by tests inherit it)."""
+    """Sites cache decoded data (fedmed.site.cache); the suite's sites share one cache folder of the suite's own, so
+    that its many small federations of the same data decode it once (jobs started by tests inherit it)."""
     import tempfile
 
     os.environ.setdefault("FEDMED_CACHE_DIR", tempfile.mkdtemp(prefix="fedmed_test_cache_"))

@@ -207,7 +207,7 @@ def test_seg_fedavg_w_job_assesses_then_down_weights(tmp_path):
     assert res["down_weighted"] == {"site": "site-4", "omega": 0.3, "source": "assessment (emd)"}
     assert [t["task"] for t in res["task_log"]][:2] == ["assess", "train"]
     err = next(e["error"] for e in res["errors"] if e["site"] == "site-2")
-    assert "site-2: training[0]: label file <path> not found" in err and "missing_label" not in err, err
+    assert "site-2: training[0]: its label file not found" in err and "missing_label" not in err, err  # no path
     final = res["rounds"][-1]
     assert final["task"] == "validate" and sorted(final["sites"]) == ["site-1", "site-3", "site-4"]
     assert "dice_mean" in final["summary"]["mean"]

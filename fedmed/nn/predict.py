@@ -103,12 +103,12 @@ def _build_and_load(p, ck, policy):
     else:
         from fedmed.nn.models import model_from_config
 
+        net = model_from_config({**ck["model"], "init_weights": None}, ck["data"]["channels"], ck["data"]["n_classes"],
+                                modules=policy.modules)
         names = ck.get("classes")
         if names is not None and len(names) != int(ck["data"]["n_classes"]):
             raise ModelFileError(f"{p}: names {len(names)} class(es) for a model of {ck['data']['n_classes']} "
                                  f"outputs; every output needs its class name (or none: they are numbered)")
-        net = model_from_config({**ck["model"], "init_weights": None}, ck["data"]["channels"], ck["data"]["n_classes"],
-                                modules=policy.modules)
         m = ModelSection.model_validate(ck["model"])
         shape = f"width {m.width}, {m.norm} norm" if m.arch in ("resnet9", "resnet18", "vit_small") else f"{m.args}"
         desc = f"a {m.arch} ({shape}) with {ck['data']['channels']} input channels and {ck['data']['n_classes']} classes"

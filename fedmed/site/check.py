@@ -140,6 +140,11 @@ def _why(err, f) -> str:
     """What is wrong with a volume, in the loader's words without its (absolute) path (its ``public`` text: not found,
     not a NIfTI file, unreadable voxels, not 3-D, too many voxels, a DICOM series or SEG that is not a regular
     volume, ...)."""
+    full = str(err)
+    if "is not a 3-D volume: " in full:  # the series' geometry, as the check has always said it
+        return "DICOM series is not a 3-D volume: " + full.split("is not a 3-D volume: ", 1)[1]
+    if "DICOM-SEG label" in full:
+        return "DICOM-SEG label " + full.split(str(f), 1)[-1].strip()
     msg = (getattr(err, "public", None) or "").lstrip(": ").strip()
     if not msg:
         kind = "DICOM series" if Path(f).is_dir() else "NIfTI image or DICOM-SEG label"

@@ -182,7 +182,10 @@ class Federation:
         memtrace.start()
         self.recorder = Recorder(self.out_dir, tensorboard=self.tensorboard, sink=self.track_round,
                                  meta={"config": self.cfg, "workflow": self.workflow.record_name})
-        self.track_run(params=flat_params({"config": self.cfg, "workflow": self.workflow.record_name}))
+        # the run's settings as the trackers keep them: not where the trackers are (the destinations the job names,
+        # which may hold the coordinator's folders)
+        settings = {k: v for k, v in dict(self.cfg).items() if k != "tracking"}
+        self.track_run(params=flat_params({"config": settings, "workflow": self.workflow.record_name}))
         from fedmed.algorithms.privacy import k_min_consent_note
 
         from fedmed.core.schema import task_config
