@@ -359,10 +359,13 @@ def test_the_dp_delta_has_a_ceiling_in_the_sites_policy(sites, tmp_path):
     f = tmp_path / "fedmed_policy.json"
     f.write_text(json.dumps({"max_delta": 1e-3}))
     assert SitePolicy.from_file(f).max_delta == 1e-3 and SitePolicy.from_file(f).summary()["max_delta"] == 1e-3
-    for bad in (0, 1, 2.0, "1e-5", True):
+    for bad in (0, -1e-5, 2.0, "1e-5", True):
         f.write_text(json.dumps({"max_delta": bad}))
-        with pytest.raises(PolicyError, match="fedmed_policy.json: max_delta should be a number between 0 and 1"):
+        with pytest.raises(PolicyError, match="fedmed_policy.json: max_delta should be a number above 0 and at most 1"):
             SitePolicy.from_file(f)
+    sim = SitePolicy.simulating(2)  # fedmed experiment's sites are the experimenter's: the config's delta holds
+    assert SitePolicy.from_file(sim.write(tmp_path / "sim.json")).max_delta == 1.0
+    sim.check_dp(1.0, 0.5)
 
 
 def test_a_raw_pixel_signature_without_dp_is_the_sites_choice(sites):

@@ -16,7 +16,7 @@ The file (JSON; every key optional)::
      "k_min": 5,                     # the smallest group an aggregate may describe
      "dp_required": false,           # every signature must be released with differential privacy
      "max_epsilon": null,            # ceiling on the epsilon this site spends in one run (all signatures composed)
-     "max_delta": 1e-05,             # ceiling on a job's privacy.dp_delta whenever it releases with DP
+     "max_delta": 1e-05,             # ceiling on a job's privacy.dp_delta whenever it releases with DP (1: none)
      "allow_per_image": false,       # may per-image values/embeddings leave (004_'s paper form)?
      "allow_pixel_signatures": false,# may a raw-pixel signature (PACFL's "pixels") leave without DP?
      "max_image_pixels": 100000000,  # a 2D image larger than this is refused (decompression bombs)
@@ -134,8 +134,9 @@ class SitePolicy:
             raise PolicyError(f"{source}: max_epsilon should be a number > 0 or null, got {eps!r}")
         delta = doc.get("max_delta", DEFAULT_MAX_DELTA)
         if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not math.isfinite(delta) \
-                or not 0 < delta < 1:
-            raise PolicyError(f"{source}: max_delta should be a number between 0 and 1 (exclusive), got {delta!r}")
+                or not 0 < delta <= 1:
+            raise PolicyError(f"{source}: max_delta should be a number above 0 and at most 1 (1: no ceiling), got "
+                              f"{delta!r}")
         wd = doc.get("weights_dir")
         if wd is not None and (not isinstance(wd, str) or not wd.strip()):
             raise PolicyError(f"{source}: weights_dir should be a folder or null, got {wd!r}")
@@ -190,7 +191,8 @@ class SitePolicy:
         the config's author decides for every site, so the config's ``k_min`` is the floor, its modules may run, its
         weights come from ``weights_dir``. Never the policy of a real site."""
         return cls(modules=(ANY,), k_min=int(k_min), weights_dir=Path(weights_dir) if weights_dir else None,
-                   allow_per_image=allow_per_image, allow_pixel_signatures=True, tracking=(ANY,), source="simulation")
+                   allow_per_image=allow_per_image, allow_pixel_signatures=True, tracking=(ANY,), max_delta=1.0,
+                   source="simulation")
 
     # ------------------------------------------------------------------ what a job may do here
     def _setting(self, key: str) -> str:
