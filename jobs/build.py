@@ -16,6 +16,7 @@ naming the problem.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -42,8 +43,10 @@ def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = 
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from fedmed.cli.main import HELP
+
+    ap = argparse.ArgumentParser(prog=os.environ.get("FEDMED_PROG") or None, description=__doc__.splitlines()[0],
+                                 formatter_class=HELP)
     ap.add_argument("--config", required=True, help="experiment config (YAML/JSON)")
     ap.add_argument("--method", required=True, help="name of one of the config's methods")
     ap.add_argument("--out", required=True, help="folder the job folder is written into")

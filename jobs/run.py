@@ -273,8 +273,10 @@ def run_prod(job, startup_kit: str, result_dir: Path, timeout: float) -> dict:
 def main(argv=None) -> int:
     from fedmed.config import ConfigError, load_config
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from fedmed.cli.main import HELP
+
+    ap = argparse.ArgumentParser(prog=os.environ.get("FEDMED_PROG") or None, description=__doc__.splitlines()[0],
+                                 formatter_class=HELP)
     ap.add_argument("--config", help="experiment config")
     ap.add_argument("--method", help="name of one of the config's methods")
     ap.add_argument("--spec", help="instead of --config/--method/--set/--seed/--sites/--resume-from/--onboard: a job "

@@ -139,3 +139,31 @@ def test_every_flag_has_help_and_shows_its_default():
             if isinstance(action, argparse._HelpAction):
                 continue
             assert action.help, f"fedmed {verb} {action.option_strings or action.dest}: no help text"
+
+
+def test_every_help_states_each_default_once_and_names_its_command(capsys):
+    """``--help`` of every verb (and of the shipped job builder and runner) says an option's default once, never
+    ``(default: None)``; ``fedmed job build --help`` is named as typed; ``fedmed --version`` answers."""
+    import re
+    import subprocess
+    import sys
+
+    from fedmed.cli.main import build_parser, main
+
+    p = build_parser()
+    verbs = next(a for a in p._actions if isinstance(a, __import__("argparse")._SubParsersAction)).choices
+    texts = [p.format_help()] + [v.format_help() for v in verbs.values()]
+    for action in ("build", "run"):
+        r = subprocess.run([sys.executable, "-m", "fedmed", "job", action, "--help"], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0 and r.stdout.startswith(f"usage: fedmed job {action} "), r.stdout[:200]
+        texts.append(r.stdout)
+    for text in texts:
+        flat = " ".join(text.split())
+        assert "(default: None)" not in flat
+        for opt in re.split(r"\s(?=-{1,2}[a-z])", flat):
+            added = re.search(r"\(default: [^()]*\)$", opt)  # what argparse appends
+            assert not (added and "default" in opt[:added.start()]), opt  # ... to a help that said it already
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and re.match(r"fedmed \d+\.\d+", capsys.readouterr().out)

@@ -203,15 +203,22 @@ def _demo_flux(out: Path, command: str) -> None:
     print((out / "flux" / "summary.md").read_text())
 
 
+def _help():
+    from fedmed.cli.main import HELP
+
+    return HELP
+
+
 def cmd_job(a):
     """``fedmed job build|run ARGS``: the job builder and runner shipped with fedmed (``jobs/build.py``,
-    ``jobs/run.py``), from any folder; their arguments and exit code as they are."""
+    ``jobs/run.py``), from any folder; their arguments and exit code as they are, their usage line named as typed."""
     import subprocess
     import sys
 
     from fedmed.core.resources import project_root
 
-    return subprocess.call([sys.executable, str(project_root() / "jobs" / f"{a.action}.py"), *a.args])
+    env = dict(os.environ, FEDMED_PROG=f"fedmed job {a.action}")
+    return subprocess.call([sys.executable, str(project_root() / "jobs" / f"{a.action}.py"), *a.args], env=env)
 
 
 def cmd_ssl(a):
@@ -291,7 +298,7 @@ def cmd_encoders(a):
 
 
 def register(sub):
-    H = argparse.ArgumentDefaultsHelpFormatter
+    from fedmed.cli.main import HELP as H
     n = sub.add_parser("encoders", help="the registered encoders; 'check FILE --encoder NAME': does a weights file load",
                        formatter_class=H)
     n.add_argument("action", nargs="?", choices=["list", "check"], default="list",
@@ -360,7 +367,7 @@ def register(sub):
     j.set_defaults(func=cmd_job)
 
     q = sub.add_parser("ssl", help="the 001_ study: Fed-MAE pre-training, fine-tuning across PreDi prevalence, "
-                       "PreP-WFL, and the Fed-MAE encoder for FMCL", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       "PreP-WFL, and the Fed-MAE encoder for FMCL", formatter_class=_help())
     q.add_argument("config", help="an SSL config (app_configs/ssl_imagenette.yaml)")
     q.add_argument("--out", help="output folder (default results/<config name>)")
     q.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
@@ -368,12 +375,12 @@ def register(sub):
     q.set_defaults(func=cmd_ssl)
 
     r = sub.add_parser("report", help="write the self-contained HTML report of an experiment or sweep output folder",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_help())
     r.add_argument("out_dir", help="the --out folder of fedmed experiment / sweep / demo")
     r.set_defaults(func=cmd_report)
 
     p = sub.add_parser("predict", help="apply a trained model (a run's models/*.pt) to images or a NIfTI case",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_help())
     p.add_argument("model", help="a model checkpoint written by a finished run (models/global.pt, models/cluster0.pt)")
     p.add_argument("inputs", nargs="+", help="image files (classification), or one NIfTI file per modality of one "
                    "case, in the model's modality order (segmentation)")
@@ -384,7 +391,7 @@ def register(sub):
     p.set_defaults(func=cmd_predict)
     b = sub.add_parser("bundle", help="write a trained classifier or 3D segmentation model (a run's models/*.pt) as a "
                        "MONAI bundle (a run writes one beside each final model)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_help())
     b.add_argument("model", help="a checkpoint of a finished run (models/global.pt, models/cluster0.pt)")
     b.add_argument("--out", help="the bundle folder (default: <model>_bundle beside the checkpoint)")
     b.set_defaults(func=cmd_bundle)
@@ -528,7 +535,7 @@ def _sweep_cases(a, cases, out, run_experiment, read_results, sweep_table, clust
 
 
 def register_assess(sub):
-    H = argparse.ArgumentDefaultsHelpFormatter
+    from fedmed.cli.main import HELP as H
     w = sub.add_parser("sweep", help="run a config's sweep cases (or a --grid); one combined summary.md", formatter_class=H)
     w.add_argument("config", help="experiment config with a sweep: block (or use --grid)")
     w.add_argument("--grid", action="append", default=[], help="key.path=v1,v2: one case per combination (repeatable; "

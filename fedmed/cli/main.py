@@ -175,11 +175,31 @@ def cmd_partition(a):
 
 # ------------------------------------------------------------------------------------------- main
 
-HELP = argparse.ArgumentDefaultsHelpFormatter
+class HELP(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults in the help, once: not for an option without a default (``None``), a flag, or a help text
+    that already says its default in words."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if action.default is None or action.nargs == 0 or "(default" in h or "default:" in h:
+            return h
+        return super()._get_help_string(action)
+
+
+def version() -> str:
+    """The installed fedmed's version (its package metadata)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as _version
+
+    try:
+        return _version("fedmed")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedmed", description=__doc__.splitlines()[0], formatter_class=HELP)
+    p.add_argument("--version", action="version", version=f"fedmed {version()}")
     sub = p.add_subparsers(dest="verb", required=True)
 
     c = sub.add_parser("cluster", help="cluster sites from a distance-matrix CSV, print JSON", formatter_class=HELP)
