@@ -121,6 +121,10 @@ def test_a_monai_networks_bundle_names_the_network_and_loads_model_pt(tmp_path):
         Image.fromarray(a.astype(np.uint8 if mode != "I;16" else np.uint16)).save(f)
         images.append(str(f))
     got = _run_bundle(bundle, images, tmp_path / "out", tmp_path)
+    # fedmed predict's CSV and the bundle's predictions.csv: the same columns (the class names)
+    assert main(["predict", str(ck), *images, "--out", str(tmp_path / "fedmed.csv")]) == 0
+    with open(tmp_path / "fedmed.csv") as a, open(tmp_path / "out" / "predictions.csv") as b:
+        assert next(csv.reader(a)) == next(csv.reader(b)) == ["image", "prediction", "benign", "malignant"]
     for w in predict_images(ck, images):
         g = got[Path(w["image"]).name]
         assert g["prediction"] == w["prediction"]

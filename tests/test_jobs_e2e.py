@@ -97,7 +97,7 @@ def test_busi_job_for_named_sites_runs_in_simulator_and_poc(tmp_path):
     imgs = sorted(p for p in busi.rglob("malignant/*.png") if "_mask" not in p.name)[:2]
     assert main(["predict", str(model), *map(str, imgs), "--out", str(tmp_path / "pred.csv")]) == 0
     lines = (tmp_path / "pred.csv").read_text().splitlines()
-    assert lines[0].startswith("image,prediction,p_benign") and len(lines) == 1 + len(imgs)
+    assert lines[0].startswith("image,prediction,benign") and len(lines) == 1 + len(imgs)
     assert all(row.split(",")[1] in ("benign", "malignant", "normal") for row in lines[1:])
 
     poc = subprocess.run([sys.executable, str(REPO_ROOT / "poc" / "run_poc.py"), str(job), "--datalists", str(data),

@@ -259,7 +259,7 @@ def cmd_predict(a):
         names = list(rows[0]["probabilities"])
         with open(a.out, "w", newline="") as fh:
             w = csv.writer(fh)
-            w.writerow(["image", "prediction", *[f"p_{n}" for n in names]])
+            w.writerow(["image", "prediction", *names])  # the exported bundle's predictions.csv columns
             for r in rows:
                 w.writerow([r["image"], r["prediction"], *[r["probabilities"][n] for n in names]])
         print(f"wrote {a.out} ({len(rows)} images)")
