@@ -134,7 +134,7 @@ def cmd_demo(a):
     data_name = "sklearn digits (offline, bundled)"
     if a.data:
         overrides += [f"dataset.path={a.data}", "dataset.image_size=32", "dataset.max_per_class=40",
-                      f"name=demo-{Path(a.data).name}"]
+                      "dataset.classes=null", f"name=demo-{Path(a.data).name}"]  # the data's own classes
         data_name = a.data
     out = Path(a.out)
     command = "fedmed demo" + (f" --data {a.data}" if a.data else "") + (f" --out {a.out}" if a.out != "results/demo"
