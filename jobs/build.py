@@ -43,7 +43,7 @@ def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = 
 
 
 def parser() -> argparse.ArgumentParser:
-    from fedmed.cli.main import HELP
+    from fedmed.cli.help import HELP
 
     ap = argparse.ArgumentParser(prog=os.environ.get("FEDMED_PROG") or None, description=__doc__.splitlines()[0],
                                  formatter_class=HELP)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fedmed.cli.help import HELP  # one formatter for every verb and the job scripts
+
 __all__ = ["main"]
 
 
@@ -174,17 +176,6 @@ def cmd_partition(a):
 
 
 # ------------------------------------------------------------------------------------------- main
-
-class HELP(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's defaults in the help, once: not for an option without a default (``None``), a flag, or a help text
-    that already says its default in words."""
-
-    def _get_help_string(self, action):
-        h = action.help or ""
-        if action.default is None or action.nargs == 0 or "(default" in h or "default:" in h:
-            return h
-        return super()._get_help_string(action)
-
 
 def version() -> str:
     """The installed fedmed's version (its package metadata)."""
