@@ -81,9 +81,26 @@ def backward_step(loss: torch.Tensor, optimizer, scaler=None) -> bool:
         scaler.update()
         return scaler.get_scale() >= before
     loss.backward()
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+    if not grads_finite([p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]):
         optimizer.zero_grad()
         return False
     optimizer.step()
     return True
+
+
+def grads_finite(grads: list) -> bool:
+    """Whether every gradient is finite: one fused check per (device, dtype) group — the gradient scaler's own
+    found-inf kernel with a scale of 1 (which leaves the gradients as they are) — and one host read, not a pair of
+    kernels per parameter tensor."""
+    if not grads:
+        return True
+    groups: dict = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    found = {}
+    for (dev, _), ts in groups.items():
+        if dev not in found:
+            found[dev] = (torch.zeros(1, device=dev), torch.ones(1, device=dev))
+        torch._amp_foreach_non_finite_check_and_unscale_(ts, *found[dev])
+    flags = [f for f, _ in found.values()]
+    return not bool((torch.cat([f.to(flags[0].device) for f in flags]) > 0).any())
