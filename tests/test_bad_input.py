@@ -358,7 +358,7 @@ def test_a_model_file_whose_class_names_do_not_match_its_outputs_is_one_line(tmp
     assert main(["predict", str(ck), str(tmp_path / "x.png")]) == 2
 
 
-@pytest.mark.parametrize("kind,says", [("folder", "is a folder, not a file"), ("fifo", "is a FIFO, not a regular file"),
+@pytest.mark.parametrize("kind,says", [("folder", "is a folder, not a regular file"), ("fifo", "is a FIFO, not a regular file"),
                                        ("loop", "is a symbolic link that loops"),
                                        ("dangling", "is a symbolic link that leads nowhere"), ("absent", "not found")])
 def test_a_datalist_that_is_no_regular_file_says_what_it_is(tmp_path, kind, says):

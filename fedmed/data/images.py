@@ -591,8 +591,9 @@ def file_problem(path) -> str | None:
                 "cannot be opened (no permission)" if e.errno == errno.EACCES else f"cannot be opened ({e.strerror})")
     if stat.S_ISREG(st.st_mode):
         return None
-    return ("is a folder, not a file" if stat.S_ISDIR(st.st_mode) else "is a FIFO, not a regular file"
-            if stat.S_ISFIFO(st.st_mode) else "is a device or other special file, not a regular file")
+    what = "a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
+        "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a socket or other special file"
+    return f"is {what}, not a regular file"
 
 
 def check_input_file(path, limits=None, *, public: str = "") -> None:
@@ -600,16 +601,14 @@ def check_input_file(path, limits=None, *, public: str = "") -> None:
     device such as ``/dev/zero`` reads without end) or larger than ``limits.max_file_bytes``
     (:class:`fedmed.core.policy.ReadLimits`). A missing file raises ``FileNotFoundError``."""
     import os
-    import stat
 
     from fedmed.core.policy import ReadLimits
 
     limits = limits or ReadLimits()
-    st = os.stat(path)
-    if not stat.S_ISREG(st.st_mode):
-        what = "a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
-            "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a socket or other special file"
-        raise DataError(f"{path}: is {what}, not a regular file", f"{public} is {what}, not a regular file".strip())
+    st = os.stat(path)  # a missing file: FileNotFoundError
+    what = file_problem(path)
+    if what:
+        raise DataError(f"{path}: {what}", f"{public} {what}".strip())
     if st.st_size > limits.max_file_bytes:
         raise DataError(f"{path}: {st.st_size} bytes, more than this site reads (max_file_bytes={limits.max_file_bytes})",
                         f"{public} is larger than this site reads (its policy's max_file_bytes)".strip())
