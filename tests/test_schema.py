@@ -76,7 +76,11 @@ def test_what_a_task_config_leaves_out_takes_the_schemas_defaults():
     runner = SiteRunner.__new__(SiteRunner)
     runner._optimizers = {}
     cfg = {"train": {"lr": 0.01}}
-    assert (runner.optimizer(net, cfg, key=0) is runner.optimizer(net, cfg, key=0)) == TrainConfig().keep_optimizer_state
+    from fedmed.nn.recipe import resolved
+
+    kept = resolved(TrainConfig(), {})["keep_optimizer_state"]  # None in the schema: the (scratch) recipe's value
+    assert kept is True
+    assert (runner.optimizer(net, cfg, key=0) is runner.optimizer(net, cfg, key=0)) == kept
     assert task_config({}).privacy.k_min == TaskConfig().privacy.k_min == 5
 
 

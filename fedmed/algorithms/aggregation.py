@@ -18,8 +18,12 @@ __all__ = [
     "down_weight",
     "ifca_models",
     "prep_weights",
+    "server_opt_step",
     "weighted_average",
 ]
+
+# state-dict entries FedOpt averages instead of stepping: batch-norm running statistics and counters
+NOT_STEPPED = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def _is_torch(x) -> bool:
@@ -159,3 +163,44 @@ def prep_weights(label_sets: Sequence, n_classes: int) -> tuple[np.ndarray, np.n
     with np.errstate(divide="ignore"):
         w = np.where(p > 0, 1.0 / np.maximum(p, 1), 0.0)
     return p, w
+
+
+def server_opt_step(theta: Mapping, avg: Mapping, state: dict, *, kind: str, lr: float = 1.0, beta1: float = 0.9,
+                    beta2: float = 0.99, tau: float = 1e-3) -> dict:
+    """One server step of FedOpt (Reddi et al., ICLR 2021, "Adaptive Federated Optimization", Alg. 2).
+
+    The averaged update ``Delta = avg - theta`` is the pseudo-gradient's negative; per entry:
+
+    * ``avgm`` (FedAvgM, Hsu et al. 2019): ``m = beta1 m + Delta``; ``theta' = theta + lr m``;
+    * ``adam`` (FedAdam): ``m = beta1 m + (1 - beta1) Delta``; ``v = beta2 v + (1 - beta2) Delta^2``;
+      ``theta' = theta + lr m / (sqrt(v) + tau)``;
+    * ``yogi`` (FedYogi): as adam with ``v = v - (1 - beta2) Delta^2 sign(v - Delta^2)``.
+
+    ``m`` starts at 0 and ``v`` at ``tau^2`` (Alg. 2: ``v_{-1} >= tau^2``), without bias correction, as the paper
+    writes it. Integer entries and batch-norm running statistics (:data:`NOT_STEPPED`) take the average. ``state``
+    (``{"m": {...}, "v": {...}}``, empty at the first step) is updated in place; ``kind`` ``none`` returns ``avg``.
+    """
+    if kind == "none":
+        return dict(avg)
+    if kind not in ("avgm", "adam", "yogi"):
+        raise ValueError(f"server optimizer should be 'none', 'avgm', 'adam' or 'yogi', got {kind!r}.")
+    m, v = state.setdefault("m", {}), state.setdefault("v", {})
+    out = {}
+    for k, a in avg.items():
+        a = np.asarray(a)
+        if a.dtype.kind != "f" or k.rsplit(".", 1)[-1] in NOT_STEPPED:
+            out[k] = a
+            continue
+        t = np.asarray(theta[k], dtype=np.float64)
+        d = a.astype(np.float64) - t
+        if kind == "avgm":
+            m[k] = beta1 * np.asarray(m.get(k, 0.0)) + d
+            new = t + lr * m[k]
+        else:
+            m[k] = beta1 * np.asarray(m.get(k, 0.0)) + (1 - beta1) * d
+            v0 = np.asarray(v[k]) if k in v else np.full_like(d, tau ** 2)
+            d2 = d * d
+            v[k] = beta2 * v0 + (1 - beta2) * d2 if kind == "adam" else v0 - (1 - beta2) * d2 * np.sign(v0 - d2)
+            new = t + lr * m[k] / (np.sqrt(v[k]) + tau)
+        out[k] = new.astype(a.dtype)
+    return out

@@ -16,7 +16,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 __all__ = ["AssessTask", "ClusteringTask", "DataSection", "EnsembleTask", "FederationTiming", "FinetuneTask", "FluxTask", "IFCATask",
-           "MAETask", "ModelSection", "PrivacyConfig", "SegTrainConfig", "SignatureTask", "Strict", "TaskConfig",
+           "MAETask", "ModelSection", "PrivacyConfig", "SegTrainConfig", "ServerOptConfig", "SignatureTask", "Strict", "TaskConfig",
            "TrainConfig", "TrainTask", "WeightsRef", "task_config"]
 
 
@@ -87,6 +87,20 @@ class SegTrainConfig(Strict):
     pos_fraction: float = Field(0.5, ge=0, le=1, description="share of patches centred on tumour")
 
 
+class ServerOptConfig(Strict):
+    """FedOpt (Reddi et al., ICLR 2021, "Adaptive Federated Optimization", Alg. 2): the server treats the averaged
+    update ``Delta = avg_k theta_k - theta`` as a pseudo-gradient and steps with its own optimizer, one state per
+    served model (per cluster): ``avgm`` (FedAvgM: ``m = beta1 m + Delta``, ``theta += lr m``), ``adam`` (FedAdam) or
+    ``yogi`` (FedYogi). ``none``: FedAvg's ``theta = avg``. Batch-norm running statistics are averaged, not stepped
+    (as NVFlare's FedOpt does for what is not a trainable parameter)."""
+
+    kind: Literal["none", "avgm", "adam", "yogi"] = "none"
+    lr: float = Field(1.0, gt=0, description="server learning rate eta")
+    beta1: float = Field(0.9, ge=0, lt=1, description="first-moment (momentum) decay")
+    beta2: float = Field(0.99, ge=0, lt=1, description="second-moment decay (adam, yogi)")
+    tau: float = Field(1e-3, gt=0, description="adaptivity tau: v starts at tau^2, the step divides by sqrt(v) + tau")
+
+
 class TrainConfig(Strict):
     """The training recipe; defaults are the 2D recipe chosen on validation data (benchmarks/tune_recipe.py,
     docs/readings.md "2D recipe")."""
@@ -100,8 +114,21 @@ class TrainConfig(Strict):
     weight_decay: float = Field(5e-4, ge=0)
     augment: Literal["none", "flip", "flip_crop"] = Field("flip", description="horizontal flips (flip), plus random "
                                                           "crops of a 4-pixel padded image (flip_crop)")
-    keep_optimizer_state: bool = Field(True, description="a site keeps its optimizer state (momentum, Adam moments) "
-                                       "between rounds, per served model")
+    recipe: Literal["auto", "scratch", "transfer"] = Field(
+        "auto", description="which recipe fills the four choices below left unset (fedmed.nn.recipe): auto = transfer "
+        "when the network starts from weights (model.init_weights), scratch otherwise; docs/readings.md 'Transfer "
+        "learning'")
+    keep_optimizer_state: Optional[bool] = Field(None, description="a site keeps its optimizer state (momentum, Adam "
+                                                 "moments) between rounds, per served model (None: the recipe's)")
+    head_init: Optional[Literal["seeded", "zero"]] = Field(None, description="the classifier's last layer as the "
+                                                           "network initialises it, or zero (None: the recipe's)")
+    backbone_lr_scale: Optional[float] = Field(None, gt=0, le=1, description="learning rate of all but the "
+                                               "classifier's last layer, as a fraction of lr (None: the recipe's)")
+    norm_stats: Optional[Literal["train", "frozen"]] = Field(None, description="batch-norm running statistics updated "
+                                                             "by training, or frozen at the starting model's (None: "
+                                                             "the recipe's)")
+    server_opt: ServerOptConfig = Field(default_factory=lambda: ServerOptConfig(),
+                                        description="the server's optimizer over the averaged update (FedOpt)")
     seg: SegTrainConfig = SegTrainConfig()
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto (a CUDA GPU when there is one), "
                         "cpu, cuda or cuda:N; a site may override it in its own settings (fedmed.core.device)")

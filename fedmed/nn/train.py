@@ -53,19 +53,23 @@ def norm_keys(model: nn.Module) -> list[str]:
     return keys
 
 
-def make_optimizer(model: nn.Module, train: Mapping) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, train: Mapping, model_cfg: Mapping | None = None) -> torch.optim.Optimizer:
     """The optimizer of a ``train`` config section (``optimizer``, ``lr``, ``momentum``, ``weight_decay``; what it
-    leaves out: the defaults of :class:`fedmed.core.schema.TrainConfig`)."""
+    leaves out: the defaults of :class:`fedmed.core.schema.TrainConfig`), with the recipe's learning rate for the
+    parts of the network (``backbone_lr_scale``, :mod:`fedmed.nn.recipe`; ``model_cfg``: the ``model`` section,
+    which says whether the network started from weights)."""
     from fedmed.core.schema import TrainTask
+    from fedmed.nn.recipe import param_groups, resolved
 
     t = train if isinstance(train, TrainTask) else TrainTask.model_validate(dict(train))
     kind, lr, wd = t.optimizer, t.lr, t.weight_decay
+    params = param_groups(model, lr, resolved(t, model_cfg or {})["backbone_lr_scale"]) or model.parameters()
     if kind == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=t.momentum, weight_decay=wd)
+        return torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=wd)
     if kind == "adam":
-        return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd)
+        return torch.optim.Adam(params, lr=lr, weight_decay=wd)
     if kind == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd)
     raise ValueError(f"optimizer should be 'sgd', 'adam' or 'adamw', got {kind!r}.")
 
 
@@ -93,7 +97,7 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
                 optimizer: torch.optim.Optimizer | None = None, lr: float = 0.01, momentum: float = 0.9,
                 weight_decay: float = 0.0, mu: float | None = None, class_weights=None,
                 generator: torch.Generator | None = None, augment: str = "flip", lr_at=None,
-                precision: str = "fp32", anchor: list | None = None) -> dict:
+                precision: str = "fp32", anchor: list | None = None, frozen_norm: bool = False) -> dict:
     """Run ``epochs`` over (x, y) in place; returns ``{"loss": mean loss, "steps": n}``.
 
     ``optimizer`` (kept by the caller between rounds) defaults to a fresh SGD with ``lr``/``momentum``.
@@ -103,14 +107,24 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
     ``lr_scale`` multiplies it (layer-wise decay). ``class_weights`` gives PyTorch's weighted cross-entropy: per batch,
     ``sum_i w_{y_i} l_i / sum_i w_{y_i}`` (docs/readings.md, PreP-WFL Eq. 3). Batches go to the model's device
     (shuffling and augmentation stay on the CPU, so a seed gives the same batches anywhere); ``precision``: fp32,
-    bf16 or fp16 autocast (:mod:`fedmed.core.device`).
+    bf16 or fp16 autocast (:mod:`fedmed.core.device`). ``frozen_norm``: batch-norm layers normalise with their
+    running statistics and leave them as they are (the recipe's ``norm_stats: frozen``); their weights still train.
     """
     from fedmed.core.device import autocast, backward_step, grad_scaler, model_device
 
     n = x.shape[0]
     if n == 0:
         raise ValueError("no training samples")
-    model.train()
+    from fedmed.nn.recipe import norm_layers
+
+    frozen = norm_layers(model) if frozen_norm else []
+
+    def train_mode():
+        model.train()
+        for m in frozen:
+            m.eval()
+
+    train_mode()
     opt = optimizer or torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     device = model_device(model)
     scaler = grad_scaler(device, precision)
@@ -139,7 +153,7 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
             if anchor is not None:
                 loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
             skipped += not backward_step(loss, opt, scaler)
-            model.train()
+            train_mode()
             total += float(loss.detach())
             steps += 1
     return {"loss": total / max(steps, 1), "steps": steps, "skipped": skipped}

@@ -45,6 +45,7 @@ def _row(method: str, seed: int, per_site: dict, round_=None) -> dict:
         row[m], row[f"{m}_std"], row[f"pooled_{m}"] = mean.get(m), std.get(m), pooled.get(m)
     row["val_accuracy"] = mean.get("val_accuracy")
     row["pooled_val_accuracy"] = (summ.get("pooled_val") or {}).get("accuracy")
+    row["pooled_val_auc"] = (summ.get("pooled_val") or {}).get("auc")
     return row
 
 
@@ -96,7 +97,8 @@ def run_clusters(doc: dict) -> list[list[str]]:
 def _pooled_training(exp, data: dict, members: list[str], seed: int, gseed: int, n_classes: int) -> list[dict]:
     """Train one model on ``members``' pooled training data (the recipe and budget of a federated run: ``rounds x
     local_epochs`` epochs, one optimizer) and score it on each member's test and validation splits after every
-    ``local_epochs`` epochs; one ``{site: entry}`` per 'round' 0..rounds."""
+    ``local_epochs`` epochs; one ``{site: entry}`` per 'round' 0..rounds. The network starts and trains as the
+    recipe says (:mod:`fedmed.nn.recipe`: its head, learning rates and batch norm; one optimizer throughout)."""
     import torch
 
     from fedmed.core.device import resolve_device
@@ -105,17 +107,21 @@ def _pooled_training(exp, data: dict, members: list[str], seed: int, gseed: int,
 
     x = torch.cat([data[s].train[0] for s in members])
     y = torch.cat([data[s].train[1] for s in members])
-    model = model_from_config(exp.model.model_dump(), exp.dataset.channels, n_classes, seed=seed, modules=("*",)).to(
-        resolve_device(exp.train.device, where="the centralized reference"))
+    from fedmed.nn.recipe import prepared, resolved
+
     t = exp.train
-    opt = make_optimizer(model, t.model_dump())
+    model = prepared(model_from_config(exp.model.model_dump(), exp.dataset.channels, n_classes, seed=seed,
+                                       modules=("*",)), t, exp.model).to(
+        resolve_device(t.device, where="the centralized reference"))
+    opt = make_optimizer(model, t.model_dump(), exp.model.model_dump())
+    frozen = resolved(t, exp.model)["norm_stats"] == "frozen"
     g = torch.Generator()
     g.manual_seed(gseed)
     per_round = []
     for r in range(t.rounds + 1):
         if r > 0:
             train_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt, generator=g,
-                        augment=t.augment, precision=t.precision)
+                        augment=t.augment, precision=t.precision, frozen_norm=frozen)
         per_site = {}
         for s in members:
             e = {}

@@ -247,11 +247,13 @@ class SiteRunner:
         """The optimizer of the model served as ``key`` (a cluster id): made by ``make()`` — the task's choice; by
         default the recipe's (``fedmed.nn.train.make_optimizer``) — and kept between rounds when ``keep`` (default:
         ``train.keep_optimizer_state``), so momentum / Adam moments carry over. The runner only holds it."""
+        from fedmed.nn.recipe import resolved
         from fedmed.nn.train import make_optimizer
 
-        t = task_config(cfg).train
-        make = make or (lambda: make_optimizer(model, t.model_dump()))
-        if not (t.keep_optimizer_state if keep is None else keep):
+        cfg = task_config(cfg)
+        t = cfg.train
+        make = make or (lambda: make_optimizer(model, t, cfg.model))
+        if not (resolved(t, cfg.model)["keep_optimizer_state"] if keep is None else keep):
             return make()
         if key not in self._optimizers:
             self._optimizers[key] = make()

@@ -155,6 +155,7 @@ def _finetune_schedule(cfg: TaskConfig, round_: int):
 def train_locally(runner, model, cfg, round_, key, *, mu=None, anchor=None) -> dict:
     """Local training of the served model (the recipe's optimizer kept per served model; fine-tuning's own); ``mu``
     and ``anchor``: a proximal term toward ``anchor`` instead of FedProx's (Ditto's personal model)."""
+    from fedmed.nn.recipe import resolved
     from fedmed.nn.train import train_local
 
     s = runner.splits(cfg)
@@ -167,7 +168,7 @@ def train_locally(runner, model, cfg, round_, key, *, mu=None, anchor=None) -> d
                       mu=mu if mu is not None else t.fedprox_mu, anchor=anchor,
                       class_weights=cfg.class_weights, generator=runner.generator(cfg, round_),
                       augment=t.augment, lr_at=_finetune_schedule(cfg, round_),
-                      precision=runner.precision(cfg))
+                      precision=runner.precision(cfg), frozen_norm=resolved(t, cfg.model)["norm_stats"] == "frozen")
     if not np.isfinite(out["loss"]):
         raise TaskError(f"{runner.site}: training diverged (loss {out['loss']}) in round {round_}")
     runner.skipped_note(out, cfg)

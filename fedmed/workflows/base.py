@@ -56,8 +56,10 @@ def initial_params(cfg: dict, job_files=None, modules=()) -> dict:
         return get_params(seg_model_from_config(m, d.in_channels, seed=t.seed, init_root=job_files, modules=modules,
                                                 spatial_dims=d.spatial_dims))
     from fedmed.nn.models import model_from_config
+    from fedmed.nn.recipe import prepared
 
-    return get_params(model_from_config(m, d.channels, d.n_classes, seed=t.seed, init_root=job_files, modules=modules))
+    return get_params(prepared(model_from_config(m, d.channels, d.n_classes, seed=t.seed, init_root=job_files,
+                                                 modules=modules), t.train, t.model))
 
 
 def screen(rows: list) -> list:
@@ -213,12 +215,53 @@ class Workflow:
         ok = {r.site for r in self.record_rows(round_, [r for rows in replies.values() for r in rows], task_name)}
         return {c: [r for r in rows if r.site in ok] for c, rows in replies.items()}
 
-    def aggregate(self, rows) -> dict:
+    def aggregate(self, rows, base: dict | None = None, key: str = "global") -> dict:
         """The new model from the sites' updates: the workflow's aggregator (FedAvg's weighted average unless one is
-        passed in, as FLARE's ModelAggregator is)."""
-        return self.aggregator.aggregate(rows)
+        passed in, as FLARE's ModelAggregator is); with a server optimizer (``train.server_opt``, FedOpt) and the
+        model the sites started from (``base``), the server's step from ``base`` along the averaged update, with the
+        optimizer state of the served model ``key`` (``global``, ``cluster<c>``)."""
+        avg = self.aggregator.aggregate(rows)
+        return avg if base is None else self.server_step(base, avg, key)
+
+    def server_step(self, base: dict, avg: dict, key: str = "global") -> dict:
+        """The served model ``key``'s next parameters from ``base`` and the sites' average ``avg``: ``avg`` itself
+        (FedAvg), or a FedOpt step (``train.server_opt``; :func:`fedmed.algorithms.aggregation.server_opt_step`)."""
+        opt = self.task_cfg.train.server_opt
+        if opt.kind == "none":
+            return avg
+        from fedmed.algorithms.aggregation import server_opt_step
+
+        state = self._server_opt_state().setdefault(key, {})
+        return server_opt_step(base, avg, state, kind=opt.kind, lr=opt.lr, beta1=opt.beta1, beta2=opt.beta2,
+                               tau=opt.tau)
+
+    def move_server_opt(self, keys: dict) -> None:
+        """After the served models are renumbered (CFL's split): ``keys`` new key -> the old key whose FedOpt state
+        it continues (a split's two halves both continue their parent's)."""
+        import copy
+
+        st = self._server_opt_state()
+        new = {k: copy.deepcopy(st[old]) for k, old in keys.items() if old in st}
+        st.clear()
+        st.update(new)
+
+    SERVER_OPT = "server_opt:"  # the checkpoint's names of the server optimizer's moments
+
+    def _server_opt_state(self) -> dict:
+        """served model -> its FedOpt moments (``{"m": {...}, "v": {...}}``), restored from a resumed run's
+        checkpoint (FedOpt's state lives at the server, never at a site)."""
+        if getattr(self, "_fedopt", None) is None:
+            self._fedopt = {}
+            for name, arrays in (self.resumed.get("models", {}) if self.fed is not None else {}).items():
+                if name.startswith(self.SERVER_OPT):
+                    key, _, moment = name[len(self.SERVER_OPT):].rpartition(":")
+                    self._fedopt.setdefault(key, {})[moment] = dict(arrays)
+        return self._fedopt
 
     def checkpoint(self, next_round: int, models: dict, **state):
+        if getattr(self, "_fedopt", None):
+            models = {**models, **{f"{self.SERVER_OPT}{key}:{moment}": arrays for key, st in self._fedopt.items()
+                                   for moment, arrays in st.items() if arrays}}
         self.fed.checkpoint(next_round, models, **state)
 
     def save_final(self, params: dict, name: str = "global", *, sites=None, cluster=None):
@@ -254,7 +297,8 @@ class Workflow:
         return int(self.resumed.get("next_round", 0))
 
     def resumed_models(self) -> dict:
-        return self.resumed.get("models", {})
+        """The models a resumed run's checkpoint holds (the server optimizer's state left out)."""
+        return {k: v for k, v in self.resumed.get("models", {}).items() if not k.startswith(self.SERVER_OPT)}
 
     def initial_params(self, cfg: dict | None = None) -> dict:
         """The model every site starts from, built at the server under the server's policy: a network it may not

@@ -44,21 +44,23 @@ class CFL(FedAvg):
             ok = {row[0] for row in self.record_rows(r, [row for rows in replies.values() for row in rows], task)}
             if task != "train":
                 break
-            new_clusters, new_theta = [], []
+            new_clusters, new_theta, parent = [], [], {}
             for c, sites in enumerate(clusters):
                 good = [row for row in replies.get(c, []) if row[0] in ok]
                 if not good:
+                    parent[len(new_clusters)] = c
                     new_clusters.append(sites)
                     new_theta.append(theta[c])
                     continue
                 updates = [{k: np.asarray(p[k]) - np.asarray(theta[c][k]) for k in theta[c]} for *_, p in good]
                 decision = cfl_split(updates, [meta["n_train"] for _, _, meta, _ in good], eps1=self.eps1,
                                      eps2=self.eps2)
-                agg = self.aggregate(good)
+                agg = self.aggregate(good, base=theta[c], key=f"cluster{c}")
                 if decision["split"] and r >= self.warmup_rounds:
                     names = [s for s, *_ in good]
                     halves = [[n for n, lab in zip(names, decision["labels"]) if lab == h] for h in (0, 1)]
                     halves[0] += [s for s in sites if s not in names]  # sites that did not answer stay with half 0
+                    parent.update({len(new_clusters): c, len(new_clusters) + 1: c})
                     new_clusters += halves
                     new_theta += [agg, agg]
                     i = len(splits)
@@ -71,9 +73,11 @@ class CFL(FedAvg):
                                    "max_norm": decision["max_norm"]})
                     self.info(f"CFL split in round {r}: {halves}")
                 else:
+                    parent[len(new_clusters)] = c
                     new_clusters.append(sites)
                     new_theta.append(agg)
             clusters, theta = new_clusters, new_theta
+            self.move_server_opt({f"cluster{n}": f"cluster{o}" for n, o in parent.items()})
             self.checkpoint(r + 1, {**{f"cluster{c}": t for c, t in enumerate(theta)}, **tree}, clusters=clusters,
                             splits=splits)
         self.recorder.note("clustering", {"clusters": clusters, "splits": splits, "rule": "CFL"})

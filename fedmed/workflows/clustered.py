@@ -107,7 +107,7 @@ class OneShotClustered(FedAvg):
             for r in range(start, self.fedavg_warmup):
                 rows = self.record_rows(r, self.send("train", self.task(theta0, r), targets=sorted(
                     {s for c in clusters for s in c})), "train")
-                theta0 = self.aggregate(rows)
+                theta0 = self.aggregate(rows, base=theta0)
                 self.checkpoint(r + 1, {"global": theta0}, clusters=clusters, **state)
             self.info(f"FedAvg warm-up of {self.fedavg_warmup} round(s) done; cluster models start from it")
             saved, start = {"global": theta0}, self.fedavg_warmup
@@ -118,7 +118,7 @@ class OneShotClustered(FedAvg):
             if task == "train":
                 for c, good in replies.items():
                     if good:
-                        theta[c] = self.aggregate(good)
+                        theta[c] = self.aggregate(good, base=theta[c], key=f"cluster{c}")
                 self.checkpoint(r + 1, {f"cluster{c}": t for c, t in theta.items()}, clusters=clusters, **state)
         for c, sites in enumerate(clusters):
             if sites:

@@ -29,7 +29,7 @@ class FedAvg(Workflow):
     def train_global(self, theta, **state):
         for r in range(self.start_round(), self.num_rounds):
             updates = self.record_rows(r, self.send("train", self.task(theta, r)), "train")
-            theta = self.aggregate(updates)
+            theta = self.aggregate(updates, base=theta)
             self.checkpoint(r + 1, {"global": theta}, **state)
         self.record_rows(self.num_rounds, self.send("validate", self.task(theta, self.num_rounds)), "validate")
         self.save_final(theta, sites=list(self.sites))  # the run's sites, which trained it

@@ -33,10 +33,14 @@ class IFCA(FedAvg):
             rows = self.record_rows(r, self.send("ifca", self.task(packed, r, ifca={"k": self.k, "train": train}),
                                                  targets=sites), "train" if train else "validate")
             if train:
+                before = models
                 models, refilled = ifca_models(
                     models, [x.params for x in rows], [x.meta["n_train"] for x in rows],
                     [x.meta["cluster"] for x in rows], empty=self.empty_cluster,
                     all_answered=len(rows) == len(self.sites), names=[x.site for x in rows])
+                moved = {x.meta["cluster"] for x in rows} | set(refilled)
+                models = [self.server_step(old, m, f"cluster{j}") if j in moved else m
+                          for j, (old, m) in enumerate(zip(before, models))]
                 if refilled:
                     self.info(f"IFCA round {r}: no site chose model(s) {refilled}; set to this round's average")
                 self.checkpoint(r + 1, {f"cluster{j}": m for j, m in enumerate(models)})
