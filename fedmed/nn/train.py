@@ -156,6 +156,7 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
             train_mode()
             total += float(loss.detach())
             steps += 1
+    model.train()  # handed back in train mode (frozen batch norm only while this call trains)
     return {"loss": total / max(steps, 1), "steps": steps, "skipped": skipped}
 
 

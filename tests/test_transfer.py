@@ -1,0 +1,236 @@
+"""Transfer learning federated (issue #53): the recipe a network started from weights trains with
+(:mod:`fedmed.nn.recipe`), the optimizer state a site keeps, and FedOpt's server step
+(:func:`fedmed.algorithms.aggregation.server_opt_step`)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+
+# --------------------------------------------------------------------------------------------- FedOpt's server step
+
+@pytest.mark.parametrize("kind", ["avgm", "adam", "yogi"])
+def test_fedopts_server_step_matches_the_update_computed_by_hand(kind):
+    """Three rounds of a toy model (one weight, a batch-norm running mean, a counter): the weight follows the
+    paper's update written out by hand; running statistics and integers take the sites' average."""
+    from fedmed.algorithms.aggregation import server_opt_step
+
+    lr, b1, b2, tau = 0.5, 0.6, 0.9, 0.01
+    theta = {"w": np.array([1.0], np.float32), "bn.running_mean": np.array([0.0], np.float32),
+             "bn.num_batches_tracked": np.array(3)}
+    avgs = [1.3, 0.9, 1.05]  # the sites' average weight each round (from the model the server sent)
+    state, got, base = {}, [], 1.0
+    for a in avgs:
+        avg = {"w": np.array([base + (a - 1.0)], np.float32), "bn.running_mean": np.array([a], np.float32),
+               "bn.num_batches_tracked": np.array(7)}
+        new = server_opt_step(theta, avg, state, kind=kind, lr=lr, beta1=b1, beta2=b2, tau=tau)
+        assert new["bn.running_mean"][0] == np.float32(a) and int(new["bn.num_batches_tracked"]) == 7
+        assert new["w"].dtype == np.float32
+        got.append(float(new["w"][0]))
+        theta, base = new, float(new["w"][0])
+    # the same rounds by hand (Reddi et al. 2021, Alg. 2; m starts at 0, v at tau^2): each round's average is
+    # the sites' result from the weight the server sent
+    m, v, t, want = 0.0, tau ** 2, 1.0, []
+    for a in avgs:
+        d = (t + (a - 1.0)) - t
+        if kind == "avgm":
+            m = b1 * m + d
+            t = t + lr * m
+        else:
+            m = b1 * m + (1 - b1) * d
+            v = b2 * v + (1 - b2) * d * d if kind == "adam" else v - (1 - b2) * d * d * np.sign(v - d * d)
+            t = t + lr * m / (np.sqrt(v) + tau)
+        want.append(t)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert set(state) == ({"m", "v"}) and "w" in state["m"] and "bn.running_mean" not in state["m"]
+    if kind == "avgm":
+        assert state["v"] == {}
+
+
+def test_fedopt_none_and_a_plain_avgm_step_are_fedavg():
+    from fedmed.algorithms.aggregation import server_opt_step
+
+    theta, avg = {"w": np.ones(3)}, {"w": np.full(3, 2.0)}
+    assert server_opt_step(theta, avg, {}, kind="none")["w"] is avg["w"]
+    np.testing.assert_array_equal(server_opt_step(theta, avg, {}, kind="avgm", lr=1.0, beta1=0.0)["w"], avg["w"])
+    with pytest.raises(ValueError, match="server optimizer"):
+        server_opt_step(theta, avg, {}, kind="sgd")
+
+
+def _federation(tmp_path, train=None, model=None, workflow="fedavg"):
+    from fedmed.config import load_config
+    from fedmed.run.experiment import prepare_federation, with_classes
+
+    raw = {"name": "tl", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 12},
+           "federation": {"sites": 2, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4, **(model or {})},
+           "train": {"rounds": 1, "local_epochs": 1, "batch_size": 16, **(train or {})}, "privacy": {"k_min": 2},
+           "methods": [{"name": "M", "workflow": workflow}]}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    exp = load_config(cfg)
+    data = prepare_federation(exp, 0, tmp_path / "data")
+    return with_classes(exp, data), data
+
+
+def _final(exp, data, out):
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+
+    status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0), data, out)
+    assert status == "finished"
+    z = np.load(out / "checkpoint" / "models.npz")
+    return {k.split("/", 1)[1]: z[k] for k in z.files if k.startswith("global/")}, z.files
+
+
+def test_a_fedopt_run_steps_the_global_model_from_the_one_it_sent(tmp_path):
+    """One round of FedAvg gives the sites' average ``a`` from ``theta0``; FedAvgM with lr 2 and no momentum from the
+    same ``theta0`` and the same (seeded) site training gives ``theta0 + 2 (a - theta0)`` — running statistics ``a``."""
+    from fedmed.workflows.base import initial_params
+
+    exp, data = _federation(tmp_path)
+    avg, _ = _final(exp, data, tmp_path / "fedavg")
+    exp2, _ = _federation(tmp_path / "b", train={"server_opt": {"kind": "avgm", "lr": 2.0, "beta1": 0.0}})
+    got, files = _final(exp2, data, tmp_path / "avgm")
+    from fedmed.run.jobspec import job_spec
+
+    theta0 = initial_params(job_spec(exp, exp.methods[0], 0).task_config)
+    stepped = 0
+    for k, a in avg.items():
+        if a.dtype.kind == "f" and not k.endswith(("running_mean", "running_var")):
+            np.testing.assert_allclose(got[k], theta0[k] + 2.0 * (a - theta0[k]), atol=1e-5, err_msg=k)
+            stepped += not np.allclose(a, theta0[k])
+        else:
+            np.testing.assert_array_equal(got[k], a, err_msg=k)
+    assert stepped > 5
+    assert any(f.startswith("server_opt:global:m/") for f in files)  # the moments are checkpointed at the server
+
+
+def test_a_resumed_run_continues_the_server_optimizers_moments():
+    """The checkpoint holds ``server_opt:<model>:<moment>`` entries; a resumed workflow reads them back as its state
+    and never hands them out as a model."""
+    from fedmed.workflows.fedavg import FedAvg
+
+    w = FedAvg(2, {"train": {"server_opt": {"kind": "adam"}}})
+    m = {"fc.weight": np.ones(2)}
+    saved = {}
+    w.fed = SimpleNamespace(resumed={"models": {"global": {"fc.weight": np.zeros(2)}, "server_opt:global:m": m,
+                                                "server_opt:cluster1:v": m}},
+                            checkpoint=lambda r, models, **st: saved.update(models))
+    assert set(w.resumed_models()) == {"global"}
+    assert w._server_opt_state() == {"global": {"m": m}, "cluster1": {"v": m}}
+    w.checkpoint(1, {"global": {"fc.weight": np.zeros(2)}})
+    assert set(saved) == {"global", "server_opt:global:m", "server_opt:cluster1:v"}
+    w.move_server_opt({"cluster0": "cluster1", "cluster2": "cluster1"})  # CFL: cluster 1 split into 0 and 2
+    assert set(w._server_opt_state()) == {"cluster0", "cluster2"}
+
+
+# --------------------------------------------------------------------------------------------- the site's optimizer
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_optimizer_state_survives_a_round_at_the_site_and_never_leaves_it(tmp_path, keep):
+    from fedmed.nn.train import get_params
+    from fedmed.run.jobspec import job_spec
+    from fedmed.site.reply import answer
+    from fedmed.workflows.base import initial_params
+
+    exp, data = _federation(tmp_path, train={"keep_optimizer_state": keep})
+    cfg = job_spec(exp, exp.methods[0], 0).task_config
+    theta = initial_params(cfg)
+    runner, sent, metrics, meta, err = answer("site-1", None, "train", theta, cfg, 0, settings=data)
+    assert err is None, err
+    opt0 = runner.optimizer(runner._model, cfg, None)
+    steps0 = meta["steps"]
+    moments = [s["exp_avg"].numpy().copy() for s in opt0.state.values()] if keep else []
+    runner, sent, metrics, meta, err = answer("site-1", runner, "train", sent, cfg, 1, settings=data)
+    assert err is None, err
+    opt1 = runner.optimizer(runner._model, cfg, None)
+    if keep:  # the same Adam, its moments carried over: step counts add up, the moments moved on from round 0's
+        assert opt1 is opt0
+        assert all(int(s["step"]) == 2 * steps0 for s in opt1.state.values())
+        assert any(not np.array_equal(a, s["exp_avg"].numpy()) for a, s in zip(moments, opt1.state.values()))
+    else:
+        assert opt1 is not opt0 and not opt1.state
+    # what leaves the site: the model's own state dict and aggregates, never an optimizer's state
+    assert set(sent) == set(get_params(runner._model))
+    shapes = {tuple(p.shape) for p in runner._model.parameters() if p.ndim}
+    for k, v in {**metrics, **meta}.items():
+        assert not any(w in k for w in ("exp_avg", "momentum", "optimizer", "state")), k
+        assert np.ndim(v) == 0 or tuple(np.shape(v)) not in shapes or k.endswith(("confusion", "score_hist")), k
+
+
+# --------------------------------------------------------------------------------------------- the recipe
+
+def _weights_file(tmp_path, seed=3):
+    from fedmed.nn.models import build_model
+
+    net = build_model("resnet9", 1, 10, width=4, seed=seed)
+    (tmp_path / "files").mkdir(exist_ok=True)
+    torch.save(net.state_dict(), tmp_path / "files" / "w.pt")
+    return net.state_dict()
+
+
+@pytest.mark.parametrize("recipe, zero", [("auto", True), ("transfer", True), ("scratch", False)])
+def test_the_transfer_recipe_applies_whenever_init_weights_is_set_and_can_be_turned_off(tmp_path, recipe, zero):
+    from fedmed.workflows.base import initial_params
+
+    ref = _weights_file(tmp_path)
+    cfg = {"model": {"arch": "resnet9", "width": 4, "init_weights": "w.pt"}, "train": {"recipe": recipe},
+           "data": {"channels": 1, "n_classes": 10, "image_size": 8}}
+    theta = initial_params(cfg, tmp_path / "files")
+    body = [k for k in theta if not k.startswith("fc.")]
+    assert body and all(np.array_equal(theta[k], ref[k].numpy()) for k in body)  # the file's weights
+    assert (not theta["fc.weight"].any() and not theta["fc.bias"].any()) is zero
+    if not zero:
+        assert np.array_equal(theta["fc.weight"], ref["fc.weight"].numpy())
+    # a network from scratch keeps its seeded head under auto; head_init set in train wins over the recipe
+    scratch = initial_params({**cfg, "model": {"arch": "resnet9", "width": 4}, "train": {}})
+    assert scratch["fc.weight"].any()
+    forced = initial_params({**cfg, "model": {"arch": "resnet9", "width": 4}, "train": {"head_init": "zero"}})
+    assert not forced["fc.weight"].any()
+
+
+def test_the_recipe_fills_only_what_train_leaves_unset():
+    from fedmed.core.schema import TrainConfig
+    from fedmed.nn.recipe import RECIPES, resolved
+
+    assert resolved(TrainConfig(), {}) == RECIPES["scratch"]
+    assert resolved(TrainConfig(), {"init_weights": "w.pt"}) == RECIPES["transfer"]
+    assert resolved(TrainConfig(), {"bundle": "b/"}) == RECIPES["transfer"]
+    assert resolved(TrainConfig(recipe="scratch"), {"init_weights": "w.pt"}) == RECIPES["scratch"]
+    own = resolved(TrainConfig(head_init="seeded", norm_stats="frozen"), {"init_weights": "w.pt"})
+    assert own["head_init"] == "seeded" and own["norm_stats"] == "frozen"
+
+
+def test_a_lower_backbone_learning_rate_is_a_parameter_group_the_schedule_keeps():
+    from fedmed.nn.models import build_model
+    from fedmed.nn.train import make_optimizer, train_local
+
+    net = build_model("resnet9", 1, 3, width=4)
+    opt = make_optimizer(net, {"optimizer": "sgd", "lr": 0.1, "backbone_lr_scale": 0.1})
+    head, = [g for g in opt.param_groups if g["lr_scale"] == 1.0]
+    body, = [g for g in opt.param_groups if g["lr_scale"] == 0.1]
+    assert {id(p) for p in head["params"]} == {id(net.fc.weight), id(net.fc.bias)}
+    assert len(body["params"]) == len(list(net.parameters())) - 2 and body["lr"] == pytest.approx(0.01)
+    x, y = torch.rand(8, 1, 8, 8), torch.randint(0, 3, (8,))
+    train_local(net, x, y, optimizer=opt, lr_at=lambda f: 0.5, generator=torch.Generator().manual_seed(0))
+    assert head["lr"] == pytest.approx(0.5) and body["lr"] == pytest.approx(0.05)
+    assert len(make_optimizer(net, {"lr": 0.1}).param_groups) == 1
+
+
+def test_frozen_batch_norm_statistics_stay_as_the_network_started_while_its_weights_train():
+    from fedmed.nn.models import build_model
+    from fedmed.nn.recipe import norm_layers
+    from fedmed.nn.train import train_local
+
+    x, y = torch.rand(16, 1, 8, 8) * 3, torch.randint(0, 3, (16,))
+    for frozen in (True, False):
+        net = build_model("resnet9", 1, 3, width=4)
+        bn = norm_layers(net)[0]
+        mean0, w0 = bn.running_mean.clone(), bn.weight.detach().clone()
+        train_local(net, x, y, lr=0.1, frozen_norm=frozen, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(bn.running_mean, mean0) is frozen
+        assert not torch.equal(bn.weight.detach(), w0)  # the layer's affine weights train either way
+        assert net.training and bn.training  # the model is handed back in train mode
