@@ -234,3 +234,16 @@ def test_frozen_batch_norm_statistics_stay_as_the_network_started_while_its_weig
         assert torch.equal(bn.running_mean, mean0) is frozen
         assert not torch.equal(bn.weight.detach(), w0)  # the layer's affine weights train either way
         assert net.training and bn.training  # the model is handed back in train mode
+
+
+@pytest.mark.parametrize("workflow", ["ifca", "fmcl"])
+def test_a_clustered_run_keeps_one_server_optimizer_state_per_cluster_model(tmp_path, workflow):
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+
+    exp, data = _federation(tmp_path, train={"server_opt": {"kind": "adam", "lr": 0.01}}, workflow=workflow)
+    exp.methods[0].n_clusters = 2  # two sites, two cluster models
+    status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0), data, tmp_path / "out")
+    assert status == "finished"
+    names = {f.split("/", 1)[0] for f in np.load(tmp_path / "out" / "checkpoint" / "models.npz").files}
+    clusters = {n for n in names if n.startswith("cluster")}
+    assert clusters and {f"server_opt:{c}:{m}" for c in clusters for m in ("m", "v")} <= names

@@ -252,6 +252,8 @@ class SiteRunner:
 
         cfg = task_config(cfg)
         t = cfg.train
+        if cfg.task != "classification":  # a per-part learning rate needs a classifier's head (its last Linear)
+            t = t.model_copy(update={"backbone_lr_scale": 1.0})
         make = make or (lambda: make_optimizer(model, t, cfg.model))
         if not (resolved(t, cfg.model)["keep_optimizer_state"] if keep is None else keep):
             return make()
