@@ -226,7 +226,9 @@ class Workflow:
     def server_step(self, base: dict, avg: dict, key: str = "global") -> dict:
         """The served model ``key``'s next parameters from ``base`` and the sites' average ``avg``: ``avg`` itself
         (FedAvg), or a FedOpt step (``train.server_opt``; :func:`fedmed.algorithms.aggregation.server_opt_step`)."""
-        opt = self.task_cfg.train.server_opt
+        if getattr(self, "_server_opt", None) is None:  # read once: the config never changes during a run
+            self._server_opt = self.task_cfg.train.server_opt
+        opt = self._server_opt
         if opt.kind == "none":
             return avg
         from fedmed.algorithms.aggregation import server_opt_step
