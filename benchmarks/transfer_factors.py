@@ -9,8 +9,8 @@ Every factor is one ``fedmed experiment`` of ``app_configs/breast_us_lite0.yaml`
 ImageNet EfficientNet-Lite0 release, 64 px, 12 rounds x 1 local epoch, Adam 1e-3, batch 16) with the ``--set``
 overrides below, run one after the other (``--resume``: a finished one is read back, an interrupted one continues).
 ``release`` is the run before the recipe (``train.recipe=scratch``: the seeded head, one learning rate, training
-batch-norm statistics, the site's Adam state kept); every other row changes one thing from it, or — the rows named
-``recipe...`` — several. ``central`` is the centralized reference (``references=[centralized]``: one model on the
+batch-norm statistics at the network's own momentum, the site's Adam state kept); every other row changes one thing
+from it; ``a+b`` rows change both ``a`` and ``b``; ``recipe`` is fedmed's default for a network started from weights. ``central`` is the centralized reference (``references=[centralized]``: one model on the
 pooled training data, the same splits, network, loop and epoch budget), made beside ``release`` (as before) and
 beside ``recipe`` (with the recipe's head, learning rates and batch norm).
 
@@ -48,8 +48,17 @@ FACTORS = {
 
 
 def overrides(name: str) -> list[str]:
+    """The ``--set`` overrides of a factor; ``a+b`` combines factors ``a`` and ``b``."""
+    if "+" in name:
+        return BEFORE + [s for part in name.split("+") for s in FACTORS[part]]
     f = FACTORS[name]
     return [] if f == "recipe" else BEFORE + list(f)
+
+
+def described(name: str) -> str:
+    if "+" in name:
+        return " ".join(s for part in name.split("+") for s in FACTORS[part])
+    return "train.recipe=auto (the default)" if FACTORS[name] == "recipe" else " ".join(FACTORS[name]) or "—"
 
 
 def record(out: Path, seed: int) -> dict | None:
@@ -93,7 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--weights", required=True, help="the EfficientNet-Lite0 release file (released_weights)")
     ap.add_argument("--out", default="results/transfer_factors")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--only", nargs="*", default=[], help=f"factors to run, of {list(FACTORS)}")
+    ap.add_argument("--only", nargs="*", default=[], help=f"factors to run, of {list(FACTORS)}, or a+b (both)")
     ap.add_argument("--table-only", action="store_true", help="read the runs back, run nothing")
     a = ap.parse_args(argv)
     names = a.only or list(FACTORS)
@@ -124,7 +133,7 @@ def main(argv=None) -> int:
 
     rows = []
     for name in names:
-        sets = "train.recipe=auto (the default)" if FACTORS[name] == "recipe" else " ".join(FACTORS[name]) or "—"
+        sets = described(name)
         rows.append((name, sets, [row(d) if (d := record(out / name, s)) else {} for s in a.seeds]))
         if name in with_central:
             rows.append((f"centralized ({name})", sets, [central_row(out / name, s) for s in a.seeds]))
