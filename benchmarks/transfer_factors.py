@@ -40,7 +40,6 @@ FACTORS = {
     "fedadam": ["train.server_opt.kind=adam", "train.server_opt.lr=0.001"],
     "fedbn": ["methods=[{name: FedBN, workflow: fedbn}]"],
     "frozen_bn": ["train.norm_stats=frozen"],
-    "bn_momentum_0.1": ["train.norm_momentum=0.1"],
     "backbone_0.1": ["train.backbone_lr_scale=0.1"],
     "epochs_2": ["train.local_epochs=2"],
     "recipe": "recipe",  # the transfer recipe as fedmed defaults to it (train.recipe=auto)

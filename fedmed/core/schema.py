@@ -127,9 +127,6 @@ class TrainConfig(Strict):
     norm_stats: Optional[Literal["train", "frozen"]] = Field(None, description="batch-norm running statistics updated "
                                                              "by training, or frozen at the starting model's (None: "
                                                              "the recipe's)")
-    norm_momentum: Optional[float] = Field(None, gt=0, le=1, description="batch-norm running-statistics momentum "
-                                           "while a site trains (None: the recipe's; the scratch recipe keeps the "
-                                           "network's own)")
     server_opt: ServerOptConfig = Field(default_factory=lambda: ServerOptConfig(),
                                         description="the server's optimizer over the averaged update (FedOpt)")
     seg: SegTrainConfig = SegTrainConfig()

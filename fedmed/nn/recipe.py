@@ -1,6 +1,6 @@
 """The training recipe a network gets, from scratch or from pretrained weights (transfer learning).
 
-A config's ``train`` section may leave five choices to the recipe (``None``); ``train.recipe`` says which recipe
+A config's ``train`` section may leave four choices to the recipe (``None``); ``train.recipe`` says which recipe
 fills them — ``auto`` (the default): **transfer** whenever ``model.init_weights`` is set (or a bundle brings
 weights), **scratch** otherwise; ``scratch`` or ``transfer`` force one, and a value set in ``train`` always wins:
 
@@ -10,9 +10,6 @@ weights), **scratch** otherwise; ``scratch`` or ``transfer`` force one, and a va
   ``train.lr``;
 * ``norm_stats``: batch-norm running statistics updated by training (``train``) or kept as the network started
   (``frozen``: the layers normalise with the pretrained statistics; their weights still train);
-* ``norm_momentum``: the momentum of those running statistics while a site trains (``None``: the network's own —
-  0.01 for EfficientNet-Lite, TF's decay 0.99, which moves the ImageNet statistics toward a site's images by about
-  1 % a step);
 * ``keep_optimizer_state``: a site keeps its optimizer state (momentum, Adam moments) between rounds.
 
 The transfer recipe's values were each chosen on validation data of the natural breast-ultrasound federation
@@ -28,10 +25,8 @@ from torch import nn
 __all__ = ["RECIPES", "head_keys", "norm_layers", "param_groups", "prepared", "recipe_name", "resolved", "zero_head"]
 
 RECIPES = {
-    "scratch": {"head_init": "seeded", "backbone_lr_scale": 1.0, "norm_stats": "train", "norm_momentum": None,
-                "keep_optimizer_state": True},
-    "transfer": {"head_init": "zero", "backbone_lr_scale": 1.0, "norm_stats": "train", "norm_momentum": None,
-                 "keep_optimizer_state": True},
+    "scratch": {"head_init": "seeded", "backbone_lr_scale": 1.0, "norm_stats": "train", "keep_optimizer_state": True},
+    "transfer": {"head_init": "zero", "backbone_lr_scale": 1.0, "norm_stats": "train", "keep_optimizer_state": True},
 }
 CHOICES = tuple(RECIPES["scratch"])
 
@@ -49,7 +44,7 @@ def recipe_name(train, model) -> str:
 
 
 def resolved(train, model) -> dict:
-    """The five choices of ``train`` (a ``train`` section, typed or a dict) for a network configured by ``model``:
+    """The four choices of ``train`` (a ``train`` section, typed or a dict) for a network configured by ``model``:
     each the value ``train`` sets, else its recipe's."""
     base = RECIPES[recipe_name(train, model)]
     return {k: (base[k] if _get(train, k) is None else _get(train, k)) for k in CHOICES}

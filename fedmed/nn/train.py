@@ -97,8 +97,7 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
                 optimizer: torch.optim.Optimizer | None = None, lr: float = 0.01, momentum: float = 0.9,
                 weight_decay: float = 0.0, mu: float | None = None, class_weights=None,
                 generator: torch.Generator | None = None, augment: str = "flip", lr_at=None,
-                precision: str = "fp32", anchor: list | None = None, frozen_norm: bool = False,
-                norm_momentum: float | None = None) -> dict:
+                precision: str = "fp32", anchor: list | None = None, frozen_norm: bool = False) -> dict:
     """Run ``epochs`` over (x, y) in place; returns ``{"loss": mean loss, "steps": n}``.
 
     ``optimizer`` (kept by the caller between rounds) defaults to a fresh SGD with ``lr``/``momentum``.
@@ -110,7 +109,6 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
     (shuffling and augmentation stay on the CPU, so a seed gives the same batches anywhere); ``precision``: fp32,
     bf16 or fp16 autocast (:mod:`fedmed.core.device`). ``frozen_norm``: batch-norm layers normalise with their
     running statistics and leave them as they are (the recipe's ``norm_stats: frozen``); their weights still train.
-    ``norm_momentum``: the batch-norm layers' running-statistics momentum during this call (``None``: their own).
     """
     from fedmed.core.device import autocast, backward_step, grad_scaler, model_device
 
@@ -120,9 +118,6 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
     from fedmed.nn.recipe import norm_layers
 
     frozen = norm_layers(model) if frozen_norm else []
-    own_momentum = [(m, m.momentum) for m in norm_layers(model)] if norm_momentum is not None else []
-    for m, _ in own_momentum:
-        m.momentum = norm_momentum
 
     def train_mode():
         model.train()
@@ -162,8 +157,6 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
             total += float(loss.detach())
             steps += 1
     model.train()  # handed back in train mode (frozen batch norm only while this call trains)
-    for m, own in own_momentum:
-        m.momentum = own
     return {"loss": total / max(steps, 1), "steps": steps, "skipped": skipped}
 
 

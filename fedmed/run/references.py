@@ -114,15 +114,14 @@ def _pooled_training(exp, data: dict, members: list[str], seed: int, gseed: int,
                                        modules=("*",)), t, exp.model).to(
         resolve_device(t.device, where="the centralized reference"))
     opt = make_optimizer(model, t.model_dump(), exp.model.model_dump())
-    recipe = resolved(t, exp.model)
+    frozen = resolved(t, exp.model)["norm_stats"] == "frozen"
     g = torch.Generator()
     g.manual_seed(gseed)
     per_round = []
     for r in range(t.rounds + 1):
         if r > 0:
             train_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt, generator=g,
-                        augment=t.augment, precision=t.precision,
-                        frozen_norm=recipe["norm_stats"] == "frozen", norm_momentum=recipe["norm_momentum"])
+                        augment=t.augment, precision=t.precision, frozen_norm=frozen)
         per_site = {}
         for s in members:
             e = {}

@@ -163,14 +163,12 @@ def train_locally(runner, model, cfg, round_, key, *, mu=None, anchor=None) -> d
     cfg = task_config(cfg)
     t = cfg.train
     make = (lambda: _finetune_optimizer(model, cfg)) if cfg.finetune else None
-    recipe = resolved(t, cfg.model)
     out = train_local(model, s.train[0], s.train[1], epochs=t.local_epochs, batch_size=t.batch_size,
                       optimizer=runner.optimizer(model, cfg, key, make=make),
                       mu=mu if mu is not None else t.fedprox_mu, anchor=anchor,
                       class_weights=cfg.class_weights, generator=runner.generator(cfg, round_),
                       augment=t.augment, lr_at=_finetune_schedule(cfg, round_),
-                      precision=runner.precision(cfg), frozen_norm=recipe["norm_stats"] == "frozen",
-                      norm_momentum=recipe["norm_momentum"])
+                      precision=runner.precision(cfg), frozen_norm=resolved(t, cfg.model)["norm_stats"] == "frozen")
     if not np.isfinite(out["loss"]):
         raise TaskError(f"{runner.site}: training diverged (loss {out['loss']}) in round {round_}")
     runner.skipped_note(out, cfg)
