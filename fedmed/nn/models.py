@@ -354,7 +354,8 @@ def load_init_weights(model: nn.Module, path) -> None:
         state = {"net." + effnet_lite_key(k, stages): v for k, v in state.items() if not k.startswith("_fc.")}
         state.update({k: v for k, v in own.items() if k.startswith("net.classifier.")})
         print(f"[fedmed] model.init_weights: {p.name} is the EfficientNet-Lite release; its ImageNet head {head} "
-              f"dropped, the classifier for the job's classes starts seeded", flush=True)
+              f"dropped; the classifier for the job's classes starts as train.head_init says (zero under the "
+              f"transfer recipe, fedmed.nn.recipe)", flush=True)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     shapes = [k for k in sorted(set(own) & set(state)) if tuple(own[k].shape) != tuple(state[k].shape)]
     if missing or unexpected or shapes:
