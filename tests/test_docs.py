@@ -48,6 +48,10 @@ NOT_HERE = {
     "python -m monai.bundle run --config_file BUNDLE/configs/inference.json":
         "placeholders (BUNDLE, IMAGES, OUT); test_bundle.py runs this command on a finished run's bundle and compares "
         "it with fedmed predict",
+    ".venv/bin/fedmed experiment app_configs/breast_us_lite0.yaml --set model.init_weights=$W":
+        "the natural federation's 17 sites x 12 rounds x 3 seeds from the ImageNet release (about half an hour on 2 "
+        "cores); test_transfer.py reads its --set values as the config does and runs FedAvgM through a job of a "
+        "digits federation",
     ".venv/bin/fedmed experiment app_configs/brats_1mm.yaml":
         "hours of 3D training on 2 cores; its jobs are built and validated in test_schema.py (every shipped config)",
 }

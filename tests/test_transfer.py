@@ -279,3 +279,21 @@ def test_the_imagenet_release_starts_every_site_at_a_loss_of_ln_k_under_the_reci
             loss[recipe] = float(torch.nn.functional.cross_entropy(net.eval()((x - 0.5) / 0.5), y))
     assert loss["auto"] == pytest.approx(math.log(2), abs=1e-6)
     assert loss["scratch"] > 1.0
+
+
+def test_the_documented_fedopt_command_sets_what_it_says():
+    """docs/recipes.md's FedOpt line, its --set values read as `fedmed experiment` reads them."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from conftest import doc_commands
+    from fedmed.config import load_config
+
+    cmd = next(c for c in doc_commands("recipes.md") if "train.server_opt.kind" in c)
+    sets = [v.replace("$W", "w.pt") for v in re.findall(r"--set (\S+)", " ".join(shlex.split(cmd, comments=True)))]
+    root = Path(__file__).resolve().parents[1]
+    exp = load_config(root / "app_configs" / "breast_us_lite0.yaml",
+                      [s for s in sets if not s.startswith("model.init_weights")])
+    assert exp.train.server_opt.kind == "avgm" and exp.train.server_opt.beta1 == 0.6 and exp.train.server_opt.lr == 1
+    assert exp.train.recipe == "auto" and exp.model.arch == "efficientnet_lite0"
