@@ -193,7 +193,8 @@ class ModelConfig(ModelSection):
                        if data.get(k) is not None and data.get(k) != b[k])
         if clash:
             raise ValueError(f"model.bundle: the bundle names the network, its weights and its preprocessing; drop "
-                             f"model.{clash[0]}")
+                             f"{', '.join('model.' + k for k in clash)} from the config (on the command line: "
+                             f"{' '.join(f'--set model.{k}=null' for k in clash)})")
         return {**data, "arch": b["arch"], "args": b["args"], "init_weights": b["init_weights"],
                 "preprocessing": b["preprocessing"]}
 
