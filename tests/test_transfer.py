@@ -297,3 +297,30 @@ def test_the_documented_fedopt_command_sets_what_it_says():
                       [s for s in sets if not s.startswith("model.init_weights")])
     assert exp.train.server_opt.kind == "avgm" and exp.train.server_opt.beta1 == 0.6 and exp.train.server_opt.lr == 1
     assert exp.train.recipe == "auto" and exp.model.arch == "efficientnet_lite0"
+
+
+def test_the_factor_screen_selects_rounds_as_the_report_does_and_combines_factors():
+    """benchmarks/transfer_factors.py: a row's round is the one fedmed's report selects (best site-mean validation
+    accuracy, the earliest on a tie), never a test number; ``a+b`` sets both factors' overrides."""
+    import importlib.util
+    from pathlib import Path
+
+    from fedmed.report.summary import reported_rows
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "transfer_factors.py"
+    spec = importlib.util.spec_from_file_location("transfer_factors", path)
+    tf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tf)
+    assert tf.overrides("zero_head+fedavgm") == tf.BEFORE + tf.FACTORS["zero_head"] + tf.FACTORS["fedavgm"]
+    assert tf.overrides("recipe") == [] and tf.overrides("release") == tf.BEFORE
+    val = [0.5, 0.7, 0.6, 0.7, 0.65]
+    test = [0.9, 0.1, 0.95, 0.2, 0.99]  # test numbers that would pick another round
+    doc = {"rounds": [{"round": r, "task": "train" if r < 4 else "validate",
+                       "summary": {"mean": {"val_accuracy": v, "accuracy": t, "train_loss": 1.0 / (r + 1)},
+                                   "pooled_val": {"accuracy": v, "auc": v + 0.1}}}
+                      for r, (v, t) in enumerate(zip(val, test))]}
+    got = tf.row(doc)
+    rows = [{"method": "M", "seed": 0, "round": r, "val_accuracy": v} for r, v in enumerate(val)]
+    assert got["sel_round"] == reported_rows(rows, "validation")[("M", 0)]["round"] == 1
+    assert got["sel_val_auc"] == pytest.approx(0.8) and got["final_val_auc"] == pytest.approx(0.75)
+    assert got["loss0"] == 1.0 and got["loss_last"] == pytest.approx(0.25)
