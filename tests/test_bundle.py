@@ -612,3 +612,39 @@ def test_the_minimal_bundle_privacy_md_shows_is_read_and_an_expression_in_it_is_
     with pytest.raises(BundleExportError, match=re.escape("model.bundle minimal (inference.json): network_def#"
                                                           "out_channels (@num_classes) is a Python expression")):
         read_bundle(root)
+
+
+def test_a_bundle_comes_into_every_shipped_classification_config_with_one_documented_option(tmp_path):
+    """Each shipped classification config names its own network; `--set model.bundle=DIR --set model.arch=null`
+    (docs/recipes.md) replaces it with the bundle's — the config's other settings kept."""
+    from fedmed.config import ConfigError, load_config
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "recipes.md").read_text()
+    assert "--set model.bundle=DIR --set model.arch=null" in text
+    done = 0
+    for cfg in sorted((root / "app_configs").glob("*.yaml")):
+        try:
+            exp = load_config(cfg)
+        except ConfigError as e:  # a config whose data is not here (skipped below) or that needs a weights file
+            if "does not exist" in str(e) or "not found" in str(e):
+                continue
+            raise
+        if exp.dataset.task != "classification":
+            continue
+        d = exp.dataset
+        b = _bundle(tmp_path / cfg.stem, in_channels=d.channels, classes=len(d.classes or [0, 1]), size=d.image_size)
+        try:  # a config that names its network is refused with the way out; one that leaves it default is not
+            load_config(cfg, [f"model.bundle={b}"])
+        except ConfigError as e:
+            assert "--set model.arch=null" in str(e) or "Flux describes" in str(e), str(e)
+        if any(m.workflow == "flux" for m in exp.methods):  # Flux reads fedmed's own networks' latents: said so
+            with pytest.raises(ConfigError, match="Flux describes a site by the latents of fedmed's networks"):
+                load_config(cfg, [f"model.bundle={b}", "model.arch=null"])
+            done += 1
+            continue
+        got = load_config(cfg, [f"model.bundle={b}", "model.arch=null"])
+        assert got.model.arch == "DenseNet121" and got.model.init_weights and got.train == exp.train, cfg.name
+        assert got.federation == exp.federation and [m.name for m in got.methods] == [m.name for m in exp.methods]
+        done += 1
+    assert done >= 10
