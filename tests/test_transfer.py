@@ -163,10 +163,11 @@ def test_the_optimizer_state_survives_a_round_at_the_site_and_never_leaves_it(tm
 
 # --------------------------------------------------------------------------------------------- the recipe
 
-def _weights_file(tmp_path, seed=3):
+def _weights_file(tmp_path, seed=3, classes=3):
+    """A ResNet-9 checkpoint trained for ``classes`` classes (the job has 10: its head is for other classes)."""
     from fedmed.nn.models import build_model
 
-    net = build_model("resnet9", 1, 10, width=4, seed=seed)
+    net = build_model("resnet9", 1, classes, width=4, seed=seed)
     (tmp_path / "files").mkdir(exist_ok=True)
     torch.save(net.state_dict(), tmp_path / "files" / "w.pt")
     return net.state_dict()
@@ -184,7 +185,11 @@ def test_the_transfer_recipe_applies_whenever_init_weights_is_set_and_can_be_tur
     assert body and all(np.array_equal(theta[k], ref[k].numpy()) for k in body)  # the file's weights
     assert (not theta["fc.weight"].any() and not theta["fc.bias"].any()) is zero
     if not zero:
-        assert np.array_equal(theta["fc.weight"], ref["fc.weight"].numpy())
+        assert theta["fc.weight"].shape == (10, 32)  # a new head for the job's 10 classes, seeded
+    # a file whose head is for the job's own classes (a bundle's trained classifier) keeps it under every recipe
+    full = _weights_file(tmp_path, classes=10)
+    kept = initial_params(cfg, tmp_path / "files")
+    assert np.array_equal(kept["fc.weight"], full["fc.weight"].numpy())
     # a network from scratch keeps its seeded head under auto; head_init set in train wins over the recipe
     scratch = initial_params({**cfg, "model": {"arch": "resnet9", "width": 4}, "train": {}})
     assert scratch["fc.weight"].any()
@@ -324,3 +329,20 @@ def test_the_factor_screen_selects_rounds_as_the_report_does_and_combines_factor
     assert got["sel_round"] == reported_rows(rows, "validation")[("M", 0)]["round"] == 1
     assert got["sel_val_auc"] == pytest.approx(0.8) and got["final_val_auc"] == pytest.approx(0.75)
     assert got["loss0"] == 1.0 and got["loss_last"] == pytest.approx(0.25)
+
+
+def test_ifcas_models_from_one_pretrained_file_start_with_different_heads(tmp_path):
+    """Under the transfer recipe every model starts with a zero head; IFCA's K models from one file would then be
+    one model (its cluster estimate ties). IFCA keeps each model's own seeded head; the body is the file's."""
+    from fedmed.workflows.base import initial_params
+    from fedmed.workflows.ifca import IFCA
+
+    ref = _weights_file(tmp_path)
+    cfg = {"model": {"arch": "resnet9", "width": 4, "init_weights": "w.pt"}, "train": {},
+           "data": {"channels": 1, "n_classes": 10, "image_size": 8}}
+    w = IFCA(2, cfg, k=2, participation=1.0, empty_cluster="global")
+    a, b = (initial_params(w.start_config(j), tmp_path / "files") for j in (0, 1))
+    assert a["fc.weight"].any() and b["fc.weight"].any() and not np.array_equal(a["fc.weight"], b["fc.weight"])
+    assert np.array_equal(a["features.0.0.weight"], ref["features.0.0.weight"].numpy())  # the file's body
+    own = IFCA(2, {**cfg, "train": {"head_init": "zero"}}, k=2, participation=1.0, empty_cluster="global")  # a config's own choice is kept
+    assert not initial_params(own.start_config(1), tmp_path / "files")["fc.weight"].any()

@@ -346,6 +346,7 @@ def load_init_weights(model: nn.Module, path) -> None:
     except EncoderError as e:
         raise ArchError(str(e)) from None
     own = model.state_dict()
+    new_head: set = set()
     if isinstance(model, EfficientNetLiteClassifier) and any(k.startswith("_conv_stem.") for k in state):
         from fedmed.nn.encoders import effnet_lite_key
 
@@ -353,16 +354,27 @@ def load_init_weights(model: nn.Module, path) -> None:
         head = sorted(k for k in state if k.startswith("_fc."))
         state = {"net." + effnet_lite_key(k, stages): v for k, v in state.items() if not k.startswith("_fc.")}
         state.update({k: v for k, v in own.items() if k.startswith("net.classifier.")})
+        new_head = {k for k in own if k.startswith("net.classifier.")}
         print(f"[fedmed] model.init_weights: {p.name} is the EfficientNet-Lite release; its ImageNet head {head} "
               f"dropped; the classifier for the job's classes starts as train.head_init says (zero under the "
               f"transfer recipe, fedmed.nn.recipe)", flush=True)
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    from fedmed.nn.recipe import head_keys
+
+    head = set(head_keys(model))
     shapes = [k for k in sorted(set(own) & set(state)) if tuple(own[k].shape) != tuple(state[k].shape)]
+    if shapes and set(shapes) <= head and not (set(own) - set(state)) - head:  # a head for other classes: new one
+        print(f"[fedmed] model.init_weights: {p.name}'s classifier {sorted(shapes)} is for another number of classes: "
+              f"dropped; the job's starts as train.head_init says", flush=True)
+        state = {k: v for k, v in state.items() if k not in head}
+        state.update({k: v for k, v in own.items() if k in head})
+        new_head, shapes = set(head), []
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected or shapes:
         raise ArchError(f"model.init_weights: {p.name} does not fit the network: {len(missing)} missing "
                         f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}, {len(shapes)} mis-shaped "
                         f"{shapes[:3]}")
     model.load_state_dict(state)
+    model.fedmed_new_head = sorted(new_head)  # the head keys the file did not give (fedmed.nn.recipe.prepared)
 
 
 def model_from_config(model_cfg: dict, in_channels: int, num_classes: int, seed: int = 0, *, init_root=None,

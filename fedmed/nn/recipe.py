@@ -75,8 +75,13 @@ def zero_head(model: nn.Module) -> list[str]:
 
 
 def prepared(model: nn.Module, train, model_cfg) -> nn.Module:
-    """A classifier as its recipe starts it: its last layer zeroed under ``head_init: zero`` (in place)."""
-    if resolved(train, model_cfg)["head_init"] == "zero":
+    """A classifier as its recipe starts it: under ``head_init: zero`` its last layer zeroed (in place) — unless the
+    network's weights file gave that layer (a bundle's or a checkpoint's trained classifier for the job's classes is
+    kept; a head the file did not have — the ImageNet release's, or one for another number of classes — is new)."""
+    if resolved(train, model_cfg)["head_init"] != "zero":
+        return model
+    new = getattr(model, "fedmed_new_head", None)  # None: not started from a file
+    if new is None or set(head_keys(model)) <= set(new):
         zero_head(model)
     return model
 

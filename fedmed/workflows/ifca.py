@@ -21,10 +21,19 @@ class IFCA(FedAvg):
         self.participation = float(participation)
         self.empty_cluster = empty_cluster
 
+    def start_config(self, j: int) -> dict:
+        """The config model ``j`` starts from: its own seed; and its own seeded head even where the transfer recipe
+        would zero it (``fedmed.nn.recipe``): IFCA tells its K models apart by their losses, and K models started
+        from one pretrained file differ only in their heads — zeroed, they would be one model (every site ties on
+        model 0). A ``train.head_init`` the config sets is kept."""
+        cfg = {**self.cfg, "seed": self.task_cfg.seed * 1000 + j}
+        if self.task_cfg.train.head_init is None:
+            cfg["train"] = {**dict(self.cfg.get("train") or {}), "head_init": "seeded"}
+        return cfg
+
     def run(self):
         saved = self.resumed_models()
-        models = [saved.get(f"cluster{j}") or self.initial_params({**self.cfg, "seed": self.task_cfg.seed * 1000 + j})
-                  for j in range(self.k)]
+        models = [saved.get(f"cluster{j}") or self.initial_params(self.start_config(j)) for j in range(self.k)]
         rows = []
         for r in range(self.start_round(), self.num_rounds + 1):
             train = r < self.num_rounds
