@@ -28,7 +28,7 @@ class IFCA(FedAvg):
         model 0). A ``train.head_init`` the config sets is kept."""
         cfg = {**self.cfg, "seed": self.task_cfg.seed * 1000 + j}
         if self.task_cfg.train.head_init is None:
-            cfg["train"] = {**dict(self.cfg.get("train") or {}), "head_init": "seeded"}
+            cfg["train"] = {**self.task_cfg.train.model_dump(), "head_init": "seeded"}
         return cfg
 
     def run(self):
