@@ -12,8 +12,10 @@ weights), **scratch** otherwise; ``scratch`` or ``transfer`` force one, and a va
   (``frozen``: the layers normalise with the pretrained statistics; their weights still train);
 * ``keep_optimizer_state``: a site keeps its optimizer state (momentum, Adam moments) between rounds.
 
-The transfer recipe's values were each chosen on validation data of the natural breast-ultrasound federation
-(``docs/readings.md`` "Transfer learning"; ``benchmarks/transfer_factors.py``). Pure torch; no FLARE.
+The transfer recipe's zero head was chosen on validation data of the natural breast-ultrasound federation; its
+other values are the scratch recipe's, kept where the screen measured no gain (the optimizer state, batch norm at the
+sites) and not yet measured for the learning rate per part and frozen statistics (``docs/readings.md`` "Transfer
+learning federated"; ``benchmarks/transfer_factors.py``). Pure torch; no FLARE.
 """
 
 from __future__ import annotations
