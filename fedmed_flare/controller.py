@@ -135,8 +135,8 @@ class WorkflowController(Federation, ModelController):
 
     def preflight(self) -> None:
         """The job's tracking receivers against the server's policy: a refused one sent nothing
-        (``fedmed_flare.tracking.check_receiver``), and the run does not go on without it."""
-        from fedmed_flare.tracking import refused_receivers
+        (``fedmed_flare.destinations.check_receiver``), and the run does not go on without it."""
+        from fedmed_flare.destinations import refused_receivers
 
         why = refused_receivers(self.policy, getattr(getattr(self.engine, "run_manager", None), "components", None))
         if why:

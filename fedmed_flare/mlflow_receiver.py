@@ -8,7 +8,7 @@ from pathlib import Path
 from nvflare.apis.fl_context import FLContext
 from nvflare.app_opt.tracking.mlflow.mlflow_receiver import MLflowReceiver as _FlareMLflowReceiver
 
-from fedmed_flare.tracking import allow_file_store, check_receiver, file_store_uri
+from fedmed_flare.destinations import allow_file_store, check_receiver, file_store_uri
 
 __all__ = ["MLflowReceiver"]
 

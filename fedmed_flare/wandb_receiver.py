@@ -23,7 +23,7 @@ from nvflare.apis.shareable import Shareable
 from nvflare.app_opt.tracking.wandb.wandb_receiver import WandBReceiver as _FlareWandBReceiver
 from nvflare.app_opt.tracking.wandb.wandb_receiver import WandBTask, _get_job_id_tag
 
-from fedmed_flare.tracking import check_receiver
+from fedmed_flare.destinations import check_receiver
 
 __all__ = ["WandBReceiver"]
 

@@ -184,3 +184,33 @@ def test_the_circle_check_would_catch_one(tmp_path):
         assert import_circles(sorted(pkg.glob("*.py"))) == [["fedmed.site.a", "fedmed.site.b", "fedmed.site.c"]]
     finally:
         ROOT = old
+
+
+def test_no_import_circle_in_the_flare_adapters_nor_between_them_and_fedmed():
+    """fedmed_flare/ is checked as fedmed/ is: ``tracking.py`` and ``mlflow_receiver.py`` imported each other (the
+    receivers' policy checks now live in ``destinations.py``, which imports no receiver)."""
+    files = sorted((ROOT / "fedmed_flare").glob("*.py"))
+    assert len(files) >= 7
+    assert import_circles(files + sorted((ROOT / "fedmed").rglob("*.py"))) == []
+
+
+def test_fedmed_never_imports_its_flare_adapters():
+    """The adapters sit above the library: a fedmed module never names fedmed_flare (it starts FLARE jobs by command)."""
+    bad = [f"{f.relative_to(ROOT)}: {m}" for f in sorted((ROOT / "fedmed").rglob("*.py")) for m in _imports(f)
+           if m.split(".")[0] == "fedmed_flare"]
+    assert bad == []
+
+
+def test_the_circle_check_sees_the_adapters_old_tracking_circle(tmp_path):
+    """The layout before: ``tracking.receivers`` imported the MLflow receiver inside a function, and the receiver
+    imported ``tracking``'s checks at the top."""
+    pkg = tmp_path / "fedmed_flare"
+    pkg.mkdir()
+    (pkg / "tracking.py").write_text("def receivers():\n    from fedmed_flare.mlflow_receiver import MLflowReceiver\n")
+    (pkg / "mlflow_receiver.py").write_text("from fedmed_flare.tracking import check_receiver\n")
+    global ROOT
+    old, ROOT = ROOT, tmp_path
+    try:
+        assert import_circles(sorted(pkg.glob("*.py"))) == [["fedmed_flare.mlflow_receiver", "fedmed_flare.tracking"]]
+    finally:
+        ROOT = old

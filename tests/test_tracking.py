@@ -176,7 +176,7 @@ def test_where_metrics_go_is_the_parties_choice_not_the_jobs(tmp_path):
     from fedmed.run.experiment import REPO_ROOT, prepare_federation
     from fedmed.run.jobspec import job_spec
     from fedmed_flare.mlflow_receiver import MLflowReceiver
-    from fedmed_flare.tracking import receiver_destinations, refused_receivers
+    from fedmed_flare.destinations import receiver_destinations, refused_receivers
     from fedmed_flare.wandb_receiver import WandBReceiver
 
     lis = Listener()
