@@ -28,7 +28,7 @@ def pytest_configure(config):
 # (``pytest -n 2 --dist loadfile``); a worker takes the next file when it is free, so a long file collected last
 # would run alone at the end (test_readme's ``make demo``, about 5 minutes, did). Only the order changes.
 LONG_FILES = ("test_readme.py", "test_deployment.py", "test_networks.py", "test_jobs_e2e.py", "test_bundle.py",
-              "test_install.py", "test_jobs.py", "test_encoders.py")
+              "test_jobs.py", "test_encoders.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -32,10 +32,10 @@ RUN_HERE = {
 }
 # the start of a documented command -> why it does not run here as written
 NOT_HERE = {
-    "git clone <fedmed>": "a placeholder address; tests/test_install.py builds fedmed from its source and installs it "
+    "git clone <fedmed>": "a placeholder address; tests/test_readme.py (its install test) builds fedmed from its source and installs it "
                           "into a fresh venv, as these lines do",
-    "python3 -m venv .venv": "the CI's own setup (make setup) runs it; tests/test_install.py makes a fresh venv",
-    ".venv/bin/pip install -c constraints.txt .": "tests/test_install.py installs the built wheel into a fresh venv",
+    "python3 -m venv .venv": "the CI's own setup (make setup) runs it; tests/test_readme.py (its install test) makes a fresh venv",
+    ".venv/bin/pip install -c constraints.txt .": "tests/test_readme.py (its install test) installs the built wheel into a fresh venv",
     ".venv/bin/python jobs/run.py --config app_configs/busi_fmcl.yaml --method FMCL --env prod":
         "busi_fmcl's FMCL on its 20 sites for 20 rounds; test_deployment.py submits jobs with jobs/run.py --env prod "
         "and the admin's kit to its own provisioned sites",

@@ -1,13 +1,18 @@
 """The README's command blocks run as written in a fresh shell (no activated venv), and the HTML report that
 `make demo` writes loads in headless Chromium with no console errors and every image present.
 
-The quickstart's `make test` is the only command not run here (it is this test suite)."""
+The quickstart's `make test` is the only command not run here (it is this test suite). A non-editable install of the
+package (``pip install .`` into a fresh virtualenv) runs the demo's Flux part from an empty folder: that one run is
+the install's test and the check that a demo part alone gives `make demo`'s numbers."""
 
 import os
 import re
 import shutil
 import subprocess
+import sys
+import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -103,18 +108,17 @@ def _numbers(run: Path) -> dict:
     return out
 
 
-def test_a_demo_part_gives_the_same_numbers_alone_in_another_process(tmp_path):
+def test_a_demo_part_gives_the_same_numbers_alone_in_another_process(installed):
     """#38: the demo's Flux part gave 82.22% / 84.67% run alone and 78.89% / 86.67% inside `make demo`, same seed. Run
-    alone here — another process, another hash seed, an empty data cache, after nothing else — it must give every
-    number `make demo` (after the classification and segmentation parts) gave, bit for bit."""
+    alone — by the non-editable install of the test below, in another process, another hash seed, an empty data
+    cache, after nothing else — it must give every number `make demo` (after the classification and segmentation
+    parts) gave, bit for bit."""
     demo = ROOT / "results" / "demo" / "flux" / "runs" / "seed0" / "Flux"
     if not (demo / "metrics.json").is_file():
         pytest.skip("make demo did not run (see the test above)")
-    env = {**fresh_env(), "PYTHONHASHSEED": "12345", "FEDMED_CACHE_DIR": str(tmp_path / "cache")}
-    p = subprocess.run([str(ROOT / ".venv" / "bin" / "fedmed"), "demo", "--part", "flux", "--out", str(tmp_path / "out")],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    p = installed.demo
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    alone = _numbers(tmp_path / "out" / "flux" / "runs" / "seed0" / "Flux")
+    alone = _numbers(installed.work / "out" / "flux" / "runs" / "seed0" / "Flux")
     assert alone == _numbers(demo)
 
 
@@ -157,3 +161,100 @@ def test_what_is_where_matches_the_tree():
     adapters_row = next(r for r in rows if r.startswith("| `fedmed_flare/`"))
     assert set(re.findall(r"`(\w+\.py)`", adapters_row)) == {p.name for p in (ROOT / "fedmed_flare").glob("*.py")
                                                              if p.name != "__init__.py"}
+
+
+def _copy_source(dest: Path) -> Path:
+    """The clone's source as a fresh checkout would hold it (no venv, results or build leftovers)."""
+    skip = shutil.ignore_patterns(".git", ".venv", "results", "workspace*", "build", "*.egg-info", "__pycache__",
+                                  ".pytest_cache", "_shipped")
+    shutil.copytree(ROOT, dest, ignore=skip)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """``pip install .`` (not editable) into a fresh virtualenv outside the clone, from a copy of the source (the
+    dependencies from this environment, as a package index would give them), then ``fedmed demo --part flux`` run
+    from an empty folder with that install — another process, another hash seed, an empty data cache. Two tests read
+    it: the install's (below) and the demo part's numbers against ``make demo``'s."""
+    tmp_path = tmp_path_factory.mktemp("install")
+    src = _copy_source(tmp_path / "src")
+    env_dir = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True, timeout=300)
+    py = env_dir / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    # the dependencies (torch, nvflare, monai, ...) from this environment; not its editable fedmed
+    (Path(site) / "_fedmed_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(PYTHONHASHSEED="12345", FEDMED_CACHE_DIR=str(tmp_path / "cache"))
+    env["PIP_NO_INDEX"] = "1"
+    # a wheel built from the source (this environment's setuptools: no download), installed as a user would
+    w = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet", "-w",
+                        str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=600, env=env,
+                       cwd=tmp_path)
+    assert w.returncode == 0, w.stderr[-3000:]
+    wheel = next((tmp_path / "dist").glob("fedmed-*.whl"))
+    p = subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--quiet", str(wheel)],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    shutil.rmtree(src)  # nothing may be read from the source any more
+
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    where = subprocess.run([str(py), "-c", "import fedmed, fedmed.core.resources as r; print(fedmed.__file__); "
+                            "print(r.project_root())"], capture_output=True, text=True, env=env, cwd=work, timeout=120)
+
+    h = subprocess.run([str(py), "-m", "fedmed", "--help"], capture_output=True, text=True, env=env, cwd=work,
+                       timeout=120)
+
+    demo = subprocess.run([str(env_dir / "bin" / "fedmed"), "demo", "--part", "flux", "--out", "out"],
+                          capture_output=True, text=True, env=env, cwd=work, timeout=900)
+    return SimpleNamespace(py=py, env_dir=env_dir, env=env, work=work, site=site, where=where, h=h, demo=demo)
+
+
+@pytest.mark.slow
+def test_a_non_editable_install_runs_the_demo_and_python_m_fedmed_from_any_folder(installed):
+    """A fresh virtualenv outside the clone, fedmed installed into it from a copy of the source (not editable):
+    ``python -m fedmed --help``, ``fedmed demo``'s smallest part and the job builder (``fedmed job build``) run from an
+    empty folder, with fedmed's code, adapters and configs from the installed package."""
+    where, h, demo, site, work, env, env_dir = (installed.where, installed.h, installed.demo, installed.site,
+                                                installed.work, installed.env, installed.env_dir)
+    assert where.returncode == 0, where.stderr[-2000:]
+    pkg_file, root = where.stdout.split()
+    assert pkg_file.startswith(site) and str(ROOT) not in pkg_file
+    assert root.startswith(site) and root.endswith("_shipped")
+    assert h.returncode == 0 and "experiment" in h.stdout and "demo" in h.stdout, h.stderr[-2000:]
+
+    assert demo.returncode == 0, (demo.stdout[-3000:], demo.stderr[-3000:])
+    assert "clusters found in training" in demo.stdout
+    assert (work / "out" / "flux" / "summary.md").is_file()
+    assert (work / "out" / "report.html").is_file()
+
+    # the job builder, shipped with the package, from the same folder (a relative --out is the caller's), naming a
+    # shipped config as the docs do (app_configs/<name>: "config file not found" outside a clone before)
+    job = subprocess.run([str(env_dir / "bin" / "fedmed"), "job", "build", "--config", "app_configs/demo_digits.yaml",
+                          "--method", "FedAvg", "--out", "jobs", "--set", "dataset.classes=[a,b,c,d,e,f,g,h,i,j]"],
+                         capture_output=True, text=True, env=env, cwd=work, timeout=300)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert (work / "jobs" / "demo_digits_fedavg_s0" / "meta.json").is_file()
+    bad = subprocess.run([str(env_dir / "bin" / "fedmed"), "job", "build", "--config", "nope.yaml", "--method", "X",
+                          "--out", "jobs"], capture_output=True, text=True, env=env, cwd=work, timeout=300)
+    assert bad.returncode == 2 and "nope.yaml: config file not found" in bad.stderr
+
+    # an experiment of the user's own: a relative config in the user's folder, run from there (one round)
+    import yaml
+
+    study = work / "study"
+    study.mkdir()
+    (study / "cfg.yaml").write_text(yaml.safe_dump({
+        "name": "mine", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 8},
+        "federation": {"sites": 2}, "model": {"arch": "resnet9", "width": 4},
+        "train": {"rounds": 1, "local_epochs": 1, "batch_size": 8}, "privacy": {"k_min": 2}, "references": []}))
+    run = subprocess.run([str(env_dir / "bin" / "fedmed"), "experiment", "cfg.yaml", "--out", "out"],
+                         capture_output=True, text=True, env=env, cwd=study, timeout=600)
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    assert "done in" in run.stdout, run.stdout[-2000:]
+    assert (study / "out" / "results.csv").is_file()
+    spec = next((study / "out" / "runs").rglob("job_spec.json"))
+    assert str(ROOT) not in spec.read_text()  # built by the installed fedmed, not the clone
