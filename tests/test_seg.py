@@ -174,6 +174,38 @@ def test_unet_trains_and_scores(phantoms):
     assert set(d) == {"dice_wt", "dice_tc", "dice_et", "dice_mean"} and 0 <= d["dice_mean"] <= 1
 
 
+def test_training_patches_reach_the_network_as_plain_tensors_with_the_same_values(phantoms):
+    """MONAI's transforms return ``MetaTensor``s; fed to the network they route every operation of a training step
+    through metadata tracking (MONAI's fast-training guide turns it off). The batches are plain tensors holding the
+    transform's values, and a model trains to the same parameters either way."""
+    import torch
+    from monai.data import MetaTensor
+
+    from fedmed.nn import seg
+
+    cases = [load_case(e, shape=(16, 16, 16)) for e in discover_subjects(phantoms, MODS, "OTMultiClass*")[9:12]]
+    tf = seg._train_transforms((16, 16, 16), 0, 2, 0.5)
+    x, y = next(seg._patch_batches(cases, [0], tf, 0, 0))
+    assert type(x) is torch.Tensor and type(y) is torch.Tensor
+    out = seg._train_transforms((16, 16, 16), 0, 2, 0.5)({"image": torch.from_numpy(cases[0]["image"]),
+                                                          "label": torch.from_numpy(cases[0]["label"])})
+    assert isinstance(out[0]["image"], MetaTensor)  # what the transforms give
+    assert torch.equal(x, torch.stack([o["image"].as_tensor() for o in out]).float())
+
+    def trained(plain):
+        torch.manual_seed(0)
+        model = seg_model(2, channels=(4, 8, 16))
+        saved = seg._plain
+        seg._plain = saved if plain else torch.as_tensor  # the MetaTensor as the transforms give it
+        try:
+            train_seg_local(model, cases, roi=(16, 16, 16), seed=3, epochs=2)
+        finally:
+            seg._plain = saved
+        return [p.detach() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(trained(True), trained(False)))
+
+
 def test_assess_cli_skips_bad_site(phantoms, tmp_path, capsys):
     from fedmed.cli.main import main
 

@@ -111,9 +111,16 @@ def seg_step(model, loss_fn, x, y, optimizer, scaler, *, precision: str = "fp32"
     return float(loss_v.detach()), bool(backward_step(loss_v, optimizer, scaler))
 
 
+def _plain(t) -> torch.Tensor:
+    """A transform's output as a plain tensor (the same storage): MONAI's ``MetaTensor`` routes every operation of the
+    network's forward and backward pass through its ``__torch_function__`` (metadata tracking a training step has no
+    use for; MONAI's fast-training guide turns it off), the values are the same."""
+    return torch.as_tensor(t).as_subclass(torch.Tensor)
+
+
 def _stack(out):
-    return (torch.stack([torch.as_tensor(p["image"]) for p in out]).float(),
-            torch.stack([torch.as_tensor(p["label"]) for p in out]).float())
+    return (torch.stack([_plain(p["image"]) for p in out]).float(),
+            torch.stack([_plain(p["label"]) for p in out]).float())
 
 
 def _first(batch):
