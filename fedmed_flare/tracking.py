@@ -22,9 +22,8 @@ run's settings and result as :data:`RUN_EVENT`. The receivers sit at the server 
 online, a folder of its choosing — must be listed in the server's policy (``tracking`` of its
 ``local/fedmed_policy.json``). fedmed's receivers check that before they contact anything (a refused receiver sends
 nothing) and the server's controller fails the run in one line naming the setting
-(:func:`fedmed_flare.destinations.refused_receivers`); each
-site sends its per-round metrics to the trackers only where its own policy allows every destination the job names
-(``fedmed_flare.executor``).
+(:func:`fedmed_flare.destinations.refused_receivers`); each site sends its per-round metrics to the trackers only where
+its own policy allows every destination the job names (``fedmed_flare.executor``).
 
 Layout: this module names the events and builds the receivers (it imports a receiver's module only when a job turns
 it on); the receivers import the checks and the store helpers from :mod:`fedmed_flare.destinations`, which imports
