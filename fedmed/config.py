@@ -401,6 +401,24 @@ class ExperimentConfig(_Strict):
         return self
 
     _base_dir: Optional[Path] = PrivateAttr(None)
+    _path_origins: dict = PrivateAttr(default_factory=dict)
+
+    def check_data_paths(self) -> None:
+        """:class:`ConfigError` for a dataset path that does not exist, naming it as written, the folder it was
+        resolved against (the config file's, or the working folder for a path from ``--set``) and how to point the
+        config at the data."""
+        d = self.dataset
+        given = [("dataset.path", d.path)] if d.path is not None else [
+            (f"dataset.sources.{i}.path", s.path) for i, s in enumerate(d.sources)]
+        for name, p in given:
+            if p.startswith("builtin:") or Path(p).expanduser().exists():
+                continue
+            written, folder = self._path_origins.get(p, (p, Path.cwd()))
+            what = "the config file's folder" if p in self._path_origins else "the working folder"
+            raise ConfigError(f"{name} {written!r} does not exist: a path in a config file is relative to the file's "
+                              f"folder, one given with --set to the working folder; it was resolved against {what} "
+                              f"{folder} (-> {Path(folder, written).resolve()}); point it at the data with "
+                              f"--set {name}=DIR or edit the config")
 
     @property
     def base_dir(self) -> Path:
@@ -499,8 +517,58 @@ def apply_overrides(raw: dict, overrides: list[str] | None) -> dict:
     return out
 
 
+def _path_slots(raw: dict):
+    """The file and folder paths a config names, as ``(container, key, dotted name)``: ``dataset.path``,
+    ``dataset.sources[i].path``, ``model.bundle``, ``model.init_weights`` and each method's ``encoder_weights``."""
+    d = raw.get("dataset")
+    if isinstance(d, dict):
+        yield d, "path", "dataset.path"
+        for i, s in enumerate(d.get("sources") or []):
+            if isinstance(s, dict):
+                yield s, "path", f"dataset.sources.{i}.path"
+    m = raw.get("model")
+    if isinstance(m, dict):
+        yield m, "bundle", "model.bundle"
+        yield m, "init_weights", "model.init_weights"
+    for i, meth in enumerate(raw.get("methods") or []):
+        if isinstance(meth, dict):
+            yield meth, "encoder_weights", f"methods.{meth.get('name', i)}.encoder_weights"
+
+
+def _anchor_paths(raw: dict, folder: Path, origins: dict) -> dict:
+    """Paths written in a config file are relative to **that file's folder** (as its ``plugins`` are): each relative
+    one becomes the same file named from the working folder, and ``origins`` remembers what was written and where
+    (for an error that says both). A path given on the command line (``--set``) stays relative to the working
+    folder; ``builtin:`` datasets and absolute paths are kept as written."""
+    import os
+    import re
+
+    def anchored(v):
+        if not isinstance(v, str) or not v or v.startswith("builtin:") or Path(v).expanduser().is_absolute():
+            return v
+        out = os.path.relpath(folder / v)
+        origins[out] = (v, folder)
+        return out
+
+    for box, key, _ in _path_slots(raw):
+        if key in box:
+            box[key] = anchored(box[key])
+    slot = re.compile(r"^(dataset\.path|dataset\.sources\.[^.=]+\.path|model\.bundle|model\.init_weights|"
+                      r"methods\.[^=]+\.encoder_weights)$")
+    for case in raw.get("sweep") or []:  # a sweep case's --set lines are written in the file too
+        if isinstance(case, dict) and isinstance(case.get("set"), list):
+            case["set"] = [f"{k}={anchored(v)}" if isinstance(item, str) and slot.match(k := item.split("=", 1)[0])
+                           and (v := item.split("=", 1)[1]) not in ("", "null", "~") else item
+                           for item in case["set"]]
+    return raw
+
+
 def load_config(path_or_dict, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read and validate an experiment config (YAML/JSON file or dict).
+
+    Paths in a config file (``dataset.path``, ``dataset.sources[].path``, ``model.bundle``, ``model.init_weights``,
+    ``encoder_weights``, ``plugins``) are relative to the file's folder; paths in ``overrides`` and in a dict config
+    to the working folder.
 
     Raises:
         ConfigError: missing/unreadable file, or a validation error naming each bad key.
@@ -508,6 +576,7 @@ def load_config(path_or_dict, overrides: list[str] | None = None) -> ExperimentC
     import yaml
 
     path = None
+    origins: dict = {}
     if isinstance(path_or_dict, dict):
         raw, source = path_or_dict, "config"
     else:
@@ -523,9 +592,10 @@ def load_config(path_or_dict, overrides: list[str] | None = None) -> ExperimentC
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level should be a mapping, got {type(raw).__name__}")
         base = raw.pop("extends", None)
+        _anchor_paths(raw, path.resolve().parent, origins)
         if base:
             parent = (path.parent / base)
-            raw = _merge(load_raw(parent), raw)
+            raw = _merge(load_raw(parent, origins), raw)
     raw = apply_overrides(raw, overrides)
     _check_expansion(raw, source)
     base = path.resolve().parent if not isinstance(path_or_dict, dict) else Path.cwd()
@@ -539,6 +609,7 @@ def load_config(path_or_dict, overrides: list[str] | None = None) -> ExperimentC
     except ValidationError as e:
         raise ConfigError(_format(e, source, raw)) from None
     exp._base_dir = base
+    exp._path_origins = {k: v for k, v in origins.items() if k in {b.get(key) for b, key, _ in _path_slots(raw)}}
     return exp
 
 
@@ -588,14 +659,15 @@ def shipped_or_given(path: Path) -> Path:
     return shipped if shipped.is_file() else path
 
 
-def load_raw(path: Path) -> dict:
+def load_raw(path: Path, origins: dict | None = None) -> dict:
     import yaml
 
     if not path.is_file():
         raise ConfigError(f"{path}: base config (extends) not found")
     raw = yaml.safe_load(path.read_text())
     base = raw.pop("extends", None)
-    return _merge(load_raw(path.parent / base), raw) if base else raw
+    _anchor_paths(raw, path.resolve().parent, {} if origins is None else origins)
+    return _merge(load_raw(path.parent / base, origins), raw) if base else raw
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -73,6 +73,7 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
     from fedmed.data import partition as P
     from fedmed.data.images import check_readable, discover, write_site_datalists
 
+    exp.check_data_paths()
     fed = exp.federation
     part = partition or fed.partition
     out = Path(out_dir)
@@ -449,7 +450,7 @@ def with_classes(exp, data_dir: Path):
         update["federation"] = exp.federation.model_copy(update={"site_names": list(meta["sites"]),
                                                                  "sites": len(meta["sites"])})
     out = exp.model_copy(update=update)
-    out._base_dir = exp.base_dir
+    out._base_dir, out._path_origins = exp.base_dir, exp._path_origins
     return out
 
 
