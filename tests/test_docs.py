@@ -27,6 +27,8 @@ RUN_HERE = {
     "provision/<project>/prod_00/hospital-a/startup/start.sh": "test_deployment.py: Deployment.start",
     ".venv/bin/fedmed experiment app_configs/demo_digits.yaml --out results/tracked":
         "test_tracking.py: test_a_run_tracked_in_mlflow_has_every_sites_and_the_servers_rounds_its_settings_and_result",
+    "MLFLOW_ALLOW_FILE_STORE=true .venv/bin/mlflow ui --backend-store-uri file://$PWD/results/tracked/mlruns":
+        "test_tracking.py: test_a_run_tracked_in_mlflow_has_every_sites_and_the_servers_rounds_its_settings_and_result",
     ".venv/bin/fedmed experiment app_configs/busi_224.yaml":
         "test_docs.py: test_the_busi_224_recipe_as_written_names_the_missing_weights_before_any_training",
 }

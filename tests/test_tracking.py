@@ -69,6 +69,58 @@ def test_a_run_tracked_in_mlflow_has_every_sites_and_the_servers_rounds_its_sett
         acc.Reload()
         assert [e.step for e in acc.Scalars(tag)] == rounds
 
+    # #56: the MLflow command the run prints, and the one recipes.md shows, open this store in MLflow's UI
+    printed = next(ln for ln in p.stdout.splitlines() if ln.startswith("MLflow: "))
+    shown = printed.split("to view them: ", 1)[1]
+    assert shown.startswith("MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri file://"), printed
+    documented = next(c for c in doc_commands("recipes.md") if c.startswith("MLFLOW_ALLOW_FILE_STORE=true .venv/bin/mlflow"))
+    for cmd in (shown, documented):
+        assert _ui_lists(cmd, here, [len(sites) + 1]) == ["demo-digits"]
+
+
+def _ui_lists(cmd: str, cwd: Path, n_runs: list) -> list:
+    """Run an ``mlflow ui`` command as written (on a free port: ``--port`` appended; ``mlflow`` from this venv) and
+    return the experiments its web server lists (the UI's own search call), checking each has ``n_runs`` runs."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+           "PATH": f"{Path(sys.prefix) / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    ui = subprocess.Popen(["bash", "-c", f"{cmd} --port {port}"], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def post(path, body):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/ajax-api/2.0/mlflow/{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=10).read())
+
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert ui.poll() is None, f"{cmd!r} exited: {ui.stderr.read()[-2000:]}"
+            try:
+                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read().decode()
+                break
+            except OSError:
+                assert time.time() < deadline, "MLflow's UI did not answer within 120 s"
+                time.sleep(1)
+        assert "<!doctype html>" in page.lower()  # the UI's page itself, not only the API
+        found = [e for e in post("experiments/search", {"max_results": 100})["experiments"] if e["name"] != "Default"]
+        for e, n in zip(found, n_runs):
+            assert len(post("runs/search", {"experiment_ids": [e["experiment_id"]]})["runs"]) == n
+        return [e["name"] for e in found]
+    finally:
+        os.killpg(ui.pid, signal.SIGTERM)
+        ui.wait(30)
+
 
 def _wandb_records(path: Path) -> list:
     """The records of an offline W&B run file (``run-<id>.wandb``), read as wandb writes it: a ``:W&B`` header
@@ -239,3 +291,16 @@ def test_a_site_sends_its_metrics_to_the_trackers_only_where_its_policy_allows()
     ex._runner = SimpleNamespace(policy=SitePolicy(tracking=("http://mlflow.hospital:5000",)))
     assert ex._may_track({"tracking": ["http://mlflow.hospital:5000"]}, ctx)
     assert not ex._may_track({"tracking": ["http://mlflow.hospital:5000", "wandb:online"]}, ctx)
+
+
+def test_the_printed_mlflow_command_says_what_to_install_where_only_the_tracking_client_is(tmp_path, monkeypatch):
+    """With mlflow-skinny alone ``mlflow ui`` crashed (no alembic): the line now says to install the UI extra first."""
+    import importlib.util
+
+    from fedmed.run.experiment import mlflow_ui_command
+
+    assert mlflow_ui_command(tmp_path).startswith("MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri file://")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "alembic" else real(n, *a))
+    assert mlflow_ui_command(tmp_path).startswith("pip install 'fedmed[mlflow-ui]' (MLflow's UI server), then "
+                                                  "MLFLOW_ALLOW_FILE_STORE=true mlflow ui")

@@ -375,6 +375,18 @@ def known_association(groups: dict, assign: dict, unseen: list) -> dict:
     return out
 
 
+def mlflow_ui_command(out) -> str:
+    """The command that opens an experiment's MLflow store in MLflow's UI, as it runs in a shell (MLflow 3 opens a
+    file store only with ``MLFLOW_ALLOW_FILE_STORE=true``); with only ``mlflow-skinny`` installed (no UI server), what
+    to install first."""
+    import importlib.util
+
+    cmd = f"MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {(Path(out) / 'mlruns').resolve().as_uri()}"
+    if importlib.util.find_spec("alembic") is None:  # mlflow-skinny: the tracking client without MLflow's server
+        cmd = f"pip install 'fedmed[mlflow-ui]' (MLflow's UI server), then {cmd}"
+    return cmd
+
+
 def run_fingerprint(exp, method, seed: int) -> str:
     """What determines one (seed, method) run: the resolved config (less the other methods, the seed list,
     the sweep block and the reporting and tracking choices), the method's settings and the seed. ``--resume`` reuses a
@@ -568,8 +580,7 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
     if exp.tracking.mlflow and not exp.tracking.mlflow_uri:  # one store for the experiment's runs, kept with its outputs
         exp = exp.model_copy(update={"tracking": exp.tracking.model_copy(
             update={"mlflow_uri": (out / "mlruns").resolve().as_uri()})})
-        log(f"MLflow: every run of this experiment in {out / 'mlruns'} (mlflow ui --backend-store-uri "
-            f"{(out / 'mlruns').resolve().as_uri()})")
+        log(f"MLflow: every run of this experiment in {out / 'mlruns'}; to view them: {mlflow_ui_command(out)}")
     if exp.tracking.wandb and not exp.tracking.wandb_dir:  # the experiment's W&B runs, kept with its outputs
         exp = exp.model_copy(update={"tracking": exp.tracking.model_copy(
             update={"wandb_dir": str((out / "wandb").resolve())})})
