@@ -95,8 +95,12 @@ class SiteExecutor(Executor):
         rnd = int(incoming.current_round or 0)
         self._runner, params, metrics, meta, error = answer(site, self._runner, task_name, incoming.params or {}, cfg,
                                                             rnd)
-        if error is not None:  # the full message stays in this site's log; the server gets the one-line reply
-            self.log_error(fl_ctx, f"[fedmed] {error}", fire_event=False)
+        if error is not None:  # one line in this site's log (files named relative to its data root), the traceback
+            # at debug level; the server gets the redacted one-line reply
+            line, _, trace = error.partition("\n")
+            self.log_error(fl_ctx, f"[fedmed] {line}", fire_event=False)
+            if trace:
+                self.log_debug(fl_ctx, f"[fedmed] {trace}", fire_event=False)
             return FLModelUtils.to_shareable(FLModel(params={}, metrics=metrics, meta=meta))
         for k, v in metrics.items() if self._may_track(cfg, fl_ctx) else ():  # served model's metrics before
             # training; train loss of this round

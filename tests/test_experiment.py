@@ -285,6 +285,14 @@ def test_a_finished_run_with_a_missing_site_says_so_on_the_console_and_in_the_re
     said = "site-3 sat out round(s) 0-1 (site-3: cannot read image a.png (file not found))"
     assert any(said in ln for ln in lines), lines
     assert said in (tmp_path / "out" / "summary.md").read_text()
+    # #56: every table flags it — the results table's method cell, results.csv's rows, the report's table
+    table = [ln for ln in (tmp_path / "out" / "summary.md").read_text().splitlines() if ln.startswith("| FedAvg")]
+    assert table and all("⚠ sat out: site-3 (all 2 rounds)" in ln for ln in table), table
+    from fedmed.report.summary import read_results
+
+    rows = read_results(tmp_path / "out" / "results.csv")
+    assert {r.get("sat_out") for r in rows if r["method"] == "FedAvg"} == {"site-3 (all 2 rounds)"}
+    assert "⚠ sat out: site-3 (all 2 rounds)" in (tmp_path / "out" / "report.html").read_text()
     lines.clear()
     E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], log=lines.append, resume=True)
     assert any("reused" in ln for ln in lines) and any(said in ln for ln in lines)

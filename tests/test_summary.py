@@ -143,3 +143,26 @@ def test_learning_curves_without_a_validation_split_warn_nothing_and_say_so(tmp_
         S.plot_curves(rows, tmp_path / "c.png", "t")
     assert (tmp_path / "c.png").stat().st_size > 0
     assert seen["panels"] == [(["no scores"], False), ([], True), ([], False)], seen
+
+
+def test_every_table_flags_a_run_in_which_sites_sat_out():
+    """#56: a run that finished without a site said so only in a note under the tables; now each table's method cell
+    carries the flag, per seed, whether the site sat out every round or some."""
+    from fedmed.report.summary import classification_table, rows_from_metrics, sat_out, summarize, sweep_table
+
+    def doc(missing):
+        m = {"accuracy": 0.5, "macro_f1": 0.5, "auc": 0.5}
+        return {"rounds": [{"round": r, "summary": {"n_sites": 2, "mean": m, "std": m, "pooled": m}} for r in range(4)],
+                "errors": [], "sites_missing": missing}
+
+    assert sat_out(doc({})) == ""
+    assert sat_out(doc({"site-3": {"rounds": [0, 1, 2, 3], "tasks": ["train"], "reason": "x"},
+                        "site-2": {"rounds": [2], "tasks": ["train"], "reason": "y"}})) == \
+        "site-2 (1 of 4 rounds); site-3 (all 4 rounds)"
+    rows = rows_from_metrics("FedAvg", 0, doc({"site-3": {"rounds": [0, 1, 2, 3], "tasks": ["train"], "reason": "x"}}))
+    rows += rows_from_metrics("FedAvg", 1, doc({}))
+    rows += rows_from_metrics("FedProx", 0, doc({})) + rows_from_metrics("FedProx", 1, doc({}))
+    table = classification_table(summarize(rows), "final")
+    assert "| FedAvg ⚠ sat out: seed 0: site-3 (all 4 rounds) |" in table
+    assert "| FedProx |" in table and table.count("⚠") == 1
+    assert "FedAvg ⚠ sat out: seed 0: site-3 (all 4 rounds)" in sweep_table([("case", [], rows)])

@@ -31,9 +31,31 @@ SEG_METRICS = ("dice_wt", "dice_tc", "dice_et", "dice_mean", "hd95_wt", "hd95_tc
                "fp_voxels", "fp_pixels")
 FIELDS = ["method", "kind", "seed", "round", "task", "phase", "attempt", *CLS_METRICS, *[f"{m}_std" for m in CLS_METRICS],
           *[f"pooled_{m}" for m in CLS_METRICS], "val_accuracy", "val_macro_f1", "pooled_val_accuracy",
-          *SEG_METRICS, "val_dice_mean", "train_loss", "ari", "n_clusters", "n_sites", "n_failed", "n_test", "withheld"]
+          *SEG_METRICS, "val_dice_mean", "train_loss", "ari", "n_clusters", "n_sites", "n_failed", "n_test", "withheld",
+          "sat_out"]
 _INT = ("seed", "round", "attempt", "n_clusters", "n_sites", "n_failed", "n_test", "withheld")
-_STR = ("method", "kind", "task", "phase")
+_STR = ("method", "kind", "task", "phase", "sat_out")
+
+
+def sat_out(doc: dict) -> str:
+    """The sites that sat out rounds of a run (``metrics.json``'s record), as every table flags them:
+    ``"site-3 (all 2 rounds)"``, ``"site-2 (1 of 10 rounds)"``; empty when every site answered every round."""
+    n = len({r["round"] for r in doc.get("rounds", [])})
+    out = []
+    for site, m in sorted((doc.get("sites_missing") or {}).items()):
+        k = len(m.get("rounds") or [])
+        if not k and not m.get("tasks"):
+            continue
+        if not k or k >= n:
+            out.append(f"{site} (all {n} rounds)" if n else f"{site} ({'/'.join(m.get('tasks') or [])})")
+        else:
+            out.append(f"{site} ({k} of {n} rounds)")
+    return "; ".join(out)
+
+
+def _flag(e: dict) -> str:
+    """A method cell's warning where sites sat out (``summarize``'s ``sat_out``): every table shows it."""
+    return f" ⚠ sat out: {e['sat_out']}" if e.get("sat_out") else ""
 
 
 UNTRAINED = "Untrained network"
@@ -51,6 +73,7 @@ def rows_from_metrics(method: str, seed: int, doc: dict, *, kind: str = "method"
     """One row per recorded round of a run's ``metrics.json`` (the model served in that round)."""
     rows = []
     failed: dict = {}
+    missing = sat_out(doc)
     for e in doc.get("errors", []):
         failed[e["round"]] = failed.get(e["round"], 0) + 1
     for r in doc.get("rounds", []):
@@ -59,7 +82,7 @@ def rows_from_metrics(method: str, seed: int, doc: dict, *, kind: str = "method"
         row = {"method": method, "kind": kind, "seed": seed, "round": r["round"], "task": r.get("task"),
                "attempt": r.get("attempt", 1), "n_sites": s.get("n_sites"), "n_failed": failed.get(r["round"], 0),
                "n_test": int(sum((v.get("n_test") or 0) for v in r.get("sites", {}).values())),
-               "withheld": pooled.get("withheld")}
+               "withheld": pooled.get("withheld"), **({"sat_out": missing} if missing else {})}
         for k, v in mean.items():
             if k in FIELDS:
                 row[k] = v
@@ -139,6 +162,8 @@ def summarize(rows: list[dict], selection: str = "final") -> list[dict]:
                  "_values": {k: _finite([r.get(k) for r in runs]) for k in metrics},
                  "k": _k_cell([r.get("n_clusters") for r in runs]),
                  "ari": fmt([r.get("ari") for r in runs], 1.0),
+                 "sat_out": "; ".join(f"seed {r['seed']}: {r['sat_out']}" if len(runs) > 1 else r["sat_out"]
+                                      for r in runs if r.get("sat_out")),
                  "n_test": int(np.median([r.get("n_test") or 0 for r in runs])),
                  "withheld": int(np.median([r.get("withheld") or 0 for r in runs]))}
         if is_seg(rows):
@@ -190,7 +215,7 @@ def classification_table(summ: list[dict], selection: str) -> str:
     body = ""
     for e in summ:
         cm = refs.get(f"{e['method']}: cluster-majority")
-        name = e["method"] + (" (reference)" if e["kind"] == "reference" else "")
+        name = e["method"] + (" (reference)" if e["kind"] == "reference" else "") + _flag(e)
         cells = (f" {e.get('k', '')} |" if has_k else "") + (
             f" {e.get('ari') if e['kind'] != 'reference' and e.get('ari') != 'n/a' else ''} |" if has_ari else "")
         body += (f"| {name} | {_round_label(e, selection)} |{cells} {e['accuracy']} | {e['macro_f1']} | {e['auc']} | "
@@ -204,7 +229,7 @@ def seg_table(summ: list[dict], selection: str) -> str:
         head = ("| Method | Round | Dice (lesion, image mean) | FP pixels (lesion-free) |" + "".join(f" {s} |" for s in sites)
                 + "\n" + "|---" * (4 + len(sites)) + "|\n")
         return head + "".join(
-            f"| {e['method']}{' (reference)' if e['kind'] == 'reference' else ''} | {_round_label(e, selection)} | "
+            f"| {e['method']}{' (reference)' if e['kind'] == 'reference' else ''}{_flag(e)} | {_round_label(e, selection)} | "
             f"{e['dice_mean']} | {e.get('fp_pixels', 'n/a')} |" + "".join(f" {e.get('per_site', {}).get(s, 'n/a')} |"
                                                                          for s in sites) + "\n" for e in summ)
     head = ("| Method | Round | WT | TC | ET | Mean Dice | HD95 WT (mm) | WT per hemisphere | FP voxels (tumour-free) |"
@@ -213,7 +238,7 @@ def seg_table(summ: list[dict], selection: str) -> str:
         cells = [e.get("per_site", {}).get(s, "n/a") for s in sites]
         return ["=" for _ in cells] if len(set(cells)) == 1 and len(cells) > 1 and cells[0] != "n/a" else cells
 
-    body = "".join(f"| {e['method']}{' (reference)' if e['kind'] == 'reference' else ''} | {_round_label(e, selection)} | {e['dice_wt']} | {e['dice_tc']} | {e['dice_et']} | "
+    body = "".join(f"| {e['method']}{' (reference)' if e['kind'] == 'reference' else ''}{_flag(e)} | {_round_label(e, selection)} | {e['dice_wt']} | {e['dice_tc']} | {e['dice_et']} | "
                    f"{e['dice_mean']} | {e['hd95_wt']} | {e.get('dice_wt_per_sample', 'n/a')} | {e['fp_voxels']} |"
                    + "".join(f" {c} |" for c in per_site(e)) + "\n" for e in summ)
     return head + body
@@ -233,7 +258,8 @@ def summarize_phases(rows: list[dict]) -> str:
         get = lambda ph, k: [r.get(k) for r in phased if r["method"] == m and r["phase"] == ph]  # noqa: E731
         aris = _finite([r.get("ari") for r in phased if r["method"] == m and r["phase"] == "test phase"])
         ari = fmt(aris, 1.0)
-        lines.append(f"| {m} | {ari} | {fmt(get('test phase', 'accuracy'))} | {fmt(get('known assoc.', 'accuracy'))} | "
+        sat = "; ".join(dict.fromkeys(r["sat_out"] for r in rows if r.get("method") == m and r.get("sat_out")))
+        lines.append(f"| {m}{_flag({'sat_out': sat})} | {ari} | {fmt(get('test phase', 'accuracy'))} | {fmt(get('known assoc.', 'accuracy'))} | "
                      f"{fmt(get('oracle', 'accuracy'))} | {fmt(get('ensemble', 'accuracy'))} | "
                      f"{fmt(get('test phase', 'macro_f1'))} | {fmt(get('known assoc.', 'macro_f1'))} |")
     return "\n".join(lines) + "\n"
@@ -355,7 +381,7 @@ def sweep_table(cases: list[tuple[str, list[str], list[dict]]], selection: str =
 
         for m in dict.fromkeys(r["method"] for r in rows):
             s = summ.get(m, {})
-            lines.append(f"| {name} | {m} | {s.get('seeds', 0)} | {cell(ARI_PANEL, m, 1)} | "
+            lines.append(f"| {name} | {m}{_flag(s)} | {s.get('seeds', 0)} | {cell(ARI_PANEL, m, 1)} | "
                          f"{s.get('accuracy', 'n/a')} | {cell(KNOWN_PANEL, m, 100)} | {cell(TEST_PANEL, m, 100)} |")
     return "\n".join(lines) + "\n"
 

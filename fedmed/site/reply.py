@@ -61,8 +61,9 @@ def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: d
     folder holding ``<site>.json``; by default what :func:`~fedmed.site.settings.resolve_site_settings` finds). A
     task the site cannot do is answered with ``meta = {"error": message}`` naming the site, the split and position and
     the kind of problem (:func:`scrubbed`); every string of a reply is redacted of paths and of the names in the site's
-    datalist. ``error`` is the full message (files named relative to the data root) with the traceback, for the
-    site's own log only (``None`` when the task succeeded)."""
+    datalist. ``error`` is the site's own one-line message (files named relative to the data root), then the
+    traceback on the lines after it, for the site's own log only — the line at error level, the traceback at debug
+    level (``None`` when the task succeeded)."""
     import traceback
 
     known = [site]  # the site's own name, which the server knows: never redacted (a job's class names grant nothing:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,8 +145,10 @@ class InProcessFederation(Federation):
                                                              settings=self.site_settings(s))
                     if runner is not None:
                         self.runners[s] = runner
-                    if err is not None:
-                        print(f"[fedmed] {err}", file=sys.stderr, flush=True)
+                    if err is not None:  # one line; the traceback only with FEDMED_DEBUG=1
+                        line, _, trace = err.partition("\n")
+                        print(f"[fedmed] {line}" + (f"\n{trace}" if trace and os.environ.get("FEDMED_DEBUG") == "1"
+                                                     else ""), file=sys.stderr, flush=True)
                     self.task_log.append((task_name, msg.round, s))
                     rows.append((s, dict(metrics), {**meta, "client_name": s}, out))
                 replies[key] = rows
