@@ -182,18 +182,101 @@ def sim_env(sites: list[str], workspace: Path, template=None):
     return FedmedSimEnv(clients=sites, num_threads=len(sites), workspace_root=str(workspace))
 
 
-def run_sim(job, sites: list[str], datalists: str | None, workspace: Path, template=None) -> dict:
+class Quiet:
+    """FLARE's own output into ``<workspace>/simulator.log``: file descriptors 1 and 2 point there (the simulator's
+    processes, forked from a template started first, inherit them) while this process's ``sys.stdout`` and
+    ``sys.stderr`` stay on the terminal; :meth:`follow` prints a line per round of the run's record instead."""
+
+    def __init__(self, workspace: Path):
+        import threading
+
+        self._made = not workspace.exists()
+        workspace.mkdir(parents=True, exist_ok=True)
+        self.workspace = workspace
+        self.log = workspace.resolve() / "simulator.log"
+        self._stop = threading.Event()
+        self._thread = None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._saved = os.dup(1), os.dup(2)
+        self._streams = sys.stdout, sys.stderr
+        sys.stdout = os.fdopen(os.dup(self._saved[0]), "w", buffering=1)
+        sys.stderr = os.fdopen(os.dup(self._saved[1]), "w", buffering=1)
+        fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+    def follow(self, record_root: Path, rounds: int) -> None:
+        """Print a line per round of the record under ``record_root`` until :meth:`close`."""
+        import threading
+
+        from fedmed.run.experiment import progress_lines
+
+        t0, out = time.time(), sys.stdout
+
+        def show(seen):
+            hits = sorted(Path(record_root).glob("*/fedmed/metrics.json"))
+            try:
+                doc = json.loads(hits[0].read_text()) if hits else None
+            except (OSError, ValueError):
+                return seen
+            return progress_lines(doc, rounds, t0, seen, lambda ln: print(ln, file=out, flush=True)) if doc else seen
+
+        def loop():
+            seen = 0
+            while not self._stop.wait(1.0):
+                seen = show(seen)
+            show(seen)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def close(self, discard: bool = False) -> None:
+        """Back to the terminal; ``discard``: nothing ran (a job that did not build): the log goes, and the
+        workspace folder if this made it."""
+        if discard:
+            self.log.unlink(missing_ok=True)
+            if self._made and self.workspace.is_dir() and not any(self.workspace.iterdir()):
+                self.workspace.rmdir()
+        if self._saved is None:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        for f in (sys.stdout, sys.stderr):
+            f.flush()
+        os.dup2(self._saved[0], 1)
+        os.dup2(self._saved[1], 2)
+        for fd in self._saved:
+            os.close(fd)
+        sys.stdout.close()
+        sys.stderr.close()
+        sys.stdout, sys.stderr = self._streams
+        self._saved = None
+
+
+def run_sim(job, sites: list[str], datalists: str | None, workspace: Path, template=None, *,
+            quiet: Quiet | None = None, rounds: int = 0) -> dict:
+    """Run ``job`` in FLARE's simulator over ``sites``; with ``quiet`` FLARE's lines go to its log and a line per
+    round is printed instead."""
     if datalists:
         os.environ["FEDMED_DATALIST_DIR"] = str(Path(datalists).resolve())
     workspace = workspace.resolve()
     if (workspace / job.name).exists():
         shutil.rmtree(workspace / job.name)
+    workspace.mkdir(parents=True, exist_ok=True)
     env = sim_env(sites, workspace, template)
     err = None
+    if quiet is not None:
+        print(f"simulator: {len(sites)} site(s); FLARE's log: {quiet.log} (--verbose prints it)", flush=True)
+        quiet.follow(workspace / job.name / "server", rounds)
     try:
         recipe_of(job).run(env)
     except RuntimeError as e:  # the simulator process returned non-zero
         err = str(e)
+    if quiet is not None:
+        quiet.close()
     res = outcome(find_record(workspace / job.name / "server"))
     if err and res["status"] == "finished":
         dead = sorted(f.stem for f in (workspace / job.name / "fedmed_dead_sites").glob("*.json"))
@@ -286,9 +369,12 @@ def main(argv=None) -> int:
     ap.add_argument("--env", choices=["sim", "prod"], default="sim", help="where the job runs")
     ap.add_argument("--datalists", help="sim: folder of the sites' <site>.json datalists")
     ap.add_argument("--workspace", default="workspace", help="sim: simulator workspace root")
-    ap.add_argument("--site-policy", help="sim: the simulated sites' policy: a fedmed_policy.json file, or "
-                    "'simulation' (the experimenter's own sites: the config decides; fedmed experiment's choice); "
-                    "default: FEDMED_SITE_POLICY, else the default policy of a site without one")
+    ap.add_argument("--site-policy", help="sim: the simulated sites' policy: a fedmed_policy.json file, "
+                    "'simulation' (the experimenter's own sites: the config's k_min, modules and weights; what fedmed "
+                    "experiment runs) or 'default' (a site without a policy file: k_min floor 5); default: "
+                    "FEDMED_SITE_POLICY, else 'simulation'")
+    ap.add_argument("--verbose", action="store_true", help="sim: print FLARE's own log lines (by default they go to "
+                    "<workspace>/<job>.log and this prints a line per round)")
     ap.add_argument("--jobs-dir", help="also export the job folder here")
     ap.add_argument("--startup-kit", help="prod: the admin's startup kit folder")
     ap.add_argument("--result-dir", default="results/prod", help="prod: where the downloaded result goes")
@@ -305,6 +391,7 @@ def main(argv=None) -> int:
                     "(a method without clusters serves its global model)")
     a = ap.parse_args(argv)
     template = None
+    a.quiet = Quiet(Path(a.workspace)) if a.env == "sim" and not a.verbose else None  # before the template forks
     if a.env == "sim" and os.environ.get("FEDMED_SIM_FORK", "1") != "0":
         from jobs.simulator import ForkedWorker
 
@@ -316,6 +403,8 @@ def main(argv=None) -> int:
     finally:
         if template is not None:  # after the simulator ended the template ends too; a job that failed to build
             ForkedWorker.stop(kill=rc == 2)  # does not wait for the template's imports
+        if a.quiet is not None:
+            a.quiet.close(discard=rc == 2)
 
 
 def _main(a, template) -> int:
@@ -359,7 +448,11 @@ def _main(a, template) -> int:
             raise BuildError("--site-policy is for the simulator; a real site keeps its own local/fedmed_policy.json")
         if a.env == "sim" and not os.environ.get("FEDMED_CACHE_DIR"):  # the simulated sites' cache: in the workspace
             os.environ["FEDMED_CACHE_DIR"] = str((Path(a.workspace) / "fedmed_cache").resolve())
-        if a.site_policy == "simulation":
+        if a.env == "sim" and a.site_policy is None and not os.environ.get("FEDMED_SITE_POLICY"):
+            a.site_policy = "simulation"  # the same sites as fedmed experiment runs for the same config
+        if a.site_policy == "default":
+            os.environ.pop("FEDMED_SITE_POLICY", None)
+        elif a.site_policy == "simulation":
             Path(a.workspace).mkdir(parents=True, exist_ok=True)
             os.environ["FEDMED_SITE_POLICY"] = str(simulation_policy(spec, Path(a.workspace).resolve()))
         elif a.site_policy:
@@ -379,7 +472,8 @@ def _main(a, template) -> int:
         return 2
     t0 = time.time()
     if a.env == "sim":
-        res = run_sim(job, sites, a.datalists, Path(a.workspace), template)
+        res = run_sim(job, sites, a.datalists, Path(a.workspace), template, quiet=a.quiet,
+                      rounds=int(spec.task_config["train"]["rounds"]))
     else:
         res = run_prod(job, a.startup_kit, Path(a.result_dir), a.timeout)
     res["seconds"] = round(time.time() - t0, 1)

@@ -282,6 +282,14 @@ def test_a_site_that_sat_out_every_round_is_named_in_the_status_and_not_in_the_m
     assert set(out["sites_missing"]) == {"site-3"} and out["sites_missing"]["site-3"]["rounds"] == [0, 1, 2]
     assert said in res.stderr  # the console
     assert "Traceback (most recent call last)" not in res.stdout + res.stderr
+    # #56: quiet by default — FLARE's ~70 lines go to the workspace's simulator.log, a line per round is printed —
+    # and the simulated sites run fedmed experiment's policy (the config's k_min 2, not the default floor 5)
+    printed = res.stdout.strip().splitlines()
+    assert len(printed) <= 6 and printed[0].startswith("simulator: 3 site(s); FLARE's log:"), printed
+    assert [ln.split(":")[0].strip() for ln in printed[1:-1]] == ["round 0/2 train", "round 1/2 train",
+                                                                  "round 2/2 validate"], printed
+    flare_log = (tmp_path / "ws" / "simulator.log").read_text()
+    assert "Sending task train to" in flare_log and "applies k_min=5" not in flare_log
     # #56: the site's own log has its error as one line (its file named relative to its data root), no traceback
     log = next((tmp_path / "ws").rglob("site-3/log.txt")).read_text()
     errors = [ln for ln in log.splitlines() if "[fedmed] site-3:" in ln]

@@ -208,7 +208,9 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
 
 # --------------------------------------------------------------------------------------------- one run
 
-def _progress(doc: dict, total: int, t0: float, seen: int, log) -> int:
+def progress_lines(doc: dict, total: int, t0: float, seen: int, log) -> int:
+    """``log`` a line for each round of a run's record (``metrics.json``) after the first ``seen``: sites, train loss,
+    validation and test score, elapsed time and ETA; returns how many rounds are now shown."""
     rounds = doc.get("rounds", [])
     for r in rounds[seen:]:
         s = r["summary"]
@@ -269,7 +271,7 @@ def run_job(spec, datalists: Path, work: Path, n_sites: int = 0, timeout: int = 
     spec_file = spec.to_file(work / "job_spec.json")
     cmd = [sys.executable, str(REPO_ROOT / "jobs" / "run.py"), "--spec", str(spec_file), "--env", "sim",
            "--datalists", str(Path(datalists).resolve()), "--workspace", str(ws), "--jobs-dir", str(work / "job"),
-           "--site-policy", "simulation"]
+           "--site-policy", "simulation", "--verbose"]  # FLARE's lines into simulator.log, for the reasons it gives
     total = None
     t0 = time.time()
     seen = 0
@@ -289,7 +291,7 @@ def run_job(spec, datalists: Path, work: Path, n_sites: int = 0, timeout: int = 
                     except (OSError, ValueError):
                         continue
                     total = total or doc.get("meta", {}).get("config", {}).get("train", {}).get("rounds")
-                    seen = _progress(doc, total or 0, t0, seen, log)
+                    seen = progress_lines(doc, total or 0, t0, seen, log)
         except BaseException:  # interrupted or killed: do not leave the job (and its simulator) running
             _stop(proc)
             raise
