@@ -137,19 +137,47 @@ def cmd_demo(a):
                       "dataset.classes=null", f"name=demo-{Path(a.data).name}"]  # the data's own classes
         data_name = a.data
     out = Path(a.out)
-    command = "fedmed demo" + (f" --data {a.data}" if a.data else "") + (f" --out {a.out}" if a.out != "results/demo"
-                                                                          else "") + \
-        (f" --part {' '.join(parts)}" if a.part else "")
+    import shlex
+
+    words = ["fedmed", "demo", *(["--data", a.data] if a.data else []), "--out", a.out,
+             *(["--part", *parts] if a.part else []), *[w for o in a.set for w in ("--set", o)]]
+    command = " ".join(shlex.quote(w) for w in words)  # reruns exactly this demo
     print(f"fedmed demo: {data_name} -> {out}", flush=True)
     for k, part in enumerate(parts):
         print(f"\n== {k + 1}. {DEMO_PARTS[part]} ==", flush=True)
         {"classification": lambda: _demo_classification(out, overrides, command),
          "segmentation": lambda: _demo_segmentation(out, command), "flux": lambda: _demo_flux(out, command)}[part]()
-    (out / "summary.md").write_text(f"# fedmed demo\n\nProduced by: `{command}`\n\nData: {data_name}; the parts below "
-                                    f"(each part's own table and runs).\n\n" + "\n\n".join(
-                                        f"## {k + 1}. {DEMO_PARTS[p]}\n\n" + (out / p / "summary.md").read_text().replace(
-                                            "## ", "### ", 1) for k, p in enumerate(parts)))
+    (out / "summary.md").write_text(demo_summary(out, parts, command, data_name))
     print(f"report: {write_report(out, command=command)} (open it in a browser)")
+
+
+def demo_summary(out: Path, parts: list[str], command: str, data_name: str) -> str:
+    """The demo's combined ``summary.md``: first what each part found, in plain words (each part's "What this found"
+    and, for segmentation, what the ``004_`` assessment saw before training), then each part's own summary."""
+    import json
+    import re
+
+    found = []
+    for k, p in enumerate(parts):
+        text = (out / p / "summary.md").read_text()
+        m = re.search(r"### What this found\n\n(.*?)\n\n", text, flags=re.S)
+        bullets = m.group(1).splitlines() if m else []
+        for f in sorted((out / p / "runs").glob("seed*/*/server/assessment/assessment.json"))[:1]:
+            a = json.loads(f.read_text())
+            if "emd" in a:
+                bullets.insert(0, f"- Before any training, the 004_ site assessment (aggregates only, no image leaves a "
+                                  f"site) found **{a['emd']['most_distant']}** the most different site by its images' "
+                                  f"intensity and tumour-size statistics (metadata distance); by the embedding distance "
+                                  f"it was {a['euc']['most_distant'] if 'euc' in a else 'not computed'}.")
+        found.append(f"**{k + 1}. {DEMO_PARTS[p]}**\n\n" + "\n".join(bullets))
+    head = (f"# fedmed demo\n\nProduced by: `{command}`\n\n## What the demo found\n\n" + "\n\n".join(found)
+            + f"\n\nData: {data_name}; the parts below (each part's own table and runs).\n\n")
+    body = []
+    for k, p in enumerate(parts):
+        text = (out / p / "summary.md").read_text()
+        text = re.sub(r"^(#{2,4}) ", lambda m: "#" + m.group(1) + " ", text, flags=re.M)  # one level down
+        body.append(f"## {k + 1}. {DEMO_PARTS[p]}\n\n" + text)
+    return head + "\n\n".join(body)
 
 
 def _demo_classification(out: Path, overrides: list, command: str) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["json_default", "read_distance_csv", "read_signature_dir", "shown_path", "write_distance_csv"]
+__all__ = ["json_default", "read_distance_csv", "read_signature_dir", "readable", "shown_path", "write_distance_csv"]
 
 
 def read_distance_csv(path) -> tuple[list[str], np.ndarray]:
@@ -101,3 +101,21 @@ def shown_path(path, out_dir=None) -> str:
         except (ValueError, OSError):
             pass
     return f".../{p.name}"
+
+
+def readable(v, digits: int = 3) -> str:
+    """A number as a report shows it to a reader: thousands separated and no exponent (``2,670``, not ``2.67e+03``),
+    counts without decimals (``1,634``, not ``1634.00``), small values to ``digits`` significant digits (``0.0412``)."""
+    import math
+
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a"
+    v = float(v)
+    if v == 0:
+        return "0"
+    if abs(v) >= 10 ** (digits - 1) or float(v).is_integer():
+        return f"{v:,.0f}"
+    if abs(v) >= 1e-4:
+        decimals = max(digits - 1 - int(math.floor(math.log10(abs(v)))), 0)
+        return f"{v:,.{decimals}f}"
+    return f"{v:.{digits - 1}e}"

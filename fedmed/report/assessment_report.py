@@ -12,7 +12,7 @@ __all__ = ["write_assessment_report"]
 
 
 def write_assessment_report(report: dict, out_dir) -> Path:
-    from fedmed.core.io import write_distance_csv
+    from fedmed.core.io import readable, write_distance_csv
     from fedmed.report.plots import plot_heatmap
 
     out = Path(out_dir)
@@ -32,8 +32,8 @@ def write_assessment_report(report: dict, out_dir) -> Path:
         else:
             lines += [f"Encoder: {', '.join(r['encoder'])}", ""]
         lines += ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-        lines += [f"| {n} | " + " | ".join(f"{v:.3g}" for v in D[i]) + " |" for i, n in enumerate(names)]
-        lines += ["| **Sum** | " + " | ".join(f"{r['column_sums'][n]:.3g}" for n in names) + " |", ""]
+        lines += [f"| {n} | " + " | ".join(readable(v) for v in D[i]) + " |" for i, n in enumerate(names)]
+        lines += ["| **Sum** | " + " | ".join(readable(r['column_sums'][n]) for n in names) + " |", ""]
         lines += [f"Most distant site: **{r['most_distant']}**" +
                   (f"; two clusters: {r['clusters'][0]} / {r['clusters'][1]}" if "clusters" in r else ""), ""]
     (out / "report.md").write_text("\n".join(lines))

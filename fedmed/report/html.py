@@ -17,9 +17,9 @@ import json
 import re
 from pathlib import Path
 
-from fedmed.core.io import shown_path
+from fedmed.core.io import readable, shown_path
 
-__all__ = ["markdown_to_html", "write_report"]
+__all__ = ["case_verdict", "markdown_to_html", "visible_text", "write_report"]
 
 
 def _inline(text: str) -> str:
@@ -92,7 +92,7 @@ def _sites_table(doc: dict) -> str:
         cells = [s, v.get("cluster", "") if v.get("cluster") is not None else "—", v.get("n_test", "")]
         for k in keys:
             x = v.get(k)
-            cells.append("n/a" if x is None else (f"{100 * x:.1f}%" if k not in ("hd95_wt", "fp_voxels") else f"{x:.1f}"))
+            cells.append("n/a" if x is None else (f"{100 * x:.1f}%" if k not in ("hd95_wt", "fp_voxels") else readable(x)))
         body += "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>"
     errs = doc.get("errors", [])
     note = f"<p>{len(errs)} site error(s) recorded (see metrics.json).</p>" if errs else ""
@@ -122,15 +122,39 @@ def _seg_slices(run: Path, data_dir: Path, out_png: Path) -> Path | None:
     from fedmed.nn.preprocessing import case_transform
 
     pre = case_transform(ck["model"].get("preprocessing"))  # what the network took at the sites
+    notes = []
     for row, c in zip(axes, cases):
         pred = predict_masks(net, pre(c["image"]), roi=tuple(ck["data"]["roi"]))
         z = int(c["label"][0].sum(axis=(0, 1)).argmax()) if c["label"][0].any() else c["image"].shape[-1] // 2
+        verdict = case_verdict(c["label"][0] > 0, pred[0] > 0)
+        if verdict["failure"]:
+            notes.append(f"{c['meta']['id']}: {verdict['text']}")
         for ax, (im, name) in zip(row, ((c["image"][0, :, :, z], "image"), (c["label"][0, :, :, z], "ground truth WT"),
-                                        (pred[0, :, :, z], "prediction WT"))):
+                                        (pred[0, :, :, z], f"prediction WT ({verdict['short']})"))):
             ax.imshow(im.T, cmap="gray" if name == "image" else "magma", origin="lower")
-            ax.set_title(f"{c['meta']['id']}: {name}", fontsize=8)
+            ax.set_title(f"{c['meta']['id']}: {name}", fontsize=8, color="red" if verdict["failure"] and
+                         name.startswith("prediction") else "black")
             ax.axis("off")
-    return _save(fig, out_png)
+    return _save(fig, out_png), notes
+
+
+def case_verdict(truth, pred) -> dict:
+    """What one test case's whole-tumour prediction shows, said plainly: a failure when the case has no tumour and
+    the model predicts one (a false positive), when it misses a tumour, or when the overlap (Dice) is under 50%."""
+    import numpy as np
+
+    t, p = int(np.count_nonzero(truth)), int(np.count_nonzero(pred))
+    if t == 0:
+        if p == 0:
+            return {"failure": False, "short": "no tumour, none predicted", "text": "no tumour, none predicted"}
+        return {"failure": True, "short": f"false positive: {p:,} voxels",
+                "text": f"a failure — the case has no tumour, yet the model marks {p:,} voxels as tumour (a false "
+                        f"positive)"}
+    dice = 2 * int(np.count_nonzero(truth & pred)) / (t + p)
+    if p == 0:
+        return {"failure": True, "short": "tumour missed", "text": "a failure — the model misses the tumour entirely"}
+    return {"failure": dice < 0.5, "short": f"Dice {100 * dice:.0f}%",
+            "text": (f"a poor prediction — Dice {100 * dice:.0f}%" if dice < 0.5 else f"Dice {100 * dice:.0f}%")}
 
 
 def privacy_table(doc: dict) -> str:
@@ -151,6 +175,13 @@ def privacy_table(doc: dict) -> str:
                                               "epsilon spent (composed)"))
     return (f"<p>What each site allowed and spent (its own policy, fedmed.core.policy):</p>"
             f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
+
+
+def visible_text(page: str) -> str:
+    """What a reader sees of an HTML fragment: no tags, no embedded images, entities decoded."""
+    page = re.sub(r"<img[^>]*>", " ", page)
+    page = re.sub(r"<style>.*?</style>", " ", page, flags=re.S)
+    return html.unescape(re.sub(r"<[^>]+>", " ", page))
 
 
 def write_report(out_dir, *, command: str | None = None) -> Path:
@@ -175,6 +206,7 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
         if (case / "curves.png").is_file():
             parts.append(_img(case / "curves.png", f"{case.name}: learning curves: validation and test score, train "
                                                    f"loss (band: ± std over seeds)"))
+    policies: dict = {}  # a policy table already shown -> the run it was shown for
     for case in cases:
         runs = sorted((case / "runs").glob("seed*/*/metrics.json")) if (case / "runs").is_dir() else []
         seen = set()
@@ -184,7 +216,11 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
                 continue
             seen.add(run.name)
             doc = json.loads(mpath.read_text())
-            label = f"{case.name + ' / ' if case != out else ''}{run.name} ({run.parent.name})"
+            try:
+                name = json.loads((run / "run.json").read_text())["method"]
+            except (OSError, ValueError, KeyError):
+                name = run.name
+            label = f"{case.name + ' / ' if case != out else ''}{name} ({run.parent.name.replace('seed', 'seed ')})"
             parts.append(f"<h2>{html.escape(label)}</h2>")
             parts.append(f"<p>Status: <b>{html.escape(doc.get('status', '?'))}</b> {html.escape(doc.get('reason', ''))}"
                          f"; sites {', '.join(doc.get('sites', []))}.</p>")
@@ -204,15 +240,28 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
             if (server / "assessment" / "report.md").is_file():
                 parts.append(markdown_to_html((server / "assessment" / "report.md").read_text()))
             parts.append(_sites_table(doc))
-            parts.append(privacy_table(doc))
+            pt = privacy_table(doc)
+            if pt and pt in policies:
+                parts.append(f"<p>Each site's policy and spending: the same as for {html.escape(policies[pt])}.</p>")
+            elif pt:
+                policies[pt] = label
+                parts.append(pt)
             seed_dir = case / "data" / run.parent.name
             config = doc.get("meta", {}).get("config", {})
             if (config.get("task") == "segmentation" and seed_dir.is_dir()
                     and (config.get("data") or {}).get("spatial_dims", 3) != 2):  # 3D cases: the middle slice
-                png = _seg_slices(run, seed_dir, run / "test_slices.png")
-                if png:
-                    parts.append(_img(png, "test cases: image, ground truth, prediction (whole tumour, middle slice)"))
+                got = _seg_slices(run, seed_dir, run / "test_slices.png")
+                if got:
+                    png, notes = got
+                    alt = "test cases: image, ground truth, prediction (whole tumour, middle slice)"
+                    alt += (f". Shown failures ({len(notes)} of the cases): " + "; ".join(notes) if notes else
+                            ". No shown case is a failure.")
+                    parts.append(_img(png, alt))
+    from fedmed.report.glossary import glossary_html
+
+    parts.append(glossary_html(visible_text("".join(parts))))
     style = ("body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}"
+             "dt{font-weight:bold;margin-top:0.4em}dd{margin-left:1.5em}"
              "table{border-collapse:collapse;margin:1em 0;font-size:0.85em}td,th{border:1px solid #ccc;padding:3px 6px}"
              "th{background:#f2f2f2}figure{display:inline-block;margin:0.5em}img{max-width:100%}"
              "figcaption{font-size:0.8em;color:#555}code{background:#f4f4f4;padding:1px 3px}.cmd{font-size:1.05em}")

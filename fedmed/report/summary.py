@@ -108,8 +108,12 @@ def fmt(vals, scale: float = 100.0) -> str:
     vals = _finite(vals)
     if not vals:
         return "n/a"
+    if scale == 1.0 and len(vals) == 1 and (float(vals[0]).is_integer() or abs(vals[0]) >= 100):  # a count: 1,634
+        return f"{vals[0]:,.0f}"  # (not 1634.00)
     if len(vals) == 1:
         return f"{scale * vals[0]:.2f}"
+    if scale == 1.0 and min(abs(v) for v in vals) >= 100:  # counts over seeds
+        return f"{np.mean(vals):,.0f} ± {np.std(vals):,.0f}"
     return f"{scale * np.mean(vals):.2f} ± {scale * np.std(vals):.2f}"
 
 
@@ -265,6 +269,14 @@ def summarize_phases(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _phase_numbers(rows: list[dict]) -> list[dict]:
+    """Per onboarding method: the unseen sites' accuracy with the assigned model and with the oracle (in %)."""
+    phased = [r for r in rows if r.get("phase")]
+    get = lambda m, ph: fmt([r.get("accuracy") for r in phased if r["method"] == m and r["phase"] == ph])  # noqa: E731
+    return [{"method": m, "assigned": get(m, "test phase"), "oracle": get(m, "oracle")}
+            for m in dict.fromkeys(r["method"] for r in phased) if get(m, "test phase") != "n/a"]
+
+
 def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, selection: str = "final",
                   setup: list[str] | None = None, notes: list[str] | None = None) -> str:
     """``results.csv``, ``summary.csv``, ``summary.md`` and ``curves.png``; returns the markdown."""
@@ -282,17 +294,19 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
         w.writeheader()
         w.writerows(summ)
     seeds = max(e["seeds"] for e in summ)
+    spread = (f"mean ± std over {seeds} seeds" if seeds > 1 else
+              "from 1 seed (one run has no spread, so no ±; more seeds give mean ± std)")
     rule = ("at each run's final round" if selection == "final" else
             "at each run's validation-selected round (best site-mean accuracy on the sites' validation splits, "
             "held out of training; test data never selects)")
     if is_seg(rows) and all(e.get("dice_wt", "n/a") == "n/a" for e in summ):  # 2D lesion segmentation
-        intro = (f"Dice in %, mean ± std over {seeds} seed(s) {rule}; Dice per test image holding a lesion, averaged "
+        intro = (f"Dice in %, {spread} {rule}; Dice per test image holding a lesion, averaged "
                  f"over a site's test images and then over sites; FP pixels: predicted lesion pixels on lesion-free "
                  f"test images (n/a where there are none); per-site columns: each site's mean Dice with the model it "
                  f"is served, on its own test split.")
         table = seg_table(summ, selection)
     elif is_seg(rows):
-        intro = (f"Dice in %, mean ± std over {seeds} seed(s)/fold(s) {rule}; Dice and HD95 (mm) per test subject "
+        intro = (f"Dice in %, {spread.replace('seeds', 'seeds/folds')} {rule}; Dice and HD95 (mm) per test subject "
                  f"(a subject's hemisphere samples scored together, as BraTS scores a patient; regions a subject "
                  f"lacks left out, as DiceMetric's ignore_empty=True); WT per hemisphere: the WT Dice averaged over "
                  f"tumour-bearing hemisphere samples instead; false-positive voxels on tumour-free hemispheres; "
@@ -300,13 +314,16 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
                  f"site is served the same model, so each has the Mean Dice).")
         table = seg_table(summ, selection)
     else:
-        intro = (f"Values in %, mean ± std over {seeds} seed(s) {rule}. Per-site metrics are averaged over sites "
+        intro = (f"Values in %, {spread} {rule}. Per-site metrics are averaged over sites "
                  f"(each site scores the model it is served on its own test split); pooled metrics use all sites' "
                  f"test samples (from confusion matrices; rows of fewer than k_min samples withheld at the sites). "
                  f"Rows marked (reference) are computed, not federated: see docs/results.md. The last column is the "
                  f"method minus the constant predictor answering its clusters' majority classes.")
         table = classification_table(summ, selection)
+    from fedmed.report.findings import findings_section
+
     text = f"## {title}\n\nProduced by: `{command}`\n\n"
+    text += findings_section(summ, _phase_numbers(rows))
     if setup:
         text += "Setup: " + "; ".join(setup) + "\n\n"
     text += intro + "\n\n" + table

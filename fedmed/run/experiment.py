@@ -35,6 +35,7 @@ from fedmed.config import ExperimentConfig
 from fedmed.core.resources import project_root
 from fedmed.methods import clustering_workflows
 from fedmed.run.jobspec import BuildError, check_method_files, job_spec
+from fedmed.core.io import shown_path
 from fedmed.report.record import missing_sentence
 from fedmed.report.summary import read_results, rows_from_metrics, sweep_stats, sweep_table, write_outputs  # noqa: F401 (re-exported)
 
@@ -588,7 +589,7 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
             update={"wandb_dir": str((out / "wandb").resolve())})})
         log(f"W&B ({exp.tracking.wandb_mode}): every run of this experiment in {out / 'wandb'}"
             + (" (wandb sync DIR/offline-run-* to upload)" if exp.tracking.wandb_mode == "offline" else ""))
-    command = command or _command(config_path, overrides)
+    command = command or _command(config_path, overrides, out_dir, methods)
     rows: list[dict] = []
     problems: list[str] = []
     missing: list[str] = []  # finished runs in which a site sat out: said on the console and in the report
@@ -869,5 +870,16 @@ def _log_done(m, doc, new, selection, log, work):
         + (f"; {errs} site error(s), see metrics.json" if errs else ""))
 
 
-def _command(config_path, overrides) -> str:
-    return " ".join(["fedmed experiment", str(config_path), *[f"--set {o}" for o in overrides]])
+def _command(config_path, overrides, out_dir=None, methods=None) -> str:
+    """The command that reruns exactly this experiment (its output folder, its methods, its overrides), quoted for a
+    shell; ``--resume`` is left out (it reuses runs, it does not change them)."""
+    import shlex
+
+    words = ["fedmed", "experiment", str(config_path)]
+    if out_dir is not None:
+        words += ["--out", shown_path(out_dir)]
+    if methods:
+        words += ["--methods", *methods]
+    for o in overrides or []:
+        words += ["--set", o]
+    return " ".join(shlex.quote(w) for w in words)

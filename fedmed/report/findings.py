@@ -1,0 +1,119 @@
+"""What a results table found, in plain words: the first section of ``summary.md`` and of the HTML report.
+
+For a clinical team that reads one paragraph, not the tables: which method served the sites best and by how much, set
+against each reference the table carries (the centralized model as the ceiling, a constant answer or the untrained
+network as the floor, each site alone, FedAvg on an IID federation), with the uncertainty said in words — a
+difference no larger than its seed-to-seed spread is *within the spread*; one seed has no spread at all — and every
+site that sat out. Every number comes from the same rows and the same reported round as the tables
+(:func:`fedmed.report.summary.summarize`); nothing is selected on test data here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["findings", "findings_section"]
+
+FLOORS = ("Majority class", "Untrained network")
+
+
+def _pct(vals) -> str:
+    vals = [100 * v for v in vals]
+    return f"{np.mean(vals):.1f}%" + (f" (± {np.std(vals):.1f} over {len(vals)} seeds)" if len(vals) > 1 else "")
+
+
+def _gap(a: list, b: list) -> tuple[float, str]:
+    """Paired difference a - b in points over the seeds both have, and how sure it is, in words."""
+    n = min(len(a), len(b))
+    d = 100 * (np.asarray(a[:n]) - np.asarray(b[:n]))
+    if n == 1:
+        return float(d[0]), ""
+    if abs(d.mean()) <= d.std():
+        return float(d.mean()), f"within the spread over {n} seeds (± {d.std():.1f}): not a reliable difference"
+    return float(d.mean()), f"larger than its spread over {n} seeds (± {d.std():.1f})"
+
+
+def _points(x: float) -> str:
+    return f"{abs(x):.1f} point{'s' if round(abs(x), 1) != 1 else ''}"
+
+
+def findings(summ: list[dict], phases: list[dict] | None = None) -> list[str]:
+    """Plain sentences for one results table (``summarize``'s entries) and its unseen-site rows (``phases``)."""
+    if not summ:
+        return []
+    seg = any(e.get("dice_mean", "n/a") != "n/a" for e in summ)
+    key = "dice_mean" if seg else "accuracy"
+    what = "mean Dice (overlap with the ground-truth tumour outline)" if seg else "accuracy (mean over sites)"
+    methods = [e for e in summ if e["kind"] != "reference" and e["_values"].get(key)]
+    refs = {e["method"]: e for e in summ if e["kind"] == "reference" and e["_values"].get(key)}
+    out = []
+    if not methods:
+        return ["No method produced a score (see the runs' status below)."]
+    best = max(methods, key=lambda e: np.mean(e["_values"][key]))
+    vb = best["_values"][key]
+    if len(methods) == 1:
+        out.append(f"{best['method']} reached {_pct(vb)} {what}.")
+    else:
+        out.append(f"Of the {len(methods)} federated methods, **{best['method']}** served the sites best: {_pct(vb)} "
+                   f"{what}.")
+        others = [e for e in methods if e is not best]
+        base = next((e for e in others if e["method"] == "FedAvg"), None) or max(
+            others, key=lambda e: np.mean(e["_values"][key]))
+        d, sure = _gap(vb, base["_values"][key])
+        out.append(f"It {'beat' if d > 0 else 'tied with' if d == 0 else 'trailed'} {base['method']} "
+                   f"({_pct(base['_values'][key])}) by {_points(d)}" + (f"; {sure}." if sure else "."))
+    central = refs.get("Centralized")
+    if central:
+        d, sure = _gap(vb, central["_values"][key])
+        where = "below" if d < 0 else "above"
+        out.append(f"The centralized reference — one model trained on all sites' training data pooled, which a "
+                   f"federation cannot see — reached {_pct(central['_values'][key])}: the ceiling. {best['method']} is "
+                   f"{_points(d)} {where} it" + (f" ({sure})." if sure else "."))
+    iid = next((e for n, e in refs.items() if n.startswith("FedAvg (IID")), None)
+    if iid:
+        out.append(f"FedAvg on the same data dealt evenly (IID) to the sites reached {_pct(iid['_values'][key])}: what "
+                   f"the sites' differences cost FedAvg.")
+    alone = next((e for n, e in refs.items() if n.startswith("Each ") and n.endswith(" alone")), None)
+    if alone:
+        d, sure = _gap(vb, alone["_values"][key])
+        out.append(f"Each site training only on its own data reached {_pct(alone['_values'][key])} on average, "
+                   f"{_points(d)} {'below' if d > 0 else 'above'} {best['method']}" + (f" ({sure})." if sure else "."))
+    for name in FLOORS:
+        if name in refs:
+            kind = "a constant answer (always the most common class)" if name == "Majority class" else \
+                "the network before any training"
+            out.append(f"The floor: {kind} scores {_pct(refs[name]['_values'][key])}.")
+    if best.get("k"):
+        ks = best["k"]
+        ari = best.get("ari")
+        txt = f"{best['method']} grouped the sites into {ks} cluster(s) (per seed)"
+        if ari not in (None, "", "n/a"):
+            a = float(str(ari).split(" ")[0])
+            txt += (", exactly the true groups of sites (ARI 1.00)" if a >= 0.999 else
+                    f", agreeing with the true groups of sites at ARI {ari} (1 = the same grouping, 0 = chance)")
+        out.append(txt + ".")
+    flagged = [e for e in methods if e.get("sat_out")]
+    for e in flagged:
+        out.append(f"⚠ In {e['method']}'s runs a site sat out: {e['sat_out']}; its score is over the sites that "
+                   f"trained.")
+    if best.get("k"):
+        cm = next((e for n, e in refs.items() if n == f"{best['method']}: cluster-majority"), None)
+        if cm:
+            d, sure = _gap(vb, cm["_values"][key])
+            out.append(f"A constant answer per cluster (each cluster's most common class) scores "
+                       f"{_pct(cm['_values'][key])}; {best['method']} is {_points(d)} above it, so its clusters' "
+                       f"models learned more than their clusters' class balance" + (f" ({sure})." if sure else "."))
+    for p in phases or []:
+        out.append(f"New sites that joined after training were given {p['method']}'s model for them and scored "
+                   f"{p['assigned']}% accuracy" + (f" (the best of the cluster models for each, chosen on their test "
+                                                   f"labels as a reference only: {p['oracle']}%)"
+                                                   if p.get("oracle") not in (None, "n/a") else "") + ".")
+    if max(e["seeds"] for e in summ) == 1:
+        out.append("All of this is from one seed: one run has no spread, so no difference here can be called reliable; "
+                   "run more seeds (`seeds: [0, 1, 2]`) for mean ± std.")
+    return out
+
+
+def findings_section(summ: list[dict], phases: list[dict] | None = None, heading: str = "### What this found") -> str:
+    lines = findings(summ, phases)
+    return f"{heading}\n\n" + "\n".join(f"- {s}" for s in lines) + "\n\n" if lines else ""
