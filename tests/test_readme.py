@@ -67,10 +67,32 @@ def test_demo_report_in_a_headless_browser():
     page = ROOT / "results" / "demo" / "report.html"
     if not page.is_file():
         pytest.skip("make demo did not run (see the test above)")
-    res = check_page(page)
+    shot = page.parent / "report_first_screen.png"
+    res = check_page(page, screenshot=shot, section="What the demo found")
     assert res["errors"] == [], res["errors"]
+    # #56: the first section, on the first screen (screenshotted), states what each part found in plain words
+    first = res["section"]
+    assert first is not None and first["top"] < first["height"] / 2, first
+    parts = re.split(r"\n(?=\d\. )", first["text"].strip())
+    assert [p.split(":")[0] for p in parts] == ["1. Classification", "2. Segmentation", "3. Flux"], parts
+    assert "served the sites best" in parts[0] and "beat FedAvg" in parts[0] and "the ceiling" in parts[0]
+    assert "most different site" in parts[1] and "mean Dice" in parts[1] and "the ceiling" in parts[1]
+    assert "grouped the sites into" in parts[2] and "New sites that joined after training" in parts[2]
+    assert all("one seed" in p for p in parts)  # the demo's single seed: no spread, said
+    assert shot.stat().st_size > 10_000
+    # a glossary for every abbreviation the page uses
+    from fedmed.report.glossary import GLOSSARY
+    from fedmed.report.html import visible_text
+
+    text = visible_text(html_text := page.read_text())
+    body, glossary = text[:text.index("Glossary")], text[text.index("Glossary"):]
+    used = set(re.findall(r"(?<![\w/.-])([A-Za-z]*[A-Z][A-Za-z0-9]*[A-Z0-9_][A-Za-z0-9_]*|\d{3}_|pp)(?![\w/-])", body))
+    assert used and used <= set(GLOSSARY), sorted(used - set(GLOSSARY))
+    assert all(GLOSSARY[t] in glossary for t in used)
+    assert not re.search(r"\d\.\d+e[+-]\d", body)  # no 2.67e+03
+    assert "over 1 seed(s)" not in body
     assert res["broken"] == [] and res["images"] >= 6, res
-    html = page.read_text()
+    html = html_text
     for part in ("Classification", "demo-seg-phantoms", "demo-flux", "Centralized", "cluster-majority", "Command:",
                  "test cases: image, ground truth, prediction", "classification: learning curves",
                  "segmentation: learning curves", "flux: learning curves"):  # each part's curves (#38)

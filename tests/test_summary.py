@@ -1,5 +1,8 @@
 """Tables and console lines never select a round on test data; reference rows and margins are right."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -166,3 +169,109 @@ def test_every_table_flags_a_run_in_which_sites_sat_out():
     assert "| FedAvg ⚠ sat out: seed 0: site-3 (all 4 rounds) |" in table
     assert "| FedProx |" in table and table.count("⚠") == 1
     assert "FedAvg ⚠ sat out: seed 0: site-3 (all 4 rounds)" in sweep_table([("case", [], rows)])
+
+
+def _doc(acc):
+    m = {"accuracy": acc, "macro_f1": acc, "auc": acc}
+    return {"rounds": [{"round": 1, "summary": {"n_sites": 2, "mean": m, "std": m, "pooled": m}, "sites": {}}],
+            "errors": []}
+
+
+def test_the_first_section_says_what_the_table_found_with_its_uncertainty():
+    """#56: the report stated no finding. Now, in plain words: the best method and its margin over FedAvg with the
+    seed spread judged, the centralized ceiling, the floor, and a one-seed run said to have no spread."""
+    from fedmed.report.findings import findings
+    from fedmed.report.summary import rows_from_metrics, summarize
+
+    rows = []
+    for seed, (a, b, c) in enumerate([(0.80, 0.78, 0.90), (0.70, 0.74, 0.91), (0.84, 0.79, 0.89)]):
+        rows += rows_from_metrics("FMCL", seed, _doc(a)) + rows_from_metrics("FedAvg", seed, _doc(b))
+        rows += rows_from_metrics("Centralized", seed, _doc(c), kind="reference")
+        rows += rows_from_metrics("Majority class", seed, _doc(0.3), kind="reference")
+    said = findings(summarize(rows))
+    assert said[0] == ("Of the 2 federated methods, **FMCL** served the sites best: 78.0% (± 5.9 over 3 seeds) "
+                       "accuracy (mean over sites).")
+    assert said[1].startswith("It beat FedAvg (77.0% (± 2.2 over 3 seeds)) by 1.0 point; within the spread over 3 "
+                              "seeds")
+    assert "reached 90.0% (± 0.8 over 3 seeds): the ceiling. FMCL is 12.0 points below it (larger than its spread" \
+        in said[2]
+    assert said[3] == "The floor: a constant answer (always the most common class) scores 30.0% (± 0.0 over 3 seeds)."
+    assert not any("one seed" in s for s in said)
+    one = findings(summarize([r for r in rows if r["seed"] == 0]))
+    assert one[1] == "It beat FedAvg (78.0%) by 2.0 points." and "from one seed" in one[-1]
+
+
+def test_the_produced_by_line_reruns_exactly_this_run(tmp_path, monkeypatch):
+    """#56: the "Produced by" line dropped --methods and --out, so rerunning it ran something else. Run as written (the
+    fedmed CLI), it now builds the same jobs into the same folder."""
+    import re
+    import shlex
+
+    import yaml
+
+    from fedmed.cli.main import main
+    from fedmed.run import experiment as E
+
+    calls = []
+
+    def run_job(spec, datalists, work, *a, **k):
+        calls.append((spec.method, spec.task_config["seed"], json.dumps(spec.task_config, sort_keys=True), str(work)))
+        work.mkdir(parents=True, exist_ok=True)
+        return _doc(0.5)
+
+    monkeypatch.setattr(E, "run_job", run_job)
+    monkeypatch.chdir(tmp_path)
+    Path("c.yaml").write_text(yaml.safe_dump({
+        "name": "t", "dataset": {"path": "builtin:digits", "image_size": 8, "max_per_class": 6},
+        "federation": {"sites": 2}, "methods": [{"name": "FedAvg"}, {"name": "FMCL (Auto-K)", "workflow": "fmcl"},
+                                                {"name": "FedProx", "workflow": "fedprox"}],
+        "seeds": [0], "references": []}))
+    main(["experiment", "c.yaml", "--out", "my out", "--methods", "FMCL (Auto-K)", "FedProx", "--set",
+          "train.rounds=1"])
+    first = list(calls)
+    cmd = re.search(r"Produced by: `([^`]+)`", (tmp_path / "my out" / "summary.md").read_text()).group(1)
+    assert cmd == "fedmed experiment c.yaml --out 'my out' --methods 'FMCL (Auto-K)' FedProx --set train.rounds=1"
+    calls.clear()
+    main(shlex.split(cmd)[1:])
+    assert calls == first and len(first) == 2
+
+
+def test_a_segmentation_figure_that_shows_a_failure_says_so():
+    """#56: the demo's figure showed a phantom with an empty ground truth whose prediction filled the brain,
+    unexplained. Each case now carries its verdict, and a failure is named as one."""
+    from fedmed.report.html import case_verdict
+
+    truth, pred = np.zeros((4, 4, 4), bool), np.zeros((4, 4, 4), bool)
+    assert case_verdict(truth, pred) == {"failure": False, "short": "no tumour, none predicted",
+                                         "text": "no tumour, none predicted"}
+    pred[:2] = True
+    v = case_verdict(truth, pred)
+    assert v["failure"] and v["text"] == ("a failure — the case has no tumour, yet the model marks 32 voxels as "
+                                          "tumour (a false positive)")
+    truth[:1] = True  # 16 true voxels, 32 predicted, 16 shared: Dice 2*16/48
+    assert case_verdict(truth, pred) == {"failure": False, "short": "Dice 67%", "text": "Dice 67%"}
+    assert case_verdict(truth, np.zeros_like(pred))["text"] == "a failure — the model misses the tumour entirely"
+
+
+def test_the_report_has_a_glossary_for_its_abbreviations_and_folds_a_repeated_policy_table(tmp_path):
+    from fedmed.report.glossary import GLOSSARY, terms_in
+    from fedmed.report.html import visible_text, write_report
+
+    assert terms_in("FMCL beat FedAvg by 3 pp; ARI 1.00 (004_ App. C, Eq. 1); k_min 5") == [
+        "004_", "App. C", "Eq.", "ARI", "FedAvg", "FMCL", "k_min", "pp"]
+    assert terms_in("FedAvgM, /x/ARI.png, site_WT") == []  # a longer word, a path, a name: not the term
+    (tmp_path / "summary.md").write_text("## t\n\nProduced by: `fedmed experiment c.yaml`\n\n| Method | HD95 |\n|---|---|\n"
+                                         "| FedAvg | 1 |\n")
+    pol = {"site-1": {"source": "default", "k_min": 5}, "site-2": {"source": "default", "k_min": 5}}
+    for m in ("FedAvg", "FedProx", "FMCL"):
+        run = tmp_path / "runs" / "seed0" / m
+        run.mkdir(parents=True)
+        (run / "metrics.json").write_text(json.dumps({"status": "finished", "rounds": [], "site_policies": pol}))
+        (run / "run.json").write_text(json.dumps({"method": m}))
+    page = write_report(tmp_path).read_text()
+    assert page.count("What each site allowed and spent") == 1
+    text = visible_text(page)
+    assert text.count("Each site's policy and spending: the same as for FMCL (seed 0).") == 2
+    glossary = text[text.index("Glossary"):]
+    for term in ("HD95", "FedAvg", "FedProx", "FMCL", "k_min"):
+        assert f" {term} " in glossary and GLOSSARY[term] in glossary, term

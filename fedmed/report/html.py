@@ -196,7 +196,10 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
     m = re.search(r"Produced by: `([^`]+)`", md)
     cmd = command or (m.group(1) if m else "")
     parts.append(f"<p class='cmd'>Command: <code>{html.escape(cmd)}</code></p>")
-    parts.append(markdown_to_html(md))
+    body = md.split("\n", 1)[1] if md.startswith("# ") or md.startswith("## ") else md  # the title is the page's h1
+    if m:  # and the command is shown above
+        body = body.replace(m.group(0), "", 1)
+    parts.append(markdown_to_html(body))
     for png, alt in (("curves.png", "learning curves: validation and test score, train loss (band: ± std over seeds)"),
                      ("summary.png", "sweep: unseen sites and clustering per case")):
         if (out / png).is_file():
