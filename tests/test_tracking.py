@@ -74,13 +74,13 @@ def test_a_run_tracked_in_mlflow_has_every_sites_and_the_servers_rounds_its_sett
     shown = printed.split("to view them: ", 1)[1]
     assert shown.startswith("MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri file://"), printed
     documented = next(c for c in doc_commands("recipes.md") if c.startswith("MLFLOW_ALLOW_FILE_STORE=true .venv/bin/mlflow"))
-    for cmd in (shown, documented):
-        assert _ui_lists(cmd, here, [len(sites) + 1]) == ["demo-digits"]
+    assert _ui_lists([shown, documented], here, len(sites) + 1) == [["demo-digits"], ["demo-digits"]]
 
 
-def _ui_lists(cmd: str, cwd: Path, n_runs: list) -> list:
-    """Run an ``mlflow ui`` command as written (on a free port: ``--port`` appended; ``mlflow`` from this venv) and
-    return the experiments its web server lists (the UI's own search call), checking each has ``n_runs`` runs."""
+def _ui_lists(cmds: list, cwd: Path, n_runs: int) -> list:
+    """Run ``mlflow ui`` commands as written, side by side (each on a free port: ``--port`` appended; ``mlflow`` from
+    this venv), and return the experiments each web server lists (the UI's own search call), checking that each has
+    ``n_runs`` runs and that the UI's page itself is served."""
     import os
     import signal
     import socket
@@ -89,37 +89,46 @@ def _ui_lists(cmd: str, cwd: Path, n_runs: list) -> list:
     import time
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
            "PATH": f"{Path(sys.prefix) / 'bin'}{os.pathsep}{os.environ['PATH']}"}
-    ui = subprocess.Popen(["bash", "-c", f"{cmd} --port {port}"], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+    servers = []
+    for cmd in cmds:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        servers.append((cmd, port, subprocess.Popen(["bash", "-c", f"{cmd} --port {port}"], cwd=cwd, env=env,
+                                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                                    start_new_session=True)))
 
-    def post(path, body):
+    def post(port, path, body):
         req = urllib.request.Request(f"http://127.0.0.1:{port}/ajax-api/2.0/mlflow/{path}", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         return json.loads(urllib.request.urlopen(req, timeout=10).read())
 
+    out = []
     try:
-        deadline = time.time() + 120
-        while True:
-            assert ui.poll() is None, f"{cmd!r} exited: {ui.stderr.read()[-2000:]}"
-            try:
-                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read().decode()
-                break
-            except OSError:
-                assert time.time() < deadline, "MLflow's UI did not answer within 120 s"
-                time.sleep(1)
-        assert "<!doctype html>" in page.lower()  # the UI's page itself, not only the API
-        found = [e for e in post("experiments/search", {"max_results": 100})["experiments"] if e["name"] != "Default"]
-        for e, n in zip(found, n_runs):
-            assert len(post("runs/search", {"experiment_ids": [e["experiment_id"]]})["runs"]) == n
-        return [e["name"] for e in found]
+        for cmd, port, ui in servers:
+            deadline = time.time() + 120
+            while True:
+                assert ui.poll() is None, f"{cmd!r} exited: {ui.stderr.read()[-2000:]}"
+                try:
+                    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read().decode()
+                    break
+                except OSError:
+                    assert time.time() < deadline, f"MLflow's UI ({cmd!r}) did not answer within 120 s"
+                    time.sleep(1)
+            assert "<!doctype html>" in page.lower()  # the UI's page itself, not only the API
+            found = [e for e in post(port, "experiments/search", {"max_results": 100})["experiments"]
+                     if e["name"] != "Default"]
+            for e in found:
+                assert len(post(port, "runs/search", {"experiment_ids": [e["experiment_id"]]})["runs"]) == n_runs
+            out.append([e["name"] for e in found])
+        return out
     finally:
-        os.killpg(ui.pid, signal.SIGTERM)
-        ui.wait(30)
+        for _, _, ui in servers:
+            os.killpg(ui.pid, signal.SIGTERM)
+        for _, _, ui in servers:
+            ui.wait(30)
 
 
 def _wandb_records(path: Path) -> list:
