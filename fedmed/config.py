@@ -379,25 +379,12 @@ class ExperimentConfig(_Strict):
             raise ValueError(f"federation.min_clients ({fed.min_clients}) should not exceed federation.sites "
                              f"({fed.sites})")
         seg = self.dataset.task == "segmentation"
-        for m in self.methods:
-            serves = type(m).serves
-            if "classification" not in serves and not seg:
-                raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} needs dataset.task: segmentation")
-            if seg and "segmentation" not in serves:
-                raise ValueError(f"method {m.name!r}: workflow {m.workflow!r} is for classification, not segmentation")
-            if seg and self.dataset.sources and m.workflow == "ditto":
-                raise ValueError(f"method {m.name!r}: Ditto is not available for 2D lesion segmentation (3D "
-                                 f"segmentation and classification have it)")
-            if m.workflow == "fedbn" and self.model.arch in ("resnet9", "resnet18") and self.model.norm != "batch":
-                raise ValueError(f"method {m.name!r}: FedBN keeps each site's batch-norm layers; model.norm is "
-                                 f"{self.model.norm!r} (set model.norm: batch)")
-            if m.workflow == "flux" and self.model.arch not in ("resnet9", "resnet18", "vit_small"):
-                raise ValueError(f"method {m.name!r}: Flux describes a site by the latents of fedmed's networks "
-                                 f"(forward_features); model.arch {self.model.arch!r} has none")
-            vit = m.workflow in ("fedmae", "finetune") or self.model.arch == "vit_small"
-            if vit and not seg and self.dataset.image_size != 32:
-                raise ValueError(f"method {m.name!r}: the Fed-MAE / fine-tuning ViT (fedmed.nn.mae.VIT_SMALL, patch 4) "
-                                 f"takes 32 x 32 images; set dataset.image_size: 32 (got {self.dataset.image_size})")
+        from fedmed.methods import check_vit_input
+
+        for m in self.methods:  # each method's own checks (fedmed.methods.Method.check_experiment)
+            m.check_experiment(self)
+            if self.model.arch == "vit_small" and not seg:
+                check_vit_input(m, self)
         return self
 
     _base_dir: Optional[Path] = PrivateAttr(None)

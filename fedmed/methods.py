@@ -55,6 +55,21 @@ class Method(Strict):
     clustered: ClassVar[bool] = False  # ends with one model per cluster
     onboards: ClassVar[bool] = False  # a new site is given a model after training (the workflow's assign_new_sites)
     plugin: ClassVar[Optional[str]] = None  # the module a plugin method comes from (set by register_method)
+    ssl_role: ClassVar[Optional[str]] = None  # its part in `fedmed ssl` (001_): "pretrain", "finetune", "clusters"
+    site_options_model: ClassVar[Optional[type]] = None  # a pydantic model of what its own site tasks read
+
+    def site_options(self, exp, seed: int) -> dict:
+        """The values of :attr:`site_options_model` for a run: they travel in the task config's ``method_options``,
+        validated by that model where the job is built and again at the site (:meth:`options_at_site`)."""
+        return {}
+
+    @classmethod
+    def options_at_site(cls, cfg):
+        """The method's site options as a site task reads them: ``cfg.method_options`` validated by the method's own
+        model (its defaults for what the job leaves out)."""
+        if cls.site_options_model is None:
+            raise MethodError(f"method {getattr(cls, '__name__', cls)}: no site_options_model")
+        return cls.site_options_model.model_validate(dict(getattr(cfg, "method_options", None) or {}))
 
     def workflow_options(self, exp, seed: int) -> dict:
         """The keyword options of its server workflow for a run of ``exp`` with ``seed``."""
@@ -68,6 +83,59 @@ class Method(Strict):
     def weights_file(self) -> Optional[str]:
         """A local weights file the method names (its encoder's), or None."""
         return None
+
+    @property
+    def site_weights(self) -> Optional[str]:
+        """The weights file every site holds in its weights folder and the task config names (its encoder's); None
+        when the method names none, or when its file is the server's own (:meth:`server_files`)."""
+        return self.weights_file
+
+    def server_files(self) -> list[tuple[str, str, str]]:
+        """``(local file, folder of the job's server files, file name there)`` of each file the server starts from
+        (e.g. a fine-tuning run's pre-trained encoder); copied into the job when it is built."""
+        return []
+
+    def check_experiment(self, exp) -> None:
+        """Raise ``ValueError`` (one line naming the method) when ``exp`` cannot run this method; called when the
+        config is validated. The base checks the dataset task against :attr:`serves`."""
+        seg = exp.dataset.task == "segmentation"
+        if "classification" not in self.serves and not seg:
+            raise ValueError(f"method {self.name!r}: workflow {self.workflow!r} needs dataset.task: segmentation")
+        if seg and "segmentation" not in self.serves:
+            raise ValueError(f"method {self.name!r}: workflow {self.workflow!r} is for classification, not "
+                             f"segmentation")
+
+    def check_files(self, exp) -> None:
+        """Raise ``ValueError`` when a file the method names is missing or does not fit (before any run)."""
+        w = self.weights_file
+        if w and not Path(w).is_file():
+            raise ValueError(f"method {self.name!r}: weights file {w} not found")
+
+    @classmethod
+    def training_assignment(cls, doc: dict) -> dict:
+        """site -> cluster after a finished training run, from its record (``metrics.json``), for a run that kept no
+        ``onboarding.json``: one cluster by default."""
+        return {s: 0 for s in doc["rounds"][-1]["sites"]} if doc.get("rounds") else {}
+
+
+def _check_encoder_files(method, exp, name: str, in_channels: int, image_size: Optional[int] = None) -> None:
+    """An unknown encoder, a missing or mismatched weights file: ``ValueError`` before anything is sent."""
+    from fedmed.nn.encoders import ENCODERS, build_encoder
+
+    weights = method.weights_file
+    if name not in ENCODERS:
+        build_encoder(name)  # EncoderError (a ValueError) naming it
+    if weights:
+        if not Path(weights).is_file():
+            raise ValueError(f"encoder {name}: weights file {weights} not found")
+        build_encoder(name, weights=weights, in_channels=in_channels, image_size=image_size)
+
+
+def check_vit_input(method, exp) -> None:
+    """The ViT of Fed-MAE and fine-tuning (``model.arch: vit_small`` too) takes 32 x 32 images."""
+    if exp.dataset.task != "segmentation" and exp.dataset.image_size != 32:
+        raise ValueError(f"method {method.name!r}: the Fed-MAE / fine-tuning ViT (fedmed.nn.mae.VIT_SMALL, patch 4) "
+                         f"takes 32 x 32 images; set dataset.image_size: 32 (got {exp.dataset.image_size})")
 
 
 # --------------------------------------------------------------------------------------------- built-in methods
@@ -117,6 +185,12 @@ class FedBNMethod(Method):
     def task_options(self, exp, seed):
         return {"train": {"local_norm": True}}
 
+    def check_experiment(self, exp):
+        super().check_experiment(exp)
+        if exp.model.arch in ("resnet9", "resnet18") and exp.model.norm != "batch":
+            raise ValueError(f"method {self.name!r}: FedBN keeps each site's batch-norm layers; model.norm is "
+                             f"{exp.model.norm!r} (set model.norm: batch)")
+
 
 class SignatureMethod(Method, _Encoder, _Clusters):
     """FMCL, PACFL and FECFL: one signature per site, clustered once (``fedmed.workflows.clustered``)."""
@@ -125,10 +199,14 @@ class SignatureMethod(Method, _Encoder, _Clusters):
     site_tasks: ClassVar[tuple] = ("signature", "train", "validate")
     clustered: ClassVar[bool] = True
     onboards: ClassVar[bool] = True
+    ssl_role: ClassVar[Optional[str]] = "clusters"  # fedmed ssl: clusters from the Fed-MAE encoder (001_ + FMCL)
 
     @property
     def weights_file(self):
         return self.encoder_weights
+
+    def check_files(self, exp):
+        _check_encoder_files(self, exp, self.encoder, exp.dataset.channels, self.encoder_image_size)
 
     def signature_options(self) -> dict:
         """The kind's own signature options (PACFL: its subspaces)."""
@@ -202,6 +280,16 @@ class FluxMethod(Method):
     clustered: ClassVar[bool] = True
     onboards: ClassVar[bool] = True
 
+    def check_experiment(self, exp):
+        super().check_experiment(exp)
+        if exp.model.arch not in ("resnet9", "resnet18", "vit_small"):
+            raise ValueError(f"method {self.name!r}: Flux describes a site by the latents of fedmed's networks "
+                             f"(forward_features); model.arch {exp.model.arch!r} has none")
+
+    @classmethod
+    def training_assignment(cls, doc):
+        return {k: int(v) for k, v in doc.get("assignment", {}).items()}  # the run's last clustering
+
     def workflow_options(self, exp, seed):
         return {"flux": {"pca_seed": seed, "box": self.box, "absent_class": self.absent_class},
                 "participation": self.participation, "n_clusters": self.n_clusters or 0,
@@ -221,6 +309,11 @@ class IFCAMethod(Method):
     clustered: ClassVar[bool] = True
     onboards: ClassVar[bool] = True
 
+    @classmethod
+    def training_assignment(cls, doc):
+        train_rounds = [r for r in doc["rounds"] if r["task"] == "train"]  # each site's choice in the last round
+        return {s: int(v["cluster"]) for s, v in train_rounds[-1]["sites"].items()} if train_rounds else {}
+
     def workflow_options(self, exp, seed):
         return {"k": self.n_clusters, "participation": self.participation, "empty_cluster": self.empty_cluster}
 
@@ -238,6 +331,11 @@ class SegAssessMethod(Method):
     @property
     def weights_file(self):
         return self.encoder_weights
+
+    def check_files(self, exp):
+        if self.weights_file:  # 3D: MedicalNet; 2D lesions: EfficientNet-Lite0
+            _check_encoder_files(self, exp, "efficientnet_lite0" if exp.dataset.sources else "medicalnet_resnet18",
+                                 exp.dataset.channels if exp.dataset.sources else 1)
 
     def workflow_options(self, exp, seed):
         return {"mode": self.mode, **self.assessment_options()}
@@ -283,6 +381,12 @@ class DittoMethod(Method):
     ditto_lambda: float = Field(0.1, gt=0)
     serves: ClassVar[tuple] = ("classification", "segmentation")
 
+    def check_experiment(self, exp):
+        super().check_experiment(exp)
+        if exp.dataset.task == "segmentation" and exp.dataset.sources:
+            raise ValueError(f"method {self.name!r}: Ditto is not available for 2D lesion segmentation (3D "
+                             f"segmentation and classification have it)")
+
     def task_options(self, exp, seed):
         return {"ditto_lambda": self.ditto_lambda}
 
@@ -300,9 +404,15 @@ class FedMAEMethod(Method):
     local_epochs: int = Field(10, ge=1)
     batch_size: int = Field(64, ge=2)
 
+    ssl_role: ClassVar[Optional[str]] = "pretrain"
+
     def task_options(self, exp, seed):
         return {"task": "mae", "mae": {"mask_ratio": self.mask_ratio, "base_lr": self.base_lr, "warmup": self.warmup,
                                        "rounds": exp.train.rounds}}
+
+    def check_experiment(self, exp):
+        super().check_experiment(exp)
+        check_vit_input(self, exp)
 
 
 class FinetuneMethod(Method):
@@ -318,10 +428,30 @@ class FinetuneMethod(Method):
     local_only: bool = Field(True, description="also report every site fine-tuning alone (reference)")
     server: ClassVar = "finetune:Finetune"
     site_tasks: ClassVar[tuple] = ("class_set", "train", "validate")
+    ssl_role: ClassVar[Optional[str]] = "finetune"
 
     @property
     def weights_file(self):
         return self.encoder_weights  # the Fed-MAE encoder: the server's, carried in the job (never a site's)
+
+    @property
+    def site_weights(self):
+        return None  # the server's file (server_files), never in a site's weights folder
+
+    def server_files(self):
+        from fedmed.core.jobfiles import FINETUNE_INIT
+
+        return [(self.encoder_weights, FINETUNE_INIT, "encoder.pt")] if self.init == "fedmae" else []
+
+    def check_experiment(self, exp):
+        super().check_experiment(exp)
+        check_vit_input(self, exp)
+
+    def check_files(self, exp):
+        w = self.weights_file
+        if self.init == "fedmae" and (not w or not Path(w).is_file()):
+            raise ValueError(f"method {self.name!r}: init 'fedmae' needs encoder_weights, the Fed-MAE run's "
+                             f"models/encoder.pt (got {w!r})")
 
     def workflow_options(self, exp, seed):
         return {"init": self.init, "prep_wfl": self.prep_wfl}

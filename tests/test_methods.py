@@ -155,11 +155,12 @@ def test_a_plugin_method_runs_in_process_and_in_flares_simulator_with_the_same_m
     cfg = plugin_files(user)
     assert sorted(p.name for p in user.iterdir()) == ["majority_split.py", "study.yaml"]  # all a new method needs
     exp = load_config(cfg)
-    assert "majority_split" in METHODS and exp.methods[0].min_share == 0.6
+    assert "majority_split" in METHODS and exp.methods[0].min_share == 0.6 and exp.methods[0].min_count == 3
     data = prepare_federation(exp, 0, user / "data")
     exp = with_classes(exp, data)
     spec = job_spec(exp, exp.methods[0], 0)
     assert spec.task_config["plugins"] == ["majority_split"]
+    assert spec.task_config["method_options"] == {"min_count": 3}  # the plugin task's own option, in the open key
     assert [Path(src).name for src, _ in spec.user_code] == ["majority_split.py"]  # the job carries the file
 
     status, fed = run_spec_in_process(spec, data, tmp_path / "inproc")
@@ -167,6 +168,7 @@ def test_a_plugin_method_runs_in_process_and_in_flares_simulator_with_the_same_m
     ours = fed.recorder.doc
     assert [t["task"] for t in ours["task_log"]][0] == "class_counts"
     groups = ours["clustering"]["clusters"]
+    assert ours["clustering"]["min_count"] == [3]  # every site read it through the method's own model
     assert sorted(s for g in groups for s in g) == exp.site_names()
 
     p = subprocess.run([sys.executable, str(ROOT / "jobs" / "run.py"), "--config", "study.yaml", "--method",
@@ -179,7 +181,7 @@ def test_a_plugin_method_runs_in_process_and_in_flares_simulator_with_the_same_m
     assert sim.is_relative_to(user / "ws")
     assert list((user / "jobs").rglob("custom/fedmed_user_code/majority_split.py"))
     sim_doc = json.loads((sim / "metrics.json").read_text())
-    assert sim_doc["clustering"]["clusters"] == groups
+    assert sim_doc["clustering"]["clusters"] == groups and sim_doc["clustering"]["min_count"] == [3]
     a, b = _models(sim / "models"), _models(tmp_path / "inproc" / "models")
     assert sorted(a) == sorted(b) == [f"cluster{c}.pt" for c in range(len(groups))]
     for f in a:
@@ -230,3 +232,46 @@ def test_every_method_names_the_weights_file_it_was_given():
         if "encoder_weights" in cls.model_fields:
             m = cls.model_validate({"name": "m", "workflow": name, "encoder_weights": "w.pth"})
             assert m.weights_file == "w.pth", name
+
+
+# ------------------------------------------------------------------ a method owns its slice (#55)
+
+def _name_branches(source: str, names: set) -> list[int]:
+    """Lines of ``source`` that compare a ``workflow`` (an attribute or a variable of that name, or ``.method``) with
+    a built-in method's name, or look one up by name (``METHODS["flux"]``, ``method_class("ifca")``)."""
+    import ast
+
+    def consts(node):
+        return [n.lineno for n in ast.walk(node) if isinstance(n, ast.Constant) and n.value in names]
+
+    def names_a_workflow(node):
+        return any(isinstance(n, ast.Attribute) and n.attr in ("workflow", "method")
+                   or isinstance(n, ast.Name) and n.id == "workflow" for n in ast.walk(node))
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(names_a_workflow(x) for x in [node.left, *node.comparators]):
+            out += consts(node)
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in ("METHODS",
+                                                                                                     "WORKFLOWS"):
+            out += consts(node.slice)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in (
+                "method_class", "server_workflow", "workflows_for"):
+            out += [ln for a in node.args for ln in consts(a)]
+    return out
+
+
+def test_no_built_in_method_is_named_outside_its_own_slice():
+    """What a method needs elsewhere (checks of the experiment, the files it names, the server's files, how its
+    assignment is read back, its part in `fedmed ssl`) is a hook of its class in fedmed/methods.py; no other module of
+    fedmed, fedmed_flare or jobs/ compares a workflow with a built-in method's name or looks one up by name."""
+    from fedmed.methods import METHODS
+
+    names = {w for w, c in METHODS.items() if c.plugin is None}
+    assert _name_branches('if m.workflow == "fedbn" and x:\n    pass\nc = METHODS["flux"]\n'
+                          'ok = workflow in ("fedmae", "finetune")\nmethod_class("ifca")\n', names) == [1, 3, 4, 4, 5]
+    assert _name_branches('kind = sig["kind"]\nif kind == "fmcl":\n    pass\n', names) == []  # a signature kind
+    files = [f for f in sorted((ROOT / "fedmed").rglob("*.py")) if f.name != "methods.py" and "workflows" not in f.parts]
+    files += sorted((ROOT / "fedmed_flare").rglob("*.py")) + sorted((ROOT / "jobs").rglob("*.py"))
+    bad = [f"{f.relative_to(ROOT)}:{ln}" for f in files for ln in _name_branches(f.read_text(), names)]
+    assert bad == []

@@ -318,6 +318,9 @@ class TaskConfig(Strict):
     assess: Optional[AssessTask] = None
     encoder_weights: Optional[WeightsRef] = Field(None, description="the encoder's weights file, which every site "
                                                   "holds in its weights folder (None: seeded random init)")
+    method_options: dict = Field(default_factory=dict, description="the options of the method's own site tasks (a "
+                                 "plugin's): an open key, validated at the site by the method's own model "
+                                 "(fedmed.methods.Method.site_options_model)")
     tracking: list[str] = Field(default_factory=list, description="where the job's server sends metrics besides its "
                                 "own workspace (fedmed.core.policy.tracking_destinations): a site sends its per-round "
                                 "metrics to the trackers only where its policy's 'tracking' allows every one")

@@ -354,18 +354,13 @@ def _stage_resume(resume_from: Path | None, work: Path) -> Path | None:
     return staged
 
 
-def training_assignment(doc: dict, workflow: str, folder: Path | None = None) -> dict:
-    """site -> cluster after training (what the run kept for onboarding, ``onboarding.json``; else Flux: its
-    assignment; IFCA: last training round's choice; one cluster)."""
+def training_assignment(doc: dict, method, folder: Path | None = None) -> dict:
+    """site -> cluster after training: what the run kept for onboarding (``onboarding.json``), else what the method
+    reads from its record (:meth:`fedmed.methods.Method.training_assignment`)."""
     f = Path(folder) / "onboarding.json" if folder is not None else None
     if f is not None and f.is_file():
         return {s: int(c) for c, members in json.loads(f.read_text())["clusters"].items() for s in members}
-    if workflow == "flux":
-        return {k: int(v) for k, v in doc.get("assignment", {}).items()}
-    if workflow == "ifca":
-        train_rounds = [r for r in doc["rounds"] if r["task"] == "train"]
-        return {s: int(v["cluster"]) for s, v in train_rounds[-1]["sites"].items()} if train_rounds else {}
-    return {s: 0 for s in doc["rounds"][-1]["sites"]}
+    return type(method).training_assignment(doc)
 
 
 def known_association(groups: dict, assign: dict, unseen: list) -> dict:
@@ -805,7 +800,7 @@ def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict
 def _unseen(exp, m, seed, data_dir, work, doc, meta, log) -> list[dict]:
     from sklearn.metrics import adjusted_rand_score
 
-    assign = training_assignment(doc, m.workflow, work / "server")
+    assign = training_assignment(doc, m, work / "server")
     groups = meta.get("groups")  # known only for ANDA federations
     trained = sorted(assign)
     ari = (float(adjusted_rand_score([groups[x] for x in trained], [assign[x] for x in trained]))

@@ -110,21 +110,14 @@ def check_encoder(name: str, weights: str | None, *, in_channels: int = 1, image
 
 
 def check_method_files(exp, method) -> None:
-    """The files a method names exist and fit (its encoder, its init): checked before any run of an experiment."""
-    from fedmed.methods import FinetuneMethod, SegAssessMethod, SignatureMethod
-
-    weights = method.weights_file
-    if isinstance(method, FinetuneMethod):
-        if method.init == "fedmae" and (not weights or not Path(weights).is_file()):
-            raise BuildError(f"method {method.name!r}: init 'fedmae' needs encoder_weights, the Fed-MAE run's "
-                             f"models/encoder.pt (got {weights!r})")
-    elif isinstance(method, SignatureMethod):
-        check_encoder(method.encoder, weights, in_channels=exp.dataset.channels, image_size=method.encoder_image_size)
-    elif isinstance(method, SegAssessMethod) and weights:  # 3D: MedicalNet; 2D lesions: EfficientNet-Lite0
-        check_encoder("efficientnet_lite0" if exp.dataset.sources else "medicalnet_resnet18", weights,
-                      in_channels=exp.dataset.channels if exp.dataset.sources else 1)
-    elif weights and not Path(weights).is_file():
-        raise BuildError(f"method {method.name!r}: weights file {weights} not found")
+    """The files a method names exist and fit (its encoder, its init): checked before any run of an experiment
+    (:meth:`fedmed.methods.Method.check_files`)."""
+    try:
+        method.check_files(exp)
+    except BuildError:
+        raise
+    except ValueError as e:
+        raise BuildError(str(e)) from None
 
 
 def tracking_settings(exp) -> dict:
@@ -166,18 +159,17 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
     _network_files(exp, cfg, user_code, server_files)
     _plugin_files(exp, user_code)
     check_method_files(exp, method)
-    weights = method.weights_file
-    if method.workflow == "finetune" and method.init == "fedmae":
+    weights = method.site_weights
+    for src, dest, filename in method.server_files():  # a file the server starts from: copied into the job
         init_dir = Path(tempfile.mkdtemp(prefix="fedmed_init_"))
-        shutil.copy(weights, init_dir / "encoder.pt")
-        server_files.append([str(init_dir), jobfiles.FINETUNE_INIT])
+        shutil.copy(src, init_dir / filename)
+        server_files.append([str(init_dir), dest])
     fed = exp.federation
     common = dict(sites=names, min_clients=min_clients(fed.min_clients, names),
                   task_request_interval=fed.task_request_interval, user_code=user_code,
                   tracking=tracking_settings(exp),
                   simulation={"k_min": exp.privacy.k_min,
-                              "weights": str(Path(weights).resolve()) if weights and method.workflow != "finetune"
-                              else None})
+                              "weights": str(Path(weights).resolve()) if weights else None})
     if common["min_clients"] < fed.min_clients:
         import sys
 

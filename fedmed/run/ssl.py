@@ -143,12 +143,12 @@ def run_ssl(config_path: str, out_dir, *, overrides: list[str] | None = None, re
 
     overrides = list(overrides or [])
     exp = load_config(config_path, overrides)
-    pre = [m for m in exp.methods if m.workflow == "fedmae"]
-    fts = [m for m in exp.methods if m.workflow == "finetune"]
+    pre = [m for m in exp.methods if m.ssl_role == "pretrain"]
+    fts = [m for m in exp.methods if m.ssl_role == "finetune"]
     if len(pre) != 1 or not fts:
         raise ValueError(f"{config_path}: fedmed ssl needs exactly one fedmae method and at least one finetune method")
     pre = pre[0]
-    ft_cases = [c for c in exp.sweep if not any(next(m for m in exp.methods if m.name == n).workflow == "fmcl"
+    ft_cases = [c for c in exp.sweep if not any(next(m for m in exp.methods if m.name == n).ssl_role == "clusters"
                                                 for n in (c.methods or []))]
     enc_cases = [c for c in exp.sweep if c not in ft_cases]
     out = Path(out_dir)

@@ -53,10 +53,19 @@ def fedmed_config(exp, seed: int, method, sites: list[str] | None) -> dict:
         cfg = {"task": "classification", **common, "classes": list(exp.dataset.classes),
                "data": {"image_size": exp.dataset.image_size, "channels": exp.dataset.channels,
                         "n_classes": len(exp.dataset.classes)}}
+    opts = method.site_options(exp, seed)
+    if opts:  # a method's own site options (a plugin's): its model checks them here, and again at the site
+        model = type(method).site_options_model
+        if model is None:
+            raise BuildError(f"method {method.name!r}: site_options without a site_options_model")
+        try:
+            cfg["method_options"] = model.model_validate(opts).model_dump(mode="json")
+        except ValueError as e:
+            raise BuildError(f"method {method.name!r}: site options: {str(e).splitlines()[0]}") from None
     for key, value in method.task_options(exp, seed).items():  # a section it adds, or keys of one it completes
         cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
-    if method.weights_file and method.workflow != "finetune":  # finetune's file is the server's (jobs/build.py)
-        _name_weights(cfg, method.weights_file)
+    if method.site_weights:  # a file every site holds (a server's own file is not named here: Method.server_files)
+        _name_weights(cfg, method.site_weights)
     return cfg
 
 

@@ -215,6 +215,38 @@ class Workflow:
         ok = {r.site for r in self.record_rows(round_, [r for rows in replies.values() for r in rows], task_name)}
         return {c: [r for r in rows if r.site in ok] for c, rows in replies.items()}
 
+    def train_clusters(self, clusters: list, *, warmup: int = 0, **state) -> list:
+        """Step: one model per cluster — FedAvg inside each cluster from the start round to R (resumed from a
+        checkpoint), then every site scores its cluster's model, and each cluster's final model is saved
+        (``cluster<c>``). ``warmup`` W > 0: FedAvg of the whole federation for rounds 0..W-1 first, every cluster
+        model starting from it. ``state``: what a resumed run needs besides the clusters (kept in each checkpoint).
+        Returns the clusters (of the federation's sites)."""
+        clusters = [[s for s in c if s in self.sites] for c in clusters]
+        saved = self.resumed_models()
+        start = self.start_round()
+        if start < warmup:  # FedAvg of the whole federation first; every cluster model starts from it
+            theta0 = saved.get("global") or self.initial_params()
+            for r in range(start, warmup):
+                rows = self.record_rows(r, self.send("train", self.task(theta0, r), targets=sorted(
+                    {s for c in clusters for s in c})), "train")
+                theta0 = self.aggregate(rows, base=theta0)
+                self.checkpoint(r + 1, {"global": theta0}, clusters=clusters, **state)
+            self.info(f"FedAvg warm-up of {warmup} round(s) done; cluster models start from it")
+            saved, start = {"global": theta0}, warmup
+        theta = {c: saved.get(f"cluster{c}") or saved.get("global") or self.initial_params() for c in range(len(clusters))}
+        for r in range(start, self.num_rounds + 1):
+            task = "train" if r < self.num_rounds else "validate"
+            replies = self.cluster_round(r, task, theta, dict(enumerate(clusters)))
+            if task == "train":
+                for c, good in replies.items():
+                    if good:
+                        theta[c] = self.aggregate(good, base=theta[c], key=f"cluster{c}")
+                self.checkpoint(r + 1, {f"cluster{c}": t for c, t in theta.items()}, clusters=clusters, **state)
+        for c, sites in enumerate(clusters):
+            if sites:
+                self.save_final(theta[c], name=f"cluster{c}", sites=sites, cluster=c)
+        return clusters
+
     def aggregate(self, rows, base: dict | None = None, key: str = "global") -> dict:
         """The new model from the sites' updates: the workflow's aggregator (FedAvg's weighted average unless one is
         passed in, as FLARE's ModelAggregator is); with a server optimizer (``train.server_opt``, FedOpt) and the

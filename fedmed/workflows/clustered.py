@@ -51,7 +51,7 @@ class OneShotClustered(FedAvg):
             sigs = self.collect_signatures()
             clusters = self.cluster(sigs)
             signatures = {s: wire_only(self.signature.kind, m) for s, m in sigs.items()}
-        clusters = self.train_clusters(clusters, signatures=signatures)
+        clusters = self.train_clusters(clusters, warmup=self.fedavg_warmup, signatures=signatures)
         c = self.clustering
         self.save_onboarding("signature", dict(enumerate(clusters)), signatures=signatures,
                              signature=self.signature.model_dump(),
@@ -96,34 +96,6 @@ class OneShotClustered(FedAvg):
         self.recorder.note("clustering", {**info, "sites": names})
         self.info(f"clusters ({info['rule']}): {info['clusters']}")
         return [list(c) for c in info["clusters"]]
-
-    def train_clusters(self, clusters: list, **state):
-        """Per-cluster FedAvg from the start round to R, then every site scores its cluster's model."""
-        clusters = [[s for s in c if s in self.sites] for c in clusters]
-        saved = self.resumed_models()
-        start = self.start_round()
-        if start < self.fedavg_warmup:  # FedAvg of the whole federation first; every cluster model starts from it
-            theta0 = saved.get("global") or self.initial_params()
-            for r in range(start, self.fedavg_warmup):
-                rows = self.record_rows(r, self.send("train", self.task(theta0, r), targets=sorted(
-                    {s for c in clusters for s in c})), "train")
-                theta0 = self.aggregate(rows, base=theta0)
-                self.checkpoint(r + 1, {"global": theta0}, clusters=clusters, **state)
-            self.info(f"FedAvg warm-up of {self.fedavg_warmup} round(s) done; cluster models start from it")
-            saved, start = {"global": theta0}, self.fedavg_warmup
-        theta = {c: saved.get(f"cluster{c}") or saved.get("global") or self.initial_params() for c in range(len(clusters))}
-        for r in range(start, self.num_rounds + 1):
-            task = "train" if r < self.num_rounds else "validate"
-            replies = self.cluster_round(r, task, theta, dict(enumerate(clusters)))
-            if task == "train":
-                for c, good in replies.items():
-                    if good:
-                        theta[c] = self.aggregate(good, base=theta[c], key=f"cluster{c}")
-                self.checkpoint(r + 1, {f"cluster{c}": t for c, t in theta.items()}, clusters=clusters, **state)
-        for c, sites in enumerate(clusters):
-            if sites:
-                self.save_final(theta[c], name=f"cluster{c}", sites=sites, cluster=c)
-        return clusters
 
     # ------------------------------------------------------------------ a new site after training (fedmed.workflows.onboard)
     onboard_needs_state = True

@@ -1,15 +1,15 @@
 """``004_`` (Alekseenko et al.): assess the federation, then train a model that is better for it."""
 
 
+from fedmed.workflows.fedavg import FedAvg
 from fedmed.workflows.federation import RunFailed
-from fedmed.workflows.clustered import OneShotClustered
 
 
 # what a site's assessment reply holds that the distances read (histograms, their edges, embedding centroids)
 ASSESSMENT_KEYS = ("intensity__", "label__", "edges__", "embedding_centroid", "embeddings", "encoder")
 
 
-class SegAssessment(OneShotClustered):
+class SegAssessment(FedAvg):
     """Algorithm box (``004_`` §2-3):
 
     1. one ``assess`` task: sites send metadata histograms and an embedding centroid (aggregates of at
@@ -28,7 +28,7 @@ class SegAssessment(OneShotClustered):
                  omega: float | None = None, site: str | None = None, clusters: list | None = None, **kw):
         """``mode`` and the options of its method (``fedmed.methods``: FedAvg_w's distance, omega, site; the two-cluster
         split's distance, clusters); None: an option the mode does not take."""
-        super().__init__(num_rounds, fedmed_config, signature={}, clustering={}, fedavg_warmup=0, **kw)
+        super().__init__(num_rounds, fedmed_config, **kw)
         self.omega = omega
         self.assessed: dict = {}
         self.max_intensity = None  # the modality of EMD_maxI in the run's assessment
@@ -78,6 +78,8 @@ class SegAssessment(OneShotClustered):
 
     # ------------------------------------------------------------------ a new site after training (fedmed.workflows.onboard)
     onboard_label_free = True
+    onboard_needs_state = True  # the run's onboarding.json: its clusters and the training sites' assessment
+    onboard_pseudo_labels = True
 
     @classmethod
     def onboard_is_label_free(cls, state: dict) -> bool:
