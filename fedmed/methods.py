@@ -69,7 +69,9 @@ class Method(Strict):
         model (its defaults for what the job leaves out)."""
         if cls.site_options_model is None:
             raise MethodError(f"method {getattr(cls, '__name__', cls)}: no site_options_model")
-        return cls.site_options_model.model_validate(dict(getattr(cfg, "method_options", None) or {}))
+        from fedmed.core.schema import task_config
+
+        return cls.site_options_model.model_validate(dict(task_config(cfg).method_options))
 
     def workflow_options(self, exp, seed: int) -> dict:
         """The keyword options of its server workflow for a run of ``exp`` with ``seed``."""

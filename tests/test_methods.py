@@ -258,7 +258,7 @@ def _name_branches(source: str, names: set) -> list[int]:
         elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in (
                 "method_class", "server_workflow", "workflows_for"):
             out += [ln for a in node.args for ln in consts(a)]
-    return out
+    return sorted(out)
 
 
 def test_no_built_in_method_is_named_outside_its_own_slice():
