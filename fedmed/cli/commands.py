@@ -253,8 +253,10 @@ def cmd_ssl(a):
     from fedmed.run.ssl import run_ssl
 
     out = a.out or str(Path("results") / Path(a.config).stem)
-    run_ssl(a.config, out, overrides=a.set, resume=a.resume,
-            command=" ".join(["fedmed ssl", a.config, *[f"--set {x}" for x in a.set]]))
+    import shlex
+
+    words = ["fedmed", "ssl", a.config, "--out", out, *[w for x in a.set for w in ("--set", x)]]
+    run_ssl(a.config, out, overrides=a.set, resume=a.resume, command=" ".join(shlex.quote(w) for w in words))
     print((Path(out) / "summary.md").read_text())
 
 
