@@ -206,7 +206,7 @@ class WorkflowController(Federation, ModelController):
             self.error(f"site {s} never registered; going on without it")
         if len(sites) < self.min_clients:
             raise RunFailed(f"{len(sites)} site(s) registered {sites}, fewer than min_clients={self.min_clients}")
-        self.recorder.doc["sites"] = sites
+        self.recorder.set_sites(sites)
         return sites
 
     # ------------------------------------------------------------------ exchanges
@@ -241,8 +241,7 @@ class WorkflowController(Federation, ModelController):
             if not sites:
                 continue
             targets |= set(sites)
-            self.recorder.doc.setdefault("task_log", []).append(
-                {"task": task_name, "round": data.current_round, "sites": sites, "cluster": key})
+            self.recorder.log_task(task_name, data.current_round, sites, key)
             self.send_model(task_name=task_name, data=data, targets=sites, timeout=max(1, int(round(timeout))),
                             callback=lambda model, key=key: replies[key].append(model))
         t0 = time.time()

@@ -237,6 +237,23 @@ class Recorder:
         self.doc[key] = value
         self.write()
 
+    def set_sites(self, sites: list[str]) -> None:
+        """The sites the run started with (registered, or named)."""
+        self.doc["sites"] = list(sites)
+
+    def log_task(self, task: str, round_: int, sites: list[str], cluster) -> None:
+        """One message sent: its task, round, receiving sites and the cluster whose model it carried."""
+        self.doc.setdefault("task_log", []).append({"task": task, "round": round_, "sites": list(sites),
+                                                     "cluster": cluster})
+
+    def checkpointed(self, round_: int) -> None:
+        """The last round a checkpoint holds."""
+        self.doc["checkpoint_round"] = int(round_)
+
+    def recent_errors(self, n: int = 3) -> list[str]:
+        """The last ``n`` site errors, as recorded."""
+        return [e["error"] for e in self.doc["errors"][-n:]]
+
     def write(self) -> None:
         text = json.dumps(strict_json(self.doc), indent=1, allow_nan=False)
         tmp = self.out_dir / "metrics.json.tmp"

@@ -134,4 +134,4 @@ class CFL(FedAvg):
                 c = max(clusters, key=lambda k: len(set(clusters[k]) & set(node)))
             assign[s] = c
         ob.recorder.note("onboarding", {"cfl_path": path})
-        return ob.some(assign)
+        return ob.assigned(assign)

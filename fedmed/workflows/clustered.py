@@ -119,7 +119,7 @@ class OneShotClustered(FedAvg):
         if not ob.labels and sig["kind"] not in cls.LABEL_FREE_KINDS:
             return cls._assign_signature_pseudo(ob, state, clusters, models, sig, trained)
         assign, dists = {}, {}
-        for s, (meta, _) in ob._replies("signature", ob.task({}, 0, signature=sig), "signature").items():
+        for s, (meta, _) in ob.new_site_replies("signature", ob.task({}, 0, signature=sig), "signature").items():
             if meta.get("encoder", "?") not in encoders:
                 ob.recorder.error(0, s, "signature", f"{s}: signature made with encoder {meta.get('encoder')}, the "
                                     f"run's sites used {encoders}")
@@ -137,7 +137,7 @@ class OneShotClustered(FedAvg):
             row = {n: float(D[i, j]) for j, n in enumerate(names) if n != s and np.isfinite(D[i, j])}
             assign[s], dists[s] = assign_by_linkage(row, clusters, state["clustering"]["linkage"])
         ob.recorder.note("onboarding", {"distances": dists, "linkage": state["clustering"]["linkage"]})
-        return ob.some(assign)
+        return ob.assigned(assign)
 
 
     @classmethod
@@ -169,4 +169,4 @@ class OneShotClustered(FedAvg):
                     dists.setdefault(s, {})[int(c)] = assign_by_linkage(row, {c: clusters[str(c)]}, linkage)[1][int(c)]
         assign = {s: min(sorted(d), key=lambda c: d[c]) for s, d in dists.items()}
         ob.recorder.note("onboarding", {"distances": dists, "linkage": linkage, "pseudo_labels": True})
-        return ob.some(assign)
+        return ob.assigned(assign)

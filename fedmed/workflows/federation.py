@@ -244,7 +244,7 @@ class Federation:
                "record": self.recorder.doc, "models": sorted(models)}
         (out / "state.tmp.json").write_text(json.dumps(doc, default=json_default, allow_nan=True))
         (out / "state.tmp.json").replace(out / "state.json")
-        self.recorder.doc["checkpoint_round"] = int(next_round) - 1
+        self.recorder.checkpointed(int(next_round) - 1)
         memtrace.trim()  # freed message buffers back to the system once per round
         memtrace.checkpoint("server", int(next_round) - 1)  # no-op unless benchmarks/bench_memory.py --trace
 

@@ -152,5 +152,5 @@ class Flux(FedAvg):
         theta_star = {k[len("theta_star/"):]: z[k] for k in z.files if k.startswith("theta_star/")}
         flux = {"lo": z["lo"].tolist(), "hi": z["hi"].tolist(), "pca_seed": int(z["pca_seed"]),
                 "n_components": int(z["n_components"]), "label_free": True}
-        return ob.some({s: assign_nearest(meta["label_free"], z["centroids_label_free"]) for s, (meta, _) in
-                           ob._replies("descriptor", ob.task(theta_star, 0, flux=flux), "descriptor").items()})
+        return ob.assigned({s: assign_nearest(meta["label_free"], z["centroids_label_free"]) for s, (meta, _) in
+                           ob.new_site_replies("descriptor", ob.task(theta_star, 0, flux=flux), "descriptor").items()})

@@ -70,10 +70,10 @@ class IFCA(FedAvg):
         labels: each model against its own predicted classes (the most confident model)."""
         ids = sorted(models)
         packed = pack_models([models[c] for c in ids])
-        replies = ob._replies("ifca", ob.task(packed, 0, ifca={"k": len(ids), "train": False,
+        replies = ob.new_site_replies("ifca", ob.task(packed, 0, ifca={"k": len(ids), "train": False,
                                                                     "pseudo_labels": not ob.labels}), "losses")
         ob.recorder.note("onboarding", {"losses": {s: dict(zip(ids, m["losses"])) for s, (m, _) in replies.items()}})
-        return ob.some({s: ids[int(m["cluster"])] for s, (m, _) in replies.items()})
+        return ob.assigned({s: ids[int(m["cluster"])] for s, (m, _) in replies.items()})
 
     @classmethod
     def after_onboarding(cls, ob, models: dict, sizes: dict) -> None:

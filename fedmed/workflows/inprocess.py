@@ -122,7 +122,7 @@ class InProcessFederation(Federation):
         sites = sorted(self.site_names)
         if len(sites) < self.min_clients:
             raise RunFailed(f"{len(sites)} site(s) {sites}, fewer than min_clients={self.min_clients}")
-        self.recorder.doc["sites"] = sites
+        self.recorder.set_sites(sites)
         return sites
 
     def send_groups(self, task_name: str, groups: dict) -> dict:
@@ -135,8 +135,7 @@ class InProcessFederation(Federation):
         torch.set_num_threads(self.threads)
         try:
             for key, (msg, sites) in groups.items():
-                self.recorder.doc.setdefault("task_log", []).append(
-                    {"task": task_name, "round": msg.round, "sites": sorted(sites), "cluster": key})
+                self.recorder.log_task(task_name, msg.round, sorted(sites), key)
                 rows = []
                 for s in sorted(sites):
                     params = {k: np.array(v, copy=True) for k, v in (msg.params or {}).items()}

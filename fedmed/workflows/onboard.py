@@ -161,17 +161,18 @@ class Onboard(Workflow):
             src = self.root / f"cluster{c}.pt"
             shutil.copy(src if src.is_file() else self.root / "global.pt", out / f"{s}.pt")
 
-    def _replies(self, task: str, message, what: str) -> dict:
-        """meta of each new site's reply to ``task``; a site that could not answer is recorded and left unassigned."""
+    def new_site_replies(self, task: str, message, what: str) -> dict:
+        """Step: ``{site: (meta, params)}`` of each new site's reply to ``task``; a site that could not answer is
+        recorded and left unassigned; none answering fails the run."""
         out = {s: (r.meta, r.params) for s, r in self.gather(task, message, what, round_=0, who="new site",
                                                               consequence="cannot be assigned").items()}
         if not out:
-            raise RunFailed(f"no new site sent its {what}: " + "; ".join(
-                e["error"] for e in self.recorder.doc["errors"][-3:]))
+            raise RunFailed(f"no new site sent its {what}: " + "; ".join(self.recorder.recent_errors(3)))
         return out
 
     # ------------------------------------------------------------------ one assignment per mode
-    def some(self, assign: dict) -> dict:
+    def assigned(self, assign: dict) -> dict:
+        """``assign`` ({new site: cluster}), or the run fails when no new site could be assigned."""
         if not assign:
             raise RunFailed("no new site could be assigned a cluster (see the errors)")
         return assign

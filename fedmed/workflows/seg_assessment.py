@@ -105,7 +105,7 @@ class SegAssessment(FedAvg):
             raise RunFailed("the training run's clusters were given in its config, not assessed: there are no "
                             "training-site assessments to compare a new site with")
         assign, dists = {}, {}
-        for s, (meta, _) in ob._replies("assess", ob.task({}, 0), "assessment").items():
+        for s, (meta, _) in ob.new_site_replies("assess", ob.task({}, 0), "assessment").items():
             sites = {**{t: m for t, m in trained.items() if t != s}, s: meta}
             try:
                 if distance == "emd":  # label-free: the run's EMD_maxI feature, image intensities only
@@ -123,4 +123,4 @@ class SegAssessment(FedAvg):
         ob.recorder.note("onboarding", {"distances": dists, "distance": distance,
                                           "features": (f"maximum intensity of {state.get('max_intensity')}"
                                                        if distance == "emd" else "embedding centroids")})
-        return ob.some(assign)
+        return ob.assigned(assign)
