@@ -103,8 +103,11 @@ class WorkflowController(Federation, ModelController):
 
     @property
     def federation_settings(self):
-        """The task config's ``federation`` section, typed (sites, min_clients, timeouts)."""
-        return task_config(self.fedmed_config).federation
+        """The task config's ``federation`` section, typed (sites, min_clients, timeouts): validated once."""
+        typed = self.__dict__.get("_federation_settings")
+        if typed is None:
+            typed = self.__dict__["_federation_settings"] = task_config(self.fedmed_config).federation
+        return typed
 
     def resume_dir(self):
         return self.job_files / RESUME_DIR if self.resume else None

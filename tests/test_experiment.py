@@ -472,3 +472,24 @@ def test_the_setup_line_names_resnet9s_width_and_no_other_networks(tmp_path):
     assert "8x8x1, resnet9 width 8 (group norm)" in lines["resnet9"], lines["resnet9"]
     assert "8x8x1, DenseNet121 (dropout_prob=0.1, spatial_dims=2)" in lines["DenseNet121"], lines["DenseNet121"]
     assert "width" not in lines["DenseNet121"] and "norm" not in lines["DenseNet121"]
+
+
+def test_a_methods_files_are_checked_once_per_experiment_not_again_for_each_job(tmp_path, monkeypatch):
+    """#55: check_method_files (which loads an encoder's weights file) ran before the runs and again in every job
+    built for them; now once per method, before any run — `fedmed job build` still checks in its own builder."""
+    from fedmed.run import jobspec
+
+    calls = []
+
+    def counted(exp, method):
+        calls.append(method.name)
+
+    monkeypatch.setattr(jobspec, "check_method_files", counted)
+    monkeypatch.setattr(E, "check_method_files", counted)
+    monkeypatch.setattr(E, "run_job", lambda spec, datalists, work, *a, **k: (work.mkdir(parents=True, exist_ok=True),
+                                                                              metrics_doc(0.5))[1])
+    E.run_experiment(str(write_cfg(tmp_path)), tmp_path / "out", log=lambda *a: None)
+    assert calls == ["FedAvg", "Prox"]  # two methods x two seeds: four jobs, two checks
+    jobspec.job_spec(load_config({**BASE, "dataset": {**BASE["dataset"], "classes": list("0123456789")}}),
+                     load_config(BASE).methods[0], 0)
+    assert calls == ["FedAvg", "Prox", "FedAvg"]

@@ -631,7 +631,8 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
             log(f"[{k}/{total}] seed {seed} {m.name} ({m.workflow}, {exp.train.rounds} rounds) ...")
             try:
                 staged = _stage_resume(resume_from, work)
-                doc = run_job(job_spec(exp_s, m, seed, resume_from=staged), data_dir, work, len(meta["sites"]),
+                doc = run_job(job_spec(exp_s, m, seed, resume_from=staged, files_checked=True), data_dir, work,
+                              len(meta["sites"]),
                               log=log)
             except BuildError as e:
                 raise ExperimentError(f"seed {seed} {m.name}: the job could not be built: {e}") from None

@@ -135,7 +135,7 @@ def tracking_settings(exp) -> dict:
 
 
 def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = None, resume_from=None,
-             onboard: dict | None = None) -> JobSpec:
+             onboard: dict | None = None, files_checked: bool = False) -> JobSpec:
     """The job of ``method`` of the experiment ``exp`` for ``seed``.
 
     Args:
@@ -143,6 +143,8 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
         resume_from: a run result holding ``checkpoint/`` (see :func:`find_checkpoint`).
         onboard: ``{"training_result": DIR, "known_clusters": {...}, "references": bool, "require_clusters": bool,
             "labels": bool}`` builds the onboarding job over ``sites`` instead (``fedmed.workflows.onboard``).
+        files_checked: the method's files were checked in this process already (``fedmed experiment`` checks every
+            method's before its first run), so they are not loaded again here.
     """
     from fedmed.methods import server_workflow_path
 
@@ -158,7 +160,8 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
     user_code, server_files = [], []
     _network_files(exp, cfg, user_code, server_files)
     _plugin_files(exp, user_code)
-    check_method_files(exp, method)
+    if not files_checked:
+        check_method_files(exp, method)
     weights = method.site_weights
     for src, dest, filename in method.server_files():  # a file the server starts from: copied into the job
         init_dir = Path(tempfile.mkdtemp(prefix="fedmed_init_"))

@@ -137,10 +137,14 @@ class Workflow:
 
     @property
     def task_cfg(self):
-        """The task config, typed (:class:`~fedmed.core.schema.TaskConfig`)."""
-        from fedmed.core.schema import task_config
+        """The task config, typed (:class:`~fedmed.core.schema.TaskConfig`): validated once, at its first use (the
+        config a run was given never changes: :attr:`cfg` is read-only)."""
+        typed = self.__dict__.get("_typed_cfg")
+        if typed is None:
+            from fedmed.core.schema import task_config
 
-        return task_config(self._cfg)
+            typed = self.__dict__["_typed_cfg"] = task_config(self._cfg)
+        return typed
 
     @property
     def cfg(self) -> MappingProxyType:
