@@ -165,10 +165,14 @@ def demo_summary(out: Path, parts: list[str], command: str, data_name: str) -> s
         for f in sorted((out / p / "runs").glob("seed*/*/server/assessment/assessment.json"))[:1]:
             a = json.loads(f.read_text())
             if "emd" in a:
+                euc = a.get("euc") or {}
+                random_init = any("random init" in str(e) for e in euc.get("encoder") or [])
                 bullets.insert(0, f"- Before any training, the 004_ site assessment (aggregates only, no image leaves a "
                                   f"site) found **{a['emd']['most_distant']}** the most different site by its images' "
                                   f"intensity and tumour-size statistics (metadata distance); by the embedding distance "
-                                  f"it was {a['euc']['most_distant'] if 'euc' in a else 'not computed'}.")
+                                  f"it was {euc.get('most_distant', 'not computed')}"
+                                  + (" (from a randomly initialised MedicalNet here, so not evidence on its own)"
+                                     if random_init else "") + ".")
         found.append(f"**{k + 1}. {DEMO_PARTS[p]}**\n\n" + "\n".join(bullets))
     head = (f"# fedmed demo\n\nProduced by: `{command}`\n\n## What the demo found\n\n" + "\n\n".join(found)
             + f"\n\nData: {data_name}; the parts below (each part's own table and runs).\n\n")
