@@ -26,9 +26,10 @@ from pydantic import Field
 
 from fedmed.core.plugins import PluginError, add_code_folder, import_plugins, module_allowed
 from fedmed.core.schema import Strict
+from fedmed.site.tasks import FinetuneLocalOptions
 
 __all__ = ["CFLMethod", "DittoMethod", "FECFLMethod", "FMCLMethod", "FedAvgMethod", "FedAvgWMethod", "FedBNMethod",
-           "FedMAEMethod",
+           "FedMAEMethod", "FinetuneLocalMethod",
            "FedProxMethod", "FinetuneMethod", "FluxMethod", "IFCAMethod", "METHODS", "Method", "MethodError",
            "PACFLMethod", "PluginError", "SegAssessMethod", "SegClustersMethod", "SignatureMethod", "clustering_workflows",
            "load_plugins",
@@ -174,6 +175,22 @@ class FedProxMethod(Method):
 
     def task_options(self, exp, seed):
         return {"train": {"fedprox_mu": self.fedprox_mu}}
+
+
+class FinetuneLocalMethod(Method):
+    """Local fine-tuning (#57): FedAvg, then every site trains the final global model ``ft_epochs`` more on its own
+    training split at ``ft_lr_scale`` x ``train.lr`` and is served that model (which never leaves the site)."""
+
+    workflow: Literal["finetune_local"]
+    ft_epochs: int = Field(2, ge=1, description="local epochs of the final fine-tuning at each site")
+    ft_lr_scale: float = Field(0.1, gt=0, le=1, description="its learning rate as a share of train.lr")
+    server: ClassVar = "finetune_local:FinetuneLocal"
+    site_tasks: ClassVar[tuple] = ("train", "validate", "finetune_local")
+
+    site_options_model: ClassVar = FinetuneLocalOptions  # what its site task reads (fedmed.site.tasks)
+
+    def site_options(self, exp, seed):
+        return {"epochs": self.ft_epochs, "lr_scale": self.ft_lr_scale}
 
 
 class FedBNMethod(Method):
@@ -464,7 +481,8 @@ class FinetuneMethod(Method):
 
 
 BUILTIN = (FedAvgMethod, FedProxMethod, FedBNMethod, FMCLMethod, PACFLMethod, FECFLMethod, CFLMethod, FluxMethod, IFCAMethod,
-           SegAssessMethod, FedAvgWMethod, SegClustersMethod, DittoMethod, FedMAEMethod, FinetuneMethod)
+           SegAssessMethod, FedAvgWMethod, SegClustersMethod, DittoMethod, FedMAEMethod, FinetuneMethod,
+           FinetuneLocalMethod)
 
 
 # --------------------------------------------------------------------------------------------- the registry

@@ -23,6 +23,7 @@ EVAL = {"n_test", "confusion", "score_hist", "withheld", "val_n_test", "val_conf
 FIELDS = {
     "train": EVAL | {"n_train", "train_loss", "steps"},
     "validate": EVAL,
+    "finetune_local": EVAL | {"n_train", "train_loss", "steps"},  # the site's own model: its scores only
     "validate_ensemble": EVAL,
     "signature/fmcl": {"classes", "means", "counts", "withheld_classes", "notes", "dp", "encoder", "n_train"},
     "signature/pacfl": {"basis", "classes", "withheld_classes", "notes", "dp", "encoder", "n_train"},
@@ -155,9 +156,10 @@ def test_training_and_evaluation_replies(site):
     runner, cfg = site
     p = params_of(cfg)
     samples = _samples(runner, cfg, p)
-    for task in ("train", "validate"):
+    for task in ("train", "validate", "finetune_local"):  # finetune_local: the site's own model, only its scores
         out, metrics, meta = runner.handle(task, p, cfg, 0)
         assert not audit(task, meta, samples, k_min=5)
+        assert task == "train" or out == {}
         assert all(isinstance(v, float) for v in metrics.values())
     packed = {f"m{k}/{n}": v for k in range(2) for n, v in p.items()}
     for task, extra in (("ifca", {"ifca": {"k": 2, "train": True}}), ("validate_ensemble", {"ensemble": {"weights": [1, 1]}})):

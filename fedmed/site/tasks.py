@@ -19,6 +19,7 @@ import zlib
 from typing import NamedTuple
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from fedmed.core.packing import unpack_model
 from fedmed.core.schema import TaskConfig, task_config
@@ -369,7 +370,32 @@ def validate_ensemble(runner, params: dict, cfg: TaskConfig, round_: int = 0) ->
     return Reply({}, metrics, meta)
 
 
-CLASSIFICATION = {"train": train, "validate": validate, "signature": signature, "latent_bounds": latent_bounds,
+class FinetuneLocalOptions(BaseModel):
+    """``finetune_local``'s site options (the task config's ``method_options``; ``fedmed.methods.FinetuneLocalMethod``):
+    local epochs, and the learning rate as a share of ``train.lr``."""
+
+    model_config = ConfigDict(extra="forbid")
+    epochs: int = Field(2, ge=1)
+    lr_scale: float = Field(0.1, gt=0, le=1)
+
+
+def finetune_local(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """The served model fine-tuned at the site: the final global model trained ``epochs`` more on the site's own
+    training split at ``lr_scale`` x ``train.lr`` (a fresh optimizer), then scored on its validation and test splits
+    — the site's model, which never leaves it (only its metrics do)."""
+    cfg = task_config(cfg)
+    opts = FinetuneLocalOptions.model_validate(cfg.method_options)
+    model = _served(runner, params, cfg)
+    own = cfg.model_copy(update={"train": cfg.train.model_copy(update={
+        "lr": cfg.train.lr * opts.lr_scale, "local_epochs": opts.epochs, "keep_optimizer_state": False})})
+    out = train_locally(runner, model, own, round_, "finetune_local")
+    metrics, meta = _served_metrics(runner, model, cfg)
+    metrics["train_loss"] = out["train_loss"]
+    meta.update(out)
+    return Reply({}, metrics, meta)
+
+
+CLASSIFICATION = {"train": train, "validate": validate, "finetune_local": finetune_local, "signature": signature, "latent_bounds": latent_bounds,
                   "descriptor": descriptor, "ifca": ifca, "validate_ensemble": validate_ensemble,
                   "class_set": class_set}
 

@@ -33,3 +33,4 @@ class FedAvg(Workflow):
             self.checkpoint(r + 1, {"global": theta}, **state)
         self.record_rows(self.num_rounds, self.send("validate", self.task(theta, self.num_rounds)), "validate")
         self.save_final(theta, sites=list(self.sites))  # the run's sites, which trained it
+        return theta

@@ -15,7 +15,8 @@ __all__ = ["SERVER_WORKFLOWS", "WorkflowNotFound", "server_workflow"]
 # fedmed's server workflows: short name -> "module:Class" under fedmed.workflows
 SERVER_WORKFLOWS = {"fedavg": "fedavg:FedAvg", "finetune": "finetune:Finetune", "clustered": "clustered:OneShotClustered",
                     "cfl": "cfl:CFL", "flux": "flux:Flux", "ifca": "ifca:IFCA", "assessment": "seg_assessment:SegAssessment",
-                    "onboard": "onboard:Onboard"}
+                    "onboard": "onboard:Onboard",
+                    "finetune_local": "finetune_local:FinetuneLocal"}
 _OWN_MODULES = {v.split(":")[0] for v in SERVER_WORKFLOWS.values()}
 
 
