@@ -156,6 +156,9 @@ class _Clusters(Strict):
     k1_silhouette: Optional[float] = Field(0.5, ge=-1, le=1, description="auto-K keeps one cluster unless the chosen "
                                            "K's silhouette reaches this (Kaufman & Rousseeuw: 0.26-0.50 weak, could be "
                                            "artificial; docs/readings.md); None: no K = 1 test")
+    min_cluster_images: int = Field(0, ge=0, description="a cluster whose sites hold fewer training images than this "
+                                    "is merged into its nearest cluster (average distance) before training, so that "
+                                    "every cluster model has data to learn from (#57); 0: off")
     fedavg_warmup: int = Field(0, ge=0, description="rounds of FedAvg on the whole federation before the cluster "
                                "models start from its model (the idea of Flux's start rule; docs/readings.md); the "
                                "run keeps train.rounds in all. 0 = cluster models from scratch (FMCL's Alg. 5)")
@@ -239,7 +242,8 @@ class SignatureMethod(Method, _Encoder, _Clusters):
         return {"signature": {"kind": self.workflow, "encoder": self.encoder, "image_size": self.encoder_image_size,
                               "seed": seed, **self.signature_options()},
                 "clustering": {"n_clusters": self.n_clusters, "threshold": self.threshold, "linkage": self.linkage,
-                               "k1_silhouette": self.k1_silhouette, **self.clustering_options()},
+                               "k1_silhouette": self.k1_silhouette, "min_cluster_images": self.min_cluster_images,
+                               **self.clustering_options()},
                 "fedavg_warmup": self.fedavg_warmup}
 
 

@@ -227,3 +227,52 @@ def test_blocked_point_silhouette_equals_the_matrix_one(rng):
     D = np.sqrt(((X[:, None] - X[None]) ** 2).sum(-1))
     labels = rng.integers(0, 3, size=37)
     assert silhouette_points(X, labels, block=5) == pytest.approx(silhouette(D, labels), abs=1e-12)
+
+
+def test_a_cluster_too_small_to_train_is_merged_into_its_nearest():
+    """#57 item 3: a cluster whose sites hold fewer training images than min_cluster_images is merged into the cluster
+    at the smallest average distance (smallest first), until every cluster has enough or one is left."""
+    from fedmed.algorithms.clustering import merge_small_clusters
+
+    names = ["a", "b", "c", "d", "e"]
+    D = np.array([[0, 1, 5, 5, 9], [1, 0, 5, 5, 9], [5, 5, 0, 1, 3], [5, 5, 1, 0, 3], [9, 9, 3, 3, 0]], float)
+    clusters = [["a", "b"], ["c", "d"], ["e"]]
+    sizes = {"a": 100, "b": 100, "c": 60, "d": 60, "e": 50}
+    assert merge_small_clusters(clusters, sizes, D, names, 0) == (clusters, [])
+    assert merge_small_clusters(clusters, sizes, D, names, 50) == (clusters, [])
+    got, merges = merge_small_clusters(clusters, sizes, D, names, 51)  # e (50) joins c, d (distance 3, not 9)
+    assert got == [["a", "b"], ["c", "d", "e"]] and merges == [{"cluster": ["e"], "images": 50, "into": ["c", "d"]}]
+    got, merges = merge_small_clusters(clusters, sizes, D, names, 200)  # then c, d, e (170) joins a, b
+    assert got == [["a", "b", "c", "d", "e"]] and [m["images"] for m in merges] == [50, 170]
+    assert merge_small_clusters([["a", "b"]], sizes, D, names, 10_000) == ([["a", "b"]], [])  # one cluster stays
+
+
+def test_an_fmcl_run_merges_a_cluster_below_min_cluster_images_before_training(tmp_path):
+    """In a run: the merged clustering is the one trained (a model per merged cluster) and recorded with its merges."""
+    import yaml
+
+    from fedmed.config import load_config
+    from fedmed.run.experiment import prepare_federation, with_classes
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+
+    def run(min_images, name):
+        raw = {"name": "merge", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1,
+                                            "max_per_class": 12},
+               "federation": {"sites": 4, "partition": "dirichlet", "alpha": 0.1}, "model": {"arch": "resnet9",
+                                                                                            "width": 4},
+               "train": {"rounds": 1, "local_epochs": 1, "batch_size": 8}, "privacy": {"k_min": 2},
+               "methods": [{"name": "F", "workflow": "fmcl", "encoder": "random_cnn", "n_clusters": 3,
+                            "min_cluster_images": min_images}]}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
+        exp = load_config(tmp_path / f"{name}.yaml")
+        data = prepare_federation(exp, 0, tmp_path / f"data_{name}")
+        exp = with_classes(exp, data)
+        status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0), data, tmp_path / name)
+        assert status == "finished", fed.recorder.doc.get("reason")
+        return fed.recorder.doc["clustering"], sorted(p.name for p in (tmp_path / name / "models").glob("*.pt"))
+
+    plain, models = run(0, "plain")
+    assert plain["k"] == 3 and "merged" not in plain and len(models) == 3
+    merged, models = run(10_000, "merged")  # no cluster of this federation holds 10,000 images: one is left
+    assert merged["clusters"] == [sorted(s for c in plain["clusters"] for s in c)] and len(merged["merged"]) == 2
+    assert merged["k"] == 1 and models == ["cluster0.pt"] and "merged" in merged["rule"]

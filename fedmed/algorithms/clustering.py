@@ -476,3 +476,30 @@ def kmeans_prior(X, n_clusters: int, *, seed: int = 0) -> np.ndarray:
         raise ValueError("descriptors contain NaN or inf.")
     km = KMeans(n_clusters=int(n_clusters), n_init=10, random_state=seed).fit(X)
     return canonical_labels(km.labels_)
+
+
+def merge_small_clusters(clusters: list[list[str]], sizes: dict, D, names: list[str], min_images: int) -> tuple:
+    """Merge every cluster whose sites hold fewer than ``min_images`` training images (``sizes``: site -> images) into
+    the cluster nearest to it by average distance (``D`` over ``names``), smallest first, until every cluster has
+    enough or one is left. Returns ``(clusters, merges)``: the clusters (sites sorted, in the order of their first
+    site) and one ``{"cluster", "images", "into"}`` per merge."""
+    import numpy as np
+
+    D = np.asarray(D, dtype=float)
+    idx = {n: i for i, n in enumerate(names)}
+    groups = [sorted(c) for c in clusters if c]
+    merges = []
+
+    def images(c):
+        return int(sum(int(sizes.get(s, 0)) for s in c))
+
+    while min_images > 0 and len(groups) > 1:
+        small = [g for g in groups if images(g) < min_images]
+        if not small:
+            break
+        g = min(small, key=lambda c: (images(c), c))
+        others = [h for h in groups if h is not g]
+        near = min(others, key=lambda h: (float(D[np.ix_([idx[s] for s in g], [idx[s] for s in h])].mean()), h))
+        merges.append({"cluster": list(g), "images": images(g), "into": list(near)})
+        groups = [sorted(h + g) if h is near else h for h in others]
+    return sorted(groups, key=lambda c: c[0]), merges

@@ -247,6 +247,8 @@ class ClusteringTask(Strict):
     linkage: Literal["average", "weighted", "complete", "single"]
     k1_silhouette: Optional[float]
     overlap: Optional[bool] = Field(None, description="FMCL's (None for the other kinds)")
+    min_cluster_images: Optional[int] = Field(None, ge=0, description="merge a cluster with fewer training images into "
+                                              "its nearest (the method's; None: a job from before the option, off)")
 
 
 class IFCATask(Strict):

@@ -84,6 +84,18 @@ class OneShotClustered(FedAvg):
             self.recorder.note("clustering", {"clusters": [names], "rule": f"fallback to one cluster: {e}",
                                               "sites": names})
             return [names] if names else []
+        if c.min_cluster_images:  # every cluster model needs data to learn from (#57)
+            from fedmed.algorithms.clustering import merge_small_clusters
+
+            sizes = {s: sigs[s]["n_train"] for s in names if "n_train" in sigs[s]}
+            merged, merges = merge_small_clusters(info["clusters"], sizes, D, names, c.min_cluster_images)
+            for m in merges:
+                self.info(f"cluster {m['cluster']} holds {m['images']} training images (< min_cluster_images="
+                          f"{c.min_cluster_images}): merged into its nearest cluster {m['into']}")
+            if merges:
+                info.update(clusters=merged, k=len(merged), merged=merges,
+                            labels=[next(i for i, g in enumerate(merged) if n in g) for n in names],
+                            rule=f"{info['rule']}, then clusters under {c.min_cluster_images} training images merged")
         info["encoder"] = sorted({m.get("encoder", "?") for m in sigs.values()})
         write_distance_csv(out / "distances.csv", names, D)
         plot_heatmap(D, names, out / "distance_heatmap.png", title=f"{self.signature.kind} distances",
