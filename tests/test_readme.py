@@ -63,6 +63,48 @@ def test_readme_commands_run_as_written_in_a_fresh_shell():
     assert (ROOT / "results/readme/predictions.csv").read_text().startswith("image,prediction")
 
 
+def test_the_readmes_tensorboard_command_shows_the_runs_scalars():
+    """#56: every command the README shows runs as written: `tensorboard --logdir results/readme/runs` (its prose,
+    after the experiment above) serves each run's server and site scalars (a free port appended)."""
+    import json
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    runs = ROOT / "results" / "readme" / "runs"
+    if not runs.is_dir():
+        pytest.skip("the README's experiment did not run (see the test above)")
+    cmd = re.search(r"`(tensorboard --logdir [^`]+)`", (ROOT / "README.md").read_text()).group(1)
+    assert cmd == "tensorboard --logdir results/readme/runs"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**fresh_env(), "PATH": f"{ROOT / '.venv' / 'bin'}:{fresh_env()['PATH']}"}
+    tb = subprocess.Popen(["bash", "-c", f"{cmd} --port {port}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert tb.poll() is None, tb.stderr.read()[-2000:]
+            try:
+                tags = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugin/scalars/tags",
+                                                         timeout=5).read())
+                if tags:
+                    break
+            except OSError:
+                pass
+            assert time.time() < deadline, "TensorBoard did not list the runs' scalars within 120 s"
+            time.sleep(1)
+        server = [r for r in tags if r.endswith("simulator_server")]
+        sites = [r for r in tags if r.endswith("/site-1")]
+        assert server and sites, sorted(tags)
+        assert any(t.startswith("test/accuracy") for t in tags[server[0]])
+    finally:
+        os.killpg(tb.pid, signal.SIGTERM)
+        tb.wait(30)
+
+
 def test_demo_report_in_a_headless_browser():
     page = ROOT / "results" / "demo" / "report.html"
     if not page.is_file():
