@@ -121,11 +121,10 @@ class Method(Strict):
         return {s: 0 for s in doc["rounds"][-1]["sites"]} if doc.get("rounds") else {}
 
 
-def _check_encoder_files(method, exp, name: str, in_channels: int, image_size: Optional[int] = None) -> None:
+def check_encoder(name: str, weights: Optional[str], *, in_channels: int = 1, image_size: Optional[int] = None) -> None:
     """An unknown encoder, a missing or mismatched weights file: ``ValueError`` before anything is sent."""
     from fedmed.nn.encoders import ENCODERS, build_encoder
 
-    weights = method.weights_file
     if name not in ENCODERS:
         build_encoder(name)  # EncoderError (a ValueError) naming it
     if weights:
@@ -228,7 +227,8 @@ class SignatureMethod(Method, _Encoder, _Clusters):
         return self.encoder_weights
 
     def check_files(self, exp):
-        _check_encoder_files(self, exp, self.encoder, exp.dataset.channels, self.encoder_image_size)
+        check_encoder(self.encoder, self.weights_file, in_channels=exp.dataset.channels,
+                      image_size=self.encoder_image_size)
 
     def signature_options(self) -> dict:
         """The kind's own signature options (PACFL: its subspaces)."""
@@ -357,8 +357,8 @@ class SegAssessMethod(Method):
 
     def check_files(self, exp):
         if self.weights_file:  # 3D: MedicalNet; 2D lesions: EfficientNet-Lite0
-            _check_encoder_files(self, exp, "efficientnet_lite0" if exp.dataset.sources else "medicalnet_resnet18",
-                                 exp.dataset.channels if exp.dataset.sources else 1)
+            check_encoder("efficientnet_lite0" if exp.dataset.sources else "medicalnet_resnet18", self.weights_file,
+                          in_channels=exp.dataset.channels if exp.dataset.sources else 1)
 
     def workflow_options(self, exp, seed):
         return {"mode": self.mode, **self.assessment_options()}

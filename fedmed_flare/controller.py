@@ -25,6 +25,7 @@ hospital:
 import json
 import os
 import time
+from functools import cached_property
 from pathlib import Path
 
 from nvflare.app_common.abstract.fl_model import FLModel
@@ -101,13 +102,10 @@ class WorkflowController(Federation, ModelController):
         """A user's network class, in the app's ``custom/`` folder (only in a job FLARE authorised as BYOC)."""
         return Path(self.get_app_dir()) / "custom" / jobfiles.USER_CODE_DIR
 
-    @property
+    @cached_property
     def federation_settings(self):
         """The task config's ``federation`` section, typed (sites, min_clients, timeouts): validated once."""
-        typed = self.__dict__.get("_federation_settings")
-        if typed is None:
-            typed = self.__dict__["_federation_settings"] = task_config(self.fedmed_config).federation
-        return typed
+        return task_config(self.fedmed_config).federation
 
     def resume_dir(self):
         return self.job_files / RESUME_DIR if self.resume else None

@@ -92,21 +92,14 @@ def find_checkpoint(result) -> Path:
 
 
 def check_encoder(name: str, weights: str | None, *, in_channels: int = 1, image_size=None):
-    """Catch a bad encoder before anything is sent: an unknown name, a missing or mismatched weights file."""
-    from fedmed.nn.encoders import ENCODERS, EncoderError, build_encoder
+    """Catch a bad encoder before anything is sent: an unknown name, a missing or mismatched weights file
+    (:func:`fedmed.methods.check_encoder`, as a :class:`BuildError`)."""
+    from fedmed.methods import check_encoder as check
 
-    if name not in ENCODERS:
-        try:
-            build_encoder(name)
-        except EncoderError as e:
-            raise BuildError(str(e)) from None
-    if weights:
-        if not Path(weights).is_file():
-            raise BuildError(f"encoder {name}: weights file {weights} not found")
-        try:
-            build_encoder(name, weights=weights, in_channels=in_channels, image_size=image_size)
-        except EncoderError as e:
-            raise BuildError(str(e)) from None
+    try:
+        check(name, weights, in_channels=in_channels, image_size=image_size)
+    except ValueError as e:
+        raise BuildError(str(e)) from None
 
 
 def check_method_files(exp, method) -> None:
@@ -114,8 +107,6 @@ def check_method_files(exp, method) -> None:
     (:meth:`fedmed.methods.Method.check_files`)."""
     try:
         method.check_files(exp)
-    except BuildError:
-        raise
     except ValueError as e:
         raise BuildError(str(e)) from None
 

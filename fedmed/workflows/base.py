@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
 
@@ -135,16 +136,13 @@ class Workflow:
     def run(self) -> None:
         raise NotImplementedError
 
-    @property
+    @cached_property
     def task_cfg(self):
         """The task config, typed (:class:`~fedmed.core.schema.TaskConfig`): validated once, at its first use (the
         config a run was given never changes: :attr:`cfg` is read-only)."""
-        typed = self.__dict__.get("_typed_cfg")
-        if typed is None:
-            from fedmed.core.schema import task_config
+        from fedmed.core.schema import task_config
 
-            typed = self.__dict__["_typed_cfg"] = task_config(self._cfg)
-        return typed
+        return task_config(self._cfg)
 
     @property
     def cfg(self) -> MappingProxyType:
