@@ -109,8 +109,7 @@ def predict(network, preprocessing, inferer, postprocessing, images, classes, ou
 def _network_def(ck, *, spatial_dims: int, in_channels: int, n_out: int) -> tuple[dict | str, bool]:
     """``(network_def, uses model.pt)``: the MONAI network with its arguments, or the TorchScript file."""
     from fedmed.core.schema import ModelSection
-
-    import monai.networks.nets as nets
+    from fedmed.nn.models import BUILTIN_ARCHS, PRETRAINED_ARCHS
 
     m = ModelSection.model_validate(ck["model"])
     if ck["task"] == "segmentation" and m.arch in ("unet", "resnet9", "resnet18", "vit_small"):
@@ -118,6 +117,11 @@ def _network_def(ck, *, spatial_dims: int, in_channels: int, n_out: int) -> tupl
         ch = [int(c) for c in m.channels]
         return {"_target_": "monai.networks.nets.UNet", "spatial_dims": 3, "in_channels": in_channels,
                 "out_channels": n_out, "channels": ch, "strides": [2] * (len(ch) - 1), "num_res_units": 1}, True
+    torchscript = "$torch.jit.load(@bundle_root + '/models/model.ts', map_location='cpu')"
+    if m.arch in BUILTIN_ARCHS or m.arch in PRETRAINED_ARCHS or ":" in m.arch:
+        return torchscript, False  # fedmed's own or a user's network: no MONAI import (~9 s) to learn that
+    import monai.networks.nets as nets
+
     if hasattr(nets, m.arch):
         import inspect
 
@@ -130,7 +134,7 @@ def _network_def(ck, *, spatial_dims: int, in_channels: int, n_out: int) -> tupl
         if "pretrained" in params:
             d["pretrained"] = False  # the bundle's weights are model.pt; nothing is downloaded
         return d, True
-    return "$torch.jit.load(@bundle_root + '/models/model.ts', map_location='cpu')", False
+    return torchscript, False
 
 
 def _dict_steps(steps: list) -> list:
@@ -304,13 +308,15 @@ def _served(ck) -> str:
 
 
 def _meta_header(optional_packages: dict) -> dict:
-    import monai
+    from importlib.metadata import version
+
     import numpy
     import torch
 
     return {"schema": "https://github.com/Project-MONAI/MONAI-extra-test-data/releases/download/0.8.1/"
                       "meta_schema_20220324.json",
-            "version": "0.1.0", "changelog": {"0.1.0": "exported by fedmed"}, "monai_version": monai.__version__,
+            "version": "0.1.0", "changelog": {"0.1.0": "exported by fedmed"},
+            "monai_version": version("monai"),  # MONAI's own import takes ~9 s here, at the end of every run
             "pytorch_version": torch.__version__.split("+")[0], "numpy_version": numpy.__version__,
             "optional_packages_version": optional_packages}
 
