@@ -94,9 +94,12 @@ PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.optim", WORKER_MODULE, "nvf
            "nvflare.fuel.utils.fobs.decomposers.core_decomposers", "PIL.PngImagePlugin", "numpy.ma", "fedmed.core.memtrace"]
 
 
-def preload_list() -> list[str]:
+def preload_list(extra=()) -> list[str]:
+    """What the site template imports before it forks the server and the sites: ``FEDMED_SIM_PRELOAD`` or
+    :data:`PRELOAD`, then ``extra`` (the job's: MONAI where its network needs it)."""
     env = os.environ.get("FEDMED_SIM_PRELOAD")
     mods = [m for m in env.split(",") if m] if env is not None else list(PRELOAD)
+    mods += [m for m in extra if m not in mods]
     return mods + ["_fork_template"]  # last: gc.freeze() (jobs/_fork_template.py; this folder is on sys.path)
 
 
@@ -197,26 +200,28 @@ class ForkedWorker:
     _ctx_lock = threading.Lock()
 
     @classmethod
-    def context(cls):
+    def context(cls, extra=()):
+        """The forkserver context; ``extra``: modules the template also preloads (when this call creates it)."""
         with cls._ctx_lock:
             if cls._ctx is None:
                 import multiprocessing
 
                 ctx = multiprocessing.get_context("forkserver")
-                ctx.set_forkserver_preload(preload_list())
+                ctx.set_forkserver_preload(preload_list(extra))
                 cls._ctx = ctx
             return cls._ctx
 
     _adopted: int | None = None  # pid of a template jobs/run.py started (not this process's child)
 
     @classmethod
-    def early_start(cls) -> tuple[dict, list[int]]:
+    def early_start(cls, extra=()) -> tuple[dict, list[int]]:
         """In ``jobs/run.py``, before it imports NVFlare and builds the job: start the template there, so its imports
         (torch, NVFlare: ~4 s of CPU) overlap the job building and the simulator's start instead of following them.
         Returns the environment entry and the template's pipe end: a simulator forked from the template (what
         ``jobs/run.py`` does) gets that pipe end at the fork; one started otherwise must inherit the descriptor."""
         from multiprocessing import forkserver
 
+        cls.context(extra)
         cls.warm()
         fs = forkserver._forkserver
         spec = {"pid": fs._forkserver_pid, "fd": fs._forkserver_alive_fd, "address": fs._forkserver_address}
