@@ -1,7 +1,8 @@
-"""Packaging hook (everything else is in pyproject.toml): a built fedmed (``pip install .``, a wheel) carries the job
-builders and runners (``jobs/``) and the shipped configs (``app_configs/``) as ``fedmed/_shipped/``, so ``fedmed
+"""Packaging hook (everything else is in pyproject.toml): a built fedmed (``pip install .``, a wheel) carries the
+shipped configs (``app_configs/``) as ``fedmed/_shipped/``, so ``fedmed
 experiment`` and ``fedmed demo`` run outside a clone (``fedmed.core.resources``). An editable install reads them from
-the clone. The FLARE adapters are the package ``fedmed_flare``, installed beside ``fedmed``."""
+the clone. The FLARE side (adapters, job builder, runner, simulator) is the package ``fedmed_flare``, installed
+beside ``fedmed``."""
 
 import shutil
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-SHIPPED = ("jobs", "app_configs")
+SHIPPED = ("app_configs",)
 
 
 class BuildWithShipped(build_py):

@@ -33,7 +33,7 @@ from _common import compare
 def main(argv=None) -> int:
     from fedmed.config import load_config
     from fedmed.run.experiment import prepare_federation
-    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import build_task_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "app_configs" / "brats_seg.yaml"))
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     meta = json.loads((data / "dataset.json").read_text())
     seg = exp.dataset.task == "segmentation"
     if seg:
-        cfg = fedmed_config(exp, 0, exp.methods[-1], meta["sites"])
+        cfg = build_task_config(exp, 0, exp.methods[-1], meta["sites"])
     cache_dir = tmp / "cache"
 
     def load(cache_on: bool):

@@ -123,7 +123,7 @@ def main(argv=None) -> int:
                                      device=device))
 
     def side_b():
-        out, _, _ = runner.handle("train", theta, cfg, 0)
+        _, _, _, out = runner.handle("train", theta, cfg, 0)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return out

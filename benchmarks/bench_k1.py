@@ -58,7 +58,7 @@ def main(argv=None):
                                           "n_classes": len(meta["class_names"])},
                    "signature": {"kind": "fmcl", "encoder": "vit_tiny", "image_size": 112, "seed": 0},
                    "privacy": {"k_min": exp.privacy.k_min}}
-            sigs = {s: SiteRunner(s, data).handle("signature", {}, cfg)[2] for s in sites}
+            sigs = {s: SiteRunner(s, data).handle("signature", {}, cfg).meta for s in sites}
             _, D = signature_distances("fmcl", sigs)
             res = auto_k(D, k1_silhouette=None)
             curve = {int(k): round(float(v), 3) for k, v in sorted(res.scores.items())}

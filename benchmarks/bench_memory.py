@@ -11,7 +11,7 @@ total PSS (proportional set size: a page shared by n processes counts 1/n in eac
 RSS counts the shared pages of torch and Python once per process), and the kernel's view: how far the machine's
 available memory (``MemAvailable``) fell during the run below its level at the start. ``--plain`` starts the site processes as FLARE
 does (``FEDMED_SIM_FORK=0``: a fresh interpreter per site) instead of forking them from fedmed's preloaded
-template (jobs/simulator.py), for the before/after figure.
+template (fedmed_flare.simulator), for the before/after figure.
 
     .venv/bin/python benchmarks/bench_memory.py --sites 20 --rounds 30 [--plain]
     .venv/bin/python benchmarks/bench_memory.py --loop      # the same site calls without FLARE, one process
@@ -223,12 +223,12 @@ def loop_reference(cfg_path, data, a) -> int:
     from fedmed.config import load_config
     from fedmed.run.experiment import classes_override
     from fedmed.workflows import fedavg_in_process
-    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import build_task_config
 
     torch.set_num_threads(1)
     exp = load_config(cfg_path, classes_override(data, load_config(cfg_path)))
     meta = json.loads((data / "dataset.json").read_text())
-    cfg = fedmed_config(exp, 0, exp.methods[0], meta["sites"])
+    cfg = build_task_config(exp, 0, exp.methods[0], meta["sites"])
     me, rss = psutil.Process(), []
     t0 = time.time()
     fedavg_in_process(cfg, data, meta["sites"], rounds=a.rounds, log=lambda _line: rss.append(me.memory_info().rss))

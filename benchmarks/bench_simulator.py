@@ -66,7 +66,7 @@ def main(argv=None):
 
     from fedmed.config import load_config
     from fedmed.run.experiment import classes_override, prepare_federation
-    from jobs.common import fedmed_config
+    from fedmed.run import build_task_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="+", default=["demo", "busi"])
@@ -80,7 +80,7 @@ def main(argv=None):
         over = classes_override(data, exp)
         exp = load_config(cfg_path, over)
         sites = exp.site_names()
-        task_cfg = fedmed_config(exp, 0, exp.methods[0], sites)
+        task_cfg = build_task_config(exp, 0, exp.methods[0], sites)
         (tmp / "task.json").write_text(json.dumps(task_cfg))
         rounds = exp.train.rounds
         loop_out = tmp / "loop.npz"

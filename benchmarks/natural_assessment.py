@@ -45,13 +45,13 @@ def site_features(exp, data_dir: Path, sites, encoder: str, weights, size, seed:
 
     from fedmed.methods import FMCLMethod
     from fedmed.nn.encoders import ENCODERS, build_encoder, extract_features
-    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import build_task_config
     from fedmed.site.runner import SiteRunner
 
     if cache.is_file():
         z = np.load(cache, allow_pickle=False)
         return {s: (z[f"{s}__x"], z[f"{s}__y"]) for s in sites}
-    cfg = fedmed_config(exp, seed, FMCLMethod(name="f", workflow="fmcl", encoder=encoder), list(sites))
+    cfg = build_task_config(exp, seed, FMCLMethod(name="f", workflow="fmcl", encoder=encoder), list(sites))
     px = exp.dataset.image_size if size == "data" else (ENCODERS[encoder].size if size == "encoder" else size)
     enc = build_encoder(encoder, weights=weights, seed=seed, in_channels=exp.dataset.channels,
                         image_size=None if size in ("data", "encoder") else size)
@@ -153,9 +153,9 @@ def main(argv=None) -> int:
                 + f" ({time.time() - t0:.0f} s)", flush=True)
         from fedmed.site.runner import SiteRunner
         from fedmed.methods import FedAvgMethod
-        from fedmed.run.taskconfig import fedmed_config
+        from fedmed.run.taskconfig import build_task_config
 
-        cfg = fedmed_config(exp_s, seed, FedAvgMethod(name="f"), list(sites))
+        cfg = build_task_config(exp_s, seed, FedAvgMethod(name="f"), list(sites))
         means = {s: SiteRunner(s, data_dir).splits(cfg).train[0].mean(dim=(1, 2, 3)).numpy() for s in sites}
         res, _, _ = emd_rows(means, groups)
         results.setdefault(("2D metadata (mean-intensity histograms)", "emd"), {})[seed] = res

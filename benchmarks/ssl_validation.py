@@ -72,7 +72,7 @@ def main(argv=None):
     from fedmed.config import load_config
     from fedmed.run.experiment import classes_override, prepare_federation
     from fedmed.workflows import fedavg_in_process
-    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import build_task_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
@@ -107,7 +107,7 @@ def main(argv=None):
         method = next(m for m in exp.methods if m.name == name)
         path = None if enc == "random" else (trained if enc == "fedmae" else Path(enc))
         init = {k: v.numpy() for k, v in torch.load(path, weights_only=True).items()} if path else None
-        _, summ = fedavg_in_process(fedmed_config(exp, a.seed, method, sites), tmp / "val", sites, rounds=exp.train.rounds,
+        _, summ = fedavg_in_process(build_task_config(exp, a.seed, method, sites), tmp / "val", sites, rounds=exp.train.rounds,
                               init=init)
         curve = [round(100 * s["mean"]["macro_acc"], 1) for s in summ]
         print(f"  {enc}: validation macro accuracy, final {curve[-1]}%; by round {curve}", flush=True)

@@ -40,19 +40,22 @@ serialize_ast_parse()  # the server decodes several sites' arrays at once (np.lo
 
 __all__ = ["DEAD_SITES_ENV", "RESUME_DIR", "TASK_CHECK_PERIOD_S", "WorkflowController", "unpack"]
 
-DEAD_SITES_ENV = "FEDMED_DEAD_SITES"  # set by jobs/simulator.py: a folder where it notes the sites whose worker died
+DEAD_SITES_ENV = "FEDMED_DEAD_SITES"  # set by fedmed_flare.simulator: a folder where it notes the sites whose worker died
 TASK_CHECK_PERIOD_S = 0.05  # how often FLARE's task monitor looks for finished tasks (its default: 0.2 s)
 
 
 def unpack(results) -> list:
-    """FLModel results -> (site, metrics, meta, params) tuples, sorted by site."""
-    out = [(r.meta.get("client_name", "?"), dict(r.metrics or {}), dict(r.meta or {}), r.params) for r in results]
-    return sorted(out, key=lambda t: t[0])
+    """FLModel results -> the sites' :class:`~fedmed.site.tasks.Reply` rows, sorted by site."""
+    from fedmed.site.tasks import Reply
+
+    out = [Reply(r.meta.get("client_name", "?"), dict(r.metrics or {}), dict(r.meta or {}), r.params or {})
+           for r in results]
+    return sorted(out, key=lambda t: t.site)
 
 
 class WorkflowController(Federation, ModelController):
     """Runs the server workflow ``workflow_name`` (a key of ``fedmed.workflows.SERVER_WORKFLOWS``) with
-    ``workflow_args`` for ``num_rounds`` rounds; ``fedmed_config`` is the task config every task carries."""
+    ``workflow_args`` for ``num_rounds`` rounds; ``task_config`` is the task config every task carries."""
 
     def set_communicator(self, communicator):
         """FLARE 2.9's ``Controller.set_communicator`` hands the controller's ``task_check_period`` to
@@ -65,12 +68,12 @@ class WorkflowController(Federation, ModelController):
 
     tensorboard = False  # FLARE's TensorBoard receiver writes the server's metrics (fedmed_flare.tracking)
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, workflow_name: str = "fedavg",
+    def __init__(self, num_rounds: int, task_config: dict, workflow_name: str = "fedavg",
                  workflow_args: dict | None = None, resume: bool = False, **kwargs):
         super().__init__(persistor_id="", ignore_result_error=True, task_check_period=TASK_CHECK_PERIOD_S, **kwargs)
         # attribute names equal the constructor arguments: FedJob exports them from the instance
         self.num_rounds = int(num_rounds)
-        self.fedmed_config = dict(fedmed_config)
+        self.task_config = dict(task_config)
         self.workflow_name = str(workflow_name)
         self.workflow_args = dict(workflow_args or {})
         self.resume = bool(resume)
@@ -105,13 +108,13 @@ class WorkflowController(Federation, ModelController):
     @cached_property
     def federation_settings(self):
         """The task config's ``federation`` section, typed (sites, min_clients, timeouts): validated once."""
-        return task_config(self.fedmed_config).federation
+        return task_config(self.task_config).federation
 
     def resume_dir(self):
         return self.job_files / RESUME_DIR if self.resume else None
 
     def message(self, params: dict, round_: int, config: dict) -> FLModel:
-        return FLModel(params=params, current_round=round_, total_rounds=self.num_rounds, meta={"fedmed": config})
+        return FLModel(params=params, current_round=round_, total_rounds=self.num_rounds, meta={"task_config": config})
 
     def log(self, level: str, msg: str) -> None:
         {"info": ModelController.info, "warning": ModelController.warning}.get(level, ModelController.error)(self, msg)
@@ -127,12 +130,12 @@ class WorkflowController(Federation, ModelController):
         if self.user_code.is_dir():
             add_code_folder(self.user_code)  # a plugin or a user's class the job carries (BYOC), after what is installed
         try:  # a plugin method's module, if the server's policy lists it
-            import_plugins(task_config(self.fedmed_config).plugins, self.policy.modules)
+            import_plugins(task_config(self.task_config).plugins, self.policy.modules)
             cls = server_workflow(self.workflow_name)
         except (PluginError, WorkflowNotFound) as e:
             self.panic(f"fedmed run failed: the server cannot run the job's workflow: {e}")
             return
-        Federation.run(self, cls(self.num_rounds, self.fedmed_config, **self.workflow_args))
+        Federation.run(self, cls(self.num_rounds, self.task_config, **self.workflow_args))
 
     def preflight(self) -> None:
         """The job's tracking receivers against the server's policy: a refused one sent nothing
@@ -212,7 +215,7 @@ class WorkflowController(Federation, ModelController):
 
     # ------------------------------------------------------------------ exchanges
     def dead_sites(self) -> dict:
-        """``{site: exit code}`` of the sites whose process died (noted by the simulator, ``jobs/simulator.py``;
+        """``{site: exit code}`` of the sites whose process died (noted by the simulator, ``fedmed_flare.simulator``;
         a provisioned site's dead job process ends the job through FLARE instead)."""
         folder = os.environ.get(DEAD_SITES_ENV)
         if not folder or not os.path.isdir(folder):

@@ -91,10 +91,10 @@ class SiteExecutor(Executor):
 
         site = fl_ctx.get_identity_name()
         incoming = FLModelUtils.from_shareable(shareable)
-        cfg = dict((incoming.meta or {}).get("fedmed", {}))
+        cfg = dict((incoming.meta or {}).get("task_config", {}))
         rnd = int(incoming.current_round or 0)
-        self._runner, params, metrics, meta, error = answer(site, self._runner, task_name, incoming.params or {}, cfg,
-                                                            rnd)
+        self._runner, reply, error = answer(site, self._runner, task_name, incoming.params or {}, cfg, rnd)
+        metrics, meta = reply.metrics, reply.meta
         if error is not None:  # one line in this site's log (files named relative to its data root), the traceback
             # at debug level; the server gets the redacted one-line reply
             line, _, trace = error.partition("\n")
@@ -107,7 +107,7 @@ class SiteExecutor(Executor):
             if isinstance(v, (int, float)) and math.isfinite(v):
                 dxo = create_analytic_dxo(f"{site}/{_tag(k)}", float(v), AnalyticsDataType.SCALAR, global_step=rnd)
                 send_analytic_dxo(self, dxo, fl_ctx)
-        reply = FLModelUtils.to_shareable(FLModel(params=params, metrics=metrics, meta=meta))
+        out = FLModelUtils.to_shareable(FLModel(params=reply.params, metrics=metrics, meta=meta))
         memtrace.trim()  # freed stream buffers back to the system (halves the sites' RSS growth)
         memtrace.checkpoint(site, rnd)
-        return reply
+        return out

@@ -293,7 +293,7 @@ def test_a_site_whose_update_is_not_finite_sits_out_that_round(federation, tmp_p
     def diverging(runner, params, cfg, round_=0):
         out = real(runner, params, cfg, round_)
         if runner.site == "site-2" and round_ == 1:  # diverges in its second round
-            out = T.Reply({k: np.full_like(np.asarray(v), np.nan) for k, v in out.params.items()}, *out[1:])
+            out = out._replace(params={k: np.full_like(np.asarray(v), np.nan) for k, v in out.params.items()})
         return out
 
     monkeypatch.setitem(T.CLASSIFICATION, "train", diverging)

@@ -46,7 +46,7 @@ def test_a_finished_runs_bundle_runs_without_fedmed_and_predicts_as_fedmed_predi
     from fedmed.methods import server_workflow_path
     from fedmed.nn.predict import predict_images
     from fedmed.run.experiment import classes_override, prepare_federation
-    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import build_task_config
     from fedmed.workflows import InProcessFederation, server_workflow
 
     raw = {"name": "bundled", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 12},
@@ -57,7 +57,7 @@ def test_a_finished_runs_bundle_runs_without_fedmed_and_predicts_as_fedmed_predi
     data = prepare_federation(exp, 0, tmp_path / "data")
     exp = load_config(tmp_path / "c.yaml", classes_override(data, exp))
     m = exp.methods[0]
-    cfg = fedmed_config(exp, 0, m, exp.site_names())
+    cfg = build_task_config(exp, 0, m, exp.site_names())
     fed = InProcessFederation(data, exp.site_names(), tmp_path / "run", log=None)
     assert fed.run(server_workflow(server_workflow_path(type(m)))(exp.train.rounds, cfg, **m.workflow_options(exp, 0))) \
         == "finished"
@@ -458,11 +458,11 @@ def test_a_3d_segmentation_bundles_loss_becomes_train_seg_loss_and_a_bundle_for_
     # a site applies the bundle's z-score to each whole case it reads (not to patches); the assessment sees the raw case
     from fedmed.methods import FedAvgMethod
     from fedmed.run.experiment import prepare_federation
-    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import build_task_config
     from fedmed.site.seg import SegSiteRunner
 
     data = prepare_federation(exp, 0, tmp_path / "data")
-    cfg = fedmed_config(exp, 0, FedAvgMethod(name="FedAvg"), exp.site_names())
+    cfg = build_task_config(exp, 0, FedAvgMethod(name="FedAvg"), exp.site_names())
     assert cfg["model"]["preprocessing"] == exp.model.preprocessing
     runner = SegSiteRunner("site-1", data)
     (tr, _), (raw_tr, _) = runner.cases(cfg), runner.cases(cfg, raw=True)

@@ -31,7 +31,7 @@ def test_signature_task_edge_sites(sites, kind):
     sigs = {}
     for s in ("site-1", "site-2", "site-3"):
         cfg = dict(CFG, signature=signature_section(kind, "random_cnn"))
-        params, metrics, meta = own_site(s, sites).handle("signature", {}, cfg)
+        _, metrics, meta, params = own_site(s, sites).handle("signature", {}, cfg)
         assert params == {} and "random init" in meta["encoder"]
         assert not any(k in meta for k in ("images", "labels"))
         sigs[s] = meta
@@ -53,12 +53,12 @@ def test_small_classes_are_withheld_and_clustering_still_runs(sites, capsys):
         Image.fromarray(pool.items[i]).save(e["image"])
     (sites / "site-4.json").write_text(json.dumps({"training": entries, "validation": [], "test": []}))
     cfg = dict(CFG, privacy={"k_min": 5}, signature={"kind": "fmcl", "encoder": "random_cnn", "seed": 0})
-    _, _, m4 = own_site("site-4", sites).handle("signature", {}, cfg)
+    _, _, m4, _ = own_site("site-4", sites).handle("signature", {}, cfg)
     assert m4["classes"].tolist() == [2] and m4["counts"].tolist() == [6.0] and m4["withheld_classes"] == [6]
     assert "class(es) [6] withheld" in capsys.readouterr().out  # the site's log says which and why
     with pytest.raises(ValueError, match="site-2: every class has fewer than k_min=5"):
         own_site("site-2", sites).handle("signature", {}, cfg)  # one image: nothing may leave
-    _, _, m3 = own_site("site-3", sites).handle("signature", {}, dict(cfg, privacy={"k_min": 2}))
+    _, _, m3, _ = own_site("site-3", sites).handle("signature", {}, dict(cfg, privacy={"k_min": 2}))
     names, D = signature_distances("fmcl", {"site-3": m3, "site-4": m4})
     assert D.shape == (2, 2) and np.isfinite(D).all() and D[0, 1] > 0  # class 6 is absent at site-4; class 2 shared
 

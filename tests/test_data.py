@@ -118,8 +118,8 @@ def test_a_16_bit_image_keeps_its_dynamic_range_and_the_site_says_so(tmp_path):
     from fedmed.nn.train import get_params
 
     p = get_params(model_from_config(cfg["model"], 1, 2))
-    _, _, first = runner.handle("validate", p, cfg)
-    _, _, second = runner.handle("validate", p, cfg)
+    _, _, first, _ = runner.handle("validate", p, cfg)
+    _, _, second, _ = runner.handle("validate", p, cfg)
     said = [n for n in first.get("notes", []) if "converted on loading" in n]
     assert len(said) == 1 and "16-bit" in said[0] and "resized to 32x32" in said[0]
     assert not second.get("notes")

@@ -60,7 +60,7 @@ def test_a_sites_own_device_setting_wins_over_the_jobs(site, tmp_path):
     from fedmed.nn.models import model_from_config
     from fedmed.nn.train import get_params
 
-    out, metrics, meta = runner.handle("train", get_params(model_from_config(cfg["model"], 1, 10)), cuda, 0)
+    _, metrics, meta, out = runner.handle("train", get_params(model_from_config(cfg["model"], 1, 10)), cuda, 0)
     assert next(runner._model.parameters()).device.type == "cpu" and np.isfinite(meta["train_loss"])
     (tmp_path / "kit" / "local" / "fedmed_site.json").write_text('{"datalist": "x.json", "device": "tpu"}')
     with pytest.raises(Exception, match="site-1: local/fedmed_site.json device should be auto, cpu, cuda or cuda:N"):
@@ -89,7 +89,7 @@ def test_bf16_autocast_reaches_training_and_inference_and_parameters_stay_fp32(s
         c = {**cfg, "train": {**cfg["train"], "precision": precision}}
         runner.model(c)
         seen = _record_dtypes(runner._model)
-        out, metrics, meta = runner.handle("train", p, c, 0)
+        _, metrics, meta, out = runner.handle("train", p, c, 0)
         assert {str(d) for d in seen} == {"torch.bfloat16" if precision == "bf16" else "torch.float32"}
         assert all(v.dtype == np.float32 for v in out.values() if v.dtype.kind == "f")  # what leaves the site
         assert np.isfinite(meta["train_loss"]) and 0 <= metrics["accuracy"] <= 1

@@ -39,13 +39,13 @@ def test_a_ditto_site_serves_a_personal_model_pulled_toward_the_global_one(tmp_p
         cfg = job_spec(exp, exp.methods[0], 0).task_config
         assert cfg["ditto_lambda"] == lam
         theta0 = get_params(model_from_config(exp.model.model_dump(), 1, 10))
-        runner, sent, metrics, meta, err = answer("site-1", None, "train", theta0, cfg, 0, settings=data)
+        runner, (_, metrics, meta, sent), err = answer("site-1", None, "train", theta0, cfg, 0, settings=data)
         assert err is None, err
         personal = runner.state["personal"]
         mine = {k: v.detach().numpy().copy() for k, v in personal.state_dict().items()}
         assert _distance(mine, sent) > 0  # two models: the personal one is not the update sent back
         assert _distance(mine, theta0) > 0  # and it trained
-        runner, _, vmetrics, _, err = answer("site-1", runner, "validate", sent, cfg, 1, settings=data)
+        runner, (_, vmetrics, _, _), err = answer("site-1", runner, "validate", sent, cfg, 1, settings=data)
         assert err is None and runner.state["personal"] is personal  # kept between rounds, and served
         gaps[lam] = _distance(mine, theta0)
     assert gaps[10.0] < gaps[0.01], gaps  # the proximal term toward the round's global model holds it back

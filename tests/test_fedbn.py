@@ -47,11 +47,11 @@ def test_a_fedbn_site_serves_its_own_batch_norm_with_the_servers_other_weights(t
     assert cfg["train"].get("local_norm", False) is (workflow == "fedbn")
     net = model_from_config(exp.model.model_dump(), 1, 10)
     theta0 = get_params(net)
-    runner, trained, metrics, meta, err = answer("site-1", None, "train", theta0, cfg, 0, settings=data)
+    runner, (_, metrics, meta, trained), err = answer("site-1", None, "train", theta0, cfg, 0, settings=data)
     assert err is None, err
     bn = norm_keys(net)
     theta1 = {k: v + 1.0 if v.dtype.kind == "f" else v for k, v in theta0.items()}  # the "server's" next model
-    runner, _, metrics, meta, err = answer("site-1", runner, "validate", theta1, cfg, 1, settings=data)
+    runner, (_, metrics, meta, _), err = answer("site-1", runner, "validate", theta1, cfg, 1, settings=data)
     assert err is None, err
     served = {k: v.detach().numpy() for k, v in runner._model.state_dict().items()}
     for k in theta1:

@@ -53,8 +53,8 @@ def test_a_site_rejects_finetune_options_out_of_range(tmp_path):
     cfg = job_spec(exp, exp.methods[0], 0).task_config
     theta = get_params(model_from_config(exp.model.model_dump(), 1, 10))
     cfg["method_options"] = {"epochs": 0, "lr_scale": 0.1}
-    _, sent, metrics, meta, err = answer("site-1", None, "finetune_local", theta, cfg, 4, settings=data)
+    _, (_, metrics, meta, sent), err = answer("site-1", None, "finetune_local", theta, cfg, 4, settings=data)
     assert metrics == {"failed": 1.0} and "epochs" in meta["error"] and sent == {}
     cfg["method_options"] = {"epochs": 1, "lr_scale": 0.1}
-    _, sent, metrics, meta, err = answer("site-1", None, "finetune_local", theta, cfg, 4, settings=data)
+    _, (_, metrics, meta, sent), err = answer("site-1", None, "finetune_local", theta, cfg, 4, settings=data)
     assert err is None and sent == {} and np.isfinite(metrics["accuracy"])

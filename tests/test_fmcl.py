@@ -160,7 +160,7 @@ def test_a_sites_signature_sees_its_images_at_the_encoders_input_size(tmp_path):
     exp = with_classes(exp, data)
     spec = job_spec(exp, exp.methods[0], 0)
     cfg = {**spec.task_config, "signature": spec.workflow_options["signature"]}
-    _, _, _, meta, err = answer("site-1", None, "signature", {}, cfg, 0, settings=data)
+    _, (_, _, meta, _), err = answer("site-1", None, "signature", {}, cfg, 0, settings=data)
     assert err is None, err
     doc = load_datalist(data / "site-1.json")
     enc = build_encoder("vit_tiny", seed=0, in_channels=1, image_size=32)

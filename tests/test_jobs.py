@@ -15,7 +15,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jobs import simulator as sim  # noqa: E402
+from fedmed_flare import simulator as sim  # noqa: E402
 
 
 def _exp(**fed):
@@ -29,7 +29,7 @@ def _exp(**fed):
 def test_job_sets_the_task_request_interval_where_flare_reads_it(tmp_path):
     """FLARE 2.9 reads ``server.task_request_interval`` (server_json_config.py); a top-level key is silently ignored
     and sites then wait 2 s between asking for tasks."""
-    from jobs.build import build_job
+    from fedmed_flare.build import build_job
 
     exp = _exp(task_request_interval=0.3)
     job = build_job(exp, exp.methods[0], 0)
@@ -88,14 +88,14 @@ def test_forked_worker_runs_the_module_with_the_env_and_reports_exit_codes(tmp_p
 
 
 def test_template_imports_its_preload_from_any_working_directory(tmp_path, monkeypatch):
-    """Python 3.11's forkserver drops the parent's sys.path: the template must still import jobs/_fork_template (so a
+    """Python 3.11's forkserver drops the parent's sys.path: the template must still import fedmed_flare._fork_template (so a
     forked site's objects start in gc's permanent generation) and the preload modules, wherever the simulator runs."""
     (tmp_path / "probe_worker.py").write_text(
         "import gc, os, sys\n"
         "def parse_arguments():\n"
         "    import argparse; ap = argparse.ArgumentParser(); ap.add_argument('--workspace'); return ap.parse_args()\n"
         "def main(args):\n"
-        "    open(os.environ['OUT'], 'w').write(f\"{gc.get_freeze_count() > 0} {'_fork_template' in sys.modules} \"\n"
+        "    open(os.environ['OUT'], 'w').write(f\"{gc.get_freeze_count() > 0} {'fedmed_flare._fork_template' in sys.modules} \"\n"
         "                                       f\"{'fedmed.core.memtrace' in sys.modules}\")\n")
     monkeypatch.setenv("FEDMED_SIM_PRELOAD", "fedmed.core.memtrace")
     monkeypatch.chdir(tmp_path)  # neither the repository nor jobs/ is the working directory
@@ -141,7 +141,7 @@ def test_a_jobs_own_preload_is_imported_by_the_template_and_monai_only_where_its
         assert out.read_text() == "True"
     finally:
         sim.ForkedWorker.stop()
-    assert sim.preload_list(["colorsys"])[-2:] == ["colorsys", "_fork_template"]
+    assert sim.preload_list(["colorsys"])[-2:] == ["colorsys", "fedmed_flare._fork_template"]
 
 
 def digits_sim_command(tmp_path, *, sites: int, rounds: int, workspace) -> list[str]:
@@ -260,7 +260,7 @@ def test_stopping_the_job_stops_its_simulator(tmp_path):
 def test_job_aimed_at_fewer_sites_than_min_clients_has_one_quorum(tmp_path, capsys):
     """FLARE's job meta and fedmed's controller agree on the quorum: a resumed job aimed only at the surviving
     site must not be scheduled with min_clients=1 and then fail in the controller with min_clients=2."""
-    from jobs.build import build_job
+    from fedmed_flare.build import build_job
 
     exp = _exp(min_clients=2, site_names=["hospital-a", "hospital-b"])
     job = build_job(exp, exp.methods[0], 0, sites=["hospital-a"])
@@ -269,7 +269,7 @@ def test_job_aimed_at_fewer_sites_than_min_clients_has_one_quorum(tmp_path, caps
     meta = json.loads(next(tmp_path.rglob("meta.json")).read_text())
     server = json.loads(next(tmp_path.rglob("config_fed_server.json")).read_text())
     ctrl = next(w for w in server["workflows"] if w["id"] == "controller")
-    assert meta["min_clients"] == 1 and ctrl["args"]["fedmed_config"]["federation"]["min_clients"] == 1
+    assert meta["min_clients"] == 1 and ctrl["args"]["task_config"]["federation"]["min_clients"] == 1
     build_job(exp, exp.methods[0], 0)  # both sites: the configured quorum
     assert "lowered" not in capsys.readouterr().err
 
@@ -277,7 +277,7 @@ def test_job_aimed_at_fewer_sites_than_min_clients_has_one_quorum(tmp_path, caps
 def test_simulator_ends_a_run_after_a_short_quiet_period_not_flares_two_seconds():
     """In the simulator's run process the server's fed-event runner waits FED_EVENT_QUIET_S (not 2 s) for late events
     before and at END_RUN, and checks readiness every END_RUN_CHECK_S; unprocessed events still hold the run open."""
-    code = ("import sys; sys.path.insert(0, 'jobs'); import simulator as sim; sim.quick_end_run()\n"
+    code = ("import sys; from fedmed_flare import simulator as sim; sim.quick_end_run()\n"
             "from nvflare.widgets.fed_event import ServerFedEventRunner\n"
             "from nvflare.fuel.utils.app_config_utils import get_positive_float_var\n"
             "r = ServerFedEventRunner()\n"
@@ -298,14 +298,14 @@ def test_simulator_adopts_the_template_jobs_run_started_and_workers_keep_the_lau
         "def main(args):\n"
         "    open(os.environ['OUT'], 'w').write(f'{os.getppid()} {os.getcwd()}')\n")
     (tmp_path / "wd").mkdir()
-    child = (f"import os, sys, json; sys.path.insert(0, {str(ROOT / 'jobs')!r}); import simulator as sim\n"
+    child = (f"import os, sys, json; from fedmed_flare import simulator as sim\n"
              f"os.chdir({str(tmp_path / 'wd')!r})\n"
              f"w = sim.ForkedWorker(['--workspace', 'x'], {{'OUT': {str(tmp_path / 'out.txt')!r}, "
              f"'PYTHONPATH': {str(tmp_path)!r}}}, module='probe_worker')\n"
              "assert w.wait(timeout=60) == 0\n"
              "print(sim.ForkedWorker._adopted)\n"
              "sim.ForkedWorker.stop()\n")
-    parent = ("import os, sys, subprocess; sys.path.insert(0, 'jobs'); import simulator as sim\n"
+    parent = ("import os, sys, subprocess; from fedmed_flare import simulator as sim\n"
               "env, fds = sim.ForkedWorker.early_start()\n"
               f"out = subprocess.run([sys.executable, '-c', {child!r}], env={{**os.environ, **env}}, pass_fds=fds, "
               "capture_output=True, text=True)\n"
@@ -342,13 +342,13 @@ def test_a_simulator_forked_by_the_template_forks_its_site_workers_from_that_tem
         "def parse_arguments():\n"
         "    import argparse; ap = argparse.ArgumentParser(); ap.add_argument('--workspace'); return ap.parse_args()\n"
         "def main(args):\n"
-        f"    sys.path.insert(0, {str(ROOT / 'jobs')!r}); import simulator as sim\n"
+        f"    from fedmed_flare import simulator as sim\n"
         f"    w = sim.ForkedWorker(['--workspace', 'x'], {{'OUT': {str(tmp_path / 'inner.txt')!r}, "
         f"'PYTHONPATH': {str(tmp_path)!r}}}, module='inner_worker')\n"
         "    rc = w.wait(timeout=60)\n"
         f"    open({str(tmp_path / 'outer.txt')!r}, 'w').write(f'{{rc}} {{sim.ForkedWorker._adopted}} {{os.getppid()}}')\n"
         "    sim.ForkedWorker.stop()\n")
-    parent = ("import os, sys; sys.path.insert(0, 'jobs'); import simulator as sim\n"
+    parent = ("import os, sys; from fedmed_flare import simulator as sim\n"
               "env, fds = sim.ForkedWorker.early_start()\n"
               f"w = sim.ForkedWorker(['--workspace', 'y'], {{**os.environ, **env, 'PYTHONPATH': {str(tmp_path)!r}}}, "
               "module='outer_worker')\n"
@@ -389,7 +389,7 @@ def test_flares_task_monitor_checks_at_the_controllers_period_not_its_default():
             "from fedmed_flare.controller import TASK_CHECK_PERIOD_S\n"
             "from fedmed_flare.controller import WorkflowController as FedAvgController\n"
             "w = WFCommServer()\n"
-            "FedAvgController(num_rounds=1, fedmed_config={}).set_communicator(w)\n"
+            "FedAvgController(num_rounds=1, task_config={}).set_communicator(w)\n"
             "print(w._task_check_period, TASK_CHECK_PERIOD_S)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     monitor, ours = map(float, out.split())
@@ -498,7 +498,7 @@ def test_a_site_named_twice_is_a_one_line_error(tmp_path):
 def test_a_record_left_running_by_a_crashed_server_is_marked_failed_on_disk(tmp_path):
     """The JSON line of jobs/run.py said 'failed' for a record the server left at 'running', but the record itself
     kept saying 'running'; now both say failed, with the reason (and a finished record is never touched)."""
-    from jobs.run import mark_record, outcome
+    from fedmed_flare.run import mark_record, outcome
 
     rec = tmp_path / "fedmed"
     rec.mkdir()
@@ -517,7 +517,7 @@ def test_a_large_federation_sends_its_arrays_inside_the_message():
     numpy decomposer then encodes an array in the message even where a cell could serve it by reference — the path on
     which a 100-site run stalled (64 callback threads each waiting on a download). Small federations keep FLARE's
     default; a user's own setting wins. (A fresh process per case: FLARE reads its config variables once.)"""
-    from jobs.run import INLINE_ARRAYS_ABOVE, INLINE_ARRAYS_ENV, inline_arrays_env
+    from fedmed_flare.run import INLINE_ARRAYS_ABOVE, INLINE_ARRAYS_ENV, inline_arrays_env
 
     assert inline_arrays_env(INLINE_ARRAYS_ABOVE) == {} and inline_arrays_env(100) == {INLINE_ARRAYS_ENV: "0"}
     probe = ("import numpy as np\n"

@@ -96,7 +96,7 @@ def test_the_getattr_check_would_catch_the_registrys_old_read(tmp_path):
 def test_each_method_hands_its_own_values_on():
     """What a workflow and the sites receive comes from the method's values (changed values arrive changed)."""
     from fedmed.config import load_config
-    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import build_task_config
 
     raw = {"name": "m", "dataset": {"path": "builtin:digits", "classes": list("ab")}, "train": {"rounds": 3},
            "methods": [{"name": "P", "workflow": "pacfl", "n_basis": 5, "angle": "official"},
@@ -111,11 +111,11 @@ def test_each_method_hands_its_own_values_on():
     fo = f.workflow_options(exp, 0)
     assert fo["k1_silhouette"] is None and fo["scale"] == 2.0 and fo["flux"]["box"] == "scalar"
     assert fo["flux"]["absent_class"] == "minus_one"
-    assert fedmed_config(exp, 0, m, None)["mae"] == {"mask_ratio": 0.6, "base_lr": 1.5e-4, "warmup": 0.05, "rounds": 3}
-    assert fedmed_config(exp, 0, x, None)["train"]["fedprox_mu"] == 0.3
+    assert build_task_config(exp, 0, m, None)["mae"] == {"mask_ratio": 0.6, "base_lr": 1.5e-4, "warmup": 0.05, "rounds": 3}
+    assert build_task_config(exp, 0, x, None)["train"]["fedprox_mu"] == 0.3
     from fedmed.core.schema import task_config
 
-    assert task_config(fedmed_config(exp, 0, exp.methods[0], None)).train.fedprox_mu is None
+    assert task_config(build_task_config(exp, 0, exp.methods[0], None)).train.fedprox_mu is None
 
 
 # ------------------------------------------------------------------------------------------------- a plugin
@@ -203,10 +203,10 @@ def test_a_site_whose_policy_does_not_list_the_plugin_refuses_its_task(tmp_path)
     data = prepare_federation(exp, 0, tmp_path / "data")
     spec = job_spec(with_classes(exp, data), exp.methods[0], 0)
     strict = settings_for_dir("site-1", data, policy=SitePolicy(k_min=2))
-    _, _, metrics, meta, err = answer("site-1", None, "class_counts", {}, spec.task_config, 0, settings=strict)
+    _, (_, metrics, meta, _), err = answer("site-1", None, "class_counts", {}, spec.task_config, 0, settings=strict)
     assert metrics == {"failed": 1.0} and "plugin 'majority_split' may not be imported here" in meta["error"]
     ok = settings_for_dir("site-1", data, policy=SitePolicy(k_min=2, modules=("majority_split",)))
-    _, _, metrics, meta, err = answer("site-1", None, "class_counts", {}, spec.task_config, 0, settings=ok)
+    _, (_, metrics, meta, _), err = answer("site-1", None, "class_counts", {}, spec.task_config, 0, settings=ok)
     assert err is None and len(meta["counts"]) == len(exp.dataset.classes or with_classes(exp, data).dataset.classes)
 
 

@@ -112,7 +112,7 @@ def test_a_kit_policy_sits_beside_the_site_settings_and_a_kit_without_one_runs_t
 # ------------------------------------------------------------------------------------------------ 1. code
 def test_a_module_a_job_names_is_not_imported_without_the_sites_policy(sites, marking_module):
     cfg = {**CFG, "model": {"arch": "hospital_mod:Net"}}
-    runner, out, metrics, meta, err = answer("site-1", None, "train", {}, cfg, 0,
+    runner, (_, metrics, meta, out), err = answer("site-1", None, "train", {}, cfg, 0,
                                              settings=settings_for_dir("site-1", sites, policy=SitePolicy()))
     assert "model.arch 'hospital_mod:Net' imports module 'hospital_mod', which this site does not allow" in meta["error"]
     assert "modules" in meta["error"] and "\n" not in meta["error"]
@@ -155,7 +155,7 @@ def test_a_site_may_restrict_the_networks_and_encoders_it_runs(sites):
     sig = {"kind": "fmcl", "encoder": "vit_tiny", "seed": 0}
     with pytest.raises(PolicyError, match="encoder 'vit_tiny' is not among the encoders this site runs"):
         r.handle("signature", {}, {**CFG, "signature": sig})
-    _, _, meta = r.handle("signature", {}, {**CFG, "signature": {**sig, "encoder": "random_cnn"}})
+    _, _, meta, _ = r.handle("signature", {}, {**CFG, "signature": {**sig, "encoder": "random_cnn"}})
     assert meta["classes"]
 
 
@@ -295,7 +295,7 @@ def test_a_weights_path_outside_the_sites_folder_is_refused_without_touching_the
     with pytest.raises(PolicyError, match="the weights file enc.pt is not in this site's weights folder"):
         r.handle("signature", {}, {**CFG, "signature": sig, "encoder_weights": ref})
     (folder / "enc.pt").write_bytes(secret.read_bytes())
-    _, _, meta = r.handle("signature", {}, {**CFG, "signature": sig, "encoder_weights": ref})
+    _, _, meta, _ = r.handle("signature", {}, {**CFG, "signature": sig, "encoder_weights": ref})
     assert f"enc.pt (sha256 {ref['sha256'][:12]})" in meta["encoder"]
     torch.save(build_encoder("random_cnn", seed=2).module.state_dict(), folder / "enc.pt")
     with pytest.raises(PolicyError, match="enc.pt in this site's weights folder is not the coordinator's"):
@@ -317,12 +317,12 @@ def _one_image_class(root):
 def test_a_jobs_k_min_of_1_at_a_default_site_withholds_the_one_image_class(sites):
     _one_image_class(sites)
     job = {**CFG, "privacy": {"k_min": 1}, "signature": {"kind": "fmcl", "encoder": "random_cnn", "seed": 0}}
-    _, _, meta = site(sites).handle("signature", {}, job)  # no policy file: the defaults (floor 5)
+    _, _, meta, _ = site(sites).handle("signature", {}, job)  # no policy file: the defaults (floor 5)
     assert 9 in meta["withheld_classes"] and 9 not in meta["classes"]
     assert any("privacy.k_min=1 is below this site's floor; this site applies k_min=5" in n for n in meta["notes"])
     assert meta["site_policy"]["k_min"] == 5
     # a site whose own policy allows single images sends it (and says so in its policy)
-    _, _, meta = site(sites, policy=SitePolicy(k_min=1)).handle("signature", {}, job)
+    _, _, meta, _ = site(sites, policy=SitePolicy(k_min=1)).handle("signature", {}, job)
     assert 9 in meta["classes"]
 
 
@@ -335,7 +335,7 @@ def test_dp_required_and_the_epsilon_ceiling_are_the_sites(sites):
         site(sites, policy=SitePolicy(max_epsilon=1.0)).handle("signature", {}, {**sig, "privacy": {"dp_epsilon": 5}})
     r = site(sites, policy=SitePolicy(max_epsilon=3.0))
     dp = {**sig, "privacy": {"dp_epsilon": 2.0}}
-    _, _, meta = r.handle("signature", {}, dp)
+    _, _, meta, _ = r.handle("signature", {}, dp)
     assert meta["dp"]["epsilon"] == 2.0 and meta["dp"]["run_epsilon"] == 2.0
     with pytest.raises(PolicyError, match="would bring this run's epsilon at this site to 4, above its ceiling"):
         r.handle("signature", {}, dp)  # a second signature at 2 would compose to 4 > 3: nothing is sent
@@ -354,7 +354,7 @@ def test_the_dp_delta_has_a_ceiling_in_the_sites_policy(sites, tmp_path):
                                           r"\(max_delta of this site's policy .*: 1e-05\)"):
         r.handle("signature", {}, weak)
     assert r.epsilon_spent == 0.0  # nothing released
-    _, _, meta = r.handle("signature", {}, {**sig, "privacy": {"dp_epsilon": 1.0, "dp_delta": 1e-6}})
+    _, _, meta, _ = r.handle("signature", {}, {**sig, "privacy": {"dp_epsilon": 1.0, "dp_delta": 1e-6}})
     assert meta["dp"]["epsilon"] == 1.0
     f = tmp_path / "fedmed_policy.json"
     f.write_text(json.dumps({"max_delta": 1e-3}))
@@ -372,9 +372,9 @@ def test_a_raw_pixel_signature_without_dp_is_the_sites_choice(sites):
     job = {**CFG, "signature": {"kind": "pacfl", "encoder": "pixels", "seed": 0, "n_basis": 2}}
     with pytest.raises(PolicyError, match="allow_pixel_signatures.*false"):
         site(sites).handle("signature", {}, job)
-    _, _, meta = site(sites).handle("signature", {}, {**job, "privacy": {"dp_epsilon": 1.0}})
+    _, _, meta, _ = site(sites).handle("signature", {}, {**job, "privacy": {"dp_epsilon": 1.0}})
     assert meta["dp"]["epsilon"] == 1.0
-    _, _, meta = site(sites, policy=SitePolicy(allow_pixel_signatures=True)).handle("signature", {}, job)
+    _, _, meta, _ = site(sites, policy=SitePolicy(allow_pixel_signatures=True)).handle("signature", {}, job)
     assert meta["basis"] is not None
 
 

@@ -157,13 +157,13 @@ def test_training_and_evaluation_replies(site):
     p = params_of(cfg)
     samples = _samples(runner, cfg, p)
     for task in ("train", "validate", "finetune_local"):  # finetune_local: the site's own model, only its scores
-        out, metrics, meta = runner.handle(task, p, cfg, 0)
+        _, metrics, meta, out = runner.handle(task, p, cfg, 0)
         assert not audit(task, meta, samples, k_min=5)
         assert task == "train" or out == {}
         assert all(isinstance(v, float) for v in metrics.values())
     packed = {f"m{k}/{n}": v for k in range(2) for n, v in p.items()}
     for task, extra in (("ifca", {"ifca": {"k": 2, "train": True}}), ("validate_ensemble", {"ensemble": {"weights": [1, 1]}})):
-        _, _, meta = runner.handle(task, packed, {**cfg, **extra}, 0)
+        _, _, meta, _ = runner.handle(task, packed, {**cfg, **extra}, 0)
         assert not audit(task, meta, samples, k_min=5), task
 
 
@@ -173,7 +173,7 @@ def test_prep_and_fedmae_replies(site):
     from fedmed.site.mae import MAESiteRunner
 
     runner, cfg = site
-    params, metrics, meta = runner.handle("class_set", {}, cfg)
+    _, metrics, meta, params = runner.handle("class_set", {}, cfg)
     assert params == {} and not audit("class_set", meta, [], k_min=5)
     y = runner.splits(cfg).train[1].numpy()
     assert meta["classes"] == sorted(int(c) for c in np.unique(y) if (y == c).sum() >= 5)
@@ -183,7 +183,7 @@ def test_prep_and_fedmae_replies(site):
     samples = _samples(mae, mcfg)
     p = get_params(mae.model(mcfg))
     for task in ("train", "validate"):
-        out, metrics, meta = mae.handle(task, p, mcfg, 0)
+        _, metrics, meta, out = mae.handle(task, p, mcfg, 0)
         assert not audit(f"mae/{task}", meta, samples, k_min=5), task
         assert all(isinstance(v, float) and np.isfinite(v) for v in metrics.values())
         assert set(out) in (set(), set(p))
@@ -194,7 +194,7 @@ def test_prep_and_fedmae_replies(site):
 def test_signature_replies(site, kind, encoder):
     runner, cfg = site
     samples = _samples(runner, cfg, encoder=encoder if encoder != "pixels" else None)
-    _, _, meta = runner.handle("signature", {}, {**cfg, "signature": signature_section(kind, encoder)})
+    _, _, meta, _ = runner.handle("signature", {}, {**cfg, "signature": signature_section(kind, encoder)})
     assert not audit(f"signature/{kind}", meta, samples, k_min=5), meta.get("notes")
 
 
@@ -202,14 +202,14 @@ def test_flux_replies(site):
     runner, cfg = site
     p = params_of(cfg)
     samples = _samples(runner, cfg, p)
-    _, _, b = runner.handle("latent_bounds", p, {**cfg, "flux": flux_section()})
+    _, _, b, _ = runner.handle("latent_bounds", p, {**cfg, "flux": flux_section()})
     assert not audit("latent_bounds", b, samples, k_min=5)
     flux = flux_section(lo=np.asarray(b["lo"]).tolist(), hi=np.asarray(b["hi"]).tolist(), n_components=5)
     from fedmed.algorithms.flux import shared_pca
 
     proj = shared_pca(np.asarray(flux["lo"]), np.asarray(flux["hi"]), n_components=5).project(samples[-1])
     for label_free in (False, True):
-        _, _, d = runner.handle("descriptor", p, {**cfg, "flux": {**flux, "label_free": label_free}})
+        _, _, d, _ = runner.handle("descriptor", p, {**cfg, "flux": {**flux, "label_free": label_free}})
         assert not audit("descriptor", d, samples + [proj], k_min=5)
 
 
@@ -224,7 +224,7 @@ def test_signature_with_a_weights_file_names_no_folder(site, tmp_path):
     f.parent.mkdir(parents=True)
     torch.save(build_encoder("random_cnn", seed=3, in_channels=cfg["data"]["channels"]).module.state_dict(), f)
     runner = own_site("site-1", runner.settings.datalist.parent, k_min=5, weights_dir=f.parent)
-    _, _, meta = runner.handle("signature", {}, {**cfg, "encoder_weights": weights_ref(f),
+    _, _, meta, _ = runner.handle("signature", {}, {**cfg, "encoder_weights": weights_ref(f),
                                                  "signature": {"kind": "fmcl", "encoder": "random_cnn"}})
     assert "enc.pt (sha256 " in meta["encoder"]
     assert not audit("signature/fmcl", meta, [], k_min=5)
@@ -275,14 +275,14 @@ def test_segmentation_replies(tmp_path):
 
     per_case = [np.stack([c["image"].ravel() for c in cases]),
                 site_embeddings(cases, build_encoder("medicalnet_resnet18"))]
-    _, _, meta = runner.handle("assess", {}, cfg)
+    _, _, meta, _ = runner.handle("assess", {}, cfg)
     assert "per-image metadata requested by the job but not allowed" in meta["notes"][0]
     hist = {k: v for k, v in meta.items() if k.startswith(("intensity__", "label__", "edges__"))}
     assert hist and all(not k.startswith("intensity__") or len(np.asarray(v)) > len(cases) for k, v in hist.items())
     rest = {k: v for k, v in meta.items() if k not in hist}
     assert not audit("assess", rest, per_case, k_min=3)
     p = get_params(seg_model(2, channels=(4, 8, 16)))
-    _, metrics, meta = runner.handle("train", p, cfg, 0)
+    _, metrics, meta, _ = runner.handle("train", p, cfg, 0)
     assert set(meta) <= {"n_test", "n_train", "train_loss"}
 
 
@@ -378,10 +378,10 @@ def test_a_site_below_k_min_sends_no_update_and_no_loss(tmp_path):
         with pytest.raises(TaskError, match=r"site-1: sits out .*fewer training images than k_min=5"):
             runner.handle(task, params, {**cfg, **extra}, 0)
     ok = dict(cfg, privacy={"k_min": 1, "accept_k_min_below_2": True})  # consented: the paper's form
-    out, metrics, meta = runner.handle("train", p, ok, 0)
+    _, metrics, meta, out = runner.handle("train", p, ok, 0)
     assert meta["n_train"] == 1 and set(out) == set(p)
     site_k, _ = _tiny_site(tmp_path / "big", 6)
-    out, _, meta = site_k.handle("train", p, cfg, 0)
+    _, _, meta, out = site_k.handle("train", p, cfg, 0)
     assert meta["n_train"] == 6 and set(out) == set(p)
 
 
@@ -395,7 +395,7 @@ def test_fedmae_and_segmentation_sites_below_k_min_sit_out(tmp_path):
     p = get_params(mae.model(mcfg))
     with pytest.raises(TaskError, match="sits out training: fewer training images than k_min=5"):
         mae.handle("train", p, mcfg, 0)
-    _, metrics, _ = mae.handle("validate", p, mcfg, 0)
+    _, metrics, _, _ = mae.handle("validate", p, mcfg, 0)
     assert metrics == {}  # 3 test images, 0 validation images: no loss over fewer than k_min images
 
     from fedmed.data.phantoms import write_phantom_subjects
@@ -413,7 +413,7 @@ def test_fedmae_and_segmentation_sites_below_k_min_sit_out(tmp_path):
     sp = get_params(seg_model(2, channels=(4, 8, 16)))
     with pytest.raises(TaskError, match="sits out training: fewer training subjects than k_min=3"):
         seg.handle("train", sp, scfg, 0)
-    _, metrics, meta = seg.handle("validate", sp, scfg, 0)  # one test subject < k_min: no scores leave
+    _, metrics, meta, _ = seg.handle("validate", sp, scfg, 0)  # one test subject < k_min: no scores leave
     assert metrics == {} and meta["n_test"] == 0
 
 
@@ -471,7 +471,7 @@ def test_no_id_of_a_3d_site_leaves_it_whatever_its_length_or_spelling(tmp_path, 
                                                                      "roi": [8, 8, 8]}}
     for kind, doc in cases.items():
         (root / "site-1.json").write_text(json.dumps(doc))
-        _, _, metrics, meta, local = answer("site-1", None, "train", {}, cfg, 0,
+        _, (_, metrics, meta, _), local = answer("site-1", None, "train", {}, cfg, 0,
                                             settings=settings_for_dir("site-1", root))
         err = meta["error"]
         assert metrics == {"failed": 1.0} and err.startswith("site-1: "), err

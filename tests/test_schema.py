@@ -10,7 +10,7 @@ import pytest
 
 from fedmed.config import load_config
 from fedmed.core.schema import TaskConfig, task_config
-from fedmed.run.taskconfig import fedmed_config
+from fedmed.run.taskconfig import build_task_config
 from fedmed.methods import server_workflow_path
 
 
@@ -30,7 +30,7 @@ def test_every_shipped_configs_tasks_are_typed_task_configs(path):
     for m in exp.methods:
         if getattr(m, "encoder_weights", None) or getattr(exp.model, "init_weights", None):
             continue  # a weights file of the coordinator's (not on this machine)
-        cfg = fedmed_config(exp, 0, m, exp.site_names())
+        cfg = build_task_config(exp, 0, m, exp.site_names())
         t = task_config(json.loads(json.dumps(cfg)))  # as it arrives
         assert t.seed == 0 and t.model.arch == exp.model.arch and t.train.lr == exp.train.lr
         _, args = workflow_args(exp, m, 0, cfg)
@@ -52,7 +52,7 @@ def test_a_mistake_in_a_task_config_is_an_error_the_site_sends_not_a_default(tmp
 
     (tmp_path / "site-1.json").write_text(json.dumps({"training": [], "validation": [], "test": []}))
     cfg = {"seed": 0, "data": {"image_size": 8, "channels": 1, "n_classes": 2}, "train": {"lr_rate": 0.1}}
-    _, _, metrics, meta, err = answer("site-1", None, "validate", {}, cfg, 0, settings=tmp_path)
+    _, (_, metrics, meta, _), err = answer("site-1", None, "validate", {}, cfg, 0, settings=tmp_path)
     assert metrics == {"failed": 1.0} and err is not None
     assert "train.lr_rate" in meta["error"] and "Extra inputs are not permitted" in meta["error"]
     with pytest.raises(ValueError, match="evaluate_on"):
@@ -98,7 +98,7 @@ def test_the_flux_dp_box_bound_is_a_setting_of_the_config():
 def test_site_and_workflow_code_reads_no_task_config_key_with_a_default_of_its_own():
     """No ``cfg.get(...)`` and no ``.get("<task config section>", default)`` in the site runners and the
     workflows: a value a task config leaves out takes the schema's default (``fedmed.core.schema``)."""
-    configs = {"cfg", "self.cfg", "self._cfg", "self.fedmed_config", "self.flux", "self.signature", "self.clustering"}
+    configs = {"cfg", "self.cfg", "self._cfg", "self.task_config", "self.flux", "self.signature", "self.clustering"}
     bad = []
     for folder in ("site", "workflows"):
         for f in sorted((ROOT / "fedmed" / folder).glob("*.py")):

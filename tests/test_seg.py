@@ -464,7 +464,7 @@ def test_ditto_keeps_a_personal_model_that_the_site_serves_and_trains_toward_the
     personal = served_model(runner, cfg)
     assert personal is not runner.model(cfg) and served_model(runner, cfg) is personal  # kept between tasks
     before = {k: v.clone() for k, v in personal.state_dict().items()}
-    out, metrics, _ = runner.handle("train", g0, cfg, 0)
+    _, metrics, _, out = runner.handle("train", g0, cfg, 0)
     assert np.isfinite(metrics["train_loss"])
     assert any(not torch.equal(before[k], v) for k, v in served_model(runner, cfg).state_dict().items())
     assert any(not np.array_equal(out[k], g0[k]) for k in g0)  # the global update went back
@@ -488,7 +488,7 @@ def test_a_site_scores_its_validation_subjects_when_it_has_k_min_of_them(phantom
         (d / "site-1.json").write_text(json.dumps({"training": entries[:1], "validation": entries[1:1 + n_val],
                                                    "test": entries[6:11]}))
         runner = SegSiteRunner("site-1", d)
-        _, metrics, _ = runner.handle("validate", get_params(runner.model(cfg)), cfg, 0)
+        _, metrics, _, _ = runner.handle("validate", get_params(runner.model(cfg)), cfg, 0)
         assert "dice_mean" in metrics
         assert ("val_dice_mean" in metrics) is sent, (n_val, sorted(metrics))
         if sent:

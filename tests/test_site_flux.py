@@ -30,13 +30,13 @@ def params():
 
 def test_bounds_then_descriptor(site_dir):
     r = SiteRunner("site-1", site_dir)
-    _, _, b = r.handle("latent_bounds", params(), dict(CFG, flux=flux_section()))
+    _, _, b, _ = r.handle("latent_bounds", params(), dict(CFG, flux=flux_section()))
     assert b["lo"].shape == b["hi"].shape == (32,) and (b["hi"] >= b["lo"]).all()
     flux = flux_section(lo=b["lo"].tolist(), hi=b["hi"].tolist(), n_components=5)
-    _, m, d = r.handle("descriptor", params(), dict(CFG, flux=flux))
+    _, m, d, _ = r.handle("descriptor", params(), dict(CFG, flux=flux))
     assert d["full"].shape == (2 * 11 * 5,) and d["label_free"].shape == (10,)
     np.testing.assert_array_equal(d["full"][:10], d["label_free"])
-    _, _, lf = r.handle("descriptor", params(), dict(CFG, flux={**flux, "label_free": True}))
+    _, _, lf, _ = r.handle("descriptor", params(), dict(CFG, flux={**flux, "label_free": True}))
     assert "full" not in lf and lf["label_free"].shape == (10,)
 
 
@@ -60,6 +60,6 @@ def test_ifca_picks_lowest_loss_model(site_dir):
     bad = {k: (v * 0 + 5.0 if k == "fc.bias" else v) for k, v in bad.items()}
     bad["fc.bias"] = np.where(np.arange(10) == 3, 50.0, 0.0).astype(np.float32)  # always predicts class 3: high loss
     packed = {**{f"m0/{k}": v for k, v in bad.items()}, **{f"m1/{k}": v for k, v in good.items()}}
-    out, metrics, meta = SiteRunner("site-1", site_dir).handle("ifca", packed, dict(CFG, ifca={"k": 2, "train": True}))
+    _, metrics, meta, out = SiteRunner("site-1", site_dir).handle("ifca", packed, dict(CFG, ifca={"k": 2, "train": True}))
     assert meta["cluster"] == 1 and meta["losses"][0] > meta["losses"][1] and meta["n_train"] > 0
     assert set(out) == set(good)

@@ -169,7 +169,7 @@ def test_mae_site_ignores_labels_and_trains(tmp_path):
     d = _federation(tmp_path, lambda y: [np.arange(20)])
     cfg = {**MAE_CFG, "data": {**MAE_CFG["data"], "n_classes": 2}}  # labels beyond 0..1 do not matter unlabeled
     runner = MAESiteRunner("site-1", d)
-    params, metrics, meta = runner.handle("train", get_params(runner.model(cfg)), cfg, 0)
+    _, metrics, meta, params = runner.handle("train", get_params(runner.model(cfg)), cfg, 0)
     assert params and np.isfinite(metrics["train_loss"]) and meta["n_train"] == 15
 
 
@@ -189,7 +189,7 @@ def test_prep_round_sends_only_class_ids_of_large_enough_classes(tmp_path):
 
     d = _federation(tmp_path, lambda y: [np.r_[np.flatnonzero(y == 1), np.flatnonzero(y == 4)[:2]]])
     cfg = {"seed": 0, "data": {"image_size": 8, "channels": 1, "n_classes": 10}, "privacy": {"k_min": 5}}
-    params, metrics, meta = SiteRunner("site-1", d).handle("class_set", {}, cfg)
+    _, metrics, meta, params = SiteRunner("site-1", d).handle("class_set", {}, cfg)
     assert params == {} and meta["classes"] == [1]  # class 4 has < k_min training images: not reported
     assert "k_min" in meta["notes"][0]
     assert set(meta) == {"classes", "notes", "site_policy"}  # site_policy: the site's own rules, once per run
@@ -288,10 +288,10 @@ def test_a_studys_fedmae_lr_reaches_the_sites_not_the_papers_default():
     1.5e-4: the method's value is what the sites' task configuration carries (the site falls back to 1.5e-4 only
     when none is given)."""
     from fedmed.config import load_config
-    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import build_task_config
 
     root = Path(__file__).resolve().parents[1]
     exp = load_config(root / "app_configs" / "ssl_pneumonia.yaml", ['dataset.classes=["normal","pneumonia"]'])
     method = next(m for m in exp.methods if m.workflow == "fedmae")
-    cfg = fedmed_config(exp, 0, method, exp.site_names())
+    cfg = build_task_config(exp, 0, method, exp.site_names())
     assert cfg["task"] == "mae" and cfg["mae"]["base_lr"] == pytest.approx(6e-3)

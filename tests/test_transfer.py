@@ -139,12 +139,12 @@ def test_the_optimizer_state_survives_a_round_at_the_site_and_never_leaves_it(tm
     exp, data = _federation(tmp_path, train={"keep_optimizer_state": keep})
     cfg = job_spec(exp, exp.methods[0], 0).task_config
     theta = initial_params(cfg)
-    runner, sent, metrics, meta, err = answer("site-1", None, "train", theta, cfg, 0, settings=data)
+    runner, (_, metrics, meta, sent), err = answer("site-1", None, "train", theta, cfg, 0, settings=data)
     assert err is None, err
     opt0 = runner.optimizer(runner._model, cfg, None)
     steps0 = meta["steps"]
     moments = [s["exp_avg"].numpy().copy() for s in opt0.state.values()] if keep else []
-    runner, sent, metrics, meta, err = answer("site-1", runner, "train", sent, cfg, 1, settings=data)
+    runner, (_, metrics, meta, sent), err = answer("site-1", runner, "train", sent, cfg, 1, settings=data)
     assert err is None, err
     opt1 = runner.optimizer(runner._model, cfg, None)
     if keep:  # the same Adam, its moments carried over: step counts add up, the moments moved on from round 0's

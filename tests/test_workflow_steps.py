@@ -6,12 +6,12 @@ import pytest
 
 from fedmed.core.packing import pack_models, unpack_model, unpack_models
 from fedmed.workflows.aggregators import DownWeighted, WeightedAverage
-from fedmed.workflows.base import SiteReply, Workflow, round_mean, screen
+from fedmed.workflows.base import Reply, Workflow, round_mean, screen
 
 
 def _reply(site, value, n, error=None, **metrics):
     meta = {"n_train": n, **({"error": error} if error else {})}
-    return SiteReply(site, metrics, meta, {} if error else {"w": np.full(2, value, dtype=np.float32)})
+    return Reply(site, metrics, meta, {} if error else {"w": np.full(2, value, dtype=np.float32)})
 
 
 def test_a_reply_is_a_tuple_with_its_error():
@@ -19,8 +19,8 @@ def test_a_reply_is_a_tuple_with_its_error():
     site, metrics, meta, params = r  # what workflows unpack
     assert site == "site-1" and r.error is None and params is r.params
     assert _reply("site-2", 0, 4, error="site-2: no data").error == "site-2: no data"
-    bad = screen([SiteReply("site-3", {}, {"n_train": 1}, {"w": np.array([np.nan])})])[0]
-    assert isinstance(bad, SiteReply) and "NaN or infinite" in bad.error and bad.params == {}
+    bad = screen([Reply("site-3", {}, {"n_train": 1}, {"w": np.array([np.nan])})])[0]
+    assert isinstance(bad, Reply) and "NaN or infinite" in bad.error and bad.params == {}
 
 
 def test_aggregation_is_passed_in_not_inherited():
@@ -113,8 +113,8 @@ def test_a_cluster_round_sends_each_cluster_its_model_and_returns_the_answers_by
 
 
 def test_round_mean_reads_the_replies_as_the_record_summarises_them():
-    rows = [SiteReply("a", {"val_accuracy": 0.5}, {}, {}), SiteReply("b", {"val_accuracy": float("nan")}, {}, {}),
-            SiteReply("c", {"val_accuracy": 0.7}, {}, {})]
+    rows = [Reply("a", {"val_accuracy": 0.5}, {}, {}), Reply("b", {"val_accuracy": float("nan")}, {}, {}),
+            Reply("c", {"val_accuracy": 0.7}, {}, {})]
     assert round_mean(rows, "val_accuracy") == pytest.approx(0.6)
     assert round_mean(rows, "accuracy") is None
-    assert np.isnan(round_mean([SiteReply("a", {"x": float("nan")}, {}, {})], "x"))
+    assert np.isnan(round_mean([Reply("a", {"x": float("nan")}, {}, {})], "x"))

@@ -42,7 +42,7 @@ def test_a_clustered_workflow_gives_the_same_models_in_process_and_in_flares_sim
     loop)."""
     import subprocess
 
-    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import build_task_config
     from fedmed.workflows import InProcessFederation, server_workflow
     from fedmed.methods import server_workflow_path
 
@@ -61,7 +61,7 @@ def test_a_clustered_workflow_gives_the_same_models_in_process_and_in_flares_sim
     assert p.returncode == 0, p.stderr[-3000:]
     sim = next(ws.glob("*/server/simulate_job/fedmed"))
 
-    task_cfg = fedmed_config(exp, 0, method, sites)
+    task_cfg = build_task_config(exp, 0, method, sites)
     name, args = workflow_args(exp, method, 0, task_cfg)
     fed = InProcessFederation(data, sites, tmp_path / "inproc", log=None)
     status = fed.run(server_workflow(name)(exp.train.rounds, task_cfg, **args))
@@ -113,7 +113,7 @@ def test_a_workflow_adds_to_its_tasks_but_never_changes_its_config(tmp_path):
 
     from fedmed.config import load_config
     from fedmed.run.experiment import classes_override, prepare_federation
-    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import build_task_config
     from fedmed.workflows import InProcessFederation, server_workflow
     from fedmed.methods import server_workflow_path
 
@@ -129,7 +129,7 @@ def test_a_workflow_adds_to_its_tasks_but_never_changes_its_config(tmp_path):
     data = prepare_federation(exp, 0, tmp_path / "data")
     exp = load_config(tmp_path / "c.yaml", classes_override(data, exp))
     method, sites = exp.methods[0], exp.site_names()
-    cfg = fedmed_config(exp, 0, method, sites)
+    cfg = build_task_config(exp, 0, method, sites)
     given = copy.deepcopy(cfg)
     sent = []
 
@@ -154,7 +154,7 @@ def test_cluster_models_start_from_the_fedavg_warm_up(tmp_path):
     """``fedavg_warmup`` W: rounds 0..W-1 are FedAvg of the whole federation, and every cluster model starts round W
     from that model — so in round W each site is served exactly what plain FedAvg serves it in round W (from scratch,
     a cluster model serves the untrained network instead)."""
-    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import build_task_config
     from fedmed.workflows import InProcessFederation, server_workflow
     from fedmed.methods import server_workflow_path
 
@@ -163,7 +163,7 @@ def test_cluster_models_start_from_the_fedavg_warm_up(tmp_path):
 
     _, exp, data, _ = _fmcl_federation(tmp_path, rounds=3)
     method, sites = exp.methods[0], exp.site_names()
-    cfg = fedmed_config(exp, 0, method, sites)
+    cfg = build_task_config(exp, 0, method, sites)
     name, args = workflow_args(exp, method, 0, cfg)
 
     def served(workflow, out):

@@ -242,15 +242,14 @@ def _help():
 
 
 def cmd_job(a):
-    """``fedmed job build|run ARGS``: the job builder and runner shipped with fedmed (``jobs/build.py``,
-    ``jobs/run.py``), from any folder; their arguments and exit code as they are, their usage line named as typed."""
+    """``fedmed job build|run ARGS``: the job builder and runner installed with fedmed (``fedmed_flare.build``,
+    ``fedmed_flare.run``; a clone's ``jobs/build.py`` and ``jobs/run.py``), from any folder; their arguments and exit
+    code as they are, their usage line named as typed. A subprocess: fedmed itself never imports nvflare."""
     import subprocess
     import sys
 
-    from fedmed.core.resources import project_root
-
     env = dict(os.environ, FEDMED_PROG=f"fedmed job {a.action}")
-    return subprocess.call([sys.executable, str(project_root() / "jobs" / f"{a.action}.py"), *a.args], env=env)
+    return subprocess.call([sys.executable, "-m", f"fedmed_flare.{a.action}", *a.args], env=env)
 
 
 def cmd_ssl(a):
@@ -393,10 +392,10 @@ def register(sub):
     m.add_argument("--part", nargs="+", choices=list(DEMO_PARTS), help="run only these parts (default: all three)")
     m.set_defaults(func=cmd_demo)
 
-    j = sub.add_parser("job", help="build a method's FLARE job from a config (jobs/build.py) or run one in the simulator "
-                       "or on provisioned sites (jobs/run.py); 'fedmed job build --help' for their options",
+    j = sub.add_parser("job", help="build a method's FLARE job from a config (fedmed_flare.build) or run one in the simulator "
+                       "or on provisioned sites (fedmed_flare.run); 'fedmed job build --help' for their options",
                        formatter_class=H)
-    j.add_argument("action", choices=["build", "run"], help="build: jobs/build.py; run: jobs/run.py")
+    j.add_argument("action", choices=["build", "run"], help="build: fedmed_flare.build; run: fedmed_flare.run")
     j.add_argument("args", nargs=argparse.REMAINDER, help="their arguments")
     j.set_defaults(func=cmd_job)
 

@@ -1,5 +1,5 @@
-"""The help formatter of every ``fedmed`` verb and of the shipped job builder and runner (``jobs/build.py``,
-``jobs/run.py``): argparse's defaults, said once."""
+"""The help formatter of every ``fedmed`` verb and of the shipped job builder and runner (``fedmed_flare.build``,
+``fedmed_flare.run``): argparse's defaults, said once."""
 
 from __future__ import annotations
 

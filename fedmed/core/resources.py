@@ -1,5 +1,5 @@
-"""Where fedmed finds what ships beside the library: the job builders and runners (``jobs/``) and the configs
-(``app_configs/``). (The FLARE adapters are a package of their own, ``fedmed_flare``, installed with fedmed.)
+"""Where fedmed finds what ships beside the library: the configs (``app_configs/``). (The FLARE side — adapters, job
+builder, runner and simulator — is a package of its own, ``fedmed_flare``, installed with fedmed.)
 
 In a clone (or an editable install) they are the clone's folders; a built package (``pip install .``) carries a
 copy in ``fedmed/_shipped/`` (``setup.py``). Either way ``fedmed experiment`` and ``fedmed demo`` work from any
@@ -20,16 +20,16 @@ class ResourceError(FileNotFoundError):
 
 
 def _complete(root: Path) -> bool:
-    return (root / "jobs" / "run.py").is_file() and (root / "app_configs").is_dir()
+    return (root / "app_configs" / "demo_digits.yaml").is_file()
 
 
 def project_root() -> Path:
-    """The folder holding ``jobs/`` and ``app_configs/``: the clone fedmed runs from, else the copy
+    """The folder holding ``app_configs/``: the clone fedmed runs from, else the copy
     installed with the package."""
     for root in (_PACKAGE.parent, _PACKAGE / "_shipped"):
         if _complete(root):
             return root
-    raise ResourceError(f"fedmed's job runner is missing (neither a clone's jobs/run.py beside the package nor "
+    raise ResourceError(f"fedmed's shipped configs are missing (neither a clone's app_configs/ beside the package nor "
                         f"{_PACKAGE.name}/_shipped/): reinstall fedmed with `pip install .` from its source")
 
 

@@ -294,7 +294,7 @@ class WeightsRef(Strict):
 
 
 class TaskConfig(Strict):
-    """What every task carries to a site (``fedmed.run.taskconfig.fedmed_config`` builds it from the experiment
+    """What every task carries to a site (``fedmed.run.taskconfig.build_task_config`` builds it from the experiment
     config), typed: a site reads it through :func:`task_config`, with these models' defaults."""
 
     task: Literal["classification", "segmentation", "mae"] = "classification"

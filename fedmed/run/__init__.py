@@ -12,7 +12,7 @@ _PUBLIC = {
     "centralized_rows": "references",
     "classes_override": "experiment",
     "cluster_majority_rows": "references",
-    "fedmed_config": "taskconfig",
+    "build_task_config": "taskconfig",
     "majority_rows": "references",
     "min_clients": "taskconfig",
     "prepare_federation": "experiment",

@@ -2,7 +2,7 @@
 
 For each seed the federation is built (seeded partition -> per-site datalists with training,
 validation and test splits), then every method's job is built from the config and run in NVFlare's
-simulator (``jobs/run.py --env sim``, a subprocess: fedmed itself never imports nvflare). While a job
+simulator (``python -m fedmed_flare.run --env sim``, a subprocess: fedmed itself never imports nvflare). While a job
 runs, a line per round is printed (sites answered, mean train loss, validation and test score,
 elapsed, ETA). Outputs in ``OUT``:
 
@@ -42,7 +42,7 @@ from fedmed.report.summary import read_results, rows_from_metrics, sweep_stats, 
 __all__ = ["ExperimentError", "REPO_ROOT", "RunError", "check_classes", "classes_override", "prepare_federation", "run_config_job", "run_experiment", "with_classes",
            "run_fingerprint", "run_job"]
 
-REPO_ROOT = project_root()  # jobs/, app_configs/: the clone's or the installed package's (fedmed.core.resources)
+REPO_ROOT = project_root()  # app_configs/: the clone's or the installed package's (fedmed.core.resources)
 CLS_METRICS = ("accuracy", "macro_f1", "auc")
 KILLED = (-9, 137, 247)  # SIGKILL as a return code, through a shell, and as the simulator reports it
 
@@ -242,7 +242,7 @@ def _explain_exit(rc: int, tail: str, n_sites: int) -> str:
 
 
 def _stop(proc, grace: float = 30.0) -> None:
-    """SIGTERM ``jobs/run.py`` (it stops its simulator's process group), SIGKILL after ``grace`` seconds."""
+    """SIGTERM the job runner (it stops its simulator's process group), SIGKILL after ``grace`` seconds."""
     if proc.poll() is not None:
         return
     proc.terminate()
@@ -255,7 +255,7 @@ def _stop(proc, grace: float = 30.0) -> None:
 
 def run_job(spec, datalists: Path, work: Path, n_sites: int = 0, timeout: int = 24 * 3600, *, log=print) -> dict:
     """Run one job (:class:`fedmed.run.jobspec.JobSpec`, built in this process from the typed config) in NVFlare's
-    simulator: the spec is written to ``work/job_spec.json`` and ``jobs/run.py --spec`` starts the simulator on it
+    simulator: the spec is written to ``work/job_spec.json`` and the job runner (``fedmed_flare.run --spec``) starts the simulator on it
     (fedmed itself never imports nvflare); nothing of the config is read again.
 
     Keeps the server's ``fedmed/`` output (metrics.json, reports, plots, tb/, models/, checkpoint/) under
@@ -270,7 +270,7 @@ def run_job(spec, datalists: Path, work: Path, n_sites: int = 0, timeout: int = 
     if ws.exists():
         shutil.rmtree(ws)
     spec_file = spec.to_file(work / "job_spec.json")
-    cmd = [sys.executable, str(REPO_ROOT / "jobs" / "run.py"), "--spec", str(spec_file), "--env", "sim",
+    cmd = [sys.executable, "-m", "fedmed_flare.run", "--spec", str(spec_file), "--env", "sim",
            "--datalists", str(Path(datalists).resolve()), "--workspace", str(ws), "--jobs-dir", str(work / "job"),
            "--site-policy", "simulation", "--verbose"]  # FLARE's lines into simulator.log, for the reasons it gives
     total = None
@@ -281,7 +281,10 @@ def run_job(spec, datalists: Path, work: Path, n_sites: int = 0, timeout: int = 
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)  # every path in the spec is absolute
         try:
             while proc.poll() is None:
-                time.sleep(1.0)
+                try:
+                    proc.wait(timeout=1.0)  # returns as soon as the job ends
+                except subprocess.TimeoutExpired:
+                    pass
                 if time.time() - t0 > timeout:
                     _stop(proc)
                     raise RunError("failed", f"no end after {timeout} s; stopped (see {log_path})")

@@ -2,9 +2,9 @@
 
 Everything a job is — the task config every site receives, the server workflow and its options (the method's own,
 ``fedmed.methods``), the sites, the quorum, the files the server needs, a user's code — is decided here, from the
-validated config, in the caller's process, with every path resolved against the caller's folder. ``jobs/build.py``
+validated config, in the caller's process, with every path resolved against the caller's folder. ``fedmed_flare.build``
 wraps a spec in FLARE's ``FedJob`` (nothing is re-read or re-validated there); ``fedmed experiment`` writes each
-run's spec to a file and starts the simulator on it (``jobs/run.py --spec``), so no config path or ``--set`` string
+run's spec to a file and starts the simulator on it (``fedmed_flare.run --spec``), so no config path or ``--set`` string
 is parsed a second time. Every problem is a :class:`BuildError` of one line naming the key, file or site.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fedmed.core import jobfiles
-from fedmed.run.taskconfig import BuildError, fedmed_config, min_clients
+from fedmed.run.taskconfig import BuildError, build_task_config, min_clients
 
 __all__ = ["BuildError", "JobSpec", "check_encoder", "find_checkpoint", "job_name", "job_spec", "run_spec_in_process",
            "select_method"]
@@ -147,7 +147,7 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
             check_federation_site_names(names, what="--sites")
         except ValueError as e:
             raise BuildError(str(e)) from None
-    cfg = fedmed_config(exp, seed, method, names)
+    cfg = build_task_config(exp, seed, method, names)
     user_code, server_files = [], []
     _network_files(exp, cfg, user_code, server_files)
     _plugin_files(exp, user_code)

@@ -221,9 +221,9 @@ def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -
     from fedmed.nn.train import make_optimizer
 
     from fedmed.methods import FedAvgMethod
-    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import build_task_config
 
-    cfg = fedmed_config(exp, seed, FedAvgMethod(name="Centralized"), sites)  # the task config a job's sites get
+    cfg = build_task_config(exp, seed, FedAvgMethod(name="Centralized"), sites)  # the task config a job's sites get
     runners = {s: SegSiteRunner(s, datalists) for s in sites}
     cases = {s: r.cases(cfg) for s, r in runners.items()}
     test = cases[sites[0]][1]
@@ -293,10 +293,10 @@ def seg2d_reference_rows(exp, datalists, sites: list[str], seed: int, groups: di
     from fedmed.nn.models import seg_model_from_config
     from fedmed.nn.seg2d import seg2d_metrics, train_seg2d_local
     from fedmed.nn.train import make_optimizer
-    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import build_task_config
     from fedmed.site.seg2d import Seg2DSiteRunner
 
-    cfg = fedmed_config(exp, seed, FedAvgMethod(name="Centralized"), sites)
+    cfg = build_task_config(exp, seed, FedAvgMethod(name="Centralized"), sites)
     cases = {s: Seg2DSiteRunner(s, datalists).cases(cfg) for s in sites}
     t = exp.train
     device = resolve_device(t.device, where="the 2D segmentation references")

@@ -112,9 +112,9 @@ def _loop_reference(exp, method, seed, data_dir: Path, sites: list[str], encoder
     import torch
 
     from fedmed.workflows import fedavg_in_process
-    from fedmed.run.taskconfig import fedmed_config
+    from fedmed.run.taskconfig import build_task_config
 
-    cfg = fedmed_config(exp, seed, method, sites)
+    cfg = build_task_config(exp, seed, method, sites)
     init = None
     if encoder is not None:
         init = {k: v.numpy() for k, v in torch.load(encoder, weights_only=True).items()}

@@ -1,7 +1,7 @@
 """The task config: what a job sends to the sites (and its server workflow reads) for one method and seed.
 
 A plain dict built from the experiment config alone — no site's data or paths — so the same job runs anywhere.
-``jobs/`` builds FLARE jobs around it; :func:`fedmed.workflows.fedavg_in_process` and the references run the same site code with it.
+``fedmed_flare.build`` builds FLARE jobs around it; :func:`fedmed.workflows.fedavg_in_process` and the references run the same site code with it.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def model_exclude(model) -> set:
     return {"bundle"} | ({"preprocessing"} if model.preprocessing is None else set())
 
 
-def fedmed_config(exp, seed: int, method, sites: list[str] | None) -> dict:
-    """The plain-dict config that travels to sites in each task's ``meta['fedmed']`` (and to the server): the
+def build_task_config(exp, seed: int, method, sites: list[str] | None) -> dict:
+    """The plain-dict config that travels to sites in each task's ``meta['task_config']`` (and to the server): the
     experiment's sections, and what the method adds (:meth:`fedmed.methods.Method.task_options`)."""
     fed = exp.federation
     common = {"seed": int(seed), "model": exp.model.model_dump(exclude=model_exclude(exp.model)), "train": exp.train.model_dump(),

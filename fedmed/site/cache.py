@@ -7,7 +7,7 @@ never hits an old entry. Each site has its own folder (``<cache root>/<site>/``)
 it is never shared between sites. The cache holds decoded patient images, so it lives in the site's own workspace,
 never in the home folder of whoever started the site. The cache root: the site settings' ``cache_dir`` (``false``
 turns it off), else ``FEDMED_CACHE_DIR``, else the site's workspace (``fedmed_cache/`` beside its settings file: a
-startup kit's ``local/fedmed_cache/``; ``fedmed experiment``: ``<out>/cache/``; ``jobs/run.py --env sim``:
+startup kit's ``local/fedmed_cache/``; ``fedmed experiment``: ``<out>/cache/``; ``fedmed_flare.run --env sim``:
 ``<workspace>/fedmed_cache/``); a site with none of these runs without a cache. ``FEDMED_CACHE=0`` turns it off.
 ``fedmed cache clear`` empties it.
 """

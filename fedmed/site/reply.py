@@ -9,8 +9,9 @@ import numpy as np
 from fedmed.core.schema import task_config
 from fedmed.site.runner import SiteRunner
 from fedmed.site.settings import redact, redact_strings
+from fedmed.site.tasks import Reply
 
-__all__ = ["answer", "local_message", "make_runner", "scrubbed", "to_meta"]
+__all__ = ["Reply", "answer", "local_message", "make_runner", "scrubbed", "to_meta"]
 
 
 # ---------------------------------------------------------------------- one reply loop, for every federation
@@ -54,8 +55,10 @@ def local_message(site: str, runner: SiteRunner | None, err: Exception) -> str:
 
 
 def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: dict, round_: int,
-           settings=None) -> tuple[SiteRunner | None, dict, dict, dict, str | None]:
-    """One task at one site, as every federation runs it: (runner, params, metrics, meta, error).
+           settings=None) -> tuple[SiteRunner | None, Reply, str | None]:
+    """One task at one site, as every federation runs it: ``(runner, reply, log)`` — the site's runner (its state,
+    kept for the next task), its :class:`~fedmed.site.tasks.Reply` to the server, and ``log``, what only the site's
+    own log gets.
 
     The runner is made at the site's first task (``settings``: its :class:`~fedmed.site.settings.SiteSettings` or a
     folder holding ``<site>.json``; by default what :func:`~fedmed.site.settings.resolve_site_settings` finds). A
@@ -63,7 +66,7 @@ def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: d
     the kind of problem (:func:`scrubbed`); every string of a reply is redacted of paths and of the names in the site's
     datalist. ``error`` is the site's own one-line message (files named relative to the data root), then the
     traceback on the lines after it, for the site's own log only — the line at error level, the traceback at debug
-    level (``None`` when the task succeeded)."""
+    level (``log``; ``None`` when the task succeeded)."""
     import traceback
 
     known = [site]  # the site's own name, which the server knows: never redacted (a job's class names grant nothing:
@@ -76,11 +79,11 @@ def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: d
 
                 settings = resolve_site_settings(site)
             runner = make_runner(site, settings, t)
-        out, metrics, meta = runner.handle(task, params or {}, t, round_)
-        meta = redact_strings(meta, runner.private_tokens, known)  # no path, no name in any text
+        reply = runner.handle(task, params or {}, t, round_)
+        meta = redact_strings(reply.meta, runner.private_tokens, known)  # no path, no name in any text
     except Exception as e:  # reported to the server by name; the federation goes on
         msg = scrubbed(site, runner, e, known)
-        return runner, {}, {"failed": 1.0}, {"error": msg, "task": task}, \
+        return runner, Reply(site, {"failed": 1.0}, {"error": msg, "task": task}, {}), \
             f"{local_message(site, runner, e)}\n{traceback.format_exc()}"
     meta = to_meta({**meta, "task": task, "round": round_, "cluster": meta.get("cluster", t.cluster)})
-    return runner, out, metrics, meta, None
+    return runner, Reply(site, reply.metrics, meta, reply.params), None

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from fedmed.core.schema import TaskConfig, task_config
-from fedmed.site.tasks import CLASSIFICATION, PLUGIN_TASKS, TaskError, task_seed
+from fedmed.site.tasks import CLASSIFICATION, PLUGIN_TASKS, Reply, TaskError, task_seed
 from fedmed.data.images import DataError, conversion_note, load_datalist, load_images, near_duplicates
 from fedmed.site.settings import SiteSettings, private_tokens, settings_for_dir
 
@@ -269,8 +269,9 @@ class SiteRunner:
         return g
 
     # ------------------------------------------------------------------ tasks
-    def handle(self, task: str, params: dict, cfg: dict, round_: int = 0) -> tuple[dict, dict, dict]:
-        """Run ``task``; returns (params to send, scalar metrics, meta aggregates). Notes the site has not sent yet
+    def handle(self, task: str, params: dict, cfg: dict, round_: int = 0) -> Reply:
+        """Run ``task``; its :class:`~fedmed.site.tasks.Reply` (the site, scalar metrics, meta aggregates, the parameters
+        to send). Notes the site has not sent yet
         (e.g. what its image loading converted) go with the reply. ``cfg`` is read as a
         :class:`~fedmed.core.schema.TaskConfig` (validated, the schema's defaults for what it leaves out)."""
         cfg = task_config(cfg)
@@ -279,15 +280,15 @@ class SiteRunner:
             from fedmed.core.plugins import import_plugins
 
             import_plugins(cfg.plugins, self.policy.modules)
-        out, metrics, meta = self.run_task(task, params, cfg, round_)
-        meta = self.account(meta)
+        reply = self.run_task(task, params, cfg, round_)
+        meta = self.account(reply.meta)
         if not self._policy_sent:  # the effective policy, once per run, into the run's record
             meta = {**meta, "site_policy": self.policy.summary()}
             self._policy_sent = True
         if self.notes:
             meta = {**meta, "notes": list(meta.get("notes") or []) + self.notes}
             self.notes = []
-        return out, metrics, meta
+        return reply._replace(meta=meta)
 
     # the tasks whose reply is a statistic of the site's data released once (a signature): the DP rules apply
     SIGNATURE_TASKS = ("signature", "descriptor", "latent_bounds", "assess")
@@ -336,7 +337,7 @@ class SiteRunner:
     TASKS = CLASSIFICATION
     KIND = "classification"  # the plugin tasks it serves (fedmed.site.tasks.register_task)
 
-    def run_task(self, task: str, params: dict, cfg, round_: int = 0) -> tuple[dict, dict, dict]:
+    def run_task(self, task: str, params: dict, cfg, round_: int = 0) -> Reply:
         tasks = {**PLUGIN_TASKS[self.KIND], **self.TASKS}
         if task not in tasks:
             raise TaskError(f"{self.site}: unknown task {task!r} (this site's {type(self).__name__} serves "

@@ -51,7 +51,7 @@ def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
 
     set_params(runner.model(cfg), params)
     metrics, meta = _metrics(runner, served_model(runner, cfg), cfg)
-    return Reply({}, metrics, meta)
+    return Reply(runner.site, metrics, meta, {})
 
 
 def _local(runner, model, cases, cfg, seed, key, **kw):
@@ -96,7 +96,7 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
         raise TaskError(f"{runner.site}: training diverged in round {round_}")
     meta.update(n_train=len(tr), train_loss=out["loss"])
     metrics["train_loss"] = out["loss"]
-    return Reply(get_params(model), metrics, meta)
+    return Reply(runner.site, metrics, meta, get_params(model))
 
 
 def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
@@ -130,7 +130,7 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     meta = site_assessment(tr, enc, per_value=per_image, per_image=per_image, privacy=cfg.privacy.model_dump(),
                            rng=rng)
     meta["notes"] = notes
-    return Reply({}, {"n_cases": float(len(tr))}, meta)
+    return Reply(runner.site, {"n_cases": float(len(tr))}, meta, {})
 
 
 class SegSiteRunner(SiteRunner):

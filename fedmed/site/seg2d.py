@@ -65,7 +65,7 @@ def _metrics(runner, model, cfg) -> tuple[dict, dict]:
 
 def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     metrics, meta = _metrics(runner, _served(runner, params, cfg), cfg)
-    return Reply({}, metrics, meta)
+    return Reply(runner.site, metrics, meta, {})
 
 
 def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
@@ -89,7 +89,7 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
         raise TaskError(f"{runner.site}: training diverged in round {round_}")
     meta.update(n_train=int(x.shape[0]), train_loss=out["loss"])
     metrics["train_loss"] = out["loss"]
-    return Reply(get_params(model), metrics, meta)
+    return Reply(runner.site, metrics, meta, get_params(model))
 
 
 def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
@@ -125,7 +125,7 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     meta["notes"] = notes
     for n in notes:
         print(f"[fedmed] {n}", flush=True)
-    return Reply({}, {"n_cases": float(x.shape[0])}, meta)
+    return Reply(runner.site, {"n_cases": float(x.shape[0])}, meta, {})
 
 
 class Seg2DSiteRunner(SiteRunner):

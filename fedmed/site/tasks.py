@@ -43,11 +43,20 @@ class TaskError(RuntimeError):
 
 
 class Reply(NamedTuple):
-    """What a task returns: the parameters to send (training tasks), scalar metrics, and the meta aggregates."""
+    """A site's reply to one task — the one shape from a site task to the workflow: what every site task returns, what
+    :func:`fedmed.site.reply.answer` hands its federation (FLARE's ``FLModel`` carries its fields) and each row a
+    workflow reads (``for site, metrics, meta, params in rows``). ``meta`` holds the aggregates the task releases; a
+    site that could not do the task sends its one-line reason as ``meta["error"]`` (:attr:`error`) and no
+    parameters."""
 
-    params: dict
+    site: str
     metrics: dict
     meta: dict
+    params: dict
+
+    @property
+    def error(self) -> str | None:
+        return self.meta.get("error")
 
 
 def _eval_sets(runner, cfg):
@@ -129,7 +138,7 @@ def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     model = _served(runner, params, cfg)
     personal = _personal(runner, cfg)
     metrics, meta = _served_metrics(runner, personal if personal is not None else model, cfg)
-    return Reply({}, metrics, meta)
+    return Reply(runner.site, metrics, meta, {})
 
 
 def _finetune_optimizer(model, cfg: TaskConfig):
@@ -188,7 +197,7 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
         train_locally(runner, personal, cfg, round_, "personal", mu=task_config(cfg).ditto_lambda, anchor=anchor)
     _keep_local_norm(runner, model, cfg)
     metrics["train_loss"] = meta["train_loss"]
-    return Reply(get_params(model), metrics, meta)
+    return Reply(runner.site, metrics, meta, get_params(model))
 
 
 def class_set(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
@@ -202,7 +211,7 @@ def class_set(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
         meta["notes"] = [f"{runner.site}: {ids.size - len(held)} class(es) with fewer than k_min={k} training "
                          f"images not reported (privacy.k_min)"]
         print(f"[fedmed] {meta['notes'][0]}", flush=True)
-    return Reply({}, {"n_classes_held": float(len(held))}, meta)
+    return Reply(runner.site, {"n_classes_held": float(len(held))}, meta, {})
 
 
 def signature(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
@@ -238,7 +247,7 @@ def signature(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
             f"to an average image of that class (docs/privacy.md); set privacy.dp_epsilon or use an encoder"]
     for note in meta.get("notes", []):
         print(f"[fedmed] {note}", flush=True)
-    return Reply({}, {"n_classes_sent": float(len(meta.get("classes", [])))}, meta)
+    return Reply(runner.site, {"n_classes_sent": float(len(meta.get("classes", [])))}, meta, {})
 
 def _pseudo_labelled(runner, params: dict, cfg):
     """The classes the served model (``params``) predicts for all the site's images (training, validation, test)."""
@@ -281,7 +290,7 @@ def latent_bounds(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Rep
     rng = np.random.default_rng(task_seed(cfg, runner.site, salt=3))
     lo, hi, note = private_bounds(z, k_min=runner.k_min(cfg), privacy=cfg.privacy.model_dump(), rng=rng,
                                   site=runner.site, box=f.box)
-    return Reply({}, {"n_samples": float(z.shape[0])}, {"lo": lo, "hi": hi, "notes": [note] if note else []})
+    return Reply(runner.site, {"n_samples": float(z.shape[0])}, {"lo": lo, "hi": hi, "notes": [note] if note else []}, {})
 
 
 def descriptor(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
@@ -308,7 +317,7 @@ def descriptor(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
         meta["full"] = d.full
     for w in d.warnings:
         print(f"[fedmed] {w}", flush=True)
-    return Reply({}, {"descriptor_length": float(len(d.full) if d.full is not None else len(d.label_free))}, meta)
+    return Reply(runner.site, {"descriptor_length": float(len(d.full) if d.full is not None else len(d.label_free))}, meta, {})
 
 # ------------------------------------------------------------------ IFCA (Ghosh et al.)
 
@@ -346,8 +355,8 @@ def ifca(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     if cfg.ifca.train:
         meta.update(train_locally(runner, model, cfg, round_, ("ifca", best)))
         metrics["train_loss"] = meta["train_loss"]
-        return Reply(get_params(model), metrics, meta)
-    return Reply({}, metrics, meta)
+        return Reply(runner.site, metrics, meta, get_params(model))
+    return Reply(runner.site, metrics, meta, {})
 
 
 def validate_ensemble(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
@@ -367,7 +376,7 @@ def validate_ensemble(runner, params: dict, cfg: TaskConfig, round_: int = 0) ->
         return out
 
     metrics, meta = _metrics_of(runner, prob, cfg)
-    return Reply({}, metrics, meta)
+    return Reply(runner.site, metrics, meta, {})
 
 
 class FinetuneLocalOptions(BaseModel):
@@ -392,7 +401,7 @@ def finetune_local(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Re
     metrics, meta = _served_metrics(runner, model, cfg)
     metrics["train_loss"] = out["train_loss"]
     meta.update(out)
-    return Reply({}, metrics, meta)
+    return Reply(runner.site, metrics, meta, {})
 
 
 CLASSIFICATION = {"train": train, "validate": validate, "finetune_local": finetune_local, "signature": signature, "latent_bounds": latent_bounds,

@@ -8,23 +8,9 @@ from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
 
-from typing import NamedTuple
+from fedmed.site.tasks import Reply
 
-__all__ = ["SiteReply", "Workflow", "initial_params", "round_mean"]
-
-
-class SiteReply(NamedTuple):
-    """A site's reply to a task, as a workflow reads it (a tuple: ``site, metrics, meta, params``); a site that could
-    not do the task carries its one-line ``error`` (and no parameters)."""
-
-    site: str
-    metrics: dict
-    meta: dict
-    params: dict
-
-    @property
-    def error(self):
-        return self.meta.get("error")
+__all__ = ["Reply", "Workflow", "initial_params", "round_mean"]
 
 
 def round_mean(rows, key: str):
@@ -77,7 +63,7 @@ def screen(rows: list) -> list:
             meta = {**meta, "error": f"{site}: its update has NaN or infinite values in {len(bad)} parameter "
                     f"tensor(s) (e.g. {bad[0]}); left out of this round"}
             metrics, params = {"failed": 1.0}, {}
-        out.append(SiteReply(site, metrics, meta, params))
+        out.append(Reply(site, metrics, meta, params))
     return out
 
 
@@ -87,7 +73,7 @@ class Workflow:
 
     Args:
         num_rounds: training rounds R (a final ``validate`` round R follows).
-        fedmed_config: the task config every task carries to the sites (:func:`fedmed.run.taskconfig.fedmed_config`).
+        task_config: the task config every task carries to the sites (:func:`fedmed.run.taskconfig.build_task_config`).
         aggregator: how updates become a model (``fedmed.workflows.aggregators``; FedAvg's weighted average).
         **args: the workflow's own options (its method's ``workflow_options``, ``fedmed.methods``).
     """
@@ -123,12 +109,12 @@ class Workflow:
         """Why a finished run's onboarding state cannot assign a new site (None: it can)."""
         return None
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, aggregator=None, **args):
+    def __init__(self, num_rounds: int, task_config: dict, aggregator=None, **args):
         from fedmed.workflows.aggregators import WeightedAverage
 
         self.aggregator = aggregator if aggregator is not None else WeightedAverage()
         self.num_rounds = int(num_rounds)
-        self._cfg = copy.deepcopy(dict(fedmed_config))
+        self._cfg = copy.deepcopy(dict(task_config))
         self.task_extra: dict = {}  # what this run adds to every task it sends (e.g. PreP-WFL's class weights)
         if args:
             raise TypeError(f"{type(self).__name__}: unknown option(s) {sorted(args)}")

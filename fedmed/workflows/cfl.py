@@ -23,9 +23,9 @@ class CFL(FedAvg):
 
     stable_cluster_ids = False
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, *, eps1: float, eps2: float, warmup_rounds: int, **kw):
+    def __init__(self, num_rounds: int, task_config: dict, *, eps1: float, eps2: float, warmup_rounds: int, **kw):
         """Every option from the method (``fedmed.methods.CFLMethod``)."""
-        super().__init__(num_rounds, fedmed_config, **kw)
+        super().__init__(num_rounds, task_config, **kw)
         self.eps1, self.eps2, self.warmup_rounds = float(eps1), float(eps2), int(warmup_rounds)
 
     def run(self):

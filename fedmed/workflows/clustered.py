@@ -33,10 +33,10 @@ class OneShotClustered(FedAvg):
     record_name = "OneShotClustered"
     earlier_record_names = ("ClusteredFedAvgController",)  # what runs of fedmed before 2026-11-25 recorded
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, *, signature: dict, clustering: dict, fedavg_warmup: int,
+    def __init__(self, num_rounds: int, task_config: dict, *, signature: dict, clustering: dict, fedavg_warmup: int,
                  **kw):
         """``signature``, ``clustering``, ``fedavg_warmup``: the method's (``fedmed.methods``)."""
-        super().__init__(num_rounds, fedmed_config, **kw)
+        super().__init__(num_rounds, task_config, **kw)
         self.fedavg_warmup = int(fedavg_warmup)
         if not 0 <= self.fedavg_warmup < self.num_rounds:
             raise ValueError(f"fedavg_warmup={fedavg_warmup} should be at least 0 and below train.rounds={num_rounds}")

@@ -22,9 +22,9 @@ class Finetune(FedAvg):
     record_name = "Finetune"
     earlier_record_names = ("FinetuneController",)  # what runs of fedmed before 2026-11-25 recorded
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, *, init: str, prep_wfl: bool, **kw):
+    def __init__(self, num_rounds: int, task_config: dict, *, init: str, prep_wfl: bool, **kw):
         """Every option from the method (``fedmed.methods.FinetuneMethod``)."""
-        super().__init__(num_rounds, fedmed_config, **kw)
+        super().__init__(num_rounds, task_config, **kw)
         self.init = init
         self.prep_wfl = bool(prep_wfl)
 

@@ -30,11 +30,11 @@ class Flux(FedAvg):
 
     START_THRESHOLD = 0.06  # Eq. 14's threshold on the accuracy gain
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, *, flux: dict, participation: float, n_clusters: int,
+    def __init__(self, num_rounds: int, task_config: dict, *, flux: dict, participation: float, n_clusters: int,
                  scale: float, k1_silhouette, scaling: str, start_rule: str, **kw):
         """``flux``: the site's side (:class:`~fedmed.core.schema.FluxTask`); the rest: the server's clustering
         options — every value from the method (``fedmed.methods.FluxMethod``)."""
-        super().__init__(num_rounds, fedmed_config, **kw)
+        super().__init__(num_rounds, task_config, **kw)
         self.flux = FluxTask.model_validate(flux)
         self.box: dict = {}  # the merged latent box (S1): lo, hi
         self.participation = float(participation)

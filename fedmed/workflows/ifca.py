@@ -13,10 +13,10 @@ class IFCA(FedAvg):
     record_name = "IFCA"
     earlier_record_names = ("IFCAController",)  # what runs of fedmed before 2026-11-25 recorded
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, *, k: int, participation: float, empty_cluster: str,
+    def __init__(self, num_rounds: int, task_config: dict, *, k: int, participation: float, empty_cluster: str,
                  **kw):
         """Every option from the method (``fedmed.methods.IFCAMethod``)."""
-        super().__init__(num_rounds, fedmed_config, **kw)
+        super().__init__(num_rounds, task_config, **kw)
         self.k = int(k)
         self.participation = float(participation)
         self.empty_cluster = empty_cluster

@@ -126,7 +126,7 @@ class InProcessFederation(Federation):
         return sites
 
     def send_groups(self, task_name: str, groups: dict) -> dict:
-        from fedmed.site.reply import answer
+        from fedmed.site.reply import Reply, answer
 
         import torch
 
@@ -139,9 +139,8 @@ class InProcessFederation(Federation):
                 rows = []
                 for s in sorted(sites):
                     params = {k: np.array(v, copy=True) for k, v in (msg.params or {}).items()}
-                    runner, out, metrics, meta, err = answer(s, self.runners.get(s), task_name, params,
-                                                             _copy_config(msg.config), msg.round,
-                                                             settings=self.site_settings(s))
+                    runner, reply, err = answer(s, self.runners.get(s), task_name, params, _copy_config(msg.config),
+                                                msg.round, settings=self.site_settings(s))
                     if runner is not None:
                         self.runners[s] = runner
                     if err is not None:  # one line; the traceback only with FEDMED_DEBUG=1
@@ -149,7 +148,7 @@ class InProcessFederation(Federation):
                         print(f"[fedmed] {line}" + (f"\n{trace}" if trace and os.environ.get("FEDMED_DEBUG") == "1"
                                                      else ""), file=sys.stderr, flush=True)
                     self.task_log.append((task_name, msg.round, s))
-                    rows.append((s, dict(metrics), {**meta, "client_name": s}, out))
+                    rows.append(Reply(s, dict(reply.metrics), {**reply.meta, "client_name": s}, reply.params))
                 replies[key] = rows
         finally:
             torch.set_num_threads(threads)

@@ -77,14 +77,14 @@ class Onboard(Workflow):
     record_name = "Onboard"
     earlier_record_names = ("OnboardController",)  # what runs of fedmed before 2026-11-25 recorded
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, training: str = "fedavg", known_clusters: dict = None,
+    def __init__(self, num_rounds: int, task_config: dict, training: str = "fedavg", known_clusters: dict = None,
                  references: bool = False, labels: bool = True, ensemble: bool = False, **kw):
         """``training``: the server workflow of the finished run (``module:Class``, :func:`server_workflow`), whose
         ``assign_new_sites`` assigns each new site; ``ensemble``: score the cluster models' weighted ensemble instead
         of assigning (how the Flux paper scores baselines without test-time assignment)."""
         from fedmed.workflows.registry import server_workflow
 
-        super().__init__(num_rounds, fedmed_config, **kw)
+        super().__init__(num_rounds, task_config, **kw)
         self.training = server_workflow(training)
         if not labels and self.training.onboard_needs_labels:
             raise ValueError(self.training.onboard_needs_labels)

@@ -24,11 +24,11 @@ class SegAssessment(FedAvg):
     record_name = "SegAssessment"
     earlier_record_names = ("SegAssessmentController",)  # what runs of fedmed before 2026-11-25 recorded
 
-    def __init__(self, num_rounds: int, fedmed_config: dict, *, mode: str, distance: str | None = None,
+    def __init__(self, num_rounds: int, task_config: dict, *, mode: str, distance: str | None = None,
                  omega: float | None = None, site: str | None = None, clusters: list | None = None, **kw):
         """``mode`` and the options of its method (``fedmed.methods``: FedAvg_w's distance, omega, site; the two-cluster
         split's distance, clusters); None: an option the mode does not take."""
-        super().__init__(num_rounds, fedmed_config, **kw)
+        super().__init__(num_rounds, task_config, **kw)
         self.omega = omega
         self.assessed: dict = {}
         self.max_intensity = None  # the modality of EMD_maxI in the run's assessment
@@ -96,6 +96,8 @@ class SegAssessment(FedAvg):
     def assign_new_sites(cls, ob, st: dict, models: dict) -> dict:
         """The new site's assessment; D_EMD on the image-intensity features only (label-free) or D_EUC on the
         embedding centroids, as the run clustered; mean distance to the cluster's members."""
+        import numpy as np
+
         from fedmed.algorithms.assessment import assess, intensity_emd
         from fedmed.algorithms.clustered import assign_by_linkage
 

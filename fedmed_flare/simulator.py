@@ -1,6 +1,6 @@
 """NVFlare's simulator, with site worker ports taken outside the OS's ephemeral port range.
 
-    python jobs/simulator.py JOB_FOLDER -w WORKSPACE -c site-a,site-b -t 2
+    python -m fedmed_flare.simulator JOB_FOLDER -w WORKSPACE -c site-a,site-b -t 2
 
 FLARE 2.9's simulator gives each site worker a port from ``get_open_ports`` (bind to port 0, read it, close it)
 and the worker binds it a moment later. Port 0 hands out *ephemeral* ports, the same range the OS uses for
@@ -16,7 +16,7 @@ imports torch, NVFlare and fedmed again — ~3 s of CPU and ~250 MB of private m
 is most of a small run's wall time. Here the same worker module runs in a process forked from a template process
 (Python's ``forkserver``) that imported those modules once: the worker code and its arguments, environment,
 session and working directory are FLARE's; the imported libraries' pages are shared copy-on-write between the
-sites. ``jobs/run.py`` starts that template before it builds the job and forks this simulator itself from it
+sites. ``fedmed_flare.run`` starts that template before it builds the job and forks this simulator itself from it
 (``ForkedWorker(..., simulator=True)``), so neither the simulator nor FLARE's server process, which FLARE forks from
 it, imports NVFlare and torch again. ``FEDMED_SIM_FORK=0`` launches the simulator and its workers exactly as FLARE
 does (``benchmarks/bench_memory.py --plain`` compares both); ``FEDMED_SIM_PRELOAD`` (comma-separated modules)
@@ -80,7 +80,7 @@ def open_ports(number: int) -> list[int]:
 
 
 WORKER_MODULE = "nvflare.private.fed.app.simulator.simulator_worker"
-TEMPLATE_ENV = "FEDMED_SIM_TEMPLATE"  # {"pid", "fd", "address"} of a template started by jobs/run.py
+TEMPLATE_ENV = "FEDMED_SIM_TEMPLATE"  # {"pid", "fd", "address"} of a template started by fedmed_flare.run
 PRELOAD = ["numpy", "torch", "torch._dynamo", "torch.optim", WORKER_MODULE, "nvflare.private.fed.app.simulator.simulator",
            "nvflare.private.fed.app.simulator.simulator_runner", "fedmed_flare.executor", "fedmed_flare.controller",
            "PIL.Image", "fedmed.site.runner", "fedmed.site.reply", "fedmed.nn.train",
@@ -100,7 +100,7 @@ def preload_list(extra=()) -> list[str]:
     env = os.environ.get("FEDMED_SIM_PRELOAD")
     mods = [m for m in env.split(",") if m] if env is not None else list(PRELOAD)
     mods += [m for m in extra if m not in mods]
-    return mods + ["_fork_template"]  # last: gc.freeze() (jobs/_fork_template.py; this folder is on sys.path)
+    return mods + ["fedmed_flare._fork_template"]  # last: gc.freeze() (fedmed_flare/_fork_template.py)
 
 
 def capped_time(cap: float) -> types.ModuleType:
@@ -179,7 +179,7 @@ def _run_worker(module: str, argv: list[str], env: dict) -> None:
 
 
 def _run_simulator(argv: list[str], env: dict) -> None:
-    """In a process forked from the template by ``jobs/run.py``: what ``Popen([python, jobs/simulator.py, *ARGV],
+    """In a process forked from the template by ``fedmed_flare.run``: what ``Popen([python, -m, fedmed_flare.simulator, *ARGV],
     preexec_fn=os.setsid, env=ENV)`` does, without importing NVFlare's simulator again — and without the ~2 s of CPU
     FLARE's server process (forked from this one) spends importing torch for the initial model and checkpoints."""
     import multiprocessing
@@ -211,14 +211,14 @@ class ForkedWorker:
                 cls._ctx = ctx
             return cls._ctx
 
-    _adopted: int | None = None  # pid of a template jobs/run.py started (not this process's child)
+    _adopted: int | None = None  # pid of a template fedmed_flare.run started (not this process's child)
 
     @classmethod
     def early_start(cls, extra=()) -> tuple[dict, list[int]]:
-        """In ``jobs/run.py``, before it imports NVFlare and builds the job: start the template there, so its imports
+        """In ``fedmed_flare.run``, before it imports NVFlare and builds the job: start the template there, so its imports
         (torch, NVFlare: ~4 s of CPU) overlap the job building and the simulator's start instead of following them.
         Returns the environment entry and the template's pipe end: a simulator forked from the template (what
-        ``jobs/run.py`` does) gets that pipe end at the fork; one started otherwise must inherit the descriptor."""
+        ``fedmed_flare.run`` does) gets that pipe end at the fork; one started otherwise must inherit the descriptor."""
         from multiprocessing import forkserver
 
         cls.context(extra)
@@ -229,7 +229,7 @@ class ForkedWorker:
 
     @classmethod
     def _adopt(cls) -> bool:
-        """Use the template named by ``FEDMED_SIM_TEMPLATE`` (started by ``jobs/run.py``, our grandparent): its pid,
+        """Use the template named by ``FEDMED_SIM_TEMPLATE`` (started by ``fedmed_flare.run``, our grandparent): its pid,
         the write end of its "alive" pipe (inherited) and its socket address. False when there is none or it is gone
         (then this process starts its own)."""
         from multiprocessing import forkserver, resource_tracker
@@ -248,7 +248,7 @@ class ForkedWorker:
         with fs._lock:
             if fs._forkserver_pid is not None:
                 return False
-            # forked by that template itself (jobs/run.py launches the simulator so): the template handed this process
+            # forked by that template itself (fedmed_flare.run launches the simulator so): the template handed this process
             # its own copy of the pipe end at the fork, under another number
             forked = fs.get_inherited_fds() is not None and fs._forkserver_alive_fd is not None
             fd = fs._forkserver_alive_fd if forked else int(d["fd"])
@@ -274,18 +274,18 @@ class ForkedWorker:
     @classmethod
     def warm(cls) -> None:
         """Start the template now (it imports while the server starts), not at the first site's launch — or adopt the
-        one ``jobs/run.py`` started."""
+        one ``fedmed_flare.run`` started."""
         from multiprocessing import forkserver
 
         cls.context()
         if cls._adopt():
             return
         # Python 3.11's forkserver ignores the parent's sys.path (its main() takes sys_path and drops it) and skips a
-        # preload module it cannot import without a word: put this folder (jobs._fork_template) and the repository
-        # (fedmed) on the template's path through its environment, for the template only
-        here = os.path.dirname(os.path.abspath(__file__))
+        # preload module it cannot import without a word: put the folder holding fedmed_flare and fedmed (a clone's
+        # root, or site-packages) on the template's path through its environment, for the template only
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         old = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here)] + ([old] if old else []))
+        os.environ["PYTHONPATH"] = os.pathsep.join([here] + ([old] if old else []))
         try:
             forkserver.ensure_running()
         finally:
@@ -303,7 +303,7 @@ class ForkedWorker:
 
             fs = forkserver._forkserver
             if cls._adopted is not None and fs._forkserver_pid == cls._adopted:
-                with fs._lock:  # not ours to wait for: drop our end of its pipe; it ends when jobs/run.py drops its end
+                with fs._lock:  # not ours to wait for: drop our end of its pipe; it ends when the runner drops its end
                     os.close(fs._forkserver_alive_fd)
                     fs._forkserver_pid = fs._forkserver_alive_fd = fs._forkserver_address = None
                 cls._adopted = None
@@ -321,7 +321,7 @@ class ForkedWorker:
 
     def __init__(self, argv: list[str], env: dict, module: str = WORKER_MODULE, simulator: bool = False):
         """A site worker running ``module`` with ``argv``; ``simulator``: this file's simulator itself (``argv`` are
-        its arguments), as ``jobs/run.py`` launches it."""
+        its arguments), as ``fedmed_flare.run`` launches it."""
         self.args = argv
         self.warm()  # the template, started with its path (a no-op once it runs)
         target, args = (_run_simulator, (argv, env)) if simulator else (_run_worker, (module, argv, env))

@@ -1,4 +1,4 @@
-"""Imported last by the simulator's site template (jobs/simulator.py): move every object the preloaded modules made
+"""Imported last by the simulator's site template (fedmed_flare.simulator): move every object the preloaded modules made
 into the garbage collector's permanent generation, so the collector in a forked site process never writes to
 those pages and they stay shared between the sites (``gc.freeze``, the CPython docs' advice before fork without
 exec).
