@@ -415,7 +415,7 @@ def start_template(a, task_config: dict) -> None:
     instead of in the server and every site after the fork."""
     if a.env != "sim" or os.environ.get("FEDMED_SIM_FORK", "1") == "0":
         return
-    from fedmed.nn.models import uses_monai
+    from fedmed.nn.needs import uses_monai  # no torch import here: the template imports it
     from fedmed_flare.simulator import ForkedWorker
 
     a.template = ForkedWorker.early_start(["monai.networks.nets"] if uses_monai(task_config) else [])
@@ -451,10 +451,12 @@ def _main(a) -> int:
             from fedmed_flare.build import export
 
             export(job, a.jobs_dir)
-        if a.env == "sim":  # the simulator runs every site on this machine: a device it lacks fails here, not at round 0
+        device = os.environ.get("FEDMED_DEVICE") or spec.task_config["train"]["device"]
+        if a.env == "sim" and str(device).strip() not in ("auto", "cpu"):  # the simulator runs every site on this
+            # machine: a device it lacks fails here, not at round 0 (auto and cpu run anywhere; asking torch about
+            # CUDA imports it, ~3 s that the site template would otherwise overlap)
             from fedmed.core.device import DeviceError, resolve_device
 
-            device = os.environ.get("FEDMED_DEVICE") or spec.task_config["train"]["device"]
             try:
                 resolve_device(device, where=", ".join(sites))
             except DeviceError as e:

@@ -449,6 +449,19 @@ def quick_end_run() -> None:
     os.environ.setdefault("NVFLARE_END_RUN_READINESS_CHECK_INTERVAL", str(END_RUN_CHECK_S))
 
 
+ENGINE_CHECK_S = 0.1  # FLARE's server checks every 3 s (check_engine_frequency) whether its run's engine stopped
+
+
+def quick_engine_check() -> None:
+    """In the simulator's run process: the server app notices its run ended within :data:`ENGINE_CHECK_S` instead of
+    FLARE's 3 s (``FederatedServer.start_run`` sleeps ``check_engine_frequency`` between checks, so every run waited
+    1.5 s on average, up to 3 s, after its last round: measured 2.75 s between "Server runner finished" and "Server
+    app stopped"). Every sleep of that module is such a poll (registrations every 5 s, heartbeats 0.1 s)."""
+    from nvflare.private.fed.server import fed_server
+
+    fed_server.time = capped_time(ENGINE_CHECK_S)
+
+
 def run_process(self, return_dict):
     """``SimulatorRunner.run_process`` with a shorter shutdown grace time (the rest as FLARE 2.9 has it)."""
     from nvflare.fuel.common.exit_codes import ProcessExitCode
@@ -456,6 +469,7 @@ def run_process(self, return_dict):
 
     quick_end_run()
     short_listener_wait()
+    quick_engine_check()
     try:
         run_status = mpm.run(main_func=self.simulator_run_main, run_dir=self.workspace,
                              shutdown_grace_time=SHUTDOWN_GRACE_S, cleanup_grace_time=6)

@@ -114,8 +114,13 @@ def test_a_jobs_own_preload_is_imported_by_the_template_and_monai_only_where_its
     """jobs/run.py starts the template once it knows the job's task config: MONAI (~9 s to import on two cores) is
     preloaded there once for a job whose sites import it (a segmentation job: 32.7 s -> 21.8 s for one round of
     demo_seg_phantoms), instead of in the server and every site after the fork — and not for ResNet-9 jobs."""
-    from fedmed.nn.models import uses_monai
+    from fedmed.nn.models import PRETRAINED_ARCHS
+    from fedmed.nn.needs import MONAI_FREE_ARCHS, uses_monai
 
+    assert set(MONAI_FREE_ARCHS) == {"resnet9", *PRETRAINED_ARCHS}
+    code = "import sys, fedmed.nn.needs, fedmed_flare.run; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=ROOT).stdout.strip() == "False"  # the runner asks before the template imports torch
     assert not uses_monai({"task": "classification", "model": {"arch": "resnet9"}})
     assert not uses_monai({"task": "classification", "model": {"arch": "efficientnet_lite0"}})
     assert not uses_monai({"task": "classification", "model": {"arch": "my_nets:Net"}})
@@ -169,6 +174,7 @@ def test_forked_and_plain_site_processes_train_the_same_model(tmp_path):
     """The simulator with sites forked from the template and with FLARE's own process start end with the same
     global model, bit for bit (and the template process does not outlive the run)."""
     import os
+    from datetime import datetime
 
     import torch
 
@@ -198,6 +204,11 @@ def test_forked_and_plain_site_processes_train_the_same_model(tmp_path):
         res = json.loads(p.stdout.read().strip().splitlines()[-1])
         assert res["status"] == "finished", res
         models[mode] = torch.load(Path(res["result"]) / "models" / "global.pt", weights_only=True)["state_dict"]
+        # the server app stops once its run ended, not at FLARE's next 3 s engine check (it waited 2.75 s here)
+        log = next((tmp_path / f"ws{mode}").glob("*/server/log.txt")).read_text().splitlines()
+        at = {k: datetime.strptime(next(ln for ln in log if k in ln)[:23], "%Y-%m-%d %H:%M:%S,%f")
+              for k in ("Server runner finished", "Server app stopped")}
+        assert (at["Server app stopped"] - at["Server runner finished"]).total_seconds() < 1.0, at
     # forked: no process of the run but the template (and multiprocessing's resource tracker) is a fresh interpreter —
     # the simulator, FLARE's server process and every site are forks of the one template; plain: FLARE's own start
     fresh = {c for c in trees["1"].values() if "resource_tracker" not in c}

@@ -38,7 +38,7 @@ from fedmed.core.schema import ModelSection
 
 __all__ = ["ArchError", "BUILTIN_ARCHS", "EfficientNetLiteClassifier", "PRETRAINED_ARCHS", "ResNet9", "build_model", "check_arch",
            "load_init_weights", "model_from_config", "network", "resolve_arch", "seg_model_from_config",
-           "user_code_files", "uses_monai"]
+           "user_code_files"]
 
 BUILTIN_ARCHS = ("resnet9", "resnet18", "vit_small")
 
@@ -165,18 +165,6 @@ def build_model(arch: str, in_channels: int, num_classes: int, *, width: int = 1
 
             return ViTClassifier(in_channels, num_classes)
         return _MonaiResNet18(in_channels, num_classes)
-
-
-def uses_monai(task_config: dict) -> bool:
-    """Whether a site building and training this task config's network imports MONAI (~9 s on two cores): every
-    segmentation and MAE task, a MONAI network or ``model.preprocessing`` (MONAI transforms), fedmed's ResNet-18 and
-    ViT. Not fedmed's ResNet-9 or the EfficientNet-Lite releases; a user's class may or may not."""
-    from fedmed.core.schema import task_config as typed
-
-    t = typed(task_config)
-    if t.task != "classification" or t.model.preprocessing:
-        return True
-    return not (t.model.arch == "resnet9" or t.model.arch in PRETRAINED_ARCHS or ":" in t.model.arch)
 
 
 def _monai_names() -> list[str]:
