@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -177,7 +178,7 @@ def write_config(path: Path, **over) -> Path:
     cfg = {"name": "deploy", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 12,
                                          "classes": [str(c) for c in range(10)]},
            "federation": {"sites": 3, "site_names": SITES, "partition": "iid", "min_clients": 2, "task_timeout": 60,
-                          "startup_timeout": 10},
+                          "startup_timeout": 3},  # hospital-c never starts: each job naming it waits this long
            "model": {"arch": "resnet9", "width": 4}, "train": {"rounds": 3, "local_epochs": 1, "batch_size": 8},
            "privacy": {"k_min": 2}, "methods": [{"name": "FedAvg", "workflow": "fedavg"},
                                                 {"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn"}]}
@@ -216,10 +217,22 @@ def record(res: dict) -> dict:
     return json.loads((Path(res["result"]) / "metrics.json").read_text())
 
 
-def test_clustering_job_on_provisioned_sites(deployment, site_data, tmp_path):
+FMCL_TWO = [{"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn", "n_clusters": 2}]
+
+
+@pytest.fixture(scope="module")
+def fmcl_run(deployment, site_data, tmp_path_factory):
+    """One FMCL training job (two clusters), named for the three hospitals, its job folder exported: what the
+    clustering, no-custom-code and new-hospital tests each read (one job instead of three)."""
+    tmp = tmp_path_factory.mktemp("fmcl")
+    cfg = write_config(tmp / "cfg.yaml", methods=FMCL_TWO)
+    p = submit(deployment, cfg, "FMCL", tmp / "result", "--jobs-dir", str(tmp / "jobs"))
+    return SimpleNamespace(p=p, cfg=cfg, jobs=tmp / "jobs")
+
+
+def test_clustering_job_on_provisioned_sites(deployment, fmcl_run):
     """An FMCL job named for three hospitals; hospital-c never started: given up on after the start-up timeout."""
-    cfg = write_config(tmp_path / "cfg.yaml")
-    p = submit(deployment, cfg, "FMCL", tmp_path / "result")
+    p = fmcl_run.p
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = outcome(p.stdout)
     assert res["status"] == "finished" and res["flare_status"] == "FINISHED:COMPLETED"
@@ -250,22 +263,23 @@ def no_site_log_reached_the_server(deployment, job_id: str):
     assert not [n for n in stored if "LOG_" in n or n.startswith("log")], stored  # JobLogReceiver's data types
 
 
-def test_a_site_that_runs_no_custom_code_runs_fedavg_and_fmcl_to_the_end(deployment, site_data, tmp_path):
+def test_a_site_that_runs_no_custom_code_runs_fedavg_and_fmcl_to_the_end(deployment, site_data, fmcl_run, tmp_path):
     """hospital-a gives no role the right to run custom code: fedmed's jobs carry none (the components are installed
-    with fedmed and named by class path), so both workflows finish with hospital-a in every round."""
+    with fedmed and named by class path), so both workflows finish with hospital-a in every round (FMCL: the shared
+    training job)."""
     authz = json.loads((deployment.kits["hospital-a"] / "local" / "authorization.json").read_text())
     assert all(r["byoc"] == "none" for r in authz["permissions"].values())
     cfg = write_config(tmp_path / "cfg.yaml")
-    for method in ("FedAvg", "FMCL"):
-        p = submit(deployment, cfg, method, tmp_path / method, "--jobs-dir", str(tmp_path / "jobs"))
+    fedavg = submit(deployment, cfg, "FedAvg", tmp_path / "FedAvg", "--jobs-dir", str(tmp_path / "jobs"))
+    for method, p, jobs in (("FedAvg", fedavg, tmp_path / "jobs"), ("FMCL", fmcl_run.p, fmcl_run.jobs)):
         res = outcome(p.stdout)
         assert res["status"] == "finished" and res["flare_status"] == "FINISHED:COMPLETED", p.stdout[-3000:]
         doc = record(res)
         assert all("hospital-a" in r["sites"] for r in doc["rounds"]), method
         assert doc["site_policies"]["hospital-a"]["k_min"] == 2  # the effective policy, in the record
-    assert not list((tmp_path / "jobs").rglob("custom"))  # no code in the jobs
-    config = next((tmp_path / "jobs").rglob("config_fed_client.json")).read_text()
-    assert "fedmed_flare.executor.SiteExecutor" in config
+        assert not list(jobs.rglob("custom"))  # no code in the jobs
+        config = next(jobs.rglob("config_fed_client.json")).read_text()
+        assert "fedmed_flare.executor.SiteExecutor" in config
 
 
 USER_NET = """from torch import nn
@@ -366,13 +380,11 @@ def test_every_site_failing_is_a_failed_run(deployment, site_data, tmp_path):
     no_site_log_reached_the_server(deployment, job_id)
 
 
-def test_a_hospital_added_after_training_gets_its_cluster_model(deployment, site_data, tmp_path):
-    """docs/deployment.md, "A hospital joins after training": FMCL trains on hospital-a and -b; hospital-d is added to
-    project.yml, provisioned (same root CA) and started with its own data; the onboarding job, submitted with the
-    admin's kit, assigns it a cluster and writes the model it uses with `fedmed predict`."""
-    cfg = write_config(tmp_path / "cfg.yaml", methods=[{"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn",
-                                                        "n_clusters": 2}])
-    p = submit(deployment, cfg, "FMCL", tmp_path / "train")
+def test_a_hospital_added_after_training_gets_its_cluster_model(deployment, site_data, fmcl_run, tmp_path):
+    """docs/deployment.md, "A hospital joins after training": FMCL trains on hospital-a and -b (the shared training
+    job); hospital-d is added to project.yml, provisioned (same root CA) and started with its own data; the onboarding
+    job, submitted with the admin's kit, assigns it a cluster and writes the model it uses with `fedmed predict`."""
+    cfg, p = fmcl_run.cfg, fmcl_run.p
     trained = outcome(p.stdout)
     assert trained["status"] == "finished", p.stdout[-3000:] + p.stderr[-3000:]
     clusters = record(trained)["clustering"]["clusters"]

@@ -323,20 +323,20 @@ def test_the_released_efficientnet_lite_computes_its_layouts_forward_pass_and_kn
     ref = EfficientNetLite(variant)
     ref.load_state_dict(torch.load(f, map_location="cpu", weights_only=True))  # strict: the release's own layout
     ref.eval()
-    files = sorted(p for d in sorted(val.iterdir()) for p in sorted(d.iterdir()))
+    files = sorted(p for d in sorted(val.iterdir()) for p in sorted(d.iterdir())[::2])  # 10 of each class's 20
     x = torch.stack([torch.from_numpy(np.asarray(Image.open(p).convert("RGB").resize((size, size)), dtype=np.float32)
                                       / 255.0).permute(2, 0, 1) for p in files])
     y = np.array([IMAGENETTE[p.parent.name] for p in files])
     enc = build_encoder(f"efficientnet_lite{variant}", weights=f)
-    got = extract_features(enc, x[::20])  # one image per class
+    got = extract_features(enc, x[::10])  # one image per class
     with torch.no_grad():
-        want = ref.features((x[::20] - 0.5) / 0.5).numpy()
+        want = ref.features((x[::10] - 0.5) / 0.5).numpy()
         pred = torch.cat([ref((b - 0.5) / 0.5).argmax(1) for b in x.split(50)]).numpy()
     for g, w in zip(got, want):
         assert _cos(g, w) >= 0.9999
     acc = float((pred == y).mean())
     print(f"efficientnet_lite{variant}: Imagenette top-1 {acc:.3f}")
-    assert len(files) >= 100 and acc >= 0.4, acc  # 1000-way: chance is 0.001; measured lite0 132/200 = 0.66
+    assert len(files) >= 100 and acc >= 0.4, acc  # 1000-way: chance is 0.001; measured lite0 132/200 = 0.66 on all
 
 
 @pytest.mark.data
