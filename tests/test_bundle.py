@@ -675,3 +675,27 @@ def test_exporting_a_bundle_of_fedmeds_own_network_does_not_import_monai(tmp_pat
     assert imported is False
     meta = json.loads((Path(bundle) / "configs" / "metadata.json").read_text())
     assert meta["monai_version"] == version("monai") and meta["fedmed"]["network_def"] == "torchscript"
+
+
+def test_fedmeds_resnet18_is_bundled_as_torchscript_not_as_monais_resnet18(tmp_path):
+    """fedmed's ResNet-18 wraps MONAI's (its weights are ``net.*``): the export named it by its arch alone — found in
+    monai.networks.nets — as ``monai.networks.nets.resnet18`` loading model.pt, whose keys that network does not have.
+    Only MONAI's own classes are named; fedmed's networks go as TorchScript, which computes the network's outputs."""
+    import torch
+
+    from fedmed.nn.bundle import export_bundle
+    from fedmed.nn.models import build_model
+
+    net = build_model("resnet18", 1, 3).eval()
+    assert next(iter(net.state_dict())).startswith("net.")
+    ck = tmp_path / "global.pt"
+    torch.save({"format": "fedmed-model-1", "task": "classification", "state_dict": net.state_dict(),
+                "model": {"arch": "resnet18"}, "data": {"image_size": 16, "channels": 1, "n_classes": 3},
+                "classes": ["a", "b", "c"], "seed": 0, "cluster": None, "sites": ["site-1"], "workflow": "FedAvg",
+                "rounds": 1}, ck)
+    bundle = export_bundle(ck)
+    inference = json.loads((bundle / "configs" / "inference.json").read_text())
+    assert isinstance(inference["network_def"], str) and "model.ts" in inference["network_def"]
+    x = torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(torch.jit.load(str(bundle / "models" / "model.ts"))(x), net(x), atol=1e-5)
