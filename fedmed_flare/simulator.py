@@ -179,8 +179,8 @@ def _run_worker(module: str, argv: list[str], env: dict) -> None:
 
 
 def _run_simulator(argv: list[str], env: dict) -> None:
-    """In a process forked from the template by ``fedmed_flare.run``: what ``Popen([python, -m, fedmed_flare.simulator, *ARGV],
-    preexec_fn=os.setsid, env=ENV)`` does, without importing NVFlare's simulator again — and without the ~2 s of CPU
+    """In a process forked from the template by ``fedmed_flare.run``: what ``Popen([python, -m,
+    fedmed_flare.simulator, *ARGV], preexec_fn=os.setsid, env=ENV)`` does, without importing NVFlare's simulator again — and without the ~2 s of CPU
     FLARE's server process (forked from this one) spends importing torch for the initial model and checkpoints."""
     import multiprocessing
 

@@ -87,31 +87,40 @@ def test_forked_worker_runs_the_module_with_the_env_and_reports_exit_codes(tmp_p
         sim.ForkedWorker.stop()
 
 
-def test_template_imports_its_preload_from_any_working_directory(tmp_path, monkeypatch):
-    """Python 3.11's forkserver drops the parent's sys.path: the template must still import fedmed_flare._fork_template (so a
-    forked site's objects start in gc's permanent generation) and the preload modules, wherever the simulator runs."""
+def probe_in_forked_worker(tmp_path, expr: str, preload=()) -> str:
+    """``expr`` (Python, over ``gc`` and ``sys``) as a site worker forked from the template sees it: the template
+    started with ``preload`` added to its list (as the runner starts it for a job), stopped afterwards."""
     (tmp_path / "probe_worker.py").write_text(
         "import gc, os, sys\n"
         "def parse_arguments():\n"
         "    import argparse; ap = argparse.ArgumentParser(); ap.add_argument('--workspace'); return ap.parse_args()\n"
         "def main(args):\n"
-        "    open(os.environ['OUT'], 'w').write(f\"{gc.get_freeze_count() > 0} {'fedmed_flare._fork_template' in sys.modules} \"\n"
-        "                                       f\"{'fedmed.core.memtrace' in sys.modules}\")\n")
-    monkeypatch.setenv("FEDMED_SIM_PRELOAD", "fedmed.core.memtrace")
-    monkeypatch.chdir(tmp_path)  # neither the repository nor jobs/ is the working directory
+        f"    open(os.environ['OUT'], 'w').write(str({expr}))\n")
     out = tmp_path / "out.txt"
     try:
+        sim.ForkedWorker.early_start(list(preload))
         w = sim.ForkedWorker(["--workspace", str(tmp_path)], {"OUT": str(out), "PYTHONPATH": str(tmp_path)},
                              module="probe_worker")
         assert w.wait(timeout=60) == 0
-        assert out.read_text() == "True True True"
+        return out.read_text()
     finally:
         sim.ForkedWorker.stop()
 
 
+def test_template_imports_its_preload_from_any_working_directory(tmp_path, monkeypatch):
+    """Python 3.11's forkserver drops the parent's sys.path: the template must still import
+    fedmed_flare._fork_template (so a forked site's objects start in gc's permanent generation) and the preload
+    modules, wherever the simulator runs."""
+    monkeypatch.setenv("FEDMED_SIM_PRELOAD", "fedmed.core.memtrace")
+    monkeypatch.chdir(tmp_path)  # neither the repository nor jobs/ is the working directory
+    got = probe_in_forked_worker(tmp_path, "(gc.get_freeze_count() > 0, 'fedmed_flare._fork_template' in sys.modules, "
+                                           "'fedmed.core.memtrace' in sys.modules)")
+    assert got == "(True, True, True)"
+
+
 def test_a_jobs_own_preload_is_imported_by_the_template_and_monai_only_where_its_network_needs_it(tmp_path,
                                                                                                    monkeypatch):
-    """jobs/run.py starts the template once it knows the job's task config: MONAI (~9 s to import on two cores) is
+    """The job runner starts the template once it knows the job's task config: MONAI (~9 s to import on two cores) is
     preloaded there once for a job whose sites import it (a segmentation job: 32.7 s -> 21.8 s for one round of
     demo_seg_phantoms), instead of in the server and every site after the fork — and not for ResNet-9 jobs."""
     from fedmed.nn.models import PRETRAINED_ARCHS
@@ -130,22 +139,10 @@ def test_a_jobs_own_preload_is_imported_by_the_template_and_monai_only_where_its
                 {"task": "classification", "model": {"arch": "resnet9", "preprocessing": [
                     {"name": "ScaleIntensity", "args": {}}]}}):
         assert uses_monai(cfg), cfg
-    (tmp_path / "probe_worker.py").write_text(
-        "import os, sys\n"
-        "def parse_arguments():\n"
-        "    import argparse; ap = argparse.ArgumentParser(); ap.add_argument('--workspace'); return ap.parse_args()\n"
-        "def main(args):\n"
-        "    open(os.environ['OUT'], 'w').write(f\"{'colorsys' in sys.modules}\")\n")
     monkeypatch.setenv("FEDMED_SIM_PRELOAD", "fedmed.core.memtrace")
-    out = tmp_path / "out.txt"
-    try:
-        sim.ForkedWorker.early_start(["colorsys"])  # a module nothing else here imports
-        w = sim.ForkedWorker(["--workspace", str(tmp_path)], {"OUT": str(out), "PYTHONPATH": str(tmp_path)},
-                             module="probe_worker")
-        assert w.wait(timeout=60) == 0
-        assert out.read_text() == "True"
-    finally:
-        sim.ForkedWorker.stop()
+    probe = "'colorsys' in sys.modules"  # a module nothing else here imports
+    assert probe_in_forked_worker(tmp_path, probe, preload=["colorsys"]) == "True"
+    assert probe_in_forked_worker(tmp_path, probe) == "False"
     assert sim.preload_list(["colorsys"])[-2:] == ["colorsys", "fedmed_flare._fork_template"]
 
 

@@ -392,8 +392,9 @@ def register(sub):
     m.add_argument("--part", nargs="+", choices=list(DEMO_PARTS), help="run only these parts (default: all three)")
     m.set_defaults(func=cmd_demo)
 
-    j = sub.add_parser("job", help="build a method's FLARE job from a config (fedmed_flare.build) or run one in the simulator "
-                       "or on provisioned sites (fedmed_flare.run); 'fedmed job build --help' for their options",
+    j = sub.add_parser("job", help="build a method's FLARE job from a config (fedmed_flare.build) or run one in the "
+                       "simulator or on provisioned sites (fedmed_flare.run); 'fedmed job build --help' for their "
+                       "options",
                        formatter_class=H)
     j.add_argument("action", choices=["build", "run"], help="build: fedmed_flare.build; run: fedmed_flare.run")
     j.add_argument("args", nargs=argparse.REMAINDER, help="their arguments")

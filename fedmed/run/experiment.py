@@ -255,7 +255,8 @@ def _stop(proc, grace: float = 30.0) -> None:
 
 def run_job(spec, datalists: Path, work: Path, n_sites: int = 0, timeout: int = 24 * 3600, *, log=print) -> dict:
     """Run one job (:class:`fedmed.run.jobspec.JobSpec`, built in this process from the typed config) in NVFlare's
-    simulator: the spec is written to ``work/job_spec.json`` and the job runner (``fedmed_flare.run --spec``) starts the simulator on it
+    simulator: the spec is written to ``work/job_spec.json`` and the job runner (``fedmed_flare.run --spec``) starts
+    the simulator on it
     (fedmed itself never imports nvflare); nothing of the config is read again.
 
     Keeps the server's ``fedmed/`` output (metrics.json, reports, plots, tb/, models/, checkpoint/) under

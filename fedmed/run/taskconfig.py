@@ -1,7 +1,8 @@
 """The task config: what a job sends to the sites (and its server workflow reads) for one method and seed.
 
 A plain dict built from the experiment config alone — no site's data or paths — so the same job runs anywhere.
-``fedmed_flare.build`` builds FLARE jobs around it; :func:`fedmed.workflows.fedavg_in_process` and the references run the same site code with it.
+``fedmed_flare.build`` builds FLARE jobs around it; :func:`fedmed.workflows.fedavg_in_process` and the references run
+the same site code with it.
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
 
     model = runner.model(cfg)
     set_params(model, params)
-    return Reply(runner.site, _held_out_loss(runner, model, cfg), {"n_test": int(runner.splits(cfg).test[0].shape[0])}, {})
+    n_test = int(runner.splits(cfg).test[0].shape[0])
+    return Reply(runner.site, _held_out_loss(runner, model, cfg), {"n_test": n_test}, {})
 
 
 def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
@@ -66,8 +67,8 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     if not np.isfinite(out["loss"]):
         raise TaskError(f"{runner.site}: MAE training diverged in round {round_}")
     metrics["train_loss"] = out["loss"]
-    return Reply(runner.site, metrics, {"n_train": int(x.shape[0]), "train_loss": out["loss"],
-                                              "steps": out["steps"]}, get_params(model))
+    meta = {"n_train": int(x.shape[0]), "train_loss": out["loss"], "steps": out["steps"]}
+    return Reply(runner.site, metrics, meta, get_params(model))
 
 
 class MAESiteRunner(SiteRunner):

@@ -270,8 +270,8 @@ class SiteRunner:
 
     # ------------------------------------------------------------------ tasks
     def handle(self, task: str, params: dict, cfg: dict, round_: int = 0) -> Reply:
-        """Run ``task``; its :class:`~fedmed.site.tasks.Reply` (the site, scalar metrics, meta aggregates, the parameters
-        to send). Notes the site has not sent yet
+        """Run ``task``; its :class:`~fedmed.site.tasks.Reply` (the site, scalar metrics, meta aggregates, the
+        parameters to send). Notes the site has not sent yet
         (e.g. what its image loading converted) go with the reply. ``cfg`` is read as a
         :class:`~fedmed.core.schema.TaskConfig` (validated, the schema's defaults for what it leaves out)."""
         cfg = task_config(cfg)

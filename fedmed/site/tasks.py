@@ -290,7 +290,8 @@ def latent_bounds(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Rep
     rng = np.random.default_rng(task_seed(cfg, runner.site, salt=3))
     lo, hi, note = private_bounds(z, k_min=runner.k_min(cfg), privacy=cfg.privacy.model_dump(), rng=rng,
                                   site=runner.site, box=f.box)
-    return Reply(runner.site, {"n_samples": float(z.shape[0])}, {"lo": lo, "hi": hi, "notes": [note] if note else []}, {})
+    meta = {"lo": lo, "hi": hi, "notes": [note] if note else []}
+    return Reply(runner.site, {"n_samples": float(z.shape[0])}, meta, {})
 
 
 def descriptor(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
@@ -317,7 +318,8 @@ def descriptor(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
         meta["full"] = d.full
     for w in d.warnings:
         print(f"[fedmed] {w}", flush=True)
-    return Reply(runner.site, {"descriptor_length": float(len(d.full) if d.full is not None else len(d.label_free))}, meta, {})
+    length = len(d.full) if d.full is not None else len(d.label_free)
+    return Reply(runner.site, {"descriptor_length": float(length)}, meta, {})
 
 # ------------------------------------------------------------------ IFCA (Ghosh et al.)
 
