@@ -1,16 +1,19 @@
-"""A site's training on a GPU against a plain PyTorch loop of the same model on the same GPU (``benchmarks/_common.py``).
+"""A site's round on a GPU against a tuned plain PyTorch loop of the same model on the same GPU (issue #54;
+``benchmarks/_common.py``).
 
-Side A is a bare loop written here (the model, Adam, the same shuffled batches from the same seeded generator, the
-same flips, ``autocast`` at the same precision, the same loss); side B is what a fedmed site runs for one round
-(``SiteRunner.handle("train")``: score the served model on the validation and test splits, then train). Both start
-from the same weights and must end with the same weights (checked: bit for bit on the CPU, within ``--atol`` on a
-GPU, whose kernels are not deterministic by default). Then interleaved pairs (A B A B ...) give seconds per round
-and training images per second for both, and the ratio B / A.
+Side A is a loop written here with none of fedmed's code, as a well-written loop runs on a GPU: the images kept on
+the device as uint8, each batch gathered, flipped and normalised there, channels_last, a fused Adam, the loss summed
+on the device and read once a round; it scores the served model on the validation and test images first (batch 256),
+as a site does. Side B is what a fedmed site runs for one round (``SiteRunner.handle("train")``). Both take their
+random draws from the same seeded generator in the same order and start from the same weights, so they must end
+with the same weights (checked: bit for bit on the CPU, on a GPU within the tuned loop's own run-to-run spread).
+Then interleaved pairs (A B A B ...) give seconds per round, images per second and the ratio. The same for inference:
+fedmed's ``predict_proba`` of the site's images kept on the device against the tuned pass (the same probabilities).
 
     .venv/bin/python benchmarks/bench_gpu.py [--arch DenseNet121 --image-size 224 --n 512 --precision bf16 --pairs 5]
     .venv/bin/python benchmarks/bench_gpu.py --device cpu --arch resnet9 --image-size 32 --n 64 --pairs 1  # smoke run
 
-Data: BUSI from ../shared/data (sklearn digits when absent). Without a CUDA GPU the script says so and measures
+Data: BUSI from ../shared/data, or ``--data`` (a folder of class folders; sklearn digits when absent). Without a CUDA GPU the script says so and measures
 nothing (unless ``--device cpu`` is given): docs/results.md never reports a GPU number that was not measured.
 """
 
@@ -32,38 +35,53 @@ from _common import compare  # noqa: E402
 BUSI = Path(__file__).resolve().parents[2] / "shared" / "data" / "busi"
 
 
-def federation(n: int, tmp: Path) -> tuple[Path, int]:
+def federation(n: int, tmp: Path, data: Path = BUSI) -> tuple[Path, int]:
     from fedmed.data.images import discover, write_site_datalists
 
-    src = str(BUSI) if BUSI.exists() else "builtin:digits"
+    src = str(data) if data.exists() else "builtin:digits"
     pool = discover(src, seed=0)
     idx = np.random.default_rng(0).permutation(len(pool.labels))[: int(n * 1.25)]
     write_site_datalists(pool.subset(np.sort(idx)), [np.arange(len(idx))], tmp, test_fraction=0.2, seed=0)
     return tmp, pool.n_classes
 
 
-def bare_round(model, x, y, *, epochs, batch_size, lr, seed, precision, device):
-    """One round of plain PyTorch training, the operations a site's ``train_local`` does (same order, same RNG use)."""
-    from fedmed.nn.train import augment_batch
-
+def tuned_round(model, data, *, epochs, batch_size, lr, seed, precision, device):
+    """One round as a well-written plain loop does it, with none of fedmed's code: the served model scored on the
+    validation and test images (what a site round does first, :func:`tuned_scores`), then ``epochs`` of training —
+    the images kept on the device as uint8, the batch gathered, flipped and normalised there, channels_last, a fused
+    Adam on a GPU, the loss summed on the device and read once. Its random draws come from the same seeded CPU
+    generator in the same order as a site's (permutation, then each batch's flips), so both train on the same batches."""
+    tuned_scores(model, [data["val"], data["test"]], precision=precision, device=device)
     g = torch.Generator()
     g.manual_seed(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=0.0)
-    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" and device.type == "cuda" else None
+    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=0.0,
+                           **({"fused": True} if device.type == "cuda" else {}))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    loss_fn = torch.nn.CrossEntropyLoss()
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" and device.type == "cuda" else None
+    x, y = data["train"]
     n = x.shape[0]
+    cl = device.type == "cuda"
+    total = torch.zeros((), device=device)
     model.train()
     for _ in range(epochs):
         order = torch.randperm(n, generator=g)
-        for s in range(0, n, batch_size):
-            idx = order[s:s + batch_size]
-            if idx.numel() < 2 and n >= 2:
-                continue
-            xb, yb = augment_batch(x[idx], "flip", g).to(device), y[idx].to(device)
+        starts = [s for s in range(0, n, batch_size) if n - s >= 2]
+        flips = torch.cat([torch.rand(min(batch_size, n - s), generator=g) < 0.5 for s in starts])
+        if device.type == "cuda":
+            order, flips = order.pin_memory().to(device, non_blocking=True), flips.pin_memory().to(device, non_blocking=True)
+        j = 0
+        for s in starts:
+            b = min(batch_size, n - s)
+            idx, f = order[s:s + b], flips[j:j + b]
+            j += b
+            xb = x.index_select(0, idx).float().div_(255)
+            xb = torch.where(f[:, None, None, None], xb.flip(-1), xb)
+            xb = (xb - 0.5) / 0.5
+            if cl:
+                xb = xb.contiguous(memory_format=torch.channels_last)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                loss = loss_fn(model((xb - 0.5) / 0.5).float(), yb)
-            opt.zero_grad()
+                loss = torch.nn.functional.cross_entropy(model(xb).float(), y.index_select(0, idx))
+            opt.zero_grad(set_to_none=True)
             if scaler is None:
                 loss.backward()
                 opt.step()
@@ -71,9 +89,28 @@ def bare_round(model, x, y, *, epochs, batch_size, lr, seed, precision, device):
                 scaler.scale(loss).backward()
                 scaler.step(opt)
                 scaler.update()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+            total += loss.detach()
+    float(total)  # the one read of the round
     return model
+
+
+@torch.no_grad()
+def tuned_scores(model, xs, *, precision, device, batch_size=256):
+    """Class probabilities of ``model`` on each uint8 image set of ``xs`` (resident), in the training precision, the
+    whole set at ``batch_size`` with one copy back per set; none of fedmed's code."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    model.eval()
+    out = []
+    for x in xs:
+        ps = []
+        for s in range(0, x.shape[0], batch_size):
+            xb = (x[s:s + batch_size].float().div_(255) - 0.5) / 0.5
+            if device.type == "cuda":
+                xb = xb.contiguous(memory_format=torch.channels_last)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                ps.append(torch.softmax(model(xb).float(), dim=1))
+        out.append(torch.cat(ps).cpu().numpy() if ps else np.zeros((0, 0)))
+    return out
 
 
 def main(argv=None) -> int:
@@ -89,6 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--atol", type=float, default=1e-3, help="GPU: largest weight difference (relative to each tensor's "
                     "scale, at least 1) still 'the same'")
     ap.add_argument("--json", help="also write the result here")
+    ap.add_argument("--data", type=Path, default=BUSI, help="a folder of class folders (default: BUSI)")
     ap.add_argument("--deterministic", action="store_true", help="cuDNN's deterministic algorithms on both sides (the "
                     "site through its train.deterministic)")
     a = ap.parse_args(argv)
@@ -103,7 +141,7 @@ def main(argv=None) -> int:
     if a.deterministic:  # cuDNN's deterministic algorithms only: the site by its train.deterministic, the loop here
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     tmp = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
-    root, n_classes = federation(a.n, tmp)
+    root, n_classes = federation(a.n, tmp, a.data)
     model_cfg = {"arch": a.arch, "width": 16, "norm": "batch"}
     cfg = {"seed": 0, "data": {"image_size": a.image_size, "channels": 1, "n_classes": n_classes},
            "model": model_cfg, "privacy": {"k_min": 1},
@@ -113,17 +151,24 @@ def main(argv=None) -> int:
     runner = SiteRunner("site-1", root)
     s = runner.splits(cfg)
     x, y = s.train
+
+    def u8(t):  # the benchmark's own copy of the images on the device, as 8-bit codes
+        return (t * 255).round().to(torch.uint8).to(device)
+
+    data = {"train": (u8(x), y.to(device)), "val": u8(s.val[0]), "test": u8(s.test[0])}
     theta = get_params(model_from_config(model_cfg, 1, n_classes, seed=0))
     net = model_from_config(model_cfg, 1, n_classes, seed=0).to(device)
+    if device.type == "cuda":
+        net = net.to(memory_format=torch.channels_last)
+    seed = runner.generator(cfg, 0).initial_seed()
 
     def side_a():
         set_params(net, theta)
-        return get_params(bare_round(net, x, y, epochs=a.epochs, batch_size=a.batch_size, lr=1e-3,
-                                     seed=runner.generator(cfg, 0).initial_seed(), precision=a.precision,
-                                     device=device))
+        return get_params(tuned_round(net, data, epochs=a.epochs, batch_size=a.batch_size, lr=1e-3, seed=seed,
+                                      precision=a.precision, device=device))
 
     def side_b():
-        _, _, _, out = runner.handle("train", theta, cfg, 0)
+        out = runner.handle("train", theta, cfg, 0).params
         if device.type == "cuda":
             torch.cuda.synchronize()
         return out
@@ -141,20 +186,52 @@ def main(argv=None) -> int:
         print(f"largest weight difference after one round: {d:.3g} (relative to the tensor's scale; {key})")
         if device.type == "cpu":
             return d == 0.0
-        # a GPU's kernels need not be deterministic: the plain loop run twice is the spread the two sides may differ by
+        # a GPU's kernels need not be deterministic: the tuned loop run twice is the spread the two sides may differ by
         spread, skey = worst(pa, side_a())
-        print(f"the plain loop against itself, run again: {spread:.3g} ({skey}); the sides count as the same within "
+        print(f"the tuned loop against itself, run again: {spread:.3g} ({skey}); the sides count as the same within "
               f"max(--atol {a.atol:g}, 2 x that)")
         return d <= max(a.atol, 2 * spread)
 
-    name = f"{a.arch} {a.image_size}px {a.precision} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"
-    res = compare(name, side_a, side_b, label_a="plain PyTorch loop", label_b="fedmed site round", pairs=a.pairs,
-                  same=same)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    name = f"{a.arch} {a.image_size}px {a.precision} batch {a.batch_size} on {card}"
+    res = compare(name, side_a, side_b, label_a="tuned loop", label_b="fedmed site round", pairs=a.pairs, same=same)
     images = a.epochs * x.shape[0]
     res.update(device=name, images_per_round=images, a_images_per_s=images / res["a_wall"],
                b_images_per_s=images / res["b_wall"])
-    print(f"[{name}] images/s: plain {res['a_images_per_s']:.1f}, fedmed site {res['b_images_per_s']:.1f} "
-          f"(the site also scores the served model on its validation and test splits each round)")
+    print(f"[{name}] training images/s: tuned loop {res['a_images_per_s']:.1f}, fedmed site {res['b_images_per_s']:.1f} "
+          f"(site / tuned x{res['a_wall'] / res['b_wall']:.2f}; both also score the served model on the validation "
+          f"and test images first)")
+
+    # inference: fedmed's scoring of a split kept on the device against the tuned pass, over all the site's images
+    from fedmed.nn.train import predict_proba
+
+    xs_all = torch.cat([x, s.val[0], s.test[0]])
+    all_u8 = u8(xs_all)
+    model = runner.model(cfg)
+    set_params(model, theta)
+    set_params(net, theta)
+    resident = runner.on_device(xs_all, cfg)
+
+    def inf_a():
+        return tuned_scores(net, [all_u8], precision=a.precision, device=device)[0]
+
+    def inf_b():
+        return predict_proba(model, resident, precision=a.precision)
+
+    def same_probs(pa, pb):
+        d = float(np.abs(pa - pb).max())
+        print(f"largest probability difference: {d:.3g}")
+        return d <= (0.0 if device.type == "cpu" else 1e-2)
+
+    inf = compare(f"inference {name}", inf_a, inf_b, label_a="tuned pass", label_b="fedmed predict_proba",
+                  pairs=a.pairs, same=same_probs)
+    m = xs_all.shape[0]
+    res["inference"] = {**inf, "images": m, "a_images_per_s": m / inf["a_wall"], "b_images_per_s": m / inf["b_wall"]}
+    print(f"[{name}] inference images/s: tuned pass {m / inf['a_wall']:.1f}, fedmed {m / inf['b_wall']:.1f} "
+          f"(fedmed / tuned x{inf['a_wall'] / inf['b_wall']:.2f})")
+    if device.type == "cuda":
+        res["peak_device_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        print(f"[{name}] peak device memory: {res['peak_device_memory_gib']:.2f} GiB")
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1, default=str))
     return 0

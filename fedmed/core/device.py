@@ -17,7 +17,9 @@ import re
 
 import torch
 
-__all__ = ["DeviceError", "PRECISIONS", "autocast", "backward_step", "grad_scaler", "model_device", "resolve_device"]
+__all__ = ["DeviceError", "PRECISIONS", "autocast", "backward_step", "backward_step_on_device", "fused_kwargs",
+           "grad_scaler", "grads_finite", "model_device", "nonfinite_flag", "resolve_device", "to_channels_last",
+           "uses_channels_last"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
@@ -104,3 +106,61 @@ def grads_finite(grads: list) -> bool:
         torch._amp_foreach_non_finite_check_and_unscale_(ts, *found[dev])
     flags = [f for f, _ in found.values()]
     return not bool((torch.cat([f.to(flags[0].device) for f in flags]) > 0).any())
+
+
+def nonfinite_flag(grads: list, found: torch.Tensor | None = None) -> torch.Tensor:
+    """A 0-dim float32 tensor on the gradients' device: 1 when any gradient holds NaN or inf, else 0 — the gradient
+    scaler's found-inf kernel at scale 1, once per dtype; nothing is read back to the host."""
+    dev = grads[0].device
+    found = torch.zeros((), device=dev) if found is None else found
+    one = torch.ones((), device=dev)
+    groups: dict = {}
+    for g in grads:
+        groups.setdefault(g.dtype, []).append(g)
+    for ts in groups.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(ts, found, one)
+    return found
+
+
+def backward_step_on_device(loss: torch.Tensor, optimizer, scaler=None) -> torch.Tensor:
+    """:func:`backward_step` without a host read: with a fused optimizer (``fused=True``, :func:`fused_kwargs`) the
+    step is skipped *on the device* when a gradient is not finite — the optimizer's own ``found_inf`` input, which
+    a gradient scaler uses, also undoes its step count. Returns a 0-dim tensor on the device: 1 for a skipped step.
+    Another optimizer, or fp16's gradient scaler, goes through :func:`backward_step` (one host read per step)."""
+    fused = bool(optimizer.defaults.get("fused"))
+    if scaler is not None or not fused:
+        return torch.tensor(float(not backward_step(loss, optimizer, scaler)), device=loss.device)
+    optimizer.zero_grad()
+    loss.backward()
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=loss.device)
+    found = nonfinite_flag(grads)
+    optimizer.found_inf = found
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+    return found
+
+
+def fused_kwargs(model: torch.nn.Module) -> dict:
+    """``{"fused": True}`` for an optimizer of a model on a CUDA GPU (one kernel for all parameters, and a step that
+    can be skipped without a host read: :func:`backward_step_on_device`); ``{}`` elsewhere (the CPU keeps its
+    optimizer as it was)."""
+    return {"fused": True} if model_device(model).type == "cuda" else {}
+
+
+def uses_channels_last(model: torch.nn.Module) -> bool:
+    """Whether :func:`to_channels_last` put ``model`` in channels-last format (its inputs should follow)."""
+    return bool(getattr(model, "_fedmed_channels_last", False))
+
+
+def to_channels_last(model: torch.nn.Module) -> torch.nn.Module:
+    """On a CUDA GPU, a 2D convolutional network in channels-last memory format (cuDNN's faster layout for
+    convolutions, with tensor cores in mixed precision); elsewhere, and for networks without 2D convolutions,
+    unchanged. Its parameters keep their values; what leaves the site (``get_params``) is the same."""
+    if model_device(model).type == "cuda" and any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
+        model.to(memory_format=torch.channels_last)
+        model._fedmed_channels_last = True
+    return model

@@ -7,6 +7,7 @@ from fedmed.core.faces import lazy_face
 _PUBLIC = {
     "ArchError": "models",
     "BUILTIN_ARCHS": "models",
+    "DeviceImages": "resident",
     "ENCODERS": "encoders",
     "Encoder": "encoders",
     "EncoderError": "encoders",

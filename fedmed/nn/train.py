@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fedmed.algorithms.metrics import site_metrics
+from fedmed.nn.resident import DeviceImages
 
 __all__ = ["augment_batch", "evaluate", "get_params", "make_optimizer", "set_params", "train_local"]
 
@@ -62,14 +63,17 @@ def make_optimizer(model: nn.Module, train: Mapping, model_cfg: Mapping | None =
     from fedmed.nn.recipe import param_groups, resolved
 
     t = train if isinstance(train, TrainTask) else TrainTask.model_validate(dict(train))
+    from fedmed.core.device import fused_kwargs
+
     kind, lr, wd = t.optimizer, t.lr, t.weight_decay
     params = param_groups(model, lr, resolved(t, model_cfg or {})["backbone_lr_scale"]) or model.parameters()
+    fused = fused_kwargs(model)  # on a GPU: one kernel, and a step skipped without a host read
     if kind == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=wd)
+        return torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=wd, **fused)
     if kind == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=wd)
+        return torch.optim.Adam(params, lr=lr, weight_decay=wd, **fused)
     if kind == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=wd)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd, **fused)
     raise ValueError(f"optimizer should be 'sgd', 'adam' or 'adamw', got {kind!r}.")
 
 
@@ -107,7 +111,10 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
     ``lr_scale`` multiplies it (layer-wise decay). ``class_weights`` gives PyTorch's weighted cross-entropy: per batch,
     ``sum_i w_{y_i} l_i / sum_i w_{y_i}`` (docs/readings.md, PreP-WFL Eq. 3). Batches go to the model's device
     (shuffling and augmentation stay on the CPU, so a seed gives the same batches anywhere); ``precision``: fp32,
-    bf16 or fp16 autocast (:mod:`fedmed.core.device`). ``frozen_norm``: batch-norm layers normalise with their
+    bf16 or fp16 autocast (:mod:`fedmed.core.device`). ``x`` may be a :class:`fedmed.nn.resident.DeviceImages` (a
+    GPU site's split kept on its device): then each batch is gathered, flipped and cropped there from the same draws
+    of ``generator`` (the same batches), the loss and the skipped steps stay on the device until the end, and with a
+    fused optimizer a non-finite step is skipped without a host read. ``frozen_norm``: batch-norm layers normalise with their
     running statistics and leave them as they are (the recipe's ``norm_stats: frozen``); their weights still train.
     """
     from fedmed.core.device import autocast, backward_step, grad_scaler, model_device
@@ -132,6 +139,12 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
     loss_fn = nn.CrossEntropyLoss(weight=w)
     # the proximal term's centre: the model as it starts (FedProx), or the one given (Ditto: the global model)
     anchor = (anchor if anchor is not None else [p.detach().clone() for p in model.parameters()]) if mu else None
+    if isinstance(x, DeviceImages):
+        total, steps, skipped = _epochs_on_device(model, x, y, opt, loss_fn, scaler, train_mode, epochs=epochs,
+                                                  batch_size=batch_size, generator=generator, augment=augment,
+                                                  lr_at=lr_at, precision=precision, anchor=anchor, mu=mu)
+        model.train()
+        return {"loss": total / max(steps, 1), "steps": steps, "skipped": skipped}
     total, steps, skipped = 0.0, 0, 0
     per_epoch = sum(1 for s in range(0, n, batch_size) if n - s >= 2 or n < 2)
     for _ in range(epochs):
@@ -160,30 +173,91 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
     return {"loss": total / max(steps, 1), "steps": steps, "skipped": skipped}
 
 
+def _epochs_on_device(model, x, y, opt, loss_fn, scaler, train_mode, *, epochs, batch_size, generator, augment,
+                      lr_at, precision, anchor, mu):
+    """:func:`train_local`'s epochs over images kept on the device (:class:`~fedmed.nn.resident.DeviceImages`): the
+    same draws, batches and steps as its CPU loop, with nothing read back to the host until the end."""
+    from fedmed.core.device import autocast, backward_step_on_device, model_device, uses_channels_last
+    from fedmed.nn.resident import augment_on_device, epoch_draws
+
+    device = model_device(model)
+    n = len(x)
+    yd = y.to(device)
+    cl = uses_channels_last(model)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    skipped = torch.zeros((), device=device)
+    steps = 0
+    per_epoch = sum(1 for s in range(0, n, batch_size) if n - s >= 2 or n < 2)
+    for _ in range(epochs):
+        host = epoch_draws(n, batch_size, augment, generator)
+        dev = host.on(device)
+        for s in range(0, n, batch_size):
+            if s not in host.starts:
+                continue
+            if lr_at is not None:
+                lr_now = lr_at(steps / max(1, epochs * per_epoch))
+                for g in opt.param_groups:
+                    g["lr"] = lr_now * g.get("lr_scale", 1.0)
+            idx, flips, crop = dev.batch(s, batch_size)
+            xb = augment_on_device(x.take(idx if x.resident else host.batch(s, batch_size)[0]), flips, crop)
+            yb = yd.index_select(0, idx)
+            if cl:
+                xb = xb.contiguous(memory_format=torch.channels_last)
+            if idx.numel() == 1:
+                model.eval()  # a single sample cannot be batch-normalised in train mode
+            with autocast(device, precision):
+                out = model((xb - 0.5) / 0.5)
+                loss = loss_fn(out.float(), yb)
+            if anchor is not None:
+                loss = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+            skipped += backward_step_on_device(loss, opt, scaler)
+            train_mode()
+            total += loss.detach().double()
+            steps += 1
+    return float(total), steps, int(skipped)
+
+
+def _input_batches(x, dev, batch_size: int, channels_last: bool = False):
+    """``x`` (a CPU tensor or :class:`~fedmed.nn.resident.DeviceImages`) in order, ``batch_size`` images at a time,
+    normalised on ``dev``."""
+    it = x.batches(batch_size) if isinstance(x, DeviceImages) else \
+        (x[s:s + batch_size].to(dev) for s in range(0, x.shape[0], batch_size))
+    for xb in it:
+        xb = (xb - 0.5) / 0.5
+        yield xb.contiguous(memory_format=torch.channels_last) if channels_last else xb
+
+
+def scoring_batch(dev) -> int:
+    """Images per forward pass when scoring: 256 on a GPU (filling it), 128 on the CPU (as before)."""
+    return 256 if torch.device(dev).type == "cuda" else 128
+
+
 @torch.no_grad()
-def predict_proba(model: nn.Module, x: torch.Tensor, batch_size: int = 128, precision: str = "fp32") -> np.ndarray:
-    from fedmed.core.device import autocast, model_device
+def predict_proba(model: nn.Module, x, batch_size: int | None = None, precision: str = "fp32") -> np.ndarray:
+    """Class probabilities of ``model`` on ``x`` (a CPU tensor, or a split kept on the device), in the training
+    precision; on a GPU everything stays there until the one copy of the result."""
+    from fedmed.core.device import autocast, model_device, uses_channels_last
 
     model.eval()
     dev = model_device(model)
     outs = []
-    for s in range(0, x.shape[0], batch_size):
+    for xb in _input_batches(x, dev, batch_size or scoring_batch(dev), uses_channels_last(model)):
         with autocast(dev, precision):
-            out = model((x[s:s + batch_size].to(dev) - 0.5) / 0.5)
-        outs.append(torch.softmax(out.float(), dim=1).cpu())
-    return torch.cat(outs).numpy() if outs else np.zeros((0, 0))
+            out = model(xb)
+        outs.append(torch.softmax(out.float(), dim=1))
+    return torch.cat(outs).cpu().numpy() if outs else np.zeros((0, 0))
 
 
 @torch.no_grad()
-def latents(model: nn.Module, x: torch.Tensor, batch_size: int = 128) -> np.ndarray:
+def latents(model: nn.Module, x, batch_size: int | None = None) -> np.ndarray:
     """Final-hidden-layer activations (Flux's latents)."""
-    from fedmed.core.device import model_device
+    from fedmed.core.device import model_device, uses_channels_last
 
     model.eval()
     dev = model_device(model)
-    outs = [model.forward_features((x[s:s + batch_size].to(dev) - 0.5) / 0.5).cpu()
-            for s in range(0, x.shape[0], batch_size)]
-    return torch.cat(outs).numpy() if outs else np.zeros((0, 0))
+    outs = [model.forward_features(xb).float()
+            for xb in _input_batches(x, dev, batch_size or scoring_batch(dev), uses_channels_last(model))]
+    return torch.cat(outs).cpu().numpy() if outs else np.zeros((0, 0))
 
 
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n_classes: int, *, k_min: int = 1) -> dict:

@@ -57,6 +57,9 @@ class SiteRunner:
         self._policy_sent = False
         self._k_min_noted: set = set()
         self._cache_noted = False
+        self._resident: dict = {}  # id(split tensor) -> (the tensor, its DeviceImages): a GPU site's data, kept
+        self._resident_bytes = 0
+        self._budget = None
 
     @property
     def policy(self):
@@ -139,7 +142,39 @@ class SiteRunner:
                 print(f"[fedmed] {note}", flush=True)
                 self.notes.append(note)
             self._data, self._data_key = splits, key
+            self._resident, self._resident_bytes = {}, 0  # the old splits' device copies go with them
         return self._data
+
+    CPU_KEEPS_ITS_PATH = True  # a CPU site trains as it always did (tests turn the device path on to compare)
+
+    def on_device(self, x, cfg: TaskConfig):
+        """``x`` as this site's device takes it: on the CPU the tensor itself (the path as it always was); on a GPU a
+        :class:`fedmed.nn.resident.DeviceImages` — for the site's own splits placed once and reused by every round
+        and task while their bytes fit the site's budget (``device_data_gb`` in its settings; by default half the
+        device memory free at first use), else in pinned host memory, said once in one line."""
+        dev = self.device(cfg)
+        if dev.type == "cpu" and self.CPU_KEEPS_ITS_PATH:
+            return x
+        hit = self._resident.get(id(x))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        from fedmed.nn.resident import DeviceImages, default_budget
+
+        if self._budget is None:
+            gb = self.settings.device_data_gb
+            self._budget = default_budget(dev) if gb is None else int(gb * 2**30)
+        d = DeviceImages(x, dev, budget=self._budget - self._resident_bytes)
+        own = self._data is not None and any(x is t for t in (self._data.train[0], self._data.val[0],
+                                                              self._data.test[0]))
+        if not d.resident and own:
+            note = (f"{self.site}: its images do not fit its device-data budget ({self._budget / 2**30:.2f} GiB, "
+                    f"device_data_gb): {d.describe()}, each batch copied as it is used")
+            print(f"[fedmed] {note}", flush=True)
+            self.notes.append(note)
+        if own:
+            self._resident[id(x)] = (x, d)
+            self._resident_bytes += d.nbytes if d.resident else 0
+        return d
 
     @property
     def cache(self):
@@ -239,6 +274,9 @@ class SiteRunner:
             self._model = model_from_config({**m.model_dump(), "init_weights": None}, cfg.data.channels,
                                             cfg.data.n_classes, seed=cfg.seed, modules=self.policy.modules).to(
                 self.device(cfg))  # weights: the server's
+            from fedmed.core.device import to_channels_last
+
+            to_channels_last(self._model)  # on a GPU, a 2D convolutional network
             self._model_key = key
             self._optimizers = {}
         return self._model

@@ -16,6 +16,8 @@ The settings file (JSON)::
      "allow_per_image": false,           # optional: may per-image values/embeddings leave (004_ paper form)?
      "k_min": 10,                        # optional: raise the job's minimum group size at this site
      "device": "cuda:1",                 # optional: this site's device (overrides the job's train.device)
+     "device_data_gb": 12,               # optional: GiB of its images a GPU site keeps on the device (default:
+                                         #   half the device memory free at first use; 0: pinned host memory)
      "cache_dir": "/scratch/fedmed"}     # optional: where decoded data is cached (false: no cache; default
                                          #   FEDMED_CACHE_DIR, else fedmed_cache/ beside this file — a kit's
                                          #   local/fedmed_cache/; fedmed.site.cache)
@@ -43,7 +45,7 @@ __all__ = ["NAME_MARK", "PATH_MARK", "SETTINGS_FILE", "SiteConfigError", "SiteSe
            "private_tokens", "redact", "redact_strings", "resolve_site_settings", "scrub"]
 
 SETTINGS_FILE = "fedmed_site.json"
-_KEYS = {"datalist", "data_root", "allow_per_image", "k_min", "device", "cache_dir"}
+_KEYS = {"datalist", "data_root", "allow_per_image", "k_min", "device", "device_data_gb", "cache_dir"}
 
 
 class SiteConfigError(ValueError):
@@ -58,6 +60,7 @@ class SiteSettings:
     source: str = ""
     roots: list[Path] = field(default_factory=list)  # folders whose absolute paths are scrubbed from messages
     device: str | None = None  # this site's train.device (overrides the job's)
+    device_data_gb: float | None = None  # GiB of images kept on a GPU (fedmed.nn.resident); None: the default
     cache_dir: object = None  # decoded-data cache root (fedmed.site.cache): None = default, False = off, or a folder
     workspace: Path | None = None  # the site's own folder (its settings file's; a kit's local/): the default cache
     policy: SitePolicy = field(default_factory=SitePolicy)  # what a job may make this site do (fedmed.core.policy)
@@ -413,12 +416,16 @@ def resolve_site_settings(site: str, *, cwd=None, env=None) -> SiteSettings:
 
             if not isinstance(device, str) or not re.match(DEVICE_PATTERN, device):
                 raise SiteConfigError(f"{site}: {source} device should be auto, cpu, cuda or cuda:N, got {device!r}")
+        gb = doc.get("device_data_gb")
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or gb < 0):
+            raise SiteConfigError(f"{site}: {source} device_data_gb should be a number of GiB >= 0, got {gb!r}")
         cache_dir = doc.get("cache_dir")
         if cache_dir is not None and cache_dir is not False and not isinstance(cache_dir, str):
             raise SiteConfigError(f"{site}: {source} cache_dir should be a folder or false, got {cache_dir!r}")
         if isinstance(cache_dir, str) and not Path(cache_dir).is_absolute():
             cache_dir = str(f.parent / cache_dir)
         settings = SiteSettings(site, dl, root, source, roots=[f.parent], device=device, cache_dir=cache_dir,
+                                device_data_gb=gb,
                                 workspace=f.parent,
                                 policy=policy(f, k_min, bool(doc.get("allow_per_image", False))))
     if settings.device is None and env.get("FEDMED_DEVICE"):

@@ -81,7 +81,7 @@ def _metrics_of(runner, prob_fn, cfg):
     for name, x, y in _eval_sets(runner, cfg):
         if x.shape[0] == 0:
             continue
-        res = site_metrics(y.numpy(), prob_fn(x), n_classes, k_min=k)
+        res = site_metrics(y.numpy(), prob_fn(runner.on_device(x, cfg)), n_classes, k_min=k)
         pre = "" if name == "test" else "val_"
         metrics.update({pre + m: res[m] for m in ("accuracy", "macro_f1", "macro_acc", "auc")})
         meta.update({pre + "n_test": res["n_test"], pre + "confusion": res["confusion"],
@@ -147,8 +147,10 @@ def _finetune_optimizer(model, cfg: TaskConfig):
 
     from fedmed.nn.mae import layerwise_param_groups
 
+    from fedmed.core.device import fused_kwargs
+
     return torch.optim.AdamW(layerwise_param_groups(model, cfg.finetune.layer_decay), lr=cfg.train.lr,
-                             weight_decay=cfg.train.weight_decay)
+                             weight_decay=cfg.train.weight_decay, **fused_kwargs(model))
 
 
 def _finetune_schedule(cfg: TaskConfig, round_: int):
@@ -173,7 +175,8 @@ def train_locally(runner, model, cfg, round_, key, *, mu=None, anchor=None) -> d
     cfg = task_config(cfg)
     t = cfg.train
     make = (lambda: _finetune_optimizer(model, cfg)) if cfg.finetune else None
-    out = train_local(model, s.train[0], s.train[1], epochs=t.local_epochs, batch_size=t.batch_size,
+    out = train_local(model, runner.on_device(s.train[0], cfg), s.train[1], epochs=t.local_epochs,
+                      batch_size=t.batch_size,
                       optimizer=runner.optimizer(model, cfg, key, make=make),
                       mu=mu if mu is not None else t.fedprox_mu, anchor=anchor,
                       class_weights=cfg.class_weights, generator=runner.generator(cfg, round_),
@@ -258,7 +261,7 @@ def _pseudo_labelled(runner, params: dict, cfg):
     s = runner.splits(cfg)
     x = torch.cat([s.train[0], s.val[0], s.test[0]])
     model = _served(runner, params, cfg)
-    return predict_proba(model, x, precision=runner.precision(cfg)).argmax(axis=1)
+    return predict_proba(model, runner.on_device(x, cfg), precision=runner.precision(cfg)).argmax(axis=1)
 
 # ------------------------------------------------------------------ Flux (003_)
 
@@ -274,7 +277,7 @@ def _latents(runner, params, cfg, split: str = "train"):
         x, y = torch.cat([s.train[0], s.val[0], s.test[0]]), torch.cat([s.train[1], s.val[1], s.test[1]])
     else:
         x, y = s.train
-    return latents(model, x), y.numpy()
+    return latents(model, runner.on_device(x, cfg)), y.numpy()
 
 
 def latent_bounds(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
