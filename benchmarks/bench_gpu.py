@@ -12,6 +12,8 @@ fedmed's ``predict_proba`` of the site's images kept on the device against the t
 
     .venv/bin/python benchmarks/bench_gpu.py [--arch DenseNet121 --image-size 224 --n 512 --precision bf16 --pairs 5]
     .venv/bin/python benchmarks/bench_gpu.py --device cpu --arch resnet9 --image-size 32 --n 64 --pairs 1  # smoke run
+    .venv/bin/python benchmarks/bench_gpu.py --task seg3d --precision bf16 --pairs 3   # 3D patches (SegResNet, 96^3)
+    .venv/bin/python benchmarks/bench_gpu.py --task seg3d --device cpu --volume 20 24 20 --roi 16 --cases 2 --pairs 1
 
 Data: BUSI from ../shared/data, or ``--data`` (a folder of class folders; sklearn digits when absent). Without a CUDA GPU the script says so and measures
 nothing (unless ``--device cpu`` is given): docs/results.md never reports a GPU number that was not measured.
@@ -113,6 +115,139 @@ def tuned_scores(model, xs, *, precision, device, batch_size=256):
     return out
 
 
+def synthetic_cases(n: int, shape, seed: int = 0):
+    """``n`` two-channel volumes of ``shape`` with an ellipsoid "tumour" each (three nested label channels)."""
+    rng = np.random.default_rng(seed)
+    grid = np.stack(np.meshgrid(*[np.arange(d) for d in shape], indexing="ij"))
+    cases = []
+    for _ in range(n):
+        c = np.array([rng.uniform(0.3, 0.7) * d for d in shape])[:, None, None, None]
+        r = np.array([rng.uniform(0.08, 0.15) * d for d in shape])[:, None, None, None]
+        d2 = (((grid - c) / r) ** 2).sum(0)
+        lab = np.stack([d2 < 1, d2 < 0.5, d2 < 0.2]).astype(np.uint8)
+        img = rng.normal(size=(2, *shape)).astype(np.float32) + lab[:1].astype(np.float32)
+        cases.append({"image": img, "label": lab, "meta": {"subject": f"s{len(cases)}"}})
+    return cases
+
+
+def tuned_seg_round(model, vols, *, epochs, patches, pos_fraction, roi, seed, precision, device, lr):
+    """One site's 3D training as a well-written loop does it, with none of fedmed's code: each volume resident on
+    the device (``vols``: (image, label, foreground flat indices, background flat indices) per case, the indices on
+    the host), each patch centred on a drawn voxel and cut, flipped, scaled and shifted on the device, a fused Adam,
+    MONAI's DiceFocalLoss, the loss summed on the device and read once. Its draws are the site's, in the site's
+    order (case permutation; per patch: foreground or not, the voxel, three flips, scale, shift)."""
+    from monai.losses import DiceFocalLoss
+
+    opt = torch.optim.Adam(model.parameters(), lr=lr, **({"fused": True} if device.type == "cuda" else {}))
+    loss_fn = DiceFocalLoss(sigmoid=True)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    rng = np.random.default_rng(seed)
+    total = torch.zeros((), device=device)
+    model.train()
+    for _ in range(epochs):
+        for i in rng.permutation(len(vols)):
+            img, lab, fg, bg = vols[int(i)]
+            shape = img.shape[1:]
+            xs, ys = [], []
+            for _k in range(patches):
+                pos = rng.random() < pos_fraction
+                pos = pos if len(fg) and len(bg) else bool(len(fg))
+                pool = fg if pos else bg
+                c = np.unravel_index(int(pool[rng.integers(len(pool))]), shape)
+                st = [min(max(int(ci) - r // 2, 0), d - r) for ci, r, d in zip(c, roi, shape)]
+                sl = (slice(None),) + tuple(slice(a, a + r) for a, r in zip(st, roi))
+                x, y = img[sl], lab[sl]
+                flips = [ax + 1 for ax in range(3) if rng.random() < 0.5]
+                if flips:
+                    x, y = torch.flip(x, flips), torch.flip(y, flips)
+                scale, shift = 1.0 + rng.uniform(-0.1, 0.1), rng.uniform(-0.1, 0.1)
+                xs.append(x * scale + shift)
+                ys.append(y)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                loss = loss_fn(model(torch.stack(xs)).float(), torch.stack(ys).float())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += loss.detach()
+    float(total)
+    return model
+
+
+def main_seg3d(a, device) -> int:
+    """3D patches: the tuned loop against fedmed's ``train_seg_local`` over volumes kept on the device
+    (``DeviceVolumes``), both from the same weights and draws; and the time of the CPU-crop path (MONAI transforms in
+    ``--workers`` loader processes, the path a GPU site took before #54) for reference."""
+    from fedmed.nn.models import seg_model_from_config
+    from fedmed.nn.resident import DeviceVolumes
+    from fedmed.nn.seg import train_seg_local
+    from fedmed.nn.train import get_params, make_optimizer, set_params
+
+    shape, roi = tuple(a.volume), (a.roi,) * 3
+    cases = synthetic_cases(a.cases, shape)
+    cfg = {"arch": "SegResNet", "args": {"init_filters": 16, "blocks_down": [1, 2, 2, 4], "blocks_up": [1, 1, 1]}}
+    net = seg_model_from_config(cfg, 2, seed=0).to(device)
+    theta = get_params(net)
+    vols = DeviceVolumes(cases, device, roi)
+    mine = [(vols.images[i], vols.labels[i], vols.fg[i], vols.bg[i]) for i in range(len(vols))]
+    kw = dict(epochs=a.epochs, patches=a.patches, pos_fraction=0.67, seed=0, precision=a.precision)
+    lr = 3e-4
+
+    def side_a():
+        set_params(net, theta)
+        return get_params(tuned_seg_round(net, mine, roi=roi, device=device, lr=lr, **kw))
+
+    def side_b():
+        set_params(net, theta)
+        train_seg_local(net, vols, roi=roi, optimizer=make_optimizer(net, {"optimizer": "adam", "lr": lr, "weight_decay": 0.0}), **kw)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return get_params(net)
+
+    def worst(pa, pb):
+        d = {k: float(np.abs(pa[k].astype(np.float64) - pb[k]).max()) / max(1.0, float(np.abs(pa[k]).max()))
+             for k in pa if pa[k].size}
+        k = max(d, key=d.get)
+        return d[k], k
+
+    def same(pa, pb):
+        d, key = worst(pa, pb)
+        print(f"largest weight difference after one round: {d:.3g} ({key})")
+        if device.type == "cpu":
+            return d == 0.0
+        spread, skey = worst(pa, side_a())
+        print(f"the tuned loop against itself, run again: {spread:.3g} ({skey})")
+        return d <= max(a.atol, 2 * spread)
+
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    name = f"SegResNet {a.roi}^3 patches {a.precision}, {a.cases} cases of 2x{'x'.join(map(str, shape))} on {card}"
+    res = compare(name, side_a, side_b, label_a="tuned 3D loop", label_b="fedmed DeviceVolumes", pairs=a.pairs,
+                  same=same)
+    n_patches = a.epochs * a.cases * a.patches
+    res.update(device=name, patches_per_round=n_patches, a_patches_per_s=n_patches / res["a_wall"],
+               b_patches_per_s=n_patches / res["b_wall"])
+    import time
+
+    cpu_path = []
+    for _ in range(2):  # the path before #54: MONAI's crops on the CPU in loader processes
+        set_params(net, theta)
+        t0 = time.perf_counter()
+        train_seg_local(net, cases, roi=roi, optimizer=make_optimizer(net, {"optimizer": "adam", "lr": lr, "weight_decay": 0.0}),
+                        workers=a.workers, **kw)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        cpu_path.append(time.perf_counter() - t0)
+    res["cpu_crops_patches_per_s"] = n_patches / min(cpu_path)
+    print(f"[{name}] patches/s: tuned loop {res['a_patches_per_s']:.1f}, fedmed on the device "
+          f"{res['b_patches_per_s']:.1f} (x{res['a_wall'] / res['b_wall']:.2f}), fedmed with MONAI's crops on the CPU "
+          f"in {a.workers} loader processes {res['cpu_crops_patches_per_s']:.1f} (best of 2)")
+    if device.type == "cuda":
+        res["peak_device_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        print(f"[{name}] peak device memory: {res['peak_device_memory_gib']:.2f} GiB")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (a smoke run)")
@@ -127,12 +262,21 @@ def main(argv=None) -> int:
                     "scale, at least 1) still 'the same'")
     ap.add_argument("--json", help="also write the result here")
     ap.add_argument("--data", type=Path, default=BUSI, help="a folder of class folders (default: BUSI)")
+    ap.add_argument("--task", default="classification", choices=["classification", "seg3d"],
+                    help="seg3d: 3D patches (SegResNet) on synthetic volumes, --volume/--roi/--cases/--patches")
+    ap.add_argument("--volume", type=int, nargs=3, default=[144, 176, 144])
+    ap.add_argument("--roi", type=int, default=96)
+    ap.add_argument("--cases", type=int, default=8)
+    ap.add_argument("--patches", type=int, default=2, help="patches per case per step")
+    ap.add_argument("--workers", type=int, default=4, help="loader processes of the CPU-crop reference")
     ap.add_argument("--deterministic", action="store_true", help="cuDNN's deterministic algorithms on both sides (the "
                     "site through its train.deterministic)")
     a = ap.parse_args(argv)
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("bench_gpu: no CUDA GPU on this machine; nothing measured (give --device cpu for a smoke run)")
         return 0
+    if a.task == "seg3d":
+        return main_seg3d(a, torch.device(a.device))
     from fedmed.nn.models import model_from_config
     from fedmed.site.runner import SiteRunner
     from fedmed.nn.train import get_params, set_params

@@ -2,7 +2,7 @@
 # The GPU checks of issue #54 in one script, for a machine with one CUDA GPU (docs/results.md "On a GPU").
 #
 #   bash benchmarks/gpu_check.sh 2d OUT   # bench_gpu.py (DenseNet121 224 px bf16, batch 32 and 128) + busi_224.yaml
-#   bash benchmarks/gpu_check.sh 3d OUT   # brats_1mm.yaml
+#   bash benchmarks/gpu_check.sh 3d OUT   # bench_gpu.py --task seg3d (SegResNet, 96^3) + brats_1mm.yaml
 #
 # Data: BUSI_DIR (default ../shared/data/busi) and BRATS_DIR (default ../shared/data/brats2013). Python packages
 # missing on the machine may lie as wheels in .whl/ (installed into /tmp/site first). The simulator runs are shrunk
@@ -56,6 +56,7 @@ if [ "$part" = 2d ]; then
     sim busi224 app_configs/busi_224.yaml "$busi" "${ROUNDS:-3}"
 else
     brats=${BRATS_DIR:-$here/../shared/data/brats2013}
+    python3 benchmarks/bench_gpu.py --task seg3d --precision bf16 --pairs 3 --json "$out/bench_seg3d.json"
     sim brats1mm app_configs/brats_1mm.yaml "$brats" "${ROUNDS:-2}" --set train.local_epochs=2
 fi
 kill $smi 2>/dev/null

@@ -158,6 +158,24 @@ def test_the_gpu_benchmark_compares_the_same_training_and_says_when_there_is_no_
         assert res.returncode == 0 and "no CUDA GPU on this machine; nothing measured" in res.stdout
 
 
+def test_the_gpu_benchmarks_3d_part_cuts_the_same_patches_as_its_tuned_loop(tmp_path):
+    """bench_gpu.py --task seg3d on the CPU: fedmed's patches cut from volumes kept on the device train the tuned
+    loop's weights bit for bit (the same draws), and the CPU-crop path of before is timed beside them."""
+    from test_jobs import ROOT
+
+    out = tmp_path / "r.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--task", "seg3d", "--device",
+                          "cpu", "--volume", "20", "24", "20", "--roi", "16", "--cases", "2", "--pairs", "1",
+                          "--workers", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "largest weight difference after one round: 0 " in res.stdout
+    assert "tuned 3D loop and fedmed DeviceVolumes give the same result" in res.stdout
+    import json
+
+    doc = json.loads(out.read_text())
+    assert doc["patches_per_round"] == 4 and doc["b_patches_per_s"] > 0 and doc["cpu_crops_patches_per_s"] > 0
+
+
 def test_predict_runs_on_the_chosen_device_and_names_a_missing_one(tmp_path, capsys):
     from fedmed.cli.main import main
     from fedmed.nn.models import model_from_config

@@ -183,3 +183,60 @@ def test_scoring_from_device_data_gives_the_same_probabilities():
     m = ResNet9(1, 3, width=4)
     assert np.array_equal(predict_proba(m, x), predict_proba(m, DeviceImages(x, "cpu")))
     set_params(m, get_params(m))
+
+
+def _volume(shape=(20, 24, 18), seed=0):
+    """A two-channel volume with a small tumour blob (three label channels nested as WT ⊇ TC ⊇ ET)."""
+    rng = np.random.default_rng(seed)
+    img = rng.normal(size=(2, *shape)).astype(np.float32)
+    lab = np.zeros((3, *shape), np.uint8)
+    lab[0, 5:9, 6:10, 4:7] = 1
+    lab[1, 6:8, 7:9, 5:6] = 1
+    return {"image": img, "label": lab, "meta": {"subject": "s"}}
+
+
+def test_3d_patches_cut_on_the_device_have_the_requested_size_and_foreground_share():
+    from fedmed.nn.resident import DeviceVolumes
+
+    case = _volume()
+    vols = DeviceVolumes([case], "cpu", roi=(8, 8, 8))
+    rng = np.random.default_rng(0)
+    drawn = [vols.centre(0, rng, 0.67) for _ in range(2000)]
+    fg = np.asarray(case["label"]).any(0)
+    assert all(fg[c] == pos for c, pos in drawn)  # a foreground draw is centred on tumour, a background one is not
+    share = np.mean([pos for _, pos in drawn])
+    assert abs(share - 0.67) < 0.04  # binomial sd ~0.011
+    x, y = vols.patches(0, 5, 0.67, np.random.default_rng(1))
+    assert x.shape == (5, 2, 8, 8, 8) and y.shape == (5, 3, 8, 8, 8) and y.dtype == torch.float32
+    # each patch is a crop of the volume, flipped on some axes, its intensity scaled and shifted
+    rng, img = np.random.default_rng(1), torch.from_numpy(case["image"])
+    for k in range(5):
+        c, _ = vols.centre(0, rng, 0.67)
+        start = [min(max(ci - 4, 0), d - 8) for ci, d in zip(c, (20, 24, 18))]
+        crop = img[:, start[0]:start[0] + 8, start[1]:start[1] + 8, start[2]:start[2] + 8]
+        flips = [ax + 1 for ax in range(3) if rng.random() < 0.5]
+        crop = torch.flip(crop, flips) if flips else crop
+        scale, shift = 1 + rng.uniform(-0.1, 0.1), rng.uniform(-0.1, 0.1)
+        assert torch.allclose(x[k], crop * scale + shift)
+    # all foreground or none: the other set is used; a volume smaller than the patch is padded to it
+    small = DeviceVolumes([_volume(shape=(6, 24, 18))], "cpu", roi=(8, 8, 8))
+    xs, _ = small.patches(0, 3, 1.0, np.random.default_rng(2))
+    assert xs.shape == (3, 2, 8, 8, 8)
+    empty = {**case, "label": np.zeros_like(case["label"])}
+    assert not any(DeviceVolumes([empty], "cpu", (8, 8, 8)).centre(0, np.random.default_rng(3), 1.0)[1]
+                   for _ in range(20))
+
+
+def test_3d_training_from_device_volumes_steps_once_per_case_and_epoch(monkeypatch):
+    from fedmed.nn.resident import DeviceVolumes
+    from fedmed.nn.seg import seg_model, train_seg_local
+
+    cases = [_volume(seed=i) for i in range(3)]
+    model = seg_model(2, channels=(4, 8), seed=0)
+    before = get_params(model)
+    out = train_seg_local(model, DeviceVolumes(cases, "cpu", (8, 8, 8)), epochs=2, roi=(8, 8, 8), patches=2,
+                          pos_fraction=0.5, seed=0, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2,
+                                                                                fused=True))
+    assert out["steps"] == 6 and out["skipped"] == 0 and np.isfinite(out["loss"])
+    after = get_params(model)
+    assert any(not np.array_equal(before[k], after[k]) for k in before)

@@ -521,3 +521,33 @@ def test_the_3d_references_are_selected_on_validation_subjects(tmp_path):
     central = [r for r in rows if r["method"] == "Centralized"]
     best = max(central, key=lambda r: (r["val_dice_mean"], -r["round"]))
     assert reported_rows(rows, "validation")[("Centralized", 0)]["round"] == best["round"]
+
+
+@pytest.mark.parametrize("gb", [None, 0])
+def test_a_gpu_sites_volumes_are_placed_once_or_said_not_to_fit_its_budget(phantoms, tmp_path, monkeypatch, gb):
+    """The device path of a segmentation site (fedmed.nn.resident.DeviceVolumes), run on the CPU: the training
+    volumes are placed once and reused the next round; over the site's device_data_gb the site says so in one line and
+    cuts its patches as before."""
+    from fedmed.nn.resident import DeviceVolumes
+    from fedmed.nn.train import get_params
+    from fedmed.site.runner import SiteRunner
+    from fedmed.site.seg import SegSiteRunner
+
+    monkeypatch.setattr(SiteRunner, "CPU_KEEPS_ITS_PATH", False)
+    entries = discover_subjects(phantoms, MODS, "OTMultiClass*", "brainmask*", hemispheres=False)
+    (tmp_path / "site-1.json").write_text(json.dumps({"training": entries[1:7], "validation": [], "test": entries[7:9]}))
+    cfg = {"task": "segmentation", "seed": 0, "data": {"shape": [16, 16, 16], "roi": [16, 16, 16], "in_channels": 2},
+           "model": {"channels": [4, 8, 16]}, "train": {"local_epochs": 1, "lr": 1e-2}, "privacy": {"k_min": 2}}
+    runner = SegSiteRunner("site-1", tmp_path)
+    runner.settings.device_data_gb = gb
+    g0 = get_params(runner.model(cfg))
+    replies = [runner.handle("train", g0, cfg, r) for r in range(2)]
+    assert all(np.isfinite(r.metrics["train_loss"]) and r.meta["n_train"] == 6 for r in replies)
+    tr, _ = runner.cases(cfg)
+    placed = runner.volumes_on_device(tr, cfg)
+    notes = [n for r in replies for n in r.meta.get("notes", []) if "device-data budget" in n]
+    if gb is None:
+        assert isinstance(placed, DeviceVolumes) and len(placed) == 6 and not notes
+        assert runner.volumes_on_device(tr, cfg) is placed and runner._resident_bytes == placed.nbytes
+    else:
+        assert placed is tr and len(notes) == 1 and "patches are cut on the CPU" in notes[0]

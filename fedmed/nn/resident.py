@@ -8,6 +8,11 @@ the site's budget, in pinned host memory, each batch copied on a side stream whi
 :func:`fedmed.nn.train.augment_batch` takes them and sends them to the device in one copy: the device path trains on
 the same batches as the CPU path for a seed, on any device (tested on the CPU against today's path).
 
+For 3D segmentation, :class:`DeviceVolumes` keeps a site's training volumes on its GPU and cuts each step's patches
+there (:meth:`DeviceVolumes.patches`: tumour- or background-centred crops, flips, intensity scale and shift — the
+augmentation of ``004_`` App. A that MONAI's transforms do on the CPU, in loader processes), with every random draw
+taken on the host from a seeded generator, so nothing is read back from the device.
+
 A site sets its budget in its settings (``local/fedmed_site.json``: ``"device_data_gb": 12``; ``0`` keeps every split
 in pinned host memory); by default half the device memory free when the site first places its data.
 """
@@ -16,8 +21,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DEFAULT_FREE_FRACTION", "DeviceImages", "EpochDraws", "augment_on_device", "default_budget",
-           "epoch_draws", "exact_uint8"]
+__all__ = ["DEFAULT_FREE_FRACTION", "DeviceImages", "DeviceVolumes", "EpochDraws", "augment_on_device",
+           "default_budget", "epoch_draws", "exact_uint8"]
+
+import numpy as np
 
 DEFAULT_FREE_FRACTION = 0.5  # of the device memory free at first use: the default budget of a site's resident data
 
@@ -173,3 +180,71 @@ def augment_on_device(x: torch.Tensor, flips: torch.Tensor | None, crop=None, pa
         x = xp[torch.arange(n, device=x.device)[:, None, None, None], torch.arange(c, device=x.device)[None, :, None, None],
                rows, cols]
     return x
+
+
+class DeviceVolumes:
+    """A segmentation site's training cases (``image`` (C, D, H, W) float, ``label`` (K, D, H, W) 0/1) kept on
+    ``device``, each padded (zeros) to at least ``roi``, with the flat indices of its foreground voxels (any label
+    channel set) and background voxels kept on the host: a patch's centre is drawn there, its crop is a slice on the
+    device."""
+
+    def __init__(self, cases, device, roi):
+        self.device = torch.device(device)
+        self.roi = tuple(int(r) for r in roi)
+        self.images, self.labels, self.fg, self.bg, self.shapes = [], [], [], [], []
+        self.nbytes = 0
+        for c in cases:
+            img, lab = np.asarray(c["image"], dtype=np.float32), np.asarray(c["label"])
+            pad = [(0, 0)] + [((r - d) // 2, r - d - (r - d) // 2) if d < r else (0, 0)
+                              for d, r in zip(img.shape[1:], self.roi)]
+            if any(p != (0, 0) for p in pad):
+                img, lab = np.pad(img, pad), np.pad(lab, pad)
+            fg = lab.any(axis=0).ravel()
+            self.fg.append(np.flatnonzero(fg).astype(np.int64))
+            self.bg.append(np.flatnonzero(~fg).astype(np.int64))
+            self.shapes.append(img.shape[1:])
+            self.images.append(torch.from_numpy(np.ascontiguousarray(img)).to(self.device))
+            self.labels.append(torch.from_numpy(np.ascontiguousarray(lab.astype(np.uint8))).to(self.device))
+            self.nbytes += img.nbytes + lab.size
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @staticmethod
+    def nbytes_of(cases) -> int:
+        """The device bytes :class:`DeviceVolumes` would take for ``cases`` (images float32, labels uint8)."""
+        return sum(int(np.prod(np.shape(c["image"]))) * 4 + int(np.prod(np.shape(c["label"]))) for c in cases)
+
+    def centre(self, i: int, rng: np.random.Generator, pos_fraction: float) -> tuple[tuple, bool]:
+        """A patch centre in case ``i`` (a voxel index triple) and whether it was drawn from the foreground
+        (probability ``pos_fraction``; from the other set when one of them is empty)."""
+        fg, bg = self.fg[i], self.bg[i]
+        pos = rng.random() < pos_fraction
+        if not len(fg):
+            pos = False
+        elif not len(bg):
+            pos = True
+        pool = fg if pos else bg
+        flat = int(pool[rng.integers(len(pool))])
+        return tuple(int(v) for v in np.unravel_index(flat, self.shapes[i])), pos
+
+    def patches(self, i: int, n: int, pos_fraction: float, rng: np.random.Generator):
+        """``n`` augmented ``roi`` patches of case ``i`` as a batch (image (n, C, *roi) float32, label (n, K, *roi)
+        float32) on the device: each centred on a foreground voxel with probability ``pos_fraction`` (else on a
+        background voxel), the crop moved inside the volume, flipped along each axis with p = 0.5, its intensity
+        scaled by 1 + U(-0.1, 0.1) and shifted by U(-0.1, 0.1) (MONAI's RandCropByPosNegLabeld, RandFlipd,
+        RandScaleIntensityd(factors=0.1), RandShiftIntensityd(offsets=0.1))."""
+        xs, ys = [], []
+        img, lab, shape = self.images[i], self.labels[i], self.shapes[i]
+        for _ in range(n):
+            c, _pos = self.centre(i, rng, pos_fraction)
+            start = [min(max(ci - r // 2, 0), d - r) for ci, r, d in zip(c, self.roi, shape)]
+            sl = tuple(slice(s0, s0 + r) for s0, r in zip(start, self.roi))
+            x, y = img[(slice(None), *sl)], lab[(slice(None), *sl)]
+            flips = [ax + 1 for ax in range(3) if rng.random() < 0.5]
+            if flips:
+                x, y = torch.flip(x, flips), torch.flip(y, flips)
+            scale, shift = 1.0 + rng.uniform(-0.1, 0.1), rng.uniform(-0.1, 0.1)
+            xs.append(x * scale + shift)
+            ys.append(y)
+        return torch.stack(xs), torch.stack(ys).float()

@@ -71,13 +71,20 @@ def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, optimiz
     between rounds (default: a fresh Adam). ``mu``/``anchor``: proximal term toward ``anchor`` parameters
     (FedProx, Ditto's personal objective). Patches go to the model's device; ``precision``: fp32 / bf16 / fp16
     autocast (:mod:`fedmed.core.device`); ``workers`` > 0: patches are cut in that many data-loader processes (MONAI's
-    ``DataLoader``, which seeds each worker's transforms from ``seed``)."""
+    ``DataLoader``, which seeds each worker's transforms from ``seed``). ``cases`` may be a
+    :class:`fedmed.nn.resident.DeviceVolumes` (a GPU site's volumes kept on its device): then the patches are cut
+    there (``workers`` unused) and nothing is read back to the host until the end."""
     from fedmed.core.device import grad_scaler, model_device
+    from fedmed.nn.resident import DeviceVolumes
 
-    if not cases:
+    if not len(cases):
         raise ValueError("no training cases")
     device = model_device(model)
     scaler = grad_scaler(device, precision)
+    if isinstance(cases, DeviceVolumes):
+        return _train_on_device(model, cases, epochs=epochs, optimizer=optimizer, lr=lr, patches=patches,
+                                pos_fraction=pos_fraction, loss=loss, mu=mu, anchor=anchor, seed=seed,
+                                precision=precision, scaler=scaler)
     tf = _train_transforms(roi, seed, patches, pos_fraction)
     loss_fn = seg_loss(loss)
     opt = optimizer or torch.optim.Adam(model.parameters(), lr=lr)
@@ -93,6 +100,35 @@ def train_seg_local(model, cases: Sequence[SegCase], *, epochs: int = 1, optimiz
             total += loss_v
             steps += 1
     return {"loss": total / max(steps, 1), "steps": steps, "skipped": skipped}
+
+
+def _train_on_device(model, vols, *, epochs, optimizer, lr, patches, pos_fraction, loss, mu, anchor, seed, precision,
+                     scaler) -> dict:
+    """:func:`train_seg_local` over volumes kept on the device: per epoch the cases in a seeded order, each giving
+    one batch of ``patches`` patches cut on the device; the loss and skipped steps summed there, read once."""
+    from fedmed.core.device import autocast, backward_step_on_device, model_device
+
+    device = model_device(model)
+    loss_fn = seg_loss(loss)
+    opt = optimizer or torch.optim.Adam(model.parameters(), lr=lr)
+    anchor = [a.detach().clone() for a in anchor] if anchor is not None else (
+        [p.detach().clone() for p in model.parameters()] if mu else None)
+    model.train()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    skipped = torch.zeros((), device=device)
+    steps = 0
+    rng = np.random.default_rng(seed)
+    for _ in range(epochs):
+        for i in rng.permutation(len(vols)):
+            x, y = vols.patches(int(i), patches, pos_fraction, rng)
+            with autocast(device, precision):
+                loss_v = loss_fn(model(x).float(), y)
+            if anchor is not None and mu:
+                loss_v = loss_v + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor))
+            skipped += backward_step_on_device(loss_v, opt, scaler)
+            total += loss_v.detach().double()
+            steps += 1
+    return {"loss": float(total) / max(steps, 1), "steps": steps, "skipped": int(skipped)}
 
 
 def seg_step(model, loss_fn, x, y, optimizer, scaler, *, precision: str = "fp32", mu: float | None = None,

@@ -59,7 +59,7 @@ def _local(runner, model, cases, cfg, seed, key, **kw):
 
     cfg = task_config(cfg)
     t, s = cfg.train, cfg.train.seg
-    return train_seg_local(model, cases, epochs=t.local_epochs, optimizer=runner.optimizer(model, cfg, key),
+    return train_seg_local(model, runner.volumes_on_device(cases, cfg), epochs=t.local_epochs, optimizer=runner.optimizer(model, cfg, key),
                            roi=tuple(cfg.data.roi), patches=s.patches_per_volume, pos_fraction=s.pos_fraction,
                            loss=s.loss, seed=seed, precision=runner.precision(cfg), workers=t.workers, **kw)
 
@@ -170,6 +170,7 @@ class SegSiteRunner(SiteRunner):
                                 f"{self.site}: its datalist has no training cases")
             va = [self._case(e, shape, "validation", i) for i, e in enumerate(doc.get("validation", []))]
             self._data, self._data_key, self._val = (tr, te), shape, va
+            self._resident, self._resident_bytes = {}, 0  # the old cases' device copies go with them
         return self._data
 
     def validation_cases(self, cfg: TaskConfig) -> list:
@@ -220,6 +221,38 @@ class SegSiteRunner(SiteRunner):
             self._model_key = key
             self._optimizers = {}
         return self._model
+
+    def volumes_on_device(self, cases, cfg: TaskConfig):
+        """The training ``cases`` as this site's device takes them: on the CPU the cases themselves (MONAI's crops,
+        in loader processes when ``train.workers``: the path as it always was); on a GPU a
+        :class:`fedmed.nn.resident.DeviceVolumes`, placed once and reused every round while it fits the site's
+        device-data budget (``device_data_gb``), else the CPU's crops, said once in one line."""
+        dev = self.device(cfg)
+        if dev.type == "cpu" and self.CPU_KEEPS_ITS_PATH:
+            return cases
+        roi = tuple(task_config(cfg).data.roi)
+        hit = self._resident.get(id(cases))
+        if hit is not None and hit[0] is cases and hit[1] is not None and hit[1].roi == roi:
+            return hit[1]
+        if hit is not None and hit[0] is cases and hit[1] is None:
+            return cases
+        from fedmed.nn.resident import DeviceVolumes, default_budget
+
+        if self._budget is None:
+            gb = self.settings.device_data_gb
+            self._budget = default_budget(dev) if gb is None else int(gb * 2**30)
+        need = DeviceVolumes.nbytes_of(cases)
+        if need > self._budget - self._resident_bytes:
+            note = (f"{self.site}: its training volumes ({need / 2**30:.2f} GiB) do not fit its device-data budget "
+                    f"({self._budget / 2**30:.2f} GiB, device_data_gb): patches are cut on the CPU")
+            print(f"[fedmed] {note}", flush=True)
+            self.notes.append(note)
+            self._resident[id(cases)] = (cases, None)
+            return cases
+        vols = DeviceVolumes(cases, dev, roi)
+        self._resident[id(cases)] = (cases, vols)
+        self._resident_bytes += vols.nbytes
+        return vols
 
     TASKS = {"assess": assess, "train": train, "validate": validate}
     KIND = "segmentation"
