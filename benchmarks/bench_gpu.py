@@ -269,6 +269,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", type=int, default=8)
     ap.add_argument("--patches", type=int, default=2, help="patches per case per step")
     ap.add_argument("--workers", type=int, default=4, help="loader processes of the CPU-crop reference")
+    ap.add_argument("--device-data-gb", type=float, default=None, help="the site's device_data_gb (0: its images stay "
+                    "in pinned host memory, each batch copied on a side stream)")
     ap.add_argument("--deterministic", action="store_true", help="cuDNN's deterministic algorithms on both sides (the "
                     "site through its train.deterministic)")
     a = ap.parse_args(argv)
@@ -293,6 +295,7 @@ def main(argv=None) -> int:
                      "weight_decay": 0.0, "augment": "flip", "keep_optimizer_state": False, "device": a.device,
                      "precision": a.precision, "deterministic": a.deterministic}}
     runner = SiteRunner("site-1", root)
+    runner.settings.device_data_gb = a.device_data_gb
     s = runner.splits(cfg)
     x, y = s.train
 
