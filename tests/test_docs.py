@@ -71,6 +71,9 @@ STUDIES = {
                                     "some are run shrunk by tests (bench_memory, ssl_validation, transfer_factors), "
                                     "the others only as the docs' commands",
     "python benchmarks/": "as above",
+    "BUSI_DIR=... bash benchmarks/gpu_check.sh": "the GPU check behind results.md 'On a GPU' (needs a CUDA GPU; "
+                                                 "test_device.py runs bench_gpu.py's CPU smoke runs, 2D and 3D)",
+    "BRATS_DIR=... bash benchmarks/gpu_check.sh": "as above",
 }
 
 

@@ -591,9 +591,10 @@ def normalize_images(encoder: Encoder, xb: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def extract_features(encoder: Encoder, images: torch.Tensor, *, batch_size: int = 32,
+def extract_features(encoder: Encoder, images: torch.Tensor, *, batch_size: int | None = None,
                      progress: Callable[[str], None] | None = None) -> np.ndarray:
-    """Batched, no-grad features of (N, C, H, W) images in [0, 1] -> (N, dim) float64.
+    """Batched, no-grad features of (N, C, H, W) images in [0, 1] -> (N, dim) float64; ``batch_size``: by default
+    32 on the CPU, 128 on a GPU (filling it; the features are computed in fp32 either way).
 
     Each batch is brought to the encoder's input in one go: bilinear resize to its image size
     (``torch.nn.functional.interpolate``, as MONAI's ``Resize`` does per image), channel repeat (1 -> 3) for
@@ -604,6 +605,7 @@ def extract_features(encoder: Encoder, images: torch.Tensor, *, batch_size: int 
         return np.zeros((0, encoder.dim or 0))
     size = encoder.image_size
     device = next(iter(encoder.module.parameters()), torch.empty(0)).device
+    batch_size = batch_size or (128 if device.type == "cuda" else 32)
     outs = []
     t0 = time.time()
     for s in range(0, n, batch_size):
