@@ -551,3 +551,31 @@ def test_a_gpu_sites_volumes_are_placed_once_or_said_not_to_fit_its_budget(phant
         assert runner.volumes_on_device(tr, cfg) is placed and runner._resident_bytes == placed.nbytes
     else:
         assert placed is tr and len(notes) == 1 and "patches are cut on the CPU" in notes[0]
+
+
+def test_crop_indices_computed_once_per_case_give_the_same_patches_and_weights(phantoms, monkeypatch):
+    """fedmed.nn.seg hands RandCropByPosNegLabeld each case's foreground/background indices, computed once, instead
+    of letting it scan the whole label every call, and runs the transforms without MONAI's metadata tracking: the
+    same crops, so the same trained weights bit for bit."""
+    import torch
+
+    from fedmed.nn import seg
+
+    cases = [load_case(e, shape=(16, 16, 16)) for e in discover_subjects(phantoms, MODS, "OTMultiClass*")[6:12]]
+
+    def trained():
+        torch.manual_seed(0)
+        model = seg_model(2, channels=(4, 8, 16))
+        train_seg_local(model, cases, roi=(8, 8, 8), seed=5, epochs=3, patches=3, pos_fraction=0.67)
+        return [p.detach().clone() for p in model.parameters()]
+
+    calls = []
+    real = seg._crop_indices
+    monkeypatch.setattr(seg, "_crop_indices", lambda label: calls.append(id(label)) or real(label))
+    cached = trained()
+    assert len(calls) == 18 and len(seg._INDICES) >= 6  # asked per case and epoch, computed once per case
+    monkeypatch.setattr(seg, "_crop_indices", lambda label: {})  # MONAI computes them on every call
+    assert all(torch.equal(a, b) for a, b in zip(cached, trained()))
+    # and MONAI's metadata tracking (off while fedmed cuts patches, seg._Untracked) changes no value either
+    monkeypatch.setattr(seg, "_Untracked", lambda tf: tf)
+    assert all(torch.equal(a, b) for a, b in zip(cached, trained()))

@@ -32,7 +32,8 @@ def _train_transforms(roi, seed, patches: int = 4, pos_fraction: float = 0.5):
     neg = max(1.0 - pos_fraction, 0.0)
     t = Compose([
         RandCropByPosNegLabeld(keys=["image", "label"], label_key="label", spatial_size=roi, pos=pos, neg=neg,
-                               num_samples=int(patches), allow_smaller=True),
+                               num_samples=int(patches), allow_smaller=True, fg_indices_key="fg_indices",
+                               bg_indices_key="bg_indices"),
         RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=0),
         RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=1),
         RandFlipd(keys=["image", "label"], prob=0.5, spatial_axis=2),
@@ -163,13 +164,53 @@ def _first(batch):
     return batch[0]  # one case's list of patches (a module-level function: data-loader processes pickle it)
 
 
+_INDICES: dict = {}  # id(label array) -> (the array, its foreground and background voxel indices)
+
+
+def _crop_indices(label: np.ndarray) -> dict:
+    """The foreground and background voxel indices of a case's label, as ``RandCropByPosNegLabeld`` computes them on
+    every call (``map_binary_to_indices``), computed once per case in this process and handed to it: the same crops,
+    without a pass over the whole volume per step."""
+    from monai.transforms.utils import map_binary_to_indices
+
+    hit = _INDICES.get(id(label))
+    if hit is None or hit[0] is not label:
+        if len(_INDICES) > 256:  # a bound: cases of earlier runs in a long-lived process
+            _INDICES.clear()
+        hit = _INDICES[id(label)] = (label, *map_binary_to_indices(torch.from_numpy(label), None, 0.0))
+    return {"fg_indices": hit[1], "bg_indices": hit[2]}
+
+
+class _Untracked:
+    """A transform run with MONAI's metadata tracking off (``set_track_meta(False)``, as MONAI's fast-training guide
+    does): plain tensors with the same values and the same random draws, about 4x faster per case on small volumes
+    (no affine bookkeeping per crop and flip). The process's setting is restored after each call."""
+
+    def __init__(self, tf):
+        self.tf = tf
+
+    def __call__(self, data):
+        from monai.data import get_track_meta, set_track_meta
+
+        before = get_track_meta()
+        set_track_meta(False)
+        try:
+            return self.tf(data)
+        finally:
+            set_track_meta(before)
+
+
 def _patch_batches(cases, order, tf, workers: int, seed: int):
     """(image, label) patch batches, one per case in ``order``: in this process (``workers == 0``: the transform's
-    own seeded random state, case after case) or in ``workers`` data-loader processes."""
+    own seeded random state, case after case; each case's crop indices computed once, :func:`_crop_indices`) or in
+    ``workers`` data-loader processes (which compute them per call, as before: the indices of a large volume would
+    cost more to send than to compute)."""
+    tf = _Untracked(tf)
     if workers <= 0:
         for i in order:
             c = cases[i]
-            yield _stack(tf({"image": torch.from_numpy(c["image"]), "label": torch.from_numpy(c["label"])}))
+            yield _stack(tf({"image": torch.from_numpy(c["image"]), "label": torch.from_numpy(c["label"]),
+                             **_crop_indices(c["label"])}))
         return
     from monai.data import DataLoader, Dataset
 
