@@ -59,12 +59,11 @@ def make_optimizer(model: nn.Module, train: Mapping, model_cfg: Mapping | None =
     leaves out: the defaults of :class:`fedmed.core.schema.TrainConfig`), with the recipe's learning rate for the
     parts of the network (``backbone_lr_scale``, :mod:`fedmed.nn.recipe`; ``model_cfg``: the ``model`` section,
     which says whether the network started from weights)."""
+    from fedmed.core.device import fused_kwargs
     from fedmed.core.schema import TrainTask
     from fedmed.nn.recipe import param_groups, resolved
 
     t = train if isinstance(train, TrainTask) else TrainTask.model_validate(dict(train))
-    from fedmed.core.device import fused_kwargs
-
     kind, lr, wd = t.optimizer, t.lr, t.weight_decay
     params = param_groups(model, lr, resolved(t, model_cfg or {})["backbone_lr_scale"]) or model.parameters()
     fused = fused_kwargs(model)  # on a GPU: one kernel, and a step skipped without a host read
@@ -114,8 +113,9 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
     bf16 or fp16 autocast (:mod:`fedmed.core.device`). ``x`` may be a :class:`fedmed.nn.resident.DeviceImages` (a
     GPU site's split kept on its device): then each batch is gathered, flipped and cropped there from the same draws
     of ``generator`` (the same batches), the loss and the skipped steps stay on the device until the end, and with a
-    fused optimizer a non-finite step is skipped without a host read. ``frozen_norm``: batch-norm layers normalise with their
-    running statistics and leave them as they are (the recipe's ``norm_stats: frozen``); their weights still train.
+    fused optimizer a non-finite step is skipped without a host read. ``frozen_norm``: batch-norm layers normalise
+    with their running statistics and leave them as they are (the recipe's ``norm_stats: frozen``); their weights
+    still train.
     """
     from fedmed.core.device import autocast, backward_step, grad_scaler, model_device
 
