@@ -75,6 +75,8 @@ class DeviceImages:
         elif self.device.type == "cuda":  # pinned host memory: each batch copied asynchronously on a side stream
             self.data = src.pin_memory()
             self._stream = torch.cuda.Stream(self.device)
+            self._bufs: list = [None, None]  # two pinned batch buffers, used in turn
+            self._done: list = [None, None]  # the event after the last copy out of each
         else:
             self.data = src
 
@@ -89,12 +91,21 @@ class DeviceImages:
         as float32 in [0, 1] on the device — the values the CPU path has."""
         if self.resident:
             return self._float(self.data if idx is None else self.data.index_select(0, idx.to(self.device)))
-        rows = self.data if idx is None else self.data.index_select(0, idx.cpu())
         if self._stream is None:
+            rows = self.data if idx is None else self.data.index_select(0, idx.cpu())
             return self._float(rows.to(self.device))
-        rows = rows.pin_memory()
+        idx = torch.arange(len(self)) if idx is None else idx.cpu()
+        k = self._turn = 1 - getattr(self, "_turn", 1)
+        if self._done[k] is not None:
+            self._done[k].synchronize()  # the copy that last read this buffer has finished
+        if self._bufs[k] is None or self._bufs[k].shape[0] < idx.numel():
+            self._bufs[k] = torch.empty((idx.numel(), *self.data.shape[1:]), dtype=self.data.dtype).pin_memory()
+        rows = self._bufs[k][:idx.numel()]
+        torch.index_select(self.data, 0, idx, out=rows)  # gathered straight into pinned memory
         with torch.cuda.stream(self._stream):
             out = rows.to(self.device, non_blocking=True)
+            self._done[k] = torch.cuda.Event()
+            self._done[k].record(self._stream)
         cur = torch.cuda.current_stream(self.device)
         cur.wait_stream(self._stream)
         out.record_stream(cur)
