@@ -115,6 +115,30 @@ def tuned_scores(model, xs, *, precision, device, batch_size=256):
     return out
 
 
+def worst(pa, pb):
+    """The largest weight difference between two state dicts, per tensor relative to its scale (at least 1: batch-norm
+    running variances of a deep network run into the thousands, where an absolute tolerance says nothing), and where."""
+    diffs = {k: float(np.abs(pa[k].astype(np.float64) - pb[k]).max()) /
+             max(1.0, float(np.abs(pa[k].astype(np.float64)).max())) for k in pa if pa[k].size}
+    key = max(diffs, key=diffs.get)
+    return diffs[key], key
+
+
+def same_weights(rerun, device, atol):
+    """The check of :func:`_common.compare`: bit for bit on the CPU; on a GPU, whose kernels need not be
+    deterministic, within ``max(atol, 2 x)`` the tuned loop's own difference from itself (``rerun()`` once more)."""
+    def same(pa, pb):
+        d, key = worst(pa, pb)
+        print(f"largest weight difference after one round: {d:.3g} (relative to the tensor's scale; {key})")
+        if device.type == "cpu":
+            return d == 0.0
+        spread, skey = worst(pa, rerun())
+        print(f"the tuned loop against itself, run again: {spread:.3g} ({skey}); the sides count as the same within "
+              f"max(--atol {atol:g}, 2 x that)")
+        return d <= max(atol, 2 * spread)
+    return same
+
+
 def synthetic_cases(n: int, shape, seed: int = 0):
     """``n`` two-channel volumes of ``shape`` with an ellipsoid "tumour" each (three nested label channels)."""
     rng = np.random.default_rng(seed)
@@ -192,31 +216,21 @@ def main_seg3d(a, device) -> int:
     kw = dict(epochs=a.epochs, patches=a.patches, pos_fraction=0.67, seed=0, precision=a.precision)
     lr = 3e-4
 
+    def adam():  # fedmed's optimizer for the site (fused on a GPU), as the tuned loop's: Adam, no weight decay
+        return make_optimizer(net, {"optimizer": "adam", "lr": lr, "weight_decay": 0.0})
+
     def side_a():
         set_params(net, theta)
         return get_params(tuned_seg_round(net, mine, roi=roi, device=device, lr=lr, **kw))
 
     def side_b():
         set_params(net, theta)
-        train_seg_local(net, vols, roi=roi, optimizer=make_optimizer(net, {"optimizer": "adam", "lr": lr, "weight_decay": 0.0}), **kw)
+        train_seg_local(net, vols, roi=roi, optimizer=adam(), **kw)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return get_params(net)
 
-    def worst(pa, pb):
-        d = {k: float(np.abs(pa[k].astype(np.float64) - pb[k]).max()) / max(1.0, float(np.abs(pa[k]).max()))
-             for k in pa if pa[k].size}
-        k = max(d, key=d.get)
-        return d[k], k
-
-    def same(pa, pb):
-        d, key = worst(pa, pb)
-        print(f"largest weight difference after one round: {d:.3g} ({key})")
-        if device.type == "cpu":
-            return d == 0.0
-        spread, skey = worst(pa, side_a())
-        print(f"the tuned loop against itself, run again: {spread:.3g} ({skey})")
-        return d <= max(a.atol, 2 * spread)
+    same = same_weights(side_a, device, a.atol)
 
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     name = f"SegResNet {a.roi}^3 patches {a.precision}, {a.cases} cases of 2x{'x'.join(map(str, shape))} on {card}"
@@ -225,21 +239,19 @@ def main_seg3d(a, device) -> int:
     n_patches = a.epochs * a.cases * a.patches
     res.update(device=name, patches_per_round=n_patches, a_patches_per_s=n_patches / res["a_wall"],
                b_patches_per_s=n_patches / res["b_wall"])
-    import time
-
-    cpu_path = []
-    for _ in range(2):  # the path before #54: MONAI's crops on the CPU in loader processes
+    def side_c():  # the path before #54: MONAI's crops on the CPU in loader processes (other draws: timed only)
         set_params(net, theta)
-        t0 = time.perf_counter()
-        train_seg_local(net, cases, roi=roi, optimizer=make_optimizer(net, {"optimizer": "adam", "lr": lr, "weight_decay": 0.0}),
-                        workers=a.workers, **kw)
+        train_seg_local(net, cases, roi=roi, optimizer=adam(), workers=a.workers, **kw)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        cpu_path.append(time.perf_counter() - t0)
-    res["cpu_crops_patches_per_s"] = n_patches / min(cpu_path)
+
+    crops = compare(f"{name}, CPU crops", side_b, side_c, label_a="fedmed DeviceVolumes",
+                    label_b=f"fedmed with MONAI's crops on the CPU in {a.workers} loader processes", pairs=a.pairs,
+                    check=False)
+    res["cpu_crops_patches_per_s"] = n_patches / crops["b_wall"]
     print(f"[{name}] patches/s: tuned loop {res['a_patches_per_s']:.1f}, fedmed on the device "
           f"{res['b_patches_per_s']:.1f} (x{res['a_wall'] / res['b_wall']:.2f}), fedmed with MONAI's crops on the CPU "
-          f"in {a.workers} loader processes {res['cpu_crops_patches_per_s']:.1f} (best of 2)")
+          f"in {a.workers} loader processes {res['cpu_crops_patches_per_s']:.1f} (interleaved with the device path)")
     if device.type == "cuda":
         res["peak_device_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         print(f"[{name}] peak device memory: {res['peak_device_memory_gib']:.2f} GiB")
@@ -320,24 +332,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         return out
 
-    def worst(pa, pb):
-        # per tensor, the largest difference relative to the tensor's scale (at least 1): batch-norm running
-        # variances of a deep network run into the thousands, where an absolute tolerance says nothing
-        diffs = {k: float(np.abs(pa[k].astype(np.float64) - pb[k]).max()) /
-                 max(1.0, float(np.abs(pa[k].astype(np.float64)).max())) for k in pa if pa[k].size}
-        key = max(diffs, key=diffs.get)
-        return diffs[key], key
-
-    def same(pa, pb):
-        d, key = worst(pa, pb)
-        print(f"largest weight difference after one round: {d:.3g} (relative to the tensor's scale; {key})")
-        if device.type == "cpu":
-            return d == 0.0
-        # a GPU's kernels need not be deterministic: the tuned loop run twice is the spread the two sides may differ by
-        spread, skey = worst(pa, side_a())
-        print(f"the tuned loop against itself, run again: {spread:.3g} ({skey}); the sides count as the same within "
-              f"max(--atol {a.atol:g}, 2 x that)")
-        return d <= max(a.atol, 2 * spread)
+    same = same_weights(side_a, device, a.atol)
 
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     name = f"{a.arch} {a.image_size}px {a.precision} batch {a.batch_size} on {card}"

@@ -12,7 +12,7 @@ from fedmed.core.device import backward_step, backward_step_on_device
 from fedmed.data.images import discover, write_site_datalists
 from fedmed.nn.models import ResNet9
 from fedmed.nn.resident import DeviceImages, augment_on_device, epoch_draws, exact_uint8
-from fedmed.nn.train import augment_batch, get_params, predict_proba, set_params, train_local
+from fedmed.nn.train import augment_batch, get_params, predict_proba, train_local
 from fedmed.site.runner import SiteRunner
 
 
@@ -182,7 +182,6 @@ def test_scoring_from_device_data_gives_the_same_probabilities():
     torch.manual_seed(0)
     m = ResNet9(1, 3, width=4)
     assert np.array_equal(predict_proba(m, x), predict_proba(m, DeviceImages(x, "cpu")))
-    set_params(m, get_params(m))
 
 
 def _volume(shape=(20, 24, 18), seed=0):
@@ -227,7 +226,7 @@ def test_3d_patches_cut_on_the_device_have_the_requested_size_and_foreground_sha
                    for _ in range(20))
 
 
-def test_3d_training_from_device_volumes_steps_once_per_case_and_epoch(monkeypatch):
+def test_3d_training_from_device_volumes_steps_once_per_case_and_epoch():
     from fedmed.nn.resident import DeviceVolumes
     from fedmed.nn.seg import seg_model, train_seg_local
 

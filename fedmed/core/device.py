@@ -91,29 +91,20 @@ def backward_step(loss: torch.Tensor, optimizer, scaler=None) -> bool:
 
 
 def grads_finite(grads: list) -> bool:
-    """Whether every gradient is finite: one fused check per (device, dtype) group — the gradient scaler's own
-    found-inf kernel with a scale of 1 (which leaves the gradients as they are) — and one host read, not a pair of
-    kernels per parameter tensor."""
-    if not grads:
-        return True
-    groups: dict = {}
+    """Whether every gradient is finite: :func:`nonfinite_flag` once per device (one fused check per dtype, not a
+    pair of kernels per parameter tensor) and one host read."""
+    devices: dict = {}
     for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    found = {}
-    for (dev, _), ts in groups.items():
-        if dev not in found:
-            found[dev] = (torch.zeros(1, device=dev), torch.ones(1, device=dev))
-        torch._amp_foreach_non_finite_check_and_unscale_(ts, *found[dev])
-    flags = [f for f, _ in found.values()]
-    return not bool((torch.cat([f.to(flags[0].device) for f in flags]) > 0).any())
+        devices.setdefault(g.device, []).append(g)
+    return not any(bool(nonfinite_flag(ts)) for ts in devices.values())
 
 
-def nonfinite_flag(grads: list, found: torch.Tensor | None = None) -> torch.Tensor:
-    """A 0-dim float32 tensor on the gradients' device: 1 when any gradient holds NaN or inf, else 0 — the gradient
-    scaler's found-inf kernel at scale 1, once per dtype; nothing is read back to the host."""
+def nonfinite_flag(grads: list) -> torch.Tensor:
+    """A 0-dim float32 tensor on the gradients' device (all on one): 1 when any gradient holds NaN or inf, else 0 —
+    the gradient scaler's found-inf kernel at scale 1 (which leaves the gradients as they are), once per dtype;
+    nothing is read back to the host."""
     dev = grads[0].device
-    found = torch.zeros((), device=dev) if found is None else found
-    one = torch.ones((), device=dev)
+    found, one = torch.zeros((), device=dev), torch.ones((), device=dev)
     groups: dict = {}
     for g in grads:
         groups.setdefault(g.dtype, []).append(g)

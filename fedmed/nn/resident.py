@@ -77,6 +77,7 @@ class DeviceImages:
             self._stream = torch.cuda.Stream(self.device)
             self._bufs: list = [None, None]  # two pinned batch buffers, used in turn
             self._done: list = [None, None]  # the event after the last copy out of each
+            self._turn = 1
         else:
             self.data = src
 
@@ -95,7 +96,7 @@ class DeviceImages:
             rows = self.data if idx is None else self.data.index_select(0, idx.cpu())
             return self._float(rows.to(self.device))
         idx = torch.arange(len(self)) if idx is None else idx.cpu()
-        k = self._turn = 1 - getattr(self, "_turn", 1)
+        k = self._turn = 1 - self._turn
         if self._done[k] is not None:
             self._done[k].synchronize()  # the copy that last read this buffer has finished
         if self._bufs[k] is None or self._bufs[k].shape[0] < idx.numel():
@@ -248,7 +249,7 @@ class DeviceVolumes:
         xs, ys = [], []
         img, lab, shape = self.images[i], self.labels[i], self.shapes[i]
         for _ in range(n):
-            c, _pos = self.centre(i, rng, pos_fraction)
+            c, _ = self.centre(i, rng, pos_fraction)
             start = [min(max(ci - r // 2, 0), d - r) for ci, r, d in zip(c, self.roi, shape)]
             sl = tuple(slice(s0, s0 + r) for s0, r in zip(start, self.roi))
             x, y = img[(slice(None), *sl)], lab[(slice(None), *sl)]

@@ -146,17 +146,14 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
         model.train()
         return {"loss": total / max(steps, 1), "steps": steps, "skipped": skipped}
     total, steps, skipped = 0.0, 0, 0
-    per_epoch = sum(1 for s in range(0, n, batch_size) if n - s >= 2 or n < 2)
+    per_epoch = _steps_per_epoch(n, batch_size)
     for _ in range(epochs):
         order = torch.randperm(n, generator=generator)
         for s in range(0, n, batch_size):
             idx = order[s:s + batch_size]
             if idx.numel() < 2 and n >= 2:
                 continue
-            if lr_at is not None:
-                lr_now = lr_at(steps / max(1, epochs * per_epoch))
-                for g in opt.param_groups:
-                    g["lr"] = lr_now * g.get("lr_scale", 1.0)
+            _schedule(opt, lr_at, steps / max(1, epochs * per_epoch))
             xb, yb = augment_batch(x[idx], augment, generator).to(device), y[idx].to(device)
             if idx.numel() == 1:
                 model.eval()  # a single sample cannot be batch-normalised in train mode
@@ -173,6 +170,19 @@ def train_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: i
     return {"loss": total / max(steps, 1), "steps": steps, "skipped": skipped}
 
 
+def _steps_per_epoch(n: int, batch_size: int) -> int:
+    """Batches that train per epoch: a trailing batch of one is skipped unless the site has one sample."""
+    return sum(1 for s in range(0, n, batch_size) if n - s >= 2 or n < 2)
+
+
+def _schedule(opt, lr_at, frac: float) -> None:
+    """``lr_at(frac)`` as every parameter group's learning rate, times its ``lr_scale`` (layer-wise decay)."""
+    if lr_at is not None:
+        lr_now = lr_at(frac)
+        for g in opt.param_groups:
+            g["lr"] = lr_now * g.get("lr_scale", 1.0)
+
+
 def _epochs_on_device(model, x, y, opt, loss_fn, scaler, train_mode, *, epochs, batch_size, generator, augment,
                       lr_at, precision, anchor, mu):
     """:func:`train_local`'s epochs over images kept on the device (:class:`~fedmed.nn.resident.DeviceImages`): the
@@ -187,17 +197,14 @@ def _epochs_on_device(model, x, y, opt, loss_fn, scaler, train_mode, *, epochs, 
     total = torch.zeros((), dtype=torch.float64, device=device)
     skipped = torch.zeros((), device=device)
     steps = 0
-    per_epoch = sum(1 for s in range(0, n, batch_size) if n - s >= 2 or n < 2)
+    per_epoch = _steps_per_epoch(n, batch_size)
     for _ in range(epochs):
         host = epoch_draws(n, batch_size, augment, generator)
         dev = host.on(device)
         for s in range(0, n, batch_size):
             if s not in host.starts:
                 continue
-            if lr_at is not None:
-                lr_now = lr_at(steps / max(1, epochs * per_epoch))
-                for g in opt.param_groups:
-                    g["lr"] = lr_now * g.get("lr_scale", 1.0)
+            _schedule(opt, lr_at, steps / max(1, epochs * per_epoch))
             idx, flips, crop = dev.batch(s, batch_size)
             xb = augment_on_device(x.take(idx if x.resident else host.batch(s, batch_size)[0]), flips, crop)
             yb = yd.index_select(0, idx)

@@ -145,6 +145,16 @@ class SiteRunner:
             self._resident, self._resident_bytes = {}, 0  # the old splits' device copies go with them
         return self._data
 
+    def device_budget(self, dev) -> int:
+        """Bytes of data this site keeps on ``dev``: its ``device_data_gb``, else half the device memory free when it
+        first places data there (:func:`fedmed.nn.resident.default_budget`); fixed for the run."""
+        if self._budget is None:
+            from fedmed.nn.resident import default_budget
+
+            gb = self.settings.device_data_gb
+            self._budget = default_budget(dev) if gb is None else int(gb * 2**30)
+        return self._budget
+
     CPU_KEEPS_ITS_PATH = True  # a CPU site trains as it always did (tests turn the device path on to compare)
 
     def on_device(self, x, cfg: TaskConfig):
@@ -158,12 +168,9 @@ class SiteRunner:
         hit = self._resident.get(id(x))
         if hit is not None and hit[0] is x:
             return hit[1]
-        from fedmed.nn.resident import DeviceImages, default_budget
+        from fedmed.nn.resident import DeviceImages
 
-        if self._budget is None:
-            gb = self.settings.device_data_gb
-            self._budget = default_budget(dev) if gb is None else int(gb * 2**30)
-        d = DeviceImages(x, dev, budget=self._budget - self._resident_bytes)
+        d = DeviceImages(x, dev, budget=self.device_budget(dev) - self._resident_bytes)
         own = self._data is not None and any(x is t for t in (self._data.train[0], self._data.val[0],
                                                               self._data.test[0]))
         if not d.resident and own:

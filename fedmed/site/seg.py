@@ -236,13 +236,10 @@ class SegSiteRunner(SiteRunner):
             return hit[1]
         if hit is not None and hit[0] is cases and hit[1] is None:
             return cases
-        from fedmed.nn.resident import DeviceVolumes, default_budget
+        from fedmed.nn.resident import DeviceVolumes
 
-        if self._budget is None:
-            gb = self.settings.device_data_gb
-            self._budget = default_budget(dev) if gb is None else int(gb * 2**30)
         need = DeviceVolumes.nbytes_of(cases)
-        if need > self._budget - self._resident_bytes:
+        if need > self.device_budget(dev) - self._resident_bytes:
             note = (f"{self.site}: its training volumes ({need / 2**30:.2f} GiB) do not fit its device-data budget "
                     f"({self._budget / 2**30:.2f} GiB, device_data_gb): patches are cut on the CPU")
             print(f"[fedmed] {note}", flush=True)
