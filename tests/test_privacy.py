@@ -25,6 +25,7 @@ FIELDS = {
     "validate": EVAL,
     "finetune_local": EVAL | {"n_train", "train_loss", "steps"},  # the site's own model: its scores only
     "validate_ensemble": EVAL,
+    "serve_score": {"serving", "reference", "finetune_train_loss"},  # per candidate: n, wins, losses (>= k_min items)
     "signature/fmcl": {"classes", "means", "counts", "withheld_classes", "notes", "dp", "encoder", "n_train"},
     "signature/pacfl": {"basis", "classes", "withheld_classes", "notes", "dp", "encoder", "n_train"},
     "signature/fecfl": {"mean", "withheld_classes", "notes", "dp", "encoder", "n_train"},
@@ -165,6 +166,12 @@ def test_training_and_evaluation_replies(site):
     for task, extra in (("ifca", {"ifca": {"k": 2, "train": True}}), ("validate_ensemble", {"ensemble": {"weights": [1, 1]}})):
         _, _, meta, _ = runner.handle(task, packed, {**cfg, **extra}, 0)
         assert not audit(task, meta, samples, k_min=5), task
+    opts = {"names": ["global", "cluster"], "finetune": {"epochs": 1, "lr_scale": 0.1}}
+    _, metrics, meta, out = runner.handle("serve_score", packed, {**cfg, "method_options": opts}, 0)
+    assert not audit("serve_score", meta, samples, k_min=5) and out == {}
+    n_val = runner.splits(cfg).val[0].shape[0]
+    for counts in meta["serving"].values():  # three counts per candidate, over the whole validation split, or nothing
+        assert counts is None if n_val < 5 else set(counts) == {"n", "wins", "losses"} and counts["n"] == n_val
 
 
 def test_prep_and_fedmae_replies(site):

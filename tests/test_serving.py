@@ -100,3 +100,78 @@ def test_a_clusters_sites_pool_their_evidence_and_silent_or_excluded_candidates_
         choose({"cluster": a}, alpha=0.0)
     with pytest.raises(ValueError, match="wins \\+ losses <= n"):
         Paired(3, 2, 2)
+
+
+def _site_and_models(tmp_path):
+    """A digits federation's site-1 with its typed task config, an untrained model, the same model again and a model
+    trained a few epochs on site-1's training split."""
+    import yaml
+
+    from fedmed.config import load_config
+    from fedmed.nn.models import model_from_config
+    from fedmed.nn.train import get_params, train_local
+    from fedmed.run.experiment import prepare_federation, with_classes
+    from fedmed.run.jobspec import job_spec
+
+    from conftest import own_site
+
+    raw = {"name": "serve", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 40},
+           "federation": {"sites": 2, "partition": "iid", "val_fraction": 0.3}, "model": {"arch": "resnet9", "width": 4},
+           "train": {"rounds": 1, "local_epochs": 1, "batch_size": 16, "optimizer": "adam", "lr": 0.01},
+           "privacy": {"k_min": 5}, "references": [], "methods": [{"name": "FedAvg", "workflow": "fedavg"}]}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    exp = load_config(tmp_path / "c.yaml")
+    data = prepare_federation(exp, 0, tmp_path / "data")
+    exp = with_classes(exp, data)
+    cfg = job_spec(exp, exp.methods[0], 0).task_config
+    runner = own_site("site-1", data, k_min=5)
+    untrained = model_from_config(exp.model.model_dump(), 1, 10, seed=0)
+    trained = model_from_config(exp.model.model_dump(), 1, 10, seed=0)
+    import torch
+
+    x, y = runner.splits(cfg).train
+    train_local(trained, x, y, epochs=6, batch_size=16, optimizer=torch.optim.Adam(trained.parameters(), lr=0.01),
+                generator=torch.Generator().manual_seed(0))
+    return runner, cfg, get_params(untrained), get_params(trained)
+
+
+def test_a_site_scores_its_candidates_on_validation_and_sends_paired_counts_only(tmp_path):
+    """The ``serve_score`` site task: per candidate three counts against the reference (the first packed model) over
+    the site's whole validation split; the same model as the reference ties on every item; a trained candidate
+    against an untrained reference wins and is served by the rule; nothing under k_min; names must match the
+    models; the fine-tuned reference is one more candidate that never leaves the site."""
+    from fedmed.core.packing import pack_models
+
+    runner, cfg, untrained, trained = _site_and_models(tmp_path)
+    n_val = runner.splits(cfg).val[0].shape[0]
+    packed = pack_models([untrained, untrained, trained])
+    cfg = {**cfg, "method_options": {"names": ["global", "same", "cluster"]}}
+    _, metrics, meta, out = runner.handle("serve_score", packed, cfg, 0)
+    assert out == {} and meta["reference"] == "global" and set(meta["serving"]) == {"same", "cluster"}
+    assert meta["serving"]["same"] == {"n": n_val, "wins": 0, "losses": 0}
+    c = meta["serving"]["cluster"]
+    assert c["n"] == n_val and c["wins"] > c["losses"]
+    assert metrics["val_accuracy/cluster"] > metrics["val_accuracy/global"] + 0.3
+    # wins - losses is the accuracy difference on the same items
+    assert (c["wins"] - c["losses"]) / n_val == pytest.approx(metrics["val_accuracy/cluster"]
+                                                              - metrics["val_accuracy/global"])
+    choice = choose({k: Paired(**v) for k, v in meta["serving"].items()})
+    assert choice.served == "cluster"
+    # the same the other way round: the trained model is the reference, the untrained one never served
+    _, _, meta2, _ = runner.handle("serve_score", pack_models([trained, untrained]),
+                                   {**cfg, "method_options": {"names": ["global", "untrained"]}}, 0)
+    assert choose({k: Paired(**v) for k, v in meta2["serving"].items()}).served == "global"
+    # k_min above the validation split: nothing is sent
+    big = {**cfg, "privacy": {**cfg["privacy"], "k_min": n_val + 1}}
+    _, metrics3, meta3, _ = runner.handle("serve_score", packed, big, 0)
+    assert meta3["serving"] == {"same": None, "cluster": None} and np.isnan(metrics3["val_accuracy/cluster"])
+    # names and models must match
+    from fedmed.site.tasks import TaskError
+
+    with pytest.raises(TaskError, match=r"1 model name\(s\) for 3 packed model\(s\)"):
+        runner.handle("serve_score", packed, {**cfg, "method_options": {"names": ["global"]}}, 0)
+    # the reference fine-tuned at the site
+    ft = {**cfg, "method_options": {"names": ["global"], "finetune": {"epochs": 2, "lr_scale": 1.0}}}
+    _, metrics5, meta5, out5 = runner.handle("serve_score", pack_models([untrained]), ft, 0)
+    assert out5 == {} and set(meta5["serving"]) == {"finetuned"} and meta5["finetune_train_loss"] > 0
+    assert meta5["serving"]["finetuned"]["wins"] > meta5["serving"]["finetuned"]["losses"]

@@ -25,7 +25,7 @@ from fedmed.core.packing import unpack_model
 from fedmed.core.schema import TaskConfig, task_config
 
 __all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "register_task", "TaskError", "class_set", "descriptor", "ifca", "latent_bounds", "signature", "train",
-           "task_seed", "train_locally", "validate", "validate_ensemble"]
+           "serve_score", "task_seed", "train_locally", "validate", "validate_ensemble"]
 
 
 def task_seed(cfg: dict, site: str, round_: int | None = None, *, salt: int = 0) -> int:
@@ -409,9 +409,68 @@ def finetune_local(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Re
     return Reply(runner.site, metrics, meta, {})
 
 
+class ServeScoreOptions(BaseModel):
+    """``serve_score``'s site options (the task config's ``method_options``): the names of the packed models, the
+    first the reference (the global model), and optionally that model fine-tuned at the site as one more candidate
+    (``finetuned``; :class:`FinetuneLocalOptions`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    names: list[str] = Field(min_length=1)
+    finetune: FinetuneLocalOptions | None = None
+
+
+def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """#57's serving plan at a site: score the reference (the first packed model, the global one) and every
+    candidate on the site's **validation** split, and send per candidate only its paired counts against the reference
+    (:func:`fedmed.algorithms.serving.paired_counts`: items, wins, losses; nothing under ``k_min`` items) and each
+    model's validation accuracy — never a per-image value. With ``finetune`` the site also fine-tunes the reference on
+    its own training split (as ``finetune_local`` does) and scores that model, which never leaves it, as
+    ``finetuned``. The test split is not read."""
+    from fedmed.algorithms.serving import paired_counts
+    from fedmed.nn.train import predict_proba, set_params
+
+    cfg = task_config(cfg)
+    opts = ServeScoreOptions.model_validate(cfg.method_options)
+    if "finetuned" in opts.names[1:] or len(set(opts.names)) != len(opts.names):
+        raise TaskError(f"{runner.site}: serve_score: candidate names must be distinct and not 'finetuned', got "
+                        f"{opts.names}")
+    packed = sorted({int(name[1:name.index("/")]) for name in params})
+    if packed != list(range(len(opts.names))):
+        raise TaskError(f"{runner.site}: serve_score: {len(opts.names)} model name(s) for {len(packed)} packed model(s)")
+    xv, yv = runner.splits(cfg).val
+    k = runner.k_min(cfg)
+    x, y = runner.on_device(xv, cfg), yv.numpy()
+    model = runner.model(cfg)
+
+    def correct(m) -> np.ndarray:
+        if y.size == 0:
+            return np.zeros(0)
+        return (predict_proba(m, x, precision=runner.precision(cfg)).argmax(axis=1) == y).astype(np.float64)
+
+    right = {}
+    for i, name in enumerate(opts.names):
+        set_params(model, unpack_model(params, i))
+        right[name] = correct(model)
+    meta = {}
+    if opts.finetune is not None:
+        set_params(model, unpack_model(params, 0))
+        own = cfg.model_copy(update={"train": cfg.train.model_copy(update={
+            "lr": cfg.train.lr * opts.finetune.lr_scale, "local_epochs": opts.finetune.epochs,
+            "keep_optimizer_state": False})})
+        meta["finetune_train_loss"] = train_locally(runner, model, own, round_, "serve_finetune")["train_loss"]
+        right["finetuned"] = correct(model)
+    ref = opts.names[0]
+    counts = {name: paired_counts(right[ref], r, k_min=k) for name, r in right.items() if name != ref}
+    meta["serving"] = {name: None if c is None else {"n": c.n, "wins": c.wins, "losses": c.losses}
+                       for name, c in counts.items()}
+    meta["reference"] = ref
+    metrics = {f"val_accuracy/{name}": float(r.mean()) if r.size >= k else float("nan") for name, r in right.items()}
+    return Reply(runner.site, metrics, meta, {})
+
+
 CLASSIFICATION = {"train": train, "validate": validate, "finetune_local": finetune_local, "signature": signature, "latent_bounds": latent_bounds,
                   "descriptor": descriptor, "ifca": ifca, "validate_ensemble": validate_ensemble,
-                  "class_set": class_set}
+                  "class_set": class_set, "serve_score": serve_score}
 
 PLUGIN_TASKS: dict = {"classification": {}, "segmentation": {}, "segmentation_2d": {}, "mae": {}}  # a plugin method's own site tasks
 
