@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "app_configs" / "breast_us_lite0.yaml"
 BEFORE = ["train.recipe=scratch"]
+WITH_CENTRAL = ("release", "recipe")  # factors run beside the centralized reference
 
 FACTORS = {
     "release": [],
@@ -47,7 +48,10 @@ FACTORS = {
 
 
 def overrides(name: str) -> list[str]:
-    """The ``--set`` overrides of a factor; ``a+b`` combines factors ``a`` and ``b``."""
+    """The ``--set`` overrides of a factor; ``a+b`` combines factors ``a`` and ``b``; ``name@224`` runs it at 224 px."""
+    if "@" in name:
+        name, size = name.split("@")
+        return overrides(name) + [f"dataset.image_size={int(size)}"]
     if "+" in name:
         return BEFORE + [s for part in name.split("+") for s in FACTORS[part]]
     f = FACTORS[name]
@@ -55,16 +59,24 @@ def overrides(name: str) -> list[str]:
 
 
 def described(name: str) -> str:
+    if "@" in name:
+        name, size = name.split("@")
+        return f"{described(name)} dataset.image_size={int(size)}"
     if "+" in name:
         return " ".join(s for part in name.split("+") for s in FACTORS[part])
     return "train.recipe=auto (the default)" if FACTORS[name] == "recipe" else " ".join(FACTORS[name]) or "—"
 
 
+def _seed_dirs(out: Path, seed: int) -> list[Path]:
+    """Where a factor's run of ``seed`` lies: merged into the factor's folder, or still in its own (``--jobs``)."""
+    return [out / "runs" / f"seed{seed}", out / f"_seed{seed}" / "runs" / f"seed{seed}"]
+
+
 def record(out: Path, seed: int) -> dict | None:
-    d = out / "runs" / f"seed{seed}"
-    for f in sorted(d.glob("*/server/metrics.json")) + sorted(d.glob("*/metrics.json")):
-        if not f.parent.name.startswith("_"):
-            return json.loads(f.read_text())
+    for d in _seed_dirs(out, seed):
+        for f in sorted(d.glob("*/server/metrics.json")) + sorted(d.glob("*/metrics.json")):
+            if not f.parent.name.startswith("_"):
+                return json.loads(f.read_text())
     return None
 
 
@@ -84,8 +96,9 @@ def row(doc: dict) -> dict:
 
 
 def central_row(out: Path, seed: int) -> dict:
-    f = out / "runs" / f"seed{seed}" / "_references" / "run.json"
-    if not f.is_file():
+    f = next((d / "_references" / "run.json" for d in _seed_dirs(out, seed) if (d / "_references" / "run.json").is_file()),
+             None)
+    if f is None:
         return {}
     rows = [r for r in json.loads(f.read_text()).get("rows", []) if r.get("method") == "Centralized"]
     if not rows:
@@ -93,6 +106,80 @@ def central_row(out: Path, seed: int) -> dict:
     sel = max(rows, key=lambda r: (r.get("val_accuracy") or -1, -r["round"]))
     return {"final_val_auc": rows[-1].get("pooled_val_auc"), "sel_round": sel["round"],
             "sel_val_auc": sel.get("pooled_val_auc"), "sel_val_acc": sel.get("val_accuracy")}
+
+
+def _command(name: str, seeds: list[int], out: Path, weights: str, extra: list[str]) -> list[str]:
+    sets = overrides(name) + [f"references=[{'centralized' if name.split('@')[0] in WITH_CENTRAL else ''}]"]
+    cmd = [sys.executable, "-m", "fedmed", "experiment", str(CONFIG), "--out", str(out), "--resume",
+           "--set", f"model.init_weights={weights}", "--set", "seeds=[" + ",".join(map(str, seeds)) + "]"]
+    for s in sets + list(extra):
+        cmd += ["--set", s]
+    return cmd
+
+
+def _merge(name: str, seeds: list[int], out: Path, weights: str, extra: list[str]) -> int:
+    """Move each seed's run into the factor's folder and write its 3-seed tables by reading them back (--resume:
+    nothing is trained again: the fingerprints leave the seed list out)."""
+    import shutil
+
+    for s in seeds:
+        for part in ("runs", "data"):
+            src, dst = out / f"_seed{s}" / part / f"seed{s}", out / part / f"seed{s}"
+            if src.is_dir():
+                if dst.exists():
+                    shutil.rmtree(dst)
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(src), str(dst))
+    with open(out / "merge.log", "w") as log:
+        return subprocess.run(_command(name, seeds, out, weights, extra), stdout=log, stderr=subprocess.STDOUT).returncode
+
+
+def run_all(names, seeds, out: Path, weights: str, extra: list[str], *, jobs: int = 1,
+            deadline: float | None = None) -> None:
+    """Run every factor; one at a time (each an experiment over all seeds), or ``jobs`` (factor, seed) runs at a time,
+    the earliest factors first, each factor's seeds merged once all are done."""
+    import time
+
+    t0 = time.monotonic()
+    if jobs <= 1:
+        for name in names:
+            if deadline is not None and time.monotonic() - t0 > deadline:
+                print(f"== deadline: {name} and later not started", flush=True)
+                break
+            print(f"== {name}: {described(name)}", flush=True)
+            subprocess.run(_command(name, seeds, out / name, weights, extra), check=True, stdout=subprocess.DEVNULL)
+        return
+    queue = [(n, s) for n in names for s in seeds]
+    running, left = {}, {n: set(seeds) for n in names}
+    failed = set()
+    while queue or running:
+        while queue and len(running) < jobs:
+            if deadline is not None and time.monotonic() - t0 > deadline:
+                print(f"== deadline after {time.monotonic() - t0:.0f} s: not started: {queue}", flush=True)
+                queue = []
+                break
+            n, s = queue.pop(0)
+            d = out / n / f"_seed{s}"
+            d.mkdir(parents=True, exist_ok=True)
+            log = open(d / "experiment.log", "w")
+            running[(n, s)] = (subprocess.Popen(_command(n, [s], d, weights, extra), stdout=log,
+                                                stderr=subprocess.STDOUT), time.monotonic(), log)
+            print(f"[{time.monotonic() - t0:5.0f} s] started {n} seed {s}", flush=True)
+        time.sleep(1.0)
+        for key, (proc, started, log) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            del running[key]
+            n, s = key
+            print(f"[{time.monotonic() - t0:5.0f} s] {n} seed {s}: exit {proc.returncode} after "
+                  f"{time.monotonic() - started:.0f} s", flush=True)
+            if proc.returncode != 0:
+                failed.add(n)
+            left[n].discard(s)
+            if not left[n] and n not in failed:
+                rc = _merge(n, seeds, out / n, weights, extra)
+                print(f"[{time.monotonic() - t0:5.0f} s] {n}: seeds merged (exit {rc})", flush=True)
 
 
 def main(argv=None) -> int:
@@ -104,21 +191,18 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--only", nargs="*", default=[], help=f"factors to run, of {list(FACTORS)}, or a+b (both)")
     ap.add_argument("--table-only", action="store_true", help="read the runs back, run nothing")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs at a time; above 1 every (factor, seed) is its own experiment (in FACTOR/_seedN), the "
+                         "seeds merged into FACTOR/ and read back with --resume once all are done (a GPU machine)")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds after which no further run starts (runs in flight finish)")
+    ap.add_argument("--set", action="append", default=[],
+                    help="an override for every run (e.g. dataset.sources for a copy of the data)")
     a = ap.parse_args(argv)
     names = a.only or list(FACTORS)
-    with_central = ("release", "recipe")
     out = Path(a.out)
-    seeds = "[" + ",".join(map(str, a.seeds)) + "]"
-    for name in names:
-        if a.table_only:
-            break
-        sets = overrides(name) + [f"references=[{'centralized' if name in with_central else ''}]"]
-        cmd = [sys.executable, "-m", "fedmed", "experiment", str(CONFIG), "--out", str(out / name), "--resume",
-               "--set", f"model.init_weights={a.weights}", "--set", f"seeds={seeds}"]
-        for s in sets:
-            cmd += ["--set", s]
-        print(f"== {name}: {' '.join(sets) or '(as before)'}", flush=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    if not a.table_only:
+        run_all(names, a.seeds, out, a.weights, a.set, jobs=a.jobs, deadline=a.deadline)
     print(f"\nValidation only (pooled over the 17 sites' validation splits), seeds {a.seeds}; made by "
           f"`benchmarks/transfer_factors.py --out {a.out} --seeds {' '.join(map(str, a.seeds))}`\n")
     print("| factor | overrides | val AUC, final round | val-selected round | val AUC there | val acc there (site mean) | "
@@ -135,7 +219,7 @@ def main(argv=None) -> int:
     for name in names:
         sets = described(name)
         rows.append((name, sets, [row(d) if (d := record(out / name, s)) else {} for s in a.seeds]))
-        if name in with_central:
+        if name.split("@")[0] in WITH_CENTRAL:
             rows.append((f"centralized ({name})", sets, [central_row(out / name, s) for s in a.seeds]))
     for name, sets, rs in rows:
         if not any(rs):
