@@ -304,7 +304,7 @@ def test_the_documented_fedopt_command_sets_what_it_says():
     assert exp.train.recipe == "auto" and exp.model.arch == "efficientnet_lite0"
 
 
-def test_the_factor_screen_selects_rounds_as_the_report_does_and_combines_factors():
+def test_the_factor_screen_selects_rounds_as_the_report_does_and_combines_factors(tmp_path):
     """benchmarks/transfer_factors.py: a row's round is the one fedmed's report selects (best site-mean validation
     accuracy, the earliest on a tie), never a test number; ``a+b`` sets both factors' overrides."""
     import importlib.util
@@ -318,6 +318,8 @@ def test_the_factor_screen_selects_rounds_as_the_report_does_and_combines_factor
     spec.loader.exec_module(tf)
     assert tf.overrides("zero_head+fedavgm") == tf.BEFORE + tf.FACTORS["zero_head"] + tf.FACTORS["fedavgm"]
     assert tf.overrides("recipe") == [] and tf.overrides("release") == tf.BEFORE
+    assert tf.overrides("recipe@224") == ["dataset.image_size=224"]
+    assert tf.overrides("zero_head+fedavgm@224") == tf.overrides("zero_head+fedavgm") + ["dataset.image_size=224"]
     val = [0.5, 0.7, 0.6, 0.7, 0.65]
     test = [0.9, 0.1, 0.95, 0.2, 0.99]  # test numbers that would pick another round
     doc = {"rounds": [{"round": r, "task": "train" if r < 4 else "validate",
@@ -329,6 +331,13 @@ def test_the_factor_screen_selects_rounds_as_the_report_does_and_combines_factor
     assert got["sel_round"] == reported_rows(rows, "validation")[("M", 0)]["round"] == 1
     assert got["sel_val_auc"] == pytest.approx(0.8) and got["final_val_auc"] == pytest.approx(0.75)
     assert got["loss0"] == 1.0 and got["loss_last"] == pytest.approx(0.25)
+    # a seed run side by side (--jobs) is read from its own folder until merged into the factor's
+    import json
+
+    own = tmp_path / "f" / "_seed1" / "runs" / "seed1" / "FedAvg"
+    own.mkdir(parents=True)
+    (own / "metrics.json").write_text(json.dumps(doc))
+    assert tf.record(tmp_path / "f", 1) == doc and tf.record(tmp_path / "f", 0) is None
 
 
 def test_ifcas_models_from_one_pretrained_file_start_with_different_heads(tmp_path):
