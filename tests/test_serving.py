@@ -4,7 +4,7 @@ beats it on the same validation items beyond their noise (a one-sided exact sign
 import numpy as np
 import pytest
 
-from fedmed.algorithms.serving import ALPHA, Paired, choose, paired_counts, pooled, sign_test_p
+from fedmed.algorithms.serving import ALPHA, Paired, choose, paired_counts, plan, plan_table, pooled, sign_test_p
 
 
 def test_the_sign_test_is_the_exact_binomial_tail():
@@ -100,6 +100,26 @@ def test_a_clusters_sites_pool_their_evidence_and_silent_or_excluded_candidates_
         choose({"cluster": a}, alpha=0.0)
     with pytest.raises(ValueError, match="wins \\+ losses <= n"):
         Paired(3, 2, 2)
+
+
+def test_the_plan_pools_a_clusters_sites_for_their_shared_model_and_judges_a_sites_own_model_alone():
+    """Sites a, b share cluster 0's model, c is alone in cluster 1; each site also has its fine-tuned model. a and b
+    alone cannot show cluster 0 is better, together they can; c's cluster model is judged on c's counts only; the
+    fine-tuned model is never pooled; an excluded candidate is never served."""
+    counts = {"a": {"cluster": Paired(20, 5, 1), "finetuned": Paired(20, 2, 2)},
+              "b": {"cluster": Paired(25, 5, 1), "finetuned": Paired(25, 9, 0)},
+              "c": {"cluster": Paired(30, 3, 2), "finetuned": None}}
+    groups = {"cluster": {"a": 0, "b": 0, "c": 1}}
+    got = plan(counts, groups=groups)
+    assert got["a"].served == "cluster" and "10 wins / 2 losses over 45" in got["a"].reason
+    assert got["b"].served == "finetuned" and got["b"].p == {"cluster": sign_test_p(10, 2), "finetuned": sign_test_p(9, 0)}
+    assert got["c"].served == "global" and "no validation evidence for finetuned" in got["c"].reason
+    alone = plan(counts)  # without the grouping each site judges its cluster model on its own counts
+    assert alone["a"].served == "global" and alone["b"].p["cluster"] == sign_test_p(5, 1)
+    excl = plan(counts, groups=groups, excluded={"a": {"cluster": "its cluster trains on 50 images"}})
+    assert excl["a"].served == "global" and "cluster not served: its cluster trains on 50 images" in excl["a"].reason
+    table = plan_table(got)
+    assert table.splitlines()[0] == "| site | served model | why |" and "| a | cluster |" in table
 
 
 def _site_and_models(tmp_path):

@@ -32,7 +32,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-__all__ = ["ALPHA", "Choice", "Paired", "choose", "paired_counts", "pooled", "sign_test_p"]
+__all__ = ["ALPHA", "Choice", "Paired", "choose", "paired_counts", "plan", "plan_table", "pooled", "sign_test_p"]
 
 ALPHA = 0.05
 
@@ -128,3 +128,38 @@ def choose(candidates: Mapping[str, Optional[Paired]], *, alpha: float = ALPHA, 
                       p, threshold)
     return Choice(reference, "; ".join(notes + [f"{reference} kept: no candidate beats it beyond the validation noise "
                                                 f"(best {best}: {evidence} >= {threshold:.3g}, {over})"]), p, threshold)
+
+
+def plan(site_counts: Mapping[str, Mapping[str, Optional[Paired]]], *, groups: Mapping[str, Mapping[str, object]]
+         | None = None, alpha: float = ALPHA, reference: str = "global",
+         excluded: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, Choice]:
+    """The serving plan: per site, :func:`choose` over its candidates.
+
+    Args:
+        site_counts: ``{site: {candidate: Paired or None}}``, what each site sent.
+        groups: ``{candidate: {site: group}}`` for candidates shared by several sites (a clustered method's cluster
+            model: the group is the cluster): each member is judged on the group's pooled counts. A candidate not
+            named here is judged on the site's own counts (a fine-tuned or personal model).
+        excluded: ``{site: {candidate: reason}}`` ruled out before scoring (see :func:`choose`).
+    """
+    groups = {k: dict(v) for k, v in (groups or {}).items()}
+    evidence = {}
+    for site, counts in site_counts.items():
+        ev = {}
+        for cand, c in counts.items():
+            g = groups.get(cand, {}).get(site)
+            if g is None:
+                ev[cand] = c
+            else:
+                ev[cand] = pooled(*(site_counts[s].get(cand) for s, gs in groups[cand].items()
+                                    if gs == g and s in site_counts))
+        evidence[site] = ev
+    return {site: choose(ev, alpha=alpha, reference=reference, excluded=(excluded or {}).get(site))
+            for site, ev in evidence.items()}
+
+
+def plan_table(choices: Mapping[str, Choice]) -> str:
+    """The plan as a markdown table: site, served model, why (with the evidence)."""
+    rows = ["| site | served model | why |", "|---|---|---|"]
+    rows += [f"| {site} | {c.served} | {c.reason} |" for site, c in sorted(choices.items())]
+    return "\n".join(rows) + "\n"
