@@ -26,7 +26,6 @@ evidence decides. Candidates already ruled out upstream (a cluster trained on to
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -56,11 +55,14 @@ class Paired:
 
 
 def sign_test_p(wins: int, losses: int) -> float:
-    """One-sided exact sign test: ``P(X >= wins)`` for ``X ~ Bin(wins + losses, 1/2)`` (1.0 with no discordant item)."""
+    """One-sided exact sign test: ``P(X >= wins)`` for ``X ~ Bin(wins + losses, 1/2)`` (1.0 with no discordant item);
+    SciPy's binomial survival function, imported here only (a site never calls this)."""
     n = int(wins) + int(losses)
     if n == 0:
         return 1.0
-    return min(1.0, sum(math.comb(n, k) for k in range(int(wins), n + 1)) / 2.0 ** n)
+    from scipy.stats import binom
+
+    return float(binom.sf(int(wins) - 1, n, 0.5))
 
 
 def paired_counts(reference_scores, candidate_scores, *, k_min: int = 1) -> Optional[Paired]:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedmed.core.packing import unpack_model
+from fedmed.core.packing import unpack_model, unpack_models
 from fedmed.core.schema import TaskConfig, task_config
 
 __all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "register_task", "TaskError", "class_set", "descriptor", "ifca", "latent_bounds", "signature", "train",
@@ -393,6 +393,13 @@ class FinetuneLocalOptions(BaseModel):
     lr_scale: float = Field(0.1, gt=0, le=1)
 
 
+def _finetune_config(cfg: TaskConfig, opts: FinetuneLocalOptions) -> TaskConfig:
+    """The task config of a site's own fine-tuning: ``opts.epochs`` at ``opts.lr_scale`` x ``train.lr``, a fresh
+    optimizer."""
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={
+        "lr": cfg.train.lr * opts.lr_scale, "local_epochs": opts.epochs, "keep_optimizer_state": False})})
+
+
 def finetune_local(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     """The served model fine-tuned at the site: the final global model trained ``epochs`` more on the site's own
     training split at ``lr_scale`` x ``train.lr`` (a fresh optimizer), then scored on its validation and test splits
@@ -400,9 +407,7 @@ def finetune_local(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Re
     cfg = task_config(cfg)
     opts = FinetuneLocalOptions.model_validate(cfg.method_options)
     model = _served(runner, params, cfg)
-    own = cfg.model_copy(update={"train": cfg.train.model_copy(update={
-        "lr": cfg.train.lr * opts.lr_scale, "local_epochs": opts.epochs, "keep_optimizer_state": False})})
-    out = train_locally(runner, model, own, round_, "finetune_local")
+    out = train_locally(runner, model, _finetune_config(cfg, opts), round_, "finetune_local")
     metrics, meta = _served_metrics(runner, model, cfg)
     metrics["train_loss"] = out["train_loss"]
     meta.update(out)
@@ -434,9 +439,9 @@ def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
     if "finetuned" in opts.names[1:] or len(set(opts.names)) != len(opts.names):
         raise TaskError(f"{runner.site}: serve_score: candidate names must be distinct and not 'finetuned', got "
                         f"{opts.names}")
-    packed = sorted({int(name[1:name.index("/")]) for name in params})
-    if packed != list(range(len(opts.names))):
-        raise TaskError(f"{runner.site}: serve_score: {len(opts.names)} model name(s) for {len(packed)} packed model(s)")
+    models = unpack_models(params)
+    if sorted(models) != list(range(len(opts.names))):
+        raise TaskError(f"{runner.site}: serve_score: {len(opts.names)} model name(s) for {len(models)} packed model(s)")
     xv, yv = runner.splits(cfg).val
     k = runner.k_min(cfg)
     x, y = runner.on_device(xv, cfg), yv.numpy()
@@ -449,14 +454,12 @@ def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
 
     right = {}
     for i, name in enumerate(opts.names):
-        set_params(model, unpack_model(params, i))
+        set_params(model, models[i])
         right[name] = correct(model)
     meta = {}
     if opts.finetune is not None:
-        set_params(model, unpack_model(params, 0))
-        own = cfg.model_copy(update={"train": cfg.train.model_copy(update={
-            "lr": cfg.train.lr * opts.finetune.lr_scale, "local_epochs": opts.finetune.epochs,
-            "keep_optimizer_state": False})})
+        set_params(model, models[0])
+        own = _finetune_config(cfg, opts.finetune)
         meta["finetune_train_loss"] = train_locally(runner, model, own, round_, "serve_finetune")["train_loss"]
         right["finetuned"] = correct(model)
     ref = opts.names[0]
