@@ -25,6 +25,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 
 from fedmed.core.schema import FederationTiming, ModelSection, PrivacyConfig, Strict, TrainConfig
 from fedmed.core.validation import SITE_NAME as _SITE_NAME_RE
+from fedmed.site.tasks import FinetuneLocalOptions
 from fedmed.methods import (METHODS, FedAvgMethod, Method, PluginError, load_plugins, method_class,  # noqa: F401
                             method_union, on_register)
 from fedmed.methods import *  # noqa: F401,F403  (the method models, importable from here as before)
@@ -273,6 +274,20 @@ class TrackingConfig(_Strict):
                                       "config's name)")
 
 
+class ServingConfig(_Strict):
+    """The serving plan of ``fedmed experiment`` (issue #57; ``fedmed.workflows.plan``): after a seed's methods, each
+    training site is served the reference's global model unless a candidate beats it on the site's validation split
+    beyond the noise (docs/readings.md "Serving plan")."""
+
+    reference: str = Field(description="the method whose global model is the reference (one that saves "
+                           "models/global.pt: FedAvg, FedProx, ...)")
+    candidates: list[str] = Field(default_factory=list, description="methods whose models a site may be served "
+                                  "instead (its cluster's model in a clustered method)")
+    finetune: Optional[FinetuneLocalOptions] = Field(None, description="also the global model fine-tuned at each "
+                                                     "site (epochs, lr_scale); it never leaves the site")
+    pool: bool = Field(True, description="the sites a cluster model serves pool their validation evidence for it")
+
+
 class ExperimentConfig(_Strict):
     name: str = Field(min_length=1)
     dataset: DatasetConfig
@@ -293,6 +308,8 @@ class ExperimentConfig(_Strict):
     sweep: list[SweepCase] = Field(default_factory=list, description="cases run by `fedmed sweep CONFIG`")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="experiment tracking (TensorBoard, "
                                      "MLflow, W&B) through FLARE's receivers")
+    serving: Optional[ServingConfig] = Field(None, description="after each seed's methods, the serving plan: which "
+                                             "model each site is served (fedmed.workflows.plan)")
 
     @model_validator(mode="before")
     @classmethod
@@ -343,6 +360,19 @@ class ExperimentConfig(_Strict):
             if "fedavg_warmup" in type(m).model_fields and m.fedavg_warmup >= self.train.rounds:
                 raise ValueError(f"method {m.name!r}: fedavg_warmup={m.fedavg_warmup} should be below train.rounds="
                                  f"{self.train.rounds} (the cluster models train the rounds after it)")
+        if self.serving is not None:
+            sv = self.serving
+            unknown = sorted({sv.reference, *sv.candidates} - set(names))
+            if unknown:
+                raise ValueError(f"serving names unknown method(s) {unknown}; the config has {names}")
+            if sv.reference in sv.candidates or len(set(sv.candidates)) != len(sv.candidates):
+                raise ValueError(f"serving.candidates should be distinct methods other than the reference "
+                                 f"{sv.reference!r}, got {sv.candidates}")
+            if not sv.candidates and sv.finetune is None:
+                raise ValueError("serving: name a candidate method or set finetune")
+            if self.dataset.task != "classification":
+                raise ValueError("serving: the plan scores classification models (this config's task: "
+                                 f"{self.dataset.task})")
         for c in self.sweep:
             unknown = sorted(set(c.methods or []) - set(names))
             if unknown:

@@ -100,7 +100,7 @@ class Choice:
 
 
 def choose(candidates: Mapping[str, Optional[Paired]], *, alpha: float = ALPHA, reference: str = "global",
-           excluded: Mapping[str, str] | None = None) -> Choice:
+           excluded: Mapping[str, str] | None = None, notes=()) -> Choice:
     """Serve ``reference`` unless a candidate beats it beyond the noise (see the module notes).
 
     Args:
@@ -108,17 +108,18 @@ def choose(candidates: Mapping[str, Optional[Paired]], *, alpha: float = ALPHA, 
             reference, or ``None`` where the site sent nothing (fewer than ``k_min`` validation items).
         alpha: the family-wise rate of serving a candidate that is no better (Bonferroni over the candidates).
         excluded: candidates ruled out before scoring, with the reason (never served; named in the reason).
+        notes: said after the verdict in the reason (e.g. whose evidence was pooled).
     """
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha should be in (0, 1), got {alpha}")
     excluded = dict(excluded or {})
     judged = {k: v for k, v in candidates.items() if k not in excluded and k != reference and v is not None}
     silent = sorted(k for k, v in candidates.items() if k not in excluded and k != reference and v is None)
-    notes = [f"{k} not served: {why}" for k, why in sorted(excluded.items())]
+    notes = list(notes) + [f"{k} not served: {why}" for k, why in sorted(excluded.items())]
     if silent:
         notes.append(f"no validation evidence for {', '.join(silent)} (fewer than k_min validation items)")
     if not judged:
-        return Choice(reference, "; ".join(notes + [f"{reference} kept: no candidate to compare"]), {}, float("nan"))
+        return Choice(reference, "; ".join([f"{reference} kept: no candidate to compare"] + notes), {}, float("nan"))
     threshold = alpha / len(judged)
     p = {k: v.p for k, v in judged.items()}
     best = min(judged, key=lambda k: (p[k], -(judged[k].wins - judged[k].losses), k))
@@ -126,10 +127,10 @@ def choose(candidates: Mapping[str, Optional[Paired]], *, alpha: float = ALPHA, 
     evidence = f"{c.wins} wins / {c.losses} losses over {c.n} validation items, p = {p[best]:.3g}"
     over = f"alpha {alpha:g} over {len(judged)} candidate(s)"
     if p[best] < threshold:
-        return Choice(best, "; ".join(notes + [f"{best} beats {reference}: {evidence} < {threshold:.3g} ({over})"]),
+        return Choice(best, "; ".join([f"{best} beats {reference}: {evidence} < {threshold:.3g} ({over})"] + notes),
                       p, threshold)
-    return Choice(reference, "; ".join(notes + [f"{reference} kept: no candidate beats it beyond the validation noise "
-                                                f"(best {best}: {evidence} >= {threshold:.3g}, {over})"]), p, threshold)
+    return Choice(reference, "; ".join([f"{reference} kept: no candidate beats it beyond the validation noise "
+                                        f"(best {best}: {evidence} >= {threshold:.3g}, {over})"] + notes), p, threshold)
 
 
 def plan(site_counts: Mapping[str, Mapping[str, Optional[Paired]]], *, groups: Mapping[str, Mapping[str, object]]
@@ -145,19 +146,20 @@ def plan(site_counts: Mapping[str, Mapping[str, Optional[Paired]]], *, groups: M
         excluded: ``{site: {candidate: reason}}`` ruled out before scoring (see :func:`choose`).
     """
     groups = {k: dict(v) for k, v in (groups or {}).items()}
-    evidence = {}
+    out = {}
     for site, counts in site_counts.items():
-        ev = {}
+        ev, notes = {}, []
         for cand, c in counts.items():
             g = groups.get(cand, {}).get(site)
             if g is None:
                 ev[cand] = c
-            else:
-                ev[cand] = pooled(*(site_counts[s].get(cand) for s, gs in groups[cand].items()
-                                    if gs == g and s in site_counts))
-        evidence[site] = ev
-    return {site: choose(ev, alpha=alpha, reference=reference, excluded=(excluded or {}).get(site))
-            for site, ev in evidence.items()}
+                continue
+            members = sorted(s for s, gs in groups[cand].items() if gs == g and s in site_counts)
+            ev[cand] = pooled(*(site_counts[s].get(cand) for s in members))
+            if len(members) > 1:
+                notes.append(f"{cand} judged on the pooled evidence of the {len(members)} sites it serves")
+        out[site] = choose(ev, alpha=alpha, reference=reference, excluded=(excluded or {}).get(site), notes=notes)
+    return out
 
 
 def plan_table(choices: Mapping[str, Choice]) -> str:

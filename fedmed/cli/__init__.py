@@ -11,6 +11,7 @@ _PUBLIC = {
     "cmd_demo": "commands",
     "cmd_encoders": "commands",
     "cmd_experiment": "commands",
+    "cmd_plan": "commands",
     "cmd_predict": "commands",
     "cmd_report": "commands",
     "cmd_ssl": "commands",

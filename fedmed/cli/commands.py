@@ -300,6 +300,72 @@ def cmd_predict(a):
         print(json.dumps(rows, indent=1))
 
 
+def cmd_plan(a):
+    """The serving plan over finished runs (``fedmed.workflows.plan``): in FLARE's simulator, in this process, or
+    written as a job spec for provisioned sites."""
+    import json
+
+    from fedmed.config import load_config
+    from fedmed.run.experiment import with_classes
+    from fedmed.run.jobspec import BuildError, job_spec, run_spec_in_process, select_method
+
+    cands = {}
+    for c in a.candidate:
+        name, eq, path = c.partition("=")
+        if not eq or not name or not path:
+            raise ValueError(f"--candidate {c}: expected NAME=RUN (a name for the candidate, its run folder)")
+        if name in cands:
+            raise ValueError(f"--candidate {name}: given twice")
+        cands[name] = path
+    exp = load_config(a.config, a.set)
+    if a.data and (Path(a.data) / "dataset.json").is_file():
+        exp = with_classes(exp, Path(a.data))
+    elif exp.dataset.classes is None:  # the classes the runs were trained with (their saved models say)
+        import torch
+
+        from fedmed.run.jobspec import finished_run
+
+        try:
+            saved = sorted((finished_run(a.reference, "--global") / "models").glob("*.pt"))
+            classes = torch.load(saved[0], map_location="cpu", weights_only=True).get("classes") if saved else None
+        except BuildError as e:
+            raise ValueError(str(e)) from None
+        if classes:
+            exp = exp.model_copy(update={"dataset": exp.dataset.model_copy(update={"classes": list(classes)})})
+    method = select_method(exp, a.method, a.config) if a.method else exp.methods[0]
+    finetune = {"epochs": a.finetune_epochs, "lr_scale": a.finetune_lr_scale} if a.finetune else None
+    try:
+        spec = job_spec(exp, method, a.seed, sites=a.sites or "config", plan={
+            "global": a.reference, "candidates": cands, "finetune": finetune, "pool": not a.no_pool})
+    except BuildError as e:
+        raise ValueError(str(e)) from None
+    if a.spec:
+        print(f"wrote {spec.to_file(a.spec)} (run it: fedmed job run --spec {a.spec} --env prod|sim ...)")
+        return 0
+    if not a.data:
+        raise ValueError("--data: the federation's datalists folder (<site>.json) is needed to run the plan here")
+    out = Path(a.out)
+    if a.in_process:
+        status, fed = run_spec_in_process(spec, a.data, out)
+        doc, server = fed.recorder.doc, out
+    else:
+        from fedmed.run.experiment import RunError, run_job
+
+        try:
+            doc = run_job(spec, Path(a.data), out, len(spec.sites))
+        except RunError as e:
+            print(f"the plan did not finish: {e.status}: {e.reason}")
+            return 1
+        status, server = doc.get("status"), out / "server"
+    if status != "finished":
+        print(f"the plan did not finish: {status}: {doc.get('reason')}")
+        return 1
+    print((server / "plan.md").read_text())
+    print(f"served models: {server / 'models'}/<site>.pt (a model fine-tuned at its site stays there); the plan: "
+          f"{server / 'plan.json'}")
+    return 0
+
+
 def cmd_bundle(a):
     """Write a trained classifier or 3D segmentation model (a run's models/*.pt) as a MONAI bundle (fedmed.nn.bundle)."""
     from fedmed.nn.bundle import export_bundle
@@ -429,6 +495,31 @@ def register(sub):
     b.add_argument("model", help="a checkpoint of a finished run (models/global.pt, models/cluster0.pt)")
     b.add_argument("--out", help="the bundle folder (default: <model>_bundle beside the checkpoint)")
     b.set_defaults(func=cmd_bundle)
+    pl = sub.add_parser("plan", help="the serving plan: which finished run's model each site is served, chosen on "
+                        "its own validation split (the global model unless a candidate beats it beyond the noise)",
+                        formatter_class=_help())
+    pl.add_argument("config", help="the experiment config the runs were made with")
+    pl.add_argument("--global", dest="reference", required=True, metavar="RUN",
+                    help="the reference: a finished FedAvg-family run (its folder, with models/global.pt)")
+    pl.add_argument("--method", help="the config's method the --global run is of (default: its first method)")
+    pl.add_argument("--candidate", action="append", default=[], metavar="NAME=RUN",
+                    help="a finished run whose models a site may be served instead (a clustered run: each site its "
+                    "cluster's model); repeatable")
+    pl.add_argument("--finetune", action="store_true", help="also the global model fine-tuned at each site on its "
+                    "training split (it never leaves the site)")
+    pl.add_argument("--finetune-epochs", type=int, default=2, help="--finetune: local epochs")
+    pl.add_argument("--finetune-lr-scale", type=float, default=0.1, help="--finetune: learning rate x train.lr")
+    pl.add_argument("--no-pool", action="store_true", help="judge a cluster model on each site's own evidence only "
+                    "(default: the sites it serves pool theirs)")
+    pl.add_argument("--data", help="the federation's datalists (<site>.json): fedmed data --out, or an experiment's "
+                    "data/seed<N>")
+    pl.add_argument("--sites", nargs="+", help="the sites (default: the config's)")
+    pl.add_argument("--seed", type=int, default=0, help="the seed the runs were made with")
+    pl.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
+    pl.add_argument("--out", default="results/plan", help="output folder")
+    pl.add_argument("--in-process", action="store_true", help="run it in this process instead of FLARE's simulator")
+    pl.add_argument("--spec", help="write the job spec here and run nothing (fedmed job run --spec FILE --env prod)")
+    pl.set_defaults(func=cmd_plan)
     register_assess(sub)
     return sys.modules[__name__]
 

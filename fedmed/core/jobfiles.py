@@ -7,11 +7,12 @@ folder under :data:`FILES_DIR` — not into ``custom/``, which FLARE treats as c
 files: a weights file a site needs comes from its own weights folder (``fedmed.site.policy``).
 """
 
-__all__ = ["FILES_DIR", "FINETUNE_INIT", "MODEL_INIT", "RESUME", "TRAINING", "USER_CODE_DIR"]
+__all__ = ["FILES_DIR", "FINETUNE_INIT", "MODEL_INIT", "PLAN", "RESUME", "TRAINING", "USER_CODE_DIR"]
 
 FILES_DIR = "fedmed_files"  # inside the server app's config/ folder (FLARE's app_folder_type="config")
 MODEL_INIT = "model_init"  # model.init_weights
 RESUME = "resume"  # the checkpoint a resumed job continues from (state.json, models.npz)
 TRAINING = "training"  # a finished run's models and onboarding state (the onboarding job)
+PLAN = "plan"  # finished runs' models a serving plan chooses among (global/, <candidate>/)
 FINETUNE_INIT = "finetune_init"  # the Fed-MAE run's encoder.pt (fine-tuning with init 'fedmae')
 USER_CODE_DIR = "fedmed_user_code"  # inside an app's custom/ folder: a user's network class (the job is then BYOC)

@@ -21,6 +21,7 @@ makes the experiment fail (non-zero exit) after the other runs.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -674,6 +675,8 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
             if [r for r in rows if not r.get("phase")]:
                 write_outputs(rows, out, title=exp.name, command=command, selection=exp.selection, setup=setup,
                               notes=missing)
+        if exp.serving is not None:
+            rows.extend(_serving_plan(exp_s, seed, data_dir, out, meta, log, resume, problems))
     if [r for r in rows if not r.get("phase")]:  # once more, so that a fully reused experiment has its outputs
         write_outputs(rows, out, title=exp.name, command=command, selection=exp.selection, setup=setup,
                       notes=missing + [f"did not finish: {p}" for p in problems])
@@ -683,6 +686,62 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
     if problems:
         raise ExperimentError(f"{len(problems)} run(s) did not finish:\n  " + "\n  ".join(problems))
     return rows
+
+
+PLAN_METHOD = "Serving plan"  # the plan's row in the tables
+
+
+def _run_dir(out: Path, seed: int, name: str) -> Path:
+    return out / "runs" / f"seed{seed}" / "".join(c if c.isalnum() else "_" for c in name)
+
+
+def _serving_plan(exp, seed, data_dir, out, meta, log, resume, problems) -> list[dict]:
+    """The serving plan of ``exp.serving`` over the seed's finished runs (``fedmed.workflows.plan``): one row, each
+    site scored with the model it is served (round 1 of the plan's record), and the plan's table in its folder."""
+    from fedmed.report.summary import rows_from_metrics
+
+    sv = exp.serving
+    by_name = {m.name: m for m in exp.methods}
+    involved = [sv.reference, *sv.candidates]
+    work = _run_dir(out, seed, "_serving_plan")
+    fp = hashlib.sha256(json.dumps([sv.model_dump(), [run_fingerprint(exp, by_name[n], seed) for n in involved]],
+                                   sort_keys=True, default=str).encode()).hexdigest()[:16]
+    saved = _load_saved(work / "run.json")
+    if resume and saved.get("fingerprint") == fp and saved.get("status") == "finished":
+        log(f"seed {seed} serving plan: finished earlier with the same runs, reused")
+        return saved["rows"]
+    missing = [n for n in involved if _load_saved(_run_dir(out, seed, n) / "run.json").get("status") != "finished"]
+    if missing:
+        problems.append(f"seed {seed} serving plan: not run: {', '.join(missing)} did not finish at this seed")
+        log(f"    seed {seed} serving plan: not run ({', '.join(missing)} did not finish)")
+        return []
+    plan = {"global": _run_dir(out, seed, sv.reference) / "server",
+            "candidates": {"".join(c if c.isalnum() or c in "_-." else "_" for c in n): _run_dir(out, seed, n) / "server"
+                           for n in sv.candidates},
+            "finetune": sv.finetune.model_dump() if sv.finetune is not None else None, "pool": sv.pool}
+    log(f"seed {seed} serving plan: the global model of {sv.reference} against "
+        f"{', '.join(sv.candidates + (['fine-tuned at each site'] if sv.finetune else []))} ...")
+    (work / "run.json").unlink(missing_ok=True)
+    try:
+        doc = run_job(job_spec(exp, by_name[sv.reference], seed, plan=plan, files_checked=True), data_dir, work,
+                      len(meta["sites"]), log=log)
+    except BuildError as e:
+        raise ExperimentError(f"seed {seed} serving plan: the job could not be built: {e}") from None
+    except RunError as e:
+        problems.append(f"seed {seed} serving plan: {e.status}: {e.reason}")
+        log(f"    {e.status}: {e.reason}")
+        return []
+    new = [{**r, "round": 0} for r in rows_from_metrics(PLAN_METHOD, seed, doc) if r["task"] == "served"]
+    served = doc.get("plan", {}).get("sites", {})
+    counts = {}
+    for v in served.values():
+        counts[v["served"]] = counts.get(v["served"], 0) + 1
+    log(f"    served: " + ", ".join(f"{k} at {n} site(s)" for k, n in sorted(counts.items()))
+        + f" (table: {work / 'server' / 'plan.md'})")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "run.json").write_text(json.dumps({"fingerprint": fp, "method": PLAN_METHOD, "seed": seed,
+                                               "status": "finished", "rows": new}))
+    return new
 
 
 def _add_clusters(saved: dict, work: Path, meta: dict) -> None:

@@ -126,7 +126,7 @@ def tracking_settings(exp) -> dict:
 
 
 def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = None, resume_from=None,
-             onboard: dict | None = None, files_checked: bool = False) -> JobSpec:
+             onboard: dict | None = None, plan: dict | None = None, files_checked: bool = False) -> JobSpec:
     """The job of ``method`` of the experiment ``exp`` for ``seed``.
 
     Args:
@@ -134,6 +134,9 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
         resume_from: a run result holding ``checkpoint/`` (see :func:`find_checkpoint`).
         onboard: ``{"training_result": DIR, "known_clusters": {...}, "references": bool, "require_clusters": bool,
             "labels": bool}`` builds the onboarding job over ``sites`` instead (``fedmed.workflows.onboard``).
+        plan: ``{"global": DIR, "candidates": {name: DIR}, "finetune": {...} or None, "alpha": float or None,
+            "pool": bool}`` builds the serving plan's job over ``sites`` instead (``fedmed.workflows.plan``):
+            ``method`` is the method whose run ``global`` is (its task config is the plan's).
         files_checked: the method's files were checked in this process already (``fedmed experiment`` checks every
             method's before its first run), so they are not loaded again here.
     """
@@ -171,6 +174,8 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
               f"{len(names)} named site(s) {names}", file=sys.stderr)
     if onboard is not None:
         return _onboarding_spec(exp, method, seed, cfg, names, onboard, server_files, name, common)
+    if plan is not None:
+        return _plan_spec(exp, method, seed, cfg, plan, server_files, name, common)
     if resume_from is not None:
         server_files.append([str(find_checkpoint(resume_from)), jobfiles.RESUME])
     return JobSpec(name=name or job_name(exp, method, seed), method=method.name, task_config=cfg, workflow=server_workflow_path(type(method)),
@@ -206,6 +211,67 @@ def _onboarding_spec(exp, method, seed, cfg, names, onboard, server_files, name,
     return JobSpec(name=name or job_name(exp, method, seed, "_onboard"), method=method.name, task_config=cfg,
                    workflow="onboard:Onboard",
                    workflow_options=options, rounds=1, server_files=server_files, **common)
+
+
+def finished_run(path, what: str) -> Path:
+    """The run folder of a finished run in ``path`` (:func:`fedmed.workflows.onboard.find_result`) that saved models;
+    a one-line :class:`BuildError` naming ``what`` otherwise."""
+    from fedmed.workflows.onboard import OnboardingError, find_result
+
+    try:
+        folder = find_result(path)
+    except OnboardingError as e:
+        raise BuildError(f"{what}: {e}") from None
+    doc = json.loads((folder / "metrics.json").read_text())
+    if doc.get("status", "running") != "finished":
+        why = f": {doc['reason']}" if doc.get("reason") else ""
+        raise BuildError(f"{what}: {path}: the run did not finish (status {doc.get('status', 'running')}{why})")
+    return folder
+
+
+def _plan_spec(exp, method, seed, cfg, plan, server_files, name, common) -> JobSpec:
+    import torch
+
+    from fedmed.workflows.plan import FINETUNED, REFERENCE, candidate_models
+
+    if not common["sites"]:
+        raise BuildError("a serving plan's job names its sites (--sites, or the config's site names)")
+    if cfg["task"] != "classification":
+        raise BuildError(f"a serving plan scores classification models (this config's task: {cfg['task']})")
+
+    def arch(f: Path) -> dict:
+        m = dict(torch.load(f, map_location="cpu", weights_only=True).get("model") or {})
+        m.pop("init_weights", None)
+        return m
+
+    ref = finished_run(plan["global"], "--global") / "models" / "global.pt"
+    if not ref.is_file():
+        raise BuildError(f"--global: {plan['global']}: the run saved no global model (models/global.pt): the "
+                         f"reference is a FedAvg-family run's")
+    tmp = Path(tempfile.mkdtemp(prefix="fedmed_plan_"))
+    (tmp / REFERENCE).mkdir()
+    shutil.copy(ref, tmp / REFERENCE / "global.pt")
+    for cand, path in dict(plan.get("candidates") or {}).items():
+        if cand in (REFERENCE, FINETUNED) or not str(cand).replace("_", "").replace("-", "").replace(".", "").isalnum():
+            raise BuildError(f"--candidate {cand}: a candidate's name is a word other than {REFERENCE!r} and "
+                             f"{FINETUNED!r}")
+        found = candidate_models(finished_run(path, f"--candidate {cand}") / "models")
+        if not found:
+            raise BuildError(f"--candidate {cand}: {path}: the run saved no model (models/cluster*.pt or global.pt)")
+        for f, _ in found:
+            if arch(f) != arch(ref):
+                raise BuildError(f"--candidate {cand}: {f.name} is a {arch(f).get('arch')} network unlike the global "
+                                 f"model's ({arch(ref).get('arch')}, the same arguments): a site scores both with one "
+                                 f"network")
+            (tmp / cand).mkdir(exist_ok=True)
+            shutil.copy(f, tmp / cand / f.name)
+    if not plan.get("candidates") and not plan.get("finetune"):
+        raise BuildError("a serving plan needs a candidate (--candidate NAME=RUN) or --finetune")
+    server_files.append([str(tmp), jobfiles.PLAN])
+    options = {"candidates": list(dict(plan.get("candidates") or {})), "finetune": plan.get("finetune"),
+               "alpha": plan.get("alpha"), "pool": bool(plan.get("pool", True))}
+    return JobSpec(name=name or job_name(exp, method, seed, "_plan"), method=method.name, task_config=cfg,
+                   workflow="plan:Plan", workflow_options=options, rounds=2, server_files=server_files, **common)
 
 
 def _network_files(exp, cfg: dict, user_code: list, server_files: list) -> None:

@@ -16,7 +16,7 @@ __all__ = ["SERVER_WORKFLOWS", "WorkflowNotFound", "server_workflow"]
 SERVER_WORKFLOWS = {"fedavg": "fedavg:FedAvg", "finetune": "finetune:Finetune", "clustered": "clustered:OneShotClustered",
                     "cfl": "cfl:CFL", "flux": "flux:Flux", "ifca": "ifca:IFCA", "assessment": "seg_assessment:SegAssessment",
                     "onboard": "onboard:Onboard",
-                    "finetune_local": "finetune_local:FinetuneLocal"}
+                    "finetune_local": "finetune_local:FinetuneLocal", "plan": "plan:Plan"}
 _OWN_MODULES = {v.split(":")[0] for v in SERVER_WORKFLOWS.values()}
 
 

@@ -1,0 +1,173 @@
+"""Every site gets the model that serves it best, chosen on its own validation data (issue #57): the plan job.
+
+The job carries finished runs' models (built by :func:`fedmed.run.jobspec.plan_spec`): under ``plan/global/`` the
+reference — the global model of a FedAvg-family run (``global.pt``) — and under ``plan/<name>/`` each candidate run's
+final models as it saved them (``cluster<c>.pt``, each naming the sites that trained it; or one ``global.pt`` that
+every site may be served). Algorithm box:
+
+1. (``serve_score``) each site is sent the global model and its own candidates — the model of its cluster in each
+   candidate run — and scores them on its **validation** split; with ``finetune`` it also fine-tunes the global model
+   on its training split and scores that (``finetuned``; the model never leaves it). It replies with paired counts
+   against the global model (items, wins, losses — never a per-image value; nothing under ``k_min``).
+2. The server picks per site (:func:`fedmed.algorithms.serving.plan`): the global model unless a candidate beats it
+   beyond the validation noise (a one-sided exact sign test, Bonferroni over the site's candidates, ``alpha`` fixed
+   before any number is seen); a cluster model is judged on its cluster's pooled counts (``pool``). The plan is
+   recorded (``plan``), written as ``plan.md`` / ``plan.json``, and the served model of each site as
+   ``models/<site>.pt`` — except a fine-tuned one, which stays at its site.
+3. (``served``) every site scores the model it is served on its validation and test splits (a fine-tuned model is
+   made again at the site with the same seed and round: the same model), and (``global``) the global model, the
+   reference row. The test split is read only here, after the choice.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from fedmed.core import jobfiles
+from fedmed.core.packing import pack_models
+from fedmed.workflows.base import Workflow
+from fedmed.workflows.federation import RunFailed
+
+__all__ = ["Plan", "REFERENCE", "candidate_models"]
+
+REFERENCE = "global"  # the reference's folder and name
+FINETUNED = "finetuned"  # the global model fine-tuned at the site (serve_score's name for it)
+
+
+def candidate_models(folder: Path) -> list[tuple[Path, list | None]]:
+    """``(file, sites)`` of each model a run saved in ``folder``: its cluster models (each with the sites that trained
+    it), else its ``global.pt`` (``sites`` None: every site may be served it)."""
+    import torch
+
+    files = sorted(folder.glob("cluster*.pt"), key=lambda p: int(p.stem[len("cluster"):])) or \
+        [p for p in [folder / "global.pt"] if p.is_file()]
+    out = []
+    for p in files:
+        ck = torch.load(p, map_location="cpu", weights_only=True)
+        out.append((p, None if p.stem == "global" else list(ck.get("sites") or [])))
+    return out
+
+
+def _params(path: Path) -> dict:
+    import torch
+
+    return {k: v.numpy() for k, v in torch.load(path, map_location="cpu", weights_only=True)["state_dict"].items()}
+
+
+class Plan(Workflow):
+    """The serving plan (see the module notes).
+
+    Args:
+        candidates: the candidate runs' names, in order (their folders under the job's ``plan/``).
+        finetune: ``{"epochs", "lr_scale"}``: also the global model fine-tuned at each site (``finetune_local``'s
+            options); None: not.
+        alpha: the family-wise rate at a site of serving a candidate that is no better than the global model.
+        pool: a cluster model is judged on its cluster's pooled evidence (else each site's own).
+    """
+
+    record_name = "Plan"
+
+    def __init__(self, num_rounds: int, task_config: dict, candidates=(), finetune: dict | None = None,
+                 alpha: float | None = None, pool: bool = True, **kw):
+        from fedmed.algorithms.serving import ALPHA
+
+        super().__init__(num_rounds, task_config, **kw)
+        self.candidates = [str(c) for c in candidates]
+        bad = [c for c in self.candidates if c in (REFERENCE, FINETUNED) or not c.replace("_", "").replace("-", "")
+               .replace(".", "").isalnum()]
+        if bad or len(set(self.candidates)) != len(self.candidates):
+            raise ValueError(f"plan: candidate names must be distinct words other than {REFERENCE!r} and "
+                             f"{FINETUNED!r}, got {self.candidates}")
+        self.finetune = dict(finetune) if finetune else None
+        self.alpha = ALPHA if alpha is None else float(alpha)
+        self.pool = bool(pool)
+
+    @property
+    def root(self) -> Path:
+        return Path(self.job_files or ".") / jobfiles.PLAN
+
+    def models(self) -> tuple[Path, dict]:
+        """The reference file and, per candidate, ``{file: sites}`` (None: every site)."""
+        ref = self.root / REFERENCE / "global.pt"
+        if not ref.is_file():
+            raise RunFailed(f"the job carries no global model ({jobfiles.PLAN}/{REFERENCE}/global.pt)")
+        out = {}
+        for name in self.candidates:
+            found = candidate_models(self.root / name)
+            if not found:
+                raise RunFailed(f"the job carries no model of candidate {name!r} ({jobfiles.PLAN}/{name}/)")
+            out[name] = dict(found)
+        return ref, out
+
+    def run(self):
+        from fedmed.algorithms.serving import Paired, plan, plan_table
+
+        ref, cands = self.models()
+        # each site's candidates: per run, the model that names it (or the run's one model)
+        own = {s: {name: next((f for f, sites in files.items() if sites is None or s in sites), None)
+                   for name, files in cands.items()} for s in self.sites}
+        own = {s: {n: f for n, f in c.items() if f is not None} for s, c in own.items()}
+        groups: dict = {}
+        for s in self.sites:
+            groups.setdefault(tuple(sorted((n, str(f)) for n, f in own[s].items())), []).append(s)
+        cache = {str(ref): _params(ref)}
+        messages = {}
+        for i, (key, sites) in enumerate(sorted(groups.items(), key=lambda kv: kv[1])):
+            names = [n for n in self.candidates if n in dict(key)]
+            files = [ref, *(Path(dict(key)[n]) for n in names)]
+            packed = pack_models([cache.setdefault(str(f), _params(f)) for f in files])
+            opts = {"names": [REFERENCE, *names], **({"finetune": self.finetune} if self.finetune else {})}
+            messages[f"g{i}"] = (self.task(packed, 0, method_options=opts), sites)
+        replies = self.send_groups("serve_score", messages)
+        ok = self.record_rows(0, [r for rows in replies.values() for r in rows], "serve_score")
+        counts = {r.site: {n: None if c is None else Paired(**c) for n, c in r.meta["serving"].items()} for r in ok}
+        if not counts:
+            raise RunFailed("no site scored its candidates: " + "; ".join(self.recorder.recent_errors(3)))
+        # a cluster model is shared by its cluster's sites: they pool their evidence for it
+        shared = {n: {s: str(own[s][n]) for s in counts if n in own[s]} for n in self.candidates} if self.pool else {}
+        choices = plan(counts, groups=shared, alpha=self.alpha, reference=REFERENCE)
+        for s, c in sorted(choices.items()):
+            self.info(f"{s} is served {c.served}: {c.reason}")
+        doc = {s: {"served": c.served, "reason": c.reason, "p": c.p, "threshold": c.threshold,
+                   "file": (None if c.served == FINETUNED else
+                            Path(str(ref) if c.served == REFERENCE else str(own[s][c.served])).name),
+                   "evidence": {n: None if v is None else {"n": v.n, "wins": v.wins, "losses": v.losses}
+                                for n, v in counts[s].items()}}
+               for s, c in choices.items()}
+        self.recorder.note("plan", {"sites": doc, "alpha": self.alpha, "pool": self.pool,
+                                    "candidates": self.candidates, "finetune": self.finetune})
+        (self.out_dir / "plan.json").write_text(json.dumps(doc, indent=1, default=float))
+        (self.out_dir / "plan.md").write_text(plan_table(choices))
+        self.write_site_models(choices, ref, own)
+        self.score_served(choices, ref, own, cache)
+
+    def write_site_models(self, choices: dict, ref: Path, own: dict) -> None:
+        """``models/<site>.pt``: the served model's file as its run saved it (none for a model fine-tuned at the
+        site, which never leaves it)."""
+        out = self.out_dir / "models"
+        out.mkdir(parents=True, exist_ok=True)
+        for s, c in choices.items():
+            if c.served != FINETUNED:
+                shutil.copy(ref if c.served == REFERENCE else own[s][c.served], out / f"{s}.pt")
+
+    def score_served(self, choices: dict, ref: Path, own: dict, cache: dict) -> None:
+        """Round 1 (``served``): every site scores the model it is served (validation and test); round 2
+        (``global``): the global model, the reference row."""
+        by_file: dict = {}
+        tuned = []
+        for s, c in choices.items():
+            if c.served == FINETUNED:
+                tuned.append(s)
+            else:
+                by_file.setdefault(str(ref if c.served == REFERENCE else own[s][c.served]), []).append(s)
+        groups = {f"m{i}": (self.task(cache.setdefault(f, _params(Path(f))), 0), sites)
+                  for i, (f, sites) in enumerate(sorted(by_file.items()))}
+        replies = self.send_groups("validate", groups) if groups else {}
+        rows = [r for rs in replies.values() for r in rs]
+        if tuned:  # the same fine-tuning as in serve_score: the same seed, round and settings
+            rows += self.send("finetune_local", self.task(cache[str(ref)], 0, method_options=self.finetune),
+                              targets=sorted(tuned))
+        self.record_rows(1, rows, "served")
+        self.record_rows(2, self.send("validate", self.task(cache[str(ref)], 0), targets=sorted(choices)), REFERENCE)

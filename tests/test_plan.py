@@ -1,0 +1,189 @@
+"""The serving plan's job (fedmed.workflows.plan, issue #57): each site is served the global model unless a candidate
+beats it on the site's validation split beyond the noise — in-process and in FLARE's simulator alike, from the CLI and
+as a stage of ``fedmed experiment``.
+
+The federation: scikit-learn's handwritten digits, ANDA label shift into two groups of three sites (each group holds
+other classes), so a cluster model of FMCL (K = 2) is far better at its group's sites than the global model of FedAvg.
+The rule itself (the sign test, Bonferroni, pooling; its false-serving rate on planted null candidates) is tested in
+test_serving.py.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+RAW = {"name": "plan", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 40},
+       "federation": {"sites": 6, "partition": "anda", "anda_shift": "label", "anda_level": 6, "anda_groups": 2},
+       "model": {"arch": "resnet9", "width": 4}, "train": {"rounds": 4, "local_epochs": 2, "batch_size": 16},
+       "privacy": {"k_min": 2}, "references": [],
+       "methods": [{"name": "FedAvg", "workflow": "fedavg"},
+                   {"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn", "n_clusters": 2}]}
+FINETUNE = {"epochs": 2, "lr_scale": 0.5}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """FedAvg's and FMCL's finished runs on the federation (in-process: the runs' folders are what matters here)."""
+    from fedmed.config import load_config
+    from fedmed.run.experiment import classes_override, prepare_federation
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+
+    tmp = tmp_path_factory.mktemp("plan")
+    cfg = tmp / "c.yaml"
+    cfg.write_text(yaml.safe_dump(RAW))
+    exp = load_config(cfg)
+    data = prepare_federation(exp, 0, tmp / "data")
+    exp = load_config(cfg, classes_override(data, exp))
+    for m in exp.methods:
+        status, fed = run_spec_in_process(job_spec(exp, m, 0), data, tmp / m.name)
+        assert status == "finished", fed.recorder.doc.get("reason")
+    groups = json.loads((data / "dataset.json").read_text())["groups"]
+    return {"exp": exp, "cfg": cfg, "data": data, "tmp": tmp, "groups": groups}
+
+
+def _spec(runs, **plan):
+    from fedmed.run.jobspec import job_spec
+
+    return job_spec(runs["exp"], runs["exp"].methods[0], 0, plan={"global": runs["tmp"] / "FedAvg",
+                                                                   "candidates": {"FMCL": runs["tmp"] / "FMCL"}, **plan})
+
+
+def _by_task(doc: dict) -> dict:
+    return {r["task"]: r["sites"] for r in doc["rounds"]}
+
+
+def test_the_plan_job_in_process_and_in_flares_simulator_picks_the_same_models(runs, tmp_path):
+    """The same spec run in this process and by FLARE's simulator: the same plan and the same served files; a site
+    whose cluster model is better beyond the noise is served it, the others keep the global model; the served round
+    scores each site with the model it was served (its validation accuracy is the one it was chosen on, the
+    fine-tuned model made again at the site included) and the global round with the global model."""
+    from fedmed.run.experiment import run_job
+    from fedmed.run.jobspec import run_spec_in_process
+
+    spec = _spec(runs, finetune=FINETUNE)
+    status, fed = run_spec_in_process(spec, runs["data"], tmp_path / "ip")
+    assert status == "finished", fed.recorder.doc.get("reason")
+    doc = run_job(spec, runs["data"], tmp_path / "sim", 6, log=lambda *_: None)
+    assert doc["status"] == "finished" and doc["meta"]["workflow"] == "Plan"
+    ip, sim = (json.loads((d / "plan.json").read_text()) for d in (tmp_path / "ip", tmp_path / "sim" / "server"))
+    assert ip == sim and sorted(ip) == [f"site-{k}" for k in range(1, 7)]
+    served = {s: v["served"] for s, v in ip.items()}
+    assert "FMCL" in served.values()  # the label shift makes a cluster model better somewhere
+    assert set(served.values()) <= {"global", "FMCL", "finetuned"}
+    for s, v in ip.items():
+        assert set(v["evidence"]) == {"FMCL", "finetuned"}
+        if v["served"] == "FMCL":
+            assert "FMCL beats global" in v["reason"] and v["p"]["FMCL"] < v["threshold"] == pytest.approx(0.05 / 2)
+            assert v["file"] in ("cluster0.pt", "cluster1.pt")
+        elif v["served"] == "global":
+            assert "global kept" in v["reason"] and v["file"] == "global.pt"
+    for out in (tmp_path / "ip", tmp_path / "sim" / "server"):
+        for s, v in ip.items():
+            f = out / "models" / f"{s}.pt"
+            if v["served"] == "finetuned":
+                assert not f.exists()  # it stays at the site
+                continue
+            src = tmp_path / "ip" / "_job_files" / "plan" / ("global" if v["served"] == "global" else "FMCL") / v["file"]
+            assert f.read_bytes() == src.read_bytes()
+    for d in (fed.recorder.doc, doc):
+        t = _by_task(d)
+        assert list(t) == ["serve_score", "served", "global"]
+        for s, v in ip.items():
+            assert t["served"][s]["val_accuracy"] == pytest.approx(t["serve_score"][s][f"val_accuracy/{v['served']}"])
+            assert t["global"][s]["val_accuracy"] == pytest.approx(t["serve_score"][s]["val_accuracy/global"])
+            assert np.isfinite(t["served"][s]["accuracy"])  # the test split: read after the choice only
+            assert "accuracy" not in t["serve_score"][s]  # ... never while choosing
+
+
+def test_a_plan_without_candidates_keeps_the_global_model_of_an_equal_candidate(runs, tmp_path):
+    """The global run offered as its own candidate: every pair of answers ties, so no site is served it."""
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+
+    spec = job_spec(runs["exp"], runs["exp"].methods[0], 0, plan={"global": runs["tmp"] / "FedAvg",
+                                                                   "candidates": {"same": runs["tmp"] / "FedAvg"}})
+    status, fed = run_spec_in_process(spec, runs["data"], tmp_path)
+    assert status == "finished"
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    for s, v in plan.items():
+        assert v["served"] == "global" and v["evidence"]["same"]["wins"] == v["evidence"]["same"]["losses"] == 0
+        assert "judged on the pooled evidence of the 6 sites it serves" in v["reason"]  # one model for all: pooled
+
+
+def test_fedmed_plan_runs_from_the_command_line_and_bad_input_is_one_line(runs, tmp_path, capsys):
+    from fedmed.cli.main import main
+
+    cfg, t = str(runs["cfg"]), runs["tmp"]
+    assert main(["plan", cfg, "--global", str(t / "FedAvg"), "--candidate", f"FMCL={t / 'FMCL'}", "--data",
+                 str(runs["data"]), "--out", str(tmp_path / "p"), "--in-process"]) == 0
+    out = capsys.readouterr().out
+    assert "| site | served model | why |" in out and "| site-1 |" in out
+    assert len(list((tmp_path / "p" / "models").glob("site-*.pt"))) == 6
+    # the spec for provisioned sites, running nothing
+    assert main(["plan", cfg, "--global", str(t / "FedAvg"), "--finetune", "--spec", str(tmp_path / "s.json")]) == 0
+    spec = json.loads((tmp_path / "s.json").read_text())
+    assert spec["workflow"] == "plan:Plan" and spec["workflow_options"]["finetune"] == {"epochs": 2, "lr_scale": 0.1}
+    cases = [(["--candidate", f"FMCL={t / 'nowhere'}"], "--candidate FMCL:", "no such folder"),
+             (["--candidate", "FMCL"], "--candidate FMCL: expected NAME=RUN", ""),
+             (["--candidate", f"global={t / 'FMCL'}"], "--candidate global: a candidate's name is a word", ""),
+             ([], "a serving plan needs a candidate", "")]
+    for extra, want, also in cases:
+        assert main(["plan", cfg, "--global", str(t / "FedAvg"), "--data", str(runs["data"]), "--out",
+                     str(tmp_path / "x"), "--in-process", *extra]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and want in err[0] and also in err[0], err
+    # the reference must be a run with a global model
+    assert main(["plan", cfg, "--global", str(t / "FMCL"), "--candidate", f"A={t / 'FMCL'}", "--spec",
+                 str(tmp_path / "y.json")]) != 0
+    assert "the run saved no global model" in capsys.readouterr().err
+    # a run that did not finish is refused
+    unfinished = tmp_path / "unfinished"
+    (unfinished / "models").mkdir(parents=True)
+    doc = json.loads((t / "FMCL" / "metrics.json").read_text())
+    (unfinished / "metrics.json").write_text(json.dumps({**doc, "status": "stopped", "reason": "killed"}))
+    for f in (t / "FMCL" / "models").glob("*.pt"):
+        (unfinished / "models" / f.name).write_bytes(f.read_bytes())
+    assert main(["plan", cfg, "--global", str(t / "FedAvg"), "--candidate", f"B={unfinished}", "--spec",
+                 str(tmp_path / "z.json")]) != 0
+    assert "the run did not finish (status stopped: killed)" in capsys.readouterr().err
+
+
+def test_fedmed_experiment_runs_the_plan_after_a_seeds_methods_and_reuses_it(runs, tmp_path, monkeypatch):
+    """``serving:`` in the config: the plan's job follows the seed's methods, its row (each site scored with the model
+    it is served) joins the tables as "Serving plan", and ``--resume`` reuses it. (The jobs run in-process here; the
+    plan's FLARE path is the test above.)"""
+    import fedmed.run.experiment as E
+    from fedmed.run.jobspec import run_spec_in_process
+
+    specs = []
+
+    def run_job(spec, datalists, work, n_sites=0, *a, **k):
+        specs.append(spec)
+        status, fed = run_spec_in_process(spec, datalists, Path(work) / "server")
+        assert status == "finished", fed.recorder.doc.get("reason")
+        return fed.recorder.doc
+
+    monkeypatch.setattr(E, "run_job", run_job)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**RAW, "serving": {"reference": "FedAvg", "candidates": ["FMCL"],
+                                                      "finetune": FINETUNE}}))
+    rows = E.run_experiment(str(cfg), tmp_path / "out", log=lambda *_: None)
+    assert [s.workflow for s in specs][-1] == "plan:Plan"
+    plan_rows = [r for r in rows if r["method"] == E.PLAN_METHOD]
+    assert len(plan_rows) == 1 and set(plan_rows[0]["sites"]) == {f"site-{k}" for k in range(1, 7)}
+    assert (tmp_path / "out" / "runs" / "seed0" / "_serving_plan" / "server" / "plan.md").is_file()
+    assert E.PLAN_METHOD in (tmp_path / "out" / "summary.md").read_text()
+    n = len(specs)
+    again = E.run_experiment(str(cfg), tmp_path / "out", log=lambda *_: None, resume=True)
+    assert len(specs) == n and [r for r in again if r["method"] == E.PLAN_METHOD] == plan_rows
+
+
+def test_a_serving_section_names_methods_of_the_config():
+    from fedmed.config import ConfigError, load_config
+
+    with pytest.raises((ConfigError, ValueError), match=r"serving names unknown method\(s\) \['Flux'\]"):
+        load_config({**RAW, "serving": {"reference": "FedAvg", "candidates": ["Flux"]}})
+    with pytest.raises((ConfigError, ValueError), match="serving: name a candidate method or set finetune"):
+        load_config({**RAW, "serving": {"reference": "FedAvg"}})
