@@ -127,6 +127,10 @@ def parser() -> argparse.ArgumentParser:
                     "new site (references, never a selection)")
     ap.add_argument("--no-labels", action="store_true", help="--onboard: the new sites have no labels: FMCL, PACFL "
                     "and IFCA assign by the served models' predicted classes (docs/readings.md)")
+    ap.add_argument("--global", dest="global_result", metavar="RUN", help="--onboard: a finished FedAvg-family run "
+                    "whose global model a new site is served when its cluster was trained on no site or too few images")
+    ap.add_argument("--min-cluster-images", type=int, default=0, help="--onboard: a cluster model trained on fewer "
+                    "images never serves a new site (default 0: any trained cluster)")
     return ap
 
 
@@ -145,9 +149,11 @@ def main(argv=None) -> int:
             raise BuildError("--onboard needs --sites: the new sites to onboard")
         if a.onboard:
             onboard = {"training_result": a.onboard, "references": a.references, "labels": not a.no_labels,
+                       "global_result": a.global_result, "min_cluster_images": a.min_cluster_images,
                        "known_clusters": json.loads(a.known_clusters) if a.known_clusters else {}}
-        elif a.known_clusters or a.references or a.no_labels:
-            raise BuildError("--known-clusters, --references and --no-labels go with --onboard")
+        elif a.known_clusters or a.references or a.no_labels or a.global_result or a.min_cluster_images:
+            raise BuildError("--known-clusters, --references, --no-labels, --global and --min-cluster-images go with "
+                             "--onboard")
         job = build_job(exp, method, a.seed, sites=sites, name=a.name, resume_from=a.resume_from, onboard=onboard)
         print(export(job, a.out))
     except (BuildError, ConfigError, ValueError) as e:

@@ -393,6 +393,10 @@ def main(argv=None) -> int:
                     "IFCA assign by the served models' predicted classes)")
     ap.add_argument("--unseen", action="store_true", help="--onboard: the unseen-site test phase of fedmed experiment "
                     "(a method without clusters serves its global model)")
+    ap.add_argument("--global", dest="global_result", metavar="RUN", help="--onboard: a finished FedAvg-family run "
+                    "whose global model a new site is served when its cluster was trained on no site or too few images")
+    ap.add_argument("--min-cluster-images", type=int, default=0, help="--onboard: a cluster model trained on fewer "
+                    "images never serves a new site (default 0: any trained cluster)")
     a = ap.parse_args(argv)
     a.template = None  # the simulator's site template, started by _main once it knows the job's network
     a.quiet = Quiet(Path(a.workspace)) if a.env == "sim" and not a.verbose else None  # before the template forks
@@ -440,7 +444,8 @@ def _main(a) -> int:
                 if not a.sites:
                     raise BuildError("--onboard needs --sites: the new sites to onboard")
                 onboard = {"training_result": a.onboard, "references": a.references, "require_clusters": not a.unseen,
-                           "labels": not a.no_labels,
+                           "labels": not a.no_labels, "global_result": a.global_result,
+                           "min_cluster_images": a.min_cluster_images,
                            "known_clusters": json.loads(a.known_clusters) if a.known_clusters else {}}
             spec = job_spec(exp, method, a.seed, sites=a.sites or "config", resume_from=a.resume_from,
                             onboard=onboard)

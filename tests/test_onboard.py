@@ -414,3 +414,65 @@ def test_onboarding_takes_a_run_folder_of_fedmed_experiment_and_a_method_as_expe
                        "methods": [{"name": "P1", "workflow": "pacfl"}, {"name": "P2", "workflow": "pacfl"}]})
     with pytest.raises(BuildError, match=r"matches 2 methods of the config \(\['P1', 'P2'\]\); name one"):
         select_method(two, "pacfl")
+
+
+def test_a_new_site_is_never_served_a_cluster_trained_on_too_few_images_or_none(federation, tmp_path):
+    """Onboarding's guard (#57, the Toshiba case): each cluster model records the sites and training images it was
+    trained on; a new site assigned a cluster under ``min_cluster_images`` — or one no site trained — is served the
+    global model of the FedAvg run the job carries, and the record says why; without a global model it is left
+    unassigned, naming the reason."""
+    import torch
+
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+
+    exp, data, unseen = federation["exp"], federation["data"], federation["meta"]["unseen_sites"]
+    m = train(federation, "FMCL", tmp_path / "train")
+    train(federation, "FedAvg", tmp_path / "fedavg")
+    doc = json.loads((tmp_path / "train" / "metrics.json").read_text())
+    last = {}
+    for r in doc["rounds"]:
+        for s, e in r["sites"].items():
+            if e.get("n_train") is not None:
+                last[s] = e["n_train"]
+    sizes = {}
+    for f in sorted((tmp_path / "train" / "models").glob("cluster*.pt")):
+        ck = torch.load(f, weights_only=True)
+        assert ck["sites"] and ck["train_images"] == sum(last[s] for s in ck["sites"]) > 0
+        sizes[int(f.stem[len("cluster"):])] = ck["train_images"]
+
+    def run(out, **extra):
+        spec = job_spec(exp, m, 0, sites=unseen, onboard={"training_result": tmp_path / "train", **extra})
+        return run_spec_in_process(spec, data, out)
+
+    # under the threshold every newcomer gets the global model, with the reason; at it, its cluster's
+    big = max(sizes.values())
+    status, fed = run(tmp_path / "ob", min_cluster_images=big + 1, global_result=tmp_path / "fedavg")
+    assert status == "finished", fed.recorder.doc.get("reason")
+    a = fed.recorder.doc["assignment"]
+    _, plain = run(tmp_path / "plain", min_cluster_images=min(sizes.values()), global_result=tmp_path / "fedavg")
+    assigned = plain.recorder.doc["assignment"]["test_phase"]
+    assert set(assigned.values()) == set(sizes) and "guarded" not in plain.recorder.doc["assignment"]
+    for u, c in assigned.items():
+        assert a["test_phase"][u] == -1
+        assert a["guarded"][u] == (f"cluster {c} was trained on {sizes[c]} images (< min_cluster_images={big + 1}): "
+                                   f"the global model is served")
+        served = (tmp_path / "ob" / "models" / f"{u}.pt").read_bytes()
+        assert served == (tmp_path / "fedavg" / "models" / "global.pt").read_bytes()
+    assert set(fed.recorder.doc["rounds"][0]["sites"]) == set(unseen)  # every newcomer scored with what it is served
+    small = min(sizes, key=sizes.get)
+    # no global model to fall back on: that newcomer is left unassigned, with the reason
+    status, fed = run(tmp_path / "ob2", min_cluster_images=big + 1)
+    assert status == "failed" and "no new site could be assigned" in fed.recorder.doc["reason"]
+    errors = [e["error"] for e in fed.recorder.doc["errors"]]
+    assert any("not assigned: cluster" in e and "carries no global model" in e for e in errors), errors
+    # a cluster no site trained (its model names no site) never serves
+    untrained = tmp_path / "untrained"
+    shutil.copytree(tmp_path / "train", untrained)
+    f = untrained / "models" / f"cluster{small}.pt"
+    ck = torch.load(f, weights_only=True)
+    torch.save({**ck, "sites": []}, f)
+    spec = job_spec(exp, m, 0, sites=unseen, onboard={"training_result": untrained, "global_result": tmp_path / "fedavg"})
+    status, fed = run_spec_in_process(spec, data, tmp_path / "ob4")
+    g = fed.recorder.doc["assignment"]["guarded"]
+    assert status == "finished" and list(g.values()) == [f"cluster {small} was trained on no site: the global model is "
+                                                         f"served"]

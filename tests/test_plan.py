@@ -187,3 +187,8 @@ def test_a_serving_section_names_methods_of_the_config():
         load_config({**RAW, "serving": {"reference": "FedAvg", "candidates": ["Flux"]}})
     with pytest.raises((ConfigError, ValueError), match="serving: name a candidate method or set finetune"):
         load_config({**RAW, "serving": {"reference": "FedAvg"}})
+    # a plan added to a finished experiment reuses its runs (--resume): it is not part of a run's fingerprint
+    from fedmed.run.experiment import run_fingerprint
+
+    plain, served = load_config(RAW), load_config({**RAW, "serving": {"reference": "FedAvg", "candidates": ["FMCL"]}})
+    assert run_fingerprint(plain, plain.methods[1], 0) == run_fingerprint(served, served.methods[1], 0)

@@ -27,8 +27,10 @@ class ModelFileError(ValueError):
     """A file that is not a usable fedmed model; the message names it."""
 
 
-def save_model(path, params: dict, cfg: dict, *, cluster=None, sites=None, workflow: str = "", rounds: int = 0):
-    """Write a model checkpoint (the format :func:`load_model` reads) from numpy ``params`` and the task config."""
+def save_model(path, params: dict, cfg: dict, *, cluster=None, sites=None, workflow: str = "", rounds: int = 0,
+               train_images: int | None = None):
+    """Write a model checkpoint (the format :func:`load_model` reads) from numpy ``params`` and the task config;
+    ``sites`` / ``train_images``: the sites whose updates went into it and their training images."""
     import torch
 
     from fedmed.core.schema import task_config
@@ -37,7 +39,8 @@ def save_model(path, params: dict, cfg: dict, *, cluster=None, sites=None, workf
     torch.save({"format": "fedmed-model-1", "state_dict": {k: torch.as_tensor(np.asarray(v)) for k, v in params.items()},
                 "task": t.task, "model": t.model.model_dump(), "data": cfg["data"], "classes": t.classes, "seed": t.seed,
                 "cluster": cluster,
-                "sites": sorted(sites) if sites is not None else None, "workflow": workflow, "rounds": rounds}, str(path))
+                "sites": sorted(sites) if sites is not None else None, "train_images": train_images,
+                "workflow": workflow, "rounds": rounds}, str(path))
     return Path(path)
 
 

@@ -392,12 +392,12 @@ def mlflow_ui_command(out) -> str:
 
 def run_fingerprint(exp, method, seed: int) -> str:
     """What determines one (seed, method) run: the resolved config (less the other methods, the seed list,
-    the sweep block and the reporting and tracking choices), the method's settings and the seed. ``--resume`` reuses a
+    the sweep block, the serving plan and the reporting and tracking choices), the method's settings and the seed. ``--resume`` reuses a
     run only when this matches. The files under ``dataset.path`` are not hashed: a dataset replaced in
     place needs a run without ``--resume``."""
     import hashlib
 
-    skip = {k: True for k in ("methods", "seeds", "sweep", "name", "selection", "references", "tracking")}
+    skip = {k: True for k in ("methods", "seeds", "sweep", "name", "selection", "references", "tracking", "serving")}
     from fedmed.run.taskconfig import model_exclude
 
     cfg = exp.model_dump(mode="json", exclude={**skip, "model": model_exclude(exp.model)})  # a bundle: its arch, weights
@@ -611,7 +611,7 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
         rows.extend(_references(exp_s, seed, data_dir, out, chosen, log, resume, seg))
         for m in chosen:
             k += 1
-            work = out / "runs" / f"seed{seed}" / "".join(c if c.isalnum() else "_" for c in m.name)
+            work = _run_dir(out, seed, m.name)
             fp = run_fingerprint(exp, m, seed)
             saved = _load_saved(work / "run.json")
             resume_from = None
@@ -676,7 +676,8 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
                 write_outputs(rows, out, title=exp.name, command=command, selection=exp.selection, setup=setup,
                               notes=missing)
         if exp.serving is not None:
-            rows.extend(_serving_plan(exp_s, seed, data_dir, out, meta, log, resume, problems))
+            rows.extend(_serving_plan(exp_s, seed, data_dir, out, meta, log, resume, problems,
+                                      [m.name for m in chosen]))
     if [r for r in rows if not r.get("phase")]:  # once more, so that a fully reused experiment has its outputs
         write_outputs(rows, out, title=exp.name, command=command, selection=exp.selection, setup=setup,
                       notes=missing + [f"did not finish: {p}" for p in problems])
@@ -695,14 +696,18 @@ def _run_dir(out: Path, seed: int, name: str) -> Path:
     return out / "runs" / f"seed{seed}" / "".join(c if c.isalnum() else "_" for c in name)
 
 
-def _serving_plan(exp, seed, data_dir, out, meta, log, resume, problems) -> list[dict]:
+def _serving_plan(exp, seed, data_dir, out, meta, log, resume, problems, chosen) -> list[dict]:
     """The serving plan of ``exp.serving`` over the seed's finished runs (``fedmed.workflows.plan``): one row, each
-    site scored with the model it is served (round 1 of the plan's record), and the plan's table in its folder."""
+    site scored with the model it is served (round 1 of the plan's record), and the plan's table in its folder. Not
+    run when ``--methods`` left out a method it names (``chosen``)."""
     from fedmed.report.summary import rows_from_metrics
 
     sv = exp.serving
     by_name = {m.name: m for m in exp.methods}
     involved = [sv.reference, *sv.candidates]
+    if not set(involved) <= set(chosen):
+        log(f"seed {seed} serving plan: not run (--methods left out {sorted(set(involved) - set(chosen))})")
+        return []
     work = _run_dir(out, seed, "_serving_plan")
     fp = hashlib.sha256(json.dumps([sv.model_dump(), [run_fingerprint(exp, by_name[n], seed) for n in involved]],
                                    sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -861,6 +866,18 @@ def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict
     return rows
 
 
+def _fallback_run(exp, seed: int, out: Path) -> str | None:
+    """The global model a new site is served when its cluster cannot serve it (``Onboard.guard``): the serving plan's
+    reference run at ``seed``, else the first finished run of a method without clusters that saved one."""
+    order = ([exp.serving.reference] if exp.serving is not None else []) + \
+        [m.name for m in exp.methods if not type(m).clustered]
+    for name in order:
+        d = _run_dir(out, seed, name)
+        if _load_saved(d / "run.json").get("status") == "finished" and (d / "server" / "models" / "global.pt").is_file():
+            return str((d / "server").resolve())
+    return None
+
+
 def _unseen(exp, m, seed, data_dir, work, doc, meta, log) -> list[dict]:
     from sklearn.metrics import adjusted_rand_score
 
@@ -871,7 +888,9 @@ def _unseen(exp, m, seed, data_dir, work, doc, meta, log) -> list[dict]:
            if groups and type(m).clustered else None)
     known = known_association(groups, assign, meta["unseen_sites"]) if groups and type(m).clustered else {}
     test = {"training_result": str((work / "server").resolve()), "known_clusters": known, "references": True,
-            "require_clusters": False}  # every cluster model scored as a reference; a method without clusters: global
+            "require_clusters": False,  # every cluster model scored as a reference; a method without clusters: global
+            "min_cluster_images": getattr(m, "min_cluster_images", 0) or 0,
+            "global_result": _fallback_run(exp, seed, work.parent.parent.parent) if type(m).clustered else None}
     tdoc = run_job(job_spec(exp, m, seed, sites=meta["unseen_sites"], onboard=test), data_dir, work / "test_phase",
                    len(meta["unseen_sites"]), log=lambda *_: None)
     rows = []

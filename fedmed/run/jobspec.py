@@ -133,7 +133,9 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
         sites: ``"config"`` (``federation.site_names`` or site-1..N), ``"all"`` (every connected site), or a list.
         resume_from: a run result holding ``checkpoint/`` (see :func:`find_checkpoint`).
         onboard: ``{"training_result": DIR, "known_clusters": {...}, "references": bool, "require_clusters": bool,
-            "labels": bool}`` builds the onboarding job over ``sites`` instead (``fedmed.workflows.onboard``).
+            "labels": bool, "min_cluster_images": int, "global_result": DIR}`` builds the onboarding job over
+            ``sites`` instead (``fedmed.workflows.onboard``; ``global_result``: a FedAvg-family run whose global model
+            a new site is served when its cluster was trained on too few images).
         plan: ``{"global": DIR, "candidates": {name: DIR}, "finetune": {...} or None, "alpha": float or None,
             "pool": bool}`` builds the serving plan's job over ``sites`` instead (``fedmed.workflows.plan``):
             ``method`` is the method whose run ``global`` is (its task config is the plan's).
@@ -205,9 +207,18 @@ def _onboarding_spec(exp, method, seed, cfg, names, onboard, server_files, name,
     tmp = Path(tempfile.mkdtemp(prefix="fedmed_training_"))
     for f in training_files(folder):
         shutil.copy(f, tmp / f.name)
+    if onboard.get("global_result"):  # served instead of a cluster that cannot serve (Onboard.guard)
+        from fedmed.workflows.onboard import FALLBACK_FILE
+
+        ref = finished_run(onboard["global_result"], "--global") / "models" / "global.pt"
+        if not ref.is_file():
+            raise BuildError(f"--global: {onboard['global_result']}: the run saved no global model (models/global.pt)")
+        (tmp / FALLBACK_FILE).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ref, tmp / FALLBACK_FILE)
     server_files.append([str(tmp), TRAINING_DIR])
     options = {"training": server_workflow_path(cls), "known_clusters": onboard.get("known_clusters") or {},
-               "references": bool(onboard.get("references")), "labels": bool(onboard.get("labels", True))}
+               "references": bool(onboard.get("references")), "labels": bool(onboard.get("labels", True)),
+               "min_cluster_images": int(onboard.get("min_cluster_images") or 0)}
     return JobSpec(name=name or job_name(exp, method, seed, "_onboard"), method=method.name, task_config=cfg,
                    workflow="onboard:Onboard",
                    workflow_options=options, rounds=1, server_files=server_files, **common)

@@ -287,17 +287,29 @@ class Federation:
                     done.add(s)
         return [s for s in sites if s in done]
 
+    def training_images(self, sites) -> int:
+        """The training images of ``sites``: each one's last recorded ``n_train`` (what a cluster model was trained
+        on; a count every training reply already carries)."""
+        last = {}
+        for r in self.recorder.doc["rounds"]:
+            for s, entry in r["sites"].items():
+                if entry.get("n_train") is not None:
+                    last[s] = int(entry["n_train"])
+        return int(sum(last.get(s, 0) for s in sites))
+
     def save_final(self, params: dict, name: str = "global", *, sites=None, cluster=None):
         """The trained model, as a PyTorch checkpoint (``fedmed.nn.predict.save_model``: ``state_dict``, what rebuilds the
         network, what it serves). Only called when the run finished."""
         from fedmed.nn.predict import save_model
 
+        images = None
         if sites is not None:  # only the sites whose updates went into it
             sites = self.trained_sites(sites, cluster)
+            images = self.training_images(sites)
         out = self.out_dir / "models"
         out.mkdir(parents=True, exist_ok=True)
         save_model(out / f"{name}.pt", params, self.cfg, cluster=cluster, sites=sites,
-                   workflow=self.workflow.record_name, rounds=self.workflow.num_rounds)
+                   workflow=self.workflow.record_name, rounds=self.workflow.num_rounds, train_images=images)
         tc = self.workflow.task_cfg
         if tc.task == "classification" or (tc.task == "segmentation" and tc.data.spatial_dims == 3):
             # the same model as a MONAI bundle (fedmed.nn.bundle; no 2D lesion one yet)

@@ -48,9 +48,11 @@ from fedmed.core.packing import pack_models
 from fedmed.workflows.base import Workflow
 from fedmed.workflows.federation import RunFailed
 
-__all__ = ["Onboard", "OnboardingError", "TRAINING_DIR", "assign_by_linkage", "check_training_result",
+__all__ = ["FALLBACK", "FALLBACK_FILE", "Onboard", "OnboardingError", "TRAINING_DIR", "assign_by_linkage", "check_training_result",
            "find_result", "load_models", "training_files"]
 
+FALLBACK = -1  # the cluster id of the global model a new site is served when its cluster cannot (Onboard.guard)
+FALLBACK_FILE = "fallback/global.pt"  # under TRAINING_DIR: that model, from a FedAvg-family run
 TRAINING_DIR = jobfiles.TRAINING  # inside what the job carries (Federation.job_files): the training run's models and state
 
 
@@ -78,10 +80,12 @@ class Onboard(Workflow):
     earlier_record_names = ("OnboardController",)  # what runs of fedmed before 2026-11-25 recorded
 
     def __init__(self, num_rounds: int, task_config: dict, training: str = "fedavg", known_clusters: dict = None,
-                 references: bool = False, labels: bool = True, ensemble: bool = False, **kw):
+                 references: bool = False, labels: bool = True, ensemble: bool = False, min_cluster_images: int = 0,
+                 **kw):
         """``training``: the server workflow of the finished run (``module:Class``, :func:`server_workflow`), whose
         ``assign_new_sites`` assigns each new site; ``ensemble``: score the cluster models' weighted ensemble instead
-        of assigning (how the Flux paper scores baselines without test-time assignment)."""
+        of assigning (how the Flux paper scores baselines without test-time assignment); ``min_cluster_images``: a
+        new site is never served a cluster model trained on no site or on fewer images than this (:meth:`guard`)."""
         from fedmed.workflows.registry import server_workflow
 
         super().__init__(num_rounds, task_config, **kw)
@@ -92,6 +96,7 @@ class Onboard(Workflow):
         self.ensemble_only = bool(ensemble)
         self.known_clusters = dict(known_clusters or {})
         self.references = bool(references)
+        self.min_cluster_images = int(min_cluster_images)
 
     # ------------------------------------------------------------------ the training run's result
     @property
@@ -136,10 +141,15 @@ class Onboard(Workflow):
                                               "mode": method, "label_free": label_free,
                                               "pseudo_labels": not self.labels and self.training.onboard_pseudo_labels,
                                               "evaluated_on": "all data" if label_free else "test split"})
+            assign, guarded, served = self.guard(assign, models)
+            if guarded:
+                self.recorder.note("assignment", {**self.recorder.doc["assignment"], "test_phase": assign,
+                                                  "guarded": guarded})
             for s, c in assign.items():
-                self.info(f"{s} is assigned cluster {c} ({method})")
-            self.validate_assigned("test_phase", 0, assign, models)
-            self.write_site_models(assign, models)
+                self.info(f"{s} is assigned " + (f"cluster {c} ({method})" if c != FALLBACK else
+                                                  f"the global model: {guarded[s]}"))
+            self.validate_assigned("test_phase", 0, assign, served)
+            self.write_site_models(assign, served)
             self.training.after_onboarding(self, models, sizes)
         if self.known_clusters:
             self.validate_assigned("known_association", 1, {s: int(c) for s, c in self.known_clusters.items()
@@ -147,6 +157,41 @@ class Onboard(Workflow):
         if self.references:
             for i, c in enumerate(sorted(models)):
                 self.validate_assigned(f"cluster{c}", 2 + i, {s: c for s in self.sites}, models)
+
+    def guard(self, assign: dict, models: dict) -> tuple[dict, dict, dict]:
+        """Clusters that can serve (#57): a new site assigned a cluster whose model was trained on no site, or on
+        fewer than ``min_cluster_images`` training images (the counts the run saved in each ``cluster<c>.pt``), is
+        served the global model the job carries instead (``fallback/global.pt``; cluster id :data:`FALLBACK`), or,
+        without one, is left unassigned with the reason. Returns the assignment, ``{site: reason}`` of the sites it
+        moved, and the models to serve (``models``, with the global one under :data:`FALLBACK` when served)."""
+        import torch
+
+        info = {}
+        for c in models:
+            f = self.root / f"cluster{c}.pt"
+            ck = torch.load(f, map_location="cpu", weights_only=True) if f.is_file() else {}
+            info[c] = (ck.get("sites"), ck.get("train_images"))
+        fallback = self.root / FALLBACK_FILE
+        out, moved, served = {}, {}, dict(models)
+        for s, c in assign.items():
+            sites, images = info.get(c, (None, None))
+            why = None
+            if c not in models or sites == []:
+                why = f"cluster {c} was trained on no site"
+            elif images is not None and images < self.min_cluster_images:
+                why = (f"cluster {c} was trained on {images} images (< min_cluster_images={self.min_cluster_images})")
+            if why is None:
+                out[s] = c
+            elif fallback.is_file():
+                out[s], moved[s] = FALLBACK, why + ": the global model is served"
+                served.setdefault(FALLBACK, {k: v.numpy() for k, v in torch.load(
+                    fallback, weights_only=True)["state_dict"].items()})
+            else:
+                self.recorder.error(0, s, "test_phase", f"{s}: not assigned: {why}, and the job carries no global "
+                                                        f"model to serve instead")
+                self.error(f"new site {s} is not assigned: {why}, and the job carries no global model")
+        return self.assigned(out), moved, served
+
     def validate_assigned(self, phase, index, mapping, models):
         """Each new site scores the model it is mapped to (recorded as ``phase``)."""
         groups = {c: (self.task(models[c], 0, cluster=c), [s for s, m in mapping.items() if m == c]) for c in models}
@@ -158,7 +203,7 @@ class Onboard(Workflow):
         out = self.out_dir / "models"
         out.mkdir(parents=True, exist_ok=True)
         for s, c in assign.items():
-            src = self.root / f"cluster{c}.pt"
+            src = self.root / (FALLBACK_FILE if c == FALLBACK else f"cluster{c}.pt")
             shutil.copy(src if src.is_file() else self.root / "global.pt", out / f"{s}.pt")
 
     def new_site_replies(self, task: str, message, what: str) -> dict:
