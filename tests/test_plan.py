@@ -175,6 +175,13 @@ def test_fedmed_experiment_runs_the_plan_after_a_seeds_methods_and_reuses_it(run
     assert len(plan_rows) == 1 and set(plan_rows[0]["sites"]) == {f"site-{k}" for k in range(1, 7)}
     assert (tmp_path / "out" / "runs" / "seed0" / "_serving_plan" / "server" / "plan.md").is_file()
     assert E.PLAN_METHOD in (tmp_path / "out" / "summary.md").read_text()
+    # the report: a site x candidate table of validation scores, the choice marked
+    from fedmed.report.html import visible_text
+
+    page = visible_text((tmp_path / "out" / "report.html").read_text())
+    plan = json.loads((tmp_path / "out" / "runs" / "seed0" / "_serving_plan" / "server" / "plan.json").read_text())
+    assert "Serving plan (seed 0)" in page and "FMCL (val)" in page and "finetuned (val)" in page
+    assert page.count("✓") == len(plan) == 6
     n = len(specs)
     again = E.run_experiment(str(cfg), tmp_path / "out", log=lambda *_: None, resume=True)
     assert len(specs) == n and [r for r in again if r["method"] == E.PLAN_METHOD] == plan_rows

@@ -184,6 +184,36 @@ def visible_text(page: str) -> str:
     return html.unescape(re.sub(r"<[^>]+>", " ", page))
 
 
+def plan_html(server: Path) -> str:
+    """The serving plan of one seed (``fedmed.workflows.plan``): per site each model's validation accuracy (the
+    chosen one marked), the served and the global model's test accuracy, and why."""
+    plan = json.loads((server / "plan.json").read_text())
+    doc = json.loads((server / "metrics.json").read_text()) if (server / "metrics.json").is_file() else {}
+    by_task = {r["task"]: r.get("sites", {}) for r in doc.get("rounds", [])}
+    scored = by_task.get("serve_score", {})
+    names = list(dict.fromkeys(k.split("/", 1)[1] for v in scored.values() for k in v if k.startswith("val_accuracy/")))
+
+    def pct(x) -> str:
+        return "n/a" if x is None or not isinstance(x, (int, float)) or x != x else f"{100 * x:.1f}%"
+
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in
+                   ["site", *[f"{n} (val)" for n in names], "served", "served: test", "global: test", "why"])
+    body = ""
+    for site, v in sorted(plan.items()):
+        cells = [html.escape(site)]
+        for n in names:
+            cell = html.escape(pct(scored.get(site, {}).get(f"val_accuracy/{n}")))
+            cells.append(f"<b>{cell} ✓</b>" if n == v["served"] else cell)
+        cells += [f"<b>{html.escape(v['served'])}</b>", html.escape(pct(by_task.get("served", {}).get(site, {})
+                                                                       .get("accuracy"))),
+                  html.escape(pct(by_task.get("global", {}).get(site, {}).get("accuracy"))), html.escape(v["reason"])]
+        body += "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
+    return ("<p>Which model each site is served, chosen on its validation split only (the global model unless a "
+            "candidate beats it beyond the noise: docs/readings.md \"Serving plan\"); the test columns were scored "
+            "after the choice:</p>"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+
 def write_report(out_dir, *, command: str | None = None) -> Path:
     """Write ``OUT/report.html`` for an experiment or sweep output folder; returns its path."""
     out = Path(out_dir)
@@ -211,6 +241,12 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
                                                    f"loss (band: ± std over seeds)"))
     policies: dict = {}  # a policy table already shown -> the run it was shown for
     for case in cases:
+        for server in sorted((case / "runs").glob("seed*/_serving_plan/server")) if (case / "runs").is_dir() else []:
+            if (server / "plan.json").is_file():
+                seed = server.parent.parent.name.replace("seed", "seed ")
+                parts.append(f"<h2>{html.escape((case.name + ' / ' if case != out else '') + 'Serving plan (' + seed + ')')}"
+                             f"</h2>")
+                parts.append(plan_html(server))
         runs = sorted((case / "runs").glob("seed*/*/metrics.json")) if (case / "runs").is_dir() else []
         seen = set()
         for mpath in runs:
