@@ -32,7 +32,9 @@ def balanced_accuracy(conf: np.ndarray) -> float | None:
 
 
 def run_record(out: Path, method: str, seed: int) -> Path | None:
-    folder = out / "runs" / f"seed{seed}" / "".join(c if c.isalnum() else "_" for c in method)
+    from fedmed.run.experiment import run_dir
+
+    folder = run_dir(out, seed, method)
     for f in (folder / "server" / "metrics.json", folder / "metrics.json"):
         if f.is_file():
             return f

@@ -40,7 +40,7 @@ from fedmed.core.io import shown_path
 from fedmed.report.record import missing_sentence
 from fedmed.report.summary import read_results, rows_from_metrics, sweep_stats, sweep_table, write_outputs  # noqa: F401 (re-exported)
 
-__all__ = ["ExperimentError", "REPO_ROOT", "RunError", "check_classes", "classes_override", "prepare_federation", "run_config_job", "run_experiment", "with_classes",
+__all__ = ["ExperimentError", "PLAN_METHOD", "REPO_ROOT", "RunError", "check_classes", "classes_override", "prepare_federation", "run_config_job", "run_dir", "run_experiment", "with_classes",
            "run_fingerprint", "run_job"]
 
 REPO_ROOT = project_root()  # app_configs/: the clone's or the installed package's (fedmed.core.resources)
@@ -611,7 +611,7 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
         rows.extend(_references(exp_s, seed, data_dir, out, chosen, log, resume, seg))
         for m in chosen:
             k += 1
-            work = _run_dir(out, seed, m.name)
+            work = run_dir(out, seed, m.name)
             fp = run_fingerprint(exp, m, seed)
             saved = _load_saved(work / "run.json")
             resume_from = None
@@ -692,7 +692,9 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
 PLAN_METHOD = "Serving plan"  # the plan's row in the tables
 
 
-def _run_dir(out: Path, seed: int, name: str) -> Path:
+def run_dir(out: Path, seed: int, name: str) -> Path:
+    """A run's folder in an experiment's output (the serving plan's: ``_serving_plan``)."""
+    name = "_serving_plan" if name == PLAN_METHOD else name
     return out / "runs" / f"seed{seed}" / "".join(c if c.isalnum() else "_" for c in name)
 
 
@@ -708,20 +710,20 @@ def _serving_plan(exp, seed, data_dir, out, meta, log, resume, problems, chosen)
     if not set(involved) <= set(chosen):
         log(f"seed {seed} serving plan: not run (--methods left out {sorted(set(involved) - set(chosen))})")
         return []
-    work = _run_dir(out, seed, "_serving_plan")
+    work = run_dir(out, seed, PLAN_METHOD)
     fp = hashlib.sha256(json.dumps([sv.model_dump(), [run_fingerprint(exp, by_name[n], seed) for n in involved]],
                                    sort_keys=True, default=str).encode()).hexdigest()[:16]
     saved = _load_saved(work / "run.json")
     if resume and saved.get("fingerprint") == fp and saved.get("status") == "finished":
         log(f"seed {seed} serving plan: finished earlier with the same runs, reused")
         return saved["rows"]
-    missing = [n for n in involved if _load_saved(_run_dir(out, seed, n) / "run.json").get("status") != "finished"]
+    missing = [n for n in involved if _load_saved(run_dir(out, seed, n) / "run.json").get("status") != "finished"]
     if missing:
         problems.append(f"seed {seed} serving plan: not run: {', '.join(missing)} did not finish at this seed")
         log(f"    seed {seed} serving plan: not run ({', '.join(missing)} did not finish)")
         return []
-    plan = {"global": _run_dir(out, seed, sv.reference) / "server",
-            "candidates": {"".join(c if c.isalnum() or c in "_-." else "_" for c in n): _run_dir(out, seed, n) / "server"
+    plan = {"global": run_dir(out, seed, sv.reference) / "server",
+            "candidates": {"".join(c if c.isalnum() or c in "_-." else "_" for c in n): run_dir(out, seed, n) / "server"
                            for n in sv.candidates},
             "finetune": sv.finetune.model_dump() if sv.finetune is not None else None, "pool": sv.pool}
     log(f"seed {seed} serving plan: the global model of {sv.reference} against "
@@ -736,7 +738,7 @@ def _serving_plan(exp, seed, data_dir, out, meta, log, resume, problems, chosen)
         problems.append(f"seed {seed} serving plan: {e.status}: {e.reason}")
         log(f"    {e.status}: {e.reason}")
         return []
-    new = [{**r, "round": 0} for r in rows_from_metrics(PLAN_METHOD, seed, doc) if r["task"] == "served"]
+    new = [r for r in rows_from_metrics(PLAN_METHOD, seed, doc) if r["task"] == "served"]
     served = doc.get("plan", {}).get("sites", {})
     counts = {}
     for v in served.values():
@@ -872,7 +874,7 @@ def _fallback_run(exp, seed: int, out: Path) -> str | None:
     order = ([exp.serving.reference] if exp.serving is not None else []) + \
         [m.name for m in exp.methods if not type(m).clustered]
     for name in order:
-        d = _run_dir(out, seed, name)
+        d = run_dir(out, seed, name)
         if _load_saved(d / "run.json").get("status") == "finished" and (d / "server" / "models" / "global.pt").is_file():
             return str((d / "server").resolve())
     return None
