@@ -27,6 +27,7 @@ evidence decides. Candidates already ruled out upstream (a cluster trained on to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Mapping, Optional
 
 import numpy as np
@@ -54,6 +55,7 @@ class Paired:
         return sign_test_p(self.wins, self.losses)
 
 
+@lru_cache(maxsize=4096)
 def sign_test_p(wins: int, losses: int) -> float:
     """One-sided exact sign test: ``P(X >= wins)`` for ``X ~ Bin(wins + losses, 1/2)`` (1.0 with no discordant item);
     SciPy's binomial survival function, imported here only (a site never calls this)."""
