@@ -171,8 +171,9 @@ def test_fedmed_experiment_runs_the_plan_after_a_seeds_methods_and_reuses_it(run
                                                       "finetune": FINETUNE}}))
     rows = E.run_experiment(str(cfg), tmp_path / "out", log=lambda *_: None)
     assert [s.workflow for s in specs][-1] == "plan:Plan"
-    plan_rows = [r for r in rows if r["method"] == E.PLAN_METHOD]
-    assert len(plan_rows) == 1 and set(plan_rows[0]["sites"]) == {f"site-{k}" for k in range(1, 7)}
+    plan_rows = [r for r in rows if r["method"] in (E.PLAN_METHOD, E.PLAN_GLOBAL)]
+    assert [(r["method"], r["task"]) for r in plan_rows] == [(E.PLAN_METHOD, "served"), (E.PLAN_GLOBAL, "global")]
+    assert set(plan_rows[0]["sites"]) == {f"site-{k}" for k in range(1, 7)}
     assert (tmp_path / "out" / "runs" / "seed0" / "_serving_plan" / "server" / "plan.md").is_file()
     assert E.PLAN_METHOD in (tmp_path / "out" / "summary.md").read_text()
     # the report: a site x candidate table of validation scores, the choice marked
@@ -184,7 +185,7 @@ def test_fedmed_experiment_runs_the_plan_after_a_seeds_methods_and_reuses_it(run
     assert page.count("✓") == len(plan) == 6
     n = len(specs)
     again = E.run_experiment(str(cfg), tmp_path / "out", log=lambda *_: None, resume=True)
-    assert len(specs) == n and [r for r in again if r["method"] == E.PLAN_METHOD] == plan_rows
+    assert len(specs) == n and [r for r in again if r["method"] in (E.PLAN_METHOD, E.PLAN_GLOBAL)] == plan_rows
 
 
 def test_a_serving_section_names_methods_of_the_config():

@@ -40,7 +40,7 @@ from fedmed.core.io import shown_path
 from fedmed.report.record import missing_sentence
 from fedmed.report.summary import read_results, rows_from_metrics, sweep_stats, sweep_table, write_outputs  # noqa: F401 (re-exported)
 
-__all__ = ["ExperimentError", "PLAN_METHOD", "REPO_ROOT", "RunError", "check_classes", "classes_override", "prepare_federation", "run_config_job", "run_dir", "run_experiment", "with_classes",
+__all__ = ["ExperimentError", "PLAN_GLOBAL", "PLAN_METHOD", "REPO_ROOT", "RunError", "check_classes", "classes_override", "prepare_federation", "run_config_job", "run_dir", "run_experiment", "with_classes",
            "run_fingerprint", "run_job"]
 
 REPO_ROOT = project_root()  # app_configs/: the clone's or the installed package's (fedmed.core.resources)
@@ -689,12 +689,13 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
     return rows
 
 
-PLAN_METHOD = "Serving plan"  # the plan's row in the tables
+PLAN_METHOD = "Serving plan"  # the plan's row in the tables: each site scored with the model it is served
+PLAN_GLOBAL = "Serving plan: global model"  # beside it, each site scored with the plan's reference (its final model)
 
 
 def run_dir(out: Path, seed: int, name: str) -> Path:
     """A run's folder in an experiment's output (the serving plan's: ``_serving_plan``)."""
-    name = "_serving_plan" if name == PLAN_METHOD else name
+    name = "_serving_plan" if name in (PLAN_METHOD, PLAN_GLOBAL) else name
     return out / "runs" / f"seed{seed}" / "".join(c if c.isalnum() else "_" for c in name)
 
 
@@ -738,7 +739,8 @@ def _serving_plan(exp, seed, data_dir, out, meta, log, resume, problems, chosen)
         problems.append(f"seed {seed} serving plan: {e.status}: {e.reason}")
         log(f"    {e.status}: {e.reason}")
         return []
-    new = [r for r in rows_from_metrics(PLAN_METHOD, seed, doc) if r["task"] == "served"]
+    new = [r for r in rows_from_metrics(PLAN_METHOD, seed, doc) if r["task"] == "served"] + \
+        [{**r, "method": PLAN_GLOBAL} for r in rows_from_metrics(PLAN_METHOD, seed, doc) if r["task"] == "global"]
     served = doc.get("plan", {}).get("sites", {})
     counts = {}
     for v in served.values():
