@@ -66,3 +66,32 @@ def test_the_test_refuses_what_it_cannot_read():
         differ_test(D, [0, 0, 1, 1], sizes=[3, 0, 2, 2])
     a, b = split_halves(7, np.random.default_rng(0))
     assert len(a) == 4 and len(b) == 3 and not set(a) & set(b) and set(a) | set(b) == set(range(7))
+
+
+def test_a_clustered_run_answers_before_training_whether_its_sites_differ(tmp_path):
+    """FMCL on a federation whose two groups of sites hold different classes (ANDA label shift): the sites send the
+    means of two random halves with their signatures, the server's split-half test calls them different and the
+    record keeps the answer. A site with fewer than 2 k_min training images sends no halves."""
+    import yaml
+
+    from fedmed.config import load_config
+    from fedmed.run.experiment import classes_override, prepare_federation
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+
+    raw = {"name": "differ", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 40},
+           "federation": {"sites": 6, "partition": "anda", "anda_shift": "label", "anda_level": 6, "anda_groups": 2},
+           "model": {"arch": "resnet9", "width": 4}, "train": {"rounds": 1, "local_epochs": 1, "batch_size": 16},
+           "privacy": {"k_min": 2}, "references": [],
+           "methods": [{"name": "FECFL", "workflow": "fecfl", "encoder": "random_cnn", "n_clusters": 2}]}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    exp = load_config(tmp_path / "c.yaml")
+    data = prepare_federation(exp, 0, tmp_path / "data")
+    exp = load_config(tmp_path / "c.yaml", classes_override(data, exp))
+    status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0), data, tmp_path / "run")
+    assert status == "finished"
+    d = fed.recorder.doc["differ"]
+    assert d["p"] < d["alpha"] == ALPHA and d["answer"].startswith("the 6 sites differ") and len(d["sites"]) == 6
+    # k_min above half a site's training images: no halves, the test says why it could not answer
+    big = load_config(tmp_path / "c.yaml", [*classes_override(data, exp), "privacy.k_min=40"])
+    status, fed = run_spec_in_process(job_spec(big, big.methods[0], 0), data, tmp_path / "run2")
+    assert fed.recorder.doc["differ"]["answer"] == "not tested: 0 site(s) sent split-half means"

@@ -26,9 +26,12 @@ FIELDS = {
     "finetune_local": EVAL | {"n_train", "train_loss", "steps"},  # the site's own model: its scores only
     "validate_ensemble": EVAL,
     "serve_score": {"serving", "reference", "finetune_train_loss"},  # per candidate: n, wins, losses (>= k_min items)
-    "signature/fmcl": {"classes", "means", "counts", "withheld_classes", "notes", "dp", "encoder", "n_train"},
-    "signature/pacfl": {"basis", "classes", "withheld_classes", "notes", "dp", "encoder", "n_train"},
-    "signature/fecfl": {"mean", "withheld_classes", "notes", "dp", "encoder", "n_train"},
+    # halves / halves_n: two means of >= k_min images each and their sizes ("do the sites differ?")
+    "signature/fmcl": {"classes", "means", "counts", "withheld_classes", "notes", "dp", "encoder", "n_train", "halves",
+                       "halves_n"},
+    "signature/pacfl": {"basis", "classes", "withheld_classes", "notes", "dp", "encoder", "n_train", "halves",
+                        "halves_n"},
+    "signature/fecfl": {"mean", "withheld_classes", "notes", "dp", "encoder", "n_train", "halves", "halves_n"},
     "latent_bounds": {"lo", "hi", "notes"},
     "descriptor": {"full", "label_free", "n_samples", "warnings", "dp"},
     "ifca": EVAL | {"cluster", "losses", "n_train", "train_loss", "steps"},
@@ -201,8 +204,12 @@ def test_prep_and_fedmae_replies(site):
 def test_signature_replies(site, kind, encoder):
     runner, cfg = site
     samples = _samples(runner, cfg, encoder=encoder if encoder != "pixels" else None)
-    _, _, meta, _ = runner.handle("signature", {}, {**cfg, "signature": signature_section(kind, encoder)})
+    _, _, meta, _ = runner.handle("signature", {}, {**cfg, "signature": signature_section(kind, encoder, halves=True)})
     assert not audit(f"signature/{kind}", meta, samples, k_min=5), meta.get("notes")
+    # the split-half means: two aggregates of >= k_min images, never on raw pixels
+    assert ("halves" in meta) is (encoder != "pixels")
+    if encoder != "pixels":
+        assert min(meta["halves_n"]) >= 5 and sum(meta["halves_n"]) == meta["n_train"]
 
 
 def test_flux_replies(site):

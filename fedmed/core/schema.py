@@ -222,6 +222,9 @@ class SignatureTask(Strict):
     angle: Optional[Literal["principal", "official"]] = Field(None, description="PACFL's (None for the other kinds)")
     pseudo_labels: bool = Field(False, description="a site without labels: class prototypes of all its images under "
                                 "the served model's predicted classes (onboarding, fedmed.workflows.onboard)")
+    halves: bool = Field(False, description="also the mean embedding of each of two random halves of the training "
+                         "images (each of >= k_min; never under DP or on raw pixels): the 'do the sites differ?' test "
+                         "(fedmed.algorithms.differ)")
 
 
 class FluxTask(Strict):

@@ -263,6 +263,8 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
             parts.append(f"<h2>{html.escape(label)}</h2>")
             parts.append(f"<p>Status: <b>{html.escape(doc.get('status', '?'))}</b> {html.escape(doc.get('reason', ''))}"
                          f"; sites {', '.join(doc.get('sites', []))}.</p>")
+            if (doc.get("differ") or {}).get("answer"):
+                parts.append(f"<p>Before training, do the sites differ? {html.escape(doc['differ']['answer'])}.</p>")
             c = doc.get("clustering")
             if c:
                 enc = ", ".join(c.get("encoder", [])) if isinstance(c.get("encoder"), list) else c.get("encoder", "")

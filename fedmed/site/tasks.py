@@ -244,6 +244,11 @@ def signature(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     meta = signature_payload(sc.kind, feats, y, k_min=runner.k_min(cfg), privacy=cfg.privacy.model_dump(),
                              n_basis=sc.n_basis, rng=rng, site=runner.site)
     meta.update(encoder=enc.description, n_train=int(y.size))
+    if sc.halves and not sc.pseudo_labels:
+        extra = _halves(runner, feats, cfg)
+        if extra.get("notes"):
+            meta["notes"] = meta.get("notes", []) + extra.pop("notes")
+        meta.update(extra)
     if sc.kind == "pacfl" and sc.encoder == "pixels" and not cfg.privacy.dp_epsilon:
         meta["notes"] = meta.get("notes", []) + [
             f"{runner.site}: WARNING PACFL on raw pixels without DP: each class's leading singular vector is close "
@@ -251,6 +256,24 @@ def signature(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     for note in meta.get("notes", []):
         print(f"[fedmed] {note}", flush=True)
     return Reply(runner.site, {"n_classes_sent": float(len(meta.get("classes", [])))}, meta, {})
+
+def _halves(runner, feats: np.ndarray, cfg: TaskConfig) -> dict:
+    """The 'do the sites differ?' test's share (fedmed.algorithms.differ): the mean embedding of each of two random
+    halves of the site's training images and their sizes — aggregates of at least ``k_min`` images each; nothing under
+    DP (the means would need their own noise) or on raw pixels (a half's mean is an average image)."""
+    from fedmed.algorithms.differ import split_halves
+
+    k = runner.k_min(cfg)
+    if cfg.privacy.dp_epsilon or cfg.signature.encoder == "pixels":
+        return {"notes": [f"{runner.site}: no split-half means for the 'do the sites differ?' test (not sent under DP "
+                          f"or on raw pixels)"]}
+    if len(feats) < 2 * k:
+        return {"notes": [f"{runner.site}: no split-half means for the 'do the sites differ?' test (fewer than 2 x "
+                          f"k_min training images)"]}
+    a, b = split_halves(len(feats), np.random.default_rng(task_seed(cfg, runner.site, salt=23)))
+    return {"halves": [feats[a].mean(axis=0).tolist(), feats[b].mean(axis=0).tolist()],
+            "halves_n": [int(len(a)), int(len(b))]}
+
 
 def _pseudo_labelled(runner, params: dict, cfg):
     """The classes the served model (``params``) predicts for all the site's images (training, validation, test)."""

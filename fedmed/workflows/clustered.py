@@ -58,12 +58,35 @@ class OneShotClustered(FedAvg):
                              clustering={"overlap": c.overlap, "linkage": c.linkage})
 
     def collect_signatures(self) -> dict:
-        got = self.gather("signature", self.task({}, 0, signature=self.signature.model_dump()), "signature")
+        """Step 1: every site's signature, with the means of two random halves of its images (the sites'
+        aggregates for :meth:`sites_differ`)."""
+        got = self.gather("signature", self.task({}, 0, signature={**self.signature.model_dump(), "halves": True}),
+                          "signature")
         sigs = {s: r.meta for s, r in got.items()}
+        self.sites_differ(sigs)
         spent = {s: m.get("dp", {}) for s, m in sigs.items()}
         self.recorder.note("privacy", {"k_min": self.task_cfg.privacy.k_min, "signatures": spent,
                                        "withheld_classes": {s: m.get("withheld_classes", []) for s, m in sigs.items()}})
         return sigs
+
+    def sites_differ(self, sigs: dict) -> None:
+        """Before training: do the sites differ at all? The split-half permutation test
+        (:func:`fedmed.algorithms.differ.differ_test`, alpha 0.05) on the half means the sites sent, recorded as
+        ``differ`` (its answer in one sentence); skipped when fewer than two sites sent halves."""
+        from fedmed.algorithms.differ import differ_test
+
+        halves = {s: m for s, m in sorted(sigs.items()) if m.get("halves")}
+        if len(halves) < 2:
+            self.recorder.note("differ", {"answer": f"not tested: {len(halves)} site(s) sent split-half means"})
+            return
+        means = np.asarray([v for m in halves.values() for v in m["halves"]], dtype=np.float64)
+        owner = np.repeat(np.arange(len(halves)), 2)
+        sizes = [n for m in halves.values() for n in m["halves_n"]]
+        D = ((means[:, None] - means[None, :]) ** 2).sum(axis=-1)
+        t = differ_test(D, owner, sizes=sizes, rng=np.random.default_rng(self.task_cfg.seed))
+        self.recorder.note("differ", {"answer": t.sentence(), "p": t.p, "statistic": t.statistic, "alpha": t.alpha,
+                                      "n_perm": t.n_perm, "sites": list(halves)})
+        self.info(f"before training, do the sites differ? {t.sentence()}")
 
     def cluster(self, sigs: dict) -> list:
         from fedmed.algorithms.clustered import choose_clusters, signature_distances
