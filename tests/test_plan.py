@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 RAW = {"name": "plan", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 40},
-       "federation": {"sites": 6, "partition": "anda", "anda_shift": "label", "anda_level": 6, "anda_groups": 2},
+       "federation": {"sites": 6, "partition": "anda", "anda_shift": "label", "anda_level": 6, "anda_groups": 2,
+                      "unseen_sites": 2},
        "model": {"arch": "resnet9", "width": 4}, "train": {"rounds": 4, "local_epochs": 2, "batch_size": 16},
        "privacy": {"k_min": 2}, "references": [],
        "methods": [{"name": "FedAvg", "workflow": "fedavg"},
@@ -200,3 +201,29 @@ def test_a_serving_section_names_methods_of_the_config():
 
     plain, served = load_config(RAW), load_config({**RAW, "serving": {"reference": "FedAvg", "candidates": ["FMCL"]}})
     assert run_fingerprint(plain, plain.methods[1], 0) == run_fingerprint(served, served.methods[1], 0)
+
+
+def test_a_newcomer_is_served_its_assigned_cluster_model_only_where_its_validation_data_bear_it_out(runs, tmp_path):
+    """The newcomers of an onboarding run as the plan's sites: the candidate is the model onboarding assigned each
+    (its ``models/<site>.pt``), judged on that site's own validation evidence (no pooling: no other plan site shares
+    it); each newcomer is served it or the global model, and the served file is one of the two."""
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+
+    exp, data = runs["exp"], runs["data"]
+    unseen = json.loads((data / "dataset.json").read_text())["unseen_sites"]
+    fmcl = exp.methods[1]
+    status, _ = run_spec_in_process(job_spec(exp, fmcl, 0, sites=unseen, onboard={"training_result": runs["tmp"] / "FMCL"}),
+                                    data, tmp_path / "onboard")
+    assert status == "finished"
+    spec = job_spec(exp, exp.methods[0], 0, sites=unseen, plan={"global": runs["tmp"] / "FedAvg",
+                                                                "candidates": {"FMCL": tmp_path / "onboard"}})
+    status, fed = run_spec_in_process(spec, data, tmp_path / "plan")
+    assert status == "finished", fed.recorder.doc.get("reason")
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert sorted(plan) == sorted(unseen)
+    for u, v in plan.items():
+        assert v["served"] in ("global", "FMCL") and "pooled" not in v["reason"]
+        served = (tmp_path / "plan" / "models" / f"{u}.pt").read_bytes()
+        want = tmp_path / "onboard" / "models" / f"{u}.pt" if v["served"] == "FMCL" else \
+            runs["tmp"] / "FedAvg" / "models" / "global.pt"
+        assert served == want.read_bytes()

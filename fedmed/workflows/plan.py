@@ -3,7 +3,8 @@
 The job carries finished runs' models (built by :func:`fedmed.run.jobspec.plan_spec`): under ``plan/global/`` the
 reference — the global model of a FedAvg-family run (``global.pt``) — and under ``plan/<name>/`` each candidate run's
 final models as it saved them (``cluster<c>.pt``, each naming the sites that trained it; or one ``global.pt`` that
-every site may be served). Algorithm box:
+every site may be served; or, from an onboarding run, the model it assigned each new site, ``<site>.pt``: the plan
+then decides for a newcomer between the global model and its assigned cluster's). Algorithm box:
 
 1. (``serve_score``) each site is sent the global model and its own candidates — the model of its cluster in each
    candidate run — and scores them on its **validation** split; with ``finetune`` it also fine-tunes the global model
@@ -38,11 +39,14 @@ FINETUNED = "finetuned"  # the global model fine-tuned at the site (serve_score'
 
 def candidate_models(folder: Path) -> list[tuple[Path, list | None]]:
     """``(file, sites)`` of each model a run saved in ``folder``: its cluster models (each with the sites that trained
-    it), else its ``global.pt`` (``sites`` None: every site may be served it)."""
+    it), else its ``global.pt`` (``sites`` None: every site may be served it), else the models an onboarding run
+    assigned its new sites (``<site>.pt``: that site's)."""
     import torch
 
     files = sorted(folder.glob("cluster*.pt"), key=lambda p: int(p.stem[len("cluster"):])) or \
         [p for p in [folder / "global.pt"] if p.is_file()]
+    if not files:  # an onboarding run: each new site's assigned model
+        return [(p, [p.stem]) for p in sorted(folder.glob("*.pt"))]
     out = []
     for p in files:
         ck = torch.load(p, map_location="cpu", weights_only=True)
