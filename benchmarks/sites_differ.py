@@ -34,19 +34,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def halves_test(feats: list, rng, n_perm: int, k_min: int):
     """The test on sites given as feature arrays (a site with fewer than 2 k_min images sends no halves)."""
-    from fedmed.algorithms.differ import differ_test, split_halves
+    from fedmed.algorithms.differ import halves_test, split_halves
 
-    means, owner, sizes = [], [], []
-    for i, f in enumerate(feats):
+    halves, sizes = [], []
+    for f in feats:
         if len(f) < 2 * k_min:
             continue
-        a, b = split_halves(len(f), rng)
-        means += [f[a].mean(axis=0), f[b].mean(axis=0)]
-        owner += [i, i]
-        sizes += [len(a), len(b)]
-    m = np.asarray(means, dtype=np.float64)
-    D = ((m[:, None] - m[None, :]) ** 2).sum(axis=-1)
-    return differ_test(D, np.asarray(owner), sizes=sizes, n_perm=n_perm, rng=rng)
+        a, b = split_halves(len(f), rng)  # as a site's signature task splits (fedmed.site.tasks._halves)
+        halves.append((f[a].mean(axis=0), f[b].mean(axis=0)))
+        sizes.append((len(a), len(b)))
+    return halves_test(halves, sizes, n_perm=n_perm, rng=rng)
 
 
 def redeal(pool: np.ndarray, sizes: list, rng) -> list:

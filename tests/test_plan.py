@@ -117,11 +117,12 @@ def test_fedmed_plan_runs_from_the_command_line_and_bad_input_is_one_line(runs, 
     from fedmed.cli.main import main
 
     cfg, t = str(runs["cfg"]), runs["tmp"]
+    # the README's command: FLARE's simulator by default
     assert main(["plan", cfg, "--global", str(t / "FedAvg"), "--candidate", f"FMCL={t / 'FMCL'}", "--data",
-                 str(runs["data"]), "--out", str(tmp_path / "p"), "--in-process"]) == 0
+                 str(runs["data"]), "--out", str(tmp_path / "p")]) == 0
     out = capsys.readouterr().out
     assert "| site | served model | why |" in out and "| site-1 |" in out
-    assert len(list((tmp_path / "p" / "models").glob("site-*.pt"))) == 6
+    assert len(list((tmp_path / "p" / "server" / "models").glob("site-*.pt"))) == 6
     # the spec for provisioned sites, running nothing
     assert main(["plan", cfg, "--global", str(t / "FedAvg"), "--finetune", "--spec", str(tmp_path / "s.json")]) == 0
     spec = json.loads((tmp_path / "s.json").read_text())

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ALPHA", "DifferTest", "differ_test", "split_halves"]
+__all__ = ["ALPHA", "DifferTest", "differ_test", "halves_test", "split_halves"]
 
 ALPHA = 0.05
 
@@ -103,3 +103,14 @@ def differ_test(D, owner, *, sizes=None, n_perm: int = 999, alpha: float = ALPHA
     hits = sum(_statistic(D, pairs[rng.permutation(len(owner))]) >= t for _ in range(int(n_perm)))
     return DifferTest(statistic=t, p=(1 + hits) / (1 + int(n_perm)), alpha=float(alpha), n_sites=len(sites),
                       n_perm=int(n_perm))
+
+
+def halves_test(halves, sizes, *, n_perm: int = 999, alpha: float = ALPHA,
+                rng: np.random.Generator | None = None) -> DifferTest:
+    """:func:`differ_test` on what the sites send: per site its two half means (``halves``, a list of pairs of
+    vectors) and the halves' sizes (``sizes``, a list of pairs of counts): squared Euclidean distances between all the
+    half means, scaled by the sizes."""
+    means = np.asarray([v for pair in halves for v in pair], dtype=np.float64)
+    D = ((means[:, None] - means[None, :]) ** 2).sum(axis=-1)
+    return differ_test(D, np.repeat(np.arange(len(halves)), 2), sizes=[n for pair in sizes for n in pair],
+                       n_perm=n_perm, alpha=alpha, rng=rng)

@@ -243,7 +243,7 @@ def finished_run(path, what: str) -> Path:
 def _plan_spec(exp, method, seed, cfg, plan, server_files, name, common) -> JobSpec:
     import torch
 
-    from fedmed.workflows.plan import FINETUNED, REFERENCE, candidate_models
+    from fedmed.workflows.plan import FINETUNED, REFERENCE, candidate_models, candidate_name_ok
 
     if not common["sites"]:
         raise BuildError("a serving plan's job names its sites (--sites, or the config's site names)")
@@ -263,7 +263,7 @@ def _plan_spec(exp, method, seed, cfg, plan, server_files, name, common) -> JobS
     (tmp / REFERENCE).mkdir()
     shutil.copy(ref, tmp / REFERENCE / "global.pt")
     for cand, path in dict(plan.get("candidates") or {}).items():
-        if cand in (REFERENCE, FINETUNED) or not str(cand).replace("_", "").replace("-", "").replace(".", "").isalnum():
+        if not candidate_name_ok(str(cand)):
             raise BuildError(f"--candidate {cand}: a candidate's name is a word other than {REFERENCE!r} and "
                              f"{FINETUNED!r}")
         found = candidate_models(finished_run(path, f"--candidate {cand}") / "models")

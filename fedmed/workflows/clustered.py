@@ -73,17 +73,14 @@ class OneShotClustered(FedAvg):
         """Before training: do the sites differ at all? The split-half permutation test
         (:func:`fedmed.algorithms.differ.differ_test`, alpha 0.05) on the half means the sites sent, recorded as
         ``differ`` (its answer in one sentence); skipped when fewer than two sites sent halves."""
-        from fedmed.algorithms.differ import differ_test
+        from fedmed.algorithms.differ import halves_test
 
         halves = {s: m for s, m in sorted(sigs.items()) if m.get("halves")}
         if len(halves) < 2:
             self.recorder.note("differ", {"answer": f"not tested: {len(halves)} site(s) sent split-half means"})
             return
-        means = np.asarray([v for m in halves.values() for v in m["halves"]], dtype=np.float64)
-        owner = np.repeat(np.arange(len(halves)), 2)
-        sizes = [n for m in halves.values() for n in m["halves_n"]]
-        D = ((means[:, None] - means[None, :]) ** 2).sum(axis=-1)
-        t = differ_test(D, owner, sizes=sizes, rng=np.random.default_rng(self.task_cfg.seed))
+        t = halves_test([m["halves"] for m in halves.values()], [m["halves_n"] for m in halves.values()],
+                        rng=np.random.default_rng(self.task_cfg.seed))
         self.recorder.note("differ", {"answer": t.sentence(), "p": t.p, "statistic": t.statistic, "alpha": t.alpha,
                                       "n_perm": t.n_perm, "sites": list(halves)})
         self.info(f"before training, do the sites differ? {t.sentence()}")

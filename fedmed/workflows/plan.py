@@ -31,10 +31,16 @@ from fedmed.core.packing import pack_models
 from fedmed.workflows.base import Workflow
 from fedmed.workflows.federation import RunFailed
 
-__all__ = ["Plan", "REFERENCE", "candidate_models"]
+__all__ = ["Plan", "REFERENCE", "candidate_models", "candidate_name_ok"]
 
 REFERENCE = "global"  # the reference's folder and name
 FINETUNED = "finetuned"  # the global model fine-tuned at the site (serve_score's name for it)
+
+
+def candidate_name_ok(name: str) -> bool:
+    """A candidate's name names its folder in the job and its metrics: a word (letters, digits, ``_-.``) other than
+    the reference's and the fine-tuned model's."""
+    return name not in (REFERENCE, FINETUNED) and name.replace("_", "").replace("-", "").replace(".", "").isalnum()
 
 
 def candidate_models(folder: Path) -> list[tuple[Path, list | None]]:
@@ -79,8 +85,7 @@ class Plan(Workflow):
 
         super().__init__(num_rounds, task_config, **kw)
         self.candidates = [str(c) for c in candidates]
-        bad = [c for c in self.candidates if c in (REFERENCE, FINETUNED) or not c.replace("_", "").replace("-", "")
-               .replace(".", "").isalnum()]
+        bad = [c for c in self.candidates if not candidate_name_ok(c)]
         if bad or len(set(self.candidates)) != len(self.candidates):
             raise ValueError(f"plan: candidate names must be distinct words other than {REFERENCE!r} and "
                              f"{FINETUNED!r}, got {self.candidates}")
