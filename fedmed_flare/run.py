@@ -417,7 +417,7 @@ def start_template(a, task_config: dict) -> None:
     """The simulator's site template, started as soon as the job's task config is known: it imports torch and NVFlare
     (~4 s of CPU) while this process builds the job, and MONAI too (~9 s) when the job's network needs it — once,
     instead of in the server and every site after the fork."""
-    if a.env != "sim" or os.environ.get("FEDMED_SIM_FORK", "1") == "0":
+    if a.env != "sim" or a.template is not None or os.environ.get("FEDMED_SIM_FORK", "1") == "0":
         return
     from fedmed.nn.needs import uses_monai  # no torch import here: the template imports it
     from fedmed_flare.simulator import ForkedWorker
@@ -448,7 +448,7 @@ def _main(a) -> int:
                            "min_cluster_images": a.min_cluster_images,
                            "known_clusters": json.loads(a.known_clusters) if a.known_clusters else {}}
             spec = job_spec(exp, method, a.seed, sites=a.sites or "config", resume_from=a.resume_from,
-                            onboard=onboard)
+                            onboard=onboard, task_config_ready=lambda cfg: start_template(a, cfg))
         sites = spec.sites
         start_template(a, spec.task_config)
         job = job_from_spec(spec)

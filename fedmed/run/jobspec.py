@@ -126,7 +126,8 @@ def tracking_settings(exp) -> dict:
 
 
 def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = None, resume_from=None,
-             onboard: dict | None = None, plan: dict | None = None, files_checked: bool = False) -> JobSpec:
+             onboard: dict | None = None, plan: dict | None = None, files_checked: bool = False,
+             task_config_ready=None) -> JobSpec:
     """The job of ``method`` of the experiment ``exp`` for ``seed``.
 
     Args:
@@ -141,6 +142,8 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
             ``method`` is the method whose run ``global`` is (its task config is the plan's).
         files_checked: the method's files were checked in this process already (``fedmed experiment`` checks every
             method's before its first run), so they are not loaded again here.
+        task_config_ready: called with the task config as soon as it is built, before the network is checked (which
+            imports torch, ~2 s): the job runner starts the simulator's site template there, so the two overlap.
     """
     from fedmed.methods import server_workflow_path
 
@@ -153,6 +156,8 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
         except ValueError as e:
             raise BuildError(str(e)) from None
     cfg = build_task_config(exp, seed, method, names)
+    if task_config_ready is not None:
+        task_config_ready(cfg)
     user_code, server_files = [], []
     _network_files(exp, cfg, user_code, server_files)
     _plugin_files(exp, user_code)
