@@ -269,10 +269,25 @@ def test_an_fmcl_run_merges_a_cluster_below_min_cluster_images_before_training(t
         exp = with_classes(exp, data)
         status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0), data, tmp_path / name)
         assert status == "finished", fed.recorder.doc.get("reason")
-        return fed.recorder.doc["clustering"], sorted(p.name for p in (tmp_path / name / "models").glob("*.pt"))
+        trained = {}  # what each cluster model then trained on (saved with it)
+        for f in sorted((tmp_path / name / "models").glob("cluster*.pt")):
+            trained[int(f.stem[7:])] = torch.load(f, weights_only=False)["train_images"]
+        return fed.recorder.doc["clustering"], sorted(p.name for p in (tmp_path / name / "models").glob("*.pt")), \
+            trained
 
-    plain, models = run(0, "plain")
+    import torch
+
+    from fedmed.report.findings import cluster_sizes_sentence
+
+    plain, models, trained = run(0, "plain")
     assert plain["k"] == 3 and "merged" not in plain and len(models) == 3
-    merged, models = run(10_000, "merged")  # no cluster of this federation holds 10,000 images: one is left
+    # before training, the record says what each cluster would train on: the images its sites' models then trained on
+    assert plain["cluster_images"] == [trained[c] for c in range(3)] and plain["min_cluster_images"] == 0
+    small = min(range(3), key=lambda c: plain["cluster_images"][c])
+    assert (f"the smallest, cluster {small} ({plain['cluster_images'][small]} images)"
+            in cluster_sizes_sentence(plain)) and "No size floor is set" in cluster_sizes_sentence(plain)
+    merged, models, trained = run(10_000, "merged")  # no cluster of this federation holds 10,000 images: one is left
     assert merged["clusters"] == [sorted(s for c in plain["clusters"] for s in c)] and len(merged["merged"]) == 2
     assert merged["k"] == 1 and models == ["cluster0.pt"] and "merged" in merged["rule"]
+    assert merged["cluster_images"] == [sum(plain["cluster_images"])] == [trained[0]]
+    assert "Under min_cluster_images=10000: cluster(s) 0" in cluster_sizes_sentence(merged)

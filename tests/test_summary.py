@@ -275,3 +275,25 @@ def test_the_report_has_a_glossary_for_its_abbreviations_and_folds_a_repeated_po
     glossary = text[text.index("Glossary"):]
     for term in ("HD95", "FedAvg", "FedProx", "FMCL", "k_min"):
         assert f" {term} " in glossary and GLOSSARY[term] in glossary, term
+
+
+def test_the_report_says_before_training_whether_each_cluster_has_enough_to_train_on(tmp_path):
+    """#57: the report says whether the sites differ, how sure, and whether their clusters would be large enough to
+    train — each cluster's training images (what its sites reported with their signatures) against the method's
+    min_cluster_images; a record without the counts (an older run) shows no such line."""
+    from fedmed.report.html import visible_text, write_report
+
+    (tmp_path / "summary.md").write_text("## t\n\nProduced by: `fedmed experiment c.yaml`\n")
+    clustering = {"rule": "n_clusters=2", "clusters": [["site-1", "site-2"], ["site-3"]], "cluster_images": [310, 52],
+                  "min_cluster_images": 0}
+    for m, c in (("FMCL", clustering), ("PACFL", {k: v for k, v in clustering.items() if k != "cluster_images"})):
+        run = tmp_path / "runs" / "seed0" / m
+        run.mkdir(parents=True)
+        (run / "metrics.json").write_text(json.dumps({"status": "finished", "rounds": [], "clustering": c, "differ": {
+            "answer": "the 3 sites differ (split-half permutation test, p = 0.001 < alpha 0.05)"}}))
+        (run / "run.json").write_text(json.dumps({"method": m}))
+    text = visible_text(write_report(tmp_path).read_text())
+    assert text.count("do the sites differ? the 3 sites differ (split-half permutation test, p = 0.001") == 2
+    assert text.count("Training images per cluster: cluster 0: 310 images at 2 sites, cluster 1: 52 images at 1 site. "
+                      "No size floor is set") == 1
+    assert "the smallest, cluster 1 (52 images), trains its model on those alone" in text

@@ -12,9 +12,30 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["findings", "findings_section"]
+__all__ = ["cluster_sizes_sentence", "findings", "findings_section"]
 
 FLOORS = ("Majority class", "Untrained network")
+
+
+def cluster_sizes_sentence(clustering: dict) -> str:
+    """Whether each cluster would have enough to train on, from a clustering record that holds ``cluster_images``
+    (the training images of each cluster's sites, as the sites reported them with their signatures) and
+    ``min_cluster_images`` (the method's floor; 0: none set) — before any cluster model is trained (issue #57)."""
+    clusters, images = clustering["clusters"], clustering["cluster_images"]
+    floor = int(clustering.get("min_cluster_images") or 0)
+    each = ", ".join(f"cluster {i}: {n} image{'s' * (n != 1)} at {len(c)} site{'s' * (len(c) != 1)}"
+                     for i, (c, n) in enumerate(zip(clusters, images)))
+    i = int(np.argmin(images))
+    if floor:
+        under = [j for j, n in enumerate(images) if n < floor]
+        return (f"Training images per cluster: {each}. "
+                + (f"Every cluster holds at least min_cluster_images={floor}." if not under else
+                   f"Under min_cluster_images={floor}: cluster(s) {', '.join(map(str, under))} (no other cluster to "
+                   f"merge into)."))
+    return (f"Training images per cluster: {each}. No size floor is set (the method's min_cluster_images): the "
+            f"smallest, cluster {i} ({images[i]} images), trains its model on those alone; whether that serves its "
+            f"sites better than the global model is what the serving plan (fedmed plan) measures on their validation "
+            f"data.")
 
 
 def _pct(vals) -> str:

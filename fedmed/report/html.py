@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 from fedmed.core.io import readable, shown_path
+from fedmed.report.findings import cluster_sizes_sentence
 
 __all__ = ["case_verdict", "markdown_to_html", "visible_text", "write_report"]
 
@@ -271,6 +272,8 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
                 parts.append(f"<p>Clustering: {html.escape(str(c.get('rule', '')))}; clusters "
                              f"{html.escape(json.dumps(c.get('clusters')))}"
                              + (f"; encoder {html.escape(enc)}" if enc else "") + "</p>")
+                if c.get("cluster_images") and len(c["cluster_images"]) == len(c.get("clusters") or []):
+                    parts.append(f"<p>{html.escape(cluster_sizes_sentence(c))}</p>")
             server = run / "server"
             for png, alt in (("distance_heatmap.png", "distance heatmap (values; red boxes: clusters)"),
                              ("dendrogram.png", "dendrogram with the cut"), ("silhouette.png", "silhouette over K"),

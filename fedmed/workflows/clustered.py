@@ -104,10 +104,10 @@ class OneShotClustered(FedAvg):
             self.recorder.note("clustering", {"clusters": [names], "rule": f"fallback to one cluster: {e}",
                                               "sites": names})
             return [names] if names else []
+        sizes = {s: sigs[s]["n_train"] for s in names if "n_train" in sigs[s]}
         if c.min_cluster_images:  # every cluster model needs data to learn from (#57)
             from fedmed.algorithms.clustering import merge_small_clusters
 
-            sizes = {s: sigs[s]["n_train"] for s in names if "n_train" in sigs[s]}
             merged, merges = merge_small_clusters(info["clusters"], sizes, D, names, c.min_cluster_images)
             for m in merges:
                 self.info(f"cluster {m['cluster']} holds {m['images']} training images (< min_cluster_images="
@@ -116,6 +116,9 @@ class OneShotClustered(FedAvg):
                 info.update(clusters=merged, k=len(merged), merged=merges,
                             labels=[next(i for i, g in enumerate(merged) if n in g) for n in names],
                             rule=f"{info['rule']}, then clusters under {c.min_cluster_images} training images merged")
+        if len(sizes) == len(names):  # would each cluster have enough to train on? (the report says, #57)
+            info["cluster_images"] = [int(sum(sizes[s] for s in g)) for g in info["clusters"]]
+            info["min_cluster_images"] = int(c.min_cluster_images or 0)
         info["encoder"] = sorted({m.get("encoder", "?") for m in sigs.values()})
         write_distance_csv(out / "distances.csv", names, D)
         plot_heatmap(D, names, out / "distance_heatmap.png", title=f"{self.signature.kind} distances",
@@ -127,6 +130,10 @@ class OneShotClustered(FedAvg):
             plot_silhouette(info["silhouette"], info["window"], info["k"], out / "silhouette.png")
         self.recorder.note("clustering", {**info, "sites": names})
         self.info(f"clusters ({info['rule']}): {info['clusters']}")
+        if "cluster_images" in info:
+            from fedmed.report.findings import cluster_sizes_sentence
+
+            self.info(cluster_sizes_sentence(info))
         return [list(c) for c in info["clusters"]]
 
     # ------------------------------------------------------------------ a new site after training (fedmed.workflows.onboard)
