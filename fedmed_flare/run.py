@@ -495,7 +495,7 @@ def _main(a) -> int:
     t0 = time.time()
     if a.env == "sim":
         res = run_sim(job, sites, a.datalists, Path(a.workspace), a.template, quiet=a.quiet,
-                      rounds=int(spec.task_config["train"]["rounds"]))
+                      rounds=int(spec.rounds))
     else:
         res = run_prod(job, a.startup_kit, Path(a.result_dir), a.timeout)
     res["seconds"] = round(time.time() - t0, 1)

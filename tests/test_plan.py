@@ -122,6 +122,8 @@ def test_fedmed_plan_runs_from_the_command_line_and_bad_input_is_one_line(runs, 
                  str(runs["data"]), "--out", str(tmp_path / "p")]) == 0
     out = capsys.readouterr().out
     assert "| site | served model | why |" in out and "| site-1 |" in out
+    # its progress counts the plan's own rounds (score, served, global), not the training run's 4
+    assert "round 1/2 served" in out and "round 2/2 global" in out and "/4 " not in out, out
     assert len(list((tmp_path / "p" / "server" / "models").glob("site-*.pt"))) == 6
     # the spec for provisioned sites, running nothing
     assert main(["plan", cfg, "--global", str(t / "FedAvg"), "--finetune", "--spec", str(tmp_path / "s.json")]) == 0

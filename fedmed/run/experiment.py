@@ -275,7 +275,7 @@ def run_job(spec, datalists: Path, work: Path, n_sites: int = 0, timeout: int = 
     cmd = [sys.executable, "-m", "fedmed_flare.run", "--spec", str(spec_file), "--env", "sim",
            "--datalists", str(Path(datalists).resolve()), "--workspace", str(ws), "--jobs-dir", str(work / "job"),
            "--site-policy", "simulation", "--verbose"]  # FLARE's lines into simulator.log, for the reasons it gives
-    total = None
+    total = spec.rounds  # the job's own (a plan's 2, an onboarding job's 1), not the config's training rounds
     t0 = time.time()
     seen = 0
     log_path = work / "simulator.log"
@@ -296,8 +296,7 @@ def run_job(spec, datalists: Path, work: Path, n_sites: int = 0, timeout: int = 
                         doc = json.loads(hits[0].read_text())
                     except (OSError, ValueError):
                         continue
-                    total = total or doc.get("meta", {}).get("config", {}).get("train", {}).get("rounds")
-                    seen = progress_lines(doc, total or 0, t0, seen, log)
+                    seen = progress_lines(doc, total, t0, seen, log)
         except BaseException:  # interrupted or killed: do not leave the job (and its simulator) running
             _stop(proc)
             raise
