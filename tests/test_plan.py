@@ -179,7 +179,10 @@ def test_fedmed_experiment_runs_the_plan_after_a_seeds_methods_and_reuses_it(run
     assert [(r["method"], r["task"]) for r in plan_rows] == [(E.PLAN_METHOD, "served"), (E.PLAN_GLOBAL, "global")]
     assert set(plan_rows[0]["sites"]) == {f"site-{k}" for k in range(1, 7)}
     assert (tmp_path / "out" / "runs" / "seed0" / "_serving_plan" / "server" / "plan.md").is_file()
-    assert E.PLAN_METHOD in (tmp_path / "out" / "summary.md").read_text()
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    # its Round cells: no training round is selected for the plan's rows (they read "val-selected (1)", "(2)" before)
+    assert f"| {E.PLAN_METHOD} | per site, on val. |" in summary
+    assert f"| {E.PLAN_GLOBAL} | final (reference) |" in summary and "val-selected (2)" not in summary
     # the report: a site x candidate table of validation scores, the choice marked
     from fedmed.report.html import visible_text
 

@@ -158,7 +158,7 @@ def summarize(rows: list[dict], selection: str = "final") -> list[dict]:
         runs = [r for (meth, _), r in sorted(rep.items()) if meth == m]
         # no site could score its test split without describing fewer than k_min samples: the cell says so
         withheld = all("n_test" in r and not r["n_test"] for r in runs)
-        entry = {"method": m, "kind": runs[0].get("kind", "method"), "seeds": len(runs),
+        entry = {"method": m, "kind": runs[0].get("kind", "method"), "seeds": len(runs), "task": runs[0].get("task"),
                  "rounds": sorted({r["round"] for r in runs if r.get("round") is not None}),
                  **{k: _withheld(fmt([r.get(k) for r in runs], 1.0 if k.startswith("hd95") or k in ("fp_voxels", "fp_pixels")
                                      else 100.0), withheld)
@@ -201,9 +201,15 @@ def margin(entry: dict, ref: dict | None, key: str = "accuracy") -> str:
     return f"{d.mean():+.2f}" + (f" ± {d.std():.2f}" if n > 1 else "") + (" (within the spread)" if within else "")
 
 
+PLAN_TASKS = {"served": "per site, on val.",  # fedmed.workflows.plan: each site's model chosen on its validation data
+              "global": "final (reference)"}  # the plan's reference run's final global model, scored beside it
+
+
 def _round_label(e, selection) -> str:
     if e["kind"] == "reference" or not e["rounds"]:
         return "—"
+    if e.get("task") in PLAN_TASKS:  # a serving plan's rows: no round of training is selected there
+        return PLAN_TASKS[e["task"]]
     if selection == "final":
         return f"final ({e['rounds'][-1]})"
     return f"val-selected ({', '.join(map(str, e['rounds']))})"
