@@ -233,3 +233,21 @@ def test_a_newcomer_is_served_its_assigned_cluster_model_only_where_its_validati
         want = tmp_path / "onboard" / "models" / f"{u}.pt" if v["served"] == "FMCL" else \
             runs["tmp"] / "FedAvg" / "models" / "global.pt"
         assert served == want.read_bytes()
+    # benchmarks/newcomer_plan.py's table (docs/results.md) reads this plan: per new site the served model, the
+    # evidence, and the served and global models' test accuracies as the plan's record has them
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from newcomer_plan import table
+
+    shutil.copytree(tmp_path / "plan", tmp_path / "out" / "runs" / "seed0" / "_newcomer_plan" / "server")
+    text = table(tmp_path / "out", [0])
+    doc = json.loads((tmp_path / "plan" / "metrics.json").read_text())
+    acc = {r["task"]: r["sites"] for r in doc["rounds"] if r.get("task") in ("served", "global")}
+    for u, v in plan.items():
+        e = v["evidence"]["FMCL"]
+        cells = ["0", u, v["served"], f"FMCL: {e['wins']} W / {e['losses']} L of {e['n']}" if e else "FMCL: none sent",
+                 f"{100 * acc['served'][u]['accuracy']:.2f}", f"{100 * acc['global'][u]['accuracy']:.2f}"]
+        assert "| " + " | ".join(cells) + " |" in text, text
+    assert f"Over {len(plan)} (seed, site) pairs" in text
