@@ -159,3 +159,51 @@ def test_a_2d_experiments_report_and_table_are_written(tmp_path):
     assert "Dice per test image holding a lesion" in md and "HD95" not in md
     assert "| FedAvg | final (1) | 50.00 | n/a |" in md, md
     assert write_report(out).is_file()
+
+
+def test_the_serving_plan_chooses_2d_lesion_segmenters_on_the_sites_validation_dice(tmp_path):
+    """#57 for 2D lesion segmentation: the plan's sites score the global model and their cluster's model on their
+    validation images and send paired counts of per-image lesion Dice (never a Dice per image); each site is served
+    one of the two (its ``models/<site>.pt`` that model's file), the served model's validation Dice is the one it was
+    chosen on, and a candidate that is the global model itself is never served (no image differs). Fine-tuning at the
+    site and a 3D segmenter are refused when the job is built, one line each."""
+    from fedmed.report.html import plan_html, visible_text
+    from fedmed.run.experiment import prepare_federation, with_classes
+    from fedmed.run.jobspec import BuildError, job_spec, run_spec_in_process
+
+    exp = _config(tmp_path, [{"name": "FedAvg", "workflow": "fedavg"},
+                             {"name": "Clusters", "workflow": "seg_clusters", "distance": "emd"}],
+                  train={"rounds": 3, "local_epochs": 2, "batch_size": 4, "lr": 0.01, "weight_decay": 0.0})
+    data = prepare_federation(exp, 0, tmp_path / "fed")
+    exp = with_classes(exp, data)
+    for m in exp.methods:
+        status, fed = run_spec_in_process(job_spec(exp, m, 0), data, tmp_path / m.name)
+        assert status == "finished", fed.recorder.doc.get("reason")
+    plan = {"global": tmp_path / "FedAvg", "candidates": {"Clusters": tmp_path / "Clusters", "Same": tmp_path / "FedAvg"}}
+    status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0, plan=plan), data, tmp_path / "plan")
+    assert status == "finished", fed.recorder.doc.get("reason")
+    chosen = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert sorted(chosen) == ["scanA", "scanB", "scanC"]
+    rounds = {r["task"]: r["sites"] for r in fed.recorder.doc["rounds"]}
+    for site, v in chosen.items():
+        assert v["served"] in ("global", "Clusters")
+        assert v["evidence"]["Same"] == {"n": v["evidence"]["Same"]["n"], "wins": 0, "losses": 0}
+        c = v["evidence"]["Clusters"]
+        assert c["n"] >= 2 and c["wins"] + c["losses"] <= c["n"]
+        scored = rounds["serve_score"][site]
+        assert set(scored) >= {"val_dice_mean/global", "val_dice_mean/Clusters"}
+        assert rounds["served"][site]["val_dice_mean"] == pytest.approx(scored[f"val_dice_mean/{v['served']}"])
+        assert rounds["global"][site]["val_dice_mean"] == pytest.approx(scored["val_dice_mean/global"])
+        want = tmp_path / "FedAvg" / "models" / "global.pt" if v["served"] == "global" else \
+            tmp_path / "Clusters" / "models" / v["file"]
+        assert (tmp_path / "plan" / "models" / f"{site}.pt").read_bytes() == want.read_bytes()
+    page = visible_text(plan_html(tmp_path / "plan"))
+    assert "Clusters (val)" in page and "Same (val)" in page and page.count("✓") == 3
+    with pytest.raises(BuildError, match="fine-tuning at the site is for classifiers"):
+        job_spec(exp, exp.methods[0], 0, plan={**plan, "finetune": {"epochs": 1, "lr_scale": 0.1}})
+    from fedmed.core.resources import shipped_config
+
+    vol = load_config(shipped_config("demo_seg_phantoms.yaml"))  # 3D: its sites score volumes, not yet by the plan
+    with pytest.raises(BuildError, match=r"scores classifiers and 2D lesion segmenters \(this config's task: "
+                                         r"segmentation, 3D\)"):
+        job_spec(vol, vol.methods[0], 0, plan=plan)

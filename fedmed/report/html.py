@@ -186,13 +186,16 @@ def visible_text(page: str) -> str:
 
 
 def plan_html(server: Path) -> str:
-    """The serving plan of one seed (``fedmed.workflows.plan``): per site each model's validation accuracy (the
-    chosen one marked), the served and the global model's test accuracy, and why."""
+    """The serving plan of one seed (``fedmed.workflows.plan``): per site each model's validation accuracy — lesion
+    Dice for a 2D segmenter — (the chosen one marked), the served and the global model's test score, and why."""
     plan = json.loads((server / "plan.json").read_text())
     doc = json.loads((server / "metrics.json").read_text()) if (server / "metrics.json").is_file() else {}
     by_task = {r["task"]: r.get("sites", {}) for r in doc.get("rounds", [])}
     scored = by_task.get("serve_score", {})
-    names = list(dict.fromkeys(k.split("/", 1)[1] for v in scored.values() for k in v if k.startswith("val_accuracy/")))
+    # a classifier's plan scores accuracy, a 2D lesion segmenter's the lesion Dice (fedmed.site.seg2d.serve_score)
+    metric = "dice_mean" if any(k.startswith("val_dice_mean/") for v in scored.values() for k in v) else "accuracy"
+    names = list(dict.fromkeys(k.split("/", 1)[1] for v in scored.values() for k in v
+                               if k.startswith(f"val_{metric}/")))
 
     def pct(x) -> str:
         return "n/a" if x is None or not isinstance(x, (int, float)) or x != x else f"{100 * x:.1f}%"
@@ -203,11 +206,11 @@ def plan_html(server: Path) -> str:
     for site, v in sorted(plan.items()):
         cells = [html.escape(site)]
         for n in names:
-            cell = html.escape(pct(scored.get(site, {}).get(f"val_accuracy/{n}")))
+            cell = html.escape(pct(scored.get(site, {}).get(f"val_{metric}/{n}")))
             cells.append(f"<b>{cell} ✓</b>" if n == v["served"] else cell)
         cells += [f"<b>{html.escape(v['served'])}</b>", html.escape(pct(by_task.get("served", {}).get(site, {})
-                                                                       .get("accuracy"))),
-                  html.escape(pct(by_task.get("global", {}).get(site, {}).get("accuracy"))), html.escape(v["reason"])]
+                                                                       .get(metric))),
+                  html.escape(pct(by_task.get("global", {}).get(site, {}).get(metric))), html.escape(v["reason"])]
         body += "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
     return ("<p>Which model each site is served, chosen on its validation split only (the global model unless a "
             "candidate beats it beyond the noise: docs/readings.md \"Serving plan\"); the test columns were scored "
