@@ -370,9 +370,12 @@ class ExperimentConfig(_Strict):
                                  f"{sv.reference!r}, got {sv.candidates}")
             if not sv.candidates and sv.finetune is None:
                 raise ValueError("serving: name a candidate method or set finetune")
-            if self.dataset.task != "classification":
-                raise ValueError("serving: the plan scores classification models (this config's task: "
-                                 f"{self.dataset.task})")
+            seg2d = self.dataset.task == "segmentation" and bool(self.dataset.sources)  # 2D lesion masks
+            if self.dataset.task != "classification" and not seg2d:
+                raise ValueError("serving: the plan scores classifiers and 2D lesion segmenters (this config's task: "
+                                 f"{self.dataset.task}, 3D)")
+            if seg2d and sv.finetune is not None:
+                raise ValueError("serving.finetune: fine-tuning at the site is for classifiers, not 2D segmentation")
         for c in self.sweep:
             unknown = sorted(set(c.methods or []) - set(names))
             if unknown:

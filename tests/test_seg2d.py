@@ -207,3 +207,42 @@ def test_the_serving_plan_chooses_2d_lesion_segmenters_on_the_sites_validation_d
     with pytest.raises(BuildError, match=r"scores classifiers and 2D lesion segmenters \(this config's task: "
                                          r"segmentation, 3D\)"):
         job_spec(vol, vol.methods[0], 0, plan=plan)
+
+
+def test_fedmed_experiment_runs_the_2d_serving_plan_and_its_rows_join_the_dice_table(tmp_path, monkeypatch):
+    """``serving:`` in a 2D lesion-segmentation config: after the seed's methods the plan runs, its two rows (each
+    site's served model, and the reference's global model beside it) join the Dice table; a 3D config or fine-tuning
+    for 2D is refused when the config is read. (The jobs run in-process here; the plan's FLARE path is
+    tests/test_plan.py's.)"""
+    import fedmed.run.experiment as E
+    from fedmed.run.jobspec import run_spec_in_process
+
+    def run_job(spec, datalists, work, n_sites=0, *a, **k):
+        status, fed = run_spec_in_process(spec, datalists, Path(work) / "server")
+        assert status == "finished", fed.recorder.doc.get("reason")
+        return fed.recorder.doc
+
+    from pathlib import Path
+
+    monkeypatch.setattr(E, "run_job", run_job)
+    methods = [{"name": "FedAvg", "workflow": "fedavg"}, {"name": "Clusters", "workflow": "seg_clusters",
+                                                           "distance": "emd"}]
+    exp = _config(tmp_path, methods, train={"rounds": 2, "local_epochs": 1, "batch_size": 4, "lr": 0.01,
+                                            "weight_decay": 0.0},
+                  references=[], serving={"reference": "FedAvg", "candidates": ["Clusters"]})
+    rows = E.run_experiment(str(tmp_path / "c.yaml"), tmp_path / "out", log=lambda *_: None)
+    plan_rows = [r for r in rows if r["method"] in (E.PLAN_METHOD, E.PLAN_GLOBAL)]
+    assert [(r["method"], r["task"]) for r in plan_rows] == [(E.PLAN_METHOD, "served"), (E.PLAN_GLOBAL, "global")]
+    assert all(0.0 <= r["dice_mean"] <= 1.0 for r in plan_rows)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert f"| {E.PLAN_METHOD} | per site, on val. |" in summary
+    assert exp.serving.candidates == ["Clusters"]
+    raw = yaml.safe_load((tmp_path / "c.yaml").read_text())
+    with pytest.raises((ConfigError, ValueError), match="fine-tuning at the site is for classifiers"):
+        load_config({**raw, "serving": {"reference": "FedAvg", "finetune": {"epochs": 1}}})
+    from fedmed.core.resources import shipped_config
+
+    vol = yaml.safe_load(shipped_config("demo_seg_phantoms.yaml").read_text())
+    vol["methods"] = vol["methods"][:1] + [{"name": "Two", "workflow": "seg_clusters"}]
+    with pytest.raises((ConfigError, ValueError), match="2D lesion segmenters .this config's task: segmentation, 3D"):
+        load_config({**vol, "serving": {"reference": vol["methods"][0]["name"], "candidates": ["Two"]}})
