@@ -64,41 +64,17 @@ def _metrics(runner, model, cfg) -> tuple[dict, dict]:
 
 
 def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
-    """#57's serving plan at a 2D lesion-segmentation site (the classifier's ``fedmed.site.tasks.serve_score``): score
-    the reference (the first packed model, the global one) and every candidate on the site's **validation** images and
-    send per candidate only its paired counts against the reference (:func:`fedmed.algorithms.serving.paired_counts`:
-    images, wins — images where the candidate's lesion Dice is higher —, losses; nothing under ``k_min`` images) and
-    each model's mean validation Dice. Fine-tuning at the site is the classifier's; the test split is not read."""
-    from fedmed.algorithms.serving import paired_counts
-    from fedmed.core.packing import unpack_models
+    """#57's serving plan at a 2D lesion-segmentation site (:func:`fedmed.site.tasks.serving_reply`): every packed
+    model's lesion Dice per **validation** image (a win where the candidate's is higher; lesion-free images are not
+    scored). Fine-tuning at the site is the classifier's; the test split is not read."""
     from fedmed.nn.seg2d import dice_per_image, predict_masks2d
-    from fedmed.nn.train import set_params
-    from fedmed.site.tasks import ServeScoreOptions
+    from fedmed.site.tasks import serving_reply
 
     cfg = task_config(cfg)
-    opts = ServeScoreOptions.model_validate(cfg.method_options)
-    if opts.finetune is not None:
-        raise TaskError(f"{runner.site}: serve_score: fine-tuning at the site is for classifiers, not 2D segmentation")
-    if len(set(opts.names)) != len(opts.names):
-        raise TaskError(f"{runner.site}: serve_score: candidate names must be distinct, got {opts.names}")
-    models = unpack_models(params)
-    if sorted(models) != list(range(len(opts.names))):
-        raise TaskError(f"{runner.site}: serve_score: {len(opts.names)} model name(s) for {len(models)} packed model(s)")
     x, y = runner.cases(cfg)["validation"]
-    k = runner.k_min(cfg)
-    gt = y[:, 0].numpy() > 0.5 if len(y) else np.zeros((0,), dtype=bool)
-    model = runner.model(cfg)
-    dice = {}
-    for i, name in enumerate(opts.names):
-        set_params(model, models[i])
-        dice[name] = dice_per_image(predict_masks2d(model, x), gt) if len(y) else np.zeros(0)
-    ref = opts.names[0]
-    counts = {name: paired_counts(dice[ref], d, k_min=k) for name, d in dice.items() if name != ref}
-    meta = {"serving": {name: None if c is None else {"n": c.n, "wins": c.wins, "losses": c.losses}
-                        for name, c in counts.items()}, "reference": ref}
-    scored = {name: d[np.isfinite(d)] for name, d in dice.items()}
-    metrics = {f"val_dice_mean/{name}": float(d.mean()) if d.size >= k else float("nan") for name, d in scored.items()}
-    return Reply(runner.site, metrics, meta, {})
+    gt = y[:, 0].numpy() > 0.5 if len(y) else None
+    return serving_reply(runner, params, cfg, lambda m: dice_per_image(predict_masks2d(m, x), gt) if len(y) else
+                         np.zeros(0), "dice_mean")
 
 
 def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:

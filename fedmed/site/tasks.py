@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fedmed.core.packing import unpack_model, unpack_models
 from fedmed.core.schema import TaskConfig, task_config
 
-__all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "register_task", "TaskError", "class_set", "descriptor", "ifca", "latent_bounds", "signature", "train",
+__all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "register_task", "serving_reply", "TaskError", "class_set", "descriptor", "ifca", "latent_bounds", "signature", "train",
            "serve_score", "task_seed", "train_locally", "validate", "validate_ensemble"]
 
 
@@ -447,51 +447,66 @@ class ServeScoreOptions(BaseModel):
     finetune: FinetuneLocalOptions | None = None
 
 
-def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
-    """#57's serving plan at a site: score the reference (the first packed model, the global one) and every
-    candidate on the site's **validation** split, and send per candidate only its paired counts against the reference
-    (:func:`fedmed.algorithms.serving.paired_counts`: items, wins, losses; nothing under ``k_min`` items) and each
-    model's validation accuracy — never a per-image value. With ``finetune`` the site also fine-tunes the reference on
-    its own training split (as ``finetune_local`` does) and scores that model, which never leaves it, as
-    ``finetuned``. The test split is not read."""
+def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: str, finetune=None) -> Reply:
+    """What a site's ``serve_score`` sends, whatever it scores: each packed model (the first the reference) is loaded
+    into the site's network and scored per validation item by ``item_scores(model)`` (higher is better; NaN: not
+    scored); ``finetune(model)`` — the reference loaded — may add the model fine-tuned at the site as ``finetuned``
+    (returning its scores and meta). Sends per candidate only its paired counts against the reference
+    (:func:`fedmed.algorithms.serving.paired_counts`; nothing under ``k_min`` items) and each model's mean
+    ``val_<metric>/<name>`` — never a per-item value."""
     from fedmed.algorithms.serving import paired_counts
-    from fedmed.nn.train import predict_proba, set_params
+    from fedmed.nn.train import set_params
 
-    cfg = task_config(cfg)
     opts = ServeScoreOptions.model_validate(cfg.method_options)
     if "finetuned" in opts.names[1:] or len(set(opts.names)) != len(opts.names):
         raise TaskError(f"{runner.site}: serve_score: candidate names must be distinct and not 'finetuned', got "
                         f"{opts.names}")
+    if opts.finetune is not None and finetune is None:
+        raise TaskError(f"{runner.site}: serve_score: fine-tuning at the site is for classifiers, not {runner.KIND}")
     models = unpack_models(params)
     if sorted(models) != list(range(len(opts.names))):
         raise TaskError(f"{runner.site}: serve_score: {len(opts.names)} model name(s) for {len(models)} packed model(s)")
-    xv, yv = runner.splits(cfg).val
     k = runner.k_min(cfg)
-    x, y = runner.on_device(xv, cfg), yv.numpy()
     model = runner.model(cfg)
+    scores, meta = {}, {}
+    for i, name in enumerate(opts.names):
+        set_params(model, models[i])
+        scores[name] = np.asarray(item_scores(model), dtype=np.float64)
+    if opts.finetune is not None:
+        set_params(model, models[0])
+        scores["finetuned"], extra = finetune(model, opts.finetune)
+        meta.update(extra)
+    ref = opts.names[0]
+    counts = {name: paired_counts(scores[ref], v, k_min=k) for name, v in scores.items() if name != ref}
+    meta["serving"] = {name: None if c is None else {"n": c.n, "wins": c.wins, "losses": c.losses}
+                       for name, c in counts.items()}
+    meta["reference"] = ref
+    scored = {name: v[np.isfinite(v)] for name, v in scores.items()}
+    metrics = {f"val_{metric}/{name}": float(v.mean()) if v.size >= k else float("nan") for name, v in scored.items()}
+    return Reply(runner.site, metrics, meta, {})
+
+
+def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """#57's serving plan at a site (:func:`serving_reply`): every packed model's correctness on the site's
+    **validation** images. With ``finetune`` the site also fine-tunes the reference on its own training split (as
+    ``finetune_local`` does) and scores that model, which never leaves it, as ``finetuned``. The test split is not
+    read."""
+    from fedmed.nn.train import predict_proba
+
+    cfg = task_config(cfg)
+    xv, yv = runner.splits(cfg).val
+    x, y = runner.on_device(xv, cfg), yv.numpy()
 
     def correct(m) -> np.ndarray:
         if y.size == 0:
             return np.zeros(0)
         return (predict_proba(m, x, precision=runner.precision(cfg)).argmax(axis=1) == y).astype(np.float64)
 
-    right = {}
-    for i, name in enumerate(opts.names):
-        set_params(model, models[i])
-        right[name] = correct(model)
-    meta = {}
-    if opts.finetune is not None:
-        set_params(model, models[0])
-        own = _finetune_config(cfg, opts.finetune)
-        meta["finetune_train_loss"] = train_locally(runner, model, own, round_, "serve_finetune")["train_loss"]
-        right["finetuned"] = correct(model)
-    ref = opts.names[0]
-    counts = {name: paired_counts(right[ref], r, k_min=k) for name, r in right.items() if name != ref}
-    meta["serving"] = {name: None if c is None else {"n": c.n, "wins": c.wins, "losses": c.losses}
-                       for name, c in counts.items()}
-    meta["reference"] = ref
-    metrics = {f"val_accuracy/{name}": float(r.mean()) if r.size >= k else float("nan") for name, r in right.items()}
-    return Reply(runner.site, metrics, meta, {})
+    def finetune(model, options):
+        loss = train_locally(runner, model, _finetune_config(cfg, options), round_, "serve_finetune")["train_loss"]
+        return correct(model), {"finetune_train_loss": loss}
+
+    return serving_reply(runner, params, cfg, correct, "accuracy", finetune)
 
 
 CLASSIFICATION = {"train": train, "validate": validate, "finetune_local": finetune_local, "signature": signature, "latent_bounds": latent_bounds,
