@@ -374,8 +374,6 @@ class ExperimentConfig(_Strict):
             if self.dataset.task != "classification" and not seg2d:
                 raise ValueError("serving: the plan scores classifiers and 2D lesion segmenters (this config's task: "
                                  f"{self.dataset.task}, 3D)")
-            if seg2d and sv.finetune is not None:
-                raise ValueError("serving.finetune: fine-tuning at the site is for classifiers, not 2D segmentation")
         for c in self.sweep:
             unknown = sorted(set(c.methods or []) - set(names))
             if unknown:

@@ -165,8 +165,9 @@ def test_the_serving_plan_chooses_2d_lesion_segmenters_on_the_sites_validation_d
     """#57 for 2D lesion segmentation: the plan's sites score the global model and their cluster's model on their
     validation images and send paired counts of per-image lesion Dice (never a Dice per image); each site is served
     one of the two (its ``models/<site>.pt`` that model's file), the served model's validation Dice is the one it was
-    chosen on, and a candidate that is the global model itself is never served (no image differs). Fine-tuning at the
-    site and a 3D segmenter are refused when the job is built, one line each."""
+    chosen on, and a candidate that is the global model itself is never served (no image differs). The global model
+    fine-tuned at each site is a candidate too (it stays at the site). A 3D segmenter is refused when the job is
+    built, in one line."""
     from fedmed.report.html import plan_html, visible_text
     from fedmed.run.experiment import prepare_federation, with_classes
     from fedmed.run.jobspec import BuildError, job_spec, run_spec_in_process
@@ -199,8 +200,21 @@ def test_the_serving_plan_chooses_2d_lesion_segmenters_on_the_sites_validation_d
         assert (tmp_path / "plan" / "models" / f"{site}.pt").read_bytes() == want.read_bytes()
     page = visible_text(plan_html(tmp_path / "plan"))
     assert "Clusters (val)" in page and "Same (val)" in page and page.count("✓") == 3
-    with pytest.raises(BuildError, match="fine-tuning at the site is for classifiers"):
-        job_spec(exp, exp.methods[0], 0, plan={**plan, "finetune": {"epochs": 1, "lr_scale": 0.1}})
+    # the global model fine-tuned at each site: scored on its validation images; where it is served, the served round
+    # makes it again at the site (the same seed and settings: the same validation Dice) and no file leaves the site
+    tuned = {**plan, "candidates": {}, "finetune": {"epochs": 3, "lr_scale": 1.0}, "alpha": 0.5}
+    status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0, plan=tuned), data, tmp_path / "tuned")
+    assert status == "finished", fed.recorder.doc.get("reason")
+    chosen = json.loads((tmp_path / "tuned" / "plan.json").read_text())
+    rounds = {r["task"]: r["sites"] for r in fed.recorder.doc["rounds"]}
+    for site, v in chosen.items():
+        scored = rounds["serve_score"][site]
+        assert scored["val_dice_mean/finetuned"] != scored["val_dice_mean/global"]  # it trained
+        c = v["evidence"]["finetuned"]
+        assert c["wins"] + c["losses"] >= 1
+        assert rounds["served"][site]["val_dice_mean"] == pytest.approx(scored[f"val_dice_mean/{v['served']}"])
+        assert (tmp_path / "tuned" / "models" / f"{site}.pt").exists() == (v["served"] != "finetuned")
+    assert "finetuned" in {v["served"] for v in chosen.values()}, chosen  # 3 epochs at lr 0.01 beat 3 rounds' model
     from fedmed.core.resources import shipped_config
 
     vol = load_config(shipped_config("demo_seg_phantoms.yaml"))  # 3D: its sites score volumes, not yet by the plan
@@ -211,8 +225,8 @@ def test_the_serving_plan_chooses_2d_lesion_segmenters_on_the_sites_validation_d
 
 def test_fedmed_experiment_runs_the_2d_serving_plan_and_its_rows_join_the_dice_table(tmp_path, monkeypatch):
     """``serving:`` in a 2D lesion-segmentation config: after the seed's methods the plan runs, its two rows (each
-    site's served model, and the reference's global model beside it) join the Dice table; a 3D config or fine-tuning
-    for 2D is refused when the config is read. (The jobs run in-process here; the plan's FLARE path is
+    site's served model, and the reference's global model beside it) join the Dice table; a 3D config is refused when
+    the config is read; fine-tuning at the site is accepted. (The jobs run in-process here; the plan's FLARE path is
     tests/test_plan.py's.)"""
     import fedmed.run.experiment as E
     from fedmed.run.jobspec import run_spec_in_process
@@ -238,8 +252,7 @@ def test_fedmed_experiment_runs_the_2d_serving_plan_and_its_rows_join_the_dice_t
     assert f"| {E.PLAN_METHOD} | per site, on val. |" in summary
     assert exp.serving.candidates == ["Clusters"]
     raw = yaml.safe_load((tmp_path / "c.yaml").read_text())
-    with pytest.raises((ConfigError, ValueError), match="fine-tuning at the site is for classifiers"):
-        load_config({**raw, "serving": {"reference": "FedAvg", "finetune": {"epochs": 1}}})
+    assert load_config({**raw, "serving": {"reference": "FedAvg", "finetune": {"epochs": 1}}}).serving.finetune.epochs == 1
     from fedmed.core.resources import shipped_config
 
     vol = yaml.safe_load(shipped_config("demo_seg_phantoms.yaml").read_text())

@@ -256,8 +256,6 @@ def _plan_spec(exp, method, seed, cfg, plan, server_files, name, common) -> JobS
     if cfg["task"] != "classification" and not seg2d:
         raise BuildError(f"a serving plan scores classifiers and 2D lesion segmenters (this config's task: "
                          f"{cfg['task']}{', 3D' if cfg['task'] == 'segmentation' else ''})")
-    if seg2d and plan.get("finetune"):
-        raise BuildError("--finetune: fine-tuning at the site is for classifiers, not 2D segmentation")
 
     def arch(f: Path) -> dict:
         m = dict(torch.load(f, map_location="cpu", weights_only=True).get("model") or {})

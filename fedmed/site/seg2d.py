@@ -66,15 +66,25 @@ def _metrics(runner, model, cfg) -> tuple[dict, dict]:
 def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     """#57's serving plan at a 2D lesion-segmentation site (:func:`fedmed.site.tasks.serving_reply`): every packed
     model's lesion Dice per **validation** image (a win where the candidate's is higher; lesion-free images are not
-    scored). Fine-tuning at the site is the classifier's; the test split is not read."""
+    scored). With ``finetune`` the site also trains the reference ``epochs`` more on its own training split at
+    ``lr_scale`` x ``train.lr`` (a fresh optimizer, as the classifier's) and scores that model, which never leaves it,
+    as ``finetuned``. The test split is not read."""
     from fedmed.nn.seg2d import dice_per_image, predict_masks2d
-    from fedmed.site.tasks import serving_reply
+    from fedmed.site.tasks import finetune_config, serving_reply
 
     cfg = task_config(cfg)
     x, y = runner.cases(cfg)["validation"]
     gt = y[:, 0].numpy() > 0.5 if len(y) else None
-    return serving_reply(runner, params, cfg, lambda m: dice_per_image(predict_masks2d(m, x), gt) if len(y) else
-                         np.zeros(0), "dice_mean")
+
+    def dice(m) -> np.ndarray:
+        return dice_per_image(predict_masks2d(m, x), gt) if len(y) else np.zeros(0)
+
+    def finetune(model, options):
+        ft = finetune_config(cfg, options)
+        _, loss = _fit(runner, model, ft, round_, runner.optimizer(model, ft, keep=False), "fine-tuning")
+        return dice(model), {"finetune_train_loss": loss}
+
+    return serving_reply(runner, params, cfg, dice, "dice_mean", finetune)
 
 
 def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
@@ -82,28 +92,52 @@ def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     return Reply(runner.site, metrics, meta, {})
 
 
-def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+def _fit(runner, model, cfg: TaskConfig, round_: int, optimizer, what: str) -> tuple[int, float]:
+    """``cfg.train.local_epochs`` of the site's training split into ``model`` (flips, the task's loss, FedProx's
+    term when set); the number of training images and the mean loss. A diverged loss is an error."""
     import torch
 
     from fedmed.nn.seg2d import train_seg2d_local
+
+    x, y = runner.cases(cfg)["training"]
+    runner.require_k_min(int(x.shape[0]), "training images", cfg, "training")
+    t = cfg.train
+    g = torch.Generator().manual_seed(task_seed(cfg, runner.site, round_) % (2**63))
+    out = train_seg2d_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=optimizer,
+                            loss=t.seg.loss, mu=t.fedprox_mu, generator=g, precision=runner.precision(cfg))
+    runner.skipped_note(out, cfg)
+    if not np.isfinite(out["loss"]):
+        raise TaskError(f"{runner.site}: {what} diverged in round {round_}")
+    return int(x.shape[0]), float(out["loss"])
+
+
+def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     from fedmed.nn.train import get_params
 
     cfg = task_config(cfg)
-    x, y = runner.cases(cfg)["training"]
-    runner.require_k_min(int(x.shape[0]), "training images", cfg, "training")
+    runner.require_k_min(int(runner.cases(cfg)["training"][0].shape[0]), "training images", cfg, "training")
     model = _served(runner, params, cfg)
     metrics, meta = _metrics(runner, model, cfg)
-    t = cfg.train
-    g = torch.Generator().manual_seed(task_seed(cfg, runner.site, round_) % (2**63))
-    out = train_seg2d_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size,
-                            optimizer=runner.optimizer(model, cfg, cfg.cluster), loss=t.seg.loss, mu=t.fedprox_mu,
-                            generator=g, precision=runner.precision(cfg))
-    runner.skipped_note(out, cfg)
-    if not np.isfinite(out["loss"]):
-        raise TaskError(f"{runner.site}: training diverged in round {round_}")
-    meta.update(n_train=int(x.shape[0]), train_loss=out["loss"])
-    metrics["train_loss"] = out["loss"]
+    n, loss = _fit(runner, model, cfg, round_, runner.optimizer(model, cfg, cfg.cluster), "training")
+    meta.update(n_train=n, train_loss=loss)
+    metrics["train_loss"] = loss
     return Reply(runner.site, metrics, meta, get_params(model))
+
+
+def finetune_local(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """The served model fine-tuned at the site (the plan's ``finetuned``, made again exactly as ``serve_score`` made
+    it): ``epochs`` more on the site's training split at ``lr_scale`` x ``train.lr``, a fresh optimizer, then scored
+    on its validation and test splits. The model never leaves the site; only its metrics do."""
+    from fedmed.site.tasks import FinetuneLocalOptions, finetune_config
+
+    cfg = task_config(cfg)
+    ft = finetune_config(cfg, FinetuneLocalOptions.model_validate(cfg.method_options))
+    model = _served(runner, params, cfg)
+    n, loss = _fit(runner, model, ft, round_, runner.optimizer(model, ft, keep=False), "fine-tuning")
+    metrics, meta = _metrics(runner, model, cfg)
+    metrics["train_loss"] = loss
+    meta.update(n_train=n, train_loss=loss)
+    return Reply(runner.site, metrics, meta, {})
 
 
 def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
@@ -218,6 +252,7 @@ class Seg2DSiteRunner(SiteRunner):
             self._optimizers = {}
         return self._model
 
-    TASKS = {"assess": assess, "train": train, "validate": validate, "serve_score": serve_score}
+    TASKS = {"assess": assess, "train": train, "validate": validate, "serve_score": serve_score,
+             "finetune_local": finetune_local}
     KIND = "segmentation_2d"
     ASSESS_ENCODER = "efficientnet_lite0"  # the 2D counterpart of 004_'s embedding

@@ -416,7 +416,7 @@ class FinetuneLocalOptions(BaseModel):
     lr_scale: float = Field(0.1, gt=0, le=1)
 
 
-def _finetune_config(cfg: TaskConfig, opts: FinetuneLocalOptions) -> TaskConfig:
+def finetune_config(cfg: TaskConfig, opts: FinetuneLocalOptions) -> TaskConfig:
     """The task config of a site's own fine-tuning: ``opts.epochs`` at ``opts.lr_scale`` x ``train.lr``, a fresh
     optimizer."""
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={
@@ -430,7 +430,7 @@ def finetune_local(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Re
     cfg = task_config(cfg)
     opts = FinetuneLocalOptions.model_validate(cfg.method_options)
     model = _served(runner, params, cfg)
-    out = train_locally(runner, model, _finetune_config(cfg, opts), round_, "finetune_local")
+    out = train_locally(runner, model, finetune_config(cfg, opts), round_, "finetune_local")
     metrics, meta = _served_metrics(runner, model, cfg)
     metrics["train_loss"] = out["train_loss"]
     meta.update(out)
@@ -462,7 +462,7 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
         raise TaskError(f"{runner.site}: serve_score: candidate names must be distinct and not 'finetuned', got "
                         f"{opts.names}")
     if opts.finetune is not None and finetune is None:
-        raise TaskError(f"{runner.site}: serve_score: fine-tuning at the site is for classifiers, not {runner.KIND}")
+        raise TaskError(f"{runner.site}: serve_score: fine-tuning at the site is not available for {runner.KIND}")
     models = unpack_models(params)
     if sorted(models) != list(range(len(opts.names))):
         raise TaskError(f"{runner.site}: serve_score: {len(opts.names)} model name(s) for {len(models)} packed model(s)")
@@ -503,7 +503,7 @@ def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
         return (predict_proba(m, x, precision=runner.precision(cfg)).argmax(axis=1) == y).astype(np.float64)
 
     def finetune(model, options):
-        loss = train_locally(runner, model, _finetune_config(cfg, options), round_, "serve_finetune")["train_loss"]
+        loss = train_locally(runner, model, finetune_config(cfg, options), round_, "serve_finetune")["train_loss"]
         return correct(model), {"finetune_train_loss": loss}
 
     return serving_reply(runner, params, cfg, correct, "accuracy", finetune)
