@@ -10,7 +10,7 @@ ImageNet EfficientNet-Lite0 release, 64 px, 12 rounds x 1 local epoch, Adam 1e-3
 overrides below, run one after the other (``--resume``: a finished one is read back, an interrupted one continues).
 ``release`` is the run before the recipe (``train.recipe=scratch``: the seeded head, one learning rate, training
 batch-norm statistics at the network's own momentum, the site's Adam state kept); every other row changes one thing
-from it; ``a+b`` rows change both ``a`` and ``b``; ``recipe`` is fedmed's default for a network started from weights. ``central`` is the centralized reference (``references=[centralized]``: one model on the
+from it; ``a+b`` rows change both ``a`` and ``b``; ``recipe+b`` changes ``b`` on top of the recipe; ``recipe`` is fedmed's default for a network started from weights. ``central`` is the centralized reference (``references=[centralized]``: one model on the
 pooled training data, the same splits, network, loop and epoch budget), made beside ``release`` (as before) and
 beside ``recipe`` (with the recipe's head, learning rates and batch norm).
 
@@ -52,8 +52,10 @@ def overrides(name: str) -> list[str]:
     if "@" in name:
         name, size = name.split("@")
         return overrides(name) + [f"dataset.image_size={int(size)}"]
-    if "+" in name:
-        return BEFORE + [s for part in name.split("+") for s in FACTORS[part]]
+    if "+" in name:  # recipe+b: b on top of the recipe; a+b: both on top of the release
+        parts = name.split("+")
+        base = [] if parts[0] == "recipe" else BEFORE
+        return base + [s for part in parts if part != "recipe" for s in FACTORS[part]]
     f = FACTORS[name]
     return [] if f == "recipe" else BEFORE + list(f)
 
@@ -63,7 +65,7 @@ def described(name: str) -> str:
         name, size = name.split("@")
         return f"{described(name)} dataset.image_size={int(size)}"
     if "+" in name:
-        return " ".join(s for part in name.split("+") for s in FACTORS[part])
+        return " ".join(described(part) if part == "recipe" else " ".join(FACTORS[part]) for part in name.split("+"))
     return "train.recipe=auto (the default)" if FACTORS[name] == "recipe" else " ".join(FACTORS[name]) or "—"
 
 
