@@ -223,6 +223,39 @@ def test_the_serving_plan_chooses_2d_lesion_segmenters_on_the_sites_validation_d
         job_spec(vol, vol.methods[0], 0, plan=plan)
 
 
+def test_a_2d_sites_fine_tuning_replies_carry_only_aggregates(tmp_path):
+    """What leaves a 2D lesion site when the plan fine-tunes there (docs/privacy.md): ``serve_score`` sends per
+    candidate only n / wins / losses and each model's mean validation Dice; ``finetune_local`` (the served round's
+    remake) only its scores, its training loss and counts — no parameters, no per-image value. The remake is the
+    model ``serve_score`` scored: the same validation Dice."""
+    from fedmed.core.packing import pack_models
+    from fedmed.nn.seg2d import seg2d_model
+    from fedmed.nn.train import get_params
+    from fedmed.run.experiment import prepare_federation, with_classes
+    from fedmed.run.jobspec import job_spec
+    from fedmed.site.seg2d import Seg2DSiteRunner
+
+    from conftest import own_site
+
+    exp = _config(tmp_path, [{"name": "FedAvg", "workflow": "fedavg"}])
+    data = prepare_federation(exp, 0, tmp_path / "fed")
+    cfg = job_spec(with_classes(exp, data), exp.methods[0], 0).task_config
+    runner = own_site("scanA", data, k_min=2, cls=Seg2DSiteRunner)
+    p = get_params(seg2d_model(1, channels=(8, 16, 32), seed=0))
+    ft = {"epochs": 2, "lr_scale": 1.0}
+    _, metrics, meta, params = runner.handle("serve_score", pack_models([p]), {**cfg, "method_options": {
+        "names": ["global"], "finetune": ft}})
+    ours = {"site_policy", "notes"}  # the site's own policy (first reply of a run) and its notes: no data
+    assert not params and set(meta) - ours <= {"serving", "reference", "finetune_train_loss"}
+    assert set(meta["serving"]) == {"finetuned"} and set(meta["serving"]["finetuned"]) == {"n", "wins", "losses"}
+    assert set(metrics) == {"val_dice_mean/global", "val_dice_mean/finetuned"}
+    _, metrics2, meta2, params2 = runner.handle("finetune_local", p, {**cfg, "method_options": ft})
+    assert not params2 and set(meta2) - ours <= {"n_test", "val_n_test", "n_train", "train_loss"}
+    assert all(np.ndim(v) == 0 for k, v in [*metrics2.items(), *meta2.items()] if k not in ours)
+    assert metrics2["val_dice_mean"] == pytest.approx(metrics["val_dice_mean/finetuned"])
+    assert metrics2["val_dice_mean"] != pytest.approx(metrics["val_dice_mean/global"])
+
+
 def test_fedmed_experiment_runs_the_2d_serving_plan_and_its_rows_join_the_dice_table(tmp_path, monkeypatch):
     """``serving:`` in a 2D lesion-segmentation config: after the seed's methods the plan runs, its two rows (each
     site's served model, and the reference's global model beside it) join the Dice table; a 3D config is refused when
