@@ -115,7 +115,6 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     from fedmed.nn.train import get_params
 
     cfg = task_config(cfg)
-    runner.require_k_min(int(runner.cases(cfg)["training"][0].shape[0]), "training images", cfg, "training")
     model = _served(runner, params, cfg)
     metrics, meta = _metrics(runner, model, cfg)
     n, loss = _fit(runner, model, cfg, round_, runner.optimizer(model, cfg, cfg.cluster), "training")

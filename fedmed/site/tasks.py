@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fedmed.core.packing import unpack_model, unpack_models
 from fedmed.core.schema import TaskConfig, task_config
 
-__all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "register_task", "serving_reply", "TaskError", "class_set", "descriptor", "ifca", "latent_bounds", "signature", "train",
+__all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "register_task", "finetune_config", "serving_reply", "TaskError", "class_set", "descriptor", "ifca", "latent_bounds", "signature", "train",
            "serve_score", "task_seed", "train_locally", "validate", "validate_ensemble"]
 
 
