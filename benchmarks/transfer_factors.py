@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "app_configs" / "breast_us_lite0.yaml"
 BEFORE = ["train.recipe=scratch"]
 WITH_CENTRAL = ("release", "recipe")  # factors run beside the centralized reference
+IN_PROCESS: list[str] = []  # ["--in-process"] with --in-process: each experiment's jobs without FLARE
 
 FACTORS = {
     "release": [],
@@ -112,7 +113,7 @@ def central_row(out: Path, seed: int) -> dict:
 
 def _command(name: str, seeds: list[int], out: Path, weights: str, extra: list[str]) -> list[str]:
     sets = overrides(name) + [f"references=[{'centralized' if name.split('@')[0] in WITH_CENTRAL else ''}]"]
-    cmd = [sys.executable, "-m", "fedmed", "experiment", str(CONFIG), "--out", str(out), "--resume",
+    cmd = [sys.executable, "-m", "fedmed", "experiment", str(CONFIG), "--out", str(out), "--resume", *IN_PROCESS,
            "--set", f"model.init_weights={weights}", "--set", "seeds=[" + ",".join(map(str, seeds)) + "]"]
     for s in sets + list(extra):
         cmd += ["--set", s]
@@ -200,7 +201,12 @@ def main(argv=None) -> int:
                     help="seconds after which no further run starts (runs in flight finish)")
     ap.add_argument("--set", action="append", default=[],
                     help="an override for every run (e.g. dataset.sources for a copy of the data)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run each experiment's jobs in its own process (fedmed experiment --in-process: the same "
+                         "models without FLARE's process per site; a GPU machine)")
     a = ap.parse_args(argv)
+    if a.in_process:
+        IN_PROCESS[:] = ["--in-process"]
     names = a.only or list(FACTORS)
     out = Path(a.out)
     if not a.table_only:

@@ -10,7 +10,8 @@
 # run a `fedmed experiment` in FLARE's simulator, its 17 sites sharing the GPU), the earliest factors first; no run
 # starts after DEADLINE seconds. JOBS defaults to 1: on an H200 (2026-11-28) three such runs at once (51 site
 # processes) stalled together in round 7, every site's FLARE messages timing out, while one run alone finished its
-# 12 rounds in 162 s (docs/readings.md "Transfer learning federated"). The runs' records (metrics.json, run.json, each factor's summary tables and logs;
+# 12 rounds in 162 s (docs/readings.md "Transfer learning federated"). IN_PROCESS=1 runs each experiment's jobs in its
+# own process (fedmed experiment --in-process: no FLARE, the same models), where JOBS above 1 shares the card safely. The runs' records (metrics.json, run.json, each factor's summary tables and logs;
 # no weights) are packed into BACK/transfer_runs.tgz every 30 s and at the end, so a run cut short still sends back
 # what finished. Read them back here with
 #   tar xzf transfer_runs.tgz -C results/transfer_gpu && \
@@ -51,7 +52,7 @@ packer=$!
 free -g | head -2
 # shellcheck disable=SC2086
 $PY benchmarks/transfer_factors.py --weights "$weights" --out "$out" --seeds ${SEEDS:-0 1 2} --jobs "${JOBS:-1}" \
-    --deadline "${DEADLINE:-380}" --only $factors ${EXTRA_SETS:-} \
+    --deadline "${DEADLINE:-380}" ${IN_PROCESS:+--in-process} --only $factors ${EXTRA_SETS:-} \
     --set "dataset.sources=[{path: $data/bus_bra/index.csv, patient_column: case}, {path: $data/busi, site: busi}]" \
     | tee "$back/screen.txt"
 kill $packer $mem 2>/dev/null

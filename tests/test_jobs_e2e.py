@@ -257,6 +257,18 @@ def test_flux_unseen_site_goes_to_its_groups_cluster(tmp_path, method):
     oracle = [r["accuracy"] for r in rows if r.get("phase") == "oracle"]
     each = [r["accuracy"] for r in rows if str(r.get("phase", "")).startswith("cluster model")]
     assert oracle and oracle[0] >= max(each) - 1e-9  # per site the best of the cluster models
+    if method["workflow"] == "flux":  # fedmed experiment --in-process: the same jobs without FLARE, the same rows
+        lines = []
+        again = run_experiment(str(cfg_path), tmp_path / "out_ip", log=lines.append, in_process=True)
+        assert not list((tmp_path / "out_ip" / "runs" / "seed0" / "Flux").glob("simulator.log"))  # no simulator ran
+        assert any("round 2/3 train" in ln for ln in lines)  # a line per round, as from the simulator
+
+        def key(rr):
+            return [(r["method"], r["round"], r.get("phase"), r.get("accuracy"), r.get("auc")) for r in rr]
+
+        assert key(again) == key(rows)
+        assert json.loads((tmp_path / "out_ip" / "runs" / "seed0" / "Flux" / "metrics.json").read_text())[
+            "assignment"] == train["assignment"]
 
 
 def test_a_site_that_sat_out_every_round_is_named_in_the_status_and_not_in_the_model(tmp_path):

@@ -113,7 +113,7 @@ def cmd_experiment(a):
 
     out = a.out or str(Path("results") / Path(a.config).stem)
     try:
-        run_experiment(a.config, out, overrides=a.set, methods=a.methods, resume=a.resume)
+        run_experiment(a.config, out, overrides=a.set, methods=a.methods, resume=a.resume, in_process=a.in_process)
     finally:
         if (Path(out) / "summary.md").is_file():
             print((Path(out) / "summary.md").read_text())
@@ -426,6 +426,9 @@ def register(sub):
     e.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
     e.add_argument("--resume", action="store_true", help="reuse runs finished earlier with the same settings; "
                    "continue stopped ones from their checkpoint")
+    e.add_argument("--in-process", action="store_true", help="run each job in this process (the same workflow and "
+                   "site tasks without FLARE, one site after another: the same models) instead of FLARE's simulator; "
+                   "for a GPU machine, where the simulator's process per site costs more than the sites' work")
     e.set_defaults(func=cmd_experiment)
 
     k = sub.add_parser("check-data", help="check a site's datalist before it joins (its first task's checks and "

@@ -13,6 +13,11 @@ elapsed, ETA). Outputs in ``OUT``:
 * ``runs/seed<S>/<method>/`` — each job's server output (``server/``: metrics.json, reports, models,
   checkpoint), ``run.json`` (fingerprint, status, rows) and the simulator log.
 
+``in_process=True`` (``fedmed experiment --in-process``) runs each job in this process instead
+(:func:`fedmed.run.jobspec.run_spec_in_process`: the same workflow and site tasks without FLARE, the sites one after
+another — the same models bit for bit, ``tests/test_experiment.py``), for a machine where the simulator's process per
+site costs more than the sites' own work, such as a GPU machine (docs/readings.md "Transfer learning federated").
+
 ``resume=True`` reuses a finished run whose fingerprint matches, continues a stopped one from its
 checkpoint, and reruns a failed one. A run that does not finish is reported with its reason and
 makes the experiment fail (non-zero exit) after the other runs.
@@ -21,6 +26,7 @@ makes the experiment fail (non-zero exit) after the other runs.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import json
 import os
@@ -41,10 +47,11 @@ from fedmed.report.record import missing_sentence
 from fedmed.report.summary import read_results, rows_from_metrics, sweep_stats, sweep_table, write_outputs  # noqa: F401 (re-exported)
 
 __all__ = ["ExperimentError", "PLAN_GLOBAL", "PLAN_METHOD", "REPO_ROOT", "RunError", "check_classes", "classes_override", "prepare_federation", "run_config_job", "run_dir", "run_experiment", "with_classes",
-           "run_fingerprint", "run_job"]
+           "run_fingerprint", "run_job", "run_job_in_process"]
 
 REPO_ROOT = project_root()  # app_configs/: the clone's or the installed package's (fedmed.core.resources)
 CLS_METRICS = ("accuracy", "macro_f1", "auc")
+_IN_PROCESS = contextvars.ContextVar("fedmed_experiment_in_process", default=False)  # run_experiment(in_process=True)
 KILLED = (-9, 137, 247)  # SIGKILL as a return code, through a shell, and as the simulator reports it
 
 
@@ -263,10 +270,15 @@ def run_job(spec, datalists: Path, work: Path, n_sites: int = 0, timeout: int = 
     Keeps the server's ``fedmed/`` output (metrics.json, reports, plots, tb/, models/, checkpoint/) under
     ``work/server``, prints a line per round, and returns the ``metrics.json`` document.
 
+    Inside :func:`run_experiment` with ``in_process=True`` the job runs in this process instead
+    (:func:`run_job_in_process`), with the same outputs.
+
     Raises:
         RunError: the run stopped or failed (the reason names the sites / the cause; a stopped run's
             checkpoint stays in ``work/server`` for ``--resume``).
     """
+    if _IN_PROCESS.get():
+        return run_job_in_process(spec, datalists, work, log=log)
     work.mkdir(parents=True, exist_ok=True)
     ws = work / "workspace"
     if ws.exists():
@@ -321,6 +333,44 @@ def run_job(spec, datalists: Path, work: Path, n_sites: int = 0, timeout: int = 
         if "return code" in reason and any(f"return code {c}" in reason for c in KILLED):
             reason = _explain_exit(-9, reason, n_sites) + f" ({reason})"
         raise RunError(res["status"], reason, doc)
+    return doc
+
+
+def run_job_in_process(spec, datalists: Path, work: Path, *, log=print) -> dict:
+    """:func:`run_job`'s contract (the server's ``fedmed/`` output in ``work/server``, ``work/metrics.json``, a line
+    per round, :class:`RunError` when the run stopped or failed) with the job run in this process by
+    :func:`fedmed.run.jobspec.run_spec_in_process`: fedmed's workflow and every site's task through the same reply
+    loop, without FLARE, one site after another. An error that ends the run is a failed run, as in the simulator."""
+    from fedmed.run.jobspec import run_spec_in_process
+
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    keep = work / "server"
+    if keep.exists():  # a resumed run continues from its staged copy (spec.resume), not from this folder
+        shutil.rmtree(keep)
+    t0 = time.time()
+    seen = [0]
+
+    def on_round(_entry):
+        seen[0] = progress_lines(fed_doc(), spec.rounds, t0, seen[0], log)
+
+    fed_holder: list = []
+
+    def fed_doc() -> dict:
+        return fed_holder[0].recorder.doc if fed_holder else {"rounds": []}
+
+    try:
+        status, fed = run_spec_in_process(spec, datalists, keep, on_round=on_round, created=fed_holder.append)
+    except Exception as e:  # noqa: BLE001 — the run failed; the experiment goes on with its other runs
+        line = f"{type(e).__name__}: {e}".splitlines()[0]
+        raise RunError("failed", f"{line} (in-process run; FEDMED_DEBUG=1 for the traceback)",
+                       fed_doc() if fed_holder else None) from e
+    doc = json.loads((keep / "metrics.json").read_text()) if (keep / "metrics.json").is_file() else fed.recorder.doc
+    if (keep / "metrics.json").is_file():
+        shutil.copy(keep / "metrics.json", work / "metrics.json")
+    doc["wall_seconds"] = time.time() - t0
+    if status != "finished":
+        raise RunError(status, doc.get("reason") or status, doc)
     return doc
 
 
@@ -539,17 +589,22 @@ def output_lock(out: Path):
 
 
 def run_experiment(config_path: str, out_dir, *, overrides: list[str] | None = None, methods: list[str] | None = None,
-                   log=print, resume: bool = False, command: str | None = None) -> list[dict]:
+                   log=print, resume: bool = False, command: str | None = None, in_process: bool = False) -> list[dict]:
     """Run every (seed, method) of the config and the reference rows; returns the result rows and writes the
-    outputs (see the module notes). One run at a time writes ``out_dir`` (:func:`output_lock`).
+    outputs (see the module notes). One run at a time writes ``out_dir`` (:func:`output_lock`). ``in_process``: each
+    job runs in this process (:func:`run_job_in_process`) instead of FLARE's simulator.
 
     Raises:
         ExperimentError: after all runs, when some did not finish (each named with its reason).
         OutputBusy: another run is writing ``out_dir``.
     """
-    with output_lock(Path(out_dir)), _site_cache_in(Path(out_dir) / "cache"):
-        return _run_experiment(config_path, out_dir, overrides=overrides, methods=methods, log=log, resume=resume,
-                               command=command)
+    token = _IN_PROCESS.set(bool(in_process))
+    try:
+        with output_lock(Path(out_dir)), _site_cache_in(Path(out_dir) / "cache"):
+            return _run_experiment(config_path, out_dir, overrides=overrides, methods=methods, log=log, resume=resume,
+                                   command=command)
+    finally:
+        _IN_PROCESS.reset(token)
 
 
 @contextlib.contextmanager
