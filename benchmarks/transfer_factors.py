@@ -44,6 +44,7 @@ FACTORS = {
     "frozen_bn": ["train.norm_stats=frozen"],
     "backbone_0.1": ["train.backbone_lr_scale=0.1"],
     "epochs_2": ["train.local_epochs=2"],
+    "rounds_24": ["train.rounds=24"],
     "recipe": "recipe",  # the transfer recipe as fedmed defaults to it (train.recipe=auto)
 }
 
