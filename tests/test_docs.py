@@ -74,6 +74,9 @@ STUDIES = {
     "BUSI_DIR=... bash benchmarks/gpu_check.sh": "the GPU check behind results.md 'On a GPU' (needs a CUDA GPU; "
                                                  "test_device.py runs bench_gpu.py's CPU smoke runs, 2D and 3D)",
     "BRATS_DIR=... bash benchmarks/gpu_check.sh": "as above",
+    "IN_PROCESS=1 JOBS=3 SEEDS=": "the 224-px rows of results.md (needs a CUDA GPU); test_experiment.py and "
+                                  "test_jobs_e2e.py run fedmed experiment --in-process, which each of its runs is, and "
+                                  "test_transfer.py the flag's way through transfer_factors.py",
 }
 
 

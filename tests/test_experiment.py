@@ -493,3 +493,36 @@ def test_a_methods_files_are_checked_once_per_experiment_not_again_for_each_job(
     jobspec.job_spec(load_config({**BASE, "dataset": {**BASE["dataset"], "classes": list("0123456789")}}),
                      load_config(BASE).methods[0], 0)
     assert calls == ["FedAvg", "Prox", "FedAvg"]
+
+
+def test_in_process_runs_the_jobs_here_resumes_them_and_reports_a_failure(tmp_path, monkeypatch, capsys):
+    """``fedmed experiment --in-process``: every job runs in this process (no simulator, no job folder), with the
+    simulator's outputs (a line per round, metrics.json, the server's models, run.json); --resume reuses a finished
+    one; an error inside a run is that run's failure, named in the experiment's error, not a crash of the others."""
+    cfg = write_cfg(tmp_path, seeds=[0])
+    out = tmp_path / "out"
+    assert main(["experiment", str(cfg), "--out", str(out), "--methods", "FedAvg", "--in-process"]) == 0
+    printed = capsys.readouterr().out
+    run = out / "runs" / "seed0" / "FedAvg"
+    assert not (run / "simulator.log").exists() and not (run / "job").exists()
+    doc = json.loads((run / "metrics.json").read_text())
+    assert doc["status"] == "finished" and [r["round"] for r in doc["rounds"]] == [0, 1, 2]
+    assert (run / "server" / "models" / "global.pt").is_file()
+    assert "round 1/2 train: 3 site(s)" in printed and "| FedAvg |" in printed
+    assert json.loads((run / "run.json").read_text())["status"] == "finished"
+
+    lines = []
+    E.run_experiment(str(cfg), out, methods=["FedAvg"], log=lines.append, resume=True, in_process=True)
+    assert any("seed 0 FedAvg: finished earlier with the same settings, reused" in ln for ln in lines), lines
+
+    from fedmed.workflows.fedavg import FedAvg
+
+    def broken(self, *a, **k):
+        raise RuntimeError("a planted server error")
+
+    monkeypatch.setattr(FedAvg, "aggregate", broken)
+    with pytest.raises(E.ExperimentError) as e:
+        E.run_experiment(str(cfg), tmp_path / "out2", methods=["FedAvg"], log=lambda *a: None, in_process=True)
+    assert "seed 0 FedAvg: failed: RuntimeError: a planted server error" in str(e.value)
+    assert json.loads((tmp_path / "out2" / "runs" / "seed0" / "FedAvg" / "run.json").read_text())["status"] == "failed"
+    assert E._IN_PROCESS.get() is False  # the next experiment in this process runs its jobs in the simulator again
