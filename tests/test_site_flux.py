@@ -63,3 +63,34 @@ def test_ifca_picks_lowest_loss_model(site_dir):
     _, metrics, meta, out = SiteRunner("site-1", site_dir).handle("ifca", packed, dict(CFG, ifca={"k": 2, "train": True}))
     assert meta["cluster"] == 1 and meta["losses"][0] > meta["losses"][1] and meta["n_train"] > 0
     assert set(out) == set(good)
+
+
+def test_flux_describes_an_efficientnet_lite_site_by_its_pre_logit_features(tmp_path):
+    """Flux from the ImageNet release (issue #53's Flux row): a site of model.arch efficientnet_lite0 answers
+    latent_bounds over the network's 1280 pooled pre-logit features — what timm's own ``forward_head(pre_logits=True)``
+    gives, the layer before the classifier — and the config check no longer refuses the pairing."""
+    import torch
+
+    from fedmed.config import load_config
+    from fedmed.nn.models import PRETRAINED_ARCHS
+    from fedmed.nn.train import latents
+
+    pool = discover("builtin:digits", max_per_class=3)
+    write_site_datalists(pool, [np.arange(len(pool.labels))], tmp_path, test_fraction=0.25, seed=0)
+    cfg = {**CFG, "data": {"image_size": 32, "channels": 3, "n_classes": 10}, "model": {"arch": "efficientnet_lite0"}}
+    torch.manual_seed(0)
+    model = PRETRAINED_ARCHS["efficientnet_lite0"](3, 10)
+    r = SiteRunner("site-1", tmp_path)
+    _, _, b, _ = r.handle("latent_bounds", get_params(model), dict(cfg, flux=flux_section()))
+    assert b["lo"].shape == b["hi"].shape == (1280,) and (b["hi"] >= b["lo"]).all() and (b["hi"] > b["lo"]).any()
+    x = torch.rand(4, 3, 32, 32)  # a site's images in [0, 1]; every network is fed (x - 0.5) / 0.5
+    model.eval()
+    with torch.no_grad():
+        x = (x - 0.5) / 0.5
+        want = model.net.forward_head(model.net.forward_features(x), pre_logits=True).numpy()
+        np.testing.assert_allclose(latents(model, x * 0.5 + 0.5), want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(model.net.classifier(torch.from_numpy(want)).numpy(), model(x).numpy(), rtol=1e-5,
+                                   atol=1e-5)  # the layer the classifier reads
+    exp = load_config({"name": "f", "dataset": {"path": "builtin:digits", "image_size": 32, "channels": 3},
+                       "model": {"arch": "efficientnet_lite0"}, "methods": [{"name": "Flux", "workflow": "flux"}]})
+    assert exp.methods[0].workflow == "flux"
