@@ -521,8 +521,12 @@ def test_in_process_runs_the_jobs_here_resumes_them_and_reports_a_failure(tmp_pa
         raise RuntimeError("a planted server error")
 
     monkeypatch.setattr(FedAvg, "aggregate", broken)
+    monkeypatch.setenv("FEDMED_DEBUG", "1")
+    capsys.readouterr()
     with pytest.raises(E.ExperimentError) as e:
         E.run_experiment(str(cfg), tmp_path / "out2", methods=["FedAvg"], log=lambda *a: None, in_process=True)
-    assert "seed 0 FedAvg: failed: RuntimeError: a planted server error" in str(e.value)
+    assert "seed 0 FedAvg: failed: RuntimeError: a planted server error (in-process run; FEDMED_DEBUG=1 for the " \
+        "traceback)" in str(e.value)
+    assert "Traceback" in capsys.readouterr().err  # as the message says, with FEDMED_DEBUG=1
     assert json.loads((tmp_path / "out2" / "runs" / "seed0" / "FedAvg" / "run.json").read_text())["status"] == "failed"
     assert E._IN_PROCESS.get() is False  # the next experiment in this process runs its jobs in the simulator again

@@ -362,6 +362,10 @@ def run_job_in_process(spec, datalists: Path, work: Path, *, log=print) -> dict:
     try:
         status, fed = run_spec_in_process(spec, datalists, keep, on_round=on_round, created=fed_holder.append)
     except Exception as e:  # noqa: BLE001 — the run failed; the experiment goes on with its other runs
+        if os.environ.get("FEDMED_DEBUG") == "1":
+            import traceback
+
+            traceback.print_exc()
         line = f"{type(e).__name__}: {e}".splitlines()[0]
         raise RunError("failed", f"{line} (in-process run; FEDMED_DEBUG=1 for the traceback)",
                        fed_doc() if fed_holder else None) from e
