@@ -305,9 +305,9 @@ class FluxMethod(Method):
 
     def check_experiment(self, exp):
         super().check_experiment(exp)
-        from fedmed.nn.models import PRETRAINED_ARCHS
+        from fedmed.nn.models import BUILTIN_ARCHS, PRETRAINED_ARCHS
 
-        if exp.model.arch not in ("resnet9", "resnet18", "vit_small", *PRETRAINED_ARCHS):
+        if exp.model.arch not in (*BUILTIN_ARCHS, *PRETRAINED_ARCHS):
             raise ValueError(f"method {self.name!r}: Flux describes a site by the latents of fedmed's networks "
                              f"(forward_features); model.arch {exp.model.arch!r} has none")
 

@@ -15,7 +15,7 @@ elapsed, ETA). Outputs in ``OUT``:
 
 ``in_process=True`` (``fedmed experiment --in-process``) runs each job in this process instead
 (:func:`fedmed.run.jobspec.run_spec_in_process`: the same workflow and site tasks without FLARE, the sites one after
-another — the same models bit for bit, ``tests/test_experiment.py``), for a machine where the simulator's process per
+another — the same rows to the digit, ``tests/test_jobs_e2e.py``), for a machine where the simulator's process per
 site costs more than the sites' own work, such as a GPU machine (docs/readings.md "Transfer learning federated").
 
 ``resume=True`` reuses a finished run whose fingerprint matches, continues a stopped one from its
@@ -349,18 +349,14 @@ def run_job_in_process(spec, datalists: Path, work: Path, *, log=print) -> dict:
     if keep.exists():  # a resumed run continues from its staged copy (spec.resume), not from this folder
         shutil.rmtree(keep)
     t0 = time.time()
-    seen = [0]
+    rounds: list = []  # the record's rounds as they are recorded
 
-    def on_round(_entry):
-        seen[0] = progress_lines(fed_doc(), spec.rounds, t0, seen[0], log)
-
-    fed_holder: list = []
-
-    def fed_doc() -> dict:
-        return fed_holder[0].recorder.doc if fed_holder else {"rounds": []}
+    def on_round(entry):
+        rounds.append(entry)
+        progress_lines({"rounds": rounds}, spec.rounds, t0, len(rounds) - 1, log)
 
     try:
-        status, fed = run_spec_in_process(spec, datalists, keep, on_round=on_round, created=fed_holder.append)
+        status, fed = run_spec_in_process(spec, datalists, keep, on_round=on_round)
     except Exception as e:  # noqa: BLE001 — the run failed; the experiment goes on with its other runs
         if os.environ.get("FEDMED_DEBUG") == "1":
             import traceback
@@ -368,10 +364,11 @@ def run_job_in_process(spec, datalists: Path, work: Path, *, log=print) -> dict:
             traceback.print_exc()
         line = f"{type(e).__name__}: {e}".splitlines()[0]
         raise RunError("failed", f"{line} (in-process run; FEDMED_DEBUG=1 for the traceback)",
-                       fed_doc() if fed_holder else None) from e
-    doc = json.loads((keep / "metrics.json").read_text()) if (keep / "metrics.json").is_file() else fed.recorder.doc
-    if (keep / "metrics.json").is_file():
-        shutil.copy(keep / "metrics.json", work / "metrics.json")
+                       {"rounds": rounds}) from e
+    metrics = keep / "metrics.json"
+    if metrics.is_file():  # the record as the simulator's run leaves it beside the server's folder
+        shutil.copy(metrics, work / "metrics.json")
+    doc = json.loads(metrics.read_text()) if metrics.is_file() else fed.recorder.doc
     doc["wall_seconds"] = time.time() - t0
     if status != "finished":
         raise RunError(status, doc.get("reason") or status, doc)

@@ -349,11 +349,10 @@ def _plugin_files(exp, user_code: list) -> None:
             user_code.append(entry)
 
 
-def run_spec_in_process(spec: JobSpec, datalists, out_dir, *, log=None, policy=None, on_round=None, created=None):
+def run_spec_in_process(spec: JobSpec, datalists, out_dir, *, log=None, policy=None, on_round=None):
     """Run a job spec's workflow in this process (``fedmed.workflows.InProcessFederation``: every site answers
     through the same reply loop as in FLARE) — the same job FLARE runs, without FLARE. The server's files are laid out
-    as a job carries them. ``on_round``: called with each recorded round; ``created``: called with the federation
-    before it runs. Returns (status, federation)."""
+    as a job carries them. ``on_round``: called with each recorded round. Returns (status, federation)."""
     from fedmed.workflows import InProcessFederation, server_workflow
 
     out = Path(out_dir)
@@ -372,7 +371,5 @@ def run_spec_in_process(spec: JobSpec, datalists, out_dir, *, log=None, policy=N
     fed = InProcessFederation(datalists, list(spec.sites), out, job_files=files if spec.server_files else None,
                               resume_from=files / jobfiles.RESUME if spec.resume else None, log=log,
                               on_round=on_round, **kw)
-    if created is not None:
-        created(fed)
     workflow = server_workflow(spec.workflow)(spec.rounds, spec.task_config, **spec.workflow_options)
     return fed.run(workflow), fed
