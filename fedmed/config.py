@@ -391,6 +391,9 @@ class ExperimentConfig(_Strict):
             self.references = [r for r in self.references if r != "iid_fedavg"]  # the default set, without it
         if self.model.bundle:
             self._check_bundle()
+        if self.train.lr_schedule != "constant" and self.dataset.task == "segmentation":
+            raise ValueError(f"train.lr_schedule: {self.train.lr_schedule!r} schedules classifiers' training; "
+                             "segmentation trains at a constant train.lr (set train.lr_schedule: constant)")
         if "alone" in self.references and self.dataset.task == "segmentation":
             raise ValueError("references: 'alone' is a classification reference; segmentation's 'centralized' "
                              "reference already trains each site (3D) or each source (2D) alone")

@@ -359,3 +359,80 @@ def test_ifcas_models_from_one_pretrained_file_start_with_different_heads(tmp_pa
     assert np.array_equal(a["features.0.0.weight"], ref["features.0.0.weight"].numpy())  # the file's body
     own = IFCA(2, {**cfg, "train": {"head_init": "zero"}}, k=2, participation=1.0, empty_cluster="global")  # a config's own choice is kept
     assert not initial_params(own.start_config(1), tmp_path / "files")["fc.weight"].any()
+
+
+# --------------------------------------------------------------------------------------------- the learning-rate schedule
+
+def test_a_cosine_schedule_takes_a_sites_rounds_down_one_curve_from_lr_to_zero(tmp_path):
+    """``train.lr_schedule: cosine``: round r's local step at fraction f of the round trains at ``lr (1 + cos(pi (r +
+    f) / R)) / 2`` — the run's curve, not one per round; ``constant`` leaves ``train.lr``; a site's own fine-tuning
+    (the serving plan's) trains at its constant rate whatever the run's schedule."""
+    import math
+
+    from fedmed.run.jobspec import job_spec
+    from fedmed.site.reply import answer
+    from fedmed.site.tasks import FinetuneLocalOptions, finetune_config, task_config
+    from fedmed.workflows.base import initial_params
+
+    lr = 0.002
+    for kind in ("cosine", "constant"):
+        exp, data = _federation(tmp_path / kind, train={"rounds": 2, "lr": lr, "lr_schedule": kind})
+        cfg = job_spec(exp, exp.methods[0], 0).task_config
+        assert cfg["train"]["lr_schedule"] == kind and cfg["train"]["rounds"] == 2  # what the sites are sent
+        theta, runner, got = initial_params(cfg), None, []
+        for r in range(2):
+            runner, (_, _, meta, theta), err = answer("site-1", runner, "train", theta, cfg, r, settings=data)
+            assert err is None, err
+            steps = meta["steps"]
+            got.append(runner.optimizer(runner._model, cfg, None).param_groups[0]["lr"])  # the round's last step's
+        f = (steps - 1) / steps
+        want = [lr * 0.5 * (1 + math.cos(math.pi * (r + f) / 2)) for r in range(2)] if kind == "cosine" else [lr, lr]
+        assert got == pytest.approx(want)
+        assert (got[1] < 0.2 * lr) is (kind == "cosine")
+        ft = finetune_config(task_config(cfg), FinetuneLocalOptions(epochs=1, lr_scale=0.1))
+        assert ft.train.lr_schedule == "constant" and ft.train.lr == pytest.approx(0.1 * lr)
+
+
+def test_the_centralized_reference_follows_the_runs_schedule_over_its_epoch_blocks(tmp_path, monkeypatch):
+    import fedmed.nn.train as nt
+    from fedmed.run.references import centralized_rows
+
+    seen, real = [], nt.train_local
+
+    def spy(*a, lr_at=None, **kw):
+        seen.append(None if lr_at is None else (lr_at(0.0), lr_at(1.0)))
+        return real(*a, lr_at=lr_at, **kw)
+
+    monkeypatch.setattr(nt, "train_local", spy)
+    for kind in ("cosine", "constant"):
+        seen.clear()
+        exp, data = _federation(tmp_path / kind, train={"rounds": 2, "lr": 0.002, "lr_schedule": kind})
+        rows = centralized_rows(exp, data, ["site-1", "site-2"], 0, log=lambda *_: None)
+        assert len(rows) == 3
+        if kind == "cosine":  # epochs 1..local_epochs, then the next block: the curve a site's rounds follow
+            assert seen == [pytest.approx((0.002, 0.001)), pytest.approx((0.001, 0.0))]
+        else:
+            assert seen == [None, None]
+
+
+def test_a_schedule_left_at_its_default_keeps_the_fingerprint_of_runs_made_before_it_existed():
+    """``--resume`` reuses the runs made before ``train.lr_schedule`` existed (they trained at a constant rate):
+    the setting at its default is not hashed; ``cosine`` is."""
+    from fedmed.config import load_config
+    from fedmed.run.experiment import fingerprinted_config, run_fingerprint
+
+    raw = {"name": "t", "dataset": {"path": "builtin:digits"}, "methods": [{"name": "M", "workflow": "fedavg"}]}
+    plain, cos = load_config(raw), load_config(raw, ["train.lr_schedule=cosine"])
+    assert "lr_schedule" not in fingerprinted_config(plain)["train"]
+    assert fingerprinted_config(cos)["train"]["lr_schedule"] == "cosine"
+    assert run_fingerprint(plain, plain.methods[0], 0) != run_fingerprint(cos, cos.methods[0], 0)
+
+
+def test_segmentation_refuses_a_learning_rate_schedule_it_would_not_follow():
+    from fedmed.config import load_config
+
+    raw = {"name": "t", "dataset": {"path": "builtin:phantoms", "task": "segmentation"},
+           "model": {"arch": "unet"}, "methods": [{"name": "M", "workflow": "fedavg"}]}
+    load_config(raw)
+    with pytest.raises(Exception, match="train.lr_schedule"):
+        load_config(raw, ["train.lr_schedule=cosine"])

@@ -127,6 +127,10 @@ class TrainConfig(Strict):
     norm_stats: Optional[Literal["train", "frozen"]] = Field(None, description="batch-norm running statistics updated "
                                                              "by training, or frozen at the starting model's (None: "
                                                              "the recipe's)")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="the learning rate over the run: constant, or cosine (from lr down to 0 over the "
+        "rounds x local_epochs of a federated classifier's training, per local step; the centralized reference the "
+        "same over its epochs); classification only")
     server_opt: ServerOptConfig = Field(default_factory=lambda: ServerOptConfig(),
                                         description="the server's optimizer over the averaged update (FedOpt)")
     seg: SegTrainConfig = SegTrainConfig()

@@ -24,7 +24,8 @@ from typing import Mapping
 
 from torch import nn
 
-__all__ = ["RECIPES", "head_keys", "norm_layers", "param_groups", "prepared", "recipe_name", "resolved", "zero_head"]
+__all__ = ["RECIPES", "head_keys", "norm_layers", "param_groups", "prepared", "recipe_name", "resolved", "round_schedule",
+           "zero_head"]
 
 RECIPES = {
     "scratch": {"head_init": "seeded", "backbone_lr_scale": 1.0, "norm_stats": "train", "keep_optimizer_state": True},
@@ -99,6 +100,28 @@ def param_groups(model: nn.Module, lr: float, backbone_lr_scale: float) -> list[
     rest = [p for n, p in named if n.rsplit(".", 1)[0] not in head]
     return [{"params": rest, "lr": lr * backbone_lr_scale, "lr_scale": backbone_lr_scale},
             {"params": top, "lr": lr, "lr_scale": 1.0}]
+
+
+def round_schedule(train, round_: int):
+    """``train.lr_schedule`` as the ``lr_at(f)`` of one round's local training (:func:`fedmed.nn.train.train_local`:
+    ``f`` the fraction of the round's steps done): ``None`` for ``constant``; for ``cosine``, ``lr * (1 + cos(pi *
+    t)) / 2`` at ``t = (round_ + f) / rounds`` of the run — ``lr`` at the first step of round 0, near 0 at the last step
+    of round ``rounds - 1`` — so a site's rounds and the centralized reference's epochs follow one curve. ``round_``
+    counts training rounds from 0 (the centralized reference: its ``local_epochs`` epoch blocks)."""
+    import math
+
+    kind = _get(train, "lr_schedule") or "constant"
+    if kind == "constant":
+        return None
+    if kind != "cosine":
+        raise ValueError(f"train.lr_schedule should be 'constant' or 'cosine', got {kind!r}")
+    lr, rounds = float(_get(train, "lr")), max(1, int(_get(train, "rounds")))
+
+    def lr_at(f: float) -> float:
+        t = min(1.0, max(0.0, (round_ + f) / rounds))
+        return lr * 0.5 * (1.0 + math.cos(math.pi * t))
+
+    return lr_at
 
 
 def norm_layers(model: nn.Module) -> list[nn.Module]:

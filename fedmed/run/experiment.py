@@ -440,20 +440,35 @@ def mlflow_ui_command(out) -> str:
     return cmd
 
 
+# config settings added after runs were made, as (section, key, default): left out of a run's fingerprint at their
+# default, so that --resume still reuses the runs made before the setting existed (which trained as its default does)
+ADDED_AT_DEFAULT = (("train", "lr_schedule", "constant"),)
+
+
 def run_fingerprint(exp, method, seed: int) -> str:
     """What determines one (seed, method) run: the resolved config (less the other methods, the seed list,
-    the sweep block, the serving plan and the reporting and tracking choices), the method's settings and the seed. ``--resume`` reuses a
-    run only when this matches. The files under ``dataset.path`` are not hashed: a dataset replaced in
-    place needs a run without ``--resume``."""
+    the sweep block, the serving plan and the reporting and tracking choices; :func:`fingerprinted_config`), the
+    method's settings and the seed. ``--resume`` reuses a run only when this matches. The files under
+    ``dataset.path`` are not hashed: a dataset replaced in place needs a run without ``--resume``."""
     import hashlib
 
-    skip = {k: True for k in ("methods", "seeds", "sweep", "name", "selection", "references", "tracking", "serving")}
-    from fedmed.run.taskconfig import model_exclude
-
-    cfg = exp.model_dump(mode="json", exclude={**skip, "model": model_exclude(exp.model)})  # a bundle: its arch, weights
-    blob = json.dumps({"config": cfg, "method": method.model_dump(mode="json") if method is not None else None,
+    blob = json.dumps({"config": fingerprinted_config(exp),
+                       "method": method.model_dump(mode="json") if method is not None else None,
                        "seed": seed}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def fingerprinted_config(exp) -> dict:
+    """The part of ``exp`` a run's fingerprint hashes; a setting of :data:`ADDED_AT_DEFAULT` at its default is left
+    out."""
+    from fedmed.run.taskconfig import model_exclude
+
+    skip = {k: True for k in ("methods", "seeds", "sweep", "name", "selection", "references", "tracking", "serving")}
+    cfg = exp.model_dump(mode="json", exclude={**skip, "model": model_exclude(exp.model)})  # a bundle: its arch, weights
+    for section, key, default in ADDED_AT_DEFAULT:
+        if cfg.get(section, {}).get(key, default) == default:
+            cfg.get(section, {}).pop(key, None)
+    return cfg
 
 
 # --------------------------------------------------------------------------------------------- experiment

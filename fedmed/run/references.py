@@ -98,7 +98,8 @@ def _pooled_training(exp, data: dict, members: list[str], seed: int, gseed: int,
     """Train one model on ``members``' pooled training data (the recipe and budget of a federated run: ``rounds x
     local_epochs`` epochs, one optimizer) and score it on each member's test and validation splits after every
     ``local_epochs`` epochs; one ``{site: entry}`` per 'round' 0..rounds. The network starts and trains as the
-    recipe says (:mod:`fedmed.nn.recipe`: its head, learning rates and batch norm; one optimizer throughout)."""
+    recipe says (:mod:`fedmed.nn.recipe`: its head, learning rates and batch norm; one optimizer throughout) and its
+    learning rate follows ``train.lr_schedule`` over the ``rounds`` epoch blocks."""
     import torch
 
     from fedmed.core.device import resolve_device
@@ -107,7 +108,7 @@ def _pooled_training(exp, data: dict, members: list[str], seed: int, gseed: int,
 
     x = torch.cat([data[s].train[0] for s in members])
     y = torch.cat([data[s].train[1] for s in members])
-    from fedmed.nn.recipe import prepared, resolved
+    from fedmed.nn.recipe import prepared, resolved, round_schedule
 
     t = exp.train
     model = prepared(model_from_config(exp.model.model_dump(), exp.dataset.channels, n_classes, seed=seed,
@@ -121,7 +122,8 @@ def _pooled_training(exp, data: dict, members: list[str], seed: int, gseed: int,
     for r in range(t.rounds + 1):
         if r > 0:
             train_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt, generator=g,
-                        augment=t.augment, precision=t.precision, frozen_norm=frozen)
+                        augment=t.augment, precision=t.precision, frozen_norm=frozen,
+                        lr_at=round_schedule(t, r - 1))  # train.lr_schedule over the epoch blocks, as a site's rounds
         per_site = {}
         for s in members:
             e = {}

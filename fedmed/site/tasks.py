@@ -167,7 +167,7 @@ def _finetune_schedule(cfg: TaskConfig, round_: int):
 def train_locally(runner, model, cfg, round_, key, *, mu=None, anchor=None) -> dict:
     """Local training of the served model (the recipe's optimizer kept per served model; fine-tuning's own); ``mu``
     and ``anchor``: a proximal term toward ``anchor`` instead of FedProx's (Ditto's personal model)."""
-    from fedmed.nn.recipe import resolved
+    from fedmed.nn.recipe import resolved, round_schedule
     from fedmed.nn.train import train_local
 
     s = runner.splits(cfg)
@@ -180,7 +180,7 @@ def train_locally(runner, model, cfg, round_, key, *, mu=None, anchor=None) -> d
                       optimizer=runner.optimizer(model, cfg, key, make=make),
                       mu=mu if mu is not None else t.fedprox_mu, anchor=anchor,
                       class_weights=cfg.class_weights, generator=runner.generator(cfg, round_),
-                      augment=t.augment, lr_at=_finetune_schedule(cfg, round_),
+                      augment=t.augment, lr_at=_finetune_schedule(cfg, round_) or round_schedule(t, round_),
                       precision=runner.precision(cfg), frozen_norm=resolved(t, cfg.model)["norm_stats"] == "frozen")
     if not np.isfinite(out["loss"]):
         raise TaskError(f"{runner.site}: training diverged (loss {out['loss']}) in round {round_}")
@@ -417,10 +417,11 @@ class FinetuneLocalOptions(BaseModel):
 
 
 def finetune_config(cfg: TaskConfig, opts: FinetuneLocalOptions) -> TaskConfig:
-    """The task config of a site's own fine-tuning: ``opts.epochs`` at ``opts.lr_scale`` x ``train.lr``, a fresh
-    optimizer."""
+    """The task config of a site's own fine-tuning: ``opts.epochs`` at ``opts.lr_scale`` x ``train.lr`` (constant,
+    whatever the run's ``lr_schedule``), a fresh optimizer."""
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={
-        "lr": cfg.train.lr * opts.lr_scale, "local_epochs": opts.epochs, "keep_optimizer_state": False})})
+        "lr": cfg.train.lr * opts.lr_scale, "local_epochs": opts.epochs, "keep_optimizer_state": False,
+        "lr_schedule": "constant"})})
 
 
 def finetune_local(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
