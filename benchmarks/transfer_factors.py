@@ -44,7 +44,10 @@ FACTORS = {
     "frozen_bn": ["train.norm_stats=frozen"],
     "backbone_0.1": ["train.backbone_lr_scale=0.1"],
     "epochs_2": ["train.local_epochs=2"],
+    "epochs_4": ["train.local_epochs=4"],
     "rounds_24": ["train.rounds=24"],
+    "batch_8": ["train.batch_size=8"],
+    "cosine": ["train.lr_schedule=cosine"],
     "recipe": "recipe",  # the transfer recipe as fedmed defaults to it (train.recipe=auto)
 }
 

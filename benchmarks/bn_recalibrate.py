@@ -1,0 +1,88 @@
+"""Is a federated classifier held back by its averaged batch-norm statistics? (issue #53, a diagnostic)
+
+    .venv/bin/python benchmarks/bn_recalibrate.py results/transfer_factors_head/recipe --seeds 0 1 2
+
+FedAvg averages each batch-norm layer's running mean and variance over the sites, but the averaged weights' own
+activations need not have those statistics (the average of 17 models' statistics is not the statistics of their
+average). This reads each seed's final global model (``runs/seed<N>/FedAvg/server/models/global.pt`` of a
+``fedmed experiment`` folder) and the seed's datalists (``data/seed<N>``), and scores the model on the pooled
+validation images of all sites twice: with the statistics it was sent (the average), and with statistics re-estimated
+by one pass of the averaged model over all sites' pooled training images (PyTorch's cumulative average,
+``momentum=None``). A diagnostic only: it pools the sites' images on one machine, which a federation would not.
+Validation data only; test splits are not read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _val_auc(model, data, sites) -> float:
+    from sklearn.metrics import roc_auc_score
+
+    from fedmed.nn.train import predict_proba
+
+    p, y = [], []
+    for s in sites:
+        x, ys = data[s].val
+        if len(ys):
+            p.append(predict_proba(model, x)[:, 1])
+            y.append(np.asarray(ys))
+    return 100 * float(roc_auc_score(np.concatenate(y), np.concatenate(p)))
+
+
+def recalibrated(model, data, sites, batch_size: int = 64):
+    """A copy of ``model`` whose batch-norm running statistics are re-estimated over every site's training images."""
+    m = copy.deepcopy(model)
+    for mod in m.modules():
+        if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
+            mod.reset_running_stats()
+            mod.momentum = None  # a cumulative average over every batch
+    m.train()
+    with torch.no_grad():
+        for s in sites:
+            x = data[s].train[0]
+            for i in range(0, x.shape[0], batch_size):
+                m((x[i:i + batch_size] - 0.5) / 0.5)  # the loop's input scaling (fedmed.nn.train)
+    m.eval()
+    return m
+
+
+def seed_row(run: Path, seed: int) -> dict:
+    from fedmed.nn.predict import load_model
+    from fedmed.site.runner import SiteRunner
+
+    net, ck = load_model(run / "runs" / f"seed{seed}" / "FedAvg" / "server" / "models" / "global.pt")
+    d = ck["data"]
+    dl = run / "data" / f"seed{seed}"
+    sites = sorted(p.stem for p in dl.glob("*.json") if p.stem != "dataset")
+    data = {s: SiteRunner(s, dl).data(d["image_size"], d["channels"]) for s in sites}
+    return {"seed": seed, "averaged": _val_auc(net, data, sites),
+            "recalibrated": _val_auc(recalibrated(net, data, sites), data, sites)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run", type=Path, help="a fedmed experiment folder with FedAvg runs")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+    rows = [seed_row(a.run, s) for s in a.seeds]
+    print(f"\nPooled validation AUC (%) of the final global model, all sites' validation images; made by "
+          f"`benchmarks/bn_recalibrate.py {a.run} --seeds {' '.join(map(str, a.seeds))}`\n")
+    print("| seed | averaged statistics (as sent) | re-estimated on the pooled training images | difference |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['seed']} | {r['averaged']:.2f} | {r['recalibrated']:.2f} | {r['recalibrated'] - r['averaged']:+.2f} |")
+    diff = np.array([r["recalibrated"] - r["averaged"] for r in rows])
+    print(f"| mean ± std | | | {diff.mean():+.2f} ± {diff.std(ddof=1) if len(diff) > 1 else 0.0:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
