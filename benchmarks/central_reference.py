@@ -10,7 +10,7 @@ the rows an experiment makes). A federated run with more local epochs a round is
 same budget: this script makes that reference alone, for a finished experiment's ``data/seed<N>`` splits, without
 training its federated methods again. The config is ``app_configs/breast_us_lite0.yaml`` (``--config`` for another)
 with ``--set`` overrides as ``fedmed experiment`` takes them. Each seed's rows go to
-``<run>/central_reference/seed<N>.json`` (reused when present); the table prints the validation-selected epoch (the best
+``<run>/central_reference/<rounds>x<local_epochs>/seed<N>.json`` (reused when present); the table prints the validation-selected epoch (the best
 site-mean validation accuracy, as the report selects a round) and the test numbers there, mean ± std over the seeds.
 """
 
@@ -29,10 +29,10 @@ def seed_rows(run: Path, seed: int, config: Path, sets: list[str]) -> list[dict]
     from fedmed.config import load_config
     from fedmed.run.references import centralized_rows
 
-    out = run / "central_reference" / f"seed{seed}.json"
+    exp = load_config(config, [*sets, "references=[centralized]"])
+    out = run / "central_reference" / f"{exp.train.rounds}x{exp.train.local_epochs}" / f"seed{seed}.json"
     if out.exists():
         return json.loads(out.read_text())
-    exp = load_config(config, [*sets, "references=[centralized]"])
     data = run / "data" / f"seed{seed}"
     meta = json.loads((data / "dataset.json").read_text())
     exp = exp.model_copy(update={"dataset": exp.dataset.model_copy(update={"classes": meta["class_names"]})})
