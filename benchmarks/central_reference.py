@@ -20,7 +20,6 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,11 +41,6 @@ def seed_rows(run: Path, seed: int, config: Path, sets: list[str]) -> list[dict]
     return rows
 
 
-def selected(rows: list[dict]) -> dict:
-    """The row of the best site-mean validation accuracy, the earliest on a tie (the report's rule)."""
-    return max(rows, key=lambda r: (r.get("val_accuracy", float("-inf")), -int(r["round"])))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run", type=Path, help="a finished fedmed experiment folder (its data/seed<N> splits are used)")
@@ -54,22 +48,21 @@ def main(argv=None) -> int:
     ap.add_argument("--config", type=Path, default=ROOT / "app_configs" / "breast_us_lite0.yaml")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="a config override, as fedmed experiment")
     a = ap.parse_args(argv)
+    from fedmed.report.summary import fmt, reported_rows
+
     picked = []
     for s in a.seeds:
         rows = seed_rows(a.run, s, a.config, a.sets)
-        picked.append(selected(rows))
-        print(f"seed {s}: epoch budget {len(rows) - 1} evaluations, selected {picked[-1]['round']}", flush=True)
+        picked += reported_rows(rows, "validation").values()  # the report's rule: the best site-mean val accuracy
+        print(f"seed {s}: {len(rows) - 1} evaluations, selected {picked[-1]['round']}", flush=True)
     cols = [("pooled_val_auc", "val AUC (pooled)"), ("val_accuracy", "val acc (site mean)"),
             ("accuracy", "test acc (site mean)"), ("pooled_auc", "test pooled AUC")]
     print(f"\nCentralized reference, `benchmarks/central_reference.py {a.run} --seeds {' '.join(map(str, a.seeds))}"
           + "".join(f" --set {s}" for s in a.sets) + "`\n")
     print("| selected evaluation (per seed) | " + " | ".join(c[1] for c in cols) + " |")
     print("|---|" + "---|" * len(cols))
-    cells = []
-    for k, _ in cols:
-        v = 100 * np.array([float(r.get(k, np.nan)) for r in picked])
-        cells.append(f"{v.mean():.2f} ± {v.std(ddof=1) if len(v) > 1 else 0.0:.2f}")
-    print(f"| {', '.join(str(r['round']) for r in picked)} | " + " | ".join(cells) + " |")
+    print(f"| {', '.join(str(r['round']) for r in picked)} | " + " | ".join(fmt([r.get(k) for r in picked])
+                                                                          for k, _ in cols) + " |")
     return 0
 
 

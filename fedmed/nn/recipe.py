@@ -108,7 +108,7 @@ def round_schedule(train, round_: int):
     t)) / 2`` at ``t = (round_ + f) / rounds`` of the run — ``lr`` at the first step of round 0, near 0 at the last step
     of round ``rounds - 1`` — so a site's rounds and the centralized reference's epochs follow one curve. ``round_``
     counts training rounds from 0 (the centralized reference: its ``local_epochs`` epoch blocks)."""
-    import math
+    from fedmed.nn.mae import scheduled_lr  # 001_'s warm-up + cosine, here without warm-up
 
     kind = _get(train, "lr_schedule") or "constant"
     if kind == "constant":
@@ -116,12 +116,7 @@ def round_schedule(train, round_: int):
     if kind != "cosine":
         raise ValueError(f"train.lr_schedule should be 'constant' or 'cosine', got {kind!r}")
     lr, rounds = float(_get(train, "lr")), max(1, int(_get(train, "rounds")))
-
-    def lr_at(f: float) -> float:
-        t = min(1.0, max(0.0, (round_ + f) / rounds))
-        return lr * 0.5 * (1.0 + math.cos(math.pi * t))
-
-    return lr_at
+    return lambda f: scheduled_lr(lr, (round_ + f) / rounds, 0.0)
 
 
 def norm_layers(model: nn.Module) -> list[nn.Module]:
