@@ -69,7 +69,9 @@ def table(out: Path, seeds: list[int]) -> str:
         doc = json.loads((server / "metrics.json").read_text())
         served, glob = _scores(doc, "served"), _scores(doc, "global")
         for site, v in sorted(plan.items()):
-            ev = "; ".join(f"{n}: {e['wins']} W / {e['losses']} L of {e['n']}" if e else f"{n}: none sent"
+            ev = "; ".join(f"{n}: {e['wins']} W / {e['losses']} L of {e['n']}"
+                           + (f", mean Brier gain {e['sum_d'] / e['n']:+.3f}" if e.get("sum_d") is not None else "")
+                           if e else f"{n}: none sent"
                            for n, e in sorted((v.get("evidence") or {}).items()))
             rows.append(f"| {seed} | {site} | {v['served']} | {ev} | {100 * served[site]:.2f} | "
                         f"{100 * glob[site]:.2f} |")

@@ -286,6 +286,10 @@ class ServingConfig(_Strict):
     finetune: Optional[FinetuneLocalOptions] = Field(None, description="also the global model fine-tuned at each "
                                                      "site (epochs, lr_scale); it never leaves the site")
     pool: bool = Field(True, description="the sites a cluster model serves pool their validation evidence for it")
+    test: Literal["score", "sign"] = Field("score", description="the paired test against the global model: 'score' "
+                                           "(a t-test on the per-image Brier-score differences a classifier's sites "
+                                           "send; a 2D lesion segmenter's are judged by the sign test) or 'sign' "
+                                           "(the exact sign test on the images where the two models' answers differ)")
 
 
 class ExperimentConfig(_Strict):

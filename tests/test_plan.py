@@ -207,6 +207,14 @@ def test_a_serving_section_names_methods_of_the_config():
 
     plain, served = load_config(RAW), load_config({**RAW, "serving": {"reference": "FedAvg", "candidates": ["FMCL"]}})
     assert run_fingerprint(plain, plain.methods[1], 0) == run_fingerprint(served, served.methods[1], 0)
+    # the paired test: the score test by default, the sign test on request, nothing else
+    assert served.serving.test == "score"
+    with pytest.raises((ConfigError, ValueError), match="test"):
+        load_config({**RAW, "serving": {"reference": "FedAvg", "candidates": ["FMCL"], "test": "t-test"}})
+    from fedmed.workflows.plan import Plan
+
+    with pytest.raises(ValueError, match="plan: test should be one of"):
+        Plan(2, {}, candidates=["FMCL"], test="t-test")
 
 
 def test_a_newcomer_is_served_its_assigned_cluster_model_only_where_its_validation_data_bear_it_out(runs, tmp_path):
@@ -247,7 +255,9 @@ def test_a_newcomer_is_served_its_assigned_cluster_model_only_where_its_validati
     acc = {r["task"]: r["sites"] for r in doc["rounds"] if r.get("task") in ("served", "global")}
     for u, v in plan.items():
         e = v["evidence"]["FMCL"]
-        cells = ["0", u, v["served"], f"FMCL: {e['wins']} W / {e['losses']} L of {e['n']}" if e else "FMCL: none sent",
+        ev = (f"FMCL: {e['wins']} W / {e['losses']} L of {e['n']}, mean Brier gain {e['sum_d'] / e['n']:+.3f}" if e
+              else "FMCL: none sent")  # a classifier's sites send their Brier-score sums too
+        cells = ["0", u, v["served"], ev,
                  f"{100 * acc['served'][u]['accuracy']:.2f}", f"{100 * acc['global'][u]['accuracy']:.2f}"]
         assert "| " + " | ".join(cells) + " |" in text, text
     assert f"Over {len(plan)} (seed, site) pairs" in text

@@ -2,22 +2,35 @@
 validation images beyond their noise.
 
 A site scores the global model and each candidate (its cluster's model, its personal model, the global model
-fine-tuned on its data, ...) on the **same** validation images and sends, per candidate, three counts — never a
-per-image value (:func:`paired_counts`):
+fine-tuned on its data, ...) on the **same** validation images and sends, per candidate, aggregates over those items —
+never a per-item value (:func:`paired_counts`):
 
 * ``n``: the validation items both models were scored on;
-* ``wins``: items the candidate gets right and the global model wrong (for segmentation: volumes where the candidate's
-  score is higher);
-* ``losses``: items the global model gets right and the candidate wrong (its score higher).
+* ``wins``: items the candidate gets right and the global model wrong (for segmentation: images where the candidate's
+  Dice is higher);
+* ``losses``: items the global model gets right and the candidate wrong (its score higher);
+* a classifier's site also sends ``sum_d`` and ``sum_d2``: the sum and the sum of squares, over the same items, of
+  ``d`` = the candidate's per-item proper score minus the global model's (the negative Brier score: ``-sum_k (p_k -
+  y_k)^2``, bounded, so ``d`` lies in [-2, 2]).
 
-The server's rule (:func:`choose`) is a paired, one-sided **exact sign test** on the discordant items (McNemar's exact
-test for correctness): under "the candidate is no better", each discordant item is a win with probability at most
-1/2, so ``p = P(Bin(wins + losses, 1/2) >= wins)``. A candidate is served only when ``p < alpha / m`` over the ``m``
-candidates compared at that site (Bonferroni): when no candidate is better, the global model is kept with probability
-at least ``1 - alpha`` whatever the number of candidates, and the rule needs no threshold tuned on any dataset.
-``alpha`` = :data:`ALPHA` = 0.05, fixed before any number was seen (docs/readings.md "Serving plan"). Among the
-candidates that pass, the smallest ``p`` wins (then the larger ``wins - losses``, then the name). The sites of one
-cluster may pool their evidence for their shared candidate (:func:`pooled`: the counts add up; the test is the same).
+The server's rule (:func:`choose`) is a paired one-sided test of "the candidate is no better", at ``alpha / m`` over
+the ``m`` candidates compared at that site (Bonferroni): when no candidate is better, the global model is kept with
+probability at least ``1 - alpha`` whatever the number of candidates. ``alpha`` = :data:`ALPHA` = 0.05, fixed before
+any number was seen (docs/readings.md "Serving plan"). Two tests (:data:`TESTS`):
+
+* ``"score"`` (the default): a **paired t-test on the proper-score differences** (``mean(d) / (sd(d) / sqrt(n))``
+  against Student's t with ``n - 1`` degrees of freedom; :func:`score_test_p`), where the site sent them. Every item
+  counts, by how much better or worse the candidate's probabilities are, not only the items where the two models'
+  answers differ — on the planted candidates of ``tests/test_serving.py`` it finds a better candidate several times
+  as often as the sign test at the same false-alarm rate. A proper score rewards better probabilities, which may be
+  better calibration as well as more right answers (docs/readings.md).
+* ``"sign"``: the **exact sign test** on the discordant items (McNemar's exact test for correctness): ``p = P(Bin(wins +
+  losses, 1/2) >= wins)``. Where a site sent no score sums (a 2D lesion segmenter's site, whose per-image Dice is
+  already a continuous score the sign test counts in full) ``"score"`` falls back to it.
+
+Among the candidates that pass, the smallest ``p`` wins (then the larger mean gain or ``wins - losses``, then the
+name). The sites of one cluster may pool their evidence for their shared candidate (:func:`pooled`: counts and sums
+add up; the test is the same).
 
 A site with fewer than ``k_min`` validation items sends nothing (``None``): its global model is kept unless pooled
 evidence decides. Candidates already ruled out upstream (a cluster trained on too few images) are passed as
@@ -32,27 +45,65 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-__all__ = ["ALPHA", "Choice", "Paired", "choose", "paired_counts", "plan", "plan_table", "pooled", "sign_test_p"]
+__all__ = ["ALPHA", "TESTS", "Choice", "Paired", "choose", "paired_counts", "plan", "plan_table", "pooled",
+           "score_test_p", "sign_test_p"]
 
 ALPHA = 0.05
+TESTS = ("score", "sign")
 
 
 @dataclass(frozen=True)
 class Paired:
-    """What a site sends for one candidate against the global model: counts over its validation items."""
+    """What a site sends for one candidate against the global model: aggregates over its validation items (see the
+    module notes); ``sum_d`` / ``sum_d2`` None where the site scores no per-item proper score."""
 
     n: int
     wins: int
     losses: int
+    sum_d: Optional[float] = None
+    sum_d2: Optional[float] = None
 
     def __post_init__(self):
         if min(self.n, self.wins, self.losses) < 0 or self.wins + self.losses > self.n:
             raise ValueError(f"paired counts need 0 <= wins + losses <= n, got n={self.n}, wins={self.wins}, "
                              f"losses={self.losses}")
+        if (self.sum_d is None) != (self.sum_d2 is None):
+            raise ValueError("paired score sums come together: sum_d and sum_d2, or neither")
+        if self.sum_d2 is not None and not (self.sum_d2 >= 0 and np.isfinite(self.sum_d) and np.isfinite(self.sum_d2)):
+            raise ValueError(f"paired score sums need finite values and sum_d2 >= 0, got {self.sum_d}, {self.sum_d2}")
+
+    def tested(self, test: str = "score") -> str:
+        """The test these aggregates are judged by under ``test``: ``"score"`` needs the score sums, else ``"sign"``."""
+        if test not in TESTS:
+            raise ValueError(f"test should be one of {TESTS}, got {test!r}")
+        return "score" if test == "score" and self.sum_d is not None else "sign"
+
+    def p_value(self, test: str = "score") -> float:
+        """The one-sided p-value of "the candidate is no better" (:func:`score_test_p` or :func:`sign_test_p`)."""
+        if self.tested(test) == "score":
+            return score_test_p(self.n, self.sum_d, self.sum_d2)
+        return sign_test_p(self.wins, self.losses)
 
     @property
-    def p(self) -> float:
-        return sign_test_p(self.wins, self.losses)
+    def mean_d(self) -> float:
+        """The candidate's mean per-item score gain (NaN without score sums)."""
+        return float("nan") if self.sum_d is None or not self.n else self.sum_d / self.n
+
+
+def score_test_p(n: int, sum_d: float, sum_d2: float) -> float:
+    """One-sided paired t-test of ``mean(d) <= 0`` from the aggregates ``n``, ``sum(d)``, ``sum(d^2)``: Student's t
+    survival function at ``mean / (sd / sqrt(n))`` with ``n - 1`` degrees of freedom (1.0 under two items; with no
+    spread at all, 0.0 for a positive mean, else 1.0)."""
+    n = int(n)
+    if n < 2:
+        return 1.0
+    mean = float(sum_d) / n
+    var = max(float(sum_d2) - n * mean * mean, 0.0) / (n - 1)
+    if var <= 1e-12 * max(1.0, float(sum_d2) / n):
+        return 0.0 if mean > 0 else 1.0
+    from scipy.stats import t
+
+    return float(t.sf(mean / np.sqrt(var / n), n - 1))
 
 
 @lru_cache(maxsize=4096)
@@ -67,28 +118,45 @@ def sign_test_p(wins: int, losses: int) -> float:
     return float(binom.sf(int(wins) - 1, n, 0.5))
 
 
-def paired_counts(reference_scores, candidate_scores, *, k_min: int = 1) -> Optional[Paired]:
-    """A site's paired counts from per-item scores of the global model and a candidate on the same items (correctness
-    0/1 for classification, a Dice per volume for segmentation; higher is better). ``None`` (nothing sent) under
-    ``k_min`` items. NaN scores (an item a model could not score) are left out of both."""
+def paired_counts(reference_scores, candidate_scores, *, k_min: int = 1, reference_proper=None,
+                  candidate_proper=None) -> Optional[Paired]:
+    """A site's paired aggregates from per-item scores of the global model and a candidate on the same items
+    (correctness 0/1 for classification, a Dice per image for segmentation; higher is better) and, optionally, each
+    item's proper score under either model (a classifier's negative Brier score; higher is better): then ``sum_d`` /
+    ``sum_d2`` of their differences too. ``None`` (nothing sent) under ``k_min`` items. NaN scores (an item a model
+    could not score) are left out of both."""
     a = np.asarray(reference_scores, dtype=np.float64).ravel()
     b = np.asarray(candidate_scores, dtype=np.float64).ravel()
     if a.shape != b.shape:
         raise ValueError(f"paired scores need the same items: {a.size} against {b.size}")
+    proper = (reference_proper is not None) or (candidate_proper is not None)
+    if proper:
+        pa = np.asarray(reference_proper, dtype=np.float64).ravel()
+        pb = np.asarray(candidate_proper, dtype=np.float64).ravel()
+        if not a.shape == pa.shape == pb.shape:
+            raise ValueError(f"paired proper scores need the same items: {a.size}, {pa.size} and {pb.size}")
     ok = np.isfinite(a) & np.isfinite(b)
+    if proper:
+        ok &= np.isfinite(pa) & np.isfinite(pb)
     a, b = a[ok], b[ok]
     if a.size < max(1, int(k_min)):
         return None
-    return Paired(int(a.size), int(np.sum(b > a)), int(np.sum(a > b)))
+    if not proper:
+        return Paired(int(a.size), int(np.sum(b > a)), int(np.sum(a > b)))
+    d = pb[ok] - pa[ok]
+    return Paired(int(a.size), int(np.sum(b > a)), int(np.sum(a > b)), float(d.sum()), float(np.sum(d * d)))
 
 
 def pooled(*counts: Optional[Paired]) -> Optional[Paired]:
-    """The evidence of several sites for one shared candidate (the sites of a cluster): the counts add up. Sites that
-    sent nothing (``None``) add nothing; ``None`` when none sent anything."""
+    """The evidence of several sites for one shared candidate (the sites of a cluster): the counts add up, and the
+    score sums where every site sent them. Sites that sent nothing (``None``) add nothing; ``None`` when none sent
+    anything."""
     got = [c for c in counts if c is not None]
     if not got:
         return None
-    return Paired(sum(c.n for c in got), sum(c.wins for c in got), sum(c.losses for c in got))
+    sums = all(c.sum_d is not None for c in got)
+    return Paired(sum(c.n for c in got), sum(c.wins for c in got), sum(c.losses for c in got),
+                  sum(c.sum_d for c in got) if sums else None, sum(c.sum_d2 for c in got) if sums else None)
 
 
 @dataclass(frozen=True)
@@ -102,7 +170,7 @@ class Choice:
 
 
 def choose(candidates: Mapping[str, Optional[Paired]], *, alpha: float = ALPHA, reference: str = "global",
-           excluded: Mapping[str, str] | None = None, notes=()) -> Choice:
+           excluded: Mapping[str, str] | None = None, notes=(), test: str = "score") -> Choice:
     """Serve ``reference`` unless a candidate beats it beyond the noise (see the module notes).
 
     Args:
@@ -111,9 +179,13 @@ def choose(candidates: Mapping[str, Optional[Paired]], *, alpha: float = ALPHA, 
         alpha: the family-wise rate of serving a candidate that is no better (Bonferroni over the candidates).
         excluded: candidates ruled out before scoring, with the reason (never served; named in the reason).
         notes: said after the verdict in the reason (e.g. whose evidence was pooled).
+        test: ``"score"`` (the paired t-test on proper-score differences, where sent; else the sign test) or
+            ``"sign"`` (the sign test on correctness); see the module notes.
     """
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha should be in (0, 1), got {alpha}")
+    if test not in TESTS:
+        raise ValueError(f"test should be one of {TESTS}, got {test!r}")
     excluded = dict(excluded or {})
     judged = {k: v for k, v in candidates.items() if k not in excluded and k != reference and v is not None}
     silent = sorted(k for k, v in candidates.items() if k not in excluded and k != reference and v is None)
@@ -123,10 +195,19 @@ def choose(candidates: Mapping[str, Optional[Paired]], *, alpha: float = ALPHA, 
     if not judged:
         return Choice(reference, "; ".join([f"{reference} kept: no candidate to compare"] + notes), {}, float("nan"))
     threshold = alpha / len(judged)
-    p = {k: v.p for k, v in judged.items()}
-    best = min(judged, key=lambda k: (p[k], -(judged[k].wins - judged[k].losses), k))
+    p = {k: v.p_value(test) for k, v in judged.items()}
+
+    def gain(k):
+        v = judged[k]
+        return v.mean_d if v.tested(test) == "score" else float(v.wins - v.losses)
+
+    best = min(judged, key=lambda k: (p[k], -gain(k), k))
     c = judged[best]
-    evidence = f"{c.wins} wins / {c.losses} losses over {c.n} validation items, p = {p[best]:.3g}"
+    if c.tested(test) == "score":
+        evidence = (f"mean score gain {c.mean_d:+.4f} over {c.n} validation items (paired t-test; {c.wins} wins / "
+                    f"{c.losses} losses), p = {p[best]:.3g}")
+    else:
+        evidence = f"{c.wins} wins / {c.losses} losses over {c.n} validation items, p = {p[best]:.3g}"
     over = f"alpha {alpha:g} over {len(judged)} candidate(s)"
     if p[best] < threshold:
         return Choice(best, "; ".join([f"{best} beats {reference}: {evidence} < {threshold:.3g} ({over})"] + notes),
@@ -137,7 +218,7 @@ def choose(candidates: Mapping[str, Optional[Paired]], *, alpha: float = ALPHA, 
 
 def plan(site_counts: Mapping[str, Mapping[str, Optional[Paired]]], *, groups: Mapping[str, Mapping[str, object]]
          | None = None, alpha: float = ALPHA, reference: str = "global",
-         excluded: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, Choice]:
+         excluded: Mapping[str, Mapping[str, str]] | None = None, test: str = "score") -> dict[str, Choice]:
     """The serving plan: per site, :func:`choose` over its candidates.
 
     Args:
@@ -146,6 +227,7 @@ def plan(site_counts: Mapping[str, Mapping[str, Optional[Paired]]], *, groups: M
             model: the group is the cluster): each member is judged on the group's pooled counts. A candidate not
             named here is judged on the site's own counts (a fine-tuned or personal model).
         excluded: ``{site: {candidate: reason}}`` ruled out before scoring (see :func:`choose`).
+        test: the test (see :func:`choose`).
     """
     groups = {k: dict(v) for k, v in (groups or {}).items()}
     out = {}
@@ -160,7 +242,8 @@ def plan(site_counts: Mapping[str, Mapping[str, Optional[Paired]]], *, groups: M
             ev[cand] = pooled(*(site_counts[s].get(cand) for s in members))
             if len(members) > 1:
                 notes.append(f"{cand} judged on the pooled evidence of the {len(members)} sites it serves")
-        out[site] = choose(ev, alpha=alpha, reference=reference, excluded=(excluded or {}).get(site), notes=notes)
+        out[site] = choose(ev, alpha=alpha, reference=reference, excluded=(excluded or {}).get(site), notes=notes,
+                           test=test)
     return out
 
 

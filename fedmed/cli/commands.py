@@ -336,7 +336,8 @@ def cmd_plan(a):
     finetune = {"epochs": a.finetune_epochs, "lr_scale": a.finetune_lr_scale} if a.finetune else None
     try:
         spec = job_spec(exp, method, a.seed, sites=a.sites or "config", plan={
-            "global": a.reference, "candidates": cands, "finetune": finetune, "pool": not a.no_pool})
+            "global": a.reference, "candidates": cands, "finetune": finetune, "pool": not a.no_pool,
+            "test": a.test})
     except BuildError as e:
         raise ValueError(str(e)) from None
     if a.spec:
@@ -514,6 +515,10 @@ def register(sub):
     pl.add_argument("--finetune-lr-scale", type=float, default=0.1, help="--finetune: learning rate x train.lr")
     pl.add_argument("--no-pool", action="store_true", help="judge a cluster model on each site's own evidence only "
                     "(default: the sites it serves pool theirs)")
+    pl.add_argument("--test", choices=["score", "sign"], default="score",
+                    help="the paired test against the global model: 'score', a t-test on the per-image Brier-score "
+                         "differences a classifier's sites send (a 2D lesion segmenter's: the sign test); 'sign', the "
+                         "exact sign test on the images the two models answer differently (docs/readings.md)")
     pl.add_argument("--data", help="the federation's datalists (<site>.json): fedmed data --out, or an experiment's "
                     "data/seed<N>")
     pl.add_argument("--sites", nargs="+", help="the sites (default: the config's)")

@@ -796,7 +796,8 @@ def _serving_plan(exp, seed, data_dir, out, meta, log, resume, problems, chosen)
     plan = {"global": run_dir(out, seed, sv.reference) / "server",
             "candidates": {"".join(c if c.isalnum() or c in "_-." else "_" for c in n): run_dir(out, seed, n) / "server"
                            for n in sv.candidates},
-            "finetune": sv.finetune.model_dump() if sv.finetune is not None else None, "pool": sv.pool}
+            "finetune": sv.finetune.model_dump() if sv.finetune is not None else None, "pool": sv.pool,
+            "test": sv.test}
     log(f"seed {seed} serving plan: the global model of {sv.reference} against "
         f"{', '.join(sv.candidates + (['fine-tuned at each site'] if sv.finetune else []))} ...")
     (work / "run.json").unlink(missing_ok=True)

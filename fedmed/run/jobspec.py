@@ -138,7 +138,7 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
             ``sites`` instead (``fedmed.workflows.onboard``; ``global_result``: a FedAvg-family run whose global model
             a new site is served when its cluster was trained on too few images).
         plan: ``{"global": DIR, "candidates": {name: DIR}, "finetune": {...} or None, "alpha": float or None,
-            "pool": bool}`` builds the serving plan's job over ``sites`` instead (``fedmed.workflows.plan``):
+            "pool": bool, "test": "score" or "sign" or None}`` builds the serving plan's job over ``sites`` instead (``fedmed.workflows.plan``):
             ``method`` is the method whose run ``global`` is (its task config is the plan's).
         files_checked: the method's files were checked in this process already (``fedmed experiment`` checks every
             method's before its first run), so they are not loaded again here.
@@ -287,7 +287,7 @@ def _plan_spec(exp, method, seed, cfg, plan, server_files, name, common) -> JobS
         raise BuildError("a serving plan needs a candidate (--candidate NAME=RUN) or --finetune")
     server_files.append([str(tmp), jobfiles.PLAN])
     options = {"candidates": list(dict(plan.get("candidates") or {})), "finetune": plan.get("finetune"),
-               "alpha": plan.get("alpha"), "pool": bool(plan.get("pool", True))}
+               "alpha": plan.get("alpha"), "pool": bool(plan.get("pool", True)), "test": plan.get("test")}
     return JobSpec(name=name or job_name(exp, method, seed, "_plan"), method=method.name, task_config=cfg,
                    workflow="plan:Plan", workflow_options=options, rounds=2, server_files=server_files, **common)
 

@@ -452,9 +452,11 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
     """What a site's ``serve_score`` sends, whatever it scores: each packed model (the first the reference) is loaded
     into the site's network and scored per validation item by ``item_scores(model)`` (higher is better; NaN: not
     scored); ``finetune(model)`` — the reference loaded — may add the model fine-tuned at the site as ``finetuned``
-    (returning its scores and meta). Sends per candidate only its paired counts against the reference
-    (:func:`fedmed.algorithms.serving.paired_counts`; nothing under ``k_min`` items) and each model's mean
-    ``val_<metric>/<name>`` — never a per-item value."""
+    (returning its scores and meta). ``item_scores`` may return a pair ``(scores, proper)``: then ``proper`` is each
+    item's proper score (a classifier's negative Brier score), whose paired differences the site sums too. Sends per
+    candidate only its paired aggregates against the reference (:func:`fedmed.algorithms.serving.paired_counts`:
+    counts and score sums; nothing under ``k_min`` items) and each model's mean ``val_<metric>/<name>`` — never a
+    per-item value."""
     from fedmed.algorithms.serving import paired_counts
     from fedmed.nn.train import set_params
 
@@ -469,17 +471,28 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
         raise TaskError(f"{runner.site}: serve_score: {len(opts.names)} model name(s) for {len(models)} packed model(s)")
     k = runner.k_min(cfg)
     model = runner.model(cfg)
-    scores, meta = {}, {}
+    scores, proper, meta = {}, {}, {}
+
+    def keep(name, got):
+        if isinstance(got, tuple):
+            got, proper[name] = got[0], np.asarray(got[1], dtype=np.float64)
+        scores[name] = np.asarray(got, dtype=np.float64)
+
     for i, name in enumerate(opts.names):
         set_params(model, models[i])
-        scores[name] = np.asarray(item_scores(model), dtype=np.float64)
+        keep(name, item_scores(model))
     if opts.finetune is not None:
         set_params(model, models[0])
-        scores["finetuned"], extra = finetune(model, opts.finetune)
+        got, extra = finetune(model, opts.finetune)
+        keep("finetuned", got)
         meta.update(extra)
     ref = opts.names[0]
-    counts = {name: paired_counts(scores[ref], v, k_min=k) for name, v in scores.items() if name != ref}
-    meta["serving"] = {name: None if c is None else {"n": c.n, "wins": c.wins, "losses": c.losses}
+    counts = {name: paired_counts(scores[ref], v, k_min=k, reference_proper=proper.get(ref),
+                                  candidate_proper=proper.get(name)) if ref in proper and name in proper
+              else paired_counts(scores[ref], v, k_min=k) for name, v in scores.items() if name != ref}
+    meta["serving"] = {name: None if c is None else {"n": c.n, "wins": c.wins, "losses": c.losses,
+                                                     **({} if c.sum_d is None else {"sum_d": c.sum_d,
+                                                                                   "sum_d2": c.sum_d2})}
                        for name, c in counts.items()}
     meta["reference"] = ref
     scored = {name: v[np.isfinite(v)] for name, v in scores.items()}
@@ -488,8 +501,8 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
 
 
 def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
-    """#57's serving plan at a site (:func:`serving_reply`): every packed model's correctness on the site's
-    **validation** images. With ``finetune`` the site also fine-tunes the reference on its own training split (as
+    """#57's serving plan at a site (:func:`serving_reply`): every packed model's correctness and negative Brier
+    score on the site's **validation** images. With ``finetune`` the site also fine-tunes the reference on its own training split (as
     ``finetune_local`` does) and scores that model, which never leaves it, as ``finetuned``. The test split is not
     read."""
     from fedmed.nn.train import predict_proba
@@ -498,10 +511,12 @@ def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
     xv, yv = runner.splits(cfg).val
     x, y = runner.on_device(xv, cfg), yv.numpy()
 
-    def correct(m) -> np.ndarray:
+    def correct(m) -> tuple[np.ndarray, np.ndarray]:
         if y.size == 0:
-            return np.zeros(0)
-        return (predict_proba(m, x, precision=runner.precision(cfg)).argmax(axis=1) == y).astype(np.float64)
+            return np.zeros(0), np.zeros(0)
+        prob = np.asarray(predict_proba(m, x, precision=runner.precision(cfg)), dtype=np.float64)
+        onehot = np.eye(prob.shape[1])[y]
+        return (prob.argmax(axis=1) == y).astype(np.float64), -np.sum((prob - onehot) ** 2, axis=1)
 
     def finetune(model, options):
         loss = train_locally(runner, model, finetune_config(cfg, options), round_, "serve_finetune")["train_loss"]

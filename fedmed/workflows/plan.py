@@ -8,11 +8,13 @@ then decides for a newcomer between the global model and its assigned cluster's)
 
 1. (``serve_score``) each site is sent the global model and its own candidates — the model of its cluster in each
    candidate run — and scores them on its **validation** split; with ``finetune`` it also fine-tunes the global model
-   on its training split and scores that (``finetuned``; the model never leaves it). It replies with paired counts
-   against the global model (items, wins, losses — never a per-image value; nothing under ``k_min``).
+   on its training split and scores that (``finetuned``; the model never leaves it). It replies with paired
+   aggregates against the global model (items, wins, losses and, from a classifier, the sums of the per-item
+   proper-score differences and of their squares — never a per-image value; nothing under ``k_min``).
 2. The server picks per site (:func:`fedmed.algorithms.serving.plan`): the global model unless a candidate beats it
-   beyond the validation noise (a one-sided exact sign test, Bonferroni over the site's candidates, ``alpha`` fixed
-   before any number is seen); a cluster model is judged on its cluster's pooled counts (``pool``). The plan is
+   beyond the validation noise (a one-sided paired test — ``test``: the t-test on the proper-score differences, or
+   the exact sign test — Bonferroni over the site's candidates, ``alpha`` fixed before any number is seen); a
+   cluster model is judged on its cluster's pooled aggregates (``pool``). The plan is
    recorded (``plan``), written as ``plan.md`` / ``plan.json``, and the served model of each site as
    ``models/<site>.pt`` — except a fine-tuned one, which stays at its site.
 3. (``served``) every site scores the model it is served on its validation and test splits (a fine-tuned model is
@@ -75,13 +77,15 @@ class Plan(Workflow):
             options); None: not.
         alpha: the family-wise rate at a site of serving a candidate that is no better than the global model.
         pool: a cluster model is judged on its cluster's pooled evidence (else each site's own).
+        test: ``"score"`` (the paired t-test on proper-score differences where the sites send them, else the sign
+            test) or ``"sign"`` (:data:`fedmed.algorithms.serving.TESTS`).
     """
 
     record_name = "Plan"
 
     def __init__(self, num_rounds: int, task_config: dict, candidates=(), finetune: dict | None = None,
-                 alpha: float | None = None, pool: bool = True, **kw):
-        from fedmed.algorithms.serving import ALPHA
+                 alpha: float | None = None, pool: bool = True, test: str | None = None, **kw):
+        from fedmed.algorithms.serving import ALPHA, TESTS
 
         super().__init__(num_rounds, task_config, **kw)
         self.candidates = [str(c) for c in candidates]
@@ -92,6 +96,9 @@ class Plan(Workflow):
         self.finetune = dict(finetune) if finetune else None
         self.alpha = ALPHA if alpha is None else float(alpha)
         self.pool = bool(pool)
+        self.test = "score" if test is None else str(test)
+        if self.test not in TESTS:
+            raise ValueError(f"plan: test should be one of {TESTS}, got {test!r}")
 
     @property
     def root(self) -> Path:
@@ -136,16 +143,16 @@ class Plan(Workflow):
             raise RunFailed("no site scored its candidates: " + "; ".join(self.recorder.recent_errors(3)))
         # a cluster model is shared by its cluster's sites: they pool their evidence for it
         shared = {n: {s: str(own[s][n]) for s in counts if n in own[s]} for n in self.candidates} if self.pool else {}
-        choices = plan(counts, groups=shared, alpha=self.alpha, reference=REFERENCE)
+        choices = plan(counts, groups=shared, alpha=self.alpha, reference=REFERENCE, test=self.test)
         for s, c in sorted(choices.items()):
             self.info(f"{s} is served {c.served}: {c.reason}")
         doc = {s: {"served": c.served, "reason": c.reason, "p": c.p, "threshold": c.threshold,
                    "file": (None if c.served == FINETUNED else
                             Path(str(ref) if c.served == REFERENCE else str(own[s][c.served])).name),
-                   "evidence": {n: None if v is None else {"n": v.n, "wins": v.wins, "losses": v.losses}
+                   "evidence": {n: None if v is None else {k: x for k, x in vars(v).items() if x is not None}
                                 for n, v in counts[s].items()}}
                for s, c in choices.items()}
-        self.recorder.note("plan", {"sites": doc, "alpha": self.alpha, "pool": self.pool,
+        self.recorder.note("plan", {"sites": doc, "alpha": self.alpha, "pool": self.pool, "test": self.test,
                                     "candidates": self.candidates, "finetune": self.finetune})
         (self.out_dir / "plan.json").write_text(json.dumps(doc, indent=1, default=float))
         (self.out_dir / "plan.md").write_text(plan_table(choices))
