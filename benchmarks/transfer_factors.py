@@ -48,6 +48,8 @@ FACTORS = {
     "rounds_24": ["train.rounds=24"],
     "batch_8": ["train.batch_size=8"],
     "cosine": ["train.lr_schedule=cosine"],
+    "lr_2x": ["train.lr=0.002"],
+    "lr_3x": ["train.lr=0.003"],
     "recipe": "recipe",  # the transfer recipe as fedmed defaults to it (train.recipe=auto)
 }
 
