@@ -6,6 +6,10 @@ U-Systems' 5-6 test images do) and the site-mean AUC of the source's sites; mean
 
     python benchmarks/natural_per_source.py results/breast_us_natural
 
+With ``--paired REF`` a second table gives each method minus the row ``REF`` (e.g. "Serving plan: global model"),
+paired over the seeds both have, per source: mean ± std of the differences, in bold where the mean is larger than
+its spread (the project's "beyond the spread").
+
 Writes ``per_source.md`` into the experiment folder and prints it. Of the references only "Each source alone" is here (it
 keeps its sites' records, as a site would send them); the centralized model keeps none and the IID reference's sites mix
 the sources (their numbers are in ``summary.md``).
@@ -29,6 +33,18 @@ def balanced_accuracy(conf: np.ndarray) -> float | None:
     rows = conf.sum(axis=1)
     present = rows > 0
     return float(np.mean(np.diag(conf)[present] / rows[present])) if present.any() else None
+
+
+def paired_cell(values: dict, reference: dict) -> str:
+    """``values`` minus ``reference`` (each ``{seed: value}``, in fractions) over the seeds both have, in points: mean
+    ± std (population std over seeds, as every table), bold when the mean's size exceeds the std (beyond the spread);
+    "n/a" with no common seed."""
+    common = sorted(set(values) & set(reference))
+    if not common:
+        return "n/a"
+    d = 100 * np.array([values[k] - reference[k] for k in common])
+    cell = f"{d.mean():+.1f} ± {d.std():.1f}"
+    return f"**{cell}**" if len(d) > 1 and abs(d.mean()) > d.std() else cell
 
 
 def run_record(out: Path, method: str, seed: int) -> Path | None:
@@ -61,6 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("out", help="the experiment's output folder")
     ap.add_argument("--selection", choices=("final", "validation"), default=None,
                     help="default: the experiment config's, as its summary.md says")
+    ap.add_argument("--paired", metavar="REF", help="also each method minus the row REF, paired over seeds, per source")
     a = ap.parse_args(argv)
     from fedmed.report.summary import read_results, reported_rows
 
@@ -68,7 +85,7 @@ def main(argv=None) -> int:
     selection = a.selection or ("validation" if "validation-selected" in (out / "summary.md").read_text() else "final")
     rows = read_results(out / "results.csv")
     chosen = reported_rows(rows, selection)
-    cells: dict = {}  # (method, source) -> {"bacc": [...], "auc": [...]}
+    cells: dict = {}  # (method, source) -> {"bacc": {seed: value}, "auc": {seed: value}}
     sources: list = []
     for (method, seed), row in sorted(chosen.items()):
         if row.get("kind") == "reference":  # each source alone keeps its sites' records; the others have none
@@ -90,17 +107,18 @@ def main(argv=None) -> int:
                 sources.append(src)
             sites = [s for s, g in groups.items() if g == src and s in rnd["sites"]]
             confs = [np.asarray(rnd["sites"][s]["confusion"]) for s in sites if rnd["sites"][s].get("confusion")]
-            c = cells.setdefault((method, src), {"bacc": [], "auc": []})
+            c = cells.setdefault((method, src), {"bacc": {}, "auc": {}})
             withheld = any(rnd["sites"][s].get("withheld") for s in sites)  # rows below k_min, zeroed at the site
             if confs and not withheld:
                 b = balanced_accuracy(sum(confs))
                 if b is not None and (sum(confs).sum(axis=1) > 0).all():
-                    c["bacc"].append(b)
+                    c["bacc"][seed] = b
             aucs = [rnd["sites"][s]["auc"] for s in sites if rnd["sites"][s].get("auc") is not None]
             if aucs:
-                c["auc"].append(float(np.mean(aucs)))
+                c["auc"][seed] = float(np.mean(aucs))
 
     def fmt(v):
+        v = list((v or {}).values())
         return f"{100 * np.mean(v):.1f} ± {100 * np.std(v):.1f}" if v else "n/a"
 
     methods = list(dict.fromkeys(m for m, _ in cells))
@@ -112,6 +130,17 @@ def main(argv=None) -> int:
     cmd = "python benchmarks/natural_per_source.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = (f"Per source ({selection} round; balanced accuracy from the source's pooled test confusion matrices, AUC "
             f"the mean over its sites; %, mean ± std over seeds). Produced by: `{cmd}`\n\n" + "\n".join(lines) + "\n")
+    if a.paired:
+        if a.paired not in methods:
+            raise SystemExit(f"--paired {a.paired!r}: no such row (rows: {', '.join(methods)})")
+        plines = [head.replace("| Method |", f"| Method minus {a.paired} |"), lines[1]]
+        for m in methods:
+            if m != a.paired:
+                plines.append(f"| {m} | " + " | ".join(
+                    f"{paired_cell(cells.get((m, s), {}).get(k, {}), cells.get((a.paired, s), {}).get(k, {}))}"
+                    for s in sources for k in ("bacc", "auc")) + " |")
+        text += (f"\nPaired over seeds: each method minus {a.paired}, per source (points; mean ± std of the "
+                 f"differences; **bold**: the mean beyond its spread).\n\n" + "\n".join(plines) + "\n")
     (out / "per_source.md").write_text(text)
     print(text)
     return 0

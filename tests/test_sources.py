@@ -298,6 +298,12 @@ def test_each_source_alone_trains_a_model_per_source_and_scores_each_site_with_i
 
     assert reference_round(tmp_path / "out", "Each source alone", 0, 4) == {"sites": alone[-1]["sites"]}
     assert reference_round(tmp_path / "out", "FedAvg (IID federation)", 0, 4) is None  # its sites mix the sources
+    # the paired cell of --paired: differences over the seeds both rows have, bold beyond the spread only
+    from natural_per_source import paired_cell
+
+    assert paired_cell({0: 0.80, 1: 0.70, 2: 0.75}, {0: 0.70, 1: 0.69, 2: 0.70}) == "**+5.3 ± 3.7**"
+    assert paired_cell({0: 0.80, 1: 0.60}, {0: 0.70, 1: 0.70, 2: 0.10}) == "+0.0 ± 10.0"  # seed 2: only one row has it
+    assert paired_cell({0: 0.9}, {0: 0.7}) == "+20.0 ± 0.0" and paired_cell({1: 0.9}, {0: 0.7}) == "n/a"
     per_site = alone_rows(exp, fed, meta["sites"], 0, None, log=lambda *_: None)
     assert {r["method"] for r in per_site} == {"Each site alone"}
 
