@@ -31,9 +31,12 @@ def _val_auc(model, data, sites) -> float:
     for s in sites:
         x, ys = data[s].val
         if len(ys):
-            p.append(predict_proba(model, x)[:, 1])
+            p.append(predict_proba(model, x))
             y.append(np.asarray(ys))
-    return 100 * float(roc_auc_score(np.concatenate(y), np.concatenate(p)))
+    p, y = np.concatenate(p), np.concatenate(y)
+    if p.shape[1] == 2:  # two classes: the positive class's probability
+        return 100 * float(roc_auc_score(y, p[:, 1]))
+    return 100 * float(roc_auc_score(y, p, multi_class="ovr", labels=np.arange(p.shape[1])))  # macro one-vs-rest
 
 
 def recalibrated(model, data, sites, batch_size: int = 64):

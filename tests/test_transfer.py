@@ -436,3 +436,98 @@ def test_segmentation_refuses_a_learning_rate_schedule_it_would_not_follow():
     load_config(raw)
     with pytest.raises(Exception, match="train.lr_schedule"):
         load_config(raw, ["train.lr_schedule=cosine"])
+
+
+# --------------------------------------------------------------------- the diagnostics of benchmarks/ (issue #53)
+
+def _bench(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def small_experiment(tmp_path_factory):
+    """A finished in-process experiment of a small digits federation (FedAvg, batch-norm ResNet-9, 2 rounds) with its
+    centralized reference, and its config file."""
+    from fedmed.run import experiment as E
+
+    tmp = tmp_path_factory.mktemp("bench")
+    raw = {"name": "bench", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 60},
+           "federation": {"sites": 3, "partition": "iid", "val_fraction": 0.3, "test_fraction": 0.2},
+           "model": {"arch": "resnet9", "width": 4, "norm": "batch"},
+           "train": {"rounds": 2, "local_epochs": 1, "batch_size": 16, "optimizer": "adam", "lr": 0.01},
+           "privacy": {"k_min": 2}, "references": ["centralized"], "selection": "validation", "seeds": [0],
+           "methods": [{"name": "FedAvg", "workflow": "fedavg"}]}
+    cfg = tmp / "bench.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    E.run_experiment(str(cfg), tmp / "out", log=lambda *_: None, in_process=True)
+    return tmp / "out", cfg
+
+
+def test_the_central_reference_benchmark_makes_the_experiments_own_reference_on_its_splits(small_experiment,
+                                                                                           monkeypatch):
+    """benchmarks/central_reference.py at the experiment's own budget gives the rows the experiment's centralized
+    reference gave (the same splits, seed and loop), writes them under <run>/central_reference/<R>x<E>/, and reads
+    them back on the next call without training again."""
+    import json
+
+    out, cfg = small_experiment
+    cr = _bench("central_reference")
+    rows = cr.seed_rows(out, 0, cfg, [])
+    saved = json.loads((out / "runs" / "seed0" / "_references" / "run.json").read_text())["rows"]
+    want = [r for r in saved if r["method"] == "Centralized"]
+    assert [r["round"] for r in rows] == [r["round"] for r in want] == [0, 1, 2]
+    for got, ref in zip(rows, want):
+        for k in ("accuracy", "pooled_auc", "val_accuracy", "pooled_val_auc"):
+            assert got[k] == pytest.approx(ref[k], abs=1e-12), (k, got["round"])
+    assert (out / "central_reference" / "2x1" / "seed0.json").is_file()
+    import fedmed.run.references as R
+
+    monkeypatch.setattr(R, "centralized_rows", lambda *a, **k: pytest.fail("trained again"))
+    assert cr.seed_rows(out, 0, cfg, []) == json.loads(json.dumps(rows, default=float))
+    assert cr.main([str(out), "--config", str(cfg)]) == 0
+
+
+def test_the_batch_norm_diagnostic_re_estimates_the_statistics_over_the_pooled_training_images(small_experiment):
+    """benchmarks/bn_recalibrate.py: the recalibrated copy's first batch-norm layer holds the average over the pooled
+    training batches of each batch's channel means (PyTorch's cumulative average), the model it was given is left as
+    it was, and both AUCs are on the validation images."""
+    import torch
+
+    from fedmed.nn.predict import load_model
+    from fedmed.site.runner import SiteRunner
+
+    out, _ = small_experiment
+    bn = _bench("bn_recalibrate")
+    net, ck = load_model(out / "runs" / "seed0" / "FedAvg" / "server" / "models" / "global.pt")
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    dl = out / "data" / "seed0"
+    sites = sorted(p.stem for p in dl.glob("*.json") if p.stem != "dataset")
+    data = {s: SiteRunner(s, dl).data(ck["data"]["image_size"], ck["data"]["channels"]) for s in sites}
+    m = bn.recalibrated(net, data, sites, batch_size=16)
+    first = next(mod for mod in m.modules() if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm))
+    means = []
+    hook = first.register_forward_hook(lambda mod, inp, _: means.append(inp[0].mean(dim=(0, 2, 3))))
+    m.train()
+    with torch.no_grad():
+        for s in sites:
+            x = data[s].train[0]
+            for i in range(0, x.shape[0], 16):
+                m((x[i:i + 16] - 0.5) / 0.5)
+    hook.remove()
+    m.eval()
+    assert len(means) > 1
+    # the forward passes above moved the running mean again (momentum None: cumulative), so compare with a fresh copy
+    fresh = bn.recalibrated(net, data, sites, batch_size=16)
+    got = next(mod for mod in fresh.modules() if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm)).running_mean
+    torch.testing.assert_close(got, torch.stack(means).mean(dim=0), rtol=1e-4, atol=1e-5)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())  # the given model is untouched
+    row = bn.seed_row(out, 0)
+    assert set(row) == {"seed", "averaged", "recalibrated"} and 0 <= row["averaged"] <= 100
+    assert row["averaged"] == pytest.approx(bn._val_auc(net, data, sites))
