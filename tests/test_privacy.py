@@ -25,7 +25,8 @@ FIELDS = {
     "validate": EVAL,
     "finetune_local": EVAL | {"n_train", "train_loss", "steps"},  # the site's own model: its scores only
     "validate_ensemble": EVAL,
-    "serve_score": {"serving", "reference", "finetune_train_loss"},  # per candidate: n, wins, losses (>= k_min items)
+    "serve_score": {"serving", "reference", "finetune_train_loss"},  # per candidate: n, wins, losses and the sums of
+    # the per-image Brier-score differences and their squares (>= k_min items)
     # halves / halves_n: two means of >= k_min images each and their sizes ("do the sites differ?")
     "signature/fmcl": {"classes", "means", "counts", "withheld_classes", "notes", "dp", "encoder", "n_train", "halves",
                        "halves_n"},
@@ -173,8 +174,14 @@ def test_training_and_evaluation_replies(site):
     _, metrics, meta, out = runner.handle("serve_score", packed, {**cfg, "method_options": opts}, 0)
     assert not audit("serve_score", meta, samples, k_min=5) and out == {}
     n_val = runner.splits(cfg).val[0].shape[0]
-    for counts in meta["serving"].values():  # three counts per candidate, over the whole validation split, or nothing
-        assert counts is None if n_val < 5 else set(counts) == {"n", "wins", "losses"} and counts["n"] == n_val
+    for counts in meta["serving"].values():  # per candidate three counts and two sums over the whole validation
+        # split, or nothing
+        if n_val < 5:
+            assert counts is None
+            continue
+        assert set(counts) == {"n", "wins", "losses", "sum_d", "sum_d2"} and counts["n"] == n_val
+        assert all(isinstance(counts[k], float) for k in ("sum_d", "sum_d2"))
+        assert counts["sum_d2"] >= counts["sum_d"] ** 2 / n_val - 1e-9  # a sum of squares over n_val items
 
 
 def test_prep_and_fedmae_replies(site):
