@@ -2,8 +2,8 @@
 the federation and onboarded its held-out sites (``federation.holdout_sites``; each method's ``test_phase``), every new
 site is offered, against the global model of the reference method, the model each clustered method assigned it and
 (``--finetune``) the global model fine-tuned on its own training split; the site chooses on its validation split by
-the plan's rule (``fedmed.algorithms.serving``: the paired test of ``fedmed plan``'s default ``--test``), and only then are both the served and the global model scored on
-its test split.
+the plan's rule (``fedmed.algorithms.serving``: the paired test of ``fedmed plan``'s default ``--test``), and only
+then are both the served and the global model scored on its test split.
 
     python benchmarks/newcomer_plan.py results/breast_us_onboard_toshiba app_configs/breast_us_onboard.yaml \
         --candidates FMCL_ImageNet_K5 Flux --finetune --set ... (the experiment's own --set overrides)
@@ -11,8 +11,8 @@ its test split.
 Each seed's plan runs ``fedmed plan`` (FLARE's simulator) into ``<out>/runs/seed<N>/_newcomer_plan`` (reused when
 its ``plan.json`` is there); the table (``newcomer_plan.md`` in the experiment folder, printed too) gives per seed and
 new site the served model, the validation evidence of each candidate (wins / losses against the global model over the
-site's validation images, and the mean Brier-score gain the test judges) and the test accuracy of the served model and of the global model, then mean ± std over
-seeds. The test split chooses nothing.
+site's validation images, and the mean Brier-score gain the test judges) and the test accuracy of the served model
+and of the global model, then mean ± std over seeds. The test split chooses nothing.
 """
 
 from __future__ import annotations

@@ -50,6 +50,10 @@ def test_a_site_sends_aggregates_never_a_per_image_value_and_nothing_under_k_min
     assert paired_counts(dice_ref, dice_cand) == Paired(3, 1, 1)
     with pytest.raises(ValueError, match="the same items"):
         paired_counts([1, 0], [1, 0, 1])
+    # proper scores of one model only: no sums (nothing to difference)
+    assert paired_counts(ref, cand, k_min=5, reference_proper=bref).sum_d is None
+    assert got.message() == {"n": 7, "wins": 2, "losses": 1, "sum_d": got.sum_d, "sum_d2": got.sum_d2}
+    assert Paired(3, 1, 1).message() == {"n": 3, "wins": 1, "losses": 1}
     with pytest.raises(ValueError, match="sum_d and sum_d2"):
         Paired(3, 1, 1, 0.2)
 

@@ -84,6 +84,10 @@ class Paired:
             return score_test_p(self.n, self.sum_d, self.sum_d2)
         return sign_test_p(self.wins, self.losses)
 
+    def message(self) -> dict:
+        """What the site sends (and the plan records): the fields it has, without the absent score sums."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
     @property
     def mean_d(self) -> float:
         """The candidate's mean per-item score gain (NaN without score sums)."""
@@ -122,14 +126,14 @@ def paired_counts(reference_scores, candidate_scores, *, k_min: int = 1, referen
                   candidate_proper=None) -> Optional[Paired]:
     """A site's paired aggregates from per-item scores of the global model and a candidate on the same items
     (correctness 0/1 for classification, a Dice per image for segmentation; higher is better) and, optionally, each
-    item's proper score under either model (a classifier's negative Brier score; higher is better): then ``sum_d`` /
-    ``sum_d2`` of their differences too. ``None`` (nothing sent) under ``k_min`` items. NaN scores (an item a model
-    could not score) are left out of both."""
+    item's proper score under both models (a classifier's negative Brier score; higher is better): then ``sum_d`` /
+    ``sum_d2`` of their differences too (given for one model only, none). ``None`` (nothing sent) under ``k_min``
+    items. NaN scores (an item a model could not score) are left out of both."""
     a = np.asarray(reference_scores, dtype=np.float64).ravel()
     b = np.asarray(candidate_scores, dtype=np.float64).ravel()
     if a.shape != b.shape:
         raise ValueError(f"paired scores need the same items: {a.size} against {b.size}")
-    proper = (reference_proper is not None) or (candidate_proper is not None)
+    proper = reference_proper is not None and candidate_proper is not None
     if proper:
         pa = np.asarray(reference_proper, dtype=np.float64).ravel()
         pb = np.asarray(candidate_proper, dtype=np.float64).ravel()

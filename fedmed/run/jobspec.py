@@ -138,8 +138,9 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
             ``sites`` instead (``fedmed.workflows.onboard``; ``global_result``: a FedAvg-family run whose global model
             a new site is served when its cluster was trained on too few images).
         plan: ``{"global": DIR, "candidates": {name: DIR}, "finetune": {...} or None, "alpha": float or None,
-            "pool": bool, "test": "score" or "sign" or None}`` builds the serving plan's job over ``sites`` instead (``fedmed.workflows.plan``):
-            ``method`` is the method whose run ``global`` is (its task config is the plan's).
+            "pool": bool, "test": "score" or "sign" or None}`` builds the serving plan's job over ``sites`` instead
+            (``fedmed.workflows.plan``): ``method`` is the method whose run ``global`` is (its task config is the
+            plan's).
         files_checked: the method's files were checked in this process already (``fedmed experiment`` checks every
             method's before its first run), so they are not loaded again here.
         task_config_ready: called with the task config as soon as it is built, before the network is checked (which

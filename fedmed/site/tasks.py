@@ -488,12 +488,8 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
         meta.update(extra)
     ref = opts.names[0]
     counts = {name: paired_counts(scores[ref], v, k_min=k, reference_proper=proper.get(ref),
-                                  candidate_proper=proper.get(name)) if ref in proper and name in proper
-              else paired_counts(scores[ref], v, k_min=k) for name, v in scores.items() if name != ref}
-    meta["serving"] = {name: None if c is None else {"n": c.n, "wins": c.wins, "losses": c.losses,
-                                                     **({} if c.sum_d is None else {"sum_d": c.sum_d,
-                                                                                   "sum_d2": c.sum_d2})}
-                       for name, c in counts.items()}
+                                  candidate_proper=proper.get(name)) for name, v in scores.items() if name != ref}
+    meta["serving"] = {name: None if c is None else c.message() for name, c in counts.items()}
     meta["reference"] = ref
     scored = {name: v[np.isfinite(v)] for name, v in scores.items()}
     metrics = {f"val_{metric}/{name}": float(v.mean()) if v.size >= k else float("nan") for name, v in scored.items()}
@@ -502,9 +498,9 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
 
 def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     """#57's serving plan at a site (:func:`serving_reply`): every packed model's correctness and negative Brier
-    score on the site's **validation** images. With ``finetune`` the site also fine-tunes the reference on its own training split (as
-    ``finetune_local`` does) and scores that model, which never leaves it, as ``finetuned``. The test split is not
-    read."""
+    score on the site's **validation** images. With ``finetune`` the site also fine-tunes the reference on its own
+    training split (as ``finetune_local`` does) and scores that model, which never leaves it, as ``finetuned``. The
+    test split is not read."""
     from fedmed.nn.train import predict_proba
 
     cfg = task_config(cfg)

@@ -149,8 +149,7 @@ class Plan(Workflow):
         doc = {s: {"served": c.served, "reason": c.reason, "p": c.p, "threshold": c.threshold,
                    "file": (None if c.served == FINETUNED else
                             Path(str(ref) if c.served == REFERENCE else str(own[s][c.served])).name),
-                   "evidence": {n: None if v is None else {k: x for k, x in vars(v).items() if x is not None}
-                                for n, v in counts[s].items()}}
+                   "evidence": {n: None if v is None else v.message() for n, v in counts[s].items()}}
                for s, c in choices.items()}
         self.recorder.note("plan", {"sites": doc, "alpha": self.alpha, "pool": self.pool, "test": self.test,
                                     "candidates": self.candidates, "finetune": self.finetune})
