@@ -471,7 +471,7 @@ def small_experiment(tmp_path_factory):
 
 
 def test_the_central_reference_benchmark_makes_the_experiments_own_reference_on_its_splits(small_experiment,
-                                                                                           monkeypatch):
+                                                                                           monkeypatch, capsys):
     """benchmarks/central_reference.py at the experiment's own budget gives the rows the experiment's centralized
     reference gave (the same splits, seed and loop), writes them under <run>/central_reference/<R>x<E>/, and reads
     them back on the next call without training again."""
@@ -491,7 +491,14 @@ def test_the_central_reference_benchmark_makes_the_experiments_own_reference_on_
 
     monkeypatch.setattr(R, "centralized_rows", lambda *a, **k: pytest.fail("trained again"))
     assert cr.seed_rows(out, 0, cfg, []) == json.loads(json.dumps(rows, default=float))
-    assert cr.main([str(out), "--config", str(cfg)]) == 0
+    # the stored rows with the best validation accuracy at epoch 1: the two rules then pick different epochs
+    stored = out / "central_reference" / "2x1" / "seed0.json"
+    stored.write_text(json.dumps([{**r, "val_accuracy": 1.0 if r["round"] == 1 else 0.0} for r in rows], default=float))
+    capsys.readouterr()
+    for selection, want_round in (("validation", 1), ("final", 2)):
+        assert cr.main([str(out), "--config", str(cfg), "--selection", selection]) == 0
+        table = capsys.readouterr().out.splitlines()
+        assert table[-1].startswith(f"| {want_round} | "), (selection, table[-1])
 
 
 def test_the_batch_norm_diagnostic_re_estimates_the_statistics_over_the_pooled_training_images(small_experiment):
