@@ -137,6 +137,22 @@ def test_the_score_test_serves_a_candidate_no_better_than_the_global_model_at_mo
     assert served / trials <= ALPHA + 3 * np.sqrt(ALPHA * (1 - ALPHA) / trials), served / trials
 
 
+def test_the_rates_benchmark_prints_every_case_of_readings_table(capsys):
+    """benchmarks/serving_rates.py (docs/readings.md "Serving plan") runs the trials above, both tests on the same
+    ones: a row per case, rates between 0 and 100%."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_rates.py"
+    spec = importlib.util.spec_from_file_location("serving_rates", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--trials", "40"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and "%" in r]
+    assert len(rows) == len(mod.NULL_CASES) + len(mod.BETTER_ITEMS)
+    assert all(0 <= float(c.strip(" %")) <= 100 for r in rows for c in r.strip("|").split("|")[3:])
+
+
 def test_the_score_test_finds_a_better_candidate_more_often_than_the_sign_test():
     """The reason it is the default: on the same planted trials (a candidate with half the global model's noise, 60
     validation items) the score test serves it in about twice as many trials as the sign test on correctness, at the

@@ -1,0 +1,63 @@
+"""How often the serving plan's two tests serve a planted candidate (issue #57; docs/readings.md "Serving plan").
+
+    python benchmarks/serving_rates.py [--trials 4000]
+
+The planted classifiers are ``tests/test_serving.py``'s (``_prob_trial``, the same seeds as its tests: 570 for the
+candidates no better than the global model, 571 for the better one): per case, the share of trials in which
+:func:`fedmed.algorithms.serving.choose` serves a candidate under the score test and under the sign test, on the same
+trials. No dataset is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+NULL_CASES = [("equal", 20, 1), ("equal", 60, 1), ("equal", 60, 5), ("noisy", 20, 5), ("sharp", 20, 1)]
+BETTER_ITEMS = (20, 60, 100)
+
+
+def _trials_module():
+    spec = importlib.util.spec_from_file_location("serving_trials", ROOT / "tests" / "test_serving.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def rates(kind: str, n_items: int, n_candidates: int, trials: int, seed: int, **kw) -> dict:
+    from fedmed.algorithms.serving import choose
+
+    make = _trials_module()._prob_trial
+    rng = np.random.default_rng(seed)
+    served = {"score": 0, "sign": 0}
+    for _ in range(trials):
+        c = make(rng, n_items, n_candidates, kind, **kw)
+        for test in served:
+            served[test] += choose(c, test=test).served != "global"
+    return {k: v / trials for k, v in served.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=4000, help="trials per no-better case (a quarter for the better one)")
+    a = ap.parse_args(argv)
+    print(f"Produced by: `python benchmarks/serving_rates.py --trials {a.trials}`\n")
+    print("| candidate | items | candidates | score test | sign test |\n|---|---|---|---|---|")
+    for kind, n, m in NULL_CASES:
+        r = rates(kind, n, m, a.trials, 570)
+        print(f"| {kind} | {n} | {m} | {100 * r['score']:.2f}% | {100 * r['sign']:.2f}% |")
+    for n in BETTER_ITEMS:
+        r = rates("better", n, 1, max(1, a.trials // 4), 571, noise=1.5, candidate_noise=0.75)
+        print(f"| better | {n} | 1 | {100 * r['score']:.1f}% | {100 * r['sign']:.1f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
