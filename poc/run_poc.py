@@ -2,7 +2,7 @@
 
 This is the path a clinical team uses from the FLARE admin console (``submit_job``), scripted:
 
-    python poc/run_poc.py JOB_DIR --datalists DIR [--site-policy POLICY] [--workspace WS] [--result-dir RESULT] [--keep]
+    python poc/run_poc.py JOB_DIR --datalists DIR [--site-policy POLICY] [--workspace WS] [--result-dir RESULT] [--start-timeout S] [--keep]
 
 1. ``nvflare poc prepare -c <the job's sites> --force`` into the workspace (``--workspace``, else
    ``NVFLARE_POC_WORKSPACE``, else ``/tmp/fedmed_poc``). The nvflare commands run with ``HOME`` set to a
@@ -10,7 +10,10 @@ This is the path a clinical team uses from the FLARE admin console (``submit_job
 2. Each site's data setting goes where a hospital would put it: ``<site kit>/local/fedmed_site.json``
    naming ``DIR/<site>.json``, and ``--site-policy`` (if given) as ``local/fedmed_policy.json``; every kit's
    ``class_allow_list`` allows fedmed's adapters (``python -m fedmed_flare.kit``; docs/deployment.md).
-3. ``nvflare poc start`` (server + sites + admin in the background).
+3. ``nvflare poc start --no-wait`` (server + sites in the background); this script then waits up to
+   ``--start-timeout`` seconds for every site of the job to connect, through the admin API. FLARE's own readiness
+   wait (``poc start`` without ``--no-wait``) polls with admin commands that have no time limit of their own and
+   was seen to hang past two minutes on a loaded 2-core machine.
 4. admin API: ``new_secure_session`` -> ``submit_job`` -> ``monitor_job`` -> ``download_job_result``.
 5. ``nvflare poc stop`` and ``nvflare poc clean`` (always, also on failure, unless ``--keep``).
 
@@ -101,6 +104,15 @@ def connect(kit: Path, deadline: float, want_sites: list[str]):
     raise TimeoutError(f"POC did not come up in time ({last})")
 
 
+def console_tails(ws: Path, lines: int = 15) -> str:
+    """The last lines of every POC participant's console log (``poc_console.log`` beside its startup folder)."""
+    out = []
+    for log in sorted(ws.rglob("poc_console.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {log.parent.name}/{log.name} ---\n" + "\n".join(tail))
+    return "\n".join(out) or "(no POC console logs)"
+
+
 def poc_env(workspace: Path) -> dict:
     home = workspace / ".home"
     home.mkdir(parents=True, exist_ok=True)
@@ -108,15 +120,18 @@ def poc_env(workspace: Path) -> dict:
 
 
 def run(job_dir: Path, workspace: Path, result_dir: Path, sites: list[str], datalists: Path | None, timeout: int,
-        keep: bool, policy: Path | None = None) -> dict:
+        keep: bool, policy: Path | None = None, start_timeout: float = 300.0) -> dict:
     env = poc_env(workspace)
     nv = nvflare_bin()
     sh([nv, "poc", "prepare", "-c", *sites, "--force"], env)
     write_site_settings(workspace, sites, datalists, policy)
     out: dict = {"job": str(job_dir)}
     try:
-        sh([nv, "poc", "start"], env, timeout=120, check=False, capture=True)
-        sess = connect(find_kit(workspace, ADMIN), time.time() + 180, sites)
+        sh([nv, "poc", "start", "--no-wait"], env, timeout=120)
+        try:
+            sess = connect(find_kit(workspace, ADMIN), time.time() + start_timeout, sites)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}\n{console_tails(workspace)}") from None
         try:
             job_id = sess.submit_job(str(job_dir))
             print(f"submitted {job_dir.name} as job {job_id}", flush=True)
@@ -158,6 +173,8 @@ def main(argv=None) -> int:
                     help="POC workspace (default: NVFLARE_POC_WORKSPACE, else /tmp/fedmed_poc)")
     ap.add_argument("--result-dir", default="results/poc", help="where the downloaded job result goes")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds to wait for the job")
+    ap.add_argument("--start-timeout", type=float, default=300.0,
+                    help="seconds to wait for the server and every site to connect after 'poc start'")
     ap.add_argument("--keep", action="store_true", help="leave the POC running")
     a = ap.parse_args(argv)
     job = Path(a.job_dir).resolve()
@@ -174,7 +191,7 @@ def main(argv=None) -> int:
         return 2
     res = run(job, Path(a.workspace).resolve(), Path(a.result_dir).resolve(), sites,
               Path(a.datalists).resolve() if a.datalists else None, a.timeout, a.keep,
-              Path(a.site_policy).resolve() if a.site_policy else None)
+              Path(a.site_policy).resolve() if a.site_policy else None, a.start_timeout)
     print(json.dumps(res, indent=1))
     return 0 if res.get("status") == "finished" else 1
 

@@ -103,7 +103,7 @@ def test_busi_job_for_named_sites_runs_in_simulator_and_poc(tmp_path):
     poc = subprocess.run([sys.executable, str(REPO_ROOT / "poc" / "run_poc.py"), str(job), "--datalists", str(data),
                           "--workspace", str(tmp_path / "poc"), "--result-dir", str(tmp_path / "poc_result")],
                          capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
-    assert poc.returncode == 0, poc.stdout[-3000:]
+    assert poc.returncode == 0, poc.stdout[-3000:] + poc.stderr[-3000:]
     result = json.loads(poc.stdout[poc.stdout.rindex("{\n"):])
     assert result["flare_status"] == "FINISHED:COMPLETED" and result["status"] == "finished"
     poc_doc = json.loads(next(Path(result["result"]).rglob("fedmed/metrics.json")).read_text())
@@ -388,3 +388,20 @@ def test_fedmed_experiment_and_job_run_take_relative_paths_from_any_folder(tmp_p
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert p.returncode == 0 and res["status"] == "finished", p.stdout[-2000:] + p.stderr[-2000:]
     assert Path(res["result"]).is_relative_to(elsewhere / "ws")
+
+
+def test_poc_start_timeout_error_carries_each_participants_console_log(tmp_path):
+    """When POC sites do not connect in time, run_poc's error ends with every participant's console log tail."""
+    sys.path.insert(0, str(REPO_ROOT / "poc"))
+    try:
+        import run_poc
+    finally:
+        sys.path.remove(str(REPO_ROOT / "poc"))
+    for name, text in (("server", "listening\n"), ("hospital-a", "\n".join(f"line {i}" for i in range(40)))):
+        d = tmp_path / "example_project" / "prod_00" / name
+        d.mkdir(parents=True)
+        (d / "poc_console.log").write_text(text)
+    tails = run_poc.console_tails(tmp_path, lines=5)
+    assert "--- hospital-a/poc_console.log ---\nline 35\n" in tails and "line 34" not in tails
+    assert "--- server/poc_console.log ---\nlistening" in tails
+    assert run_poc.console_tails(tmp_path / "none") == "(no POC console logs)"
