@@ -12,7 +12,8 @@ training its federated methods again. The config is ``app_configs/breast_us_lite
 with ``--set`` overrides as ``fedmed experiment`` takes them. Each seed's rows go to
 ``<run>/central_reference/<rounds>x<local_epochs>/seed<N>.json`` (reused when present); the table prints the
 validation-selected epoch (the best site-mean validation accuracy, as the report selects a round; ``--selection
-final``: the last epoch, the project's other reporting rule) and the test numbers there, mean ± std over the seeds.
+validation_auc``: the best pooled validation AUC; ``--selection final``: the last epoch) and the test numbers there,
+mean ± std over the seeds.
 """
 
 from __future__ import annotations
@@ -48,15 +49,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--config", type=Path, default=ROOT / "app_configs" / "breast_us_lite0.yaml")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="a config override, as fedmed experiment")
-    ap.add_argument("--selection", choices=("validation", "final"), default="validation",
-                    help="the epoch reported: the report's validation rule, or the last")
+    ap.add_argument("--selection", choices=("validation", "validation_auc", "final"), default="validation",
+                    help="the epoch reported: by one of the report's validation rules, or the last")
     a = ap.parse_args(argv)
     from fedmed.report.summary import fmt, reported_rows
 
     picked = []
     for s in a.seeds:
         rows = seed_rows(a.run, s, a.config, a.sets)
-        picked += reported_rows(rows, a.selection).values()  # validation: the best site-mean val accuracy
+        picked += reported_rows(rows, a.selection).values()
         print(f"seed {s}: {len(rows) - 1} evaluations, selected {picked[-1]['round']}", flush=True)
     cols = [("pooled_val_auc", "val AUC (pooled)"), ("val_accuracy", "val acc (site mean)"),
             ("accuracy", "test acc (site mean)"), ("pooled_auc", "test pooled AUC")]

@@ -75,14 +75,16 @@ def reference_round(out: Path, method: str, seed: int, round_) -> dict | None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="the experiment's output folder")
-    ap.add_argument("--selection", choices=("final", "validation"), default=None,
+    ap.add_argument("--selection", choices=("final", "validation", "validation_auc"), default=None,
                     help="default: the experiment config's, as its summary.md says")
     ap.add_argument("--paired", metavar="REF", help="also each method minus the row REF, paired over seeds, per source")
     a = ap.parse_args(argv)
     from fedmed.report.summary import read_results, reported_rows
 
     out = Path(a.out)
-    selection = a.selection or ("validation" if "validation-selected" in (out / "summary.md").read_text() else "final")
+    text = (out / "summary.md").read_text()
+    selection = a.selection or ("validation_auc" if "best AUC on the sites' validation images" in text else
+                                "validation" if "validation-selected" in text else "final")
     rows = read_results(out / "results.csv")
     chosen = reported_rows(rows, selection)
     cells: dict = {}  # (method, source) -> {"bacc": {seed: value}, "auc": {seed: value}}

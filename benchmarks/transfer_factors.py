@@ -89,22 +89,26 @@ def record(out: Path, seed: int) -> dict | None:
     return None
 
 
-def row(doc: dict) -> dict:
-    """Validation numbers of one run record: the final round's and the validation-selected round's."""
+def row(doc: dict, selection: str = "validation") -> dict:
+    """Validation numbers of one run record: the final round's and the validation-selected round's (``selection``:
+    the report's rules, ``validation`` best site-mean val accuracy or ``validation_auc`` best pooled val AUC)."""
     rounds = [r for r in doc.get("rounds", []) if r.get("summary")]
     val = [(r["round"], r["summary"]["mean"].get("val_accuracy"), (r["summary"].get("pooled_val") or {}))
            for r in rounds]
     val = [v for v in val if v[1] is not None]
     if not val:
         return {}
-    sel = max(val, key=lambda v: (v[1], -v[0]))  # fedmed's report's rule: best site-mean val accuracy, earliest
+    if selection == "validation_auc":  # the report's other rule: best pooled val AUC, earliest
+        sel = max(val, key=lambda v: (v[2].get("auc") if v[2].get("auc") is not None else -1.0, -v[0]))
+    else:
+        sel = max(val, key=lambda v: (v[1], -v[0]))  # fedmed's report's rule: best site-mean val accuracy, earliest
     loss = [r["summary"]["mean"].get("train_loss") for r in rounds if r.get("task") == "train"]
     loss = [x for x in loss if x is not None]
     return {"final_val_auc": val[-1][2].get("auc"), "sel_round": sel[0], "sel_val_auc": sel[2].get("auc"),
             "sel_val_acc": sel[1], "loss0": loss[0] if loss else None, "loss_last": loss[-1] if loss else None}
 
 
-def central_row(out: Path, seed: int) -> dict:
+def central_row(out: Path, seed: int, selection: str = "validation") -> dict:
     f = next((d / "_references" / "run.json" for d in _seed_dirs(out, seed) if (d / "_references" / "run.json").is_file()),
              None)
     if f is None:
@@ -112,7 +116,8 @@ def central_row(out: Path, seed: int) -> dict:
     rows = [r for r in json.loads(f.read_text()).get("rows", []) if r.get("method") == "Centralized"]
     if not rows:
         return {}
-    sel = max(rows, key=lambda r: (r.get("val_accuracy") or -1, -r["round"]))
+    vkey = "pooled_val_auc" if selection == "validation_auc" else "val_accuracy"
+    sel = max(rows, key=lambda r: (r.get(vkey) or -1, -r["round"]))
     return {"final_val_auc": rows[-1].get("pooled_val_auc"), "sel_round": sel["round"],
             "sel_val_auc": sel.get("pooled_val_auc"), "sel_val_acc": sel.get("val_accuracy")}
 
@@ -207,6 +212,9 @@ def main(argv=None) -> int:
                     help="seconds after which no further run starts (runs in flight finish)")
     ap.add_argument("--set", action="append", default=[],
                     help="an override for every run (e.g. dataset.sources for a copy of the data)")
+    ap.add_argument("--selection", choices=("validation", "validation_auc"), default="validation",
+                    help="the validation table's selected round: the report's rule 'validation' (best site-mean val "
+                         "accuracy) or 'validation_auc' (best pooled val AUC)")
     ap.add_argument("--in-process", action="store_true",
                     help="run each experiment's jobs in its own process (fedmed experiment --in-process: the same "
                          "models without FLARE's process per site; a GPU machine)")
@@ -217,8 +225,10 @@ def main(argv=None) -> int:
     out = Path(a.out)
     if not a.table_only:
         run_all(names, a.seeds, out, a.weights, a.set, jobs=a.jobs, deadline=a.deadline)
-    print(f"\nValidation only (pooled over the 17 sites' validation splits), seeds {a.seeds}; made by "
-          f"`benchmarks/transfer_factors.py --out {a.out} --seeds {' '.join(map(str, a.seeds))}`\n")
+    rule = "best pooled val AUC" if a.selection == "validation_auc" else "best site-mean val accuracy"
+    print(f"\nValidation only (pooled over the 17 sites' validation splits), seeds {a.seeds}, the round selected by "
+          f"{rule}; made by `benchmarks/transfer_factors.py --out {a.out} --seeds {' '.join(map(str, a.seeds))}"
+          f"{' --selection validation_auc' if a.selection == 'validation_auc' else ''}`\n")
     print("| factor | overrides | val AUC, final round | val-selected round | val AUC there | val acc there (site mean) | "
           "train loss, round 0 | train loss, last round |")
     print("|---|---|---|---|---|---|---|---|")
@@ -232,9 +242,9 @@ def main(argv=None) -> int:
     rows = []
     for name in names:
         sets = described(name)
-        rows.append((name, sets, [row(d) if (d := record(out / name, s)) else {} for s in a.seeds]))
+        rows.append((name, sets, [row(d, a.selection) if (d := record(out / name, s)) else {} for s in a.seeds]))
         if name.split("@")[0] in WITH_CENTRAL:
-            rows.append((f"centralized ({name})", sets, [central_row(out / name, s) for s in a.seeds]))
+            rows.append((f"centralized ({name})", sets, [central_row(out / name, s, a.selection) for s in a.seeds]))
     for name, sets, rs in rows:
         if not any(rs):
             continue

@@ -303,9 +303,10 @@ class ExperimentConfig(_Strict):
                                "a .py file (relative to this config's folder) or an importable module")
     methods: _methods_annotation() = Field(default_factory=lambda: [FedAvgMethod(name="FedAvg")], min_length=1)
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
-    selection: Literal["final", "validation"] = Field(
-        "final", description="which round the tables report: the final one, or the one with the best validation "
-        "accuracy (validation splits are held out of the sites' training data; test data never selects)")
+    selection: Literal["final", "validation", "validation_auc"] = Field(
+        "final", description="which round the tables report: the final one, the one with the best validation "
+        "accuracy (Dice for segmentation), or (classifiers) the one with the best AUC on the sites' validation "
+        "images pooled (validation splits are held out of the sites' training data; test data never selects)")
     references: list[Literal["centralized", "iid_fedavg", "majority", "cluster_majority", "alone"]] = Field(
         default_factory=lambda: list(REFERENCES), description="reference rows of classification tables ('alone': each "
         "source of a natural federation trains alone, else each site; not in the default set)")
@@ -398,6 +399,9 @@ class ExperimentConfig(_Strict):
         if self.train.lr_schedule != "constant" and self.dataset.task == "segmentation":
             raise ValueError(f"train.lr_schedule: {self.train.lr_schedule!r} schedules classifiers' training; "
                              "segmentation trains at a constant train.lr (set train.lr_schedule: constant)")
+        if self.selection == "validation_auc" and self.dataset.task == "segmentation":
+            raise ValueError("selection: 'validation_auc' selects a classifier's round on its validation AUC; "
+                             "segmentation selects on validation Dice (selection: validation)")
         if "alone" in self.references and self.dataset.task == "segmentation":
             raise ValueError("references: 'alone' is a classification reference; segmentation's 'centralized' "
                              "reference already trains each site (3D) or each source (2D) alone")

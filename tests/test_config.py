@@ -181,3 +181,13 @@ def test_every_shipped_config_finds_the_shared_data_from_any_folder(tmp_path, mo
                 target = (cwd / p).resolve()  # ../shared may be a link to the data: compare resolved paths
                 assert target.is_relative_to((root.parent / "shared" / "data").resolve()) or \
                     target == (root / "results" / "demo" / "phantoms"), (f.name, p)
+
+
+def test_selection_by_validation_auc_is_for_classifiers():
+    from pathlib import Path
+
+    assert load_config(BASE, ["selection=validation_auc"]).selection == "validation_auc"
+    seg = Path(__file__).parents[1] / "app_configs" / "demo_seg_phantoms.yaml"
+    assert load_config(seg, ["selection=validation"]).selection == "validation"
+    with pytest.raises(ConfigError, match="selection: 'validation_auc' selects a classifier's round"):
+        load_config(seg, ["selection=validation_auc"])

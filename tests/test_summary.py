@@ -36,6 +36,38 @@ def test_validation_selection_uses_validation_never_test():
     assert "90" not in e["accuracy"] and "95" not in e["accuracy"]  # the test-best round 1 is never reported
 
 
+def test_validation_auc_selection_reads_pooled_validation_auc_never_accuracy_or_test(tmp_path):
+    """selection 'validation_auc': the round with the best pooled validation AUC (the earliest on a tie), where the
+    accuracy rule and the test numbers would each pick another round."""
+    auc = {0: [0.5, 0.7, 0.6, 0.9, 0.9], 1: [0.5, 0.95, 0.8, 0.7, 0.6]}
+    rows = [dict(r, pooled_val_auc=auc[r["seed"]][r["round"]])
+            for r in run_rows("FedAvg", 0, tests=[0.5, 0.9, 0.6, 0.7, 0.8], vals=[0.5, 0.6, 0.8, 0.7, 0.6])
+            + run_rows("FedAvg", 1, tests=[0.5, 0.6, 0.65, 0.75, 0.99], vals=[0.5, 0.6, 0.85, 0.7, 0.5])]
+    assert {k: r["round"] for k, r in S.reported_rows(rows, "validation_auc").items()} == {("FedAvg", 0): 3,
+                                                                                           ("FedAvg", 1): 1}
+    assert {k: r["round"] for k, r in S.reported_rows(rows, "validation").items()} == {("FedAvg", 0): 2,
+                                                                                       ("FedAvg", 1): 2}
+    e = S.summarize(rows, "validation_auc")[0]
+    assert e["accuracy"] == "65.00 ± 5.00" and e["rounds"] == [1, 3]
+    text = S.write_outputs([r for r in rows if r["seed"] == 0], tmp_path, title="t", command="c",
+                           selection="validation_auc")
+    assert "best AUC on the sites' validation images pooled" in text and "val-AUC-selected (3)" in text
+    with pytest.raises(ValueError, match="needs validation metrics"):
+        S.reported_rows([dict(r, pooled_val_auc=None) for r in rows], "validation_auc")
+    with pytest.raises(ValueError, match="validation_auc.*classifiers"):
+        S.reported_rows([dict(r, dice_mean=0.5, val_dice_mean=0.5) for r in rows], "validation_auc")
+    with pytest.raises(ValueError, match="selection should be one of"):
+        S.reported_rows(rows, "auc")
+
+
+def test_rows_from_a_run_record_carry_the_pooled_validation_auc():
+    doc = {"rounds": [{"round": 0, "task": "validate", "summary": {"mean": {"accuracy": 0.7, "val_accuracy": 0.6},
+                                                                     "std": {}, "pooled": {"auc": 0.8},
+                                                                     "pooled_val": {"accuracy": 0.65, "auc": 0.77}}}]}
+    row = S.rows_from_metrics("FedAvg", 0, doc)[0]
+    assert row["pooled_val_auc"] == 0.77 and row["pooled_val_accuracy"] == 0.65
+
+
 def test_validation_selection_needs_a_validation_split():
     rows = [dict(r, val_accuracy=None) for r in ROWS]
     with pytest.raises(ValueError, match="needs validation metrics"):

@@ -335,6 +335,12 @@ def test_the_factor_screen_selects_rounds_as_the_report_does_and_combines_factor
     assert got["sel_round"] == reported_rows(rows, "validation")[("M", 0)]["round"] == 1
     assert got["sel_val_auc"] == pytest.approx(0.8) and got["final_val_auc"] == pytest.approx(0.75)
     assert got["loss0"] == 1.0 and got["loss_last"] == pytest.approx(0.25)
+    for r, a in zip(doc["rounds"], [0.6, 0.7, 0.9, 0.9, 0.8]):  # pooled val AUC: best at rounds 2 and 3 (tie)
+        r["summary"]["pooled_val"]["auc"] = a
+    by_auc = tf.row(doc, "validation_auc")
+    rows = [dict(r, pooled_val_auc=a) for r, a in zip(rows, [0.6, 0.7, 0.9, 0.9, 0.8])]
+    assert by_auc["sel_round"] == reported_rows(rows, "validation_auc")[("M", 0)]["round"] == 2
+    assert tf.row(doc)["sel_round"] == 1  # the accuracy rule is the default
     # a seed run side by side (--jobs) is read from its own folder until merged into the factor's
     import json
 
@@ -495,7 +501,9 @@ def test_the_central_reference_benchmark_makes_the_experiments_own_reference_on_
     stored = out / "central_reference" / "2x1" / "seed0.json"
     stored.write_text(json.dumps([{**r, "val_accuracy": 1.0 if r["round"] == 1 else 0.0} for r in rows], default=float))
     capsys.readouterr()
-    for selection, want_round in (("validation", 1), ("final", 2)):
+    stored.write_text(json.dumps([{**r, "val_accuracy": 1.0 if r["round"] == 1 else 0.0,
+                                   "pooled_val_auc": 1.0 if r["round"] == 0 else 0.5} for r in rows], default=float))
+    for selection, want_round in (("validation", 1), ("final", 2), ("validation_auc", 0)):
         assert cr.main([str(out), "--config", str(cfg), "--selection", selection]) == 0
         table = capsys.readouterr().out.splitlines()
         assert table[-1].startswith(f"| {want_round} | "), (selection, table[-1])

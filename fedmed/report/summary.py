@@ -7,6 +7,10 @@ Round selection (never on test data):
 * ``selection="validation"``: every run (each seed on its own) is reported at the round whose served
   model has the best site-mean accuracy (Dice for segmentation) on the sites' *validation* splits —
   held out of their training data. Test metrics are read at that round.
+* ``selection="validation_auc"`` (classifiers): the round whose served model has the best AUC on the sites'
+  validation images pooled. Accuracy at the 0.5 threshold reads a network's operating point, AUC its ranking; where
+  more optimisation per round moves the first while the second still rises (a pretrained network fine-tuned
+  federated, docs/results.md issue #53), the accuracy rule picks early rounds. Ties: the earliest round.
 
 Every number of a table, and the per-method console line, is read at the same reported round, in %.
 Reference rows (``fedmed.run.references``) sit beside the methods: the centralized model, FedAvg on an IID
@@ -23,15 +27,16 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CLS_METRICS", "FIELDS", "SEG_METRICS", "read_results", "reported_rows", "rows_from_metrics", "summarize",
+__all__ = ["CLS_METRICS", "FIELDS", "SEG_METRICS", "SELECTIONS", "read_results", "reported_rows", "rows_from_metrics", "summarize",
            "sweep_stats", "sweep_table", "write_outputs"]
 
 CLS_METRICS = ("accuracy", "macro_f1", "auc")
+SELECTIONS = ("final", "validation", "validation_auc")
 SEG_METRICS = ("dice_wt", "dice_tc", "dice_et", "dice_mean", "hd95_wt", "hd95_tc", "hd95_et", "dice_wt_per_sample",
                "fp_voxels", "fp_pixels")
 FIELDS = ["method", "kind", "seed", "round", "task", "phase", "attempt", *CLS_METRICS, *[f"{m}_std" for m in CLS_METRICS],
           *[f"pooled_{m}" for m in CLS_METRICS], "val_accuracy", "val_macro_f1", "pooled_val_accuracy",
-          *SEG_METRICS, "val_dice_mean", "train_loss", "ari", "n_clusters", "n_sites", "n_failed", "n_test", "withheld",
+          "pooled_val_auc", *SEG_METRICS, "val_dice_mean", "train_loss", "ari", "n_clusters", "n_sites", "n_failed", "n_test", "withheld",
           "sat_out"]
 _INT = ("seed", "round", "attempt", "n_clusters", "n_sites", "n_failed", "n_test", "withheld")
 _STR = ("method", "kind", "task", "phase", "sat_out")
@@ -91,8 +96,9 @@ def rows_from_metrics(method: str, seed: int, doc: dict, *, kind: str = "method"
                 row[f"{m}_std"] = std[m]
             if m in pooled:
                 row[f"pooled_{m}"] = pooled[m]
-        if (s.get("pooled_val") or {}).get("accuracy") is not None:
-            row["pooled_val_accuracy"] = s["pooled_val"]["accuracy"]
+        for m in ("accuracy", "auc"):
+            if (s.get("pooled_val") or {}).get(m) is not None:
+                row[f"pooled_val_{m}"] = s["pooled_val"][m]
         row["sites"] = {site: {k: v.get(k) for k in (*CLS_METRICS, *SEG_METRICS, "cluster") if k in v}
                         for site, v in r.get("sites", {}).items()}
         rows.append(row)
@@ -119,8 +125,8 @@ def fmt(vals, scale: float = 100.0) -> str:
 
 def reported_rows(rows: list[dict], selection: str = "final") -> dict:
     """``{(method, seed): row}`` at the reported round of every run (see the module notes)."""
-    if selection not in ("final", "validation"):
-        raise ValueError(f"selection should be 'final' or 'validation', got {selection!r}.")
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection should be one of {', '.join(map(repr, SELECTIONS))}, got {selection!r}.")
     out = {}
     runs: dict = {}
     for r in rows:
@@ -134,7 +140,11 @@ def reported_rows(rows: list[dict], selection: str = "final") -> dict:
         if selection == "final":
             out[key] = max(rs, key=lambda r: r["round"])
         else:
-            vkey = "val_dice_mean" if is_seg(rs) else "val_accuracy"
+            if selection == "validation_auc" and is_seg(rs):
+                raise ValueError(f"{key[0]} seed {key[1]}: selection 'validation_auc' is for classifiers; a "
+                                 f"segmentation run selects on validation Dice ('validation')")
+            vkey = ("val_dice_mean" if is_seg(rs) else "pooled_val_auc" if selection == "validation_auc"
+                    else "val_accuracy")
             scored = [r for r in rs if r.get(vkey) is not None and math.isfinite(r[vkey])]
             if not scored:
                 raise ValueError(f"{key[0]} seed {key[1]}: selection 'validation' needs validation metrics "
@@ -212,7 +222,8 @@ def _round_label(e, selection) -> str:
         return PLAN_TASKS[e["task"]]
     if selection == "final":
         return f"final ({e['rounds'][-1]})"
-    return f"val-selected ({', '.join(map(str, e['rounds']))})"
+    by = "val-AUC-selected" if selection == "validation_auc" else "val-selected"
+    return f"{by} ({', '.join(map(str, e['rounds']))})"
 
 
 def classification_table(summ: list[dict], selection: str) -> str:
@@ -303,6 +314,8 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
     spread = (f"mean ± std over {seeds} seeds" if seeds > 1 else
               "from 1 seed (one run has no spread, so no ±; more seeds give mean ± std)")
     rule = ("at each run's final round" if selection == "final" else
+            "at each run's validation-selected round (best AUC on the sites' validation images pooled, held out of "
+            "training; test data never selects)" if selection == "validation_auc" else
             "at each run's validation-selected round (best site-mean accuracy on the sites' validation splits, "
             "held out of training; test data never selects)")
     if is_seg(rows) and all(e.get("dice_wt", "n/a") == "n/a" for e in summ):  # 2D lesion segmentation

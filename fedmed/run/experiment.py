@@ -1016,7 +1016,7 @@ def _log_done(m, doc, new, selection, log, work):
         return
     row = next(iter(reported_rows(runs, selection).values()))
     key = "dice_mean" if row.get("dice_mean") is not None else "accuracy"
-    label = "final" if selection == "final" else "validation-selected"
+    label = {"final": "final", "validation": "validation-selected"}.get(selection, "validation-AUC-selected")
     log(f"    done in {doc.get('wall_seconds', 0):.0f} s: {label} round {row['round']}: test {key} "
         f"{_pct(row.get(key))} (site mean)" + (f", pooled {_pct(row['pooled_accuracy'])}"
                                                if row.get("pooled_accuracy") is not None else "")
