@@ -215,6 +215,9 @@ def main(argv=None) -> int:
     ap.add_argument("--selection", choices=("validation", "validation_auc"), default="validation",
                     help="the validation table's selected round: the report's rule 'validation' (best site-mean val "
                          "accuracy) or 'validation_auc' (best pooled val AUC)")
+    ap.add_argument("--paired", metavar="FACTOR", default=None,
+                    help="also print each row's validation AUC at its selected round minus FACTOR's, paired by seed "
+                         "(mean ± std, and each seed's), marked 'beyond' where |mean| > std")
     ap.add_argument("--in-process", action="store_true",
                     help="run each experiment's jobs in its own process (fedmed experiment --in-process: the same "
                          "models without FLARE's process per site; a GPU machine)")
@@ -252,6 +255,23 @@ def main(argv=None) -> int:
               f"{', '.join(str(r.get('sel_round')) for r in rs)} | {fmt([r.get('sel_val_auc') for r in rs])} | "
               f"{fmt([r.get('sel_val_acc') for r in rs])} | {fmt([r.get('loss0') for r in rs], 1)} | "
               f"{fmt([r.get('loss_last') for r in rs], 1)} |")
+    if a.paired:
+        ref = next((rs for name, _, rs in rows if name == a.paired), None)
+        if ref is None:
+            raise SystemExit(f"--paired {a.paired}: not among the rows ({', '.join(n for n, _, _ in rows)})")
+        print(f"\nPaired by seed against {a.paired}: validation AUC at the selected round, row minus reference\n")
+        print("| factor | paired gain | per seed | beyond the spread |")
+        print("|---|---|---|---|")
+        for name, _, rs in rows:
+            if name == a.paired or not any(rs):
+                continue
+            d = [100 * (r["sel_val_auc"] - q["sel_val_auc"]) for r, q in zip(rs, ref)
+                 if r.get("sel_val_auc") is not None and q.get("sel_val_auc") is not None]
+            if not d:
+                continue
+            m, s = float(np.mean(d)), float(np.std(d))
+            print(f"| {name} | {m:+.2f} ± {s:.2f} | {', '.join(f'{x:+.2f}' for x in d)} | "
+                  f"{'beyond' if abs(m) > s else 'within'} |")
     return 0
 
 

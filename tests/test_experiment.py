@@ -85,6 +85,27 @@ def test_resume_reuses_only_identical_runs(tmp_path, fake_job):
     assert len(fake_job) == 10
 
 
+def test_resume_reuses_a_run_whose_weights_file_was_named_the_other_way(tmp_path, fake_job, monkeypatch):
+    """The same weights file named relative to the working folder once and absolute the next time is the same run
+    (a rerun would have deleted the first one's record); another file is not."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w").mkdir()
+    for name in ("a.pt", "b.pt"):  # the jobs are faked: nothing reads them
+        (tmp_path / "w" / name).write_bytes(b"weights " + name.encode())
+    cfg = write_cfg(tmp_path, seeds=[0])
+    E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], overrides=["model.init_weights=w/a.pt"],
+                     log=lambda *_: None)
+    assert len(fake_job) == 1
+    E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], log=lambda *_: None, resume=True,
+                     overrides=[f"model.init_weights={tmp_path / 'w' / 'a.pt'}"])
+    assert len(fake_job) == 1  # reused
+    E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], log=lambda *_: None, resume=True,
+                     overrides=["model.init_weights=w/b.pt"])
+    assert len(fake_job) == 2  # another file: run again
+    a = load_config(BASE, ["model.init_weights=w/a.pt"])
+    assert E.run_fingerprint(a, a.methods[0], 0) != E.run_fingerprint(a, a.methods[0], 0, "absolute")
+
+
 def test_resume_ignores_a_damaged_run_file(tmp_path, fake_job):
     cfg = write_cfg(tmp_path, seeds=[0])
     E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], log=lambda *_: None)

@@ -546,3 +546,33 @@ def test_the_batch_norm_diagnostic_re_estimates_the_statistics_over_the_pooled_t
     row = bn.seed_row(out, 0)
     assert set(row) == {"seed", "averaged", "recalibrated"} and 0 <= row["averaged"] <= 100
     assert row["averaged"] == pytest.approx(bn._val_auc(net, data, sites))
+
+
+def test_a_run_saved_before_rows_carried_the_validation_auc_is_reported_by_it_on_resume(small_experiment, tmp_path,
+                                                                                        monkeypatch):
+    """--resume with selection: validation_auc on runs whose saved rows lack pooled_val_auc (recorded before this
+    rule): the rows get it from the run's own metrics.json and the report selects on it; nothing trains again."""
+    import json
+    import shutil
+
+    from fedmed.run import experiment as E
+
+    src, cfg = small_experiment
+    out = tmp_path / "out"
+    shutil.copytree(src, out)
+    run = out / "runs" / "seed0" / "FedAvg" / "run.json"
+    saved = json.loads(run.read_text())
+    auc = {r["round"]: r.pop("pooled_val_auc") for r in saved["rows"] if not r.get("phase")}
+    run.write_text(json.dumps(saved))
+    raw = yaml.safe_load(cfg.read_text())
+    raw["selection"] = "validation_auc"
+    cfg2 = tmp_path / "auc.yaml"
+    cfg2.write_text(yaml.safe_dump(raw))
+    monkeypatch.setattr(E, "run_job", lambda *a, **k: pytest.fail("trained again"))
+    monkeypatch.setattr(E, "run_job_in_process", lambda *a, **k: pytest.fail("trained again"))
+    rows = E.run_experiment(str(cfg2), out, log=lambda *_: None, resume=True, in_process=True)
+    fed = {r["round"]: r["pooled_val_auc"] for r in rows if r["method"] == "FedAvg" and not r.get("phase")}
+    assert fed == auc and None not in auc.values()
+    best = max(sorted(auc), key=lambda k: (auc[k], -k))
+    assert f"| FedAvg | val-AUC-selected ({best}) |" in (out / "summary.md").read_text()
+    assert "pooled_val_auc" in json.loads(run.read_text())["rows"][0]  # written back

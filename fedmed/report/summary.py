@@ -147,7 +147,7 @@ def reported_rows(rows: list[dict], selection: str = "final") -> dict:
                     else "val_accuracy")
             scored = [r for r in rs if r.get(vkey) is not None and math.isfinite(r[vkey])]
             if not scored:
-                raise ValueError(f"{key[0]} seed {key[1]}: selection 'validation' needs validation metrics "
+                raise ValueError(f"{key[0]} seed {key[1]}: selection {selection!r} needs validation metrics "
                                  f"({vkey}); the sites have no validation split (federation.val_fraction)")
             out[key] = max(scored, key=lambda r: (r[vkey], -r["round"]))
     return out

@@ -445,22 +445,26 @@ def mlflow_ui_command(out) -> str:
 ADDED_AT_DEFAULT = (("train", "lr_schedule", "constant"),)
 
 
-def run_fingerprint(exp, method, seed: int) -> str:
+def run_fingerprint(exp, method, seed: int, paths: str | None = None) -> str:
     """What determines one (seed, method) run: the resolved config (less the other methods, the seed list,
     the sweep block, the serving plan and the reporting and tracking choices; :func:`fingerprinted_config`), the
     method's settings and the seed. ``--resume`` reuses a run only when this matches. The files under
-    ``dataset.path`` are not hashed: a dataset replaced in place needs a run without ``--resume``."""
+    ``dataset.path`` are not hashed: a dataset replaced in place needs a run without ``--resume``. ``paths``: the
+    config's file paths as given (None), or each written ``absolute`` or ``relative`` to the working folder
+    (:func:`same_run`)."""
     import hashlib
 
-    blob = json.dumps({"config": fingerprinted_config(exp),
+    blob = json.dumps({"config": fingerprinted_config(exp, paths),
                        "method": method.model_dump(mode="json") if method is not None else None,
                        "seed": seed}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def fingerprinted_config(exp) -> dict:
+def fingerprinted_config(exp, paths: str | None = None) -> dict:
     """The part of ``exp`` a run's fingerprint hashes; a setting of :data:`ADDED_AT_DEFAULT` at its default is left
-    out."""
+    out. ``paths``: ``absolute`` or ``relative`` rewrites the data and weights paths so, from the working folder."""
+    import os
+
     from fedmed.run.taskconfig import model_exclude
 
     skip = {k: True for k in ("methods", "seeds", "sweep", "name", "selection", "references", "tracking", "serving")}
@@ -468,7 +472,28 @@ def fingerprinted_config(exp) -> dict:
     for section, key, default in ADDED_AT_DEFAULT:
         if cfg.get(section, {}).get(key, default) == default:
             cfg.get(section, {}).pop(key, None)
+    if paths is not None:
+        def rewrite(box: dict, key: str) -> None:
+            v = box.get(key)
+            if isinstance(v, str) and v and not v.startswith("builtin:"):
+                full = os.path.abspath(os.path.expanduser(v))
+                box[key] = full if paths == "absolute" else os.path.relpath(full)
+
+        d = cfg.get("dataset") or {}
+        rewrite(d, "path")
+        for s in d.get("sources") or []:
+            rewrite(s, "path")
+        for key in ("init_weights", "bundle"):
+            rewrite(cfg.get("model") or {}, key)
     return cfg
+
+
+def same_run(saved_fingerprint, exp, method, seed: int) -> bool:
+    """A saved run's fingerprint is this (seed, method)'s: as the config is given, or with its data and weights paths
+    written the other way (absolute, or relative to the working folder) — the same files, named from here. A weights
+    file named ``.venv/...`` once and ``/work/.../.venv/...`` the next time is not a new run."""
+    return bool(saved_fingerprint) and saved_fingerprint in {run_fingerprint(exp, method, seed, p)
+                                                              for p in (None, "absolute", "relative")}
 
 
 # --------------------------------------------------------------------------------------------- experiment
@@ -685,10 +710,12 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
             fp = run_fingerprint(exp, m, seed)
             saved = _load_saved(work / "run.json")
             resume_from = None
-            if resume and saved.get("fingerprint") == fp:
+            if resume and same_run(saved.get("fingerprint"), exp, m, seed):
                 if saved.get("status") == "finished":
                     if m.workflow in clustering_workflows() and not seg and "clusters" not in saved:
                         _add_clusters(saved, work, meta)  # a run recorded before K / ARI were rows' fields
+                        (work / "run.json").write_text(json.dumps(saved))
+                    if not seg and _add_pooled_val_auc(saved, work):  # recorded before rows carried it
                         (work / "run.json").write_text(json.dumps(saved))
                     rows.extend(saved["rows"])
                     log(f"[{k}/{total}] seed {seed} {m.name}: finished earlier with the same settings, reused")
@@ -824,14 +851,34 @@ def _serving_plan(exp, seed, data_dir, out, meta, log, resume, problems, chosen)
     return new
 
 
+def _run_record(work: Path) -> dict | None:
+    hits = [f for f in (work / "server" / "metrics.json", work / "metrics.json") if f.is_file()]
+    hits = hits or sorted(work.rglob("fedmed/metrics.json"))
+    return json.loads(hits[0].read_text()) if hits else None
+
+
+def _add_pooled_val_auc(saved: dict, work: Path) -> bool:
+    """A finished classifier run saved before its rows carried the pooled validation AUC (``selection:
+    validation_auc``): each round's row gets it from the run's own record. True where rows changed."""
+    todo = [r for r in saved["rows"] if r.get("kind") != "reference" and not r.get("phase")
+            and "pooled_val_auc" not in r]
+    doc = _run_record(work) if todo else None
+    if not doc:
+        return False
+    auc = {r["round"]: (r.get("summary", {}).get("pooled_val") or {}).get("auc") for r in doc.get("rounds", [])}
+    for r in todo:
+        if auc.get(r["round"]) is not None:
+            r["pooled_val_auc"] = auc[r["round"]]
+    return True
+
+
 def _add_clusters(saved: dict, work: Path, meta: dict) -> None:
     from fedmed.run.references import run_clusters
 
-    hits = [f for f in (work / "server" / "metrics.json", work / "metrics.json") if f.is_file()]
-    hits = hits or sorted(work.rglob("fedmed/metrics.json"))
-    if not hits:
+    doc = _run_record(work)
+    if doc is None:
         return
-    clusters = run_clusters(json.loads(hits[0].read_text()))
+    clusters = run_clusters(doc)
     saved["clusters"] = clusters
     for r in saved["rows"]:
         if r.get("kind") == "reference" or r.get("phase"):
@@ -890,7 +937,8 @@ def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict
     work.mkdir(parents=True, exist_ok=True)
     fp = run_fingerprint(exp, None, seed) + ":" + ",".join(wanted)
     saved = _load_saved(work / "run.json")
-    if resume and saved.get("fingerprint") == fp and saved.get("status") == "finished":
+    same = {run_fingerprint(exp, None, seed, p) + ":" + ",".join(wanted) for p in (None, "absolute", "relative")}
+    if resume and saved.get("fingerprint") in same and saved.get("status") == "finished":
         log(f"[seed {seed}] references: reused")
         return saved["rows"]
     meta = json.loads((data_dir / "dataset.json").read_text())
