@@ -375,6 +375,11 @@ class ExperimentConfig(_Strict):
                                  f"{sv.reference!r}, got {sv.candidates}")
             if not sv.candidates and sv.finetune is None:
                 raise ValueError("serving: name a candidate method or set finetune")
+            gone = [m.name for m in self.methods if m.name in sv.candidates and type(m).personal == "not_kept"]
+            if gone:
+                raise ValueError(f"serving.candidates: {gone} serve a model made at each site that is gone after the "
+                                 f"run (Ditto's personal model, a local fine-tuning); serving.finetune fine-tunes the "
+                                 f"global model at each site as a candidate")
             seg2d = self.dataset.task == "segmentation" and bool(self.dataset.sources)  # 2D lesion masks
             if self.dataset.task != "classification" and not seg2d:
                 raise ValueError("serving: the plan scores classifiers and 2D lesion segmenters (this config's task: "

@@ -58,6 +58,10 @@ class Method(Strict):
     plugin: ClassVar[Optional[str]] = None  # the module a plugin method comes from (set by register_method)
     ssl_role: ClassVar[Optional[str]] = None  # its part in `fedmed ssl` (001_): "pretrain", "finetune", "clusters"
     site_options_model: ClassVar[Optional[type]] = None  # a pydantic model of what its own site tasks read
+    # what a site serves besides the server's models: None (the server's), "kept" (FedBN: the site keeps its own
+    # batch-norm layers after the run, so a serving plan can score its personal model there), "not_kept" (a model
+    # made at the site and gone with the run: Ditto's personal model, a local fine-tuning)
+    personal: ClassVar[Optional[str]] = None
 
     def site_options(self, exp, seed: int) -> dict:
         """The values of :attr:`site_options_model` for a run: they travel in the task config's ``method_options``,
@@ -187,6 +191,7 @@ class FinetuneLocalMethod(Method):
     ft_epochs: int = Field(2, ge=1, description="local epochs of the final fine-tuning at each site")
     ft_lr_scale: float = Field(0.1, gt=0, le=1, description="its learning rate as a share of train.lr")
     server: ClassVar = "finetune_local:FinetuneLocal"
+    personal: ClassVar[Optional[str]] = "not_kept"
     site_tasks: ClassVar[tuple] = ("train", "validate", "finetune_local")
 
     site_options_model: ClassVar = FinetuneLocalOptions  # what its site task reads (fedmed.site.tasks)
@@ -202,6 +207,7 @@ class FedBNMethod(Method):
 
     workflow: Literal["fedbn"]
     onboards: ClassVar[bool] = True
+    personal: ClassVar[Optional[str]] = "kept"
 
     def task_options(self, exp, seed):
         return {"train": {"local_norm": True}}
@@ -405,6 +411,7 @@ class DittoMethod(Method):
     workflow: Literal["ditto"]
     ditto_lambda: float = Field(0.1, gt=0)
     serves: ClassVar[tuple] = ("classification", "segmentation")
+    personal: ClassVar[Optional[str]] = "not_kept"
 
     def check_experiment(self, exp):
         super().check_experiment(exp)

@@ -202,6 +202,13 @@ def test_a_serving_section_names_methods_of_the_config():
         load_config({**RAW, "serving": {"reference": "FedAvg", "candidates": ["Flux"]}})
     with pytest.raises((ConfigError, ValueError), match="serving: name a candidate method or set finetune"):
         load_config({**RAW, "serving": {"reference": "FedAvg"}})
+    # a model made at each site and gone with the run cannot be a candidate; FedBN's kept layers can
+    for name, workflow in (("Ditto", "ditto"), ("FT", "finetune_local")):
+        raw = {**RAW, "methods": [*RAW["methods"], {"name": name, "workflow": workflow}]}
+        with pytest.raises((ConfigError, ValueError), match=rf"serving.candidates: \['{name}'\] serve a model made"):
+            load_config({**raw, "serving": {"reference": "FedAvg", "candidates": [name]}})
+    raw = {**RAW, "methods": [*RAW["methods"], {"name": "FedBN", "workflow": "fedbn"}]}
+    assert load_config({**raw, "serving": {"reference": "FedAvg", "candidates": ["FedBN"]}}).serving.candidates == ["FedBN"]
     # a plan added to a finished experiment reuses its runs (--resume): it is not part of a run's fingerprint
     from fedmed.run.experiment import run_fingerprint
 
@@ -261,3 +268,66 @@ def test_a_newcomer_is_served_its_assigned_cluster_model_only_where_its_validati
                  f"{100 * acc['served'][u]['accuracy']:.2f}", f"{100 * acc['global'][u]['accuracy']:.2f}"]
         assert "| " + " | ".join(cells) + " |" in text, text
     assert f"Over {len(plan)} (seed, site) pairs" in text
+
+
+def test_a_fedbn_candidate_is_each_sites_own_model_scored_and_served_there_and_never_leaves_it(runs, tmp_path,
+                                                                                           monkeypatch):
+    """FedBN as a candidate: each site keeps its own batch-norm layers after the run (in its cache folder, under the
+    run's key, which global.pt names); the plan scores at each site the run's model with that site's own layers —
+    FedBN's personal model: its validation accuracy is the one FedBN's last round gave that site — judges it on the
+    site's evidence alone (not pooled), and a site served it is scored with it, while no file of it is written to
+    models/. A site without its layers has no evidence for it and keeps the others."""
+    import torch
+
+    from fedmed.methods import FedBNMethod
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FEDMED_CACHE_DIR", str(cache))
+    fedbn = FedBNMethod(name="FedBN", workflow="fedbn")
+    status, fed = run_spec_in_process(job_spec(runs["exp"], fedbn, 0), runs["data"], tmp_path / "FedBN")
+    assert status == "finished", fed.recorder.doc.get("reason")
+    key = torch.load(tmp_path / "FedBN" / "models" / "global.pt", weights_only=True)["personal_key"]
+    kept = sorted(p.parent.parent.name for p in cache.glob(f"*/personal/{key}.pt"))
+    assert kept == [f"site-{k}" for k in range(1, 7)]
+    last = _by_task(fed.recorder.doc)["validate"]  # FedBN's own final scores: each site with its own layers
+    glob_params = {k: v.numpy() for k, v in torch.load(tmp_path / "FedBN" / "models" / "global.pt",
+                                                        weights_only=True)["state_dict"].items()}
+    own = torch.load(cache / "site-1" / "personal" / f"{key}.pt", weights_only=True)
+    assert any(not np.allclose(glob_params[k], v.numpy()) for k, v in own.items())  # not the averaged layers
+
+    (cache / "site-6" / "personal" / f"{key}.pt").unlink()  # site-6 lost its layers (a cleared cache)
+    spec = job_spec(runs["exp"], runs["exp"].methods[0], 0,
+                    plan={"global": runs["tmp"] / "FedAvg", "candidates": {"FedBN": tmp_path / "FedBN"}})
+    status, plan_fed = run_spec_in_process(spec, runs["data"], tmp_path / "plan")
+    assert status == "finished", plan_fed.recorder.doc.get("reason")
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    t = _by_task(plan_fed.recorder.doc)
+    for s in [f"site-{k}" for k in range(1, 6)]:
+        assert t["serve_score"][s]["val_accuracy/FedBN"] == pytest.approx(last[s]["val_accuracy"])
+        assert "pooled" not in plan[s]["reason"]
+    assert plan["site-6"]["evidence"]["FedBN"] is None and plan["site-6"]["served"] == "global"
+    assert "val_accuracy/FedBN" not in t["serve_score"]["site-6"]
+    served = [s for s, v in plan.items() if v["served"] == "FedBN"]
+    assert served, plan  # the label shift: a site's own layers beat the global model somewhere
+    for s in served:
+        assert plan[s]["file"] is None and not (tmp_path / "plan" / "models" / f"{s}.pt").exists()
+        assert t["served"][s]["val_accuracy"] == pytest.approx(last[s]["val_accuracy"])
+        assert t["served"][s]["accuracy"] == pytest.approx(last[s]["accuracy"])  # FedBN's own test score there
+
+
+def test_a_fedbn_run_whose_sites_kept_no_layers_is_refused_as_a_candidate(runs, tmp_path):
+    """A FedBN run recorded before its sites kept their own layers (no personal_key in its task config): its
+    global.pt is not what FedBN served, so the plan refuses it in one line instead of scoring the averaged layers."""
+    import shutil
+
+    from fedmed.run.jobspec import BuildError, job_spec
+
+    old = tmp_path / "old"
+    shutil.copytree(runs["tmp"] / "FedAvg", old)
+    doc = json.loads((old / "metrics.json").read_text())
+    doc["meta"]["config"]["train"]["local_norm"] = True
+    (old / "metrics.json").write_text(json.dumps(doc))
+    with pytest.raises(BuildError, match="--candidate FedBN: .*a FedBN run made before its sites kept their own"):
+        job_spec(runs["exp"], runs["exp"].methods[0], 0,
+                 plan={"global": runs["tmp"] / "FedAvg", "candidates": {"FedBN": old}})

@@ -325,6 +325,12 @@ class TaskConfig(Strict):
     mae: Optional[MAETask] = None
     finetune: Optional[FinetuneTask] = None
     assess: Optional[AssessTask] = None
+    personal_key: Optional[str] = Field(None, pattern=r"^[0-9a-f]{16}$", description="FedBN: the key under which the "
+                                        "site keeps its own batch-norm layers after each round (its personal model, "
+                                        "in its own workspace; never sent), for a later serving plan")
+    serve_personal: Optional[str] = Field(None, pattern=r"^[0-9a-f]{16}$", description="a serving plan's task: the "
+                                          "site scores the model sent with its own batch-norm layers kept under this "
+                                          "key (a FedBN run's personal model)")
     encoder_weights: Optional[WeightsRef] = Field(None, description="the encoder's weights file, which every site "
                                                   "holds in its weights folder (None: seeded random init)")
     method_options: dict = Field(default_factory=dict, description="the options of the method's own site tasks (a "

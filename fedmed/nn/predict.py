@@ -40,7 +40,8 @@ def save_model(path, params: dict, cfg: dict, *, cluster=None, sites=None, workf
                 "task": t.task, "model": t.model.model_dump(), "data": cfg["data"], "classes": t.classes, "seed": t.seed,
                 "cluster": cluster,
                 "sites": sorted(sites) if sites is not None else None, "train_images": train_images,
-                "workflow": workflow, "rounds": rounds}, str(path))
+                "workflow": workflow, "rounds": rounds,
+                **({"personal_key": t.personal_key} if t.personal_key else {})}, str(path))
     return Path(path)
 
 

@@ -125,6 +125,17 @@ def tracking_settings(exp) -> dict:
     return out
 
 
+def personal_key(cfg: dict, method) -> str:
+    """The key under which a site keeps its personal model of a run (FedBN's batch-norm layers): a hash of the run's
+    task config and method, so the same settings give the same key (a rerun replaces the site's file) and others
+    another."""
+    import hashlib
+
+    blob = json.dumps([{k: v for k, v in cfg.items() if k != "personal_key"}, method.model_dump(mode="json")],
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = None, resume_from=None,
              onboard: dict | None = None, plan: dict | None = None, files_checked: bool = False,
              task_config_ready=None) -> JobSpec:
@@ -157,6 +168,8 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
         except ValueError as e:
             raise BuildError(str(e)) from None
     cfg = build_task_config(exp, seed, method, names)
+    if type(method).personal == "kept" and onboard is None and plan is None:  # FedBN: a site keeps its own layers
+        cfg["personal_key"] = personal_key(cfg, method)
     if task_config_ready is not None:
         task_config_ready(cfg)
     user_code, server_files = [], []
@@ -274,7 +287,12 @@ def _plan_spec(exp, method, seed, cfg, plan, server_files, name, common) -> JobS
         if not candidate_name_ok(str(cand)):
             raise BuildError(f"--candidate {cand}: a candidate's name is a word other than {REFERENCE!r} and "
                              f"{FINETUNED!r}")
-        found = candidate_models(finished_run(path, f"--candidate {cand}") / "models")
+        run = finished_run(path, f"--candidate {cand}")
+        found = candidate_models(run / "models")
+        ran = (json.loads((run / "metrics.json").read_text()).get("meta") or {}).get("config") or {}
+        if (ran.get("train") or {}).get("local_norm") and not ran.get("personal_key"):
+            raise BuildError(f"--candidate {cand}: {path}: a FedBN run made before its sites kept their own batch-norm "
+                             f"layers: its personal models are gone; run it again")
         if not found:
             raise BuildError(f"--candidate {cand}: {path}: the run saved no model (models/cluster*.pt or global.pt)")
         for f, _ in found:

@@ -193,6 +193,17 @@ class SiteRunner:
             self._cache = SiteCache(root, self.site) if root is not None else None
         return self._cache
 
+    def personal_file(self, key: str) -> Path | None:
+        """Where this site keeps its personal model of a run (FedBN's batch-norm layers, ``TaskConfig.personal_key``):
+        ``personal/<key>.pt`` in its own cache folder (it holds what the site's data made and is never sent; ``fedmed
+        cache clear`` removes it too); ``None`` when the site has no cache folder."""
+        import re
+
+        if not re.fullmatch(r"[0-9a-f]{16}", str(key)):  # the schema checks it; a file name is built from it here
+            raise TaskError(f"{self.site}: a personal model's key should be 16 hex digits, got {key!r}")
+        c = self.cache
+        return None if c is None else c.dir / "personal" / f"{key}.pt"
+
     def skipped_note(self, out: dict, cfg: TaskConfig) -> None:
         """Say (this site's log and the server's) how many local steps were skipped for non-finite gradients."""
         if out.get("skipped"):

@@ -16,10 +16,10 @@ and Fed-MAE sites have their own task tables (:mod:`fedmed.site.seg`, :mod:`fedm
 from __future__ import annotations
 
 import zlib
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from fedmed.core.packing import unpack_model, unpack_models
 from fedmed.core.schema import TaskConfig, task_config
@@ -102,24 +102,69 @@ def _served(runner, params: dict, cfg: TaskConfig):
 
     model = runner.model(cfg)
     set_params(model, params)
-    own = runner.local_norm.get(task_config(cfg).cluster) if task_config(cfg).train.local_norm else None
+    c = task_config(cfg)
+    if c.serve_personal:  # a serving plan: the run's model with this site's own layers, as the run served it
+        apply_personal(runner, model, c.serve_personal)
+        return model
+    own = runner.local_norm.get(c.cluster) if c.train.local_norm else None
     if own:
-        import torch
-
-        state = model.state_dict()
-        with torch.no_grad():
-            for k, v in own.items():
-                state[k].copy_(torch.as_tensor(v))
+        _set_state(model, own)
     return model
 
 
+def _set_state(model, values: dict) -> None:
+    import torch
+
+    state = model.state_dict()
+    with torch.no_grad():
+        for k, v in values.items():
+            state[k].copy_(torch.as_tensor(v))
+
+
+def apply_personal(runner, model, key: str) -> None:
+    """Load into ``model`` the layers this site kept under ``key`` (:meth:`SiteRunner.personal_file`: a FedBN run's
+    batch-norm layers after its last round). Raises :class:`TaskError` when the site has none (another site's run, a
+    run before personal models were kept, a cleared cache)."""
+    import torch
+
+    f = runner.personal_file(key)
+    if f is None or not f.is_file():
+        raise TaskError(f"{runner.site}: holds no personal model {key} (a FedBN run's own batch-norm layers: kept in "
+                        f"the site's cache folder by runs since they were; run it again)")
+    own = torch.load(f, map_location="cpu", weights_only=True)
+    names = set(model.state_dict())
+    if not own or set(own) - names:
+        raise TaskError(f"{runner.site}: its personal model {key} does not fit this network")
+    _set_state(model, own)
+
+
 def _keep_local_norm(runner, model, cfg) -> None:
-    """FedBN: after local training the site keeps its batch-norm layers for the next round's model."""
-    if task_config(cfg).train.local_norm:
+    """FedBN: after local training the site keeps its batch-norm layers for the next round's model; with
+    ``personal_key`` also on disk, for a serving plan after the run (:func:`apply_personal`)."""
+    c = task_config(cfg)
+    if c.train.local_norm:
         from fedmed.nn.train import norm_keys
 
         state = model.state_dict()
-        runner.local_norm[task_config(cfg).cluster] = {k: state[k].detach().clone() for k in norm_keys(model)}
+        own = {k: state[k].detach().clone().cpu() for k in norm_keys(model)}
+        runner.local_norm[c.cluster] = own
+        f = runner.personal_file(c.personal_key) if c.personal_key else None
+        if c.personal_key and f is None and "personal_noted" not in runner.state:
+            runner.state["personal_noted"] = True
+            runner.notes.append(f"{runner.site}: runs without a cache folder: its personal batch-norm layers are not "
+                                f"kept for a serving plan")
+        if f is not None:
+            import os
+
+            import torch
+
+            try:
+                f.parent.mkdir(parents=True, exist_ok=True)
+                tmp = f.with_suffix(f".{os.getpid()}.tmp")
+                torch.save(own, tmp)
+                os.replace(tmp, f)
+            except OSError as e:
+                runner.notes.append(f"{runner.site}: its personal batch-norm layers were not kept ({type(e).__name__})")
 
 
 def _personal(runner, cfg):
@@ -446,6 +491,9 @@ class ServeScoreOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     names: list[str] = Field(min_length=1)
     finetune: FinetuneLocalOptions | None = None
+    personal: dict[str, Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]] = Field(
+        default_factory=dict, description="candidates scored with this site's own layers kept under a key (a FedBN "
+        "run's personal model; apply_personal): name -> key")
 
 
 def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: str, finetune=None) -> Reply:
@@ -478,8 +526,16 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
             got, proper[name] = got[0], np.asarray(got[1], dtype=np.float64)
         scores[name] = np.asarray(got, dtype=np.float64)
 
+    unscored = []
     for i, name in enumerate(opts.names):
         set_params(model, models[i])
+        if name in opts.personal and i > 0:
+            try:
+                apply_personal(runner, model, opts.personal[name])
+            except TaskError as e:  # no evidence for it here: the site keeps the others
+                runner.notes.append(f"{e}; {name} is not scored here")
+                unscored.append(name)
+                continue
         keep(name, item_scores(model))
     if opts.finetune is not None:
         set_params(model, models[0])
@@ -489,6 +545,7 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
     ref = opts.names[0]
     counts = {name: paired_counts(scores[ref], v, k_min=k, reference_proper=proper.get(ref),
                                   candidate_proper=proper.get(name)) for name, v in scores.items() if name != ref}
+    counts.update({name: None for name in unscored})
     meta["serving"] = {name: None if c is None else c.message() for name, c in counts.items()}
     meta["reference"] = ref
     scored = {name: v[np.isfinite(v)] for name, v in scores.items()}

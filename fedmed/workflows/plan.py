@@ -4,7 +4,10 @@ The job carries finished runs' models (built by :func:`fedmed.run.jobspec.plan_s
 reference — the global model of a FedAvg-family run (``global.pt``) — and under ``plan/<name>/`` each candidate run's
 final models as it saved them (``cluster<c>.pt``, each naming the sites that trained it; or one ``global.pt`` that
 every site may be served; or, from an onboarding run, the model it assigned each new site, ``<site>.pt``: the plan
-then decides for a newcomer between the global model and its assigned cluster's). Algorithm box:
+then decides for a newcomer between the global model and its assigned cluster's). A FedBN run's ``global.pt`` names
+the key under which each site kept its own batch-norm layers (``personal_key``): that candidate is, at each site, the
+run's model with the site's own layers — FedBN's personal model, scored and served there, never pooled across sites
+and never written to ``models/`` (it stays at its site). Algorithm box:
 
 1. (``serve_score``) each site is sent the global model and its own candidates — the model of its cluster in each
    candidate run — and scores them on its **validation** split; with ``finetune`` it also fine-tunes the global model
@@ -33,7 +36,7 @@ from fedmed.core.packing import pack_models
 from fedmed.workflows.base import Workflow
 from fedmed.workflows.federation import RunFailed
 
-__all__ = ["Plan", "REFERENCE", "candidate_models", "candidate_name_ok"]
+__all__ = ["Plan", "REFERENCE", "candidate_models", "candidate_name_ok", "personal_key"]
 
 REFERENCE = "global"  # the reference's folder and name
 FINETUNED = "finetuned"  # the global model fine-tuned at the site (serve_score's name for it)
@@ -60,6 +63,16 @@ def candidate_models(folder: Path) -> list[tuple[Path, list | None]]:
         ck = torch.load(p, map_location="cpu", weights_only=True)
         out.append((p, None if p.stem == "global" else list(ck.get("sites") or [])))
     return out
+
+
+def personal_key(found: list) -> str | None:
+    """The key of a run whose sites keep their own layers (a FedBN run's ``global.pt`` names it): each site is then
+    scored, and served, with the run's model and its own layers (``serve_personal``), a model that stays at the site."""
+    import torch
+
+    if len(found) != 1 or found[0][1] is not None:
+        return None
+    return torch.load(found[0][0], map_location="cpu", weights_only=True).get("personal_key")
 
 
 def _params(path: Path) -> dict:
@@ -96,6 +109,7 @@ class Plan(Workflow):
         self.finetune = dict(finetune) if finetune else None
         self.alpha = ALPHA if alpha is None else float(alpha)
         self.pool = bool(pool)
+        self.personal: dict = {}  # candidate -> the key its sites keep their own layers under (models())
         self.test = "score" if test is None else str(test)
         if self.test not in TESTS:
             raise ValueError(f"plan: test should be one of {TESTS}, got {test!r}")
@@ -110,11 +124,15 @@ class Plan(Workflow):
         if not ref.is_file():
             raise RunFailed(f"the job carries no global model ({jobfiles.PLAN}/{REFERENCE}/global.pt)")
         out = {}
+        self.personal = {}
         for name in self.candidates:
             found = candidate_models(self.root / name)
             if not found:
                 raise RunFailed(f"the job carries no model of candidate {name!r} ({jobfiles.PLAN}/{name}/)")
             out[name] = dict(found)
+            key = personal_key(found)
+            if key:
+                self.personal[name] = key
         return ref, out
 
     def run(self):
@@ -134,20 +152,23 @@ class Plan(Workflow):
             names = [n for n in self.candidates if n in dict(key)]
             files = [ref, *(Path(dict(key)[n]) for n in names)]
             packed = pack_models([cache.setdefault(str(f), _params(f)) for f in files])
-            opts = {"names": [REFERENCE, *names], **({"finetune": self.finetune} if self.finetune else {})}
+            opts = {"names": [REFERENCE, *names], **({"finetune": self.finetune} if self.finetune else {}),
+                    **({"personal": {n: self.personal[n] for n in names if n in self.personal}}
+                       if any(n in self.personal for n in names) else {})}
             messages[f"g{i}"] = (self.task(packed, 0, method_options=opts), sites)
         replies = self.send_groups("serve_score", messages)
         ok = self.record_rows(0, [r for rows in replies.values() for r in rows], "serve_score")
         counts = {r.site: {n: None if c is None else Paired(**c) for n, c in r.meta["serving"].items()} for r in ok}
         if not counts:
             raise RunFailed("no site scored its candidates: " + "; ".join(self.recorder.recent_errors(3)))
-        # a cluster model is shared by its cluster's sites: they pool their evidence for it
-        shared = {n: {s: str(own[s][n]) for s in counts if n in own[s]} for n in self.candidates} if self.pool else {}
+        # a cluster model is shared by its cluster's sites: they pool their evidence for it (a personal model is not)
+        shared = {n: {s: str(own[s][n]) for s in counts if n in own[s]} for n in self.candidates
+                  if n not in self.personal} if self.pool else {}
         choices = plan(counts, groups=shared, alpha=self.alpha, reference=REFERENCE, test=self.test)
         for s, c in sorted(choices.items()):
             self.info(f"{s} is served {c.served}: {c.reason}")
         doc = {s: {"served": c.served, "reason": c.reason, "p": c.p, "threshold": c.threshold,
-                   "file": (None if c.served == FINETUNED else
+                   "file": (None if c.served == FINETUNED or c.served in self.personal else
                             Path(str(ref) if c.served == REFERENCE else str(own[s][c.served])).name),
                    "evidence": {n: None if v is None else v.message() for n, v in counts[s].items()}}
                for s, c in choices.items()}
@@ -164,7 +185,7 @@ class Plan(Workflow):
         out = self.out_dir / "models"
         out.mkdir(parents=True, exist_ok=True)
         for s, c in choices.items():
-            if c.served != FINETUNED:
+            if c.served != FINETUNED and c.served not in self.personal:  # those two stay at their sites
                 shutil.copy(ref if c.served == REFERENCE else own[s][c.served], out / f"{s}.pt")
 
     def score_served(self, choices: dict, ref: Path, own: dict, cache: dict) -> None:
@@ -176,9 +197,11 @@ class Plan(Workflow):
             if c.served == FINETUNED:
                 tuned.append(s)
             else:
-                by_file.setdefault(str(ref if c.served == REFERENCE else own[s][c.served]), []).append(s)
-        groups = {f"m{i}": (self.task(cache.setdefault(f, _params(Path(f))), 0), sites)
-                  for i, (f, sites) in enumerate(sorted(by_file.items()))}
+                f = str(ref if c.served == REFERENCE else own[s][c.served])
+                by_file.setdefault((f, self.personal.get(c.served)), []).append(s)
+        groups = {f"m{i}": (self.task(cache.setdefault(f, _params(Path(f))), 0,
+                                      **({"serve_personal": key} if key else {})), sites)
+                  for i, ((f, key), sites) in enumerate(sorted(by_file.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")))}
         replies = self.send_groups("validate", groups) if groups else {}
         rows = [r for rs in replies.values() for r in rs]
         if tuned:  # the same fine-tuning as in serve_score: the same seed, round and settings
