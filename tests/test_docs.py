@@ -54,6 +54,9 @@ NOT_HERE = {
         "the natural federation's 17 sites x 12 rounds x 3 seeds from the ImageNet release (about half an hour on 2 "
         "cores); test_transfer.py reads its --set values as the config does and runs FedAvgM through a job of a "
         "digits federation",
+    ".venv/bin/fedmed experiment app_configs/breast_us_lite0_e4.yaml --set model.init_weights=$W":
+        "the natural federation's 17 sites x 12 rounds x 4 local epochs x 3 seeds from the ImageNet release (about 75 "
+        "minutes on 2 cores); test_config.py validates the config, test_transfer.py reports a run by its selection",
     ".venv/bin/fedmed experiment app_configs/brats_1mm.yaml":
         "hours of 3D training on 2 cores; its jobs are built and validated in test_schema.py (every shipped config)",
 }
