@@ -72,6 +72,13 @@ def reference_round(out: Path, method: str, seed: int, round_) -> dict | None:
     return None
 
 
+def summary_selection(text: str) -> str:
+    """The reporting rule a ``summary.md`` says it used (``fedmed.report.summary.write_outputs``' wording)."""
+    if "best AUC on the sites' validation images" in text:
+        return "validation_auc"
+    return "validation" if "validation-selected" in text else "final"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="the experiment's output folder")
@@ -82,9 +89,7 @@ def main(argv=None) -> int:
     from fedmed.report.summary import read_results, reported_rows
 
     out = Path(a.out)
-    text = (out / "summary.md").read_text()
-    selection = a.selection or ("validation_auc" if "best AUC on the sites' validation images" in text else
-                                "validation" if "validation-selected" in text else "final")
+    selection = a.selection or summary_selection((out / "summary.md").read_text())
     rows = read_results(out / "results.csv")
     chosen = reported_rows(rows, selection)
     cells: dict = {}  # (method, source) -> {"bacc": {seed: value}, "auc": {seed: value}}

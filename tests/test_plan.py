@@ -314,6 +314,12 @@ def test_a_fedbn_candidate_is_each_sites_own_model_scored_and_served_there_and_n
         assert plan[s]["file"] is None and not (tmp_path / "plan" / "models" / f"{s}.pt").exists()
         assert t["served"][s]["val_accuracy"] == pytest.approx(last[s]["val_accuracy"])
         assert t["served"][s]["accuracy"] == pytest.approx(last[s]["accuracy"])  # FedBN's own test score there
+    # FLARE's simulator: its sites find their layers in the same cache folder and the plan is the same
+    from fedmed.run.experiment import run_job
+
+    doc = run_job(spec, runs["data"], tmp_path / "sim", 6, log=lambda *_: None)
+    assert doc["status"] == "finished"
+    assert json.loads((tmp_path / "sim" / "server" / "plan.json").read_text()) == plan
 
 
 def test_a_fedbn_run_whose_sites_kept_no_layers_is_refused_as_a_candidate(runs, tmp_path):

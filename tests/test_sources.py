@@ -304,6 +304,15 @@ def test_each_source_alone_trains_a_model_per_source_and_scores_each_site_with_i
     assert paired_cell({0: 0.80, 1: 0.70, 2: 0.75}, {0: 0.70, 1: 0.69, 2: 0.70}) == "**+5.3 ± 3.7**"
     assert paired_cell({0: 0.80, 1: 0.60}, {0: 0.70, 1: 0.70, 2: 0.10}) == "+0.0 ± 10.0"  # seed 2: only one row has it
     assert paired_cell({0: 0.9}, {0: 0.7}) == "+20.0 ± 0.0" and paired_cell({1: 0.9}, {0: 0.7}) == "n/a"
+    # the reporting rule read back from the summary.md each rule writes
+    from natural_per_source import summary_selection
+
+    from fedmed.report.summary import SELECTIONS, write_outputs
+
+    for selection in SELECTIONS:
+        text = write_outputs([dict(r, method="M", kind="method", pooled_val_auc=0.5, val_accuracy=0.5) for r in alone],
+                             tmp_path / f"sum_{selection}", title="t", command="c", selection=selection)
+        assert summary_selection(text) == selection
     per_site = alone_rows(exp, fed, meta["sites"], 0, None, log=lambda *_: None)
     assert {r["method"] for r in per_site} == {"Each site alone"}
 
