@@ -2,7 +2,8 @@
 
 This is the path a clinical team uses from the FLARE admin console (``submit_job``), scripted:
 
-    python poc/run_poc.py JOB_DIR --datalists DIR [--site-policy POLICY] [--workspace WS] [--result-dir RESULT] [--start-timeout S] [--keep]
+    python poc/run_poc.py JOB_DIR --datalists DIR [--site-policy POLICY] [--workspace WS] [--result-dir RESULT] \
+        [--start-timeout S] [--keep]
 
 1. ``nvflare poc prepare -c <the job's sites> --force`` into the workspace (``--workspace``, else
    ``NVFLARE_POC_WORKSPACE``, else ``/tmp/fedmed_poc``). The nvflare commands run with ``HOME`` set to a

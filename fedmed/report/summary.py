@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CLS_METRICS", "FIELDS", "SEG_METRICS", "SELECTIONS", "read_results", "reported_rows", "rows_from_metrics", "summarize",
-           "sweep_stats", "sweep_table", "write_outputs"]
+__all__ = ["CLS_METRICS", "FIELDS", "SEG_METRICS", "SELECTIONS", "read_results", "reported_rows", "rows_from_metrics",
+           "summarize", "sweep_stats", "sweep_table", "write_outputs"]
 
 CLS_METRICS = ("accuracy", "macro_f1", "auc")
 SELECTIONS = ("final", "validation", "validation_auc")
@@ -36,8 +36,8 @@ SEG_METRICS = ("dice_wt", "dice_tc", "dice_et", "dice_mean", "hd95_wt", "hd95_tc
                "fp_voxels", "fp_pixels")
 FIELDS = ["method", "kind", "seed", "round", "task", "phase", "attempt", *CLS_METRICS, *[f"{m}_std" for m in CLS_METRICS],
           *[f"pooled_{m}" for m in CLS_METRICS], "val_accuracy", "val_macro_f1", "pooled_val_accuracy",
-          "pooled_val_auc", *SEG_METRICS, "val_dice_mean", "train_loss", "ari", "n_clusters", "n_sites", "n_failed", "n_test", "withheld",
-          "sat_out"]
+          "pooled_val_auc", *SEG_METRICS, "val_dice_mean", "train_loss", "ari", "n_clusters", "n_sites", "n_failed",
+          "n_test", "withheld", "sat_out"]
 _INT = ("seed", "round", "attempt", "n_clusters", "n_sites", "n_failed", "n_test", "withheld")
 _STR = ("method", "kind", "task", "phase", "sat_out")
 

@@ -488,12 +488,16 @@ def fingerprinted_config(exp, paths: str | None = None) -> dict:
     return cfg
 
 
+def run_fingerprints(exp, method, seed: int) -> set:
+    """The fingerprints a saved run of this (seed, method) may carry: the config as given, or with its data and
+    weights paths written the other way (absolute, or relative to the working folder) — the same files, named from
+    here. A weights file named ``.venv/...`` once and ``/work/.../.venv/...`` the next time is not a new run."""
+    return {run_fingerprint(exp, method, seed, p) for p in (None, "absolute", "relative")}
+
+
 def same_run(saved_fingerprint, exp, method, seed: int) -> bool:
-    """A saved run's fingerprint is this (seed, method)'s: as the config is given, or with its data and weights paths
-    written the other way (absolute, or relative to the working folder) — the same files, named from here. A weights
-    file named ``.venv/...`` once and ``/work/.../.venv/...`` the next time is not a new run."""
-    return bool(saved_fingerprint) and saved_fingerprint in {run_fingerprint(exp, method, seed, p)
-                                                              for p in (None, "absolute", "relative")}
+    """A saved run's fingerprint is this (seed, method)'s (:func:`run_fingerprints`)."""
+    return bool(saved_fingerprint) and saved_fingerprint in run_fingerprints(exp, method, seed)
 
 
 # --------------------------------------------------------------------------------------------- experiment
@@ -937,7 +941,7 @@ def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict
     work.mkdir(parents=True, exist_ok=True)
     fp = run_fingerprint(exp, None, seed) + ":" + ",".join(wanted)
     saved = _load_saved(work / "run.json")
-    same = {run_fingerprint(exp, None, seed, p) + ":" + ",".join(wanted) for p in (None, "absolute", "relative")}
+    same = {f + ":" + ",".join(wanted) for f in run_fingerprints(exp, None, seed)}
     if resume and saved.get("fingerprint") in same and saved.get("status") == "finished":
         log(f"[seed {seed}] references: reused")
         return saved["rows"]

@@ -201,7 +201,8 @@ class Plan(Workflow):
                 by_file.setdefault((f, self.personal.get(c.served)), []).append(s)
         groups = {f"m{i}": (self.task(cache.setdefault(f, _params(Path(f))), 0,
                                       **({"serve_personal": key} if key else {})), sites)
-                  for i, ((f, key), sites) in enumerate(sorted(by_file.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")))}
+                  for i, ((f, key), sites) in enumerate(sorted(by_file.items(),
+                                                               key=lambda kv: (kv[0][0], kv[0][1] or "")))}
         replies = self.send_groups("validate", groups) if groups else {}
         rows = [r for rs in replies.values() for r in rs]
         if tuned:  # the same fine-tuning as in serve_score: the same seed, round and settings
