@@ -45,6 +45,7 @@ FACTORS = {
     "backbone_0.1": ["train.backbone_lr_scale=0.1"],
     "epochs_2": ["train.local_epochs=2"],
     "epochs_4": ["train.local_epochs=4"],
+    "epochs_8": ["train.local_epochs=8"],
     "rounds_24": ["train.rounds=24"],
     "batch_8": ["train.batch_size=8"],
     "cosine": ["train.lr_schedule=cosine"],
