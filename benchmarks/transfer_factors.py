@@ -41,6 +41,10 @@ FACTORS = {
     "fedavgm": ["train.server_opt.kind=avgm", "train.server_opt.beta1=0.6"],
     "fedadam": ["train.server_opt.kind=adam", "train.server_opt.lr=0.001"],
     "fedbn": ["methods=[{name: FedBN, workflow: fedbn}]"],
+    # FMCL with the release as its frozen encoder and the true K (the five sources); {weights} is --weights
+    "fmcl_k5": ["methods=[{name: FMCL_ImageNet_K5, workflow: fmcl, encoder: efficientnet_lite0, n_clusters: 5, "
+                "encoder_weights: {weights}}]"],
+    "flux": ["methods=[{name: Flux, workflow: flux}]"],
     "frozen_bn": ["train.norm_stats=frozen"],
     "backbone_0.1": ["train.backbone_lr_scale=0.1"],
     "epochs_2": ["train.local_epochs=2"],
@@ -128,7 +132,7 @@ def _command(name: str, seeds: list[int], out: Path, weights: str, extra: list[s
     cmd = [sys.executable, "-m", "fedmed", "experiment", str(CONFIG), "--out", str(out), "--resume", *IN_PROCESS,
            "--set", f"model.init_weights={weights}", "--set", "seeds=[" + ",".join(map(str, seeds)) + "]"]
     for s in sets + list(extra):
-        cmd += ["--set", s]
+        cmd += ["--set", s.replace("{weights}", weights)]
     return cmd
 
 

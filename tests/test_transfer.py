@@ -324,6 +324,9 @@ def test_the_factor_screen_selects_rounds_as_the_report_does_and_combines_factor
     assert "--in-process" not in cmd and "references=[centralized]" in cmd  # the recipe's runs carry the reference
     tf.main(["--weights", "w.pth", "--out", str(tmp_path / "none"), "--only", "recipe", "--table-only", "--in-process"])
     assert "--in-process" in tf._command("recipe@224", [0], tmp_path / "o", "w.pth", [])  # passed to each experiment
+    fm = tf._command("recipe+fmcl_k5", [0], tmp_path / "o", "/abs/w.pth", [])  # FMCL's encoder: the run's own file
+    assert any(a.startswith("methods=[{name: FMCL_ImageNet_K5") and "encoder_weights: /abs/w.pth}]" in a for a in fm)
+    assert not any("{weights}" in a for a in fm)
     val = [0.5, 0.7, 0.6, 0.7, 0.65]
     test = [0.9, 0.1, 0.95, 0.2, 0.99]  # test numbers that would pick another round
     doc = {"rounds": [{"round": r, "task": "train" if r < 4 else "validate",
