@@ -579,3 +579,35 @@ def test_a_run_saved_before_rows_carried_the_validation_auc_is_reported_by_it_on
     best = max(sorted(auc), key=lambda k: (auc[k], -k))
     assert f"| FedAvg | val-AUC-selected ({best}) |" in (out / "summary.md").read_text()
     assert "pooled_val_auc" in json.loads(run.read_text())["rows"][0]  # written back
+
+
+def test_paired_runs_compares_two_experiments_at_their_validation_selected_rounds_never_a_test_round(tmp_path, capsys):
+    """benchmarks/paired_runs.py: each run read at the round its validation AUC selects (where the test number is
+    not the best), paired by seed; a folder of several methods needs --method."""
+    import importlib.util
+    from pathlib import Path
+
+    from fedmed.report.summary import write_outputs
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "paired_runs.py"
+    spec = importlib.util.spec_from_file_location("paired_runs", path)
+    pr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pr)
+
+    def rows(method, seed, val_auc, test_auc):
+        return [{"method": method, "kind": "method", "seed": seed, "round": r, "task": "train", "attempt": 1,
+                 "accuracy": 0.7, "val_accuracy": 0.7, "pooled_val_auc": v, "pooled_auc": t}
+                for r, (v, t) in enumerate(zip(val_auc, test_auc))]
+
+    a = rows("A", 0, [0.5, 0.9, 0.8], [0.5, 0.80, 0.99]) + rows("A", 1, [0.5, 0.6, 0.9], [0.5, 0.99, 0.70])
+    b = rows("B", 0, [0.5, 0.9, 0.7], [0.5, 0.75, 0.10]) + rows("B", 2, [0.5, 0.9, 0.7], [0.5, 0.75, 0.10])
+    write_outputs(a, tmp_path / "a", title="a", command="c", selection="validation_auc")
+    write_outputs(b, tmp_path / "b", title="b", command="c", selection="validation_auc")
+    assert pr.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "| 0 | 1 | 80.00 | 1 | 75.00 | +5.00 |" in out  # round 1 (val-selected), not round 2 (test-best)
+    assert "paired: +5.00 ± 0.00 over 1 seed(s): within" in out  # seed 1 and 2 are in one run each
+    write_outputs(a + b, tmp_path / "ab", title="ab", command="c", selection="validation_auc")
+    with pytest.raises(SystemExit, match="holds 2 methods"):
+        pr.main([str(tmp_path / "ab"), str(tmp_path / "b")])
+    assert pr.main([str(tmp_path / "ab"), str(tmp_path / "b"), "--method", "A"]) == 0
