@@ -551,3 +551,35 @@ def test_in_process_runs_the_jobs_here_resumes_them_and_reports_a_failure(tmp_pa
     assert "Traceback" in capsys.readouterr().err  # as the message says, with FEDMED_DEBUG=1
     assert json.loads((tmp_path / "out2" / "runs" / "seed0" / "FedAvg" / "run.json").read_text())["status"] == "failed"
     assert E._IN_PROCESS.get() is False  # the next experiment in this process runs its jobs in the simulator again
+
+
+def test_in_process_references_train_at_the_sites_thread_count_and_give_the_rest_back(tmp_path, monkeypatch,
+                                                                                       fake_job):
+    """``--in-process``: the reference rows (a whole federated budget on pooled data) train at the in-process sites'
+    torch thread count, as the jobs do, so several in-process experiments share a machine's cores instead of each
+    taking them all; the experiment's own count is given back after. Through the simulator they keep the
+    process's count (nothing else computes in it meanwhile)."""
+    import torch
+
+    from fedmed.run import references as R
+    from fedmed.workflows.inprocess import SITE_THREADS
+
+    seen = []
+
+    def central(exp, data_dir, sites, seed, log=print):
+        seen.append(torch.get_num_threads())
+        return []
+
+    monkeypatch.setattr(R, "centralized_rows", central)
+    monkeypatch.setattr(E, "run_job_in_process", lambda spec, datalists, work, **k: (
+        work.mkdir(parents=True, exist_ok=True), metrics_doc(0.5))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cfg = write_cfg(tmp_path, seeds=[0], references=["centralized"])
+        E.run_experiment(str(cfg), tmp_path / "a", methods=["FedAvg"], log=lambda *a: None, in_process=True)
+        assert seen == [SITE_THREADS] and torch.get_num_threads() == 2
+        E.run_experiment(str(cfg), tmp_path / "b", methods=["FedAvg"], log=lambda *a: None)  # the simulator's path
+        assert seen == [SITE_THREADS, 2] and SITE_THREADS == 1
+    finally:
+        torch.set_num_threads(before)

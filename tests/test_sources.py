@@ -281,7 +281,9 @@ def test_each_source_alone_trains_a_model_per_source_and_scores_each_site_with_i
     alone = alone_rows(exp, fed, meta["sites"], 0, meta["groups"], log=logs.append)
     central = centralized_rows(exp, fed, meta["sites"], 0, log=lambda *_: None)
     assert [r["round"] for r in alone] == list(range(5)) and {r["method"] for r in alone} == {"Each source alone"}
-    assert alone[-1]["n_sites"] == 3 and "scannerA" in logs[0] and "scannerB" in logs[0]
+    assert alone[-1]["n_sites"] == 3 and "scannerA" in logs[-1] and "scannerB" in logs[-1]
+    # a progress line as each source's model is trained (the reference is a whole federated budget per source)
+    assert len(logs) == 3 and "scannerA trained (1/2, 2 site(s)" in logs[0] and "scannerB trained (2/2, 1 site(s)" in logs[1]
     assert alone[-1]["pooled_accuracy"] == 1.0, alone[-1]
     assert central[-1]["pooled_accuracy"] <= 0.75, central[-1]  # one model for opposed sources
     # each site's record as the site would send it (class rows below k_min withheld), for the per-source table

@@ -931,7 +931,25 @@ def clusters_ari(clusters: list[list[str]], labels: dict) -> float:
 
 
 def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict]:
-    """Reference rows of one seed (reused under --resume when the config fingerprint matches)."""
+    """Reference rows of one seed (reused under --resume when the config fingerprint matches). In-process
+    (``--in-process``) they train at the sites' torch thread count (:data:`~fedmed.workflows.inprocess.SITE_THREADS`),
+    as the jobs do: several in-process experiments on one machine then share its cores instead of each taking them
+    all."""
+    if not _IN_PROCESS.get():
+        return _reference_rows(exp, seed, data_dir, out, chosen, log, resume, seg)
+    import torch
+
+    from fedmed.workflows.inprocess import SITE_THREADS
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(SITE_THREADS)
+    try:
+        return _reference_rows(exp, seed, data_dir, out, chosen, log, resume, seg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_rows(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict]:
     from fedmed.run.references import alone_rows, centralized_rows, majority_rows
 
     wanted = [r for r in exp.references if r != "cluster_majority"]

@@ -20,6 +20,7 @@ references for a study, not something a deployed federation computes.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -178,11 +179,15 @@ def alone_rows(exp, datalists, sites: list[str], seed: int, sources: dict | None
         groups.setdefault((sources or {}).get(s, s), []).append(s)
     n_classes = len(exp.dataset.classes)
     per_round: list[dict] = [{} for _ in range(exp.train.rounds + 1)]
-    for k, (_, members) in enumerate(groups.items()):
+    name = "Each source alone" if sources else "Each site alone"
+    t0 = time.perf_counter()
+    for k, (g, members) in enumerate(groups.items()):
         for r, per_site in enumerate(_pooled_training(exp, data, members, seed, int(seed) * 7919 + 11 + 101 * (k + 1),
                                                       n_classes)):
             per_round[r].update(per_site)
-    name = "Each source alone" if sources else "Each site alone"
+        # a line per source (or site): the reference trains the federation's whole budget once per group
+        log(f"    {name.lower()} reference: {g} trained ({k + 1}/{len(groups)}, {len(members)} site(s), "
+            f"{time.perf_counter() - t0:.0f} s so far)")
     rows = [_row(name, seed, {s: per_site[s] for s in sites}, round_=r) for r, per_site in enumerate(per_round)]
     k_min = exp.privacy.k_min
     for row, per_site in zip(rows, per_round):  # per-site records for per-source tables, as a site would send them

@@ -41,6 +41,11 @@ def _copy_config(cfg: dict) -> dict:
         return copy.deepcopy(cfg)
 
 
+# torch threads of a site computing in this process: 1, as each of FLARE's simulated sites (several experiments can
+# then share a machine's cores); `fedmed experiment --in-process` trains its reference rows at the same count
+SITE_THREADS = 1
+
+
 class InProcessFederation(Federation):
     """Sites ``sites`` with their data found in ``datalists`` (a folder of ``<site>.json``, or ``{site: settings}``).
 
@@ -58,7 +63,8 @@ class InProcessFederation(Federation):
         tensorboard: also write the record's TensorBoard scalars.
     """
 
-    def __init__(self, datalists, sites: list[str], out_dir, *, job_files=None, resume_from=None, threads: int = 1,
+    def __init__(self, datalists, sites: list[str], out_dir, *, job_files=None, resume_from=None,
+                 threads: int = SITE_THREADS,
                  log=print, on_round=None, tensorboard: bool = False, policy=None, weights_dir=None):
         self._settings = datalists if isinstance(datalists, dict) else {s: Path(datalists) for s in sites}
         self.site_names = list(sites)
