@@ -429,7 +429,8 @@ def register(sub):
                    "continue stopped ones from their checkpoint")
     e.add_argument("--in-process", action="store_true", help="run each job in this process (the same workflow and "
                    "site tasks without FLARE, one site after another: the same models) instead of FLARE's simulator; "
-                   "for a GPU machine, where the simulator's process per site costs more than the sites' work")
+                   "for a GPU machine, where the simulator's process per site costs more than the sites' work; its "
+                   "CPU work runs at one torch thread, reference rows included, as each simulated site's does")
     e.set_defaults(func=cmd_experiment)
 
     k = sub.add_parser("check-data", help="check a site's datalist before it joins (its first task's checks and "
