@@ -231,6 +231,13 @@ def test_the_first_section_says_what_the_table_found_with_its_uncertainty():
     assert not any("one seed" in s for s in said)
     one = findings(summarize([r for r in rows if r["seed"] == 0]))
     assert one[1] == "It beat FedAvg (78.0%) by 2.0 points." and "from one seed" in one[-1]
+    # the alone reference says what it trained: a model per site, or per source on a natural federation
+    for name, who in (("Each site alone", "Each site training only on its own data reached 60.0%"),
+                      ("Each source alone", "Each source training only on its own sites' data (a model per source) "
+                                            "reached 60.0%")):
+        ref = rows_from_metrics(name, 0, _doc(0.6), kind="reference")
+        said = findings(summarize([r for r in rows if r["seed"] == 0] + ref))
+        assert any(s.startswith(who + " on average, 20.0 points below FMCL") for s in said), said
 
 
 def test_the_produced_by_line_reruns_exactly_this_run(tmp_path, monkeypatch):

@@ -97,7 +97,9 @@ def findings(summ: list[dict], phases: list[dict] | None = None) -> list[str]:
     alone = next((e for n, e in refs.items() if n.startswith("Each ") and n.endswith(" alone")), None)
     if alone:
         d, sure = _gap(vb, alone["_values"][key])
-        out.append(f"Each site training only on its own data reached {_pct(alone['_values'][key])} on average, "
+        who = "Each source training only on its own sites' data (a model per source)" \
+            if alone["method"] == "Each source alone" else "Each site training only on its own data"
+        out.append(f"{who} reached {_pct(alone['_values'][key])} on average, "
                    f"{_points(d)} {'below' if d > 0 else 'above'} {best['method']}" + (f" ({sure})." if sure else "."))
     for name in FLOORS:
         if name in refs:
