@@ -20,18 +20,20 @@ import numpy as np
 
 def reported(out: Path, method: str | None, selection: str) -> tuple[str, dict]:
     """(the method, ``{seed: row}``) of ``out``'s results at the reported round; ``method`` may be left out when the
-    folder holds one method."""
+    folder holds one method. A reference row (``Each source alone``, ``Centralized``, ...) is read when named, at the
+    round the report selects for it by the same rule."""
     from fedmed.report.summary import read_results, reported_rows
 
-    rows = [r for r in read_results(out / "results.csv") if r.get("kind") == "method"]
+    rows = [r for r in read_results(out / "results.csv") if r.get("kind") in ("method", "reference")]
     chosen = reported_rows(rows, selection)
-    methods = sorted({m for m, _ in chosen})
+    methods = sorted({r["method"] for r in rows if r.get("kind") == "method"})
+    named = sorted({m for m, _ in chosen})
     if method is None:
         if len(methods) != 1:
             raise SystemExit(f"{out.name}: holds {len(methods)} methods ({', '.join(methods)}); name one with --method")
         method = methods[0]
-    elif method not in methods:
-        raise SystemExit(f"{out.name}: no method {method!r} (it has {', '.join(methods)})")
+    elif method not in named:
+        raise SystemExit(f"{out.name}: no method {method!r} (it has {', '.join(named)})")
     return method, {s: r for (m, s), r in chosen.items() if m == method}
 
 

@@ -611,3 +611,12 @@ def test_paired_runs_compares_two_experiments_at_their_validation_selected_round
     with pytest.raises(SystemExit, match="holds 2 methods"):
         pr.main([str(tmp_path / "ab"), str(tmp_path / "b")])
     assert pr.main([str(tmp_path / "ab"), str(tmp_path / "b"), "--method", "A"]) == 0
+    # a reference row is read when named, at the round the same rule selects for it; it is never the default
+    ref = [dict(r, method="Each source alone", kind="reference") for r in rows("R", 0, [0.5, 0.6, 0.95],
+                                                                              [0.5, 0.9, 0.60])]
+    write_outputs(b + ref, tmp_path / "bref", title="bref", command="c", selection="validation_auc")
+    capsys.readouterr()
+    assert pr.main([str(tmp_path / "bref"), str(tmp_path / "bref"), "--method", "Each source alone",
+                    "--ref-method", "B"]) == 0
+    assert "| 0 | 2 | 60.00 | 1 | 75.00 | -15.00 |" in capsys.readouterr().out
+    assert pr.main([str(tmp_path / "bref"), str(tmp_path / "b")]) == 0  # B, the folder's one method
