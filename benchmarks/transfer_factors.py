@@ -46,6 +46,8 @@ FACTORS = {
                 "encoder_weights: {weights}}]"],
     "flux": ["methods=[{name: Flux, workflow: flux}]"],
     "frozen_bn": ["train.norm_stats=frozen"],
+    # the served model's batch-norm statistics re-estimated over the sites' training images after every average
+    "norm_recal": ["train.norm_recalibrate=true"],
     "backbone_0.1": ["train.backbone_lr_scale=0.1"],
     "epochs_2": ["train.local_epochs=2"],
     "epochs_4": ["train.local_epochs=4"],

@@ -404,6 +404,12 @@ class ExperimentConfig(_Strict):
         if self.train.lr_schedule != "constant" and self.dataset.task == "segmentation":
             raise ValueError(f"train.lr_schedule: {self.train.lr_schedule!r} schedules classifiers' training; "
                              "segmentation trains at a constant train.lr (set train.lr_schedule: constant)")
+        if self.train.norm_recalibrate and self.dataset.task != "classification":
+            raise ValueError("train.norm_recalibrate re-estimates a classifier's batch-norm statistics; it is for "
+                             "dataset.task classification")
+        if self.train.norm_recalibrate and self.privacy.dp_epsilon:
+            raise ValueError("train.norm_recalibrate: the sites' batch-norm statistics are not sent under differential "
+                             "privacy (privacy.dp_epsilon); drop one of the two")
         if self.selection == "validation_auc" and self.dataset.task == "segmentation":
             raise ValueError("selection: 'validation_auc' selects a classifier's round on its validation AUC; "
                              "segmentation selects on validation Dice (selection: validation)")

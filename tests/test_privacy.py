@@ -38,6 +38,7 @@ FIELDS = {
     "ifca": EVAL | {"cluster", "losses", "n_train", "train_loss", "steps"},
     "assess": {"n_cases", "dp", "embedding_centroid", "encoder", "notes"},
     "class_set": {"classes", "notes"},
+    "norm_stats": {"n_train", "n_batches"},  # the parameters: per batch-norm layer a per-channel mean and variance
     "mae/train": {"n_train", "train_loss", "steps"},
     "mae/validate": {"n_test"},
 }
@@ -182,6 +183,29 @@ def test_training_and_evaluation_replies(site):
         assert set(counts) == {"n", "wins", "losses", "sum_d", "sum_d2"} and counts["n"] == n_val
         assert all(isinstance(counts[k], float) for k in ("sum_d", "sum_d2"))
         assert counts["sum_d2"] >= counts["sum_d"] ** 2 / n_val - 1e-9  # a sum of squares over n_val items
+
+
+def test_batch_norm_statistics_replies(site):
+    """train.norm_recalibrate's task: per batch-norm layer of the served model, the per-channel mean and variance
+    over the site's training images (a cumulative average over its batches) as the parameters, and its counts;
+    nothing under DP; a site below k_min sits out."""
+    from fedmed.site.tasks import TaskError
+
+    runner, cfg = site
+    bcfg = {**cfg, "model": {**cfg["model"], "norm": "batch"}}
+    d = cfg["data"]
+    p = get_params(build_model("resnet9", d["channels"], d["n_classes"], width=4, norm="batch"))
+    _, metrics, meta, out = runner.handle("norm_stats", p, bcfg, 0)
+    assert not audit("norm_stats", meta, _samples(runner, bcfg), k_min=5)
+    n = runner.splits(bcfg).train[0].shape[0]
+    assert {k: v for k, v in meta.items() if k not in ("site_policy", "notes")} == \
+        {"n_train": n, "n_batches": math.ceil(n / 8)} and metrics == {"n_batches": float(meta["n_batches"])}
+    assert out and set(out) == {k for k in p if k.endswith(("running_mean", "running_var"))}
+    assert all(np.asarray(v).ndim == 1 for v in out.values())  # one value per channel, never per image
+    with pytest.raises(TaskError, match="not sent under differential privacy"):
+        runner.handle("norm_stats", p, {**bcfg, "privacy": {"k_min": 5, "dp_epsilon": 1.0}}, 0)
+    with pytest.raises(TaskError, match="sits out batch-norm statistics: fewer training images than k_min"):
+        runner.handle("norm_stats", p, {**bcfg, "privacy": {"k_min": n + 1}}, 0)
 
 
 def test_prep_and_fedmae_replies(site):

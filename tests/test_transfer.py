@@ -620,3 +620,98 @@ def test_paired_runs_compares_two_experiments_at_their_validation_selected_round
                     "--ref-method", "B"]) == 0
     assert "| 0 | 2 | 60.00 | 1 | 75.00 | -15.00 |" in capsys.readouterr().out
     assert pr.main([str(tmp_path / "bref"), str(tmp_path / "b")]) == 0  # B, the folder's one method
+
+
+# --------------------------------------------------------------------------------------------- batch-norm statistics
+# re-estimated over the sites' training images after every round's average (train.norm_recalibrate)
+
+def _bn_batches(xs, batch_size):
+    return [(x[i:i + batch_size] - 0.5) / 0.5 for x in xs for i in range(0, x.shape[0], batch_size)]
+
+
+def test_the_sites_statistics_weighted_by_batches_are_one_pass_over_all_their_batches():
+    """Each site's statistics of the served model over its batches (a cumulative average, as PyTorch's update_bn),
+    averaged by the server with the sites' batch counts, are the statistics of one pass over all the sites' batches;
+    an average unweighted by batches is not (the sites here have 2 and 3 batches). The served model is untouched."""
+    import copy
+
+    from torch.optim.swa_utils import update_bn
+
+    from fedmed.algorithms.aggregation import pooled_norm_stats
+    from fedmed.nn.models import build_model
+    from fedmed.nn.train import norm_statistics
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.rand(10, 1, 8, 8, generator=g), torch.rand(21, 1, 8, 8, generator=g) * 2]
+    net = build_model("resnet9", 1, 2, width=4, seed=0)
+    net.eval()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    got = [norm_statistics(net, x, 8) for x in xs]
+    assert [n for _, n in got] == [2, 3]
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items()) and not net.training
+    pooled = pooled_norm_stats([s for s, _ in got], [n for _, n in got])
+    ref = copy.deepcopy(net)
+    update_bn(_bn_batches(xs, 8), ref)
+    want = {k: v.numpy() for k, v in ref.state_dict().items() if k.endswith(("running_mean", "running_var"))}
+    assert set(pooled) == set(want) and len(want) > 4
+    for k, v in want.items():
+        np.testing.assert_allclose(pooled[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    plain = {k: (got[0][0][k] + got[1][0][k]) / 2 for k in want}
+    assert any(not np.allclose(plain[k], want[k], rtol=1e-3) for k in want)
+    with pytest.raises(ValueError, match="positive batch count"):
+        pooled_norm_stats([s for s, _ in got], [2, 0])
+
+
+def test_a_recalibrating_run_serves_its_average_with_the_statistics_of_its_own_weights(tmp_path):
+    """train.norm_recalibrate: after each round's average every site sends the batch-norm statistics of the new
+    model over its training images (the norm_stats task, every round), and the model the run serves holds the pooled
+    statistics of its own weights; plain FedAvg's averaged statistics are not those. The weights are FedAvg's."""
+    from fedmed.nn.models import build_model
+    from fedmed.nn.train import norm_statistics, set_params
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+    from fedmed.site.runner import SiteRunner
+    from fedmed.algorithms.aggregation import pooled_norm_stats
+
+    exp, data = _federation(tmp_path, train={"rounds": 2, "norm_recalibrate": True})
+    status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0), data, tmp_path / "out")
+    assert status == "finished"
+    sent = sorted((r, s) for task, r, s in fed.task_log if task == "norm_stats")
+    assert sent == [(1, "site-1"), (1, "site-2"), (2, "site-1"), (2, "site-2")]
+    z = np.load(tmp_path / "out" / "checkpoint" / "models.npz")
+    served = {k.split("/", 1)[1]: z[k] for k in z.files if k.startswith("global/")}
+    plain, _ = _final(*_federation(tmp_path / "plain", train={"rounds": 2}), tmp_path / "plain_out")
+
+    def own(params):
+        net = build_model("resnet9", 1, len(exp.dataset.classes), width=4)
+        set_params(net, params)
+        got = [norm_statistics(net, SiteRunner(s, data).data(8, 1).train[0], 16) for s in ("site-1", "site-2")]
+        return pooled_norm_stats([s for s, _ in got], [n for _, n in got])
+
+    mine = own(served)
+    for k, v in mine.items():
+        np.testing.assert_allclose(served[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    theirs = own(plain)
+    assert any(not np.allclose(plain[k], theirs[k], rtol=1e-3, atol=1e-4) for k in theirs)
+    # one round: the weights are FedAvg's to the bit, only the running statistics differ
+    one, _ = _final(*_federation(tmp_path / "one", train={"rounds": 1, "norm_recalibrate": True}), tmp_path / "o1")
+    ref, _ = _final(*_federation(tmp_path / "ref", train={"rounds": 1}), tmp_path / "r1")
+    stats = [k for k in ref if k.endswith(("running_mean", "running_var"))]
+    assert all(np.array_equal(one[k], ref[k]) for k in ref if k not in stats)
+    assert not all(np.allclose(one[k], ref[k]) for k in stats)
+
+
+def test_recalibration_is_refused_where_it_cannot_apply_and_unhashed_at_its_default():
+    """Segmentation and DP configs refuse train.norm_recalibrate in one line; left at its default it is not in a run's
+    fingerprint, so --resume reuses the runs made before it existed."""
+    from fedmed.config import ConfigError, load_config
+    from fedmed.run.experiment import fingerprinted_config, run_fingerprint
+
+    raw = {"name": "t", "dataset": {"path": "builtin:digits"}, "methods": [{"name": "M", "workflow": "fedavg"}]}
+    plain, on = load_config(raw), load_config(raw, ["train.norm_recalibrate=true"])
+    assert "norm_recalibrate" not in fingerprinted_config(plain)["train"]
+    assert run_fingerprint(plain, plain.methods[0], 0) != run_fingerprint(on, on.methods[0], 0)
+    with pytest.raises(ConfigError, match="not sent under differential privacy"):
+        load_config(raw, ["train.norm_recalibrate=true", "privacy.dp_epsilon=1.0"])
+    with pytest.raises(ConfigError, match="is for dataset.task classification"):
+        load_config({**raw, "dataset": {"path": "builtin:digits", "task": "segmentation"}},
+                    ["train.norm_recalibrate=true"])

@@ -17,6 +17,7 @@ __all__ = [
     "cluster_average",
     "down_weight",
     "ifca_models",
+    "pooled_norm_stats",
     "prep_weights",
     "server_opt_step",
     "weighted_average",
@@ -163,6 +164,21 @@ def prep_weights(label_sets: Sequence, n_classes: int) -> tuple[np.ndarray, np.n
     with np.errstate(divide="ignore"):
         w = np.where(p > 0, 1.0 / np.maximum(p, 1), 0.0)
     return p, w
+
+
+def pooled_norm_stats(stats: Sequence[Mapping], n_batches: Sequence[int]) -> dict[str, np.ndarray]:
+    """Batch-norm running statistics of one pass over all the sites' batches, from each site's own
+    (:func:`fedmed.nn.train.norm_statistics`: a cumulative average over its ``n_batches`` batches): their average
+    weighted by batches — what :func:`torch.optim.swa_utils.update_bn` gives on the sites' batches in one stream.
+    Only the keys every site sent."""
+    if not stats:
+        raise ValueError("pooled_norm_stats: no site's statistics")
+    w = np.asarray(n_batches, dtype=np.float64)
+    if w.shape != (len(stats),) or (w <= 0).any():
+        raise ValueError(f"pooled_norm_stats: one positive batch count per site, got {list(n_batches)}")
+    keys = set(stats[0]).intersection(*stats[1:])
+    return {k: (sum(wi * np.asarray(st[k], dtype=np.float64) for wi, st in zip(w, stats)) / w.sum()).astype(
+        np.asarray(stats[0][k]).dtype) for k in sorted(keys)}
 
 
 def server_opt_step(theta: Mapping, avg: Mapping, state: dict, *, kind: str, lr: float = 1.0, beta1: float = 0.9,

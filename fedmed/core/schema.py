@@ -127,6 +127,11 @@ class TrainConfig(Strict):
     norm_stats: Optional[Literal["train", "frozen"]] = Field(None, description="batch-norm running statistics updated "
                                                              "by training, or frozen at the starting model's (None: "
                                                              "the recipe's)")
+    norm_recalibrate: bool = Field(
+        False, description="after every round's average, the served model's batch-norm running statistics "
+        "re-estimated over the sites' training images: each site sends its layers' per-channel means and variances "
+        "over its batches (aggregates of at least k_min images), the server averages them by batches "
+        "(docs/readings.md 'Transfer learning federated'); FedAvg-family and cluster-training workflows")
     lr_schedule: Literal["constant", "cosine"] = Field(
         "constant", description="the learning rate over the run: constant, or cosine (from lr down to 0 over the "
         "rounds x local_epochs of a federated classifier's training, per local step; the centralized reference the "

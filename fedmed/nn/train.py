@@ -19,7 +19,7 @@ from torch import nn
 from fedmed.algorithms.metrics import site_metrics
 from fedmed.nn.resident import DeviceImages
 
-__all__ = ["augment_batch", "evaluate", "get_params", "make_optimizer", "set_params", "train_local"]
+__all__ = ["augment_batch", "evaluate", "get_params", "make_optimizer", "norm_statistics", "set_params", "train_local"]
 
 
 def get_params(model: nn.Module) -> dict[str, np.ndarray]:
@@ -232,6 +232,32 @@ def _input_batches(x, dev, batch_size: int, channels_last: bool = False):
     for xb in it:
         xb = (xb - 0.5) / 0.5
         yield xb.contiguous(memory_format=torch.channels_last) if channels_last else xb
+
+
+@torch.no_grad()
+def norm_statistics(model: nn.Module, x, batch_size: int) -> tuple[dict[str, np.ndarray], int]:
+    """The running statistics ``model``'s batch-norm layers hold after one pass over ``x`` (in order, ``batch_size``
+    images a batch, the loop's input scaling) with a cumulative average over the batches — PyTorch's
+    :func:`torch.optim.swa_utils.update_bn` on a copy, ``model`` itself untouched — as ``{state-dict key:
+    array}`` of every ``running_mean`` and ``running_var``, and the number of batches. Sites' statistics weighted
+    by their batches (:func:`fedmed.algorithms.aggregation.pooled_norm_stats`) are the statistics of one such pass
+    over all their batches: FedAvg's averaged running statistics are not those of the averaged network."""
+    import copy
+
+    from torch.optim.swa_utils import update_bn
+
+    from fedmed.core.device import model_device, uses_channels_last
+
+    m = copy.deepcopy(model)
+    batches = list(_input_batches(x, model_device(m), int(batch_size), uses_channels_last(m)))
+    update_bn(batches, m)
+    out = {}
+    for name, mod in m.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.track_running_stats:
+            pre = f"{name}." if name else ""
+            out[pre + "running_mean"] = mod.running_mean.detach().cpu().numpy().copy()
+            out[pre + "running_var"] = mod.running_var.detach().cpu().numpy().copy()
+    return out, len(batches)
 
 
 def scoring_batch(dev) -> int:

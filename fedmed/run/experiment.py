@@ -442,7 +442,7 @@ def mlflow_ui_command(out) -> str:
 
 # config settings added after runs were made, as (section, key, default): left out of a run's fingerprint at their
 # default, so that --resume still reuses the runs made before the setting existed (which trained as its default does)
-ADDED_AT_DEFAULT = (("train", "lr_schedule", "constant"),)
+ADDED_AT_DEFAULT = (("train", "lr_schedule", "constant"), ("train", "norm_recalibrate", False))
 
 
 def run_fingerprint(exp, method, seed: int, paths: str | None = None) -> str:

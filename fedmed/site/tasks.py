@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from fedmed.core.packing import unpack_model, unpack_models
 from fedmed.core.schema import TaskConfig, task_config
 
-__all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "register_task", "finetune_config", "serving_reply", "TaskError", "class_set", "descriptor", "ifca", "latent_bounds", "signature", "train",
+__all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "register_task", "finetune_config", "serving_reply", "TaskError", "class_set", "descriptor", "ifca", "latent_bounds", "norm_stats", "signature", "train",
            "serve_score", "task_seed", "train_locally", "validate", "validate_ensemble"]
 
 
@@ -246,6 +246,26 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     _keep_local_norm(runner, model, cfg)
     metrics["train_loss"] = meta["train_loss"]
     return Reply(runner.site, metrics, meta, get_params(model))
+
+
+def norm_stats(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """``train.norm_recalibrate``: the batch-norm running statistics of the served model (``params`` as sent) over
+    this site's training images — per layer the per-channel mean and variance, a cumulative average over its batches
+    (:func:`fedmed.nn.train.norm_statistics`) — and the number of batches. Aggregates over at least ``k_min`` images;
+    nothing is sent under differential privacy."""
+    from fedmed.nn.train import norm_statistics, set_params
+
+    c = task_config(cfg)
+    if c.privacy.dp_epsilon:
+        raise TaskError(f"{runner.site}: batch-norm statistics are not sent under differential privacy "
+                        f"(privacy.dp_epsilon)")
+    s = runner.splits(cfg)
+    n = int(s.train[0].shape[0])
+    runner.require_k_min(n, "training images", cfg, "batch-norm statistics")
+    model = runner.model(cfg)
+    set_params(model, params)
+    stats, n_batches = norm_statistics(model, runner.on_device(s.train[0], cfg), c.train.batch_size)
+    return Reply(runner.site, {"n_batches": float(n_batches)}, {"n_train": n, "n_batches": n_batches}, stats)
 
 
 def class_set(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
@@ -580,7 +600,7 @@ def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
 
 CLASSIFICATION = {"train": train, "validate": validate, "finetune_local": finetune_local, "signature": signature, "latent_bounds": latent_bounds,
                   "descriptor": descriptor, "ifca": ifca, "validate_ensemble": validate_ensemble,
-                  "class_set": class_set, "serve_score": serve_score}
+                  "class_set": class_set, "serve_score": serve_score, "norm_stats": norm_stats}
 
 PLUGIN_TASKS: dict = {"classification": {}, "segmentation": {}, "segmentation_2d": {}, "mae": {}}  # a plugin method's own site tasks
 

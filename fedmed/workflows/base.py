@@ -217,7 +217,8 @@ class Workflow:
             for r in range(start, warmup):
                 rows = self.record_rows(r, self.send("train", self.task(theta0, r), targets=sorted(
                     {s for c in clusters for s in c})), "train")
-                theta0 = self.aggregate(rows, base=theta0)
+                theta0 = self.recalibrated(self.aggregate(rows, base=theta0), r + 1,
+                                           targets=sorted(x.site for x in rows))
                 self.checkpoint(r + 1, {"global": theta0}, clusters=clusters, **state)
             self.info(f"FedAvg warm-up of {warmup} round(s) done; cluster models start from it")
             saved, start = {"global": theta0}, warmup
@@ -228,12 +229,35 @@ class Workflow:
             if task == "train":
                 for c, good in replies.items():
                     if good:
-                        theta[c] = self.aggregate(good, base=theta[c], key=f"cluster{c}")
+                        theta[c] = self.recalibrated(self.aggregate(good, base=theta[c], key=f"cluster{c}"), r + 1,
+                                                     targets=sorted(x.site for x in good))
                 self.checkpoint(r + 1, {f"cluster{c}": t for c, t in theta.items()}, clusters=clusters, **state)
         for c, sites in enumerate(clusters):
             if sites:
                 self.save_final(theta[c], name=f"cluster{c}", sites=sites, cluster=c)
         return clusters
+
+    def recalibrated(self, theta: dict, round_: int, targets=None) -> dict:
+        """Step (``train.norm_recalibrate``): ``theta`` with its batch-norm running statistics re-estimated over the
+        training images of ``targets`` (default: every site) — each site sends its layers' statistics of one pass of
+        ``theta`` over its batches (the ``norm_stats`` task), the server weights them by batches
+        (:func:`fedmed.algorithms.aggregation.pooled_norm_stats`). FedAvg's averaged statistics are the sites' models'
+        statistics averaged, not those of the averaged model. ``theta`` as it is when the option is off, the network
+        has no batch norm, or no site sent its statistics (the log says so)."""
+        if getattr(self, "_recalibrate", None) is None:  # read once: the config never changes during a run
+            self._recalibrate = bool(self.task_cfg.train.norm_recalibrate) and self.task_cfg.task == "classification" \
+                and any(k.endswith("running_mean") for k in theta)
+        if not self._recalibrate:
+            return theta
+        from fedmed.algorithms.aggregation import pooled_norm_stats
+
+        got = self.gather("norm_stats", self.task(theta, round_), "batch-norm statistics", targets=targets,
+                          round_=round_, consequence="is left out of the re-estimate")
+        if not got:
+            self.warning(f"round {round_}: no site sent batch-norm statistics; the model keeps its averaged ones")
+            return theta
+        stats = pooled_norm_stats([r.params for r in got.values()], [int(r.meta["n_batches"]) for r in got.values()])
+        return {**theta, **{k: v for k, v in stats.items() if k in theta}}
 
     def aggregate(self, rows, base: dict | None = None, key: str = "global") -> dict:
         """The new model from the sites' updates: the workflow's aggregator (FedAvg's weighted average unless one is

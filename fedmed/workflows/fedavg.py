@@ -9,7 +9,8 @@ class FedAvg(Workflow):
 
     for r = 0..R-1: send theta to every site; each trains locally and returns theta_k, n_k;
                     theta <- the aggregator's model of the updates (FedAvg: sum_k n_k theta_k / sum_k n_k;
-                    fedmed.workflows.aggregators)
+                    fedmed.workflows.aggregators); with train.norm_recalibrate, theta's batch-norm statistics
+                    re-estimated over the sites' training images (Workflow.recalibrated)
     then every site scores the final theta ("validate"); the final model is saved.
     """
 
@@ -29,7 +30,8 @@ class FedAvg(Workflow):
     def train_global(self, theta, **state):
         for r in range(self.start_round(), self.num_rounds):
             updates = self.record_rows(r, self.send("train", self.task(theta, r)), "train")
-            theta = self.aggregate(updates, base=theta)
+            theta = self.recalibrated(self.aggregate(updates, base=theta), r + 1,  # train.norm_recalibrate
+                                      targets=sorted(x.site for x in updates))
             self.checkpoint(r + 1, {"global": theta}, **state)
         self.record_rows(self.num_rounds, self.send("validate", self.task(theta, self.num_rounds)), "validate")
         self.save_final(theta, sites=list(self.sites))  # the run's sites, which trained it

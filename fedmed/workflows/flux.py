@@ -57,7 +57,7 @@ class Flux(FedAvg):
         while r < self.num_rounds - 1:
             part = self.sample(r, self.participation)
             rows = self.record_rows(r, self.send("train", self.task(theta, r), targets=part), "train")
-            theta = self.aggregate(rows, base=theta)
+            theta = self.recalibrated(self.aggregate(rows, base=theta), r + 1, targets=sorted(x.site for x in rows))
             score = round_mean(rows, "val_accuracy")  # the served model's validation accuracy (Eq. 14's a_r)
             score = round_mean(rows, "accuracy") if score is None else score
             acc.append(0.0 if score is None else score)
@@ -122,7 +122,8 @@ class Flux(FedAvg):
             if task == "train":
                 for c, good in replies.items():
                     if good:
-                        models[c] = self.aggregate(good, base=models[c], key=f"cluster{c}")
+                        models[c] = self.recalibrated(self.aggregate(good, base=models[c], key=f"cluster{c}"),
+                                                      rr + 1, targets=sorted(x.site for x in good))
                 self.checkpoint(rr + 1, {"theta_star": theta_star, **{f"cluster{c}": m for c, m in models.items()}},
                                 phase="clustered", lo=lo, hi=hi, assign=assign,
                                 info={k: v for k, v in info.items() if k not in ("labels",)})
