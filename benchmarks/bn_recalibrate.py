@@ -51,7 +51,7 @@ def recalibrated(model, data, sites, batch_size: int = 64):
     return m
 
 
-def seed_row(run: Path, seed: int) -> dict:
+def seed_row(run: Path, seed: int, batch_size: int = 64) -> dict:
     from fedmed.nn.predict import load_model
     from fedmed.site.runner import SiteRunner
 
@@ -61,17 +61,20 @@ def seed_row(run: Path, seed: int) -> dict:
     sites = sorted(p.stem for p in dl.glob("*.json") if p.stem != "dataset")
     data = {s: SiteRunner(s, dl).data(d["image_size"], d["channels"]) for s in sites}
     return {"seed": seed, "averaged": _val_auc(net, data, sites),
-            "recalibrated": _val_auc(recalibrated(net, data, sites), data, sites)}
+            "recalibrated": _val_auc(recalibrated(net, data, sites, batch_size), data, sites)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run", type=Path, help="a fedmed experiment folder with FedAvg runs")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--batch-size", type=int, default=64, help="images per batch of the re-estimating pass (each "
+                    "site's images in turn; 64 as first run, a site's training batch size as a federation's sites "
+                    "would: train.norm_recalibrate)")
     a = ap.parse_args(argv)
-    rows = [seed_row(a.run, s) for s in a.seeds]
+    rows = [seed_row(a.run, s, a.batch_size) for s in a.seeds]
     print(f"\nPooled validation AUC (%) of the final global model, all sites' validation images; made by "
-          f"`benchmarks/bn_recalibrate.py {a.run} --seeds {' '.join(map(str, a.seeds))}`\n")
+          f"`benchmarks/bn_recalibrate.py {a.run} --seeds {' '.join(map(str, a.seeds))} --batch-size {a.batch_size}`\n")
     print("| seed | averaged statistics (as sent) | re-estimated on the pooled training images | difference |")
     print("|---|---|---|---|")
     for r in rows:
