@@ -2,6 +2,7 @@
 (:mod:`fedmed.nn.recipe`), the optimizer state a site keeps, and FedOpt's server step
 (:func:`fedmed.algorithms.aggregation.server_opt_step`)."""
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -715,3 +716,36 @@ def test_recalibration_is_refused_where_it_cannot_apply_and_unhashed_at_its_defa
     with pytest.raises(ConfigError, match="is for dataset.task classification"):
         load_config({**raw, "dataset": {"path": "builtin:digits", "task": "segmentation"}},
                     ["train.norm_recalibrate=true"])
+
+
+@pytest.mark.parametrize("workflow", ["fmcl", "flux"])
+def test_a_clustered_run_re_estimates_each_cluster_models_statistics_over_its_own_sites(tmp_path, workflow):
+    """train.norm_recalibrate in the cluster-training workflows: after each round's average of a cluster model, only
+    that cluster's sites (those that trained it) send statistics of it, and each saved cluster model holds its own
+    sites' pooled statistics of its own weights."""
+    from fedmed.algorithms.aggregation import pooled_norm_stats
+    from fedmed.nn.models import build_model
+    from fedmed.nn.train import norm_statistics, set_params
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+    from fedmed.site.runner import SiteRunner
+
+    exp, data = _federation(tmp_path, train={"rounds": 3, "norm_recalibrate": True}, workflow=workflow)
+    if workflow == "fmcl":
+        exp.methods[0].n_clusters = 2  # two sites, two cluster models
+    status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0), data, tmp_path / "out")
+    assert status == "finished"
+    assert any(task == "norm_stats" for task, _, _ in fed.task_log)
+    z = np.load(tmp_path / "out" / "checkpoint" / "models.npz")
+    members = json.loads((tmp_path / "out" / "onboarding.json").read_text())["clusters"] \
+        if (tmp_path / "out" / "onboarding.json").is_file() else None
+    clusters = sorted({f.split("/", 1)[0] for f in z.files if f.startswith("cluster")})
+    assert clusters
+    for c in clusters:
+        params = {f.split("/", 1)[1]: z[f] for f in z.files if f.startswith(c + "/")}
+        sites = members[c[len("cluster"):]] if members else ["site-1", "site-2"]
+        net = build_model("resnet9", 1, len(exp.dataset.classes), width=4)
+        set_params(net, params)
+        got = [norm_statistics(net, SiteRunner(s, data).data(8, 1).train[0], 16) for s in sites]
+        want = pooled_norm_stats([g for g, _ in got], [n for _, n in got])
+        for k, v in want.items():
+            np.testing.assert_allclose(params[k], v, rtol=1e-5, atol=1e-6, err_msg=f"{c} {k}")
