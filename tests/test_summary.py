@@ -52,8 +52,12 @@ def test_validation_auc_selection_reads_pooled_validation_auc_never_accuracy_or_
     text = S.write_outputs([r for r in rows if r["seed"] == 0], tmp_path, title="t", command="c",
                            selection="validation_auc")
     assert "best AUC on the sites' validation images pooled" in text and "val-AUC-selected (3)" in text
-    with pytest.raises(ValueError, match="needs validation metrics"):
+    with pytest.raises(ValueError, match="needs validation metrics"):  # no validation split at all
+        S.reported_rows([dict(r, pooled_val_auc=None, val_accuracy=None) for r in rows], "validation_auc")
+    # rows saved before the pooled validation AUC was kept: the error says how to write it back, not "no split"
+    with pytest.raises(ValueError, match="saved without .* --resume` writes it back") as e:
         S.reported_rows([dict(r, pooled_val_auc=None) for r in rows], "validation_auc")
+    assert "val_fraction" not in str(e.value)
     with pytest.raises(ValueError, match="validation_auc.*classifiers"):
         S.reported_rows([dict(r, dice_mean=0.5, val_dice_mean=0.5) for r in rows], "validation_auc")
     with pytest.raises(ValueError, match="selection should be one of"):

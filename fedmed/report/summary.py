@@ -147,6 +147,11 @@ def reported_rows(rows: list[dict], selection: str = "final") -> dict:
                     else "val_accuracy")
             scored = [r for r in rs if r.get(vkey) is not None and math.isfinite(r[vkey])]
             if not scored:
+                if vkey == "pooled_val_auc" and any(r.get("val_accuracy") is not None for r in rs):
+                    raise ValueError(f"{key[0]} seed {key[1]}: selection 'validation_auc' needs the pooled "
+                                     f"validation AUC, which these rows were saved without (a run reported before "
+                                     f"the rule existed): `fedmed experiment CONFIG --out FOLDER --resume` writes it "
+                                     f"back from the runs' own records, training nothing")
                 raise ValueError(f"{key[0]} seed {key[1]}: selection {selection!r} needs validation metrics "
                                  f"({vkey}); the sites have no validation split (federation.val_fraction)")
             out[key] = max(scored, key=lambda r: (r[vkey], -r["round"]))
