@@ -41,13 +41,19 @@ def _val_auc(model, data, sites) -> float:
 
 def recalibrated(model, data, sites, batch_size: int = 64):
     """A copy of ``model`` whose batch-norm running statistics are re-estimated over every site's training images
-    (:func:`torch.optim.swa_utils.update_bn`: reset, then a cumulative average over every batch)."""
-    from torch.optim.swa_utils import update_bn
+    (:func:`torch.optim.swa_utils.update_bn`: reset, then a cumulative average over every batch, each site's images in
+    turn) — what ``train.norm_recalibrate`` computes, here on one machine: each site's
+    :func:`fedmed.nn.train.norm_statistics`, pooled by batches (:func:`fedmed.algorithms.aggregation.pooled_norm_stats`)."""
+    from fedmed.algorithms.aggregation import pooled_norm_stats
+    from fedmed.nn.train import norm_statistics
 
+    got = [norm_statistics(model, data[s].train[0], batch_size) for s in sites if data[s].train[0].shape[0]]
+    stats = pooled_norm_stats([g for g, _ in got], [n for _, n in got])
     m = copy.deepcopy(model)
-    batches = ((data[s].train[0][i:i + batch_size] - 0.5) / 0.5  # the loop's input scaling (fedmed.nn.train)
-               for s in sites for i in range(0, data[s].train[0].shape[0], batch_size))
-    update_bn(batches, m)
+    state = m.state_dict()
+    with torch.no_grad():
+        for k, v in stats.items():
+            state[k].copy_(torch.as_tensor(v))
     return m
 
 

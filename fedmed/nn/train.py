@@ -249,15 +249,14 @@ def norm_statistics(model: nn.Module, x, batch_size: int) -> tuple[dict[str, np.
     from fedmed.core.device import model_device, uses_channels_last
 
     m = copy.deepcopy(model)
-    batches = list(_input_batches(x, model_device(m), int(batch_size), uses_channels_last(m)))
-    update_bn(batches, m)
+    update_bn(_input_batches(x, model_device(m), int(batch_size), uses_channels_last(m)), m)  # streamed, not held
     out = {}
     for name, mod in m.named_modules():
         if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.track_running_stats:
             pre = f"{name}." if name else ""
             out[pre + "running_mean"] = mod.running_mean.detach().cpu().numpy().copy()
             out[pre + "running_var"] = mod.running_var.detach().cpu().numpy().copy()
-    return out, len(batches)
+    return out, -(-int(len(x)) // int(batch_size))  # the batches of the pass: ceil(n / batch_size)
 
 
 def scoring_batch(dev) -> int:

@@ -937,16 +937,10 @@ def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict
     all."""
     if not _IN_PROCESS.get():
         return _reference_rows(exp, seed, data_dir, out, chosen, log, resume, seg)
-    import torch
+    from fedmed.workflows.inprocess import SITE_THREADS, torch_threads
 
-    from fedmed.workflows.inprocess import SITE_THREADS
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(SITE_THREADS)
-    try:
+    with torch_threads(SITE_THREADS):
         return _reference_rows(exp, seed, data_dir, out, chosen, log, resume, seg)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _reference_rows(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict]:

@@ -10,6 +10,7 @@ A clustered workflow run here and in FLARE's simulator gives the same models bit
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -44,6 +45,19 @@ def _copy_config(cfg: dict) -> dict:
 # torch threads of a site computing in this process: 1, as each of FLARE's simulated sites (several experiments can
 # then share a machine's cores); `fedmed experiment --in-process` trains its reference rows at the same count
 SITE_THREADS = 1
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch computes at ``n`` threads inside; the count it had is given back after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class InProcessFederation(Federation):
@@ -134,12 +148,8 @@ class InProcessFederation(Federation):
     def send_groups(self, task_name: str, groups: dict) -> dict:
         from fedmed.site.reply import Reply, answer
 
-        import torch
-
         replies = {}
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
+        with torch_threads(self.threads):
             for key, (msg, sites) in groups.items():
                 self.recorder.log_task(task_name, msg.round, sorted(sites), key)
                 rows = []
@@ -156,8 +166,6 @@ class InProcessFederation(Federation):
                     self.task_log.append((task_name, msg.round, s))
                     rows.append(Reply(s, dict(reply.metrics), {**reply.meta, "client_name": s}, reply.params))
                 replies[key] = rows
-        finally:
-            torch.set_num_threads(threads)
         return replies
 
 
