@@ -11,8 +11,8 @@ then are both the served and the global model scored on its test split.
 Each seed's plan runs ``fedmed plan`` (FLARE's simulator) into ``<out>/runs/seed<N>/_newcomer_plan`` (reused when
 its ``plan.json`` is there); the table (``newcomer_plan.md`` in the experiment folder, printed too) gives per seed and
 new site the served model, the validation evidence of each candidate (wins / losses against the global model over the
-site's validation images, the mean Brier-score gain the test judges, and the test's one-sided p-value, which the
-plan's rule compares with ``alpha`` over the number of candidates) and the test accuracy of the served model and of
+site's validation images, the mean Brier-score gain the test judges, and the one-sided p-value the plan recorded and
+compared with ``alpha`` over the number of candidates) and the test accuracy of the served model and of
 the global model, then mean ± std over seeds. The test split chooses nothing.
 """
 
@@ -63,8 +63,6 @@ def _scores(doc: dict, task: str) -> dict:
 
 
 def table(out: Path, seeds: list[int]) -> str:
-    from fedmed.algorithms.serving import Paired
-
     rows, served_acc, global_acc = [], [], []
     for seed in seeds:
         server = out / "runs" / f"seed{seed}" / "_newcomer_plan" / "server"
@@ -74,7 +72,7 @@ def table(out: Path, seeds: list[int]) -> str:
         for site, v in sorted(plan.items()):
             ev = "; ".join(f"{n}: {e['wins']} W / {e['losses']} L of {e['n']}"
                            + (f", mean Brier gain {e['sum_d'] / e['n']:+.3f}" if e.get("sum_d") is not None else "")
-                           + f", p = {Paired(**e).p_value():.3f}"
+                           + (f", p = {v['p'][n]:.3f}" if n in v.get("p", {}) else "")
                            if e else f"{n}: none sent"
                            for n, e in sorted((v.get("evidence") or {}).items()))
             rows.append(f"| {seed} | {site} | {v['served']} | {ev} | {100 * served[site]:.2f} | "
