@@ -4,6 +4,7 @@ settings and its result; a tracker that is not installed is one line before any 
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -172,7 +173,11 @@ def test_a_run_tracked_in_wandb_offline_has_every_sites_and_the_servers_rounds_i
     runs = {}
     for f in sorted((tmp_path / "out" / "wandb").glob("wandb/offline-run-*/run-*.wandb")):  # fedmed experiment: <out>/wandb
         recs = _wandb_records(f)
-        run = [r.run for r in recs if r.WhichOneof("record_type") == "run"][-1]  # the last update of the run (tags)
+        updates = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
+        log = f.parent / "logs" / "debug.log"  # a run that never reached run.finish() keeps only the file's header
+        assert updates, (f"{f.name}: {f.stat().st_size} bytes, {len(recs)} records, no run record; its debug.log "
+                         f"ends:\n" + "\n".join((log.read_text() if log.is_file() else "").splitlines()[-15:]))
+        run = updates[-1]  # the last update of the run (tags)
         config = {i.key: json.loads(i.value_json) for r in recs if r.WhichOneof("record_type") in ("run", "config")
                   for i in (r.run.config.update if r.WhichOneof("record_type") == "run" else r.config.update)}
         history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item} for r in recs
@@ -195,6 +200,52 @@ def test_a_run_tracked_in_wandb_offline_has_every_sites_and_the_servers_rounds_i
     result = json.loads((folder / "files" / "result.json").read_text())
     assert result["status"] == "finished" and result["final_round"] == 2
     assert str(tmp_path) not in json.dumps(config)
+
+
+def test_a_wandb_run_process_is_spawned_and_finishes_its_file_and_one_that_cannot_finish_is_named(tmp_path):
+    """The receiver's W&B runs run in spawned processes (FLARE's forks the server's multi-threaded process); a run's
+    records reach its offline file only at ``run.finish()``; ``finalize`` waits for every run together and names a
+    run it had to stop."""
+    pytest.importorskip("wandb", reason="W&B is an optional extra (pip install 'fedmed[wandb]')")
+    import multiprocessing
+
+    from nvflare.app_opt.tracking.wandb.wandb_receiver import WandBTask
+
+    from fedmed_flare.wandb_receiver import WandBReceiver, run_queue
+
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    for task, data, step in [("init", {"project": "p", "name": "site-1-run", "mode": "offline", "dir": str(tmp_path)},
+                              0), ("log", {"site-1/test/accuracy": 0.5}, 0), ("log", {"site-1/test/accuracy": 0.75}, 1),
+                             ("stop", {}, 0)]:
+        q.put(WandBTask(task_owner="site-1", task_type=task, task_data=data, step=step))
+    p = ctx.Process(target=run_queue, args=(q,))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0
+    (f,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    recs = _wandb_records(f)
+    assert [r.run.display_name for r in recs if r.WhichOneof("record_type") == "run"][-1] == "site-1-run"
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item} for r in recs
+               if r.WhichOneof("record_type") == "history"]
+    assert [(h["_step"], h["site-1/test/accuracy"]) for h in history] == [(0, 0.5), (1, 0.75)]  # the last step too
+
+    r = WandBReceiver(wandb_args={"project": "p", "name": "n"}, process_timeout=2.0, wandb_dir=str(tmp_path))
+    r.wandb_args["dir"] = str(tmp_path)
+    stuck, done = ctx.Queue(), ctx.Queue()
+    r.queues = {"site-2": stuck, "site-3": done}  # site-2's process never reads its queue, site-3's ends at once
+    r.processes = {"site-2": ctx.Process(target=time.sleep, args=(60,)), "site-3": ctx.Process(target=run_queue,
+                                                                                               args=(done,))}
+    for proc in r.processes.values():
+        proc.start()
+    errors = []
+    r.log_error = lambda fl_ctx, msg: errors.append(msg)
+    t0 = time.monotonic()
+    r.finalize(None)
+    assert time.monotonic() - t0 < 30
+    r.processes["site-2"].join(10)
+    assert not r.processes["site-2"].is_alive() and r.processes["site-3"].exitcode == 0
+    assert len(errors) == 1 and "W&B run of site-2 did not finish" in errors[0] and "incomplete" in errors[0]
 
 
 def test_a_tracker_that_is_not_installed_is_one_line_before_any_run(tmp_path, monkeypatch):
