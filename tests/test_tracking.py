@@ -238,6 +238,14 @@ def test_a_wandb_run_process_is_spawned_and_finishes_its_file_and_one_that_canno
                                                                                                args=(done,))}
     for proc in r.processes.values():
         proc.start()
+    # site-3's run loop is up before finalize: a spawned process imports wandb and FLARE first, which on a loaded
+    # 2-core machine outlasted the 2 s deadline (CI, stop 76). A task before any init is skipped by the loop;
+    # qsize counts what was put and not yet taken (Linux)
+    done.put(WandBTask(task_owner="site-3", task_type="log", task_data={"x": 0}, step=0))
+    t_ready = time.monotonic()
+    while done.qsize() and time.monotonic() - t_ready < 120:
+        time.sleep(0.1)
+    assert done.qsize() == 0, "site-3's W&B process never started reading its queue"
     errors = []
     r.log_error = lambda fl_ctx, msg: errors.append(msg)
     t0 = time.monotonic()
