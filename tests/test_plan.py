@@ -154,6 +154,55 @@ def test_fedmed_plan_runs_from_the_command_line_and_bad_input_is_one_line(runs, 
     assert "the run did not finish (status stopped: killed)" in capsys.readouterr().err
 
 
+def test_the_models_a_plan_job_stages_leave_no_copy_in_the_temp_folder_and_a_written_spec_keeps_its_own(
+        runs, tmp_path, capsys, monkeypatch):
+    """A plan (an onboarding job, a method's server file) copies the models it starts from into a temporary folder
+    for the job to carry; each job left one behind (268 MB in /tmp after a day's runs). A run removes its copies when
+    it ends; ``fedmed plan --spec`` writes them beside the spec, which then runs after the process that wrote it has
+    ended; a file the user gave is never removed."""
+    import tempfile
+
+    from fedmed.cli.main import main
+    from fedmed.run import jobspec
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    cfg, t = str(runs["cfg"]), runs["tmp"]
+    assert main(["plan", cfg, "--global", str(t / "FedAvg"), "--candidate", f"FMCL={t / 'FMCL'}", "--data",
+                 str(runs["data"]), "--out", str(tmp_path / "p"), "--in-process"]) == 0, capsys.readouterr()
+    assert list(tmp.glob("fedmed_*")) == []
+    from fedmed.run import experiment
+
+    def dies(spec, *a, **kw):  # fedmed experiment's runs (FLARE's simulator): a run that fails removes them too
+        assert Path(spec.server_files[-1][0]).is_dir()
+        raise experiment.RunError("failed", "killed")
+
+    monkeypatch.setattr(experiment, "run_job", dies)
+    with pytest.raises(experiment.RunError):
+        experiment.run_and_release(_spec(runs), runs["data"], tmp_path / "sim")
+    assert list(tmp.glob("fedmed_*")) == []
+    assert main(["plan", cfg, "--global", str(t / "FedAvg"), "--candidate", f"FMCL={t / 'FMCL'}", "--spec",
+                 str(tmp_path / "s.json")]) == 0
+    jobspec._remove_staged()  # what the process's exit does
+    spec = jobspec.JobSpec.from_file(tmp_path / "s.json")
+    (src, dest), = spec.server_files
+    assert dest == "plan" and Path(src).parent == (tmp_path / "s_files").resolve()
+    assert sorted(p.name for p in Path(src).rglob("*.pt")) == sorted(
+        ["global.pt"] + [f.name for f in (t / "FMCL" / "models").glob("cluster*.pt")])
+    assert (Path(src) / "global" / "global.pt").read_bytes() == (t / "FedAvg" / "models" / "global.pt").read_bytes()
+    spec.release()  # a spec read from a file names no folder of this process's: nothing is removed
+    assert Path(src).is_dir()
+    built = _spec(runs)
+    staged = Path(built.server_files[-1][0])
+    assert staged.parent == tmp and staged.is_dir()
+    mine = tmp_path / "init.pt"  # a file the user gave (model.init_weights, a checkpoint to resume from)
+    mine.write_bytes(b"x")
+    built.server_files.append([str(mine), "model_init"])
+    built.release()
+    assert not staged.exists() and mine.read_bytes() == b"x"
+
+
 def test_fedmed_experiment_runs_the_plan_after_a_seeds_methods_and_reuses_it(runs, tmp_path, monkeypatch):
     """``serving:`` in the config: the plan's job follows the seed's methods, its row (each site scored with the model
     it is served) joins the tables as "Serving plan", and ``--resume`` reuses it. (The jobs run in-process here; the

@@ -340,20 +340,24 @@ def cmd_plan(a):
             "test": a.test})
     except BuildError as e:
         raise ValueError(str(e)) from None
-    if a.spec:
-        print(f"wrote {spec.to_file(a.spec)} (run it: fedmed job run --spec {a.spec} --env prod|sim ...)")
+    if a.spec:  # the models it starts from beside it: it runs after this process has ended
+        print(f"wrote {spec.to_file(a.spec, self_contained=True)} (run it: fedmed job run --spec {a.spec} --env "
+              f"prod|sim ...)")
         return 0
     if not a.data:
         raise ValueError("--data: the federation's datalists folder (<site>.json) is needed to run the plan here")
     out = Path(a.out)
     if a.in_process:
-        status, fed = run_spec_in_process(spec, a.data, out)
+        try:
+            status, fed = run_spec_in_process(spec, a.data, out)
+        finally:
+            spec.release()
         doc, server = fed.recorder.doc, out
     else:
-        from fedmed.run.experiment import RunError, run_job
+        from fedmed.run.experiment import RunError, run_and_release
 
         try:
-            doc = run_job(spec, Path(a.data), out, len(spec.sites))
+            doc = run_and_release(spec, Path(a.data), out, len(spec.sites))
         except RunError as e:
             print(f"the plan did not finish: {e.status}: {e.reason}")
             return 1

@@ -47,7 +47,7 @@ from fedmed.report.record import missing_sentence
 from fedmed.report.summary import read_results, rows_from_metrics, sweep_stats, sweep_table, write_outputs  # noqa: F401 (re-exported)
 
 __all__ = ["ExperimentError", "PLAN_GLOBAL", "PLAN_METHOD", "REPO_ROOT", "RunError", "check_classes", "classes_override", "prepare_federation", "run_config_job", "run_dir", "run_experiment", "with_classes",
-           "run_fingerprint", "run_job", "run_job_in_process"]
+           "run_and_release", "run_fingerprint", "run_job", "run_job_in_process"]
 
 REPO_ROOT = project_root()  # app_configs/: the clone's or the installed package's (fedmed.core.resources)
 CLS_METRICS = ("accuracy", "macro_f1", "auc")
@@ -336,6 +336,15 @@ def run_job(spec, datalists: Path, work: Path, n_sites: int = 0, timeout: int = 
     return doc
 
 
+def run_and_release(spec, *args, **kwargs) -> dict:
+    """:func:`run_job` for a spec built for this one run: the folders it staged the server's files in (copies of
+    models) are removed after it, whatever the run's end (:meth:`fedmed.run.jobspec.JobSpec.release`)."""
+    try:
+        return run_job(spec, *args, **kwargs)
+    finally:
+        spec.release()
+
+
 def run_job_in_process(spec, datalists: Path, work: Path, *, log=print) -> dict:
     """:func:`run_job`'s contract (the server's ``fedmed/`` output in ``work/server``, ``work/metrics.json``, a line
     per round, :class:`RunError` when the run stopped or failed) with the job run in this process by
@@ -394,7 +403,7 @@ def run_config_job(config, overrides: list[str], method: str, seed: int, datalis
                         resume_from=_stage_resume(resume_from, Path(work)), onboard=onboard)
     except BuildError as e:
         raise RunError("failed", f"the job could not be built: {e}") from None
-    return run_job(spec, datalists, Path(work), n_sites, timeout, log=log)
+    return run_and_release(spec, datalists, Path(work), n_sites, timeout, log=log)
 
 
 def _stage_resume(resume_from: Path | None, work: Path) -> Path | None:
@@ -737,9 +746,8 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
             log(f"[{k}/{total}] seed {seed} {m.name} ({m.workflow}, {exp.train.rounds} rounds) ...")
             try:
                 staged = _stage_resume(resume_from, work)
-                doc = run_job(job_spec(exp_s, m, seed, resume_from=staged, files_checked=True), data_dir, work,
-                              len(meta["sites"]),
-                              log=log)
+                doc = run_and_release(job_spec(exp_s, m, seed, resume_from=staged, files_checked=True), data_dir,
+                                      work, len(meta["sites"]), log=log)
             except BuildError as e:
                 raise ExperimentError(f"seed {seed} {m.name}: the job could not be built: {e}") from None
             except RunError as e:
@@ -833,8 +841,8 @@ def _serving_plan(exp, seed, data_dir, out, meta, log, resume, problems, chosen)
         f"{', '.join(sv.candidates + (['fine-tuned at each site'] if sv.finetune else []))} ...")
     (work / "run.json").unlink(missing_ok=True)
     try:
-        doc = run_job(job_spec(exp, by_name[sv.reference], seed, plan=plan, files_checked=True), data_dir, work,
-                      len(meta["sites"]), log=log)
+        doc = run_and_release(job_spec(exp, by_name[sv.reference], seed, plan=plan, files_checked=True), data_dir,
+                              work, len(meta["sites"]), log=log)
     except BuildError as e:
         raise ExperimentError(f"seed {seed} serving plan: the job could not be built: {e}") from None
     except RunError as e:
@@ -995,7 +1003,8 @@ def _reference_rows(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[
                            "holdout_sources": [], "holdout_sites": {}}, "methods": [iid.model_dump()]})
         log(f"[seed {seed}] reference: FedAvg on an IID federation ...")
         try:
-            doc = run_job(job_spec(exp_ref, exp_ref.methods[0], seed), iid_dir, work / "iid_fedavg", len(sites), log=log)
+            doc = run_and_release(job_spec(exp_ref, exp_ref.methods[0], seed), iid_dir, work / "iid_fedavg", len(sites),
+                                  log=log)
             rr = rows_from_metrics("FedAvg (IID federation)", seed, doc, kind="reference")
             rows += rr
             log(f"    FedAvg (IID): final test accuracy {_pct(rr[-1].get('accuracy'))} (site mean)")
@@ -1030,8 +1039,8 @@ def _unseen(exp, m, seed, data_dir, work, doc, meta, log) -> list[dict]:
             "require_clusters": False,  # every cluster model scored as a reference; a method without clusters: global
             "min_cluster_images": getattr(m, "min_cluster_images", 0) or 0,
             "global_result": _fallback_run(exp, seed, work.parent.parent.parent) if type(m).clustered else None}
-    tdoc = run_job(job_spec(exp, m, seed, sites=meta["unseen_sites"], onboard=test), data_dir, work / "test_phase",
-                   len(meta["unseen_sites"]), log=lambda *_: None)
+    tdoc = run_and_release(job_spec(exp, m, seed, sites=meta["unseen_sites"], onboard=test), data_dir,
+                           work / "test_phase", len(meta["unseen_sites"]), log=lambda *_: None)
     rows = []
     for r in tdoc["rounds"]:
         phase = {"test_phase": "test phase", "known_association": "known assoc.", "ensemble": "ensemble"}.get(

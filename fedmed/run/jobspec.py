@@ -10,6 +10,7 @@ is parsed a second time. Every problem is a :class:`BuildError` of one line nami
 
 from __future__ import annotations
 
+import atexit
 import json
 import shutil
 import tempfile
@@ -42,11 +43,31 @@ class JobSpec:
     simulation: dict = field(default_factory=dict)  # for simulated sites that are the experimenter's own: k_min, weights
     tracking: dict = field(default_factory=dict)  # the server's receivers (fedmed.config.TrackingConfig); {}: TensorBoard
 
-    def to_file(self, path) -> Path:
+    def to_file(self, path, *, self_contained: bool = False) -> Path:
+        """Write the spec as JSON. ``self_contained``: the files this process staged for the server (copies of
+        models; :meth:`release` and the process's exit remove them) are copied to ``<name>_files/`` beside the spec
+        and the spec names those, so that it still runs after this process has ended (``fedmed plan --spec``)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=1))
+        doc = asdict(self)
+        if self_contained:
+            keep = path.parent / f"{path.stem}_files"
+            shutil.rmtree(keep, ignore_errors=True)
+            for i, entry in enumerate(doc["server_files"]):
+                if entry[0] in _STAGED:
+                    shutil.copytree(entry[0], keep / str(i))
+                    entry[0] = str((keep / str(i)).resolve())
+        path.write_text(json.dumps(doc, indent=1))
         return path
+
+    def release(self) -> None:
+        """Remove the folders this process staged the server's files in (copies of models a plan, an onboarding job
+        or a method's server file starts from) once the job has run or been exported: a job carries its own copies.
+        A file the user gave (``model.init_weights``, a checkpoint to resume from) is never touched."""
+        for src, _ in self.server_files:
+            if src in _STAGED:
+                shutil.rmtree(src, ignore_errors=True)
+                _STAGED.discard(src)
 
     @classmethod
     def from_file(cls, path) -> "JobSpec":
@@ -57,6 +78,26 @@ class JobSpec:
             return cls(**json.loads(path.read_text()))
         except (ValueError, TypeError) as e:
             raise BuildError(f"{path}: not a fedmed job spec ({e})") from None
+
+
+_STAGED: set[str] = set()  # folders this process staged server files in: JobSpec.release, else at the process's exit
+
+
+def _remove_staged() -> None:
+    for d in list(_STAGED):
+        shutil.rmtree(d, ignore_errors=True)
+        _STAGED.discard(d)
+
+
+def _staging_dir(prefix: str) -> Path:
+    """A temporary folder for files the server's app will carry (they are copied into the job when it is exported
+    or run); removed by :meth:`JobSpec.release` or when this process exits, never left in the temp folder."""
+    if not _STAGED:
+        atexit.unregister(_remove_staged)
+        atexit.register(_remove_staged)
+    d = Path(tempfile.mkdtemp(prefix=prefix))
+    _STAGED.add(str(d))
+    return d
 
 
 def job_name(exp, method, seed: int, suffix: str = "") -> str:
@@ -179,7 +220,7 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
         check_method_files(exp, method)
     weights = method.site_weights
     for src, dest, filename in method.server_files():  # a file the server starts from: copied into the job
-        init_dir = Path(tempfile.mkdtemp(prefix="fedmed_init_"))
+        init_dir = _staging_dir("fedmed_init_")
         shutil.copy(src, init_dir / filename)
         server_files.append([str(init_dir), dest])
     fed = exp.federation
@@ -223,7 +264,7 @@ def _onboarding_spec(exp, method, seed, cfg, names, onboard, server_files, name,
     if not onboard.get("labels", True) and server_workflow(server_workflow_path(cls)).onboard_needs_labels:
         raise BuildError(f"method {method.name!r}: CFL sends a new site down its tree by the site's training updates, "
                          f"which need labels; --no-labels serves FMCL, PACFL, IFCA (pseudo-labels), FECFL, Flux, 004_")
-    tmp = Path(tempfile.mkdtemp(prefix="fedmed_training_"))
+    tmp = _staging_dir("fedmed_training_")
     for f in training_files(folder):
         shutil.copy(f, tmp / f.name)
     if onboard.get("global_result"):  # served instead of a cluster that cannot serve (Onboard.guard)
@@ -280,7 +321,7 @@ def _plan_spec(exp, method, seed, cfg, plan, server_files, name, common) -> JobS
     if not ref.is_file():
         raise BuildError(f"--global: {plan['global']}: the run saved no global model (models/global.pt): the "
                          f"reference is a FedAvg-family run's")
-    tmp = Path(tempfile.mkdtemp(prefix="fedmed_plan_"))
+    tmp = _staging_dir("fedmed_plan_")
     (tmp / REFERENCE).mkdir()
     shutil.copy(ref, tmp / REFERENCE / "global.pt")
     for cand, path in dict(plan.get("candidates") or {}).items():
