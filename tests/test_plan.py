@@ -196,6 +196,12 @@ def test_the_models_a_plan_job_stages_leave_no_copy_in_the_temp_folder_and_a_wri
     built = _spec(runs)
     staged = Path(built.server_files[-1][0])
     assert staged.parent == tmp and staged.is_dir()
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=jobspec._remove_staged)  # a forked child's exit
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0 and staged.is_dir()  # ... removes none of its parent's folders
     mine = tmp_path / "init.pt"  # a file the user gave (model.init_weights, a checkpoint to resume from)
     mine.write_bytes(b"x")
     built.server_files.append([str(mine), "model_init"])

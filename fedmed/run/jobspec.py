@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -52,9 +53,9 @@ class JobSpec:
         doc = asdict(self)
         if self_contained:
             keep = path.parent / f"{path.stem}_files"
-            shutil.rmtree(keep, ignore_errors=True)
             for i, entry in enumerate(doc["server_files"]):
                 if entry[0] in _STAGED:
+                    shutil.rmtree(keep / str(i), ignore_errors=True)  # this spec's own, written before
                     shutil.copytree(entry[0], keep / str(i))
                     entry[0] = str((keep / str(i)).resolve())
         path.write_text(json.dumps(doc, indent=1))
@@ -65,9 +66,9 @@ class JobSpec:
         or a method's server file starts from) once the job has run or been exported: a job carries its own copies.
         A file the user gave (``model.init_weights``, a checkpoint to resume from) is never touched."""
         for src, _ in self.server_files:
-            if src in _STAGED:
+            if _STAGED.get(src) == os.getpid():
                 shutil.rmtree(src, ignore_errors=True)
-                _STAGED.discard(src)
+                del _STAGED[src]
 
     @classmethod
     def from_file(cls, path) -> "JobSpec":
@@ -80,13 +81,16 @@ class JobSpec:
             raise BuildError(f"{path}: not a fedmed job spec ({e})") from None
 
 
-_STAGED: set[str] = set()  # folders this process staged server files in: JobSpec.release, else at the process's exit
+_STAGED: dict[str, int] = {}  # folder -> the process that staged server files in it (JobSpec.release, else at exit)
 
 
 def _remove_staged() -> None:
-    for d in list(_STAGED):
-        shutil.rmtree(d, ignore_errors=True)
-        _STAGED.discard(d)
+    """At the process's exit: remove the folders it staged (a child forked from it that exits normally removes none of
+    its parent's)."""
+    for d, pid in list(_STAGED.items()):
+        if pid == os.getpid():
+            shutil.rmtree(d, ignore_errors=True)
+            del _STAGED[d]
 
 
 def _staging_dir(prefix: str) -> Path:
@@ -96,7 +100,7 @@ def _staging_dir(prefix: str) -> Path:
         atexit.unregister(_remove_staged)
         atexit.register(_remove_staged)
     d = Path(tempfile.mkdtemp(prefix=prefix))
-    _STAGED.add(str(d))
+    _STAGED[str(d)] = os.getpid()
     return d
 
 
