@@ -531,7 +531,8 @@ def register(sub):
     pl.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
     pl.add_argument("--out", default="results/plan", help="output folder")
     pl.add_argument("--in-process", action="store_true", help="run it in this process instead of FLARE's simulator")
-    pl.add_argument("--spec", help="write the job spec here and run nothing (fedmed job run --spec FILE --env prod)")
+    pl.add_argument("--spec", help="write the job spec here, the models it starts from beside it (<name>_files/), "
+                                   "and run nothing (fedmed job run --spec FILE --env prod)")
     pl.set_defaults(func=cmd_plan)
     register_assess(sub)
     return sys.modules[__name__]
