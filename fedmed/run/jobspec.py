@@ -93,12 +93,12 @@ def _remove_staged() -> None:
             del _STAGED[d]
 
 
+atexit.register(_remove_staged)
+
+
 def _staging_dir(prefix: str) -> Path:
     """A temporary folder for files the server's app will carry (they are copied into the job when it is exported
     or run); removed by :meth:`JobSpec.release` or when this process exits, never left in the temp folder."""
-    if not _STAGED:
-        atexit.unregister(_remove_staged)
-        atexit.register(_remove_staged)
     d = Path(tempfile.mkdtemp(prefix=prefix))
     _STAGED[str(d)] = os.getpid()
     return d
