@@ -22,10 +22,10 @@ demo: $(STAMP)
 
 # two workers, one file to each at a time (a file's tests keep their order and share its fixtures)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile -m "not slow"
+	$(BIN)/python -m pytest -q -ra -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_server_math.py

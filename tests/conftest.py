@@ -18,17 +18,34 @@ def shared_path(*parts) -> Path:
 
 def pytest_configure(config):
     """Sites cache decoded data (fedmed.site.cache); the suite's sites share one cache folder of the suite's own, so
-    that its many small federations of the same data decode it once (jobs started by tests inherit it)."""
+    that its many small federations of the same data decode it once (jobs started by tests and xdist's workers
+    inherit it). The process that made the folder removes it when the session ends (it held ~50 MB after a suite);
+    a folder given in FEDMED_CACHE_DIR is the user's and stays."""
     import tempfile
 
-    os.environ.setdefault("FEDMED_CACHE_DIR", tempfile.mkdtemp(prefix="fedmed_test_cache_"))
+    if not os.environ.get("FEDMED_CACHE_DIR"):
+        os.environ["FEDMED_CACHE_DIR"] = config._fedmed_cache_made = tempfile.mkdtemp(prefix="fedmed_test_cache_")
 
 
-# The files with the longest tests, longest first. ``make test`` runs the suite on two workers, a file to a worker
-# (``pytest -n 2 --dist loadfile``); a worker takes the next file when it is free, so a long file collected last
-# would run alone at the end (test_readme's ``make demo``, about 5 minutes, did). Only the order changes.
-LONG_FILES = ("test_readme.py", "test_deployment.py", "test_networks.py", "test_jobs_e2e.py", "test_bundle.py",
-              "test_jobs.py", "test_encoders.py")
+def pytest_unconfigure(config):
+    import shutil
+
+    made = getattr(config, "_fedmed_cache_made", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+        if os.environ.get("FEDMED_CACHE_DIR") == made:
+            del os.environ["FEDMED_CACHE_DIR"]
+
+
+# The files with the longest tests, longest first (their summed durations in a `make test` run, 2026-12-02: readme
+# 282 s, deployment 200, jobs_e2e 191, networks 182, bundle 114, jobs 87, encoders 82, tracking 59, onboard 55, plan
+# 34; every other file under 30 s). ``make test`` runs the suite on two workers, a file to a worker (``pytest -n 2
+# --dist loadfile``); a worker takes the next file when it is free, so a long file collected last would run alone at
+# the end (test_readme's ``make demo``, about 5 minutes, did). Only the order changes. xdist (3.x) reorders the files
+# by their number of tests unless told ``--no-loadscope-reorder``, which ``make test`` says: under xdist's order the
+# few-test long files ran last (simulated from the durations above: 845 s against 785 s in this order).
+LONG_FILES = ("test_readme.py", "test_deployment.py", "test_jobs_e2e.py", "test_networks.py", "test_bundle.py",
+              "test_jobs.py", "test_encoders.py", "test_tracking.py", "test_onboard.py", "test_plan.py")
 
 
 def pytest_collection_modifyitems(config, items):
