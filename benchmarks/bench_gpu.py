@@ -22,7 +22,9 @@ nothing (unless ``--device cpu`` is given): docs/results.md never reports a GPU 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -299,6 +301,7 @@ def main(argv=None) -> int:
     if a.deterministic:  # cuDNN's deterministic algorithms only: the site by its train.deterministic, the loop here
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     tmp = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
+    atexit.register(shutil.rmtree, tmp, True)  # the benchmark's datalists: removed when the process ends
     root, n_classes = federation(a.n, tmp, a.data)
     model_cfg = {"arch": a.arch, "width": 16, "norm": "batch"}
     cfg = {"seed": 0, "data": {"image_size": a.image_size, "channels": 1, "n_classes": n_classes},

@@ -1,5 +1,6 @@
 """fedmed.core.device: the device and precision plumbing, on the CPU (the GPU benchmark is benchmarks/bench_gpu.py)."""
 
+import os
 import subprocess
 import sys
 
@@ -139,10 +140,13 @@ def test_the_gpu_benchmark_compares_the_same_training_and_says_when_there_is_no_
     from test_jobs import ROOT
 
     out = tmp_path / "r.json"
+    temp = tmp_path / "temp"  # the process's temp folder: the benchmark's datalists leave nothing in it
+    temp.mkdir()
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--device", "cpu", "--arch",
                           "resnet9", "--image-size", "16", "--n", "32", "--pairs", "1", "--json", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(temp)})
     assert res.returncode == 0, res.stderr[-2000:]
+    assert not [p.name for p in temp.iterdir() if p.name.startswith("bench_gpu_")]
     assert "largest weight difference after one round: 0" in res.stdout and "give the same result" in res.stdout
     import json
 
