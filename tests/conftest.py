@@ -30,18 +30,15 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     import shutil
 
-    made = getattr(config, "_fedmed_cache_made", None)
-    if made:
+    if made := getattr(config, "_fedmed_cache_made", None):
         shutil.rmtree(made, ignore_errors=True)
-        if os.environ.get("FEDMED_CACHE_DIR") == made:
-            del os.environ["FEDMED_CACHE_DIR"]
 
 
 # The files with the longest tests, longest first (their summed durations in a `make test` run, 2026-12-02: readme
 # 282 s, deployment 200, jobs_e2e 191, networks 182, bundle 114, jobs 87, encoders 82, tracking 59, onboard 55, plan
 # 34; every other file under 30 s). ``make test`` runs the suite on two workers, a file to a worker (``pytest -n 2
 # --dist loadfile``); a worker takes the next file when it is free, so a long file collected last would run alone at
-# the end (test_readme's ``make demo``, about 5 minutes, did). Only the order changes. xdist (3.x) reorders the files
+# the end (test_readme's ``make demo``, about 5 minutes, did). Only the order changes. xdist (3.6+) reorders the files
 # by their number of tests unless told ``--no-loadscope-reorder``, which ``make test`` says: under xdist's order the
 # few-test long files ran last (simulated from the durations above: 845 s against 785 s in this order).
 LONG_FILES = ("test_readme.py", "test_deployment.py", "test_jobs_e2e.py", "test_networks.py", "test_bundle.py",
