@@ -57,6 +57,11 @@ NOT_HERE = {
     ".venv/bin/fedmed experiment app_configs/breast_us_lite0_e4.yaml --set model.init_weights=$W":
         "the natural federation's 17 sites x 12 rounds x 4 local epochs x 3 seeds from the ImageNet release (about 75 "
         "minutes on 2 cores); test_config.py validates the config, test_transfer.py reports a run by its selection",
+    ".venv/bin/fedmed experiment app_configs/breast_us_lite0_e8_val30.yaml --set model.init_weights=$W":
+        "the natural federation's 17 sites x 12 rounds x 8 local epochs x 3 seeds from the ImageNet release, 30% of "
+        "each site's images for validation (35-37 minutes a seed with two runs sharing 2 cores); test_config.py "
+        "validates the config and finds its data; its selection is breast_us_lite0_e4.yaml's, by which "
+        "test_transfer.py reports a run",
     ".venv/bin/fedmed experiment app_configs/brats_1mm.yaml":
         "hours of 3D training on 2 cores; its jobs are built and validated in test_schema.py (every shipped config)",
 }
