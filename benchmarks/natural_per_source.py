@@ -35,6 +35,27 @@ def balanced_accuracy(conf: np.ndarray) -> float | None:
     return float(np.mean(np.diag(conf)[present] / rows[present])) if present.any() else None
 
 
+def source_metrics(site_records: dict, groups: dict) -> dict:
+    """Per source, from the sites' records as they sent them (``{site: {"confusion", "auc", "withheld"}}``) and
+    ``groups`` (site -> source): ``{source: {"bacc": balanced accuracy of its sites' pooled confusion matrices,
+    "auc": the mean of its sites' AUCs}}``, each left out where it cannot be read (a site withheld a class row of fewer
+    than k_min images, a class absent from the pooled test images, no AUC)."""
+    out: dict = {}
+    for src in dict.fromkeys(groups.values()):
+        sites = [s for s, g in groups.items() if g == src and s in site_records]
+        got = out.setdefault(src, {})
+        confs = [np.asarray(site_records[s]["confusion"]) for s in sites if site_records[s].get("confusion")]
+        withheld = any(site_records[s].get("withheld") for s in sites)  # rows below k_min, zeroed at the site
+        if confs and not withheld:
+            b = balanced_accuracy(sum(confs))
+            if b is not None and (sum(confs).sum(axis=1) > 0).all():
+                got["bacc"] = b
+        aucs = [site_records[s]["auc"] for s in sites if site_records[s].get("auc") is not None]
+        if aucs:
+            got["auc"] = float(np.mean(aucs))
+    return out
+
+
 def paired_cell(values: dict, reference: dict) -> str:
     """``values`` minus ``reference`` (each ``{seed: value}``, in fractions) over the seeds both have, in points: mean
     ± std (population std over seeds, as every table), bold when the mean's size exceeds the std (beyond the spread);
@@ -109,20 +130,12 @@ def main(argv=None) -> int:
             continue
         if rnd is None:
             continue
-        for src in dict.fromkeys(groups.values()):
+        for src, got in source_metrics(rnd["sites"], groups).items():
             if src not in sources:
                 sources.append(src)
-            sites = [s for s, g in groups.items() if g == src and s in rnd["sites"]]
-            confs = [np.asarray(rnd["sites"][s]["confusion"]) for s in sites if rnd["sites"][s].get("confusion")]
             c = cells.setdefault((method, src), {"bacc": {}, "auc": {}})
-            withheld = any(rnd["sites"][s].get("withheld") for s in sites)  # rows below k_min, zeroed at the site
-            if confs and not withheld:
-                b = balanced_accuracy(sum(confs))
-                if b is not None and (sum(confs).sum(axis=1) > 0).all():
-                    c["bacc"][seed] = b
-            aucs = [rnd["sites"][s]["auc"] for s in sites if rnd["sites"][s].get("auc") is not None]
-            if aucs:
-                c["auc"][seed] = float(np.mean(aucs))
+            for k, v in got.items():
+                c[k][seed] = v
 
     def fmt(v):
         v = list((v or {}).values())

@@ -325,3 +325,66 @@ def test_the_alone_reference_is_for_classification(tmp_path):
                              "references": ["alone"]}))
     with pytest.raises(ConfigError, match="'alone' is a classification reference"):
         load_config(p)
+
+
+def test_the_reference_benchmark_makes_each_source_alone_on_an_experiments_splits_and_prints_it_per_source(
+        tmp_path, monkeypatch, capsys):
+    """benchmarks/central_reference.py --alone: each source alone on a finished experiment's splits (data/seed<N>),
+    the rows fedmed.run.references.alone_rows gives there, stored under alone_reference/<R>x<E>/ and read back without
+    training again, and printed per source as benchmarks/natural_per_source.py reads a method: on opposed scanners a
+    model per source fits both (100 % balanced accuracy), which the centralized model cannot."""
+    import importlib.util
+
+    from fedmed.run.experiment import with_classes
+    from fedmed.run.references import alone_rows
+
+    index = _opposed_index(tmp_path)
+    cfg = {"name": "alone", "dataset": {"sources": [{"path": str(index)}], "classes": ["benign", "malignant"],
+                                        "image_size": 8},
+           "federation": {"partition": "natural", "split_sources": {"scannerA": 2}, "test_fraction": 0.5,
+                          "val_fraction": 0.0},
+           "model": {"arch": "resnet9", "width": 4, "norm": "group"},
+           "train": {"rounds": 2, "local_epochs": 5, "batch_size": 4, "optimizer": "adam", "lr": 0.01},
+           "privacy": {"k_min": 1, "accept_k_min_below_2": True}, "seeds": [0]}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    exp = load_config(tmp_path / "cfg.json")
+    run = tmp_path / "run"
+    fed = prepare_federation(exp, 0, run / "data" / "seed0")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "central_reference.py"
+    spec = importlib.util.spec_from_file_location("central_reference", path)
+    cr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cr)
+    assert cr.main([str(run), "--config", str(tmp_path / "cfg.json"), "--selection", "final", "--alone"]) == 0
+    printed = capsys.readouterr().out
+    stored = run / "alone_reference" / "2x5" / "seed0.json"
+    rows = json.loads(stored.read_text())
+    meta = json.loads((fed / "dataset.json").read_text())
+    want = alone_rows(with_classes(exp, fed), fed, meta["sites"], 0, meta["groups"], log=lambda *_: None)
+    assert [r["method"] for r in rows] == ["Each source alone"] * 3 and [r["round"] for r in rows] == [0, 1, 2]
+    assert [r["pooled_accuracy"] for r in rows] == pytest.approx([r["pooled_accuracy"] for r in want], abs=1e-12)
+    assert rows[-1]["sites"] == json.loads(json.dumps(want[-1]["sites"]))
+    assert not (run / "central_reference").exists()
+    table = [line for line in printed.splitlines() if line.startswith("| Each source alone |")]
+    assert len(table) == 1, printed
+    assert "scannerA: bal. acc | scannerA: AUC | scannerB: bal. acc | scannerB: AUC" in printed
+    assert table[0].split(" | ")[1] == "100.0 ± 0.0" and table[0].split(" | ")[3] == "100.0 ± 0.0", table[0]
+    import fedmed.run.references as R
+
+    monkeypatch.setattr(R, "alone_rows", lambda *a, **k: pytest.fail("trained again"))
+    assert cr.seed_rows(run, 0, tmp_path / "cfg.json", [], alone=True) == rows
+
+
+def test_a_source_whose_site_withheld_a_class_row_has_no_balanced_accuracy():
+    """natural_per_source.source_metrics: a source's balanced accuracy comes from its sites' pooled confusion matrices
+    and is left out when one of them withheld a class row below k_min (it would be read off the rows that were sent);
+    its AUC is the mean of its sites' AUCs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from natural_per_source import source_metrics
+
+    groups = {"a-1": "a", "a-2": "a", "b-1": "b"}
+    recs = {"a-1": {"confusion": [[3, 1], [0, 4]], "auc": 0.9, "withheld": 0},
+            "a-2": {"confusion": [[2, 0], [2, 2]], "auc": 0.7, "withheld": 0},
+            "b-1": {"confusion": [[5, 0], [0, 0]], "auc": None, "withheld": 2}}
+    got = source_metrics(recs, groups)
+    assert got["a"]["bacc"] == pytest.approx((5 / 6 + 6 / 8) / 2) and got["a"]["auc"] == pytest.approx(0.8)
+    assert got["b"] == {}
