@@ -257,6 +257,17 @@ def _opposed_index(tmp_path):
     return f
 
 
+def _opposed_config(index, test_fraction: float, rounds: int, **extra) -> dict:
+    """A natural federation of :func:`_opposed_index` (scannerA in two sites), a small group-norm ResNet-9."""
+    return {"name": "alone", "dataset": {"sources": [{"path": str(index)}], "classes": ["benign", "malignant"],
+                                         "image_size": 8},
+            "federation": {"partition": "natural", "split_sources": {"scannerA": 2}, "test_fraction": test_fraction,
+                           "val_fraction": 0.0},
+            "model": {"arch": "resnet9", "width": 4, "norm": "group"},
+            "train": {"rounds": rounds, "local_epochs": 5, "batch_size": 4, "optimizer": "adam", "lr": 0.01},
+            "seeds": [0], **extra}
+
+
 def test_each_source_alone_trains_a_model_per_source_and_scores_each_site_with_its_own(tmp_path):
     """references: [alone] on a natural federation: one model per source (scannerA's two sites pooled), each site scored
     with its source's model. Where the sources mean opposite things by the same image, each source alone fits every
@@ -265,13 +276,7 @@ def test_each_source_alone_trains_a_model_per_source_and_scores_each_site_with_i
     from fedmed.run.experiment import with_classes
 
     index = _opposed_index(tmp_path)
-    cfg = {"name": "alone", "dataset": {"sources": [{"path": str(index)}], "classes": ["benign", "malignant"],
-                                        "image_size": 8},
-           "federation": {"partition": "natural", "split_sources": {"scannerA": 2}, "test_fraction": 0.25,
-                          "val_fraction": 0.0},
-           "model": {"arch": "resnet9", "width": 4, "norm": "group"},
-           "train": {"rounds": 4, "local_epochs": 5, "batch_size": 4, "optimizer": "adam", "lr": 0.01},
-           "references": ["alone", "centralized"], "seeds": [0]}
+    cfg = _opposed_config(index, test_fraction=0.25, rounds=4, references=["alone", "centralized"])
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     exp = load_config(tmp_path / "cfg.json")
     fed = prepare_federation(exp, 0, tmp_path / "fed")
@@ -339,13 +344,8 @@ def test_the_reference_benchmark_makes_each_source_alone_on_an_experiments_split
     from fedmed.run.references import alone_rows
 
     index = _opposed_index(tmp_path)
-    cfg = {"name": "alone", "dataset": {"sources": [{"path": str(index)}], "classes": ["benign", "malignant"],
-                                        "image_size": 8},
-           "federation": {"partition": "natural", "split_sources": {"scannerA": 2}, "test_fraction": 0.5,
-                          "val_fraction": 0.0},
-           "model": {"arch": "resnet9", "width": 4, "norm": "group"},
-           "train": {"rounds": 2, "local_epochs": 5, "batch_size": 4, "optimizer": "adam", "lr": 0.01},
-           "privacy": {"k_min": 1, "accept_k_min_below_2": True}, "seeds": [0]}
+    cfg = _opposed_config(index, test_fraction=0.5, rounds=2,
+                          privacy={"k_min": 1, "accept_k_min_below_2": True})
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     exp = load_config(tmp_path / "cfg.json")
     run = tmp_path / "run"
