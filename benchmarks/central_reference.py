@@ -28,6 +28,11 @@ import json
 from pathlib import Path
 
 
+def _log(line: str) -> None:
+    """Progress lines as they come, also when the output goes to a file (print alone buffers it to the end)."""
+    print(line, flush=True)
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,9 +52,9 @@ def seed_rows(run: Path, seed: int, config: Path, sets: list[str], alone: bool =
     exp = exp.model_copy(update={"dataset": exp.dataset.model_copy(update={"classes": meta["class_names"]})})
     if alone:  # as fedmed.run.experiment._reference_rows calls it
         sources = meta.get("groups") if meta.get("partition") == "natural" else None
-        rows = alone_rows(exp, data, meta["sites"], seed, sources)
+        rows = alone_rows(exp, data, meta["sites"], seed, sources, log=_log)
     else:
-        rows = centralized_rows(exp, data, meta["sites"], seed)
+        rows = centralized_rows(exp, data, meta["sites"], seed, log=_log)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, default=float))
     return rows
