@@ -88,6 +88,16 @@ def table(out: Path, seeds: list[int]) -> str:
     return head + "\n".join(rows) + "\n" + tail
 
 
+def plan_seeds(config, overrides: list[str], seeds: list[int] | None) -> list[int]:
+    """The seeds to plan: those given, else the experiment's own (its config's ``seeds`` after its overrides), as
+    ``fedmed experiment`` ran them."""
+    if seeds:
+        return list(seeds)
+    from fedmed.config import load_config
+
+    return list(load_config(config, overrides).seeds)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", help="the onboarding experiment's output folder")
@@ -95,14 +105,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reference", default="FedAvg", help="the method whose global model is the reference")
     ap.add_argument("--candidates", nargs="+", default=[], help="methods whose assigned model (test_phase) is offered")
     ap.add_argument("--finetune", action="store_true", help="also offer the global model fine-tuned at the new site")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--seeds", type=int, nargs="+", help="the seeds to plan (default: the config's, after --set)")
     ap.add_argument("--set", action="append", default=[], help="the experiment's config overrides, as given to it")
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
-    for seed in a.seeds:
+    seeds = plan_seeds(a.config, a.set, a.seeds)
+    for seed in seeds:
         plan_seed(out, a.config, seed, a.reference, a.candidates, a.finetune, a.set)
     text = ("Produced by: `python benchmarks/newcomer_plan.py " + " ".join(sys.argv[1:] if argv is None else argv)
-            + "`\n\n" + table(out, a.seeds))
+            + "`\n\n" + table(out, seeds))
     (out / "newcomer_plan.md").write_text(text)
     print(text)
     return 0

@@ -393,3 +393,18 @@ def test_a_fedbn_run_whose_sites_kept_no_layers_is_refused_as_a_candidate(runs, 
     with pytest.raises(BuildError, match="--candidate FedBN: .*a FedBN run made before its sites kept their own"):
         job_spec(runs["exp"], runs["exp"].methods[0], 0,
                  plan={"global": runs["tmp"] / "FedAvg", "candidates": {"FedBN": old}})
+
+
+def test_newcomer_plan_plans_the_experiments_own_seeds_unless_told(tmp_path):
+    """benchmarks/newcomer_plan.py without --seeds plans the seeds the experiment ran (its config's, after the same
+    --set overrides), not a fixed list: an experiment of seeds 11-13 has no seed 0 to plan."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from newcomer_plan import plan_seeds
+
+    cfg = tmp_path / "onboard.yaml"
+    cfg.write_text(yaml.safe_dump({**RAW, "seeds": [11, 12, 13]}))
+    assert plan_seeds(cfg, [], None) == [11, 12, 13]
+    assert plan_seeds(cfg, ["seeds=[4]"], None) == [4]
+    assert plan_seeds(cfg, [], [2, 3]) == [2, 3]
