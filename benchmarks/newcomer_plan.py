@@ -56,35 +56,89 @@ def plan_seed(out: Path, config: str, seed: int, reference: str, candidates: lis
 
 
 def _scores(doc: dict, task: str) -> dict:
+    """A plan's or an onboarding job's per-site test record of one task: site -> its entry (accuracy, auc, n_test)."""
     for r in doc.get("rounds", []):
         if r.get("task") == task:
-            return {s: v.get("accuracy") for s, v in r.get("sites", {}).items()}
+            return dict(r.get("sites", {}))
     return {}
 
 
-def table(out: Path, seeds: list[int]) -> str:
-    rows, served_acc, global_acc = [], [], []
+def _pct(e: dict, key: str) -> str:
+    v = e.get(key)
+    return "—" if v is None or v != v else f"{100 * v:.2f}"
+
+
+def _mean_std(name: str, x: list) -> str:
+    a = 100 * np.asarray(x, dtype=float)
+    return f"{name} {a.mean():.2f} ± {a.std():.2f}"
+
+
+def _paired(name: str, a: list, b: list) -> str:
+    d = 100 * (np.asarray(a, dtype=float) - np.asarray(b, dtype=float))
+    return f"{name} {d.mean():+.2f} ± {d.std():.2f} (" + ", ".join(f"{v:+.2f}" for v in d) + ")"
+
+
+def table(out: Path, seeds: list[int], candidates: list[str] = ()) -> str:
+    """The plan's table: per seed and new site what was served, its validation evidence, and — read after the plans —
+    the served and the global model's test accuracy and AUC, and each candidate method's onboarding assignment scored
+    on the site (``<run>/test_phase``; its image count beside it: a label-free assignment is scored on all the site's
+    images, the others on its test split). Mean ± std over the (seed, site) pairs after it, and the paired differences
+    against the global model (an assignment only where it was scored on the plan's test images)."""
+    from fedmed.run.experiment import run_dir
+
+    rows = []
+    col = {k: [] for k in ("served_acc", "global_acc", "served_auc", "global_auc")}
+    assigned: dict = {c: {"acc": [], "auc": [], "global_acc": [], "global_auc": []} for c in candidates}
     for seed in seeds:
         server = out / "runs" / f"seed{seed}" / "_newcomer_plan" / "server"
         plan = json.loads((server / "plan.json").read_text())
         doc = json.loads((server / "metrics.json").read_text())
         served, glob = _scores(doc, "served"), _scores(doc, "global")
+        onboard = {}
+        for c in candidates:
+            f = run_dir(out, seed, c) / "test_phase" / "server" / "metrics.json"
+            onboard[c] = _scores(json.loads(f.read_text()), "test_phase") if f.is_file() else {}
         for site, v in sorted(plan.items()):
             ev = "; ".join(f"{n}: {e['wins']} W / {e['losses']} L of {e['n']}"
                            + (f", mean Brier gain {e['sum_d'] / e['n']:+.3f}" if e.get("sum_d") is not None else "")
                            + (f", p = {v['p'][n]:.3f}" if n in v.get("p", {}) else "")
                            if e else f"{n}: none sent"
                            for n, e in sorted((v.get("evidence") or {}).items()))
-            rows.append(f"| {seed} | {site} | {v['served']} | {ev} | {100 * served[site]:.2f} | "
-                        f"{100 * glob[site]:.2f} |")
-            served_acc.append(served[site])
-            global_acc.append(glob[site])
-    a, g = 100 * np.asarray(served_acc), 100 * np.asarray(global_acc)
-    d = a - g
-    head = ("| seed | new site | served | validation evidence against the global model | test acc. served | "
-            "test acc. global |\n|---|---|---|---|---|---|\n")
-    tail = (f"\nOver {len(a)} (seed, site) pairs: served {a.mean():.2f} ± {a.std():.2f}, global {g.mean():.2f} ± "
-            f"{g.std():.2f}; served minus global {d.mean():+.2f} ± {d.std():.2f}.\n")
+            sv, gl = served[site], glob[site]
+            cells = [str(seed), site, v["served"], ev, _pct(sv, "accuracy"), _pct(gl, "accuracy"), _pct(sv, "auc"),
+                     _pct(gl, "auc")]
+            for c in candidates:
+                e = onboard[c].get(site) or {}
+                cells.append(f"{_pct(e, 'accuracy')} ({e.get('n_test', '—')})")
+                if e.get("accuracy") is not None and e.get("n_test") == gl.get("n_test"):
+                    assigned[c]["acc"].append(e["accuracy"])
+                    assigned[c]["global_acc"].append(gl["accuracy"])
+                    if e.get("auc") is not None and gl.get("auc") is not None:
+                        assigned[c]["auc"].append(e["auc"])
+                        assigned[c]["global_auc"].append(gl["auc"])
+            rows.append("| " + " | ".join(cells) + " |")
+            col["served_acc"].append(sv["accuracy"])
+            col["global_acc"].append(gl["accuracy"])
+            if sv.get("auc") is not None and gl.get("auc") is not None:
+                col["served_auc"].append(sv["auc"])
+                col["global_auc"].append(gl["auc"])
+    names = ["seed", "new site", "served", "validation evidence against the global model", "test acc. served",
+             "test acc. global", "test AUC served", "test AUC global",
+             *(f"test acc. {c}'s assignment (images)" for c in candidates)]
+    head = "| " + " | ".join(names) + " |\n|" + "---|" * len(names) + "\n"
+    n = len(col["served_acc"])
+    tail = (f"\nOver {n} (seed, site) pairs: " + _mean_std("served", col["served_acc"]) + ", "
+            + _mean_std("global", col["global_acc"]) + "; " + _paired("served minus global", col["served_acc"],
+                                                                       col["global_acc"]) + ".\n")
+    if col["served_auc"]:
+        tail += ("AUC: " + _mean_std("served", col["served_auc"]) + ", " + _mean_std("global", col["global_auc"])
+                 + "; " + _paired("served minus global", col["served_auc"], col["global_auc"]) + ".\n")
+    for c, v in assigned.items():
+        if v["acc"]:
+            tail += (f"{c}'s assignment on the same test images ({len(v['acc'])} pairs): "
+                     + _mean_std("accuracy", v["acc"]) + "; " + _paired("minus global", v["acc"], v["global_acc"])
+                     + (("; AUC " + _mean_std("", v["auc"]).strip() + "; "
+                         + _paired("minus global", v["auc"], v["global_auc"])) if v["auc"] else "") + ".\n")
     return head + "\n".join(rows) + "\n" + tail
 
 
@@ -113,7 +167,7 @@ def main(argv=None) -> int:
     for seed in seeds:
         plan_seed(out, a.config, seed, a.reference, a.candidates, a.finetune, a.set)
     text = ("Produced by: `python benchmarks/newcomer_plan.py " + " ".join(sys.argv[1:] if argv is None else argv)
-            + "`\n\n" + table(out, seeds))
+            + "`\n\n" + table(out, seeds, a.candidates))
     (out / "newcomer_plan.md").write_text(text)
     print(text)
     return 0

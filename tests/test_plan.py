@@ -312,18 +312,33 @@ def test_a_newcomer_is_served_its_assigned_cluster_model_only_where_its_validati
     from newcomer_plan import table
 
     shutil.copytree(tmp_path / "plan", tmp_path / "out" / "runs" / "seed0" / "_newcomer_plan" / "server")
-    text = table(tmp_path / "out", [0])
+    shutil.copytree(tmp_path / "onboard", tmp_path / "out" / "runs" / "seed0" / "FMCL" / "test_phase" / "server")
+    text = table(tmp_path / "out", [0], ["FMCL"])
     doc = json.loads((tmp_path / "plan" / "metrics.json").read_text())
     acc = {r["task"]: r["sites"] for r in doc["rounds"] if r.get("task") in ("served", "global")}
+    onb = next(r["sites"] for r in json.loads((tmp_path / "onboard" / "metrics.json").read_text())["rounds"]
+               if r.get("task") == "test_phase")
+    pct = lambda x: "—" if x is None else f"{100 * x:.2f}"  # noqa: E731
     for u, v in plan.items():
         e = v["evidence"]["FMCL"]
         ev = (f"FMCL: {e['wins']} W / {e['losses']} L of {e['n']}, mean Brier gain {e['sum_d'] / e['n']:+.3f}, "
               f"p = {v['p']['FMCL']:.3f}" if e
               else "FMCL: none sent")  # a classifier's sites send their Brier-score sums too; the p the rule judged
+        # then the test scores, read after the plan: accuracy and AUC of the served and the global model, and FMCL's
+        # onboarding assignment on the site with the number of images it was scored on
         cells = ["0", u, v["served"], ev,
-                 f"{100 * acc['served'][u]['accuracy']:.2f}", f"{100 * acc['global'][u]['accuracy']:.2f}"]
+                 pct(acc["served"][u]["accuracy"]), pct(acc["global"][u]["accuracy"]),
+                 pct(acc["served"][u].get("auc")), pct(acc["global"][u].get("auc")),
+                 f"{pct(onb[u]['accuracy'])} ({onb[u]['n_test']})"]
         assert "| " + " | ".join(cells) + " |" in text, text
     assert f"Over {len(plan)} (seed, site) pairs" in text
+    # the assignment is paired with the global model only on the same test images (FMCL assigns with the training
+    # split's labels and is scored on the test split, as the plan's models are)
+    same = [u for u in plan if onb[u]["n_test"] == acc["global"][u]["n_test"]]
+    assert same
+    d = [100 * (onb[u]["accuracy"] - acc["global"][u]["accuracy"]) for u in sorted(same)]
+    assert f"FMCL's assignment on the same test images ({len(same)} pairs)" in text
+    assert f"minus global {np.mean(d):+.2f} ± {np.std(d):.2f}" in text
 
 
 def test_a_fedbn_candidate_is_each_sites_own_model_scored_and_served_there_and_never_leaves_it(runs, tmp_path,
