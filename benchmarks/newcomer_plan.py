@@ -68,11 +68,6 @@ def _pct(e: dict, key: str) -> str:
     return "—" if v is None or v != v else f"{100 * v:.2f}"
 
 
-def _mean_std(name: str, x: list) -> str:
-    a = 100 * np.asarray(x, dtype=float)
-    return f"{name} {a.mean():.2f} ± {a.std():.2f}"
-
-
 def _paired(name: str, a: list, b: list) -> str:
     d = 100 * (np.asarray(a, dtype=float) - np.asarray(b, dtype=float))
     return f"{name} {d.mean():+.2f} ± {d.std():.2f} (" + ", ".join(f"{v:+.2f}" for v in d) + ")"
@@ -84,6 +79,7 @@ def table(out: Path, seeds: list[int], candidates: list[str] = ()) -> str:
     on the site (``<run>/test_phase``; its image count beside it: a label-free assignment is scored on all the site's
     images, the others on its test split). Mean ± std over the (seed, site) pairs after it, and the paired differences
     against the global model (an assignment only where it was scored on the plan's test images)."""
+    from fedmed.report.summary import fmt
     from fedmed.run.experiment import run_dir
 
     rows = []
@@ -127,18 +123,17 @@ def table(out: Path, seeds: list[int], candidates: list[str] = ()) -> str:
              *(f"test acc. {c}'s assignment (images)" for c in candidates)]
     head = "| " + " | ".join(names) + " |\n|" + "---|" * len(names) + "\n"
     n = len(col["served_acc"])
-    tail = (f"\nOver {n} (seed, site) pairs: " + _mean_std("served", col["served_acc"]) + ", "
-            + _mean_std("global", col["global_acc"]) + "; " + _paired("served minus global", col["served_acc"],
-                                                                       col["global_acc"]) + ".\n")
+    tail = (f"\nOver {n} (seed, site) pairs: served {fmt(col['served_acc'])}, global {fmt(col['global_acc'])}; "
+            + _paired("served minus global", col["served_acc"], col["global_acc"]) + ".\n")
     if col["served_auc"]:
-        tail += ("AUC: " + _mean_std("served", col["served_auc"]) + ", " + _mean_std("global", col["global_auc"])
-                 + "; " + _paired("served minus global", col["served_auc"], col["global_auc"]) + ".\n")
+        tail += (f"AUC: served {fmt(col['served_auc'])}, global {fmt(col['global_auc'])}; "
+                 + _paired("served minus global", col["served_auc"], col["global_auc"]) + ".\n")
     for c, v in assigned.items():
         if v["acc"]:
-            tail += (f"{c}'s assignment on the same test images ({len(v['acc'])} pairs): "
-                     + _mean_std("accuracy", v["acc"]) + "; " + _paired("minus global", v["acc"], v["global_acc"])
-                     + (("; AUC " + _mean_std("", v["auc"]).strip() + "; "
-                         + _paired("minus global", v["auc"], v["global_auc"])) if v["auc"] else "") + ".\n")
+            tail += (f"{c}'s assignment on the same test images ({len(v['acc'])} pairs): accuracy {fmt(v['acc'])}; "
+                     + _paired("minus global", v["acc"], v["global_acc"])
+                     + (f"; AUC {fmt(v['auc'])}; " + _paired("minus global", v["auc"], v["global_auc"])
+                        if v["auc"] else "") + ".\n")
     return head + "\n".join(rows) + "\n" + tail
 
 
