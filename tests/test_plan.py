@@ -315,8 +315,8 @@ def test_a_newcomer_is_served_its_assigned_cluster_model_where_its_validation_da
         ck = torch.load(tmp_path / "onboard" / "models" / f"{u}.pt", map_location="cpu", weights_only=True)
         assert ck["sites"] and {groups[s] for s in ck["sites"]} == {groups[u]}, (u, ck["sites"])
     # ... its validation evidence bears it out, so it is served; and on the test split, read only after the choice,
-    # the served model beats the global model at every newcomer (a plan that kept the global model, or a newcomer
-    # assigned the other group's cluster, fails here)
+    # the served model beats the global model at every newcomer (a plan that kept the global model fails here; a
+    # newcomer assigned the other group's cluster fails the check above)
     doc = json.loads((tmp_path / "plan" / "metrics.json").read_text())
     acc = {r["task"]: r["sites"] for r in doc["rounds"] if r.get("task") in ("served", "global")}
     for u, v in plan.items():
