@@ -32,6 +32,7 @@ not exported yet (one line says so).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 __all__ = ["BundleExportError", "export_bundle"]
@@ -556,6 +557,9 @@ def _read_bundle(path) -> dict:
     found = [c for c in configs if c.is_file() or c.is_symlink()]
     meta_file = root / "configs" / "metadata.json"
     if not found or not (meta_file.is_file() or meta_file.is_symlink()):
+        if (root / "configs").is_symlink():
+            raise BundleExportError(f"{where}: configs is a symbolic link; a bundle's files must be regular files "
+                                    f"inside its folder")
         raise BundleExportError(f"{where}: a MONAI bundle has configs/metadata.json and configs/inference.json (or "
                                 f"train.json); found {sorted(p.name for p in (root / 'configs').glob('*'))}"
                                 if (root / "configs").is_dir() else f"{where}: no configs/ folder (not a MONAI bundle)")
@@ -584,7 +588,7 @@ def _read_bundle(path) -> dict:
     args = {k: v for k, v in net_cfg.items() if not k.startswith("_")}
     weights = root / "models" / "model.pt"
     init = None
-    if weights.is_file() or weights.is_symlink():
+    if os.path.lexists(weights) or (root / "models").is_symlink():  # there in any form: it must be the weights
         _inside(root, weights, where)
         _check_state_dict(weights, where)
         init = str(weights)
@@ -635,18 +639,12 @@ def _bundle_data(root: Path, f: Path, where: str):
 
 def _check_state_dict(f: Path, where: str) -> None:
     """``models/model.pt`` loads as a state dict (string keys, tensors; ``weights_only``: no pickle runs)."""
-    import torch
+    from fedmed.nn.encoders import EncoderError, check_weights_file
 
     try:
-        state = torch.load(str(f), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise BundleExportError(f"{where}: models/model.pt does not load as a state dict of tensors "
-                                f"({type(e).__name__})") from None
-    from fedmed.nn.encoders import _unwrap
-
-    state = _unwrap(state) if isinstance(state, dict) else {}
-    if not state or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise BundleExportError(f"{where}: models/model.pt is not a state dict (a mapping of names to tensors)")
+        check_weights_file(f, where, shown="models/model.pt")
+    except EncoderError as e:
+        raise BundleExportError(str(e)) from None
 
 
 # MONAI's id separators: "::" (and the older "#")
@@ -722,13 +720,20 @@ def _preprocessing(parsers: list, where: str) -> list | None:
             node = p
             for part in _id_parts(key):
                 node = node.get(part) if isinstance(node, dict) else None
-            if isinstance(node, dict) and isinstance(node.get("transforms"), list):
-                cfg = node
+                if isinstance(node, str):  # a reference (or an expression: refused, naming the key)
+                    node = _plain(p, node, key, w)
+            if isinstance(node, dict) and "transforms" in node:
+                transforms = node["transforms"]
+                if isinstance(transforms, str):
+                    transforms = _plain(p, transforms, f"{key}#transforms", w)
+                if not isinstance(transforms, list):
+                    raise BundleExportError(f"{w}: {key}#transforms should be a list of transforms, got "
+                                            f"{transforms!r:.60}")
                 break
         else:
             continue
         steps = []
-        for i, t in enumerate(cfg["transforms"]):
+        for i, t in enumerate(transforms):
             at = f"{key}#transforms#{i}"
             if isinstance(t, str) and t.startswith("@"):
                 t = _plain(p, t, at, w)
@@ -763,8 +768,22 @@ def check_bundle_fits(b: dict, *, task: str, channels: int, size, n_out: int | N
     """The first thing of a bundle (:func:`read_bundle`) that does not fit the federation's data, as one line; None when
     it fits. ``size``: the image size (2D) or ROI (3D) fedmed trains at; ``n_out``: classes, or the segmentation
     outputs (None: not known yet)."""
-    inputs = list(b["inputs"].values())
-    outputs = list(b["outputs"].values())
+    def count(d: dict, side: str):  # a count metadata.json declares: a whole number, never an expression
+        v = d.get("num_channels")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise BundleExportError(f"{where}: configs/metadata.json's network_data_format.{side}.num_channels should "
+                                    f"be a positive whole number, got {v!r:.60}")
+        return v
+
+    inputs = list(b["inputs"].items())
+    outputs = list(b["outputs"].items())
+    for side, items in (("inputs", inputs), ("outputs", outputs)):
+        for name, d in items:
+            if not isinstance(d, dict):
+                raise BundleExportError(f"{where}: configs/metadata.json's network_data_format.{side}.{name} should "
+                                        f"describe it (a mapping), got {d!r:.60}")
+            count(d, f"{side}.{name}")
+    inputs, outputs = [d for _, d in inputs], [d for _, d in outputs]
     if inputs:
         i = inputs[0]
         if i.get("num_channels") is not None and int(i["num_channels"]) != int(channels):

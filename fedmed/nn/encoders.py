@@ -441,15 +441,59 @@ def _unwrap(state, dropped: list | None = None) -> dict:
     return {(k[len("module."):] if k.startswith("module.") else k): v for k, v in state.items()}
 
 
+_CHECKED: dict = {}
+
+
+def check_weights_file(path, what: str, *, shown: str | None = None) -> Path:
+    """The rule for a weights file, on every route that takes one (``model.init_weights`` shipped in a job, a MONAI
+    bundle's ``models/model.pt``, ``fedmed predict``'s model): a regular file (no symbolic link, folder, FIFO or
+    device) that loads as a state dict of tensors with ``weights_only`` (no pickle runs), checked before anything is
+    shipped or built. ``what`` names the setting, ``shown`` the file in the message (default: its name). Returns the
+    path; an :class:`EncoderError` naming ``what`` otherwise."""
+    import os
+    import stat
+
+    p = Path(path)
+    shown = shown or p.name or str(path)
+    if not str(path).strip():
+        raise EncoderError(f"{what}: empty; name a weights file (or leave the setting out to start from a seeded "
+                           f"initialisation)")
+    if p.is_symlink():
+        raise EncoderError(f"{what}: {shown} is a symbolic link; give the weights file itself")
+    try:
+        st = os.stat(p)
+    except OSError:
+        raise EncoderError(f"{what}: weights file {shown} not found") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise EncoderError(f"{what}: {shown} is not a regular file (a "
+                           f"{'folder' if stat.S_ISDIR(st.st_mode) else 'FIFO' if stat.S_ISFIFO(st.st_mode) else 'device or socket'})")
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _CHECKED:
+        try:
+            state = _unwrap(_load(p))
+        except Exception as e:
+            raise EncoderError(f"{what}: {shown} does not load as a state dict of tensors ({type(e).__name__}; "
+                               f"weights_only: no pickled code runs)") from None
+        if not isinstance(state, dict) or not state or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+            raise EncoderError(f"{what}: {shown} is not a state dict (a mapping of names to tensors)")
+        _CHECKED[key] = True
+    return p
+
+
+def _load(p: Path):
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(p))
+    return torch.load(str(p), map_location="cpu", weights_only=True)
+
+
 def _read(p: Path, name: str):
     if not p.is_file():
         raise EncoderError(f"{name}: weights file {p} not found")
     try:
-        if p.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            return load_file(str(p))
-        return torch.load(str(p), map_location="cpu", weights_only=True)
+        return _load(p)
     except Exception as e:
         raise EncoderError(f"{name}: cannot read weights file {p} ({type(e).__name__}: {e})") from None
 

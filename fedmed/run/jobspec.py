@@ -381,10 +381,13 @@ def _network_files(exp, cfg: dict, user_code: list, server_files: list) -> None:
         for src, name in code:
             dest = f"{USER_CODE_DIR}/{name}" if Path(src).is_dir() else USER_CODE_DIR
             user_code.append([str(Path(src).resolve()), dest])
-    if m["init_weights"]:
-        src = Path(m["init_weights"]).resolve()
-        if not src.is_file():
-            raise BuildError(f"model.init_weights: file {m['init_weights']} not found")
+    if m["init_weights"] is not None:
+        from fedmed.nn.encoders import EncoderError, check_weights_file
+
+        try:  # the weights rule (a regular file, no link, a state dict of tensors) before anything is shipped
+            src = check_weights_file(m["init_weights"], "model.init_weights", shown=str(m["init_weights"])).resolve()
+        except EncoderError as e:
+            raise BuildError(str(e)) from None
         server_files.append([str(src), jobfiles.MODEL_INIT])
         cfg["model"] = {**m, "init_weights": f"{jobfiles.MODEL_INIT}/{src.name}"}
 
