@@ -72,13 +72,15 @@ class SiteExecutor(Executor):
                 add_code_folder(user_code)
 
     def _may_track(self, cfg: dict, fl_ctx: FLContext) -> bool:
-        """Whether this site sends its per-round metrics to the job's trackers: only where its policy allows every
-        destination the job names besides the server's own workspace (``tracking`` of the task config; said once in
-        the site's log when it does not)."""
-        dests = list(cfg.get("tracking") or [])
-        if not dests or self._runner is None:
-            return True
-        why = self._runner.policy.refused_tracking(dests)
+        """Whether this site sends its per-round metrics to the job's trackers — its own policy's decision alone: a
+        policy of ``tracking: []`` (the default) keeps them at the site whatever the job says (the job's ``tracking``
+        list is the job's own word, not where the server's receivers really send); a policy that lists destinations
+        (or ``"*"``) sends where it allows every destination the job names. Said once in the site's log when not."""
+        if self._runner is None:
+            return False
+        policy = self._runner.policy
+        why = "its policy keeps its metrics at the site (tracking: [])" if not policy.tracking else \
+            policy.refused_tracking(list(cfg.get("tracking") or []))
         if why and not getattr(self, "_tracking_noted", False):
             self._tracking_noted = True
             self.log_warning(fl_ctx, f"[fedmed] this site sends no metrics to the job's trackers: {why}",

@@ -342,7 +342,9 @@ def test_where_metrics_go_is_the_parties_choice_not_the_jobs(tmp_path):
 
 def test_a_site_sends_its_metrics_to_the_trackers_only_where_its_policy_allows():
     """The job tells each site where its server sends metrics besides its own folder (``tracking`` of the task
-    config); the site's executor sends its per-round metrics as FLARE analytics only where its policy allows all."""
+    config); the site's executor sends its per-round metrics as FLARE analytics only where its own policy allows all
+    — and under a policy of ``tracking: []`` never, whatever the job's list says (#87 B: a job that keeps its receiver
+    and writes ``[]`` sent every site's metrics)."""
     from types import SimpleNamespace
 
     from nvflare.apis.fl_context import FLContext
@@ -353,8 +355,13 @@ def test_a_site_sends_its_metrics_to_the_trackers_only_where_its_policy_allows()
     ex = SiteExecutor()
     ctx = FLContext()
     ex._runner = SimpleNamespace(policy=SitePolicy())
-    assert ex._may_track({}, ctx) and ex._may_track({"tracking": []}, ctx)  # the server's own folder: always
+    assert not ex._may_track({}, ctx) and not ex._may_track({"tracking": []}, ctx)  # the job's word is not consent
     assert not ex._may_track({"tracking": ["http://mlflow.elsewhere:5000"]}, ctx)
+    ex._runner = SimpleNamespace(policy=SitePolicy(tracking=("*",)))
+    assert ex._may_track({}, ctx) and ex._may_track({"tracking": ["wandb:online"]}, ctx)
+    ex._runner = SimpleNamespace(policy=SitePolicy.simulating(2))  # fedmed experiment's sites: the config's own
+    assert ex._may_track({"tracking": []}, ctx)
+    ex._runner = SimpleNamespace(policy=SitePolicy())
     assert not ex._may_track({"tracking": ["wandb:online"]}, ctx)
     ex._runner = SimpleNamespace(policy=SitePolicy(tracking=("http://mlflow.hospital:5000",)))
     assert ex._may_track({"tracking": ["http://mlflow.hospital:5000"]}, ctx)
