@@ -10,6 +10,17 @@ from pathlib import Path
 from fedmed.core.resources import shipped_config
 
 
+def positive_int(text: str) -> int:
+    """An argument that is a whole number of at least 1 (argparse names the option when it is not)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"should be a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"should be at least 1, got {v}")
+    return v
+
+
 def cmd_data(a):
     from fedmed.config import load_config
     from fedmed.run.experiment import prepare_federation
@@ -60,7 +71,7 @@ def cmd_check_data(a):
         task, classes = exp.dataset.task, exp.dataset.classes
         size, channels, k_min = exp.dataset.image_size, exp.dataset.channels, exp.privacy.k_min
     k_min = a.k_min if a.k_min is not None else k_min
-    datalist, root = Path(a.datalist), None
+    datalist, root, policy = Path(a.datalist), None, None
     try:
         doc = json.loads(datalist.read_text()) if datalist.is_file() else None
     except (OSError, ValueError):
@@ -73,12 +84,21 @@ def cmd_check_data(a):
         except SiteConfigError as e:
             print(f"fedmed check-data: {e}")
             return 1
-        datalist, root = s.datalist, s.data_root
+        datalist, root, policy = s.datalist, s.data_root, s.policy
         if s.policy.k_min > k_min:
             print(f"the site's floor k_min={s.policy.k_min} applies (the job's is {k_min})")
             k_min = s.policy.k_min
+    if policy is None:  # the site's own policy where it has one (FEDMED_SITE_POLICY, its kit), else the defaults
+        from fedmed.core.policy import PolicyError, load_policy
+
+        try:
+            policy = load_policy(cwd=datalist.parent)
+        except PolicyError as e:
+            print(f"fedmed check-data: {e}")
+            return 1
     rep = check_datalist(datalist, task=a.task or task, classes=a.classes or classes,
-                         image_size=a.image_size or size, channels=a.channels or channels, k_min=k_min, root=root)
+                         image_size=a.image_size or size, channels=a.channels or channels, k_min=k_min, root=root,
+                         policy=policy)
     print(format_report(rep))
     if a.json:
         Path(a.json).write_text(json.dumps(rep, indent=1, default=json_default))
@@ -317,7 +337,15 @@ def cmd_plan(a):
         if name in cands:
             raise ValueError(f"--candidate {name}: given twice")
         cands[name] = path
+    if a.finetune_epochs < 1 or not 0 < a.finetune_lr_scale <= 1:
+        raise ValueError(f"--finetune-epochs should be at least 1 and --finetune-lr-scale above 0 and at most 1, got "
+                         f"{a.finetune_epochs} and {a.finetune_lr_scale}")
+    if not a.spec and not a.data:
+        raise ValueError("--data: the federation's datalists folder (<site>.json) is needed to run the plan here")
+    if a.data and not Path(a.data).is_dir():
+        raise ValueError(f"--data {a.data}: no such folder")
     exp = load_config(a.config, a.set)
+    method = select_method(exp, a.method, a.config) if a.method else exp.methods[0]  # before the runs are read
     if a.data and (Path(a.data) / "dataset.json").is_file():
         exp = with_classes(exp, Path(a.data))
     elif exp.dataset.classes is None:  # the classes the runs were trained with (their saved models say)
@@ -332,7 +360,7 @@ def cmd_plan(a):
             raise ValueError(str(e)) from None
         if classes:
             exp = exp.model_copy(update={"dataset": exp.dataset.model_copy(update={"classes": list(classes)})})
-    method = select_method(exp, a.method, a.config) if a.method else exp.methods[0]
+        method = select_method(exp, method.name, a.config)  # the same method, with the classes
     finetune = {"epochs": a.finetune_epochs, "lr_scale": a.finetune_lr_scale} if a.finetune else None
     try:
         spec = job_spec(exp, method, a.seed, sites=a.sites or "config", plan={
@@ -344,8 +372,6 @@ def cmd_plan(a):
         print(f"wrote {spec.to_file(a.spec, self_contained=True)} (run it: fedmed job run --spec {a.spec} --env "
               f"prod|sim ...)")
         return 0
-    if not a.data:
-        raise ValueError("--data: the federation's datalists folder (<site>.json) is needed to run the plan here")
     out = Path(a.out)
     if a.in_process:
         try:
@@ -446,9 +472,11 @@ def register(sub):
     k.add_argument("--task", choices=["classification", "segmentation"], help="default: the config's, else "
                    "classification")
     k.add_argument("--classes", nargs="+", help="the job's class names (labels are their indices or these names)")
-    k.add_argument("--image-size", type=int, help="decode size (default: the config's, else 32)")
-    k.add_argument("--channels", type=int, help="default: the config's, else 1")
-    k.add_argument("--k-min", type=int, help="the privacy floor (default: the config's, else 1)")
+    k.add_argument("--image-size", type=positive_int, help="decode size (default: the config's, else 32; at most what "
+                   "the site's policy decodes, max_image_pixels and max_task_bytes)")
+    k.add_argument("--channels", type=int, choices=(1, 3), help="1 (grayscale) or 3 (RGB); default: the config's, "
+                   "else 1")
+    k.add_argument("--k-min", type=positive_int, help="the privacy floor (default: the config's, else 1)")
     k.add_argument("--json", help="also write the report as JSON here")
     k.set_defaults(func=cmd_check_data)
 

@@ -22,6 +22,7 @@ The file (JSON; every key optional)::
      "max_image_pixels": 100000000,  # a 2D image larger than this is refused (decompression bombs)
      "max_volume_voxels": 268435456, # a 3D volume larger than this is refused
      "max_file_bytes": 2147483648,   # an input file larger than this is refused
+     "max_task_bytes": 4294967296,   # the decoded data one task holds in memory at most (all its images or volumes)
      "tracking": []}                 # where this party's metrics may go besides its own workspace ("*": anywhere)
 
 Nothing here imports a module a job names: :meth:`SitePolicy.allows_module` is asked first
@@ -56,13 +57,14 @@ class ReadLimits:
     max_image_pixels: int = 100_000_000
     max_volume_voxels: int = 2**28
     max_file_bytes: int = 2 * 1024**3
+    max_task_bytes: int = 4 * 1024**3
 
 
 DEFAULT_MAX_DELTA = 1e-5  # fedmed's default privacy.dp_delta: a site without a policy accepts no weaker DP
 
 _KEYS = {"modules", "architectures", "encoders", "weights_dir", "k_min", "dp_required", "max_epsilon", "max_delta",
          "allow_per_image", "allow_pixel_signatures", "max_image_pixels", "max_volume_voxels", "max_file_bytes",
-         "tracking"}
+         "max_task_bytes", "tracking"}
 
 
 def tracking_destinations(tracking: dict) -> list[str]:
@@ -149,7 +151,8 @@ class SitePolicy:
                    allow_per_image=flag("allow_per_image"), allow_pixel_signatures=flag("allow_pixel_signatures"),
                    limits=ReadLimits(positive_int("max_image_pixels", ReadLimits.max_image_pixels),
                                      positive_int("max_volume_voxels", ReadLimits.max_volume_voxels),
-                                     positive_int("max_file_bytes", ReadLimits.max_file_bytes)),
+                                     positive_int("max_file_bytes", ReadLimits.max_file_bytes),
+                                     positive_int("max_task_bytes", ReadLimits.max_task_bytes)),
                    tracking=names("tracking", False),
                    source=source)
 
@@ -202,15 +205,16 @@ class SitePolicy:
     def allows_module(self, module: str) -> bool:
         return any(m == ANY or module == m or module.startswith(m + ".") for m in self.modules)
 
-    def check_arch(self, arch: str) -> None:
-        """Refuse a network this site does not run (before anything is imported)."""
+    def check_arch(self, arch: str, what: str = "model.arch") -> None:
+        """Refuse a network this site does not run (before anything is imported); ``what`` names where the job asks
+        for it (``model.arch``, or the network a kind of task builds whatever model.arch says)."""
         if ":" in arch:
             mod = arch.partition(":")[0]
             if not self.allows_module(mod):
-                raise PolicyError(f"model.arch {arch!r} imports module {mod!r}, which this site does not allow "
+                raise PolicyError(f"{what} {arch!r} imports module {mod!r}, which this site does not allow "
                                   f"({self._setting('modules')}: {list(self.modules)})")
         elif self.architectures is not None and arch not in self.architectures:
-            raise PolicyError(f"model.arch {arch!r} is not among the networks this site runs "
+            raise PolicyError(f"{what} {arch!r} is not among the networks this site runs "
                               f"({self._setting('architectures')}: {list(self.architectures)})")
 
     def check_encoder(self, name: str, *, dp: bool) -> None:
@@ -269,6 +273,15 @@ class SitePolicy:
                 raise PolicyError(f"data.{key} {'x'.join(str(int(v)) for v in dims)} ({ch} channel(s)) is {n} values "
                                   f"per volume, more than this site allocates ({self._setting('max_volume_voxels')}: "
                                   f"{self.limits.max_volume_voxels})")
+
+    def check_task_bytes(self, n_items: int, values_per_item: int, what: str) -> None:
+        """The decoded data a task would hold (``n_items`` images or volumes of ``values_per_item`` float32 values
+        each: the whole of what it decodes, not one image) against ``max_task_bytes``, before anything is decoded."""
+        need = int(n_items) * int(values_per_item) * 4
+        if need > self.limits.max_task_bytes:
+            raise PolicyError(f"{what}: {n_items} item(s) of {values_per_item} values decode to {need / 2**30:.2f} "
+                              f"GiB, more than this site holds for one task ({self._setting('max_task_bytes')}: "
+                              f"{self.limits.max_task_bytes / 2**30:.2f} GiB); a smaller data.image_size (or roi) fits")
 
     def refused_tracking(self, destinations) -> str | None:
         """The first of a job's tracking ``destinations`` (:func:`tracking_destinations`) this party does not let its

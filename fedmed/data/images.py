@@ -91,6 +91,7 @@ def _dicom_pixels(path, limits=None) -> tuple[np.ndarray, list[str]]:
     if limits is not None and rows * cols > limits.max_image_pixels:
         raise DataError(f"has {cols}x{rows} pixels, more than this site decodes (its policy's max_image_pixels="
                         f"{limits.max_image_pixels})")
+    check_geometry(cols, rows)
     try:
         a = ds.pixel_array
     except Exception as e:  # a compressed transfer syntax without a decoder here, or broken pixel data
@@ -475,6 +476,14 @@ def load_datalist(path, *, task: str = "classification", root=None, name: str | 
                 raise DataError(f"{name}: {key}[{j}] should have 'image' and 'label', got {e!r}",
                                 f"{public}: {key}[{j}] should have 'image' and 'label'")
             files = ("image", "label", "mask") if task == "segmentation" else ("image",)
+            for k in files:
+                v = e.get(k)
+                if k in e and not (_file_entry(v) or (k == "image" and task == "segmentation" and isinstance(v, list)
+                                                      and v and all(_file_entry(x) for x in v))):
+                    got = "null" if v is None else f"a {type(v).__name__}"
+                    raise DataError(f"{name}: {key}[{j}] '{k}' should be a file (a path relative to the data root), "
+                                    f"got {v!r:.60}", f"{public}: {key}[{j}] '{k}' should be a file (a path), "
+                                    f"got {got}")
             e.update({k: _resolve(e[k], root) for k in files if k in e})
             if task == "segmentation":
                 continue
@@ -565,6 +574,10 @@ def check_split_overlap(doc: dict, name: str, root, public: str = "datalist", li
                         f"{' (identical files)' if kind != 'path' else ''}{more} — {why}")
 
 
+def _file_entry(v) -> bool:
+    return isinstance(v, str) and bool(v.strip()) and "\x00" not in v
+
+
 def _resolve(v, root: Path):
     if isinstance(v, list):
         return [_resolve(x, root) for x in v]
@@ -618,6 +631,19 @@ WIDE_MODES = {"I;16": "16-bit", "I;16L": "16-bit", "I;16B": "16-bit", "I;16N": "
               "F": "32-bit float"}
 
 
+MAX_ASPECT = 20  # an image longer than this many times its width is a strip, not a picture to resize to a square
+
+
+def check_geometry(w: int, h: int) -> None:
+    """An image a classifier can be given: each side at least 2 pixels, at most :data:`MAX_ASPECT`:1 (a 1x1 image
+    or a 16000x1 strip resized to a square is interpolation, not the picture)."""
+    if min(w, h) < 2:
+        raise DataError(f"is {w}x{h} pixels: too small to be an image (each side should be at least 2 pixels)")
+    if max(w, h) > MAX_ASPECT * min(w, h):
+        raise DataError(f"is {w}x{h} pixels, a {max(w, h) / min(w, h):.0f}:1 strip: resized to a square it would be "
+                        f"interpolation, not the picture (at most {MAX_ASPECT}:1)")
+
+
 def decode_image(path, *, image_size: int, channels: int, limits=None) -> tuple[np.ndarray, list[str]]:
     """One image file as float32 in [0, 1], ``(C, H, W)`` at ``image_size``, and what was converted to get there.
 
@@ -641,6 +667,10 @@ def decode_image(path, *, image_size: int, channels: int, limits=None) -> tuple[
     from fedmed.core.policy import ReadLimits
 
     limits = limits or ReadLimits()
+    if isinstance(image_size, bool) or not isinstance(image_size, (int, np.integer)) or image_size < 1:
+        raise ValueError(f"image_size should be a positive number of pixels, got {image_size!r}")
+    if channels not in (1, 3):
+        raise ValueError(f"channels should be 1 (grayscale) or 3 (RGB), got {channels!r}")
     try:
         check_input_file(path, limits)
     except DataError as e:
@@ -658,6 +688,7 @@ def decode_image(path, *, image_size: int, channels: int, limits=None) -> tuple[
         if w * h > limits.max_image_pixels:
             raise DataError(f"has {w}x{h} pixels, more than this site decodes (its policy's max_image_pixels="
                             f"{limits.max_image_pixels})")
+        check_geometry(w, h)
         if getattr(im, "n_frames", 1) > 1:
             raise DataError(f"has {im.n_frames} frames; one image per file is expected")
         size = (image_size, image_size)
@@ -737,30 +768,29 @@ def load_images(entries: Sequence[dict], *, image_size: int, channels: int, site
     import torch
     from PIL import UnidentifiedImageError
 
-    xs, ys = [], []
+    xs = np.empty((len(entries), channels, image_size, image_size), np.float32)  # filled in place: no second copy
+    ys = []
     for i, e in enumerate(entries):
         f = e["image"]
         where = f"{site}: {split}[{i}]:"
         try:
             arr, done = decode_image(f, image_size=image_size, channels=channels, limits=limits)
         except FileNotFoundError:
-            raise DataError(f"{site}: cannot read image {display(f)} (file not found)",
+            raise DataError(f"{where} cannot read image {display(f)} (file not found)",
                             f"{where} cannot read the image (file not found)") from None
         except DataError as err:
-            raise DataError(f"{site}: image {display(f)} {err}", f"{where} the image {err}") from None
+            raise DataError(f"{where} image {display(f)} {err}", f"{where} the image {err}") from None
         except (UnidentifiedImageError, OSError, ValueError) as err:
-            raise DataError(f"{site}: cannot read image {display(f)} (corrupt or not an image: "
+            raise DataError(f"{where} cannot read image {display(f)} (corrupt or not an image: "
                             f"{type(err).__name__})", f"{where} cannot read the image (corrupt or not an image: "
                             f"{type(err).__name__})") from None
         if conversions is not None:
             conversions.update(done)
-        xs.append(arr)
+        xs[i] = arr
         ys.append(int(e["label"]))
-    if not xs:
-        return torch.zeros((0, channels, image_size, image_size)), torch.zeros(0, dtype=torch.long)
     # C-contiguous, as the site cache hands them back: an RGB stack of HWC->CHW views kept a channels-last layout,
     # and a convolution over channels-last memory sums in another order (a cold and a warm cache trained apart)
-    return torch.from_numpy(np.ascontiguousarray(np.stack(xs))), torch.tensor(ys, dtype=torch.long)
+    return torch.from_numpy(xs), torch.tensor(ys, dtype=torch.long)
 
 
 def conversion_note(site: str, conversions) -> str:

@@ -28,28 +28,36 @@ def _show(f, root: Path) -> str:
 
 
 def check_datalist(path, *, task: str = "classification", classes: list[str] | None = None, image_size: int = 32,
-                   channels: int = 1, k_min: int = 1, near_threshold: float = 0.98, root=None) -> dict:
+                   channels: int = 1, k_min: int = 1, near_threshold: float = 0.98, root=None, policy=None) -> dict:
     """The report of one site datalist (see the module notes): ``{"datalist", "task", "counts", "problems",
-    "warnings", "near_duplicates"}``; ``counts[split][class] = n``."""
+    "warnings", "near_duplicates"}``; ``counts[split][class] = n``. ``policy``: the site's
+    (:class:`~fedmed.core.policy.SitePolicy`; default: fedmed's defaults): what a task may decode, in pixels per image
+    and in bytes in all, is what the check may (a size beyond it is the report's problem, decoded never)."""
+    from fedmed.core.policy import PolicyError, SitePolicy
     from fedmed.data.images import DataError, load_datalist
 
+    policy = policy or SitePolicy()
     path = Path(path)
     root = Path(root) if root is not None else path.parent
     rep: dict = {"datalist": path.name, "task": task, "counts": {}, "problems": [], "warnings": [],
                  "near_duplicates": []}
     try:
-        doc = load_datalist(path, task=task, root=root, name=path.name, classes=classes)
-    except DataError as e:
+        doc = load_datalist(path, task=task, root=root, name=path.name, classes=classes, limits=policy.limits)
+        if task != "segmentation":
+            policy.check_task_sizes({"image_size": image_size, "channels": channels})
+            policy.check_task_bytes(sum(len(doc[k]) for k in ("training", "validation", "test")),
+                                    image_size * image_size * channels, f"the images at {image_size}x{image_size}")
+    except (DataError, PolicyError) as e:
         rep["problems"].append(str(e))
         return rep
     if task == "segmentation":
         _check_seg(doc, root, rep)
     else:
-        _check_classification(doc, root, rep, classes, image_size, channels, k_min, near_threshold)
+        _check_classification(doc, root, rep, classes, image_size, channels, k_min, near_threshold, policy.limits)
     return rep
 
 
-def _check_classification(doc, root, rep, classes, image_size, channels, k_min, near_threshold):
+def _check_classification(doc, root, rep, classes, image_size, channels, k_min, near_threshold, limits=None):
     import torch
 
     from fedmed.data.images import DataError, decode_image, near_duplicates
@@ -68,7 +76,7 @@ def _check_classification(doc, root, rep, classes, image_size, channels, k_min, 
                 rep["problems"].append(f"{split}: {_show(e['image'], root)} has label {label}, outside the job's "
                                        f"classes 0..{len(names) - 1} ({', '.join(names)})")
             try:
-                arr, _ = decode_image(e["image"], image_size=image_size, channels=channels)
+                arr, _ = decode_image(e["image"], image_size=image_size, channels=channels, limits=limits)
                 xs.append(arr)
             except FileNotFoundError:
                 rep["problems"].append(f"{split}: cannot read image {_show(e['image'], root)} (file not found)")

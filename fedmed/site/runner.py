@@ -125,6 +125,9 @@ class SiteRunner:
         key = (image_size, channels, tuple(classes or ()))
         if self._data is None or self._data_key != key:
             doc = self._datalist(classes=classes)
+            self.policy.check_task_bytes(sum(len(doc[k]) for k in ("training", "validation", "test")),
+                                         image_size * image_size * channels, f"{self.site}: its images at "
+                                         f"{image_size}x{image_size}x{channels}")
             done: set = set()
             splits = Splits(*(self._load_split(doc[k], image_size, channels, done, k)
                               for k in ("training", "validation", "test")))
@@ -267,6 +270,8 @@ class SiteRunner:
             parts = {"training": s.train[0], "validation": s.val[0], "test": s.test[0]}
             return torch.cat([parts[k] for k in splits])
         doc = self._datalist(classes=cfg.classes)
+        self.policy.check_task_bytes(sum(len(doc[k]) for k in splits), image_size * image_size * cfg.data.channels,
+                                     f"{self.site}: its images at the encoder's {image_size}x{image_size}")
         return torch.cat([self._load_split(doc[k], image_size, cfg.data.channels, set(), k)[0] for k in splits])
 
     def check_label_space(self, s: Splits, n: int, names=None) -> None:
@@ -351,6 +356,8 @@ class SiteRunner:
     # the encoder this kind of site's ``assess`` task embeds its images with (the policy checks this one)
     ASSESS_ENCODER: str | None = None
 
+    NETWORK = "model.arch"  # how a refusal names a network this kind of site builds whatever model.arch says
+
     def networks(self, cfg: TaskConfig) -> list[str]:
         """The networks this site's tasks build for ``cfg`` (what the policy's ``architectures`` is checked
         against): the job's ``model.arch``, unless the kind of site builds another (Fed-MAE's ViT)."""
@@ -361,7 +368,7 @@ class SiteRunner:
         (once) a job's k_min raised to the site's floor."""
         p = self.policy
         for arch in self.networks(cfg):
-            p.check_arch(arch)
+            p.check_arch(arch, "model.arch" if arch == cfg.model.arch else self.NETWORK)
         p.check_task_sizes(cfg.data)
         if task in self.SIGNATURE_TASKS:
             p.check_dp(cfg.privacy.dp_epsilon, cfg.privacy.dp_delta)
@@ -393,9 +400,18 @@ class SiteRunner:
     TASKS = CLASSIFICATION
     KIND = "classification"  # the plugin tasks it serves (fedmed.site.tasks.register_task)
 
+    # the task config's section each built-in task reads (a job that asks the task without it: one line, not a crash)
+    SECTIONS = {"signature": "signature", "latent_bounds": "flux", "descriptor": "flux", "ifca": "ifca",
+                "validate_ensemble": "ensemble"}
+
     def run_task(self, task: str, params: dict, cfg, round_: int = 0) -> Reply:
         tasks = {**PLUGIN_TASKS[self.KIND], **self.TASKS}
         if task not in tasks:
             raise TaskError(f"{self.site}: unknown task {task!r} (this site's {type(self).__name__} serves "
                             f"{', '.join(sorted(tasks))})")
-        return tasks[task](self, params, task_config(cfg), round_)
+        cfg = task_config(cfg)
+        need = self.SECTIONS.get(task) if tasks[task] is self.TASKS.get(task) else None
+        if need and getattr(cfg, need) is None:
+            raise TaskError(f"{self.site}: task {task!r} needs the task config's {need!r} section, which this job "
+                            f"does not carry")
+        return tasks[task](self, params, cfg, round_)
