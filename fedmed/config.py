@@ -18,12 +18,13 @@ fills ``dataset.classes`` from the data it partitions.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from fedmed.core.schema import FederationTiming, ModelSection, PrivacyConfig, Strict, TrainConfig
+from fedmed.core.schema import FederationTiming, ModelSection, PrivacyConfig, Strict, TrainConfig, error_lines
 from fedmed.core.validation import SITE_NAME as _SITE_NAME_RE
 from fedmed.site.tasks import FinetuneLocalOptions
 from fedmed.methods import (METHODS, FedAvgMethod, Method, PluginError, load_plugins, method_class,  # noqa: F401
@@ -223,6 +224,9 @@ class ModelConfig(ModelSection):
     @field_validator("init_weights")
     @classmethod
     def _init_file(cls, v):
+        if v is not None and not v.strip():
+            raise ValueError("model.init_weights is empty (an unset shell variable?): name a weights file, or leave "
+                             "the key out to start from a seeded initialisation")
         if v is not None and not Path(v).is_file():
             raise ValueError(f"model.init_weights: file {v} not found")
         return v
@@ -503,6 +507,14 @@ def _method_hint(err: dict, raw: dict) -> str | None:
             f"{', '.join(method_options(workflow))}")
 
 
+class _OneError:
+    def __init__(self, err):
+        self._err = err
+
+    def errors(self):
+        return [self._err]
+
+
 def _format(e: ValidationError, source: str, raw: dict | None = None) -> str:
     lines = []
     for err in e.errors():
@@ -510,9 +522,7 @@ def _format(e: ValidationError, source: str, raw: dict | None = None) -> str:
         if hint:
             lines.append(hint)
             continue
-        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
-        lines.append(f"{loc}: {err['msg']} (got {err.get('input')!r})" if err["type"] != "missing"
-                     else f"{loc}: required key is missing")
+        lines += error_lines(_OneError(err))
     if len(lines) == 1:
         return f"{source}: invalid configuration: {lines[0]}"
     return f"{source}: invalid configuration\n" + "\n".join(f"  {x}" for x in lines)
@@ -553,8 +563,15 @@ def apply_overrides(raw: dict, overrides: list[str] | None) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r} should look like key.path=value")
         k, v = item.split("=", 1)
+        if not v.strip() and _PATH_KEY.match(k.strip()):  # an unset shell variable: never read as "no file"
+            raise ConfigError(f"override {k.strip()}= is empty (an unset shell variable?): give the file, or "
+                              f"{k.strip()}=null to leave it out")
         _set_path(out, k.strip(), yaml.safe_load(v))
     return out
+
+
+_PATH_KEY = re.compile(r"^(dataset\.path|dataset\.sources\.[^.=]+\.path|model\.bundle|model\.init_weights|"
+                       r"methods\.[^=]+\.encoder_weights)$")
 
 
 def _path_slots(raw: dict):
@@ -593,8 +610,7 @@ def _anchor_paths(raw: dict, folder: Path, origins: dict) -> dict:
     for box, key, _ in _path_slots(raw):
         if key in box:
             box[key] = anchored(box[key])
-    slot = re.compile(r"^(dataset\.path|dataset\.sources\.[^.=]+\.path|model\.bundle|model\.init_weights|"
-                      r"methods\.[^=]+\.encoder_weights)$")
+    slot = _PATH_KEY
     for case in raw.get("sweep") or []:  # a sweep case's --set lines are written in the file too
         if isinstance(case, dict) and isinstance(case.get("set"), list):
             case["set"] = [f"{k}={anchored(v)}" if isinstance(item, str) and slot.match(k := item.split("=", 1)[0])

@@ -17,11 +17,44 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 __all__ = ["AssessTask", "ClusteringTask", "DataSection", "EnsembleTask", "FederationTiming", "FinetuneTask", "FluxTask", "IFCATask",
            "MAETask", "ModelSection", "PrivacyConfig", "SegTrainConfig", "ServerOptConfig", "SignatureTask", "Strict", "TaskConfig",
-           "TrainConfig", "TrainTask", "WeightsRef", "task_config"]
+           "TaskConfigError", "TrainConfig", "TrainTask", "WeightsRef", "error_lines", "task_config"]
+
+
+def _number_field(annotation) -> bool:
+    """A field whose values are numbers (``int``, ``float``, optionally ``None``)."""
+    import typing
+
+    if annotation in (int, float):
+        return True
+    args = typing.get_args(annotation)
+    return typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType", None)) \
+        and bool(args) and all(a in (int, float, type(None)) for a in args) and any(a in (int, float) for a in args)
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    """Every config section: unknown keys refused; a number is a finite number (no NaN, no infinity: ``.inf``,
+    ``1e999``) and never a boolean or a string (``true`` is not read as 1) — one rule for every numeric option,
+    wherever the section is read (the coordinator's config, a site's task config, a plugin method's options)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs):
+        super().__pydantic_init_subclass__(**kwargs)
+        from pydantic.functional_validators import BeforeValidator
+
+        numbers = [f for f in cls.model_fields.values() if _number_field(f.annotation)
+                   and not any(getattr(m, "func", None) is _no_boolean for m in f.metadata)]
+        for f in numbers:
+            f.metadata.append(BeforeValidator(_no_boolean))
+        if numbers:
+            cls.model_rebuild(force=True)
+
+
+def _no_boolean(v):
+    if isinstance(v, bool):
+        raise ValueError(f"should be a number, got the boolean {str(v).lower()}")
+    return v
 
 
 # the monai.transforms a site applies to its inputs (ModelSection.preprocessing): intensity only, each rebuilt by name
@@ -95,10 +128,11 @@ class ServerOptConfig(Strict):
     (as NVFlare's FedOpt does for what is not a trainable parameter)."""
 
     kind: Literal["none", "avgm", "adam", "yogi"] = "none"
-    lr: float = Field(1.0, gt=0, description="server learning rate eta")
+    lr: float = Field(1.0, gt=0, le=10, description="server learning rate eta (Reddi et al.'s grid: 1e-3 to 10)")
     beta1: float = Field(0.9, ge=0, lt=1, description="first-moment (momentum) decay")
     beta2: float = Field(0.99, ge=0, lt=1, description="second-moment decay (adam, yogi)")
-    tau: float = Field(1e-3, gt=0, description="adaptivity tau: v starts at tau^2, the step divides by sqrt(v) + tau")
+    tau: float = Field(1e-3, gt=0, le=1, description="adaptivity tau: v starts at tau^2, the step divides by sqrt(v) + "
+                       "tau (Reddi et al.'s grid: 1e-5 to 1e-1; above 1 the server barely moves the model)")
 
 
 class TrainConfig(Strict):
@@ -346,10 +380,35 @@ class TaskConfig(Strict):
                                 "metrics to the trackers only where its policy's 'tracking' allows every one")
 
 
+class TaskConfigError(ValueError):
+    """A task config that does not validate: one line per bad key, naming it (never pydantic's dump or its URL)."""
+
+
+def error_lines(e) -> list[str]:
+    """A pydantic ``ValidationError`` as one line per bad key: ``train.lr: should be > 0 (got -1)``. The value is
+    shown only when it is short and not a section (a model-level check's input is the whole config: never dumped)."""
+    out = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+        if err["type"] == "missing":
+            out.append(f"{loc}: required key is missing")
+            continue
+        msg = str(err["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        got = err.get("input")
+        shown = "" if isinstance(got, dict) or len(repr(got)) > 100 or err["loc"] == () else f" (got {got!r})"
+        out.append(f"{loc}: {msg}{shown}")
+    return out
+
+
 def task_config(cfg) -> TaskConfig:
     """The typed view of a task config (a dict as it travels, or a :class:`TaskConfig`): validated, schema defaults
     for what it leaves out. The coordinator's checks (e.g. consent to ``k_min < 2``) were made when the job was
     built; a site applies its own settings on top."""
+    from pydantic import ValidationError
+
     if isinstance(cfg, TaskConfig):
         return cfg
-    return TaskConfig.model_validate(dict(cfg), context={"at_site": True})
+    try:
+        return TaskConfig.model_validate(dict(cfg), context={"at_site": True})
+    except ValidationError as e:
+        raise TaskConfigError("the job's task config: " + "; ".join(error_lines(e))) from None

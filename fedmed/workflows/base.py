@@ -277,9 +277,19 @@ class Workflow:
             return avg
         from fedmed.algorithms.aggregation import server_opt_step
 
+        import numpy as np
+
+        from fedmed.workflows.federation import RunFailed
+
         state = self._server_opt_state().setdefault(key, {})
-        return server_opt_step(base, avg, state, kind=opt.kind, lr=opt.lr, beta1=opt.beta1, beta2=opt.beta2,
-                               tau=opt.tau)
+        new = server_opt_step(base, avg, state, kind=opt.kind, lr=opt.lr, beta1=opt.beta1, beta2=opt.beta2,
+                              tau=opt.tau)
+        bad = [k for k, v in new.items() if np.asarray(v).dtype.kind == "f" and not np.isfinite(v).all()]
+        if bad and all(np.isfinite(np.asarray(v)).all() for v in avg.values() if np.asarray(v).dtype.kind == "f"):
+            raise RunFailed(f"the server's optimizer step (train.server_opt: {opt.kind}, lr {opt.lr:g}, tau {opt.tau:g}) "
+                            f"made {len(bad)} of {len(new)} tensors of the {key} model non-finite from the sites' "
+                            f"finite average; nothing was sent to the sites (lower train.server_opt.lr)")
+        return new
 
     def move_server_opt(self, keys: dict) -> None:
         """After the served models are renumbered (CFL's split): ``keys`` new key -> the old key whose FedOpt state
