@@ -40,8 +40,11 @@ def allow_fedmed(kit, *, log_streaming: bool = False) -> Path:
         raise FileNotFoundError(f"{kit}: not a FLARE startup kit (no local/ folder)")
     target = local / "resources.json"
     source = target if target.is_file() else local / "resources.json.default"
-    doc = json.loads(source.read_text()) if source.is_file() else {"format_version": 2}
+    doc = _resources(source) if source.is_file() else {"format_version": 2}
     have = doc.get("class_allow_list")
+    if have is not None and (not isinstance(have, list) or not all(isinstance(p, str) for p in have)):
+        raise ValueError(f"{kit}: local/{source.name}: class_allow_list should be a list of class paths, got "
+                         f"{type(have).__name__}")
     doc["class_allow_list"] = (allow_list() if have is None
                                else list(have) + [p for p in ALLOW_LIST if p not in have])
     doc["class_allow_list"] = [p for p in doc["class_allow_list"] if p not in FLARE_TRACKERS]
@@ -50,14 +53,29 @@ def allow_fedmed(kit, *, log_streaming: bool = False) -> Path:
     return target
 
 
-def _current_streaming(kit):
-    """The kit's own ``local/resources.json`` setting of ``allow_log_streaming`` (None: not set there)."""
+def _resources(f: Path) -> dict:
+    """A kit's ``resources.json`` (or its shipped default) as the JSON object it must be; one line naming it if not."""
+    try:
+        doc = json.loads(f.read_text())
+    except ValueError as e:
+        raise ValueError(f"local/{f.name} is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"local/{f.name} should be a JSON object (FLARE's resources), got a {type(doc).__name__}")
+    return doc
+
+
+def _current_streaming(kit) -> str | None:
+    """The kit's own ``local/resources.json`` setting of ``allow_log_streaming`` as it is written there (``true``,
+    ``false``, or e.g. ``"false"``, a string FLARE takes as on); None when not set or not readable."""
     f = Path(kit) / "local" / "resources.json"
     try:
-        v = json.loads(f.read_text()).get("allow_log_streaming") if f.is_file() else None
+        v = _resources(f).get("allow_log_streaming") if f.is_file() else None
     except (OSError, ValueError):
         return None
-    return None if v is None else bool(v)
+    if v is None:
+        return None
+    return str(v).lower() if isinstance(v, bool) else f"{json.dumps(v)}, which FLARE takes as " \
+        f"{'on' if v else 'off'}"
 
 
 def main(argv=None) -> int:
@@ -71,11 +89,12 @@ def main(argv=None) -> int:
         try:
             was = _current_streaming(kit)
             f = allow_fedmed(kit, log_streaming=a.allow_log_streaming)
-            note = "" if was is None or was == a.allow_log_streaming else f" (was {str(was).lower()})"
+            note = "" if was is None or was == str(a.allow_log_streaming).lower() else f" (was {was})"
             print(f"{f}: class_allow_list allows {', '.join(ALLOW_LIST)}; allow_log_streaming "
                   f"{str(a.allow_log_streaming).lower()}{note}")
         except (OSError, ValueError) as e:
-            print(f"fedmed_flare.kit: error: {e}", file=sys.stderr)
+            msg = str(e) if str(e).startswith(str(kit)) else f"{kit}: {e}"
+            print(f"fedmed_flare.kit: error: {msg}", file=sys.stderr)
             return 2
     return 0
 

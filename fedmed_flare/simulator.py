@@ -150,14 +150,17 @@ WORKER_POLL_S = 0.05  # simulator_worker re-asks the server for a task every 0.5
 
 def _as_popen_child(env: dict) -> None:
     """In a process forked from the template: the new session and environment ``Popen(..., preexec_fn=os.setsid,
-    env=ENV)`` would give it, ``PYTHONPATH`` included (the working directory is the launching process's already:
-    multiprocessing's spawn preparation sets it)."""
+    env=ENV)`` would give it, ``PYTHONPATH``'s folders included — **after** everything installed (an app's
+    ``custom/`` among them: a hand-edited job folder's ``scipy/`` must not shadow the installed one,
+    :func:`fedmed.core.plugins.add_code_folder`'s rule); the working directory is the launching process's already
+    (multiprocessing's spawn preparation sets it)."""
+    from fedmed.core.plugins import add_code_folder
+
     os.setsid()
     os.environ.clear()
     os.environ.update(env)
-    for p in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
-        if p not in sys.path:
-            sys.path.insert(0, p)
+    for p in [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]:
+        add_code_folder(p)
 
 
 def _run_worker(module: str, argv: list[str], env: dict) -> None:

@@ -68,7 +68,7 @@ def test_signature_task_corrupt_image(sites):
     (sites / "bad.png").write_bytes(b"nope")
     doc["training"][0]["image"] = str(sites / "bad.png")
     (sites / "site-3.json").write_text(json.dumps(doc))
-    with pytest.raises(DataError, match="site-3: cannot read image .*bad.png") as err:
+    with pytest.raises(DataError, match=r"site-3: training\[0\]: cannot read image .*bad.png") as err:
         own_site("site-3", sites).handle("signature", {}, dict(CFG, signature={"kind": "fmcl", "encoder": "random_cnn"}))
     assert err.value.public == "site-3: training[0]: cannot read the image (corrupt or not an image: " \
                                "UnidentifiedImageError)"  # what leaves the site: the position, not the file

@@ -35,12 +35,12 @@ def test_missing_and_corrupt_image_named(tmp_path):
     bad.write_bytes(b"not a png at all")
     doc["training"][0]["image"] = str(bad)
     (tmp_path / "site-2.json").write_text(json.dumps(doc))
-    with pytest.raises(DataError, match=r"site-2: cannot read image .*broken.png \(corrupt or not an image"):
+    with pytest.raises(DataError, match=r"site-2: training\[0\]: cannot read image .*broken.png \(corrupt or not an image"):
         load_images(load_datalist(tmp_path / "site-2.json")["training"], image_size=8, channels=1, site="site-2")
     doc["training"][0]["image"] = str(tmp_path / "gone.png")
     (tmp_path / "site-2.json").write_text(json.dumps(doc))
     runner = SiteRunner("site-2", tmp_path)
-    with pytest.raises(DataError, match=r"site-2: cannot read image .*gone.png \(file not found\)"):
+    with pytest.raises(DataError, match=r"site-2: training\[0\]: cannot read image .*gone.png \(file not found\)"):
         runner.data(8, 1)
 
 

@@ -305,7 +305,7 @@ def test_a_site_that_sat_out_every_round_is_named_in_the_status_and_not_in_the_m
     # #56: the site's own log has its error as one line (its file named relative to its data root), no traceback
     log = next((tmp_path / "ws").rglob("site-3/log.txt")).read_text()
     errors = [ln for ln in log.splitlines() if "[fedmed] site-3:" in ln]
-    assert errors and all(ln.endswith("[fedmed] site-3: cannot read image images/site-3/gone.png (file not found)")
+    assert errors and all(ln.endswith("[fedmed] site-3: training[0]: cannot read image images/site-3/gone.png (file not found)")
                           for ln in errors), errors
     assert "Traceback (most recent call last)" not in log
     record = json.loads((Path(out["result"]) / "metrics.json").read_text())

@@ -273,7 +273,13 @@ def main(argv=None) -> int:
     except (ValueError, TypeError, OSError, RuntimeError) as e:  # one line each (OSError: a folder it cannot write)
         from fedmed.run.experiment import ExperimentError
 
-        print(f"fedmed {a.verb}: error: {e}", file=sys.stderr)
+        from pydantic import ValidationError
+
+        from fedmed.core.schema import error_lines
+
+        # one line per bad key for a pydantic error; a message that names the command already is not prefixed twice
+        msg = "; ".join(error_lines(e)) if isinstance(e, ValidationError) else str(e)
+        print(msg if msg.startswith(f"fedmed {a.verb}:") else f"fedmed {a.verb}: error: {msg}", file=sys.stderr)
         return 1 if isinstance(e, ExperimentError) else 2
     return rc if isinstance(rc, int) else 0
 

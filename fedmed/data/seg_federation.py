@@ -65,17 +65,23 @@ def subject_of(entry: dict) -> str:
     return str(entry.get("subject") or Path(str(entry["label"])).parent.name)
 
 
-def check_no_leakage(training: list[dict], test: list[dict], where: str = "federation") -> None:
-    """Raise when a subject has samples in both training and test data.
+def check_no_leakage(training, test=None, where: str = "federation") -> None:
+    """Raise when a subject has samples in two splits: ``training`` is a datalist (its ``training``, ``validation``
+    and ``test`` splits, each pair checked) or, with ``test``, the training samples against the test samples.
 
     Raises:
-        DataError: naming the subjects (and ``where``).
+        DataError: naming the subjects, the two splits (and ``where``).
     """
-    both = sorted({subject_of(e) for e in training} & {subject_of(e) for e in test})
-    if both:
-        raise DataError(f"{where}: subject(s) {both} are in both the training and the test data (subject leakage)",
-                        f"{where}: {len(both)} subject(s) are in both the training and the test data (subject "
-                        f"leakage; the site's log names them)")
+    splits = {"training": training, "test": test} if test is not None else \
+        {k: training.get(k) or [] for k in ("training", "validation", "test")}
+    names = list(splits)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            both = sorted({subject_of(e) for e in splits[a]} & {subject_of(e) for e in splits[b]})
+            if both:
+                raise DataError(f"{where}: subject(s) {both} are in both the {a} and the {b} data (subject leakage)",
+                                f"{where}: {len(both)} subject(s) are in both the {a} and the {b} data (subject "
+                                f"leakage; the site's log names them)")
 
 
 def write_seg_federation(entries: list[dict], n_sites: int, out_dir, *, partition: str = "label_volume",
@@ -124,7 +130,7 @@ def write_seg_federation(entries: list[dict], n_sites: int, out_dir, *, partitio
         val_subj, train_subj = block[:n_val], block[n_val:]
         doc = {"site": name, "training": [entries[i] for s in train_subj for i in by_subject[s]],
                "validation": [entries[i] for s in val_subj for i in by_subject[s]], "test": test_entries}
-        check_no_leakage(doc["training"] + doc["validation"], doc["test"], where=name)
+        check_no_leakage(doc, where=name)
         (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
     meta = {"task": "segmentation", "sites": names, "modalities": entries[0]["modalities"], "partition": partition,
             "region": region, "seed": seed, "fold": fold, "n_folds": n_folds, "test_subjects": test_subjects,

@@ -218,6 +218,10 @@ def _path_like(v) -> bool:
 def _refuse_reaching_out(arch: str, args: dict, where: str = "model.args") -> None:
     """No argument of a network may be a URL or a path (a download, or a file of the site's host read)."""
     for k, v in args.items():
+        if isinstance(v, dict) and "_target_" in v:
+            raise ArchError(f"{where}.{k}: a component to build ({{'_target_': {str(v['_target_'])!r:.60}}}, a MONAI "
+                            f"bundle's form); a site builds nothing a job's arguments name: give {arch} a plain value "
+                            f"(a number, a name, a list)")
         for x in (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]):
             if isinstance(x, (dict, list, tuple)):
                 _refuse_reaching_out(arch, {k: x}, where)

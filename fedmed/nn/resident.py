@@ -205,8 +205,11 @@ class DeviceVolumes:
         self.roi = tuple(int(r) for r in roi)
         self.images, self.labels, self.fg, self.bg, self.shapes = [], [], [], [], []
         self.nbytes = 0
-        for c in cases:
+        for i, c in enumerate(cases):
             img, lab = np.asarray(c["image"], dtype=np.float32), np.asarray(c["label"])
+            if img.ndim != 4 or lab.ndim != 4 or img.shape[1:] != lab.shape[1:]:
+                raise ValueError(f"DeviceVolumes: case {i} ({c.get('name', 'unnamed')}): image {img.shape} and label "
+                                 f"{lab.shape} should be (C, D, H, W) and (K, D, H, W) of one grid")
             pad = [(0, 0)] + [((r - d) // 2, r - d - (r - d) // 2) if d < r else (0, 0)
                               for d, r in zip(img.shape[1:], self.roi)]
             if any(p != (0, 0) for p in pad):

@@ -75,6 +75,7 @@ class MAESiteRunner(SiteRunner):
     TASKS = {"train": train, "validate": validate}
     KIND = "mae"
     ARCH = "MaskedAutoEncoderViT"  # the network Fed-MAE pre-trains (fedmed.nn.mae.mae_model), whatever model.arch says
+    NETWORK = "the network Fed-MAE pre-trains (whatever model.arch says)"
 
     def networks(self, cfg: TaskConfig) -> list[str]:
         return [self.ARCH]

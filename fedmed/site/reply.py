@@ -42,7 +42,7 @@ def scrubbed(site: str, runner: SiteRunner | None, err: Exception, allow=()) -> 
     """The one-line error a site sends for ``err``: named by the site, its public text (the position and the kind of
     problem: ``DataError.public``) with every path and every name of the site's datalist redacted
     (:func:`fedmed.site.settings.redact`)."""
-    text = getattr(err, "public", None) or str(err)
+    text = getattr(err, "public", None) or _text(err)
     msg = text if text.startswith(site) else f"{site}: {type(err).__name__}: {text}"
     msg = " ".join(msg.split())  # one line
     return redact(msg, runner.private_tokens if runner is not None else (), allow)
@@ -50,8 +50,18 @@ def scrubbed(site: str, runner: SiteRunner | None, err: Exception, allow=()) -> 
 
 def local_message(site: str, runner: SiteRunner | None, err: Exception) -> str:
     """The same error as the site's own log has it: files named relative to the data root (never sent)."""
-    msg = str(err) if str(err).startswith(site) else f"{site}: {type(err).__name__}: {err}"
+    msg = _text(err) if _text(err).startswith(site) else f"{site}: {type(err).__name__}: {_text(err)}"
     return runner.settings.scrub(msg) if runner is not None else msg
+
+
+def _text(err: Exception) -> str:
+    """An error's message; a pydantic validation error (a task's options) as one line per bad key, never its dump
+    and web address (:func:`fedmed.core.schema.error_lines`)."""
+    from pydantic import ValidationError
+
+    from fedmed.core.schema import error_lines
+
+    return "; ".join(error_lines(err)) if isinstance(err, ValidationError) else str(err)
 
 
 def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: dict, round_: int,

@@ -162,7 +162,7 @@ class SegSiteRunner(SiteRunner):
         shape = tuple(task_config(cfg).data.shape)
         if self._data is None or self._data_key != shape:
             doc = self._datalist("segmentation")
-            check_no_leakage(doc["training"] + doc["validation"], doc["test"], where=self.site)
+            check_no_leakage(doc, where=self.site)
             tr = [self._case(e, shape, "training", i) for i, e in enumerate(doc["training"])]
             te = [self._case(e, shape, "test", i) for i, e in enumerate(doc["test"])]
             if not tr:

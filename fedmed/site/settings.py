@@ -71,8 +71,13 @@ class SiteSettings:
 
     def display(self, path) -> str:
         """``path`` as the site's own log names it (relative to the data root, else its name; what leaves the site
-        names positions only: :func:`redact`)."""
-        return _relative(Path(path), self.data_root)
+        names positions only: :func:`redact`); a file outside the data root says so."""
+        p = Path(path)
+        try:
+            p.resolve().relative_to(Path(self.data_root).resolve())
+        except (ValueError, OSError, RuntimeError):
+            return f"{p.name} (outside the data folder)"
+        return _relative(p, self.data_root)
 
     @property
     def scrub_roots(self) -> list:
