@@ -59,7 +59,8 @@ def summarize(dest: Path) -> dict:
     ev = [v["evidence"].get("finetuned") for v in plan.values()]
     ev = [e for e in ev if e]
     return {"metric": metric, "global": mean("global"), "finetuned": mean("finetuned"),
-            "wins": sum(e["wins"] for e in ev), "losses": sum(e["losses"] for e in ev),
+            "wins": sum(e.get("wins", 0) for e in ev), "losses": sum(e.get("losses", 0) for e in ev),  # a site's
+            # counts below k_min are not sent (#86): the sums are over the sites that sent them
             "served": sum(v["served"] == "finetuned" for v in plan.values()), "sites": len(plan)}
 
 

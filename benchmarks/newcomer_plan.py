@@ -11,7 +11,7 @@ then are both the served and the global model scored on its test split.
 Each seed's plan runs ``fedmed plan`` (FLARE's simulator) into ``<out>/runs/seed<N>/_newcomer_plan`` (reused when
 its ``plan.json`` is there); the table (``newcomer_plan.md`` in the experiment folder, printed too) gives per seed and
 new site the served model, the validation evidence of each candidate (wins / losses against the global model over the
-site's validation images, the mean Brier-score gain the test judges, and the one-sided p-value the plan recorded and
+site's validation images, the mean Brier score gain the test judges, and the one-sided p-value the plan recorded and
 compared with ``alpha`` over the number of candidates) and the test accuracy of the served model and of
 the global model, then mean ± std over seeds. The test split chooses nothing.
 """
@@ -95,7 +95,8 @@ def table(out: Path, seeds: list[int], candidates: list[str] = ()) -> str:
             f = run_dir(out, seed, c) / "test_phase" / "server" / "metrics.json"
             onboard[c] = _scores(json.loads(f.read_text()), "test_phase") if f.is_file() else {}
         for site, v in sorted(plan.items()):
-            ev = "; ".join(f"{n}: {e['wins']} W / {e['losses']} L of {e['n']}"
+            ev = "; ".join(f"{n}: " + (f"{e['wins']} W / {e['losses']} L of {e['n']}" if "wins" in e else
+                                       f"{e['n']} items (counts below k_min not sent)")
                            + (f", mean Brier gain {e['sum_d'] / e['n']:+.3f}" if e.get("sum_d") is not None else "")
                            + (f", p = {v['p'][n]:.3f}" if n in v.get("p", {}) else "")
                            if e else f"{n}: none sent"

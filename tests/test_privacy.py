@@ -25,8 +25,9 @@ FIELDS = {
     "validate": EVAL,
     "finetune_local": EVAL | {"n_train", "train_loss", "steps"},  # the site's own model: its scores only
     "validate_ensemble": EVAL,
-    "serve_score": {"serving", "reference", "finetune_train_loss"},  # per candidate: n, wins, losses and the sums of
-    # the per-image Brier-score differences and their squares (>= k_min items)
+    "serve_score": {"serving", "reference", "finetune_train_loss", "not_scored"},  # per candidate: n, the sums of
+    # the per-image Brier-score differences and their squares (>= k_min items) and wins / losses where none is
+    # below k_min; not_scored: fedmed's own reason a candidate was not scored (no count, no name)
     # halves / halves_n: two means of >= k_min images each and their sizes ("do the sites differ?")
     "signature/fmcl": {"classes", "means", "counts", "withheld_classes", "notes", "dp", "encoder", "n_train", "halves",
                        "halves_n"},
@@ -175,12 +176,14 @@ def test_training_and_evaluation_replies(site):
     _, metrics, meta, out = runner.handle("serve_score", packed, {**cfg, "method_options": opts}, 0)
     assert not audit("serve_score", meta, samples, k_min=5) and out == {}
     n_val = runner.splits(cfg).val[0].shape[0]
-    for counts in meta["serving"].values():  # per candidate three counts and two sums over the whole validation
-        # split, or nothing
-        if n_val < 5:
-            assert counts is None
+    for name, counts in meta["serving"].items():  # per candidate two sums over the whole validation split and the
+        # counts where none is below k_min (#86), or nothing (under k_min items; a candidate not scored, with why)
+        if n_val < 5 or counts is None:
+            assert counts is None and (n_val < 5 or name in meta["not_scored"])
             continue
-        assert set(counts) == {"n", "wins", "losses", "sum_d", "sum_d2"} and counts["n"] == n_val
+        assert {"n", "sum_d", "sum_d2"} <= set(counts) <= {"n", "wins", "losses", "sum_d", "sum_d2"}
+        assert counts["n"] == n_val and ("wins" not in counts or min(counts["wins"], counts["losses"],
+                                                                    n_val - counts["wins"] - counts["losses"]) >= 5)
         assert all(isinstance(counts[k], float) for k in ("sum_d", "sum_d2"))
         assert counts["sum_d2"] >= counts["sum_d"] ** 2 / n_val - 1e-9  # a sum of squares over n_val items
 

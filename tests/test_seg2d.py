@@ -188,9 +188,11 @@ def test_the_serving_plan_chooses_2d_lesion_segmenters_on_the_sites_validation_d
     rounds = {r["task"]: r["sites"] for r in fed.recorder.doc["rounds"]}
     for site, v in chosen.items():
         assert v["served"] in ("global", "Clusters")
-        assert v["evidence"]["Same"] == {"n": v["evidence"]["Same"]["n"], "wins": 0, "losses": 0}
-        c = v["evidence"]["Clusters"]
-        assert c["n"] >= 2 and c["wins"] + c["losses"] <= c["n"]
+        same = v["evidence"]["Same"]  # 0 wins and 0 losses: counts below k_min (2) are never sent (#86); the sums
+        assert same == {"n": same["n"], "sum_d": 0.0, "sum_d2": 0.0}  # of the Dice differences are, over >= k_min
+        c = v["evidence"]["Clusters"]  # the counts only where each is at least k_min
+        assert c["n"] >= 2 and ("wins" not in c or (min(c["wins"], c["losses"]) >= 2 and c["wins"] + c["losses"]
+                                                    <= c["n"]))
         scored = rounds["serve_score"][site]
         assert set(scored) >= {"val_dice_mean/global", "val_dice_mean/Clusters"}
         assert rounds["served"][site]["val_dice_mean"] == pytest.approx(scored[f"val_dice_mean/{v['served']}"])
@@ -211,7 +213,7 @@ def test_the_serving_plan_chooses_2d_lesion_segmenters_on_the_sites_validation_d
         scored = rounds["serve_score"][site]
         assert scored["val_dice_mean/finetuned"] != scored["val_dice_mean/global"]  # it trained
         c = v["evidence"]["finetuned"]
-        assert c["wins"] + c["losses"] >= 1
+        assert "wins" not in c or min(c["wins"], c["losses"]) >= 2
         assert rounds["served"][site]["val_dice_mean"] == pytest.approx(scored[f"val_dice_mean/{v['served']}"])
         assert (tmp_path / "tuned" / "models" / f"{site}.pt").exists() == (v["served"] != "finetuned")
     assert "finetuned" in {v["served"] for v in chosen.values()}, chosen  # 3 epochs at lr 0.01 beat 3 rounds' model
@@ -225,7 +227,8 @@ def test_the_serving_plan_chooses_2d_lesion_segmenters_on_the_sites_validation_d
 
 def test_a_2d_sites_fine_tuning_replies_carry_only_aggregates(tmp_path):
     """What leaves a 2D lesion site when the plan fine-tunes there (docs/privacy.md): ``serve_score`` sends per
-    candidate only n / wins / losses and each model's mean validation Dice; ``finetune_local`` (the served round's
+    candidate only n, the sums of its per-image Dice differences (and wins / losses where none is below k_min) and
+    each model's mean validation Dice; ``finetune_local`` (the served round's
     remake) only its scores, its training loss and counts — no parameters, no per-image value. The remake is the
     model ``serve_score`` scored: the same validation Dice."""
     from fedmed.core.packing import pack_models
@@ -246,8 +249,10 @@ def test_a_2d_sites_fine_tuning_replies_carry_only_aggregates(tmp_path):
     _, metrics, meta, params = runner.handle("serve_score", pack_models([p]), {**cfg, "method_options": {
         "names": ["global"], "finetune": ft}})
     ours = {"site_policy", "notes"}  # the site's own policy (first reply of a run) and its notes: no data
-    assert not params and set(meta) - ours <= {"serving", "reference", "finetune_train_loss"}
-    assert set(meta["serving"]) == {"finetuned"} and set(meta["serving"]["finetuned"]) == {"n", "wins", "losses"}
+    assert not params and set(meta) - ours <= {"serving", "reference", "finetune_train_loss", "not_scored"}
+    sent = meta["serving"]["finetuned"]  # n and the Dice-difference sums; wins and losses where none is below k_min
+    assert set(meta["serving"]) == {"finetuned"} and set(sent) - {"wins", "losses"} == {"n", "sum_d", "sum_d2"}
+    assert "wins" not in sent or min(sent["wins"], sent["losses"]) >= 2
     assert set(metrics) == {"val_dice_mean/global", "val_dice_mean/finetuned"}
     _, metrics2, meta2, params2 = runner.handle("finetune_local", p, {**cfg, "method_options": ft})
     assert not params2 and set(meta2) - ours <= {"n_test", "val_n_test", "n_train", "train_loss"}

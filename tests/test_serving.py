@@ -33,16 +33,20 @@ def test_the_score_test_is_a_one_sided_paired_t_test_from_the_sums_alone():
 def test_a_site_sends_aggregates_never_a_per_image_value_and_nothing_under_k_min():
     ref = np.array([1, 1, 0, 0, 1, 0, 1, 1])
     cand = np.array([1, 0, 1, 1, 1, 0, 1, np.nan])  # the last item unscored by the candidate: left out of both
-    got = paired_counts(ref, cand, k_min=5)
+    got = paired_counts(ref, cand, k_min=1)
     assert got == Paired(n=7, wins=2, losses=1)
     assert set(vars(got)) == {"n", "wins", "losses", "sum_d", "sum_d2"} and got.sum_d is None
     assert got.tested("score") == "sign"  # no proper scores sent: the score test falls back to the sign test
     assert paired_counts(ref, cand, k_min=8) is None  # 7 scored items < k_min: nothing is sent
+    assert paired_counts(ref, cand, k_min=5) is None  # 2 wins, 1 loss: counts below k_min are never sent (#86)
     # a classifier also sends the sums of its items' proper-score differences (candidate minus global) and squares
     bref = -np.array([0.1, 0.2, 1.2, 1.5, 0.3, 0.9, 0.0, 0.4])
     bcand = -np.array([0.2, 1.1, 0.1, 0.4, 0.2, 0.8, 0.1, 0.3])
-    got = paired_counts(ref, cand, k_min=5, reference_proper=bref, candidate_proper=bcand)
+    got = paired_counts(ref, cand, k_min=1, reference_proper=bref, candidate_proper=bcand)
     d = (bcand - bref)[:7]
+    only_sums = paired_counts(ref, cand, k_min=5, reference_proper=bref, candidate_proper=bcand)
+    assert only_sums.message() == {"n": 7, "sum_d": pytest.approx(d.sum()), "sum_d2": pytest.approx(np.sum(d * d))}
+    assert only_sums.p_value("sign") == 1.0  # no counts, no sign test: never served on it
     assert (got.n, got.wins, got.losses) == (7, 2, 1) and got.tested("score") == "score"
     assert got.sum_d == pytest.approx(d.sum()) and got.sum_d2 == pytest.approx(np.sum(d * d))
     assert got.p_value("sign") == sign_test_p(2, 1) and got.p_value("score") == score_test_p(7, d.sum(), np.sum(d * d))
@@ -51,7 +55,7 @@ def test_a_site_sends_aggregates_never_a_per_image_value_and_nothing_under_k_min
     with pytest.raises(ValueError, match="the same items"):
         paired_counts([1, 0], [1, 0, 1])
     # proper scores of one model only: no sums (nothing to difference)
-    assert paired_counts(ref, cand, k_min=5, reference_proper=bref).sum_d is None
+    assert paired_counts(ref, cand, k_min=1, reference_proper=bref).sum_d is None
     assert got.message() == {"n": 7, "wins": 2, "losses": 1, "sum_d": got.sum_d, "sum_d2": got.sum_d2}
     assert Paired(3, 1, 1).message() == {"n": 3, "wins": 1, "losses": 1}
     with pytest.raises(ValueError, match="sum_d and sum_d2"):
@@ -168,8 +172,8 @@ def test_the_score_test_finds_a_better_candidate_more_often_than_the_sign_test()
     assert got["score"] > 1.5 * got["sign"] and got["score"] / trials > 0.3, got
     assert got[None] == got["score"]  # "score" is the default
     reason = choose({"cluster": Paired(60, 9, 2, 3.0, 1.0)}).reason
-    assert reason.startswith("cluster beats global: mean score gain +0.0500 over 60 validation items (paired t-test; "
-                             "9 wins / 2 losses)"), reason
+    assert reason.startswith("cluster beats global: mean Brier score gain +0.0500 over 60 validation items (paired "
+                             "t-test), p = "), reason
     with pytest.raises(ValueError, match="test should be one of"):
         choose({"cluster": Paired(60, 9, 2)}, test="t")
 
@@ -188,7 +192,7 @@ def test_a_truly_better_candidate_is_served_and_the_reason_gives_the_evidence():
     assert served / 500 > 0.9
     c = choose({"cluster": Paired(80, 14, 2), "finetuned": Paired(80, 6, 5)})
     assert c.served == "cluster" and c.threshold == pytest.approx(ALPHA / 2)
-    assert "cluster beats global: 14 wins / 2 losses over 80 validation items" in c.reason
+    assert "cluster beats global: 14 items better, 2 worse, of 80 validation items (sign test)" in c.reason
     kept = choose({"cluster": Paired(80, 6, 2)})
     assert kept.served == "global" and "no candidate beats it beyond the validation noise" in kept.reason
 
@@ -218,7 +222,7 @@ def test_the_plan_pools_a_clusters_sites_for_their_shared_model_and_judges_a_sit
               "c": {"cluster": Paired(30, 3, 2), "finetuned": None}}
     groups = {"cluster": {"a": 0, "b": 0, "c": 1}}
     got = plan(counts, groups=groups)
-    assert got["a"].served == "cluster" and "10 wins / 2 losses over 45" in got["a"].reason
+    assert got["a"].served == "cluster" and "10 items better, 2 worse, of 45" in got["a"].reason
     assert got["b"].served == "finetuned" and got["b"].p == {"cluster": sign_test_p(10, 2), "finetuned": sign_test_p(9, 0)}
     assert got["c"].served == "global" and "no validation evidence for finetuned" in got["c"].reason
     alone = plan(counts)  # without the grouping each site judges its cluster model on its own counts
@@ -262,11 +266,31 @@ def _site_and_models(tmp_path):
     return runner, cfg, get_params(untrained), get_params(trained)
 
 
+def _expected(runner, cfg, ref, cand, k):
+    """What a site may send for ``cand`` against ``ref`` (their correctness on its validation split): the counts
+    when each of wins, losses and ties is at least ``k``, else none; each model's accuracy when its right and wrong
+    answers are each at least ``k``."""
+    from fedmed.core.schema import task_config
+    from fedmed.nn.train import predict_proba, set_params
+
+    x, y = runner.splits(cfg).val
+    model = runner.model(task_config(cfg))
+    right = []
+    for p in (ref, cand):
+        set_params(model, p)
+        right.append(np.asarray(predict_proba(model, x)).argmax(1) == y.numpy())
+    wins, losses = int(np.sum(right[1] & ~right[0])), int(np.sum(right[0] & ~right[1]))
+    counts = {"wins": wins, "losses": losses} if min(wins, losses, y.numel() - wins - losses) >= k else {}
+    acc = [float(r.mean()) if min(r.sum(), (~r).sum()) >= k else None for r in right]
+    return counts, acc
+
+
 def test_a_site_scores_its_candidates_on_validation_and_sends_paired_counts_only(tmp_path):
-    """The ``serve_score`` site task: per candidate three counts against the reference (the first packed model) over
-    the site's whole validation split; the same model as the reference ties on every item; a trained candidate
-    against an untrained reference wins and is served by the rule; nothing under k_min; names must match the
-    models; the fine-tuned reference is one more candidate that never leaves the site."""
+    """The ``serve_score`` site task: per candidate its aggregates against the reference (the first packed model) over
+    the site's whole validation split — the Brier sums, and the counts only where none is below k_min; the same
+    model as the reference ties on every item; a trained candidate against an untrained reference is better and is
+    served by the rule; nothing under k_min; names must match the models; the fine-tuned reference is one more
+    candidate that never leaves the site."""
     from fedmed.core.packing import pack_models
 
     runner, cfg, untrained, trained = _site_and_models(tmp_path)
@@ -275,14 +299,13 @@ def test_a_site_scores_its_candidates_on_validation_and_sends_paired_counts_only
     cfg = {**cfg, "method_options": {"names": ["global", "same", "cluster"]}}
     _, metrics, meta, out = runner.handle("serve_score", packed, cfg, 0)
     assert out == {} and meta["reference"] == "global" and set(meta["serving"]) == {"same", "cluster"}
-    assert meta["serving"]["same"] == {"n": n_val, "wins": 0, "losses": 0, "sum_d": 0.0, "sum_d2": 0.0}
+    assert meta["serving"]["same"] == {"n": n_val, "sum_d": 0.0, "sum_d2": 0.0}  # 0 wins, 0 losses: not sent
     c = meta["serving"]["cluster"]
-    assert c["n"] == n_val and c["wins"] > c["losses"]
-    assert metrics["val_accuracy/cluster"] > metrics["val_accuracy/global"] + 0.3
+    counts, acc = _expected(runner, cfg, untrained, trained, 5)
+    assert c["n"] == n_val and {k: c[k] for k in ("wins", "losses") if k in c} == counts
     assert c["sum_d"] > 0 and c["sum_d2"] > 0  # a better Brier score, summed over the same items
-    # wins - losses is the accuracy difference on the same items
-    assert (c["wins"] - c["losses"]) / n_val == pytest.approx(metrics["val_accuracy/cluster"]
-                                                              - metrics["val_accuracy/global"])
+    for name, a in zip(("global", "cluster"), acc):
+        assert (np.isnan(metrics[f"val_accuracy/{name}"]) if a is None else metrics[f"val_accuracy/{name}"] == a)
     choice = choose({k: Paired(**v) for k, v in meta["serving"].items()})
     assert choice.served == "cluster"
     # the same the other way round: the trained model is the reference, the untrained one never served
@@ -302,4 +325,81 @@ def test_a_site_scores_its_candidates_on_validation_and_sends_paired_counts_only
     ft = {**cfg, "method_options": {"names": ["global"], "finetune": {"epochs": 2, "lr_scale": 1.0}}}
     _, metrics5, meta5, out5 = runner.handle("serve_score", pack_models([untrained]), ft, 0)
     assert out5 == {} and set(meta5["serving"]) == {"finetuned"} and meta5["finetune_train_loss"] > 0
-    assert meta5["serving"]["finetuned"]["wins"] > meta5["serving"]["finetuned"]["losses"]
+    assert meta5["serving"]["finetuned"]["sum_d"] > 0
+
+
+def _constant(params: dict, head: list, cls: int) -> dict:
+    """The network ``params`` turned into a constant-class model: its last layer's weights zero, its bias large for
+    class ``cls`` (the first construction of #86's probe)."""
+    out = {k: np.array(v, copy=True) for k, v in params.items()}
+    w, b = sorted(head, key=lambda k: k.endswith("bias"))
+    out[w][:] = 0.0
+    out[b][:] = 0.0
+    out[b][cls] = 20.0
+    return out
+
+
+def test_the_plans_two_probe_constructions_reveal_nothing(tmp_path):
+    """#86's probe: (1) a constant-class global model against a constant-class candidate made the paired counts each
+    site's per-class validation counts; (2) two candidates that differ on one validation image made the difference of
+    two replies that image's Brier difference. Both now reveal nothing: the reply is the same whatever the site's
+    class counts, and the second candidate of a differencing pair is not sent."""
+    import json
+
+    from fedmed.core.packing import pack_models
+    from fedmed.nn.recipe import head_keys
+    from fedmed.core.schema import task_config
+    from fedmed.site.tasks import Reply, serving_reply
+
+    runner, cfg, untrained, trained = _site_and_models(tmp_path)
+    head = head_keys(runner.model(task_config(cfg)))
+    zero, one = _constant(trained, head, 0), _constant(trained, head, 1)
+    cfg1 = {**cfg, "method_options": {"names": ["global", "cand"]}}
+    replies = []
+    original = runner.datalist_path.read_text()
+    for classes in ([0, 1], [0, 1, 2]):  # two sites: class 2 only at the second, the counts of 0 and 1 differ
+        doc = json.loads(original)
+        keep = [e for e in doc["validation"] if e["label"] in classes]
+        doc["validation"] = keep[:len(keep) - len(classes)]
+        runner.datalist_path.write_text(json.dumps(doc))
+        runner._data = None
+        _, metrics, meta, _ = runner.handle("serve_score", pack_models([zero, one]), cfg1, 0)
+        assert meta["serving"] == {"cand": None} and "blind to the image" in meta["not_scored"]["cand"]
+        assert all(np.isnan(v) for v in metrics.values()), metrics
+        replies.append((meta["serving"], sorted(metrics)))
+    assert replies[0] == replies[1]  # nothing in the reply depends on the class counts
+    # (2) differencing: the reply's scores are stubbed so that cand2 differs from cand1 on one item alone
+    runner.datalist_path.write_text(original)
+    runner._data = None
+    n = runner.splits(cfg).val[0].shape[0]
+    rng = np.random.default_rng(0)
+    base = {"global": rng.random(n), "cand1": rng.random(n)}
+    base["cand2"] = base["cand1"].copy()
+    base["cand2"][3] += 0.5
+    marks = {"global": 0.0, "cand1": 1.0, "cand2": 2.0}
+    models = []
+    for name in ("global", "cand1", "cand2"):
+        p = {k: np.array(v, copy=True) for k, v in trained.items()}
+        p[head[-1]].flat[0] = marks[name]
+        models.append(p)
+
+    def item_scores(model):
+        mark = float(model.state_dict()[head[-1]].flatten()[0])
+        name = next(k for k, v in marks.items() if v == mark)
+        return (base[name] > 0.5).astype(float), -base[name]
+
+    cfg2 = task_config({**cfg, "method_options": {"names": ["global", "cand1", "cand2"]}})
+    reply = serving_reply(runner, pack_models(models), cfg2, item_scores, "accuracy")
+    assert isinstance(reply, Reply) and reply.meta["serving"]["cand2"] is None
+    assert "differ from cand1's on fewer than k_min validation items" in reply.meta["not_scored"]["cand2"]
+    assert reply.meta["serving"]["cand1"] is not None and np.isnan(reply.metrics["val_accuracy/cand2"])
+
+
+def test_a_kept_global_model_on_few_validation_items_says_too_few_to_decide():
+    """#86: nine validation images are flagged as too few to decide, in the reason the plan and report show."""
+    few = choose({"finetuned": Paired(9, None, None, 0.3, 0.2)})
+    assert few.served == "global" and few.reason.startswith(
+        "global kept: too few validation items to decide (n = 9; under 20 only a large gain can pass): no candidate")
+    many = choose({"finetuned": Paired(90, None, None, 0.3, 20.0)})
+    assert many.served == "global" and "too few" not in many.reason
+    assert "1 item better" in choose({"c": Paired(40, 1, 6)}, test="sign").reason  # grammar: one item

@@ -8,7 +8,8 @@ never a per-item value (:func:`paired_counts`):
 * ``n``: the validation items both models were scored on;
 * ``wins``: items the candidate gets right and the global model wrong (for segmentation: images where the candidate's
   Dice is higher);
-* ``losses``: items the global model gets right and the candidate wrong (its score higher);
+* ``losses``: items the global model gets right and the candidate wrong (its score higher) — ``wins`` and ``losses``
+  only when each of them and the ties is at least ``k_min`` (a count below it is never sent, 0 included: #86);
 * a classifier's site also sends ``sum_d`` and ``sum_d2``: the sum and the sum of squares, over the same items, of
   ``d`` = the candidate's per-item proper score minus the global model's (the negative Brier score: ``-sum_k (p_k -
   y_k)^2``, bounded, so ``d`` lies in [-2, 2]).
@@ -25,8 +26,9 @@ any number was seen (docs/readings.md "Serving plan"). Two tests (:data:`TESTS`)
   as often as the sign test at the same false-alarm rate. A proper score rewards better probabilities, which may be
   better calibration as well as more right answers (docs/readings.md).
 * ``"sign"``: the **exact sign test** on the discordant items (McNemar's exact test for correctness): ``p = P(Bin(wins +
-  losses, 1/2) >= wins)``. Where a site sent no score sums (a 2D lesion segmenter's site, whose per-image Dice is
-  already a continuous score the sign test counts in full) ``"score"`` falls back to it.
+  losses, 1/2) >= wins)``. Where a site sent no score sums ``"score"`` falls back to it. A 2D lesion segmenter's site
+  sends the sums of its per-image Dice differences (#86: its counts, below ``k_min`` at either end, often cannot be
+  sent, and a sign test cannot then show a candidate better on every image).
 
 Among the candidates that pass, the smallest ``p`` wins (then the larger mean gain or ``wins - losses``, then the
 name). The sites of one cluster may pool their evidence for their shared candidate (:func:`pooled`: counts and sums
@@ -45,11 +47,12 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-__all__ = ["ALPHA", "TESTS", "Choice", "Paired", "choose", "paired_counts", "plan", "plan_table", "pooled",
+__all__ = ["ALPHA", "TESTS", "Choice", "Paired", "choose", "differing_items", "paired_counts", "plan", "plan_table", "pooled",
            "score_test_p", "sign_test_p"]
 
 ALPHA = 0.05
 TESTS = ("score", "sign")
+FEW = 20  # a site's reason says it had too few validation items to decide when the global model is kept on fewer
 
 
 @dataclass(frozen=True)
@@ -58,15 +61,20 @@ class Paired:
     module notes); ``sum_d`` / ``sum_d2`` None where the site scores no per-item proper score."""
 
     n: int
-    wins: int
-    losses: int
+    wins: Optional[int] = None
+    losses: Optional[int] = None
     sum_d: Optional[float] = None
     sum_d2: Optional[float] = None
 
     def __post_init__(self):
-        if min(self.n, self.wins, self.losses) < 0 or self.wins + self.losses > self.n:
+        if (self.wins is None) != (self.losses is None):
+            raise ValueError("paired counts come together: wins and losses, or neither")
+        w, lo = self.wins or 0, self.losses or 0
+        if min(self.n, w, lo) < 0 or w + lo > self.n:
             raise ValueError(f"paired counts need 0 <= wins + losses <= n, got n={self.n}, wins={self.wins}, "
                              f"losses={self.losses}")
+        if self.wins is None and self.sum_d is None:
+            raise ValueError("paired evidence needs the counts (wins, losses) or the score sums")
         if (self.sum_d is None) != (self.sum_d2 is None):
             raise ValueError("paired score sums come together: sum_d and sum_d2, or neither")
         if self.sum_d2 is not None and not (self.sum_d2 >= 0 and np.isfinite(self.sum_d) and np.isfinite(self.sum_d2)):
@@ -82,7 +90,7 @@ class Paired:
         """The one-sided p-value of "the candidate is no better" (:func:`score_test_p` or :func:`sign_test_p`)."""
         if self.tested(test) == "score":
             return score_test_p(self.n, self.sum_d, self.sum_d2)
-        return sign_test_p(self.wins, self.losses)
+        return 1.0 if self.wins is None else sign_test_p(self.wins, self.losses)
 
     def message(self) -> dict:
         """What the site sends (and the plan records): the fields it has, without the absent score sums."""
@@ -128,7 +136,10 @@ def paired_counts(reference_scores, candidate_scores, *, k_min: int = 1, referen
     (correctness 0/1 for classification, a Dice per image for segmentation; higher is better) and, optionally, each
     item's proper score under both models (a classifier's negative Brier score; higher is better): then ``sum_d`` /
     ``sum_d2`` of their differences too (given for one model only, none). ``None`` (nothing sent) under ``k_min``
-    items. NaN scores (an item a model could not score) are left out of both."""
+    items. No count below ``k_min`` is sent (0 included where ``k_min`` is above 1, #86): ``wins`` and ``losses`` only when each is at least
+    ``k_min`` (and, beside the sums, whose item count tells the ties, the ties too); without them a classifier's site
+    sends its sums alone and a segmenter's site nothing; a segmenter's ``n`` is the discordant items' when its ties are
+    fewer than ``k_min``. NaN scores (an item a model could not score) are left out of both."""
     a = np.asarray(reference_scores, dtype=np.float64).ravel()
     b = np.asarray(candidate_scores, dtype=np.float64).ravel()
     if a.shape != b.shape:
@@ -143,12 +154,33 @@ def paired_counts(reference_scores, candidate_scores, *, k_min: int = 1, referen
     if proper:
         ok &= np.isfinite(pa) & np.isfinite(pb)
     a, b = a[ok], b[ok]
-    if a.size < max(1, int(k_min)):
+    k = max(1, int(k_min))
+    if a.size < k:
         return None
-    if not proper:
-        return Paired(int(a.size), int(np.sum(b > a)), int(np.sum(a > b)))
-    d = pb[ok] - pa[ok]
-    return Paired(int(a.size), int(np.sum(b > a)), int(np.sum(a > b)), float(d.sum()), float(np.sum(d * d)))
+    wins, losses = int(np.sum(b > a)), int(np.sum(a > b))
+    ties = int(a.size) - wins - losses
+    if min(wins, losses) < k and k > 1:  # a count below k_min is never sent (0 included, unless k_min is 1)
+        return None if not proper else Paired(int(a.size), None, None, *_sums(pa[ok], pb[ok]))
+    if not proper:  # the sign test needs wins and losses alone: the ties are not told when fewer than k_min
+        return Paired(int(a.size) if ties >= k or k == 1 else wins + losses, wins, losses)
+    if ties < k and k > 1:  # with the sums the count of items is sent, and with it the ties
+        wins = losses = None
+    return Paired(int(a.size), wins, losses, *_sums(pa[ok], pb[ok]))
+
+
+def _sums(pa, pb) -> tuple[float, float]:
+    d = pb - pa
+    return float(d.sum()), float(np.sum(d * d))
+
+
+def differing_items(a, b, tol: float = 1e-6) -> int:
+    """On how many items two models' per-item scores differ (beyond ``tol``; NaN equals NaN only): the replies of
+    two models that differ on fewer than ``k_min`` items could be differenced to single those items out."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    same = (np.abs(a - b) <= tol) | (np.isnan(a) & np.isnan(b))
+    same = same.reshape(same.shape[0], -1).all(axis=1) if same.ndim > 1 else same
+    return int(np.sum(~same))
 
 
 def pooled(*counts: Optional[Paired]) -> Optional[Paired]:
@@ -159,7 +191,13 @@ def pooled(*counts: Optional[Paired]) -> Optional[Paired]:
     if not got:
         return None
     sums = all(c.sum_d is not None for c in got)
-    return Paired(sum(c.n for c in got), sum(c.wins for c in got), sum(c.losses for c in got),
+    tally = all(c.wins is not None for c in got)
+    if not sums and not tally:  # the sites sent different kinds of evidence: the larger kind's sites alone
+        got = max(([c for c in got if c.sum_d is not None], [c for c in got if c.wins is not None]),
+                  key=lambda cs: sum(c.n for c in cs))
+        return pooled(*got)
+    return Paired(sum(c.n for c in got), sum(c.wins for c in got) if tally else None,
+                  sum(c.losses for c in got) if tally else None,
                   sum(c.sum_d for c in got) if sums else None, sum(c.sum_d2 for c in got) if sums else None)
 
 
@@ -174,7 +212,8 @@ class Choice:
 
 
 def choose(candidates: Mapping[str, Optional[Paired]], *, alpha: float = ALPHA, reference: str = "global",
-           excluded: Mapping[str, str] | None = None, notes=(), test: str = "score") -> Choice:
+           excluded: Mapping[str, str] | None = None, notes=(), test: str = "score",
+           withheld: Mapping[str, str] | None = None) -> Choice:
     """Serve ``reference`` unless a candidate beats it beyond the noise (see the module notes).
 
     Args:
@@ -194,8 +233,12 @@ def choose(candidates: Mapping[str, Optional[Paired]], *, alpha: float = ALPHA, 
     judged = {k: v for k, v in candidates.items() if k not in excluded and k != reference and v is not None}
     silent = sorted(k for k, v in candidates.items() if k not in excluded and k != reference and v is None)
     notes = list(notes) + [f"{k} not served: {why}" for k, why in sorted(excluded.items())]
-    if silent:
-        notes.append(f"no validation evidence for {', '.join(silent)} (fewer than k_min validation items)")
+    withheld = dict(withheld or {})
+    notes += [f"no validation evidence for {k}: {withheld[k]}" for k in silent if k in withheld]
+    plain = [k for k in silent if k not in withheld]
+    if plain:
+        notes.append(f"no validation evidence for {', '.join(plain)} (fewer than k_min validation items, or a "
+                     f"count below k_min withheld)")
     if not judged:
         return Choice(reference, "; ".join([f"{reference} kept: no candidate to compare"] + notes), {}, float("nan"))
     threshold = alpha / len(judged)
@@ -203,26 +246,37 @@ def choose(candidates: Mapping[str, Optional[Paired]], *, alpha: float = ALPHA, 
 
     def gain(k):
         v = judged[k]
-        return v.mean_d if v.tested(test) == "score" else float(v.wins - v.losses)
+        return v.mean_d if v.tested(test) == "score" else float((v.wins or 0) - (v.losses or 0))
 
     best = min(judged, key=lambda k: (p[k], -gain(k), k))
     c = judged[best]
     if c.tested(test) == "score":
-        evidence = (f"mean score gain {c.mean_d:+.4f} over {c.n} validation items (paired t-test; {c.wins} wins / "
-                    f"{c.losses} losses), p = {p[best]:.3g}")
+        evidence = (f"mean Brier score gain {c.mean_d:+.4f} over {c.n} validation items (paired t-test), "
+                    f"p = {p[best]:.3g}")
+    elif c.wins is None:
+        evidence = (f"no sign test: the counts of {c.n} validation items were withheld (one below k_min), "
+                    f"p = {p[best]:.3g}")
     else:
-        evidence = f"{c.wins} wins / {c.losses} losses over {c.n} validation items, p = {p[best]:.3g}"
+        evidence = (f"{_items(c.wins)} better, {c.losses} worse, of {c.n} validation items (sign test), "
+                    f"p = {p[best]:.3g}")
     over = f"alpha {alpha:g} over {len(judged)} candidate(s)"
     if p[best] < threshold:
         return Choice(best, "; ".join([f"{best} beats {reference}: {evidence} < {threshold:.3g} ({over})"] + notes),
                       p, threshold)
-    return Choice(reference, "; ".join([f"{reference} kept: no candidate beats it beyond the validation noise "
+    few = f"too few validation items to decide (n = {c.n}; under {FEW} only a large gain can pass): " \
+        if c.n < FEW else ""
+    return Choice(reference, "; ".join([f"{reference} kept: {few}no candidate beats it beyond the validation noise "
                                         f"(best {best}: {evidence} >= {threshold:.3g}, {over})"] + notes), p, threshold)
+
+
+def _items(n: int) -> str:
+    return f"{n} item" + ("" if n == 1 else "s")
 
 
 def plan(site_counts: Mapping[str, Mapping[str, Optional[Paired]]], *, groups: Mapping[str, Mapping[str, object]]
          | None = None, alpha: float = ALPHA, reference: str = "global",
-         excluded: Mapping[str, Mapping[str, str]] | None = None, test: str = "score") -> dict[str, Choice]:
+         excluded: Mapping[str, Mapping[str, str]] | None = None, test: str = "score",
+         withheld: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, Choice]:
     """The serving plan: per site, :func:`choose` over its candidates.
 
     Args:
@@ -232,6 +286,7 @@ def plan(site_counts: Mapping[str, Mapping[str, Optional[Paired]]], *, groups: M
             named here is judged on the site's own counts (a fine-tuned or personal model).
         excluded: ``{site: {candidate: reason}}`` ruled out before scoring (see :func:`choose`).
         test: the test (see :func:`choose`).
+        withheld: ``{site: {candidate: reason}}``: why a site sent no evidence for a candidate (said in its reason).
     """
     groups = {k: dict(v) for k, v in (groups or {}).items()}
     out = {}
@@ -247,7 +302,7 @@ def plan(site_counts: Mapping[str, Mapping[str, Optional[Paired]]], *, groups: M
             if len(members) > 1:
                 notes.append(f"{cand} judged on the pooled evidence of the {len(members)} sites it serves")
         out[site] = choose(ev, alpha=alpha, reference=reference, excluded=(excluded or {}).get(site), notes=notes,
-                           test=test)
+                           test=test, withheld=(withheld or {}).get(site))
     return out
 
 

@@ -66,7 +66,8 @@ def _metrics(runner, model, cfg) -> tuple[dict, dict]:
 def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     """#57's serving plan at a 2D lesion-segmentation site (:func:`fedmed.site.tasks.serving_reply`): every packed
     model's lesion Dice per **validation** image (a win where the candidate's is higher; lesion-free images are not
-    scored). With ``finetune`` the site also trains the reference ``epochs`` more on its own training split at
+    scored), sent as sums of the per-image Dice differences (the score test) and, where none is below ``k_min``, the
+    counts (the sign test). With ``finetune`` the site also trains the reference ``epochs`` more on its own training split at
     ``lr_scale`` x ``train.lr`` (a fresh optimizer, as the classifier's) and scores that model, which never leaves it,
     as ``finetuned``. The test split is not read."""
     from fedmed.nn.seg2d import dice_per_image, predict_masks2d
@@ -76,8 +77,10 @@ def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
     x, y = runner.cases(cfg)["validation"]
     gt = y[:, 0].numpy() > 0.5 if len(y) else None
 
-    def dice(m) -> np.ndarray:
-        return dice_per_image(predict_masks2d(m, x), gt) if len(y) else np.zeros(0)
+    def dice(m) -> tuple[np.ndarray, np.ndarray]:  # the Dice is the item's score and its proper score: the sums of
+        # the Dice differences travel as a classifier's Brier sums do (the score test; counts below k_min never do)
+        d = dice_per_image(predict_masks2d(m, x), gt) if len(y) else np.zeros(0)
+        return d, d
 
     def finetune(model, options):
         ft = finetune_config(cfg, options)
@@ -88,7 +91,11 @@ def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
 
 
 def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
-    metrics, meta = _metrics(runner, _served(runner, params, cfg), cfg)
+    from fedmed.site.tasks import keep_served
+
+    model = _served(runner, params, cfg)
+    metrics, meta = _metrics(runner, model, cfg)
+    meta.update(keep_served(runner, model, cfg))
     return Reply(runner.site, metrics, meta, {})
 
 
@@ -136,6 +143,9 @@ def finetune_local(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Re
     metrics, meta = _metrics(runner, model, cfg)
     metrics["train_loss"] = loss
     meta.update(n_train=n, train_loss=loss)
+    from fedmed.site.tasks import keep_served
+
+    meta.update(keep_served(runner, model, cfg))
     return Reply(runner.site, metrics, meta, {})
 
 

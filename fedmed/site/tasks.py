@@ -16,6 +16,7 @@ and Fed-MAE sites have their own task tables (:mod:`fedmed.site.seg`, :mod:`fedm
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 from typing import Annotated, NamedTuple
 
 import numpy as np
@@ -183,7 +184,45 @@ def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     model = _served(runner, params, cfg)
     personal = _personal(runner, cfg)
     metrics, meta = _served_metrics(runner, personal if personal is not None else model, cfg)
+    meta.update(keep_served(runner, personal if personal is not None else model, cfg))
     return Reply(runner.site, metrics, meta, {})
+
+
+SERVED_DIR = "served"  # a site's served models, in its own workspace: served/<key>/model.pt (+ bundle/)
+
+
+def served_path(key: str) -> str:
+    """Where a site keeps the model a serving plan ``key`` serves it, relative to its workspace."""
+    return f"{SERVED_DIR}/{key}/model.pt"
+
+
+def keep_served(runner, model, cfg: TaskConfig) -> dict:
+    """A serving plan's task (``serve_keep``): the site keeps ``model`` — the one it is served, shared or made at the
+    site — in its own workspace (a kit's ``local/``, the simulator's site folder: ``runner.settings.workspace``) as
+    :func:`served_path`, a checkpoint ``fedmed predict`` runs on, with the model's MONAI bundle beside it; never sent.
+    Returns ``{"served_kept": True}`` (the server knows the path from the key), or ``{}`` with a note where the site
+    has no workspace folder."""
+    cfg = task_config(cfg)
+    if not cfg.serve_keep:
+        return {}
+    ws = getattr(runner.settings, "workspace", None)
+    if ws is None:
+        runner.notes.append(f"{runner.site}: it has no workspace folder to keep the model it is served in")
+        return {}
+    from fedmed.nn.predict import save_model
+    from fedmed.nn.train import get_params
+
+    path = Path(ws) / served_path(cfg.serve_keep)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_model(path, get_params(model), cfg.model_dump(), workflow="serving plan")
+    if cfg.task == "classification":
+        from fedmed.nn.bundle import export_bundle
+
+        try:
+            export_bundle(path, path.parent / "bundle", policy=runner.policy)
+        except Exception as e:  # the checkpoint is there; the bundle is a convenience
+            runner.notes.append(f"{runner.site}: its served model's bundle was not written ({type(e).__name__})")
+    return {"served_kept": True}
 
 
 def _finetune_optimizer(model, cfg: TaskConfig):
@@ -500,6 +539,7 @@ def finetune_local(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Re
     metrics, meta = _served_metrics(runner, model, cfg)
     metrics["train_loss"] = out["train_loss"]
     meta.update(out)
+    meta.update(keep_served(runner, model, cfg))
     return Reply(runner.site, metrics, meta, {})
 
 
@@ -525,7 +565,7 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
     candidate only its paired aggregates against the reference (:func:`fedmed.algorithms.serving.paired_counts`:
     counts and score sums; nothing under ``k_min`` items) and each model's mean ``val_<metric>/<name>`` — never a
     per-item value."""
-    from fedmed.algorithms.serving import paired_counts
+    from fedmed.algorithms.serving import differing_items, paired_counts
     from fedmed.nn.train import set_params
 
     opts = ServeScoreOptions.model_validate(cfg.method_options)
@@ -539,37 +579,58 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
         raise TaskError(f"{runner.site}: serve_score: {len(opts.names)} model name(s) for {len(models)} packed model(s)")
     k = runner.k_min(cfg)
     model = runner.model(cfg)
-    scores, proper, meta = {}, {}, {}
+    scores, proper, meta, withheld = {}, {}, {}, {}
 
     def keep(name, got):
         if isinstance(got, tuple):
             got, proper[name] = got[0], np.asarray(got[1], dtype=np.float64)
         scores[name] = np.asarray(got, dtype=np.float64)
 
-    unscored = []
     for i, name in enumerate(opts.names):
         set_params(model, models[i])
-        if name in opts.personal and i > 0:
-            try:
+        try:
+            if name in opts.personal and i > 0:
                 apply_personal(runner, model, opts.personal[name])
-            except TaskError as e:  # no evidence for it here: the site keeps the others
-                runner.notes.append(f"{e}; {name} is not scored here")
-                unscored.append(name)
-                continue
-        keep(name, item_scores(model))
+            keep(name, item_scores(model))
+        except TaskError as e:  # no evidence for it here (no personal model; a model blind to the image)
+            runner.notes.append(f"{e}; {name} is not scored here")
+            withheld[name] = str(e).removeprefix(f"{runner.site}: ")
     if opts.finetune is not None:
         set_params(model, models[0])
-        got, extra = finetune(model, opts.finetune)
-        keep("finetuned", got)
-        meta.update(extra)
+        try:
+            got, extra = finetune(model, opts.finetune)
+            keep("finetuned", got)
+            meta.update(extra)
+        except TaskError as e:
+            runner.notes.append(f"{e}; finetuned is not scored here")
+            withheld["finetuned"] = str(e).removeprefix(f"{runner.site}: ")
     ref = opts.names[0]
-    counts = {name: paired_counts(scores[ref], v, k_min=k, reference_proper=proper.get(ref),
-                                  candidate_proper=proper.get(name)) for name, v in scores.items() if name != ref}
-    counts.update({name: None for name in unscored})
+    # two models whose items differ on 1..k_min-1 items: their replies could be differenced to single those items out
+    order = [n for n in [*opts.names, "finetuned"] if n in scores]
+    for j, b in enumerate(order):
+        for a in order[:j]:
+            if a in withheld or b in withheld:
+                continue
+            m = differing_items(np.column_stack([scores[a], proper.get(a, scores[a])]),
+                                np.column_stack([scores[b], proper.get(b, scores[b])]))
+            if 0 < m < k:
+                withheld[b] = (f"its scores differ from {a}'s on fewer than k_min validation items: replies that "
+                               f"could be differenced are not sent")
+    if ref in withheld:  # nothing is compared with a reference that was not scored
+        withheld.update({n: f"the reference ({ref}) was not scored: {withheld[ref]}" for n in order if n != ref})
+    counts = {name: None if name in withheld else
+              paired_counts(scores[ref], v, k_min=k, reference_proper=proper.get(ref), candidate_proper=proper.get(name))
+              for name, v in scores.items() if name != ref}
+    counts.update({name: None for name in withheld if name != ref})
     meta["serving"] = {name: None if c is None else c.message() for name, c in counts.items()}
+    meta["not_scored"] = {n: why for n, why in withheld.items() if n != ref}
     meta["reference"] = ref
-    scored = {name: v[np.isfinite(v)] for name, v in scores.items()}
-    metrics = {f"val_{metric}/{name}": float(v.mean()) if v.size >= k else float("nan") for name, v in scored.items()}
+    metrics = {}
+    for name, v in scores.items():
+        v = v[np.isfinite(v)]
+        right = int(np.sum(v > 0.5)) if metric == "accuracy" else None  # a mean of 0/1 is a count: both sides >= k
+        small = v.size < k or name in withheld or (right is not None and min(right, v.size - right) < k)
+        metrics[f"val_{metric}/{name}"] = float("nan") if small else float(v.mean())
     return Reply(runner.site, metrics, meta, {})
 
 
@@ -588,6 +649,11 @@ def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
         if y.size == 0:
             return np.zeros(0), np.zeros(0)
         prob = np.asarray(predict_proba(m, x, precision=runner.precision(cfg)), dtype=np.float64)
+        distinct = len(np.unique(np.round(prob, 12), axis=0))
+        if distinct < min(runner.k_min(cfg), y.size):  # its scores would be a function of the labels alone: sums of
+            # them are per-class counts (a constant model's); such a model is not scored
+            raise TaskError(f"{runner.site}: a model blind to the image (fewer than k_min distinct answers on the "
+                            f"validation images) is not scored")
         onehot = np.eye(prob.shape[1])[y]
         return (prob.argmax(axis=1) == y).astype(np.float64), -np.sum((prob - onehot) ** 2, axis=1)
 
