@@ -95,7 +95,8 @@ class SiteExecutor(Executor):
         incoming = FLModelUtils.from_shareable(shareable)
         cfg = dict((incoming.meta or {}).get("task_config", {}))
         rnd = int(incoming.current_round or 0)
-        self._runner, reply, error = answer(site, self._runner, task_name, incoming.params or {}, cfg, rnd)
+        self._runner, reply, error = answer(site, self._runner, task_name, incoming.params or {}, cfg, rnd,
+                                            workspace=Path.cwd())  # FLARE runs a site in its own folder
         metrics, meta = reply.metrics, reply.meta
         if error is not None:  # one line in this site's log (files named relative to its data root), the traceback
             # at debug level; the server gets the redacted one-line reply

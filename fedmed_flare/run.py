@@ -501,6 +501,12 @@ def _main(a) -> int:
     res["seconds"] = round(time.time() - t0, 1)
     if res["status"] != "finished" or res.get("sites_missing"):
         print(f"run {res['status']}: {res['reason']}", file=sys.stderr)
+    record = Path(res["result"]) / "metrics.json" if res.get("result") else None
+    if record is not None and record.is_file():  # an onboarding job: what each new site was given, said here
+        from fedmed.workflows.onboard import assignment_lines
+
+        for line in assignment_lines(json.loads(record.read_text())):
+            print(f"onboarded {line}", file=sys.stderr)
     print(json.dumps(res))
     if res["result"] is None and a.env == "sim":
         return 3

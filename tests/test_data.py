@@ -35,7 +35,7 @@ def test_missing_and_corrupt_image_named(tmp_path):
     bad.write_bytes(b"not a png at all")
     doc["training"][0]["image"] = str(bad)
     (tmp_path / "site-2.json").write_text(json.dumps(doc))
-    with pytest.raises(DataError, match=r"site-2: training\[0\]: cannot read image .*broken.png \(corrupt or not an image"):
+    with pytest.raises(DataError, match=r"site-2: entries\[0\]: cannot read image .*broken.png \(corrupt or not an image"):
         load_images(load_datalist(tmp_path / "site-2.json")["training"], image_size=8, channels=1, site="site-2")
     doc["training"][0]["image"] = str(tmp_path / "gone.png")
     (tmp_path / "site-2.json").write_text(json.dumps(doc))
@@ -137,7 +137,7 @@ def test_colour_alpha_and_multi_frame_images_are_handled_on_purpose(tmp_path):
     assert float(x.max()) == pytest.approx(round(200 * 299 / 1000) / 255, abs=1 / 255)
     frames = [Image.fromarray(np.full((8, 8), v, np.uint8)) for v in (0, 255)]
     frames[0].save(tmp_path / "stack.tif", save_all=True, append_images=frames[1:])
-    with pytest.raises(DataError, match=r"site-9: image .*stack.tif has 2 frames; one image per file"):
+    with pytest.raises(DataError, match=r"site-9: entries\[0\]: image .*stack.tif has 2 frames; one image per file"):
         load_images([{"image": str(tmp_path / "stack.tif"), "label": 0}], image_size=8, channels=1, site="site-9")
 
 
@@ -238,7 +238,7 @@ def test_dicom_rescale_and_monochrome1_are_applied(tmp_path):
 def test_a_multi_frame_dicom_is_refused_with_one_line(tmp_path):
     _, src = _dicom_samples()
     f = src / "SC_rgb_rle_2frame.dcm"
-    with pytest.raises(DataError, match=r"site-1: image .*SC_rgb_rle_2frame.dcm is a multi-frame DICOM \(2 frames\)"):
+    with pytest.raises(DataError, match=r"site-1: entries\[0\]: image .*SC_rgb_rle_2frame.dcm is a multi-frame DICOM \(2 frames\)"):
         load_images([{"image": str(f), "label": 0}], image_size=8, channels=1, site="site-1")
 
 

@@ -401,6 +401,8 @@ def test_a_hospital_added_after_training_gets_its_cluster_model(deployment, site
     doc = record(res)
     c = doc["assignment"]["test_phase"]["hospital-d"]
     assert 0 <= c < len(clusters) and doc["sites"] == ["hospital-d"]
+    # #86: the console says which cluster and model the new site was given (not only metrics.json)
+    assert f"onboarded hospital-d: cluster {c}'s model (" in p.stderr and "its model: models/hospital-d.pt" in p.stderr
     assert np.isfinite(doc["rounds"][0]["sites"]["hospital-d"]["accuracy"])
     model = Path(res["result"]) / "models" / "hospital-d.pt"
     image = json.loads((site_data / "hospital-c.json").read_text())["test"][0]["image"]

@@ -90,8 +90,10 @@ def test_resume_reuses_a_run_whose_weights_file_was_named_the_other_way(tmp_path
     (a rerun would have deleted the first one's record); another file is not."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "w").mkdir()
-    for name in ("a.pt", "b.pt"):  # the jobs are faked: nothing reads them
-        (tmp_path / "w" / name).write_bytes(b"weights " + name.encode())
+    import torch
+
+    for i, name in enumerate(("a.pt", "b.pt")):  # the jobs are faked: only the job builder's weights check reads them
+        torch.save({"w": torch.full((2,), float(i))}, tmp_path / "w" / name)
     cfg = write_cfg(tmp_path, seeds=[0])
     E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], overrides=["model.init_weights=w/a.pt"],
                      log=lambda *_: None)

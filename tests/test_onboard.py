@@ -476,3 +476,16 @@ def test_a_new_site_is_never_served_a_cluster_trained_on_too_few_images_or_none(
     g = fed.recorder.doc["assignment"]["guarded"]
     assert status == "finished" and list(g.values()) == [f"cluster {small} was trained on no site: the global model is "
                                                          f"served"]
+
+
+def test_the_onboarding_console_names_the_cluster_and_the_model_each_new_site_was_given():
+    """#86: the onboarding job's console said nothing of the assignment (only metrics.json did); ``fedmed_flare.run``
+    prints these lines after an onboarding run (tests/test_deployment.py checks them on provisioned sites)."""
+    from fedmed.workflows.onboard import FALLBACK, assignment_lines
+
+    doc = {"assignment": {"test_phase": {"h-d": 1, "h-e": FALLBACK}, "mode": "linkage",
+                          "guarded": {"h-e": "its cluster trained on 12 images"}}}
+    assert assignment_lines(doc) == ["h-d: cluster 1's model (linkage); its model: models/h-d.pt",
+                                     "h-e: the global model (its cluster trained on 12 images); its model: "
+                                     "models/h-e.pt"]
+    assert assignment_lines({"rounds": []}) == []  # not an onboarding run: nothing to say

@@ -81,6 +81,27 @@ def test_the_plan_job_in_process_and_in_flares_simulator_picks_the_same_models(r
             assert v["file"] in ("cluster0.pt", "cluster1.pt")
         elif v["served"] == "global":
             assert "global kept" in v["reason"] and v["file"] == "global.pt"
+    # #86: every site keeps the model it is served in its own workspace (in-process: <out>/sites/<site>; the
+    # simulator's site folders, kept under <work>/sites), the fine-tuned one too, which is never the server's
+    from fedmed.nn.predict import load_model
+
+    for v in ip.values():
+        assert v["served_at"] and v["served_at"].startswith("served/") and v["served_at"].endswith("/model.pt")
+    for sites in (tmp_path / "ip" / "sites", tmp_path / "sim" / "sites"):
+        for s, v in ip.items():
+            kept = sites / s / v["served_at"]
+            _, ck = load_model(kept)  # what `fedmed predict` runs on at the site
+            assert ck["classes"] == runs["exp"].dataset.classes
+            if v["served"] != "finetuned":
+                src = tmp_path / "ip" / "_job_files" / "plan" / ("global" if v["served"] == "global" else "FMCL") / v["file"]
+                import torch
+
+                shared = torch.load(src, weights_only=True)["state_dict"]
+                assert all(torch.equal(shared[k], t) for k, t in ck["state_dict"].items())
+            assert (kept.parent / "bundle" / "configs" / "metadata.json").is_file()  # its MONAI bundle beside it
+    for server in (tmp_path / "ip", tmp_path / "sim" / "server"):
+        assert not any(p.name == "model.pt" and "served" in p.parts for p in server.rglob("*.pt") if "sites" not in
+                       p.relative_to(server).parts)  # no site's kept model in the server's folder
     for out in (tmp_path / "ip", tmp_path / "sim" / "server"):
         for s, v in ip.items():
             f = out / "models" / f"{s}.pt"
@@ -92,11 +113,16 @@ def test_the_plan_job_in_process_and_in_flares_simulator_picks_the_same_models(r
     for d in (fed.recorder.doc, doc):
         t = _by_task(d)
         assert list(t) == ["serve_score", "served", "global"]
-        for s, v in ip.items():
-            assert t["served"][s]["val_accuracy"] == pytest.approx(t["serve_score"][s][f"val_accuracy/{v['served']}"])
-            assert t["global"][s]["val_accuracy"] == pytest.approx(t["serve_score"][s]["val_accuracy/global"])
+        compared = 0
+        for s, v in ip.items():  # serve_score sends an accuracy only over >= k_min right and wrong answers (#86)
+            chosen, ref = t["serve_score"][s][f"val_accuracy/{v['served']}"], t["serve_score"][s]["val_accuracy/global"]
+            sent = [x is not None and bool(np.isfinite(x)) for x in (chosen, ref)]  # a record keeps NaN as null
+            assert not sent[0] or t["served"][s]["val_accuracy"] == pytest.approx(chosen)
+            assert not sent[1] or t["global"][s]["val_accuracy"] == pytest.approx(ref)
+            compared += sum(sent)
             assert np.isfinite(t["served"][s]["accuracy"])  # the test split: read after the choice only
             assert "accuracy" not in t["serve_score"][s]  # ... never while choosing
+        assert compared > 0  # at least one site sent both (the rest had too few right or wrong answers)
 
 
 def test_a_plan_without_candidates_keeps_the_global_model_of_an_equal_candidate(runs, tmp_path):
@@ -109,7 +135,8 @@ def test_a_plan_without_candidates_keeps_the_global_model_of_an_equal_candidate(
     assert status == "finished"
     plan = json.loads((tmp_path / "plan.json").read_text())
     for s, v in plan.items():
-        assert v["served"] == "global" and v["evidence"]["same"]["wins"] == v["evidence"]["same"]["losses"] == 0
+        same = v["evidence"]["same"]  # every item ties: 0 wins and 0 losses are counts below k_min, never sent
+        assert v["served"] == "global" and "wins" not in same and same["sum_d"] == same["sum_d2"] == 0
         assert "judged on the pooled evidence of the 6 sites it serves" in v["reason"]  # one model for all: pooled
 
 
@@ -125,12 +152,22 @@ def test_fedmed_plan_runs_from_the_command_line_and_bad_input_is_one_line(runs, 
     # its progress counts the plan's own rounds (score, served, global), not the training run's 4
     assert "round 1/2 served" in out and "round 2/2 global" in out and "/4 " not in out, out
     assert len(list((tmp_path / "p" / "server" / "models").glob("site-*.pt"))) == 6
+    # #86: a plan folder gets its page; a candidate may be named as the config names its method
+    assert main(["report", str(tmp_path / "p")]) == 0
+    from fedmed.report.html import visible_text
+
+    page = visible_text((tmp_path / "p" / "report.html").read_text())
+    assert "Serving plan: p" in page and "site-1" in page and "FMCL (val)" in page and "Brier score" in page
+    assert main(["plan", cfg, "--global", str(t / "FedAvg"), "--candidate", "fmcl", "--data", str(runs["data"]),
+                 "--out", str(tmp_path / "byname"), "--in-process"]) == 0
+    assert set(json.loads((tmp_path / "byname" / "plan.json").read_text())["site-1"]["evidence"]) == {"FMCL"}
+    capsys.readouterr()
     # the spec for provisioned sites, running nothing
     assert main(["plan", cfg, "--global", str(t / "FedAvg"), "--finetune", "--spec", str(tmp_path / "s.json")]) == 0
     spec = json.loads((tmp_path / "s.json").read_text())
     assert spec["workflow"] == "plan:Plan" and spec["workflow_options"]["finetune"] == {"epochs": 2, "lr_scale": 0.1}
     cases = [(["--candidate", f"FMCL={t / 'nowhere'}"], "--candidate FMCL:", "no such folder"),
-             (["--candidate", "FMCL"], "--candidate FMCL: expected NAME=RUN", ""),
+             (["--candidate", "NoSuch"], "method 'NoSuch' is not in", ""),  # a method of the config, or NAME=RUN
              (["--candidate", f"global={t / 'FMCL'}"], "--candidate global: a candidate's name is a word", ""),
              ([], "a serving plan needs a candidate", "")]
     for extra, want, also in cases:
@@ -235,6 +272,14 @@ def test_fedmed_experiment_runs_the_plan_after_a_seeds_methods_and_reuses_it(run
     assert set(plan_rows[0]["sites"]) == {f"site-{k}" for k in range(1, 7)}
     assert (tmp_path / "out" / "runs" / "seed0" / "_serving_plan" / "server" / "plan.md").is_file()
     summary = (tmp_path / "out" / "summary.md").read_text()
+    # #86: the top summary says which model each site should use, and calls no method "best" beside the plan
+    plan0 = json.loads((tmp_path / "out" / "runs" / "seed0" / "_serving_plan" / "server" / "plan.json").read_text())
+    top = summary.split("### What this found", 1)[1].split("\n\n", 2)[1]
+    assert top.startswith("- Which model each site should use (the serving plan, chosen on each site's own "
+                          "validation data): "), top
+    for site, v in plan0.items():
+        assert site in top.splitlines()[0]
+    assert "served the sites best" not in top
     # its Round cells: no training round is selected for the plan's rows (they read "val-selected (1)", "(2)" before)
     assert f"| {E.PLAN_METHOD} | per site, on val. |" in summary
     assert f"| {E.PLAN_GLOBAL} | final (reference) |" in summary and "val-selected (2)" not in summary
@@ -248,6 +293,26 @@ def test_fedmed_experiment_runs_the_plan_after_a_seeds_methods_and_reuses_it(run
     n = len(specs)
     again = E.run_experiment(str(cfg), tmp_path / "out", log=lambda *_: None, resume=True)
     assert len(specs) == n and [r for r in again if r["method"] in (E.PLAN_METHOD, E.PLAN_GLOBAL)] == plan_rows
+
+
+def test_serving_runs_beside_the_iid_reference_which_inherits_no_plan(tmp_path, monkeypatch):
+    """#86: ``serving:`` with the IID reference crashed after the other references had run (the reference copied
+    the ``serving:`` block and named methods it does not have); a reference never inherits it."""
+    import fedmed.run.experiment as E
+    from fedmed.run.jobspec import run_spec_in_process
+
+    def run_job(spec, datalists, work, n_sites=0, *a, **k):
+        status, fed = run_spec_in_process(spec, datalists, Path(work) / "server")
+        assert status == "finished", fed.recorder.doc.get("reason")
+        return fed.recorder.doc
+
+    monkeypatch.setattr(E, "run_job", run_job)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**RAW, "references": ["iid_fedavg"], "train": {**RAW["train"], "rounds": 1},
+                                   "serving": {"reference": "FedAvg", "candidates": ["FMCL"]}}))
+    rows = E.run_experiment(str(cfg), tmp_path / "out", log=lambda *_: None)
+    methods = {r["method"] for r in rows}
+    assert "FedAvg (IID federation)" in methods and E.PLAN_METHOD in methods, methods
 
 
 def test_a_serving_section_names_methods_of_the_config():
@@ -338,8 +403,9 @@ def test_a_newcomer_is_served_its_assigned_cluster_model_where_its_validation_da
     pct = lambda x: "—" if x is None else f"{100 * x:.2f}"  # noqa: E731
     for u, v in plan.items():
         e = v["evidence"]["FMCL"]
-        ev = (f"FMCL: {e['wins']} W / {e['losses']} L of {e['n']}, mean Brier gain {e['sum_d'] / e['n']:+.3f}, "
-              f"p = {v['p']['FMCL']:.3f}" if e
+        counts = f"{e['wins']} W / {e['losses']} L of {e['n']}" if e and "wins" in e else \
+            f"{e['n']} items (counts below k_min not sent)" if e else ""
+        ev = (f"FMCL: {counts}, mean Brier gain {e['sum_d'] / e['n']:+.3f}, p = {v['p']['FMCL']:.3f}" if e
               else "FMCL: none sent")  # a classifier's sites send their Brier-score sums too; the p the rule judged
         # then the test scores, read after the plan: accuracy and AUC of the served and the global model, and FMCL's
         # onboarding assignment on the site with the number of images it was scored on
@@ -391,8 +457,9 @@ def test_a_fedbn_candidate_is_each_sites_own_model_scored_and_served_there_and_n
     assert status == "finished", plan_fed.recorder.doc.get("reason")
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
     t = _by_task(plan_fed.recorder.doc)
-    for s in [f"site-{k}" for k in range(1, 6)]:
-        assert t["serve_score"][s]["val_accuracy/FedBN"] == pytest.approx(last[s]["val_accuracy"])
+    for s in [f"site-{k}" for k in range(1, 6)]:  # an accuracy is sent over >= k_min right and wrong answers only
+        got = t["serve_score"][s]["val_accuracy/FedBN"]
+        assert np.isnan(got) or got == pytest.approx(last[s]["val_accuracy"])
         assert "pooled" not in plan[s]["reason"]
     assert plan["site-6"]["evidence"]["FedBN"] is None and plan["site-6"]["served"] == "global"
     assert "val_accuracy/FedBN" not in t["serve_score"]["site-6"]

@@ -329,14 +329,6 @@ def cmd_plan(a):
     from fedmed.run.experiment import with_classes
     from fedmed.run.jobspec import BuildError, job_spec, run_spec_in_process, select_method
 
-    cands = {}
-    for c in a.candidate:
-        name, eq, path = c.partition("=")
-        if not eq or not name or not path:
-            raise ValueError(f"--candidate {c}: expected NAME=RUN (a name for the candidate, its run folder)")
-        if name in cands:
-            raise ValueError(f"--candidate {name}: given twice")
-        cands[name] = path
     if a.finetune_epochs < 1 or not 0 < a.finetune_lr_scale <= 1:
         raise ValueError(f"--finetune-epochs should be at least 1 and --finetune-lr-scale above 0 and at most 1, got "
                          f"{a.finetune_epochs} and {a.finetune_lr_scale}")
@@ -346,6 +338,20 @@ def cmd_plan(a):
         raise ValueError(f"--data {a.data}: no such folder")
     exp = load_config(a.config, a.set)
     method = select_method(exp, a.method, a.config) if a.method else exp.methods[0]  # before the runs are read
+    cands = {}
+    for c in a.candidate:
+        name, eq, path = c.partition("=")
+        if not eq:  # a method of the config by its name: its run is the folder beside --global's (the same seed)
+            from fedmed.run.experiment import run_folder
+
+            name = run_folder(select_method(exp, c, a.config).name)
+            path = str(Path(a.reference).parent / name)
+        if not name or not path:
+            raise ValueError(f"--candidate {c}: expected NAME=RUN (a name for the candidate, its run folder) or a "
+                             f"method of the config")
+        if name in cands:
+            raise ValueError(f"--candidate {name}: given twice")
+        cands[name] = path
     if a.data and (Path(a.data) / "dataset.json").is_file():
         exp = with_classes(exp, Path(a.data))
     elif exp.dataset.classes is None:  # the classes the runs were trained with (their saved models say)
@@ -392,8 +398,10 @@ def cmd_plan(a):
         print(f"the plan did not finish: {status}: {doc.get('reason')}")
         return 1
     print((server / "plan.md").read_text())
-    print(f"served models: {server / 'models'}/<site>.pt (a model fine-tuned at its site stays there); the plan: "
-          f"{server / 'plan.json'}")
+    at = {v.get("served_at") for v in json.loads((server / "plan.json").read_text()).values()} - {None}
+    print(f"the plan: {server / 'plan.json'}; each site keeps the model it is served in its own workspace"
+          + (f" ({out / 'sites'}/<site>/{next(iter(at))} here; a provisioned site: its kit's local/{next(iter(at))}; "
+             f"`fedmed predict` runs on it)" if at else "") + f"; the shared ones are also in {server / 'models'}/")
     return 0
 
 
@@ -539,9 +547,10 @@ def register(sub):
     pl.add_argument("--global", dest="reference", required=True, metavar="RUN",
                     help="the reference: a finished FedAvg-family run (its folder, with models/global.pt)")
     pl.add_argument("--method", help="the config's method the --global run is of (default: its first method)")
-    pl.add_argument("--candidate", action="append", default=[], metavar="NAME=RUN",
+    pl.add_argument("--candidate", action="append", default=[], metavar="NAME=RUN|METHOD",
                     help="a finished run whose models a site may be served instead (a clustered run: each site its "
-                    "cluster's model); repeatable")
+                    "cluster's model): a name and its run folder, or a method of the config as written there (its "
+                    "run: the folder beside --global's, as fedmed experiment lays them out); repeatable")
     pl.add_argument("--finetune", action="store_true", help="also the global model fine-tuned at each site on its "
                     "training split (it never leaves the site)")
     pl.add_argument("--finetune-epochs", type=int, default=2, help="--finetune: local epochs")

@@ -482,8 +482,8 @@ def load_datalist(path, *, task: str = "classification", root=None, name: str | 
                                                       and v and all(_file_entry(x) for x in v))):
                     got = "null" if v is None else f"a {type(v).__name__}"
                     raise DataError(f"{name}: {key}[{j}] '{k}' should be a file (a path relative to the data root), "
-                                    f"got {v!r:.60}", f"{public}: {key}[{j}] '{k}' should be a file (a path), "
-                                    f"got {got}")
+                                    f"got {v!r:.60} (the entry: {e!r:.200})", f"{public}: {key}[{j}] '{k}' should be "
+                                    f"a file (a path), got {got}")
             e.update({k: _resolve(e[k], root) for k in files if k in e})
             if task == "segmentation":
                 continue

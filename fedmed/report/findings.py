@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["cluster_sizes_sentence", "findings", "findings_section"]
+__all__ = ["cluster_sizes_sentence", "findings", "findings_section", "plan_sentence"]
 
 FLOORS = ("Majority class", "Untrained network")
 
@@ -58,8 +58,32 @@ def _points(x: float) -> str:
     return f"{abs(x):.1f} point{'s' if round(abs(x), 1) != 1 else ''}"
 
 
-def findings(summ: list[dict], phases: list[dict] | None = None) -> list[str]:
-    """Plain sentences for one results table (``summarize``'s entries) and its unseen-site rows (``phases``)."""
+def plan_sentence(plans: dict) -> str:
+    """Which model each site should use, from the serving plans of the seeds (``{seed: plan.json}``): the sites
+    grouped by what they are served (with how many seeds, when several)."""
+    from collections import Counter
+
+    def word(x: str) -> str:
+        return ("the global model" if x == "global" else "its own fine-tuned model" if x == "finetuned" else
+                f"{x}'s model for it")
+
+    by_site: dict = {}
+    for _, doc in sorted(plans.items()):
+        for site, v in doc.items():
+            by_site.setdefault(site, []).append(v["served"])
+    groups: dict = {}
+    for site, served in sorted(by_site.items()):
+        desc = ", ".join(word(k) + (f" ({c} of {len(plans)} seeds)" if len(plans) > 1 else "")
+                         for k, c in Counter(served).most_common())
+        groups.setdefault(desc, []).append(site)
+    return ("Which model each site should use (the serving plan, chosen on each site's own validation data): "
+            + "; ".join(f"{', '.join(sites)}: {desc}" for desc, sites in groups.items()) + ".")
+
+
+def findings(summ: list[dict], phases: list[dict] | None = None, plans: dict | None = None) -> list[str]:
+    """Plain sentences for one results table (``summarize``'s entries), its unseen-site rows (``phases``) and the
+    serving plans of its seeds (``plans``: ``{seed: plan.json}``; the plan's outcome comes first, and no method is
+    then called the one that served the sites best: the plan decides what each site is served)."""
     if not summ:
         return []
     seg = any(e.get("dice_mean", "n/a") != "n/a" for e in summ)
@@ -67,16 +91,16 @@ def findings(summ: list[dict], phases: list[dict] | None = None) -> list[str]:
     what = "mean Dice (overlap with the ground-truth tumour outline)" if seg else "accuracy (mean over sites)"
     methods = [e for e in summ if e["kind"] != "reference" and e["_values"].get(key)]
     refs = {e["method"]: e for e in summ if e["kind"] == "reference" and e["_values"].get(key)}
-    out = []
+    out = [plan_sentence(plans)] if plans else []
     if not methods:
-        return ["No method produced a score (see the runs' status below)."]
+        return out + ["No method produced a score (see the runs' status below)."]
     best = max(methods, key=lambda e: np.mean(e["_values"][key]))
     vb = best["_values"][key]
     if len(methods) == 1:
         out.append(f"{best['method']} reached {_pct(vb)} {what}.")
     else:
-        out.append(f"Of the {len(methods)} federated methods, **{best['method']}** served the sites best: {_pct(vb)} "
-                   f"{what}.")
+        out.append(f"Of the {len(methods)} federated methods, **{best['method']}** "
+                   f"{'scored highest' if plans else 'served the sites best'}: {_pct(vb)} {what}.")
         others = [e for e in methods if e is not best]
         base = next((e for e in others if e["method"] == "FedAvg"), None) or max(
             others, key=lambda e: np.mean(e["_values"][key]))
@@ -137,6 +161,7 @@ def findings(summ: list[dict], phases: list[dict] | None = None) -> list[str]:
     return out
 
 
-def findings_section(summ: list[dict], phases: list[dict] | None = None, heading: str = "### What this found") -> str:
-    lines = findings(summ, phases)
+def findings_section(summ: list[dict], phases: list[dict] | None = None, heading: str = "### What this found",
+                     plans: dict | None = None) -> str:
+    lines = findings(summ, phases, plans)
     return f"{heading}\n\n" + "\n".join(f"- {s}" for s in lines) + "\n\n" if lines else ""

@@ -25,6 +25,10 @@ GLOSSARY = {
            "no better than chance)",
     "AUC": "area under the ROC curve: how well the scores rank positive above negative cases (50% = chance, 100% = "
            "perfect), averaged over classes",
+    "Brier": "the Brier score: the squared distance between a model's predicted class probabilities and the true "
+             "class (0 = certain and right, 2 = certain and wrong); the serving plan compares a candidate with the "
+             "global model by its mean Brier score gain on the same validation images (higher gain: better "
+             "probabilities)",
     "BraTS": "the Brain Tumor Segmentation challenge, whose MRI scans and tumour outlines the 3D part follows",
     "CFL": "Clustered Federated Learning (Sattler et al.): splits sites into clusters while training, by how their "
            "updates disagree",

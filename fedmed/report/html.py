@@ -219,11 +219,19 @@ def plan_html(server: Path) -> str:
 
 
 def write_report(out_dir, *, command: str | None = None) -> Path:
-    """Write ``OUT/report.html`` for an experiment or sweep output folder; returns its path."""
+    """Write ``OUT/report.html`` for an experiment or sweep output folder, or for a ``fedmed plan --out`` folder (its
+    ``plan.json``, in the folder or its ``server/``); returns its path."""
     out = Path(out_dir)
     summary = out / "summary.md"
     if not summary.is_file():
-        raise FileNotFoundError(f"{out}: no summary.md (run fedmed experiment first)")
+        server = next((d for d in (out, out / "server") if (d / "plan.json").is_file()), None)
+        if server is None:
+            raise FileNotFoundError(f"{out}: no summary.md (a fedmed experiment folder) and no plan.json (a fedmed "
+                                    f"plan folder)")
+        title = f"Serving plan: {out.name}"
+        parts = [f"<h1>{html.escape(title)}</h1>",
+                 f"<p class='cmd'>Command: <code>{html.escape(command or 'fedmed plan')}</code></p>", plan_html(server)]
+        return _write_page(out, title, parts)
     md = summary.read_text()
     title = md.splitlines()[0].lstrip("# ").strip() if md else out.name
     parts = [f"<h1>{html.escape(title)}</h1>"]
@@ -304,9 +312,14 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
                     alt += (f". Shown failures ({len(notes)} of the cases): " + "; ".join(notes) if notes else
                             ". No shown case is a failure.")
                     parts.append(_img(png, alt))
+    return _write_page(out, title, parts)
+
+
+def _write_page(out: Path, title: str, parts: list) -> Path:
+    """``out/report.html``: the parts, the glossary of the words they use, the command that regenerates it."""
     from fedmed.report.glossary import glossary_html
 
-    parts.append(glossary_html(visible_text("".join(parts))))
+    parts = [*parts, glossary_html(visible_text("".join(parts)))]
     style = ("body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}"
              "dt{font-weight:bold;margin-top:0.4em}dd{margin-left:1.5em}"
              "table{border-collapse:collapse;margin:1em 0;font-size:0.85em}td,th{border:1px solid #ccc;padding:3px 6px}"

@@ -22,6 +22,7 @@ cluster-majority row is printed next to it.
 from __future__ import annotations
 
 import csv
+import json
 import math
 from pathlib import Path
 
@@ -347,7 +348,13 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
     from fedmed.report.findings import findings_section
 
     text = f"## {title}\n\nProduced by: `{command}`\n\n"
-    text += findings_section(summ, _phase_numbers(rows))
+    plans = {}  # the serving plans of the seeds, where the experiment ran one
+    for f in sorted(out.glob("runs/seed*/_serving_plan/server/plan.json")):
+        try:
+            plans[f.parts[-4]] = json.loads(f.read_text())
+        except (OSError, ValueError):
+            pass
+    text += findings_section(summ, _phase_numbers(rows), plans=plans)
     if setup:
         text += "Setup: " + "; ".join(setup) + "\n\n"
     text += intro + "\n\n" + table

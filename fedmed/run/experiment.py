@@ -45,6 +45,7 @@ from fedmed.run.jobspec import BuildError, check_method_files, job_spec
 from fedmed.core.io import shown_path
 from fedmed.report.record import missing_sentence
 from fedmed.report.summary import read_results, rows_from_metrics, sweep_stats, sweep_table, write_outputs  # noqa: F401 (re-exported)
+from fedmed.site.tasks import SERVED_DIR
 
 __all__ = ["ExperimentError", "PLAN_GLOBAL", "PLAN_METHOD", "REPO_ROOT", "RunError", "check_classes", "classes_override", "prepare_federation", "run_config_job", "run_dir", "run_experiment", "with_classes",
            "run_and_release", "run_fingerprint", "run_job", "run_job_in_process"]
@@ -325,7 +326,11 @@ def run_job(spec, datalists: Path, work: Path, n_sites: int = 0, timeout: int = 
             shutil.rmtree(keep)
         shutil.copytree(res["result"], keep)
         shutil.copy(keep / "metrics.json", work / "metrics.json")
-    shutil.rmtree(ws, ignore_errors=True)  # workspaces are large; the server output and the log are kept
+    for served in ws.glob(f"*/*/{SERVED_DIR}"):  # what the simulated sites keep (a serving plan's served models)
+        if served.parent.name != "server":
+            shutil.copytree(served, work / "sites" / served.parent.name / SERVED_DIR, dirs_exist_ok=True)
+    shutil.rmtree(ws, ignore_errors=True)  # workspaces are large; the server output, the log and the sites' served
+    # models are kept
     doc = json.loads((keep / "metrics.json").read_text()) if (keep / "metrics.json").is_file() else {}
     doc["wall_seconds"] = time.time() - t0
     if res["status"] != "finished":
@@ -365,7 +370,7 @@ def run_job_in_process(spec, datalists: Path, work: Path, *, log=print) -> dict:
         progress_lines({"rounds": rounds}, spec.rounds, t0, len(rounds) - 1, log)
 
     try:
-        status, fed = run_spec_in_process(spec, datalists, keep, on_round=on_round)
+        status, fed = run_spec_in_process(spec, datalists, keep, on_round=on_round, site_dir=work / "sites")
     except Exception as e:  # noqa: BLE001 — the run failed; the experiment goes on with its other runs
         if os.environ.get("FEDMED_DEBUG") == "1":
             import traceback
@@ -805,7 +810,12 @@ PLAN_GLOBAL = "Serving plan: global model"  # beside it, each site scored with t
 def run_dir(out: Path, seed: int, name: str) -> Path:
     """A run's folder in an experiment's output (the serving plan's: ``_serving_plan``)."""
     name = "_serving_plan" if name in (PLAN_METHOD, PLAN_GLOBAL) else name
-    return out / "runs" / f"seed{seed}" / "".join(c if c.isalnum() else "_" for c in name)
+    return out / "runs" / f"seed{seed}" / run_folder(name)
+
+
+def run_folder(name: str) -> str:
+    """The folder name of a method's run (``FMCL (Auto-K)`` -> ``FMCL__Auto_K_``): a word, also a plan candidate's."""
+    return "".join(c if c.isalnum() else "_" for c in name)
 
 
 def _serving_plan(exp, seed, data_dir, out, meta, log, resume, problems, chosen) -> list[dict]:
@@ -998,7 +1008,7 @@ def _reference_rows(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[
 
         iid = FedAvgMethod(name="FedAvg (IID)")
         exp_ref = ExperimentConfig.model_validate({
-            **exp.model_dump(exclude={"methods", "sweep", "plugins"}),
+            **exp.model_dump(exclude={"methods", "sweep", "plugins", "serving"}),  # a reference serves no plan
             "federation": {**exp.federation.model_dump(), "partition": "iid", "unseen_sites": 0, "split_sources": {},
                            "holdout_sources": [], "holdout_sites": {}}, "methods": [iid.model_dump()]})
         log(f"[seed {seed}] reference: FedAvg on an IID federation ...")

@@ -416,7 +416,7 @@ def _plugin_files(exp, user_code: list) -> None:
             user_code.append(entry)
 
 
-def run_spec_in_process(spec: JobSpec, datalists, out_dir, *, log=None, policy=None, on_round=None):
+def run_spec_in_process(spec: JobSpec, datalists, out_dir, *, log=None, policy=None, on_round=None, site_dir=None):
     """Run a job spec's workflow in this process (``fedmed.workflows.InProcessFederation``: every site answers
     through the same reply loop as in FLARE) — the same job FLARE runs, without FLARE. The server's files are laid out
     as a job carries them. ``on_round``: called with each recorded round. Returns (status, federation)."""
@@ -437,6 +437,6 @@ def run_spec_in_process(spec: JobSpec, datalists, out_dir, *, log=None, policy=N
         kw["weights_dir"] = Path(spec.simulation["weights"]).parent
     fed = InProcessFederation(datalists, list(spec.sites), out, job_files=files if spec.server_files else None,
                               resume_from=files / jobfiles.RESUME if spec.resume else None, log=log,
-                              on_round=on_round, **kw)
+                              on_round=on_round, site_dir=site_dir, **kw)
     workflow = server_workflow(spec.workflow)(spec.rounds, spec.task_config, **spec.workflow_options)
     return fed.run(workflow), fed

@@ -65,7 +65,7 @@ def _text(err: Exception) -> str:
 
 
 def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: dict, round_: int,
-           settings=None) -> tuple[SiteRunner | None, Reply, str | None]:
+           settings=None, workspace=None) -> tuple[SiteRunner | None, Reply, str | None]:
     """One task at one site, as every federation runs it: ``(runner, reply, log)`` — the site's runner (its state,
     kept for the next task), its :class:`~fedmed.site.tasks.Reply` to the server, and ``log``, what only the site's
     own log gets.
@@ -88,6 +88,8 @@ def answer(site: str, runner: SiteRunner | None, task: str, params: dict, cfg: d
                 from fedmed.site.settings import resolve_site_settings
 
                 settings = resolve_site_settings(site)
+                if workspace is not None:  # the process's own site folder (FLARE's) where the settings name none
+                    settings = settings.in_workspace(workspace)
             runner = make_runner(site, settings, t)
         reply = runner.handle(task, params or {}, t, round_)
         meta = redact_strings(reply.meta, runner.private_tokens, known)  # no path, no name in any text

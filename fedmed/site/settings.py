@@ -65,6 +65,19 @@ class SiteSettings:
     workspace: Path | None = None  # the site's own folder (its settings file's; a kit's local/): the default cache
     policy: SitePolicy = field(default_factory=SitePolicy)  # what a job may make this site do (fedmed.core.policy)
 
+    def in_workspace(self, folder) -> "SiteSettings":
+        """These settings with ``folder`` as the site's own workspace where they name none (a simulated site: the
+        simulator's site folder; an in-process one: its folder beside the run's) — where it keeps the model it is
+        served. Naming a workspace never turns a data cache on: without a configured one it stays as it was."""
+        import os
+        from dataclasses import replace
+
+        if self.workspace is not None:
+            return self
+        off = self.cache_dir is None and not os.environ.get("FEDMED_CACHE_DIR") and \
+            os.environ.get("FEDMED_CACHE", "1").lower() not in ("0", "false", "no", "off")
+        return replace(self, workspace=Path(folder), cache_dir=False if off else self.cache_dir)
+
     @property
     def allow_per_image(self) -> bool:
         return self.policy.allow_per_image

@@ -75,14 +75,17 @@ class InProcessFederation(Federation):
         log: where the run's log lines go (default: print; ``None`` keeps quiet).
         on_round: called with each recorded round (``{"round", "task", "sites", "summary", ...}``).
         tensorboard: also write the record's TensorBoard scalars.
+        site_dir: the folder holding each site's own workspace, ``<site_dir>/<site>`` (where it keeps the model a
+            serving plan serves it); default ``<out_dir>/sites``.
     """
 
     def __init__(self, datalists, sites: list[str], out_dir, *, job_files=None, resume_from=None,
-                 threads: int = SITE_THREADS,
+                 threads: int = SITE_THREADS, site_dir=None,
                  log=print, on_round=None, tensorboard: bool = False, policy=None, weights_dir=None):
         self._settings = datalists if isinstance(datalists, dict) else {s: Path(datalists) for s in sites}
         self.site_names = list(sites)
         self._out = Path(out_dir)
+        self._site_dir = Path(site_dir) if site_dir is not None else self._out / "sites"
         self._job_files = Path(job_files) if job_files is not None else None
         self._resume = Path(resume_from) if resume_from is not None else None
         self.threads = int(threads)
@@ -112,7 +115,7 @@ class InProcessFederation(Federation):
         s = self._settings[site]
         if isinstance(s, SiteSettings):
             return s
-        return settings_for_dir(site, s, policy=self.policy)
+        return settings_for_dir(site, s, policy=self.policy).in_workspace(self._site_dir / site)
 
     @property
     def out_dir(self) -> Path:

@@ -48,11 +48,24 @@ from fedmed.core.packing import pack_models
 from fedmed.workflows.base import Workflow
 from fedmed.workflows.federation import RunFailed
 
-__all__ = ["FALLBACK", "FALLBACK_FILE", "Onboard", "OnboardingError", "TRAINING_DIR", "assign_by_linkage", "check_training_result",
+__all__ = ["assignment_lines", "FALLBACK", "FALLBACK_FILE", "Onboard", "OnboardingError", "TRAINING_DIR", "assign_by_linkage", "check_training_result",
            "find_result", "load_models", "training_files"]
 
 FALLBACK = -1  # the cluster id of the global model a new site is served when its cluster cannot (Onboard.guard)
 FALLBACK_FILE = "fallback/global.pt"  # under TRAINING_DIR: that model, from a FedAvg-family run
+
+
+def assignment_lines(doc: dict) -> list[str]:
+    """What an onboarding run gave each new site, one line each, from its record (``metrics.json``): the cluster and
+    the method that chose it, or the global model and why, and the model file the site takes (``models/<site>.pt``)."""
+    a = doc.get("assignment") or {}
+    guarded = a.get("guarded") or {}
+    out = []
+    for site, c in sorted((a.get("test_phase") or {}).items()):
+        given = (f"the global model ({guarded[site]})" if int(c) == FALLBACK and site in guarded else
+                 "the global model" if int(c) == FALLBACK else f"cluster {c}'s model ({a.get('mode', 'its method')})")
+        out.append(f"{site}: {given}; its model: models/{site}.pt")
+    return out
 TRAINING_DIR = jobfiles.TRAINING  # inside what the job carries (Federation.job_files): the training run's models and state
 
 

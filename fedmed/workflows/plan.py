@@ -12,8 +12,10 @@ and never written to ``models/`` (it stays at its site). Algorithm box:
 1. (``serve_score``) each site is sent the global model and its own candidates — the model of its cluster in each
    candidate run — and scores them on its **validation** split; with ``finetune`` it also fine-tunes the global model
    on its training split and scores that (``finetuned``; the model never leaves it). It replies with paired
-   aggregates against the global model (items, wins, losses and, from a classifier, the sums of the per-item
-   proper-score differences and of their squares — never a per-image value; nothing under ``k_min``).
+   aggregates against the global model (items and, from a classifier, the sums of the per-item proper-score
+   differences and of their squares; wins and losses only where no count is below ``k_min`` — never a per-image
+   value; nothing for a model blind to the image or one that differs from another on fewer than ``k_min`` items:
+   docs/privacy.md, "The serving plan's replies").
 2. The server picks per site (:func:`fedmed.algorithms.serving.plan`): the global model unless a candidate beats it
    beyond the validation noise (a one-sided paired test — ``test``: the t-test on the proper-score differences, or
    the exact sign test — Bonferroni over the site's candidates, ``alpha`` fixed before any number is seen); a
@@ -27,12 +29,14 @@ and never written to ``models/`` (it stays at its site). Algorithm box:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
 
 from fedmed.core import jobfiles
 from fedmed.core.packing import pack_models
+from fedmed.site.tasks import served_path
 from fedmed.workflows.base import Workflow
 from fedmed.workflows.federation import RunFailed
 
@@ -164,7 +168,8 @@ class Plan(Workflow):
         # a cluster model is shared by its cluster's sites: they pool their evidence for it (a personal model is not)
         shared = {n: {s: str(own[s][n]) for s in counts if n in own[s]} for n in self.candidates
                   if n not in self.personal} if self.pool else {}
-        choices = plan(counts, groups=shared, alpha=self.alpha, reference=REFERENCE, test=self.test)
+        choices = plan(counts, groups=shared, alpha=self.alpha, reference=REFERENCE, test=self.test,
+                       withheld={r.site: r.meta.get("not_scored") or {} for r in ok})
         for s, c in sorted(choices.items()):
             self.info(f"{s} is served {c.served}: {c.reason}")
         doc = {s: {"served": c.served, "reason": c.reason, "p": c.p, "threshold": c.threshold,
@@ -174,10 +179,18 @@ class Plan(Workflow):
                for s, c in choices.items()}
         self.recorder.note("plan", {"sites": doc, "alpha": self.alpha, "pool": self.pool, "test": self.test,
                                     "candidates": self.candidates, "finetune": self.finetune})
-        (self.out_dir / "plan.json").write_text(json.dumps(doc, indent=1, default=float))
         (self.out_dir / "plan.md").write_text(plan_table(choices))
         self.write_site_models(choices, ref, own)
-        self.score_served(choices, ref, own, cache)
+        key = hashlib.sha256(json.dumps([hashlib.sha256(ref.read_bytes()).hexdigest(),  # the same plan, the same key
+                                         sorted((s, v["served"], v["file"]) for s, v in doc.items()), self.finetune],
+                                        default=str).encode()).hexdigest()[:16]
+        kept = self.score_served(choices, ref, own, cache, key)
+        for s, v in doc.items():  # where each site keeps the model it is served (relative to its own workspace)
+            v["served_at"] = served_path(key) if s in kept else None
+        (self.out_dir / "plan.json").write_text(json.dumps(doc, indent=1, default=float))
+        missing = sorted(set(doc) - kept)
+        if missing:
+            self.warning(f"the served model is not kept at {', '.join(missing)} (no workspace folder there)")
 
     def write_site_models(self, choices: dict, ref: Path, own: dict) -> None:
         """``models/<site>.pt``: the served model's file as its run saved it (none for a model fine-tuned at the
@@ -188,9 +201,10 @@ class Plan(Workflow):
             if c.served != FINETUNED and c.served not in self.personal:  # those two stay at their sites
                 shutil.copy(ref if c.served == REFERENCE else own[s][c.served], out / f"{s}.pt")
 
-    def score_served(self, choices: dict, ref: Path, own: dict, cache: dict) -> None:
-        """Round 1 (``served``): every site scores the model it is served (validation and test); round 2
-        (``global``): the global model, the reference row."""
+    def score_served(self, choices: dict, ref: Path, own: dict, cache: dict, key: str) -> set:
+        """Round 1 (``served``): every site scores the model it is served (validation and test) and keeps it in its
+        own workspace (``serve_keep``: :func:`fedmed.site.tasks.keep_served`); round 2 (``global``): the global
+        model, the reference row. Returns the sites that kept their model."""
         by_file: dict = {}
         tuned = []
         for s, c in choices.items():
@@ -199,14 +213,16 @@ class Plan(Workflow):
             else:
                 f = str(ref if c.served == REFERENCE else own[s][c.served])
                 by_file.setdefault((f, self.personal.get(c.served)), []).append(s)
-        groups = {f"m{i}": (self.task(cache.setdefault(f, _params(Path(f))), 0,
-                                      **({"serve_personal": key} if key else {})), sites)
-                  for i, ((f, key), sites) in enumerate(sorted(by_file.items(),
-                                                               key=lambda kv: (kv[0][0], kv[0][1] or "")))}
+        groups = {f"m{i}": (self.task(cache.setdefault(f, _params(Path(f))), 0, serve_keep=key,
+                                      **({"serve_personal": pk} if pk else {})), sites)
+                  for i, ((f, pk), sites) in enumerate(sorted(by_file.items(),
+                                                              key=lambda kv: (kv[0][0], kv[0][1] or "")))}
         replies = self.send_groups("validate", groups) if groups else {}
         rows = [r for rs in replies.values() for r in rs]
         if tuned:  # the same fine-tuning as in serve_score: the same seed, round and settings
-            rows += self.send("finetune_local", self.task(cache[str(ref)], 0, method_options=self.finetune),
-                              targets=sorted(tuned))
+            rows += self.send("finetune_local", self.task(cache[str(ref)], 0, method_options=self.finetune,
+                                                          serve_keep=key), targets=sorted(tuned))
         self.record_rows(1, rows, "served")
+        kept = {r.site for r in rows if (r.meta or {}).get("served_kept")}
         self.record_rows(2, self.send("validate", self.task(cache[str(ref)], 0), targets=sorted(choices)), REFERENCE)
+        return kept
