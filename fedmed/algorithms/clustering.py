@@ -201,7 +201,9 @@ def silhouette_points(X, labels, *, block: int = 2048) -> float:
     total = 0.0
     for b0 in range(0, n, block):
         b1 = min(n, b0 + block)
-        total += float(_silhouette_values(cdist(X[b0:b1], X) @ onehot, labels[b0:b1], counts).sum())
+        d = cdist(X[b0:b1], X)  # per-cluster sums without a matrix product (no BLAS-thread-dependent rounding)
+        sums = np.stack([d[:, labels == c].sum(axis=1) for c in range(k)], axis=1)
+        total += float(_silhouette_values(sums, labels[b0:b1], counts).sum())
     return total / n
 
 
@@ -422,8 +424,8 @@ def adaptive_dbscan(X, *, scale: float = 1.0, min_samples: int = 2, level_factor
         "knee_distance": float | None, "n_noise": int}``.
     """
     from kneed import KneeLocator
+    from scipy.spatial.distance import cdist
     from sklearn.cluster import DBSCAN
-    from sklearn.neighbors import NearestNeighbors
 
     if precomputed:
         X = check_distance_matrix(X)
@@ -439,8 +441,10 @@ def adaptive_dbscan(X, *, scale: float = 1.0, min_samples: int = 2, level_factor
     check_finite_number(level_factor, "level_factor", low=1.0)
     check_finite_number(min_samples, "min_samples", low=1, integer=True)
     k = min(int(min_samples), X.shape[0])
-    metric = "precomputed" if precomputed else "euclidean"
-    dist, _ = NearestNeighbors(n_neighbors=k, metric=metric).fit(X).kneighbors(X)
+    # the distances pair by pair (scipy's cdist: the same bits whatever the BLAS threads or the process; scikit-learn's
+    # Euclidean neighbours go through a matrix product whose rounding depends on them: #88's 14th-digit eps)
+    D = X if precomputed else cdist(X, X)
+    dist = np.sort(D, axis=1)[:, :k]  # each row's k nearest, itself (0) first
     curve = np.sort(dist[:, -1])
     knee = None
     if len(curve) >= 3 and curve[-1] > curve[0]:
@@ -452,7 +456,7 @@ def adaptive_dbscan(X, *, scale: float = 1.0, min_samples: int = 2, level_factor
     # DBSCAN compares distance <= eps; a hair of slack keeps a distance equal to eps from being
     # lost to rounding differences between the two distance computations.
     eps = max(base * float(level_factor) * float(scale) * (1 + 1e-9), 1e-12)
-    raw = DBSCAN(eps=eps, min_samples=int(min_samples), metric=metric).fit(X).labels_
+    raw = DBSCAN(eps=eps, min_samples=int(min_samples), metric="precomputed").fit(D).labels_
     labels = raw.copy()
     nxt = raw.max() + 1 if (raw >= 0).any() else 0
     for i in np.flatnonzero(raw < 0):
