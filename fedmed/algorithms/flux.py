@@ -79,6 +79,14 @@ def merge_bounds(bounds) -> tuple[np.ndarray, np.ndarray]:
     return lo, hi
 
 
+def one_blas_thread():
+    """A context in which numpy's BLAS / LAPACK run one thread: the same result bits whatever the process's thread
+    pool (#88: the demo's Flux descriptors differed in the last digits between two processes)."""
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=1, user_api="blas")
+
+
 @dataclass(frozen=True)
 class SharedPCA:
     """The shared projector ``g: R^z -> R^l`` of step S2 and the box it was fitted on."""
@@ -94,7 +102,8 @@ class SharedPCA:
 
     def project(self, latents) -> np.ndarray:
         z = np.clip(np.asarray(latents, dtype=np.float64), self.lo, self.hi)
-        return (z - self.mean) @ self.components.T
+        with one_blas_thread():  # the same bits in every process (#88)
+            return (z - self.mean) @ self.components.T
 
     def coordinate_range(self) -> np.ndarray:
         """(l,) range of each projected coordinate over the box (the DP sensitivity numerator)."""
@@ -123,7 +132,8 @@ def shared_pca(lo, hi, *, n_components: int = 10, n_points: int = 200, seed: int
     rng = np.random.default_rng(seed)
     pts = rng.uniform(lo, hi, size=(int(n_points), lo.size))
     mean = pts.mean(axis=0)
-    _, _, vt = np.linalg.svd(pts - mean, full_matrices=False)
+    with one_blas_thread():  # a multi-threaded LAPACK's rounding depends on its threads: every party the same bits
+        _, _, vt = np.linalg.svd(pts - mean, full_matrices=False)
     comps = vt[: int(n_components)]
     signs = np.sign(comps[np.arange(comps.shape[0]), np.argmax(np.abs(comps), axis=1)])
     signs[signs == 0] = 1.0
