@@ -35,6 +35,9 @@ __all__ = ["ConfigError", "DatasetConfig", "SourceConfig", "ExperimentConfig", "
            "PrivacyConfig", "TrainConfig", "WORKFLOWS", "apply_overrides", "load_config", "method_options"]
 
 
+from fedmed.nn.encoders import RELEASE, release_file  # noqa: E402  (imagenet: an installed release, by name)
+
+
 class ConfigError(ValueError):
     """A config file that does not validate; the message names the file and every bad key."""
 
@@ -178,6 +181,16 @@ class ModelConfig(ModelSection):
     bundle: Optional[str] = Field(None, description="a MONAI bundle folder on the coordinator: its network_def (a "
                                   "network of monai.networks.nets) and models/model.pt are the sites' model")
     _bundle: Optional[dict] = PrivateAttr(None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _release_by_name(cls, data):
+        """``init_weights: imagenet``: the ImageNet release of ``arch`` as an installed package ships it (no shell
+        variable, no path: ``fedmed.nn.encoders.released_weights``)."""
+        if isinstance(data, dict) and isinstance(data.get("init_weights"), str) \
+                and data["init_weights"].strip().lower() == RELEASE:
+            data = {**data, "init_weights": release_file(str(data.get("arch", "resnet9")), "model.init_weights")}
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -601,7 +614,8 @@ def _anchor_paths(raw: dict, folder: Path, origins: dict) -> dict:
     import re
 
     def anchored(v):
-        if not isinstance(v, str) or not v or v.startswith("builtin:") or Path(v).expanduser().is_absolute():
+        if not isinstance(v, str) or not v or v.startswith("builtin:") or Path(v).expanduser().is_absolute() \
+                or v.strip().lower() == RELEASE:
             return v
         out = os.path.relpath(folder / v)
         origins[out] = (v, folder)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from fedmed.core.plugins import PluginError, add_code_folder, import_plugins, module_allowed
 from fedmed.core.schema import Strict
@@ -148,8 +148,18 @@ def check_vit_input(method, exp) -> None:
 
 class _Encoder(Strict):
     encoder: str = Field("random_cnn", description="see fedmed.nn.encoders.ENCODERS")
-    encoder_weights: Optional[str] = Field(None, description="local weights file; None = seeded random init")
+    encoder_weights: Optional[str] = Field(None, description="local weights file, or imagenet (the encoder's installed "
+                                           "ImageNet release); None = seeded random init")
     encoder_image_size: Optional[int] = Field(None, gt=7)
+
+    @field_validator("encoder_weights")
+    @classmethod
+    def _release_by_name(cls, v, info):
+        if isinstance(v, str) and v.strip().lower() == "imagenet":
+            from fedmed.nn.encoders import release_file
+
+            return release_file(str(info.data.get("encoder", "")), "encoder_weights")
+        return v
 
 
 class _Clusters(Strict):
@@ -353,8 +363,18 @@ class SegAssessMethod(Method):
     workflow: Literal["seg_assess"]
     per_value: bool = Field(False, description="ask for per-image metadata values (the paper's form); a site answers "
                             "only if its own settings allow per-image data")
-    encoder_weights: Optional[str] = None
+    encoder_weights: Optional[str] = Field(None, description="the embedding encoder's weights file (3D: MedicalNet; 2D "
+                                           "lesions: EfficientNet-Lite0, or imagenet: its installed release)")
     server: ClassVar = "seg_assessment:SegAssessment"
+
+    @field_validator("encoder_weights")
+    @classmethod
+    def _release_by_name(cls, v):
+        if isinstance(v, str) and v.strip().lower() == "imagenet":
+            from fedmed.nn.encoders import release_file
+
+            return release_file("efficientnet_lite0", "encoder_weights")
+        return v
     serves: ClassVar[tuple] = ("segmentation",)
     site_tasks: ClassVar[tuple] = ("assess",)
     mode: ClassVar[str] = "assess"

