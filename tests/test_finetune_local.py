@@ -58,3 +58,46 @@ def test_a_site_rejects_finetune_options_out_of_range(tmp_path):
     cfg["method_options"] = {"epochs": 1, "lr_scale": 0.1}
     _, (_, metrics, meta, sent), err = answer("site-1", None, "finetune_local", theta, cfg, 4, settings=data)
     assert err is None and sent == {} and np.isfinite(metrics["accuracy"])
+
+
+def test_the_method_and_the_serving_plan_fine_tune_the_same_model_from_the_same_seed(tmp_path):
+    """#86: the finetune_local method's fine-tune (its last round, R + 1) and the plan's (serve_score in round 0, then
+    its served round) scored 42.3 and 63.5 at one site: two seeds. One procedure now makes both: from the same global
+    model the same training loss and the same validation accuracy at every site; and the method's reported row is its
+    fine-tuned round, never a round of the plain FedAvg before it."""
+    from fedmed.core.packing import pack_models
+    from fedmed.report.summary import reported_rows, rows_from_metrics
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+    from fedmed.site.runner import SiteRunner
+    from fedmed.site.settings import settings_for_dir
+    from fedmed.core.policy import SitePolicy
+    from fedmed.nn.predict import load_model
+    from fedmed.nn.train import get_params
+
+    exp, data = _federation(tmp_path, ft_epochs=2, ft_lr_scale=0.5)
+    spec = job_spec(exp, exp.methods[0], 0)
+    status, fed = run_spec_in_process(spec, data, tmp_path / "run")
+    assert status == "finished", fed.recorder.doc.get("reason")
+    method = fed.recorder.doc["rounds"][-1]["sites"]  # round R + 1: each site's fine-tuned model
+    net, _ = load_model(tmp_path / "run" / "models" / "global.pt")
+    params = get_params(net)
+    opts = {"epochs": 2, "lr_scale": 0.5}
+    cfg = {**spec.task_config, "method_options": {"names": ["global"], "finetune": opts}}
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the in-process federation's sites compute
+    try:
+        replies = {}
+        for site in method:
+            runner = SiteRunner(site, settings_for_dir(site, data, policy=SitePolicy.simulating(2)))
+            replies[site] = runner.handle("serve_score", pack_models([params]), cfg, 0)
+    finally:
+        torch.set_num_threads(threads)
+    for site, (_, metrics, meta, _) in replies.items():
+        assert meta["finetune_train_loss"] == method[site]["train_loss"], site  # the same data order and model
+        got = metrics["val_accuracy/finetuned"]
+        assert np.isnan(got) or got == method[site]["val_accuracy"], site
+    rows = rows_from_metrics("FT", 0, fed.recorder.doc)
+    for selection in ("final", "validation"):
+        assert reported_rows(rows, selection)[("FT", 0)]["task"] == "finetune_local"

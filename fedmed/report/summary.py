@@ -138,7 +138,10 @@ def reported_rows(rows: list[dict], selection: str = "final") -> dict:
         if len(rs) == 1:
             out[key] = rs[0]
             continue
-        if selection == "final":
+        served = [r for r in rs if r.get("task") == "finetune_local"]
+        if served:  # the finetune_local method serves its sites' fine-tuned models: that round is its row, never a
+            out[key] = served[-1]  # round of the plain FedAvg before it (#86)
+        elif selection == "final":
             out[key] = max(rs, key=lambda r: r["round"])
         else:
             if selection == "validation_auc" and is_seg(rs):

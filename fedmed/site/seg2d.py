@@ -82,9 +82,11 @@ def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
         d = dice_per_image(predict_masks2d(m, x), gt) if len(y) else np.zeros(0)
         return d, d
 
-    def finetune(model, options):
+    def finetune(model, options):  # the same fine-tuning as finetune_local's (fedmed.site.tasks.finetune_at_site)
+        from fedmed.site.tasks import FINETUNE_ROUND
+
         ft = finetune_config(cfg, options)
-        _, loss = _fit(runner, model, ft, round_, runner.optimizer(model, ft, keep=False), "fine-tuning")
+        _, loss = _fit(runner, model, ft, FINETUNE_ROUND, runner.optimizer(model, ft, keep=False), "fine-tuning")
         return dice(model), {"finetune_train_loss": loss}
 
     return serving_reply(runner, params, cfg, dice, "dice_mean", finetune)
@@ -137,9 +139,11 @@ def finetune_local(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Re
     from fedmed.site.tasks import FinetuneLocalOptions, finetune_config
 
     cfg = task_config(cfg)
+    from fedmed.site.tasks import FINETUNE_ROUND
+
     ft = finetune_config(cfg, FinetuneLocalOptions.model_validate(cfg.method_options))
     model = _served(runner, params, cfg)
-    n, loss = _fit(runner, model, ft, round_, runner.optimizer(model, ft, keep=False), "fine-tuning")
+    n, loss = _fit(runner, model, ft, FINETUNE_ROUND, runner.optimizer(model, ft, keep=False), "fine-tuning")
     metrics, meta = _metrics(runner, model, cfg)
     metrics["train_loss"] = loss
     meta.update(n_train=n, train_loss=loss)

@@ -520,6 +520,16 @@ class FinetuneLocalOptions(BaseModel):
     lr_scale: float = Field(0.1, gt=0, le=1)
 
 
+FINETUNE_ROUND = 0  # the seed stream of a site's fine-tuning: the same whatever round the task comes in
+
+
+def finetune_at_site(runner, model, cfg: TaskConfig, opts) -> dict:
+    """The one fine-tuning of a served model at its site (#86): the ``finetune_local`` method's last round, the serving
+    plan's ``finetuned`` candidate and its remake in the plan's served round are the same model from the same seed —
+    ``opts.epochs`` at ``opts.lr_scale`` x ``train.lr``, a fresh optimizer, the data order of :data:`FINETUNE_ROUND`."""
+    return train_locally(runner, model, finetune_config(cfg, opts), FINETUNE_ROUND, "finetune")
+
+
 def finetune_config(cfg: TaskConfig, opts: FinetuneLocalOptions) -> TaskConfig:
     """The task config of a site's own fine-tuning: ``opts.epochs`` at ``opts.lr_scale`` x ``train.lr`` (constant,
     whatever the run's ``lr_schedule``), a fresh optimizer."""
@@ -535,7 +545,7 @@ def finetune_local(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Re
     cfg = task_config(cfg)
     opts = FinetuneLocalOptions.model_validate(cfg.method_options)
     model = _served(runner, params, cfg)
-    out = train_locally(runner, model, finetune_config(cfg, opts), round_, "finetune_local")
+    out = finetune_at_site(runner, model, cfg, opts)
     metrics, meta = _served_metrics(runner, model, cfg)
     metrics["train_loss"] = out["train_loss"]
     meta.update(out)
@@ -658,7 +668,7 @@ def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
         return (prob.argmax(axis=1) == y).astype(np.float64), -np.sum((prob - onehot) ** 2, axis=1)
 
     def finetune(model, options):
-        loss = train_locally(runner, model, finetune_config(cfg, options), round_, "serve_finetune")["train_loss"]
+        loss = finetune_at_site(runner, model, cfg, options)["train_loss"]
         return correct(model), {"finetune_train_loss": loss}
 
     return serving_reply(runner, params, cfg, correct, "accuracy", finetune)
