@@ -117,7 +117,9 @@ def test_demo_report_in_a_headless_browser():
     assert first is not None and first["top"] < first["height"] / 2, first
     parts = re.split(r"\n(?=\d\. )", first["text"].strip())
     assert [p.split(":")[0] for p in parts] == ["1. Classification", "2. Segmentation", "3. Flux"], parts
-    assert "served the sites best" in parts[0] and "beat FedAvg" in parts[0] and "the ceiling" in parts[0]
+    # #86: the classification part runs the serving plan, and its top says which model each site should use
+    assert "Which model each site should use" in parts[0] and "site-1" in parts[0] and "the ceiling" in parts[0]
+    assert "scored highest" in parts[0] and "served the sites best" not in parts[0]
     assert "most different site" in parts[1] and "mean Dice" in parts[1] and "the ceiling" in parts[1]
     assert "grouped the sites into" in parts[2] and "New sites that joined after training" in parts[2]
     assert all("one seed" in p for p in parts)  # the demo's single seed: no spread, said

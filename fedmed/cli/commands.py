@@ -209,7 +209,8 @@ def _demo_classification(out: Path, overrides: list, command: str) -> None:
 
     from fedmed.run.experiment import run_experiment
 
-    print("FedAvg, FedProx and FMCL (one-shot clustering) on a 4-site federation, with reference rows", flush=True)
+    print("FedAvg, FedProx and FMCL (one-shot clustering) on a 4-site federation, with reference rows; then the "
+          "serving plan: which model each site should use", flush=True)
     run_experiment(str(shipped_config("demo_digits.yaml")), out / "classification", overrides=overrides,
                    command=command)
     for doc in sorted((out / "classification" / "runs" / "seed0").glob("FMCL*/metrics.json")):
@@ -342,10 +343,10 @@ def cmd_plan(a):
     for c in a.candidate:
         name, eq, path = c.partition("=")
         if not eq:  # a method of the config by its name: its run is the folder beside --global's (the same seed)
-            from fedmed.run.experiment import run_folder
+            from fedmed.run.experiment import candidate_name, run_folder
 
-            name = run_folder(select_method(exp, c, a.config).name)
-            path = str(Path(a.reference).parent / name)
+            m = select_method(exp, c, a.config).name
+            name, path = candidate_name(m), str(Path(a.reference).parent / run_folder(m))
         if not name or not path:
             raise ValueError(f"--candidate {c}: expected NAME=RUN (a name for the candidate, its run folder) or a "
                              f"method of the config")

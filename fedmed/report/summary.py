@@ -354,8 +354,11 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
     plans = {}  # the serving plans of the seeds, where the experiment ran one
     for f in sorted(out.glob("runs/seed*/_serving_plan/server/plan.json")):
         try:
-            plans[f.parts[-4]] = json.loads(f.read_text())
-        except (OSError, ValueError):
+            doc = json.loads(f.read_text())
+            run = f.parent.parent / "run.json"  # the candidates' names as the config writes them
+            names = json.loads(run.read_text()).get("names", {}) if run.is_file() else {}
+            plans[f.parts[-4]] = {s: {**v, "served": names.get(v["served"], v["served"])} for s, v in doc.items()}
+        except (OSError, ValueError, KeyError, AttributeError):
             pass
     text += findings_section(summ, _phase_numbers(rows), plans=plans)
     if setup:

@@ -813,6 +813,11 @@ def run_dir(out: Path, seed: int, name: str) -> Path:
     return out / "runs" / f"seed{seed}" / run_folder(name)
 
 
+def candidate_name(method: str) -> str:
+    """A method's name as a serving plan's candidate (a word: ``FMCL (Auto-K)`` -> ``FMCL__Auto-K_``)."""
+    return "".join(c if c.isalnum() or c in "_-." else "_" for c in method)
+
+
 def run_folder(name: str) -> str:
     """The folder name of a method's run (``FMCL (Auto-K)`` -> ``FMCL__Auto_K_``): a word, also a plan candidate's."""
     return "".join(c if c.isalnum() else "_" for c in name)
@@ -843,8 +848,7 @@ def _serving_plan(exp, seed, data_dir, out, meta, log, resume, problems, chosen)
         log(f"    seed {seed} serving plan: not run ({', '.join(missing)} did not finish)")
         return []
     plan = {"global": run_dir(out, seed, sv.reference) / "server",
-            "candidates": {"".join(c if c.isalnum() or c in "_-." else "_" for c in n): run_dir(out, seed, n) / "server"
-                           for n in sv.candidates},
+            "candidates": {candidate_name(n): run_dir(out, seed, n) / "server" for n in sv.candidates},
             "finetune": sv.finetune.model_dump() if sv.finetune is not None else None, "pool": sv.pool,
             "test": sv.test}
     log(f"seed {seed} serving plan: the global model of {sv.reference} against "
@@ -869,7 +873,8 @@ def _serving_plan(exp, seed, data_dir, out, meta, log, resume, problems, chosen)
         + f" (table: {work / 'server' / 'plan.md'})")
     work.mkdir(parents=True, exist_ok=True)
     (work / "run.json").write_text(json.dumps({"fingerprint": fp, "method": PLAN_METHOD, "seed": seed,
-                                               "status": "finished", "rows": new}))
+                                               "status": "finished", "rows": new,
+                                               "names": {candidate_name(n): n for n in sv.candidates}}))
     return new
 
 
