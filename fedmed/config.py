@@ -35,7 +35,7 @@ __all__ = ["ConfigError", "DatasetConfig", "SourceConfig", "ExperimentConfig", "
            "PrivacyConfig", "TrainConfig", "WORKFLOWS", "apply_overrides", "load_config", "method_options"]
 
 
-from fedmed.nn.encoders import RELEASE, release_file  # noqa: E402  (imagenet: an installed release, by name)
+RELEASE = "imagenet"  # init_weights / encoder_weights: the installed release, by name (fedmed.nn.encoders.release_file)
 
 
 class ConfigError(ValueError):
@@ -189,6 +189,8 @@ class ModelConfig(ModelSection):
         variable, no path: ``fedmed.nn.encoders.released_weights``)."""
         if isinstance(data, dict) and isinstance(data.get("init_weights"), str) \
                 and data["init_weights"].strip().lower() == RELEASE:
+            from fedmed.nn.encoders import release_file  # torch only when a config asks for the release
+
             data = {**data, "init_weights": release_file(str(data.get("arch", "resnet9")), "model.init_weights")}
         return data
 

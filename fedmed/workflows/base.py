@@ -165,13 +165,19 @@ class Workflow:
         """The message of one task: ``params`` and the task config (with ``extra`` entries, e.g. ``cluster``)."""
         return self.fed.message(params, round_, {**copy.deepcopy(self._cfg), **self.task_extra, **extra})
 
+    def _in_site_order(self, rows: list) -> list:
+        """Replies in the federation's site order, not the order they arrived in: every sum of the server's math then
+        runs in one order, on any machine under any load (#88; an in-process federation's order is this one)."""
+        order = {s: i for i, s in enumerate(self.sites)}
+        return sorted(rows, key=lambda r: (order.get(r[0], len(order)), str(r[0])))
+
     def send(self, task_name: str, data, targets=None) -> list:
-        rows = screen(self.fed.send(task_name, data, targets))
+        rows = screen(self._in_site_order(self.fed.send(task_name, data, targets)))
         self.recorder.account(rows)  # the sites' policies and the epsilon they released (Recorder.account)
         return rows
 
     def send_groups(self, task_name: str, groups: dict) -> dict:
-        out = {k: screen(rows) for k, rows in self.fed.send_groups(task_name, groups).items()}
+        out = {k: screen(self._in_site_order(rows)) for k, rows in self.fed.send_groups(task_name, groups).items()}
         self.recorder.account([r for rows in out.values() for r in rows])
         return out
 
