@@ -39,7 +39,10 @@ def commands() -> list[str]:
 
 def fresh_env() -> dict:
     path = ":".join(p for p in os.environ["PATH"].split(":") if ".venv" not in p)
-    env = {"PATH": path, "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8"}
+    env = {"PATH": path, "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8",
+           # a new shell of this machine keeps its OpenBLAS settings (set where a processor needs them): without them
+           # make demo ran other BLAS kernels than the demo part it is compared with, 14th-digit apart (#88)
+           **{k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")}}
     if os.environ.get("FEDMED_SHARED_DATA"):
         env["FEDMED_SHARED_DATA"] = os.environ["FEDMED_SHARED_DATA"]
     return env
