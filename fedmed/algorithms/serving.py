@@ -252,21 +252,26 @@ def choose(candidates: Mapping[str, Optional[Paired]], *, alpha: float = ALPHA, 
     c = judged[best]
     if c.tested(test) == "score":
         evidence = (f"mean Brier score gain {c.mean_d:+.4f} over {c.n} validation items (paired t-test), "
-                    f"p = {p[best]:.3g}")
+                    f"p = {_num(p[best])}")
     elif c.wins is None:
         evidence = (f"no sign test: the counts of {c.n} validation items were withheld (one below k_min), "
-                    f"p = {p[best]:.3g}")
+                    f"p = {_num(p[best])}")
     else:
         evidence = (f"{_items(c.wins)} better, {c.losses} worse, of {c.n} validation items (sign test), "
-                    f"p = {p[best]:.3g}")
+                    f"p = {_num(p[best])}")
     over = f"alpha {alpha:g} over {len(judged)} candidate(s)"
     if p[best] < threshold:
-        return Choice(best, "; ".join([f"{best} beats {reference}: {evidence} < {threshold:.3g} ({over})"] + notes),
+        return Choice(best, "; ".join([f"{best} beats {reference}: {evidence} < {_num(threshold)} ({over})"] + notes),
                       p, threshold)
     few = f"too few validation items to decide (n = {c.n}; under {FEW} only a large gain can pass): " \
         if c.n < FEW else ""
     return Choice(reference, "; ".join([f"{reference} kept: {few}no candidate beats it beyond the validation noise "
-                                        f"(best {best}: {evidence} >= {threshold:.3g}, {over})"] + notes), p, threshold)
+                                        f"(best {best}: {evidence} >= {_num(threshold)}, {over})"] + notes), p, threshold)
+
+
+def _num(x: float) -> str:
+    """A p-value or threshold as a reader reads it: three significant digits, never in e-notation."""
+    return "0" if x == 0 else f"{x:.3g}" if x >= 1e-3 else f"{x:.{2 - int(np.floor(np.log10(x)))}f}"
 
 
 def _items(n: int) -> str:
