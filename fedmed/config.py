@@ -522,14 +522,6 @@ def _method_hint(err: dict, raw: dict) -> str | None:
             f"{', '.join(method_options(workflow))}")
 
 
-class _OneError:
-    def __init__(self, err):
-        self._err = err
-
-    def errors(self):
-        return [self._err]
-
-
 def _format(e: ValidationError, source: str, raw: dict | None = None) -> str:
     lines = []
     for err in e.errors():
@@ -537,7 +529,7 @@ def _format(e: ValidationError, source: str, raw: dict | None = None) -> str:
         if hint:
             lines.append(hint)
             continue
-        lines += error_lines(_OneError(err))
+        lines += error_lines([err])
     if len(lines) == 1:
         return f"{source}: invalid configuration: {lines[0]}"
     return f"{source}: invalid configuration\n" + "\n".join(f"  {x}" for x in lines)

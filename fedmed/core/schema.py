@@ -22,13 +22,14 @@ __all__ = ["AssessTask", "ClusteringTask", "DataSection", "EnsembleTask", "Feder
 
 def _number_field(annotation) -> bool:
     """A field whose values are numbers (``int``, ``float``, optionally ``None``)."""
+    import types
     import typing
 
     if annotation in (int, float):
         return True
     args = typing.get_args(annotation)
-    return typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType", None)) \
-        and bool(args) and all(a in (int, float, type(None)) for a in args) and any(a in (int, float) for a in args)
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        and all(a in (int, float, type(None)) for a in args) and any(a in (int, float) for a in args)
 
 
 class Strict(BaseModel):
@@ -389,10 +390,11 @@ class TaskConfigError(ValueError):
 
 
 def error_lines(e) -> list[str]:
-    """A pydantic ``ValidationError`` as one line per bad key: ``train.lr: should be > 0 (got -1)``. The value is
-    shown only when it is short and not a section (a model-level check's input is the whole config: never dumped)."""
+    """A pydantic ``ValidationError`` (or a list of its ``errors()``) as one line per bad key: ``train.lr: should be >
+    0 (got -1)``. The value is shown only when it is short and not a section (a model-level check's input is the whole
+    config: never dumped)."""
     out = []
-    for err in e.errors():
+    for err in (e if isinstance(e, list) else e.errors()):
         loc = ".".join(str(p) for p in err["loc"]) or "(root)"
         if err["type"] == "missing":
             out.append(f"{loc}: required key is missing")
