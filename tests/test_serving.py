@@ -35,7 +35,7 @@ def test_a_site_sends_aggregates_never_a_per_image_value_and_nothing_under_k_min
     cand = np.array([1, 0, 1, 1, 1, 0, 1, np.nan])  # the last item unscored by the candidate: left out of both
     got = paired_counts(ref, cand, k_min=1)
     assert got == Paired(n=7, wins=2, losses=1)
-    assert set(vars(got)) == {"n", "wins", "losses", "sum_d", "sum_d2"} and got.sum_d is None
+    assert set(vars(got)) == {"n", "wins", "losses", "sum_d", "sum_d2", "unit"} and got.sum_d is None and got.unit is None
     assert got.tested("score") == "sign"  # no proper scores sent: the score test falls back to the sign test
     assert paired_counts(ref, cand, k_min=8) is None  # 7 scored items < k_min: nothing is sent
     assert paired_counts(ref, cand, k_min=5) is None  # 2 wins, 1 loss: counts below k_min are never sent (#86)
@@ -153,7 +153,7 @@ def test_the_rates_benchmark_prints_every_case_of_readings_table(capsys):
     spec.loader.exec_module(mod)
     assert mod.main(["--trials", "40"]) == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and "%" in r]
-    assert len(rows) == len(mod.NULL_CASES) + len(mod.BETTER_ITEMS)
+    assert len(rows) == len(mod.NULL_CASES) + len(mod.BETTER_ITEMS) + len(mod.PATIENT_CASES)
     assert all(0 <= float(c.strip(" %")) <= 100 for r in rows for c in r.strip("|").split("|")[3:])
 
 
@@ -403,3 +403,86 @@ def test_a_kept_global_model_on_few_validation_items_says_too_few_to_decide():
     many = choose({"finetuned": Paired(90, None, None, 0.3, 20.0)})
     assert many.served == "global" and "too few" not in many.reason
     assert "1 item better" in choose({"c": Paired(40, 1, 6)}, test="sign").reason  # grammar: one item
+
+
+def test_a_patients_items_are_one_unit_of_evidence():
+    """#86: where each item names its patient, the paired test is over patients (each patient's mean over its items):
+    slices of one patient are one unit. Sixty slices of two patients decide nothing; a candidate better on every slice
+    of one patient out of ten passes the slice-level test but not the patient-level one."""
+    from fedmed.algorithms.serving import MIN_PATIENTS
+
+    rng = np.random.default_rng(0)
+    ref = rng.random(60)
+    cand = ref + 0.2  # better on every slice
+    assert choose({"c": paired_counts(ref, cand, reference_proper=ref, candidate_proper=cand)}).served == "c"
+    two = ["p1"] * 30 + ["p2"] * 30
+    assert paired_counts(ref, cand, reference_proper=ref, candidate_proper=cand, units=two) is None
+    assert MIN_PATIENTS > 2
+    # ten patients of six slices; the candidate is better on every slice of patient 0, the same elsewhere but noise
+    units = np.repeat(np.arange(10), 6)
+    ref = rng.normal(0.0, 0.1, 60)
+    cand = ref + rng.normal(0.0, 0.01, 60)
+    cand[units == 0] += 0.3
+    by_item = paired_counts(ref, cand, reference_proper=ref, candidate_proper=cand)
+    by_patient = paired_counts(ref, cand, reference_proper=ref, candidate_proper=cand, units=units)
+    assert by_item.n == 60 and by_patient.n == 10 and by_patient.unit == "patient"
+    means = [(cand[units == u] - ref[units == u]).mean() for u in range(10)]
+    assert by_patient.sum_d == pytest.approx(sum(means)) and by_patient.sum_d2 == pytest.approx(sum(m * m for m in means))
+    assert choose({"c": by_item}).served == "c"  # slices counted as independent: "passes"
+    kept = choose({"c": by_patient})
+    assert kept.served == "global" and "over 10 validation patients" in kept.reason
+    with pytest.raises(ValueError, match="one unit per item"):
+        paired_counts(ref, cand, units=units[:10])
+
+
+def test_a_site_validating_on_two_patients_cannot_pass_on_slice_count_alone(tmp_path):
+    """#86's must-show: a site whose validation items come from two patients (its datalist names them) sends no
+    evidence for a candidate that beats the global model on every slice count, and the plan keeps the global model
+    saying why; the same site with a patient per image serves the candidate."""
+    import json
+
+    from fedmed.core.packing import pack_models
+    from fedmed.algorithms.serving import MIN_PATIENTS
+
+    runner, cfg, untrained, trained = _site_and_models(tmp_path)
+    cfg = {**cfg, "method_options": {"names": ["global", "cluster"]}}
+    original = json.loads(runner.datalist_path.read_text())
+    sent = {}
+    for label, patients in (("two", lambda j: f"p{j % 2}"), ("each", lambda j: f"p{j}")):
+        doc = json.loads(json.dumps(original))
+        for j, e in enumerate(doc["validation"]):
+            e["patient"] = patients(j)
+        runner.datalist_path.write_text(json.dumps(doc))
+        runner._data = None
+        _, _, meta, _ = runner.handle("serve_score", pack_models([untrained, trained]), cfg, 0)
+        sent[label] = meta
+    assert sent["two"]["serving"] == {"cluster": None}
+    why = sent["two"]["not_scored"]["cluster"]
+    assert f"come from 2 patient(s), fewer than {MIN_PATIENTS}: too few patients to decide" in why
+    choice = plan({"site-1": {k: None if v is None else Paired(**v) for k, v in sent["two"]["serving"].items()}},
+                  withheld={"site-1": sent["two"]["not_scored"]})["site-1"]
+    assert choice.served == "global" and "too few patients to decide" in choice.reason
+    each = Paired(**sent["each"]["serving"]["cluster"])
+    assert each.unit == "patient" and choose({"cluster": each}).served == "cluster"
+
+
+def test_a_datalists_patient_is_an_id_and_the_writer_keeps_the_pools_patients(tmp_path):
+    """A datalist entry's ``patient`` is a string or an integer (a boolean or a list named by position); a pool that
+    knows its patients writes them into the classification datalists (the plan's unit of evidence)."""
+    import json
+
+    from fedmed.data.images import DataError, ImagePool, load_datalist, patients_of, write_site_datalists
+
+    rng = np.random.default_rng(0)
+    items = [rng.random((8, 8)) for _ in range(24)]
+    pool = ImagePool(items=[(x * 255).astype(np.uint8) for x in items], labels=np.arange(24) % 2, class_names=["a", "b"], source="t",
+                     groups=[f"pt{i // 3}" for i in range(24)])
+    paths = write_site_datalists(pool, [np.arange(12), np.arange(12, 24)], tmp_path, seed=0, val_fraction=0.25)
+    doc = load_datalist(paths[0])
+    assert patients_of(doc["validation"]) and all(e["patient"].startswith("pt") for e in doc["training"])
+    raw = json.loads(paths[0].read_text())
+    raw["training"][1]["patient"] = True
+    paths[0].write_text(json.dumps(raw))
+    with pytest.raises(DataError, match=r"training\[1\] 'patient' should be a patient id"):
+        load_datalist(paths[0])
+    assert patients_of([{"image": "a"}, {"image": "b", "patient": "x"}]) is None

@@ -47,12 +47,13 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-__all__ = ["ALPHA", "TESTS", "Choice", "Paired", "choose", "differing_items", "paired_counts", "plan", "plan_table", "pooled",
+__all__ = ["ALPHA", "MIN_PATIENTS", "TESTS", "Choice", "Paired", "choose", "differing_items", "paired_counts", "plan", "plan_table", "pooled",
            "score_test_p", "sign_test_p"]
 
 ALPHA = 0.05
 TESTS = ("score", "sign")
 FEW = 20  # a site's reason says it had too few validation items to decide when the global model is kept on fewer
+MIN_PATIENTS = 5  # a site whose validation items come from fewer patients decides nothing (#86; docs/readings.md)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class Paired:
     losses: Optional[int] = None
     sum_d: Optional[float] = None
     sum_d2: Optional[float] = None
+    unit: Optional[str] = None  # what n counts: None items, "patient" a patient's items scored as one unit (#86)
 
     def __post_init__(self):
         if (self.wins is None) != (self.losses is None):
@@ -131,7 +133,7 @@ def sign_test_p(wins: int, losses: int) -> float:
 
 
 def paired_counts(reference_scores, candidate_scores, *, k_min: int = 1, reference_proper=None,
-                  candidate_proper=None) -> Optional[Paired]:
+                  candidate_proper=None, units=None) -> Optional[Paired]:
     """A site's paired aggregates from per-item scores of the global model and a candidate on the same items
     (correctness 0/1 for classification, a Dice per image for segmentation; higher is better) and, optionally, each
     item's proper score under both models (a classifier's negative Brier score; higher is better): then ``sum_d`` /
@@ -139,7 +141,10 @@ def paired_counts(reference_scores, candidate_scores, *, k_min: int = 1, referen
     items. No count below ``k_min`` is sent (0 included where ``k_min`` is above 1, #86): ``wins`` and ``losses`` only when each is at least
     ``k_min`` (and, beside the sums, whose item count tells the ties, the ties too); without them a classifier's site
     sends its sums alone and a segmenter's site nothing; a segmenter's ``n`` is the discordant items' when its ties are
-    fewer than ``k_min``. NaN scores (an item a model could not score) are left out of both."""
+    fewer than ``k_min``. NaN scores (an item a model could not score) are left out of both. ``units``: each item's
+    patient (#86): the items of one patient are one unit of evidence — each score is then the patient's mean over its
+    scored items, and ``n``, the counts and the sums are over patients (``unit="patient"``); ``None`` under ``k_min``
+    items or :data:`MIN_PATIENTS` patients."""
     a = np.asarray(reference_scores, dtype=np.float64).ravel()
     b = np.asarray(candidate_scores, dtype=np.float64).ravel()
     if a.shape != b.shape:
@@ -157,15 +162,32 @@ def paired_counts(reference_scores, candidate_scores, *, k_min: int = 1, referen
     k = max(1, int(k_min))
     if a.size < k:
         return None
+    unit = None
+    if units is not None:
+        u = np.asarray(units, dtype=object).ravel()
+        if u.size != ok.size:
+            raise ValueError(f"paired scores need one unit per item: {u.size} units for {ok.size} items")
+        _, inv = np.unique(u[ok].astype(str), return_inverse=True)
+        if inv.max(initial=-1) + 1 < MIN_PATIENTS:
+            return None
+        a, b = _unit_means(a, inv), _unit_means(b, inv)
+        if proper:
+            pa, pb, ok = _unit_means(pa[ok], inv), _unit_means(pb[ok], inv), np.ones(a.size, dtype=bool)
+        unit = "patient"
     wins, losses = int(np.sum(b > a)), int(np.sum(a > b))
     ties = int(a.size) - wins - losses
     if min(wins, losses) < k and k > 1:  # a count below k_min is never sent (0 included, unless k_min is 1)
-        return None if not proper else Paired(int(a.size), None, None, *_sums(pa[ok], pb[ok]))
+        return None if not proper else Paired(int(a.size), None, None, *_sums(pa[ok], pb[ok]), unit)
     if not proper:  # the sign test needs wins and losses alone: the ties are not told when fewer than k_min
-        return Paired(int(a.size) if ties >= k or k == 1 else wins + losses, wins, losses)
+        return Paired(int(a.size) if ties >= k or k == 1 else wins + losses, wins, losses, unit=unit)
     if ties < k and k > 1:  # with the sums the count of items is sent, and with it the ties
         wins = losses = None
-    return Paired(int(a.size), wins, losses, *_sums(pa[ok], pb[ok]))
+    return Paired(int(a.size), wins, losses, *_sums(pa[ok], pb[ok]), unit)
+
+
+def _unit_means(v, inv) -> np.ndarray:
+    """Each unit's mean of ``v`` (``inv``: each item's unit index)."""
+    return np.bincount(inv, weights=v) / np.bincount(inv)
 
 
 def _sums(pa, pb) -> tuple[float, float]:
@@ -196,9 +218,11 @@ def pooled(*counts: Optional[Paired]) -> Optional[Paired]:
         got = max(([c for c in got if c.sum_d is not None], [c for c in got if c.wins is not None]),
                   key=lambda cs: sum(c.n for c in cs))
         return pooled(*got)
+    units = {c.unit for c in got}
     return Paired(sum(c.n for c in got), sum(c.wins for c in got) if tally else None,
                   sum(c.losses for c in got) if tally else None,
-                  sum(c.sum_d for c in got) if sums else None, sum(c.sum_d2 for c in got) if sums else None)
+                  sum(c.sum_d for c in got) if sums else None, sum(c.sum_d2 for c in got) if sums else None,
+                  units.pop() if len(units) == 1 else "unit")
 
 
 @dataclass(frozen=True)
@@ -250,20 +274,21 @@ def choose(candidates: Mapping[str, Optional[Paired]], *, alpha: float = ALPHA, 
 
     best = min(judged, key=lambda k: (p[k], -gain(k), k))
     c = judged[best]
+    what = {None: "items", "patient": "patients"}.get(c.unit, "units")
     if c.tested(test) == "score":
-        evidence = (f"mean Brier score gain {c.mean_d:+.4f} over {c.n} validation items (paired t-test), "
+        evidence = (f"mean Brier score gain {c.mean_d:+.4f} over {c.n} validation {what} (paired t-test), "
                     f"p = {_num(p[best])}")
     elif c.wins is None:
-        evidence = (f"no sign test: the counts of {c.n} validation items were withheld (one below k_min), "
+        evidence = (f"no sign test: the counts of {c.n} validation {what} were withheld (one below k_min), "
                     f"p = {_num(p[best])}")
     else:
-        evidence = (f"{_items(c.wins)} better, {c.losses} worse, of {c.n} validation items (sign test), "
+        evidence = (f"{_items(c.wins, what)} better, {c.losses} worse, of {c.n} validation {what} (sign test), "
                     f"p = {_num(p[best])}")
     over = f"alpha {alpha:g} over {len(judged)} candidate(s)"
     if p[best] < threshold:
         return Choice(best, "; ".join([f"{best} beats {reference}: {evidence} < {_num(threshold)} ({over})"] + notes),
                       p, threshold)
-    few = f"too few validation items to decide (n = {c.n}; under {FEW} only a large gain can pass): " \
+    few = f"too few validation {what} to decide (n = {c.n}; under {FEW} only a large gain can pass): " \
         if c.n < FEW else ""
     return Choice(reference, "; ".join([f"{reference} kept: {few}no candidate beats it beyond the validation noise "
                                         f"(best {best}: {evidence} >= {_num(threshold)}, {over})"] + notes), p, threshold)
@@ -274,8 +299,8 @@ def _num(x: float) -> str:
     return "0" if x == 0 else f"{x:.3g}" if x >= 1e-3 else f"{x:.{2 - int(np.floor(np.log10(x)))}f}"
 
 
-def _items(n: int) -> str:
-    return f"{n} item" + ("" if n == 1 else "s")
+def _items(n: int, what: str = "items") -> str:
+    return f"{n} {what[:-1] if n == 1 and what.endswith('s') else what}"
 
 
 def plan(site_counts: Mapping[str, Mapping[str, Optional[Paired]]], *, groups: Mapping[str, Mapping[str, object]]

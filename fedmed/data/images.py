@@ -396,6 +396,7 @@ def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, 
                 _save_png(_read_array(item), target)
                 item = str(target.relative_to(out))
             common_entries.append({"image": item, "label": int(pool.labels[i])})
+    patients = pool.groups is not None and len(set(pool.groups)) < len(pool.groups)  # else each image is its own
     for k, (name, idx) in enumerate(zip(names, parts)):
         idx = rng.permutation(np.asarray(idx, dtype=np.int64))
         if common_entries is None:
@@ -417,8 +418,8 @@ def write_site_datalists(pool: ImagePool, parts: Sequence[np.ndarray], out_dir, 
                 item = str(target.relative_to(out))  # relative to the datalist's folder (the default data root)
             if segmentation:  # 2D lesion segmentation: the mask is the label; the patient keeps the splits apart
                 entries.append({"image": item, "label": pool.masks[i], "subject": pool.groups[i]})
-            else:
-                entries.append({"image": item, "label": label})
+            else:  # the patient, where the pool knows patients of several images: the plan's unit of evidence (#86)
+                entries.append({"image": item, "label": label, **({"patient": pool.groups[i]} if patients else {})})
         doc = {"site": name, "training": entries[n_test + n_val:], "validation": entries[n_test:n_test + n_val],
                "test": entries[:n_test] if common_entries is None else common_entries}
         path = out / f"{name}.json"
@@ -485,6 +486,11 @@ def load_datalist(path, *, task: str = "classification", root=None, name: str | 
                                     f"got {v!r:.60} (the entry: {e!r:.200})", f"{public}: {key}[{j}] '{k}' should be "
                                     f"a file (a path), got {got}")
             e.update({k: _resolve(e[k], root) for k in files if k in e})
+            for k in ("patient", "subject"):
+                if k in e and (isinstance(e[k], bool) or not isinstance(e[k], (str, int)) or e[k] == ""):
+                    raise DataError(f"{name}: {key}[{j}] '{k}' should be a patient id (a string or an integer), got "
+                                    f"{e[k]!r:.60}", f"{public}: {key}[{j}] '{k}' should be a patient id (a string or "
+                                    f"an integer)")
             if task == "segmentation":
                 continue
             if isinstance(e["label"], str) and classes:  # a class name: its index in the job's classes
@@ -500,6 +506,13 @@ def load_datalist(path, *, task: str = "classification", root=None, name: str | 
                                 f"name")
     check_split_overlap(doc, name, root, public=public, limits=limits)
     return doc
+
+
+def patients_of(entries) -> list | None:
+    """Each entry's patient (its ``patient``, else its ``subject``), in order; ``None`` unless every entry names one
+    (each image is then its own unit of evidence: the serving plan, #86)."""
+    units = [e.get("patient", e.get("subject")) for e in entries]
+    return None if not units or any(u is None for u in units) else units
 
 
 def _sample_files(e: dict) -> list[str]:

@@ -16,7 +16,7 @@ import numpy as np
 
 from fedmed.core.schema import TaskConfig, task_config
 from fedmed.site.tasks import CLASSIFICATION, PLUGIN_TASKS, Reply, TaskError, task_seed
-from fedmed.data.images import DataError, conversion_note, load_datalist, load_images, near_duplicates
+from fedmed.data.images import DataError, conversion_note, load_datalist, load_images, near_duplicates, patients_of
 from fedmed.site.settings import SiteSettings, private_tokens, settings_for_dir
 
 __all__ = ["SiteRunner", "Splits", "TaskError", "task_seed"]
@@ -145,6 +145,7 @@ class SiteRunner:
                 print(f"[fedmed] {note}", flush=True)
                 self.notes.append(note)
             self._data, self._data_key = splits, key
+            self._val_units = patients_of(doc["validation"])
             self._resident, self._resident_bytes = {}, 0  # the old splits' device copies go with them
         return self._data
 
@@ -246,6 +247,12 @@ class SiteRunner:
             c.put(key, {"x": x.numpy()}, {"conversions": sorted(mine)})
             self.cache_note()
         return x, y
+
+    def val_units(self, cfg: TaskConfig) -> list | None:
+        """Each validation item's patient, in the order the validation split is scored (the datalist's ``patient``
+        or ``subject``); ``None`` when an entry names none: each item is its own unit of evidence (#86)."""
+        self.splits(cfg)
+        return getattr(self, "_val_units", None)
 
     def splits(self, cfg: TaskConfig) -> Splits:
         """The site's training, validation and test splits for the task config (its labels checked against the

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedmed.core.schema import TaskConfig, task_config
-from fedmed.data.images import DataError
+from fedmed.data.images import DataError, patients_of
 from fedmed.site.runner import SiteRunner
 from fedmed.site.tasks import Reply, TaskError, task_seed
 
@@ -210,7 +210,12 @@ class Seg2DSiteRunner(SiteRunner):
                 raise DataError(f"{self.site}: datalist {self.display(self.datalist_path)} has no training images",
                                 f"{self.site}: its datalist has no training images")
             self._data, self._data_key = out, key
+            self._val_units = patients_of(doc["validation"])
         return self._data
+
+    def val_units(self, cfg: TaskConfig) -> list | None:
+        self.cases(cfg)
+        return getattr(self, "_val_units", None)
 
     def images_at_size(self, cfg: TaskConfig, size: int):
         """The training and validation images decoded at ``size`` (an encoder's input size)."""

@@ -575,7 +575,7 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
     candidate only its paired aggregates against the reference (:func:`fedmed.algorithms.serving.paired_counts`:
     counts and score sums; nothing under ``k_min`` items) and each model's mean ``val_<metric>/<name>`` — never a
     per-item value."""
-    from fedmed.algorithms.serving import differing_items, paired_counts
+    from fedmed.algorithms.serving import MIN_PATIENTS, differing_items, paired_counts
     from fedmed.nn.train import set_params
 
     opts = ServeScoreOptions.model_validate(cfg.method_options)
@@ -615,6 +615,11 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
             runner.notes.append(f"{e}; finetuned is not scored here")
             withheld["finetuned"] = str(e).removeprefix(f"{runner.site}: ")
     ref = opts.names[0]
+    units = runner.val_units(cfg)  # each validation item's patient, where the datalist names them (#86)
+    n_units = len(set(map(str, units))) if units is not None else None
+    if n_units is not None and n_units < MIN_PATIENTS:  # slices of one patient are one unit of evidence
+        withheld.update({n: f"its validation items come from {n_units} patient(s), fewer than {MIN_PATIENTS}: too "
+                            f"few patients to decide" for n in [*opts.names[1:], "finetuned"] if n in scores})
     # two models whose items differ on 1..k_min-1 items: their replies could be differenced to single those items out
     order = [n for n in [*opts.names, "finetuned"] if n in scores]
     for j, b in enumerate(order):
@@ -629,7 +634,8 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
     if ref in withheld:  # nothing is compared with a reference that was not scored
         withheld.update({n: f"the reference ({ref}) was not scored: {withheld[ref]}" for n in order if n != ref})
     counts = {name: None if name in withheld else
-              paired_counts(scores[ref], v, k_min=k, reference_proper=proper.get(ref), candidate_proper=proper.get(name))
+              paired_counts(scores[ref], v, k_min=k, reference_proper=proper.get(ref), candidate_proper=proper.get(name),
+                            units=units)
               for name, v in scores.items() if name != ref}
     counts.update({name: None for name in withheld if name != ref})
     meta["serving"] = {name: None if c is None else c.message() for name, c in counts.items()}
