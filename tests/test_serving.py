@@ -438,7 +438,7 @@ def test_a_patients_items_are_one_unit_of_evidence():
 def test_a_site_validating_on_two_patients_cannot_pass_on_slice_count_alone(tmp_path):
     """#86's must-show: a site whose validation items come from two patients (its datalist names them) sends no
     evidence for a candidate that beats the global model on every slice count, and the plan keeps the global model
-    saying why; the same site with a patient per image serves the candidate."""
+    saying why; the same site with a patient per image, or with a patient per three images, serves the candidate."""
     import json
 
     from fedmed.core.packing import pack_models
@@ -447,8 +447,10 @@ def test_a_site_validating_on_two_patients_cannot_pass_on_slice_count_alone(tmp_
     runner, cfg, untrained, trained = _site_and_models(tmp_path)
     cfg = {**cfg, "method_options": {"names": ["global", "cluster"]}}
     original = json.loads(runner.datalist_path.read_text())
+    n_val = len(original["validation"])
     sent = {}
-    for label, patients in (("two", lambda j: f"p{j % 2}"), ("each", lambda j: f"p{j}")):
+    for label, patients in (("two", lambda j: f"p{j % 2}"), ("each", lambda j: f"p{j}"),
+                            ("threes", lambda j: f"p{j // 3}")):
         doc = json.loads(json.dumps(original))
         for j, e in enumerate(doc["validation"]):
             e["patient"] = patients(j)
@@ -462,8 +464,10 @@ def test_a_site_validating_on_two_patients_cannot_pass_on_slice_count_alone(tmp_
     choice = plan({"site-1": {k: None if v is None else Paired(**v) for k, v in sent["two"]["serving"].items()}},
                   withheld={"site-1": sent["two"]["not_scored"]})["site-1"]
     assert choice.served == "global" and "too few patients to decide" in choice.reason
-    each = Paired(**sent["each"]["serving"]["cluster"])
-    assert each.unit == "patient" and choose({"cluster": each}).served == "cluster"
+    each = Paired(**sent["each"]["serving"]["cluster"])  # a patient per image: the images are the units
+    assert each.unit is None and each.n == n_val and choose({"cluster": each}).served == "cluster"
+    threes = Paired(**sent["threes"]["serving"]["cluster"])
+    assert threes.unit == "patient" and threes.n == -(-n_val // 3) and choose({"cluster": threes}).served == "cluster"
 
 
 def test_a_datalists_patient_is_an_id_and_the_writer_keeps_the_pools_patients(tmp_path):

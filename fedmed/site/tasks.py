@@ -617,6 +617,8 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
     ref = opts.names[0]
     units = runner.val_units(cfg)  # each validation item's patient, where the datalist names them (#86)
     n_units = len(set(map(str, units))) if units is not None else None
+    if n_units is not None and n_units == len(units):  # a patient per item: the items are the units
+        units = n_units = None
     if n_units is not None and n_units < MIN_PATIENTS:  # slices of one patient are one unit of evidence
         withheld.update({n: f"its validation items come from {n_units} patient(s), fewer than {MIN_PATIENTS}: too "
                             f"few patients to decide" for n in [*opts.names[1:], "finetuned"] if n in scores})
