@@ -72,7 +72,7 @@ def test_a_clustered_workflow_gives_the_same_models_in_process_and_in_flares_sim
     assert ours["clustering"]["clusters"] == sim_doc["clustering"]["clusters"]
     assert len(ours["clustering"]["clusters"]) == 2
     a, b = _models(sim / "models"), _models(tmp_path / "inproc" / "models")
-    assert sorted(a) == sorted(b) == ["cluster0.pt", "cluster1.pt"]
+    assert sorted(a) == sorted(b) == ["cluster0.pt", "cluster1.pt", "selected_cluster0.pt", "selected_cluster1.pt"]
     for f in a:
         assert a[f].keys() == b[f].keys()
         for k in a[f]:

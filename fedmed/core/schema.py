@@ -121,6 +121,19 @@ class SegTrainConfig(Strict):
     pos_fraction: float = Field(0.5, ge=0, le=1, description="share of patches centred on tumour")
 
 
+class StopConfig(Strict):
+    """When a run stops before ``train.rounds`` (a ceiling): the sites' validation score has not improved by more than
+    ``min_delta`` for ``patience`` rounds (``fedmed.workflows.stopping``; #85)."""
+
+    patience: Optional[int] = Field(None, ge=1, le=10000, description="rounds without a validation improvement before "
+                                    "the run stops (None: every round of train.rounds runs)")
+    min_delta: float = Field(0.0, ge=0, description="the least rise of the validation score that counts as an "
+                             "improvement (in the metric's own units: 0.01 is one accuracy point)")
+    metric: Literal["auto", "val_accuracy", "pooled_val_auc", "val_dice_mean"] = Field(
+        "auto", description="the validation score the rule reads; auto: the one the experiment's selection reads "
+        "(pooled_val_auc under selection validation_auc, val_dice_mean for segmentation, else val_accuracy)")
+
+
 class ServerOptConfig(Strict):
     """FedOpt (Reddi et al., ICLR 2021, "Adaptive Federated Optimization", Alg. 2): the server treats the averaged
     update ``Delta = avg_k theta_k - theta`` as a pseudo-gradient and steps with its own optimizer, one state per
@@ -140,7 +153,9 @@ class TrainConfig(Strict):
     """The training recipe; defaults are the 2D recipe chosen on validation data (benchmarks/tune_recipe.py,
     docs/readings.md "2D recipe")."""
 
-    rounds: int = Field(3, ge=1, le=10000)
+    rounds: int = Field(3, ge=1, le=10000, description="the most training rounds (a ceiling where train.stop is set)")
+    stop: StopConfig = Field(default_factory=lambda: StopConfig(), description="stop before the ceiling when the "
+                             "validation score stops improving (#85)")
     local_epochs: int = Field(3, ge=1, le=1000)
     batch_size: int = Field(16, ge=1)
     optimizer: Literal["sgd", "adam", "adamw"] = "adam"

@@ -23,7 +23,7 @@ import numpy as np
 
 from fedmed.algorithms.metrics import pooled_metrics
 
-__all__ = ["METRICS", "Recorder", "missing_sentence", "strict_json", "summarize_sites"]
+__all__ = ["METRICS", "Recorder", "missing_sentence", "site_entry", "strict_json", "summarize_sites"]
 
 METRICS = ("accuracy", "macro_f1", "auc")
 _AGGREGATES = ("confusion", "score_hist", "val_confusion", "val_score_hist")
@@ -113,6 +113,19 @@ def round_scalars(summary: dict) -> dict:
     return out
 
 
+def site_entry(metrics: dict, meta: dict) -> dict:
+    """What the record keeps of one site's reply in a round: its numeric metrics, its counts and cluster, and the
+    aggregates the pooled metrics are made of."""
+    entry = {m: float(v) for m, v in metrics.items() if isinstance(v, (int, float)) and m != "failed"}
+    entry.update({k: meta.get(k) for k in ("n_test", "val_n_test", "n_train", "withheld", "val_withheld")
+                  if meta.get(k) is not None})
+    entry["cluster"] = meta.get("cluster")
+    for k in _AGGREGATES:
+        if meta.get(k) is not None:
+            entry[k] = np.asarray(meta[k]).tolist()
+    return entry
+
+
 class Recorder:
     """Collects each round's site results; writes ``metrics.json`` and TensorBoard scalars."""
 
@@ -185,14 +198,7 @@ class Recorder:
                 self.doc["errors"].append({"round": round_, "site": site, "task": task, "error": meta["error"]})
                 continue
             ok.append(site)
-            entry = {m: float(v) for m, v in metrics.items() if isinstance(v, (int, float)) and m != "failed"}
-            entry.update({k: meta.get(k) for k in ("n_test", "val_n_test", "n_train", "withheld", "val_withheld")
-                          if meta.get(k) is not None})
-            entry["cluster"] = meta.get("cluster")
-            for k in _AGGREGATES:
-                if meta.get(k) is not None:
-                    entry[k] = np.asarray(meta[k]).tolist()
-            sites[site] = entry
+            sites[site] = site_entry(metrics, meta)
         summary = summarize_sites(sites)
         for entry in sites.values():  # the histograms served the pooled AUC; keep the record small
             entry.pop("score_hist", None)

@@ -162,6 +162,35 @@ def reported_rows(rows: list[dict], selection: str = "final") -> dict:
     return out
 
 
+def still_improving(rows: list[dict], selection: str = "final") -> str:
+    """The runs whose best validation score (the one ``selection`` reads, validation accuracy where it reads none)
+    is at their last round, as one line (#85), or "" when there are none."""
+    from fedmed.workflows.stopping import STILL_IMPROVING
+
+    runs: dict = {}
+    for r in rows:
+        if not r.get("phase") and r.get("task") not in PLAN_TASKS and r.get("round") is not None \
+                and r.get("task") != "finetune_local":
+            runs.setdefault(r["method"], {}).setdefault(r["seed"], []).append(r)
+    hits = []
+    for method, by_seed in runs.items():
+        seeds = []
+        for seed, rs in sorted(by_seed.items()):
+            key = "val_dice_mean" if is_seg(rs) else "pooled_val_auc" if selection == "validation_auc" \
+                else "val_accuracy"
+            scored = [r for r in rs if r.get(key) is not None and math.isfinite(r[key])]
+            if len(scored) > 1:
+                best = max(scored, key=lambda r: (r[key], -r["round"]))
+                if best["round"] == max(r["round"] for r in rs):
+                    seeds.append(str(seed))
+        if seeds:
+            hits.append(f"{method} (seed{'s' if len(seeds) > 1 else ''} {', '.join(seeds)})")
+    if not hits:
+        return ""
+    return (f"{STILL_IMPROVING.capitalize()}: {'; '.join(hits)} — the best validation score is at the last round "
+            f"(raise train.rounds, a ceiling, and set train.stop: docs/recipes.md).")
+
+
 def summarize(rows: list[dict], selection: str = "final") -> list[dict]:
     """Per method (methods first, then references): the reported round(s) and mean ± std over seeds. A
     segmentation table also gets the untrained network's row (the centralized reference before its first round:
@@ -375,6 +404,10 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
                  "(ANDA federations). Oracle: each site's best cluster model, chosen on its test labels — a reference, "
                  "never a method. Ensemble: IFCA's cluster models weighted by cluster size (label-free). ARI: the "
                  "training clustering against the true groups.\n\n" + phases)
+    notes = list(notes or [])
+    line = still_improving(rows, selection)
+    if line:
+        notes.append(line)
     if notes:
         text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     (out / "summary.md").write_text(text)

@@ -1109,6 +1109,8 @@ def _log_done(m, doc, new, selection, log, work):
         f"{_pct(row.get(key))} (site mean)" + (f", pooled {_pct(row['pooled_accuracy'])}"
                                                if row.get("pooled_accuracy") is not None else "")
         + (f"; {errs} site error(s), see metrics.json" if errs else ""))
+    for key, st in sorted((doc.get("stop") or {}).items()):  # why and when it stopped (#85)
+        log(f"    {key}: {st.get('why')}")
 
 
 def _command(config_path, overrides, out_dir=None, methods=None) -> str:

@@ -325,6 +325,9 @@ def _plan_spec(exp, method, seed, cfg, plan, server_files, name, common) -> JobS
     if not ref.is_file():
         raise BuildError(f"--global: {plan['global']}: the run saved no global model (models/global.pt): the "
                          f"reference is a FedAvg-family run's")
+    selected = ref.with_name("selected_global.pt")
+    if exp.selection != "final" and selected.is_file():  # the model of the round the reference's row reports (#86)
+        ref = selected
     tmp = _staging_dir("fedmed_plan_")
     (tmp / REFERENCE).mkdir()
     shutil.copy(ref, tmp / REFERENCE / "global.pt")

@@ -120,6 +120,10 @@ def _pooled_training(exp, data: dict, members: list[str], seed: int, gseed: int,
     g = torch.Generator()
     g.manual_seed(gseed)
     per_round = []
+    from fedmed.workflows.stopping import Stopper, stop_metric, val_score
+
+    stop = Stopper.from_config(t, metric=stop_metric(t.stop, "classification", exp.selection))
+    halted = False  # train.stop, as a federated run: one more block after the round that ends it, then stop
     for r in range(t.rounds + 1):
         if r > 0:
             train_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt, generator=g,
@@ -136,6 +140,9 @@ def _pooled_training(exp, data: dict, members: list[str], seed: int, gseed: int,
                               pre + "score_hist": res["score_hist"]})
             per_site[s] = e
         per_round.append(per_site)
+        if halted:
+            break
+        halted = stop.observe(r, val_score(per_site, stop.metric)) and r < t.rounds
     return per_round
 
 
@@ -163,7 +170,8 @@ def centralized_rows(exp, datalists, sites: list[str], seed: int, log=print) -> 
     per_round = _pooled_training(exp, data, list(sites), seed, int(seed) * 7919 + 11, len(exp.dataset.classes))
     rows = [_row("Centralized", seed, per_site, round_=r) for r, per_site in enumerate(per_round)]
     n = sum(int(data[s].train[0].shape[0]) for s in sites)
-    log(f"    centralized reference: {n} pooled training images, {exp.train.rounds} x {exp.train.local_epochs} epochs, "
+    log(f"    centralized reference: {n} pooled training images, {len(per_round) - 1} x {exp.train.local_epochs} epochs "
+        f"(of {exp.train.rounds}: train.stop), "
         f"final test accuracy {100 * rows[-1]['accuracy']:.2f}% (site mean)")
     return rows
 
@@ -181,13 +189,16 @@ def alone_rows(exp, datalists, sites: list[str], seed: int, sources: dict | None
     per_round: list[dict] = [{} for _ in range(exp.train.rounds + 1)]
     name = "Each source alone" if sources else "Each site alone"
     t0 = time.perf_counter()
+    ends = 0
     for k, (g, members) in enumerate(groups.items()):
-        for r, per_site in enumerate(_pooled_training(exp, data, members, seed, int(seed) * 7919 + 11 + 101 * (k + 1),
-                                                      n_classes)):
-            per_round[r].update(per_site)
+        trained = _pooled_training(exp, data, members, seed, int(seed) * 7919 + 11 + 101 * (k + 1), n_classes)
+        ends = max(ends, len(trained))
+        for r in range(len(per_round)):  # a group its stop rule ended keeps its last model's scores
+            per_round[r].update(trained[min(r, len(trained) - 1)])
         # a line per source (or site): the reference trains the federation's whole budget once per group
         log(f"    {name.lower()} reference: {g} trained ({k + 1}/{len(groups)}, {len(members)} site(s), "
             f"{time.perf_counter() - t0:.0f} s so far)")
+    per_round = per_round[:ends]  # every group stopped: the rows end where the last group's did
     rows = [_row(name, seed, {s: per_site[s] for s in sites}, round_=r) for r, per_site in enumerate(per_round)]
     k_min = exp.privacy.k_min
     for row, per_site in zip(rows, per_round):  # per-site records for per-source tables, as a site would send them

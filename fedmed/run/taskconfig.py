@@ -38,6 +38,9 @@ def build_task_config(exp, seed: int, method, sites: list[str] | None) -> dict:
     dests = tracking_destinations(exp.tracking.model_dump())
     if dests:  # where the server's receivers send metrics besides its workspace: each site consents or sends none
         common["tracking"] = dests
+    from fedmed.workflows.stopping import stop_metric
+
+    common["train"]["stop"]["metric"] = stop_metric(exp.train.stop, exp.dataset.task, exp.selection)  # as selected
     if exp.dataset.task == "segmentation" and exp.dataset.sources:  # 2D lesion masks (fedmed.site.seg2d)
         cfg = {"task": "segmentation", **common,
                "data": {"spatial_dims": 2, "image_size": exp.dataset.image_size, "in_channels": exp.dataset.channels}}

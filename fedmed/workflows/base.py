@@ -201,11 +201,17 @@ class Workflow:
                 self.warning(f"{who} {reply.site}: {note}")
         return got
 
-    def cluster_round(self, round_: int, task_name: str, models: dict, members: dict, **extra) -> dict:
+    def cluster_round(self, round_: int, task_name: str, models: dict, members: dict, held: dict | None = None,
+                      **extra) -> dict:
         """Step: one round of a per-cluster workflow — cluster c's model to its members, the round recorded — the
-        replies of the sites that answered, by cluster."""
+        replies of the sites that answered, by cluster. ``held``: clusters whose training has stopped (their stop
+        rule): their members score their model (``validate``) in the same round, so every round's record holds every
+        site."""
         replies = self.send_groups(task_name, {c: (self.task(models[c], round_, cluster=c, **extra), sites)
                                                for c, sites in members.items() if sites})
+        if held:
+            replies.update(self.send_groups("validate", {c: (self.task(models[c], round_, cluster=c, **extra), sites)
+                                                         for c, sites in held.items() if sites}))
         ok = {r.site for r in self.record_rows(round_, [r for rows in replies.values() for r in rows], task_name)}
         return {c: [r for r in rows if r.site in ok] for c, rows in replies.items()}
 
@@ -229,18 +235,32 @@ class Workflow:
             self.info(f"FedAvg warm-up of {warmup} round(s) done; cluster models start from it")
             saved, start = {"global": theta0}, warmup
         theta = {c: saved.get(f"cluster{c}") or saved.get("global") or self.initial_params() for c in range(len(clusters))}
+        stops = {c: self.stopper(f"cluster{c}") for c in range(len(clusters))}  # each cluster its own stop rule
+        active = {c for c, st in stops.items() if st.stopped_at is None and clusters[c]}
+        last = self.num_rounds
         for r in range(start, self.num_rounds + 1):
-            task = "train" if r < self.num_rounds else "validate"
-            replies = self.cluster_round(r, task, theta, dict(enumerate(clusters)))
-            if task == "train":
-                for c, good in replies.items():
-                    if good:
-                        theta[c] = self.recalibrated(self.aggregate(good, base=theta[c], key=f"cluster{c}"), r + 1,
-                                                     targets=sorted(x.site for x in good))
-                self.checkpoint(r + 1, {f"cluster{c}": t for c, t in theta.items()}, clusters=clusters, **state)
+            final = r == self.num_rounds or not active
+            task = "validate" if final else "train"
+            members = {c: m for c, m in enumerate(clusters) if final or c in active}
+            replies = self.cluster_round(r, task, theta, members, held=None if final else
+                                         {c: m for c, m in enumerate(clusters) if c not in active})
+            for c in members:
+                if stops[c].observe(r, self.round_score(replies.get(c) or []), theta[c]) and not final:
+                    stops[c].stopped_at = r
+            if final:
+                last = r
+                break
+            for c, good in replies.items():
+                if good and c in active:
+                    theta[c] = self.recalibrated(self.aggregate(good, base=theta[c], key=f"cluster{c}"), r + 1,
+                                                 targets=sorted(x.site for x in good))
+            active -= {c for c in active if stops[c].stopped_at is not None}
+            self.checkpoint(r + 1, {f"cluster{c}": t for c, t in theta.items()}, clusters=clusters,
+                            stoppers={f"cluster{c}": st for c, st in stops.items()}, **state)
         for c, sites in enumerate(clusters):
             if sites:
-                self.save_final(theta[c], name=f"cluster{c}", sites=sites, cluster=c)
+                self.save_final(theta[c], name=f"cluster{c}", sites=sites, cluster=c, rounds=last)
+        self.save_selected({f"cluster{c}": st for c, st in stops.items() if clusters[c]}, last)
         return clusters
 
     def recalibrated(self, theta: dict, round_: int, targets=None) -> dict:
@@ -308,6 +328,37 @@ class Workflow:
         st.update(new)
 
     SERVER_OPT = "server_opt:"  # the checkpoint's names of the server optimizer's moments
+    SELECTED = "selected:"  # the checkpoint's names of each trained model's selected round (fedmed.workflows.stopping)
+
+    # ------------------------------------------------------------------ train to convergence (#85)
+    def stopper(self, key: str = "global"):
+        """The stop rule of the trained model ``key`` (``train.stop``; :class:`fedmed.workflows.stopping.Stopper`),
+        continuing a resumed run's."""
+        from fedmed.workflows.stopping import Stopper
+
+        resumed = self.resumed if self.fed is not None else {}
+        st = Stopper.from_config(self.task_cfg.train, ((resumed.get("state") or {}).get("stop") or {}).get(key))
+        st.params = (resumed.get("models") or {}).get(f"{self.SELECTED}{key}") if st.selected is not None else None
+        return st
+
+    def round_score(self, rows) -> float:
+        """The round's validation score as the stop rule reads it, from the sites' replies."""
+        from fedmed.workflows.stopping import reply_entries, val_score
+
+        return val_score(reply_entries(rows), self.task_cfg.train.stop.metric if self.task_cfg.train.stop.metric
+                         != "auto" else "val_accuracy")
+
+    def save_selected(self, stoppers: dict, last: int) -> None:
+        """After the final round: the run record's ``stop`` note (why and when each trained model stopped) and, per
+        model, ``models/selected_<key>.pt`` — its model at the round the selection rule reports (the serving plan's
+        reference, #86)."""
+        note = {k: st.record(last) for k, st in stoppers.items()}
+        self.recorder.note("stop", note)
+        for k, st in stoppers.items():
+            self.info(f"[fedmed] {k}: {note[k]['why']}")
+            if st.params is not None:
+                self.fed.save_final(st.params, f"selected_{k}", sites=list(self.sites), rounds=st.selected,
+                                    bundle=False)
 
     def _server_opt_state(self) -> dict:
         """served model -> its FedOpt moments (``{"m": {...}, "v": {...}}``), restored from a resumed run's
@@ -320,14 +371,18 @@ class Workflow:
                     self._fedopt.setdefault(key, {})[moment] = dict(arrays)
         return self._fedopt
 
-    def checkpoint(self, next_round: int, models: dict, **state):
+    def checkpoint(self, next_round: int, models: dict, stoppers: dict | None = None, **state):
+        if stoppers:  # each model's stop rule and its selected round's model
+            state = {**state, "stop": {k: st.state() for k, st in stoppers.items()}}
+            models = {**models, **{f"{self.SELECTED}{k}": st.params for k, st in stoppers.items()
+                                   if st.params is not None}}
         if getattr(self, "_fedopt", None):
             models = {**models, **{f"{self.SERVER_OPT}{key}:{moment}": arrays for key, st in self._fedopt.items()
                                    for moment, arrays in st.items() if arrays}}
         self.fed.checkpoint(next_round, models, **state)
 
-    def save_final(self, params: dict, name: str = "global", *, sites=None, cluster=None):
-        self.fed.save_final(params, name, sites=sites, cluster=cluster)
+    def save_final(self, params: dict, name: str = "global", *, sites=None, cluster=None, rounds=None):
+        self.fed.save_final(params, name, sites=sites, cluster=cluster, rounds=rounds)
 
     def save_onboarding(self, mode: str, clusters: dict, arrays: dict | None = None, **state):
         """What a new site needs to be given the cluster model that fits it after this run
@@ -359,8 +414,10 @@ class Workflow:
         return int(self.resumed.get("next_round", 0))
 
     def resumed_models(self) -> dict:
-        """The models a resumed run's checkpoint holds (the server optimizer's state left out)."""
-        return {k: v for k, v in self.resumed.get("models", {}).items() if not k.startswith(self.SERVER_OPT)}
+        """The models a resumed run's checkpoint holds (the server optimizer's state and the selected rounds' models
+        left out)."""
+        return {k: v for k, v in self.resumed.get("models", {}).items()
+                if not k.startswith((self.SERVER_OPT, self.SELECTED))}
 
     def initial_params(self, cfg: dict | None = None) -> dict:
         """The model every site starts from, built at the server under the server's policy: a network it may not

@@ -28,11 +28,22 @@ class FedAvg(Workflow):
         self.train_global(self.resumed_models().get("global") or self.initial_params())
 
     def train_global(self, theta, **state):
-        for r in range(self.start_round(), self.num_rounds):
+        """Rounds from the start round up to ``train.rounds`` (a ceiling: ``train.stop`` may end them sooner,
+        :mod:`fedmed.workflows.stopping`), the final ``validate`` round, the final model and the selected round's."""
+        stop = self.stopper("global")
+        last = self.num_rounds if stop.stopped_at is None else stop.stopped_at + 1  # a resumed run that had stopped
+        for r in range(self.start_round(), self.num_rounds if stop.stopped_at is None else 0):
             updates = self.record_rows(r, self.send("train", self.task(theta, r)), "train")
+            halt = stop.observe(r, self.round_score(updates), theta)
             theta = self.recalibrated(self.aggregate(updates, base=theta), r + 1,  # train.norm_recalibrate
                                       targets=sorted(x.site for x in updates))
-            self.checkpoint(r + 1, {"global": theta}, **state)
-        self.record_rows(self.num_rounds, self.send("validate", self.task(theta, self.num_rounds)), "validate")
-        self.save_final(theta, sites=list(self.sites))  # the run's sites, which trained it
+            if halt:
+                stop.stopped_at, last = r, r + 1
+            self.checkpoint(r + 1, {"global": theta}, stoppers={"global": stop}, **state)
+            if halt:
+                break
+        rows = self.record_rows(last, self.send("validate", self.task(theta, last)), "validate")
+        stop.observe(last, self.round_score(rows), theta)
+        self.save_final(theta, sites=list(self.sites), rounds=last)  # the run's sites, which trained it
+        self.save_selected({"global": stop}, last)
         return theta

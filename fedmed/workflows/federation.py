@@ -297,7 +297,8 @@ class Federation:
                     last[s] = int(entry["n_train"])
         return int(sum(last.get(s, 0) for s in sites))
 
-    def save_final(self, params: dict, name: str = "global", *, sites=None, cluster=None):
+    def save_final(self, params: dict, name: str = "global", *, sites=None, cluster=None, rounds=None,
+                   bundle: bool = True):
         """The trained model, as a PyTorch checkpoint (``fedmed.nn.predict.save_model``: ``state_dict``, what rebuilds the
         network, what it serves). Only called when the run finished."""
         from fedmed.nn.predict import save_model
@@ -309,9 +310,10 @@ class Federation:
         out = self.out_dir / "models"
         out.mkdir(parents=True, exist_ok=True)
         save_model(out / f"{name}.pt", params, self.cfg, cluster=cluster, sites=sites,
-                   workflow=self.workflow.record_name, rounds=self.workflow.num_rounds, train_images=images)
+                   workflow=self.workflow.record_name, rounds=self.workflow.num_rounds if rounds is None else rounds,
+                   train_images=images)
         tc = self.workflow.task_cfg
-        if tc.task == "classification" or (tc.task == "segmentation" and tc.data.spatial_dims == 3):
+        if bundle and (tc.task == "classification" or (tc.task == "segmentation" and tc.data.spatial_dims == 3)):
             # the same model as a MONAI bundle (fedmed.nn.bundle; no 2D lesion one yet)
             from fedmed.nn.bundle import export_bundle
 
@@ -319,7 +321,7 @@ class Federation:
                 export_bundle(out / f"{name}.pt", out / f"{name}_bundle", policy=self.policy)
             except Exception as e:  # a bundle never fails a finished run: the checkpoint is there
                 self.warning(f"[fedmed] models/{name}_bundle not written: {type(e).__name__}: {e}")
-        if self.workflow.task_cfg.task == "mae":  # the encoder the registry loads as "fedmae_vit" (a plain state dict)
+        if self.workflow.task_cfg.task == "mae" and name == "global":  # the encoder the registry loads as "fedmae_vit" (a plain state dict)
             import torch
 
             from fedmed.nn.mae import encoder_state

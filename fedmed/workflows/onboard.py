@@ -309,4 +309,5 @@ def check_training_result(path, workflow: str, training: str, *, onboards: bool,
 
 def training_files(folder: Path) -> list[Path]:
     """What an onboarding job carries of a checked run folder (:func:`check_training_result`)."""
-    return sorted((folder / "models").glob("*.pt")) + [folder / f for f in ONBOARDING_FILES if (folder / f).is_file()]
+    return sorted(p for p in (folder / "models").glob("*.pt") if not p.name.startswith("selected_")) + \
+        [folder / f for f in ONBOARDING_FILES if (folder / f).is_file()]
