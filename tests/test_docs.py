@@ -31,6 +31,8 @@ RUN_HERE = {
         "test_tracking.py: test_a_run_tracked_in_mlflow_has_every_sites_and_the_servers_rounds_its_settings_and_result",
     ".venv/bin/fedmed experiment app_configs/busi_224.yaml":
         "test_docs.py: test_the_busi_224_recipe_as_written_names_the_missing_weights_before_any_training",
+    ".venv/bin/fedmed tune app_configs/demo_digits.yaml --budget 2 --out results/demo_tune":
+        "test_docs.py: test_the_recipes_tune_command_runs_as_written",
 }
 # the start of a documented command -> why it does not run here as written
 NOT_HERE = {
@@ -230,3 +232,17 @@ def test_architecture_walks_one_config_through_at_most_five_forms_each_of_them_r
 
     msg = WorkflowController(num_rounds=1, task_config=spec.task_config).message({}, 0, spec.task_config)
     assert msg.meta == {"task_config": spec.task_config}
+
+
+def test_the_recipes_tune_command_runs_as_written(tmp_path):
+    """docs/recipes.md "A federation of your own": its `fedmed tune` line in a clone-like folder writes a tuned.yaml
+    that loads as a config, within its budget."""
+    from fedmed.config import load_config
+
+    here = clone_like(tmp_path)
+    cmd = _command("recipes.md", ".venv/bin/fedmed tune")
+    p = _run(cmd, here)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = here / "results" / "demo_tune"
+    exp = load_config(out / "tuned.yaml")
+    assert exp.name == "demo-digits" and "full run(s) of the config's recipe (budget 2)" in (out / "tuning.md").read_text()

@@ -252,6 +252,26 @@ def _add_workflow_verbs(sub):
     from fedmed.cli import commands
 
     commands.register(sub)
+    t = sub.add_parser("tune", help="choose a recipe on the federation's own validation data (Optuna, successive "
+                       "halving); writes tuned.yaml", formatter_class=HELP)
+    t.add_argument("config", help="experiment config (app_configs/*.yaml)")
+    t.add_argument("--budget", type=float, required=True, help="full runs of the config's recipe to spend (rounds x "
+                   "local epochs each); a larger budget continues an earlier tuning")
+    t.add_argument("--out", help="output folder (default results/<config name>_tune): tuning.db, tuned.yaml, tuning.md")
+    t.add_argument("--storage", help="an Optuna RDB URL (default sqlite:///<out>/tuning.db): several machines may "
+                   "share one study")
+    t.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
+    t.set_defaults(func=cmd_tune)
+
+
+def cmd_tune(a) -> int:
+    """``fedmed tune`` (:mod:`fedmed.run.tune`)."""
+    from fedmed.config import load_config
+    from fedmed.run.tune import tune
+
+    out = Path(a.out) if a.out else Path("results") / f"{load_config(a.config, a.set).name}_tune"
+    tune(a.config, out, a.budget, storage=a.storage, overrides=a.set)
+    return 0
 
 
 def _exit_on_sigterm() -> None:

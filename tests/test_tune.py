@@ -1,0 +1,86 @@
+"""``fedmed tune`` (#85; fedmed.run.tune): the recipe chosen on the federation's validation data by successive halving
+within a budget of full runs, its Optuna study in SQLite (a tuning resumes), never a test image read, and the chosen
+recipe a config ``fedmed experiment`` starts from."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+CONFIG = {"name": "tunetest", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 30},
+          "federation": {"sites": 3, "partition": "iid", "val_fraction": 0.3},
+          "model": {"arch": "resnet9", "width": 4},
+          "train": {"rounds": 3, "local_epochs": 1, "batch_size": 16, "lr": 0.003}, "privacy": {"k_min": 2},
+          "selection": "validation", "methods": [{"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn",
+                                                  "n_clusters": 2}]}
+
+
+@pytest.fixture
+def config(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(CONFIG))
+    return p
+
+
+def test_a_tuning_reads_no_test_image_and_writes_a_config_experiment_starts_from(config, tmp_path):
+    """Every test image of the federation is garbage (a site that read one would fail its task): the tuning still
+    chooses, its trials' records hold validation scores only, and ``tuned.yaml`` — the config extended by the chosen
+    recipe — loads and builds a job; tuning.md lists every trial with its validation evidence and the cost."""
+    from fedmed.config import load_config
+    from fedmed.run.experiment import prepare_federation
+    from fedmed.run.jobspec import job_spec
+    from fedmed.run.tune import tune
+
+    exp = load_config(config)
+    data = prepare_federation(exp, 0, tmp_path / "data")
+    broken = 0
+    for f in sorted(data.glob("site-*.json")):
+        for e in json.loads(f.read_text())["test"]:
+            (data / e["image"]).write_bytes(b"not an image")
+            broken += 1
+    assert broken
+    got = tune(config, tmp_path / "t", 3, datalists=data, log=lambda *_: None)
+    assert got["runs_spent"] <= 3 + 1e-9 and got["trials"] >= 2
+    for rec in (tmp_path / "t" / "trials").glob("trial*/metrics.json"):
+        for r in json.loads(rec.read_text())["rounds"]:
+            for entry in r["sites"].values():
+                assert "accuracy" not in entry and "val_accuracy" in entry  # validation only
+    tuned = tmp_path / "t" / "tuned.yaml"
+    doc = yaml.safe_load(tuned.read_text())
+    assert doc["extends"] == "../c.yaml" and doc["train"]["local_epochs"] == got["best"]["train.local_epochs"]
+    from fedmed.run.experiment import classes_override
+
+    e = load_config(tuned, classes_override(data, exp))
+    assert e.train.lr == pytest.approx(got["best"]["train.lr"]) and e.name == "tunetest"
+    assert e.federation.val_fraction == 0.3  # the rest of the config as the user wrote it
+    job_spec(e, e.methods[0], 0)
+    table = (tmp_path / "t" / "tuning.md").read_text()
+    assert "test data never read" in table and "full run(s) of the config's recipe (budget 3)" in table
+    assert table.count("\n| ") == got["trials"] + 1  # a header and a row per trial
+
+
+def test_a_tuning_resumes_from_its_sqlite_study_and_a_larger_budget_continues_it(config, tmp_path, capsys):
+    """``fedmed tune`` twice into one folder: the second call keeps the first's trials (from ``tuning.db``) and adds
+    trials only up to the larger budget; the same budget again adds none."""
+    import sqlite3
+
+    from fedmed.cli.main import main
+
+    out = tmp_path / "t"
+    assert main(["tune", str(config), "--budget", "2", "--out", str(out)]) == 0
+    first = (out / "tuning.csv").read_text().splitlines()
+    con = sqlite3.connect(out / "tuning.db")
+    assert con.execute("select count(*) from trials").fetchone()[0] == len(first) - 1
+    con.close()
+    capsys.readouterr()
+    assert main(["tune", str(config), "--budget", "2", "--out", str(out)]) == 0
+    assert (out / "tuning.csv").read_text().splitlines() == first  # nothing left to spend: no new trial
+    import re
+
+    assert float(re.search(r"; (\d+\.\d+) spent before", capsys.readouterr().out).group(1)) > 1.5
+    assert main(["tune", str(config), "--budget", "4", "--out", str(out)]) == 0
+    again = (out / "tuning.csv").read_text().splitlines()
+    assert again[:len(first)] == first and len(again) > len(first)
+    assert main(["tune", str(config), "--budget", "0", "--out", str(out)]) == 2  # a bad budget is one line
+    assert "--budget should be a positive number" in capsys.readouterr().err
