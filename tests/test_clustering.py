@@ -291,3 +291,20 @@ def test_an_fmcl_run_merges_a_cluster_below_min_cluster_images_before_training(t
     assert merged["k"] == 1 and models == ["cluster0.pt"] and "merged" in merged["rule"]
     assert merged["cluster_images"] == [sum(plain["cluster_images"])] == [trained[0]]
     assert "Under min_cluster_images=10000: cluster(s) 0" in cluster_sizes_sentence(merged)
+
+
+def test_the_natural_assessment_takes_the_true_grouping_from_the_federation_it_writes():
+    """#85: benchmarks/natural_assessment.py's true K is the written federation's number of sources (not the breast
+    federation's 5), and its command line parses (it declared --out twice)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "natural_assessment.py"
+    spec = importlib.util.spec_from_file_location("natural_assessment", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.true_k({"a-1": "a", "a-2": "a", "b": "b", "c-1": "c"}) == 3
+    assert not hasattr(mod, "TRUE_K")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
