@@ -169,6 +169,11 @@ class _Clusters(Strict):
     k1_silhouette: Optional[float] = Field(0.5, ge=-1, le=1, description="auto-K keeps one cluster unless the chosen "
                                            "K's silhouette reaches this (Kaufman & Rousseeuw: 0.26-0.50 weak, could be "
                                            "artificial; docs/readings.md); None: no K = 1 test")
+    k1_rule: Literal["differ", "silhouette"] = Field(
+        "differ", description="how auto-K decides K = 1: 'differ' — the calibrated split-half test ('do the sites "
+        "differ?', fedmed.algorithms.differ) answers it: sites that differ get FMCL's silhouette pick with no K = 1 "
+        "gate, sites that do not get one cluster (the silhouette gate where the test cannot run); 'silhouette' — "
+        "k1_silhouette alone (docs/readings.md 'Auto-K')")
     min_cluster_images: int = Field(0, ge=0, description="a cluster whose sites hold fewer training images than this "
                                     "is merged into its nearest cluster (average distance) before training, so that "
                                     "every cluster model has data to learn from (#57); 0: off")
@@ -258,7 +263,8 @@ class SignatureMethod(Method, _Encoder, _Clusters):
         return {"signature": {"kind": self.workflow, "encoder": self.encoder, "image_size": self.encoder_image_size,
                               "seed": seed, **self.signature_options()},
                 "clustering": {"n_clusters": self.n_clusters, "threshold": self.threshold, "linkage": self.linkage,
-                               "k1_silhouette": self.k1_silhouette, "min_cluster_images": self.min_cluster_images,
+                               "k1_silhouette": self.k1_silhouette, "k1_rule": self.k1_rule,
+                               "min_cluster_images": self.min_cluster_images,
                                **self.clustering_options()},
                 "fedavg_warmup": self.fedavg_warmup}
 

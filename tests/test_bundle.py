@@ -699,3 +699,63 @@ def test_fedmeds_resnet18_is_bundled_as_torchscript_not_as_monais_resnet18(tmp_p
     x = torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(torch.jit.load(str(bundle / "models" / "model.ts"))(x), net(x), atol=1e-5)
+
+
+def test_a_binary_models_validation_threshold_travels_to_predict_and_the_bundle(tmp_path):
+    """#85 "decide, not only rank": a binary FedAvg's final model carries the decision threshold chosen on its sites'
+    pooled validation images (the same threshold recomputed here from those images), and ``fedmed predict`` and the
+    exported MONAI bundle both decide by it (a threshold that moves some predictions off the argmax moves both)."""
+    from PIL import Image
+
+    from fedmed.algorithms.metrics import decide, decision_threshold, site_metrics
+    from fedmed.config import load_config
+    from fedmed.core.schema import task_config
+    from fedmed.methods import server_workflow_path
+    from fedmed.nn.bundle import export_bundle
+    from fedmed.nn.predict import load_model, predict_images, save_model
+    from fedmed.nn.train import predict_proba
+    from fedmed.run.experiment import classes_override, prepare_federation
+    from fedmed.run.taskconfig import build_task_config
+    from fedmed.site.runner import SiteRunner
+    from fedmed.workflows import InProcessFederation, server_workflow
+
+    rng = np.random.default_rng(0)
+    for c, level in (("benign", 0.35), ("malignant", 0.5)):
+        (tmp_path / "imgs" / c).mkdir(parents=True)
+        for i in range(40):
+            img = np.clip(level + 0.2 * rng.standard_normal((8, 8)), 0, 1)
+            Image.fromarray((img * 255).astype(np.uint8)).save(tmp_path / "imgs" / c / f"{c}{i}.png")
+    raw = {"name": "binary", "dataset": {"path": str(tmp_path / "imgs"), "image_size": 8, "channels": 1},
+           "federation": {"sites": 2, "partition": "iid", "val_fraction": 0.3}, "model": {"arch": "resnet9", "width": 4},
+           "train": {"rounds": 2, "local_epochs": 1, "batch_size": 8}, "privacy": {"k_min": 2}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    exp = load_config(tmp_path / "c.yaml")
+    data = prepare_federation(exp, 0, tmp_path / "data")
+    exp = load_config(tmp_path / "c.yaml", classes_override(data, exp))
+    m = exp.methods[0]
+    cfg = build_task_config(exp, 0, m, exp.site_names())
+    fed = InProcessFederation(data, exp.site_names(), tmp_path / "run", log=None)
+    assert fed.run(server_workflow(server_workflow_path(type(m)))(exp.train.rounds, cfg, **m.workflow_options(exp, 0))) \
+        == "finished"
+    models = tmp_path / "run" / "models"
+    net, ck = load_model(models / "global.pt")
+    hist = 0
+    for s in exp.site_names():
+        x, y = SiteRunner(s, data).splits(task_config(cfg)).val
+        hist = hist + site_metrics(y.numpy(), predict_proba(net, x), 2, k_min=2)["score_hist"]
+    assert ck["decision"] == decision_threshold(hist)
+    # a threshold that moves predictions off the argmax: fedmed predict and the bundle both follow it
+    test = [str(data / e["image"]) for s in exp.site_names() for e in json.loads((data / f"{s}.json").read_text())["test"]]
+    prob = np.asarray([[p[c] for c in exp.dataset.classes] for p in (r["probabilities"] for r in predict_images(
+        models / "global.pt", test))])
+    t = float(np.median(prob[:, 1]))
+    moved = decide(prob, t)
+    assert (moved != prob.argmax(1)).any()
+    state = {k: v.numpy() for k, v in net.state_dict().items()}
+    save_model(tmp_path / "moved.pt", state, cfg, workflow="FedAvg", rounds=2, decision={"threshold": t})
+    export_bundle(tmp_path / "moved.pt", tmp_path / "moved_bundle")
+    got = _run_bundle(tmp_path / "moved_bundle", test, tmp_path / "bundle_out", tmp_path)
+    want = predict_images(tmp_path / "moved.pt", test)
+    names = exp.dataset.classes
+    assert [w["prediction"] for w in want] == [names[c] for c in moved]
+    assert [got[Path(f).name]["prediction"] for f in test] == [names[c] for c in moved]

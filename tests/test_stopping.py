@@ -201,3 +201,15 @@ def test_the_recipes_page_stop_block_is_a_valid_config(tmp_path):
     exp = load_config(tmp_path / "c.yaml", classes_override(data, exp))
     stop = job_spec(exp, exp.methods[0], 0).task_config["train"]["stop"]
     assert stop == {"patience": 5, "min_delta": 0.0, "metric": "val_accuracy"} and exp.train.rounds == 60
+
+
+def test_a_summary_flags_a_method_deciding_worse_than_the_constant_answer():
+    from fedmed.report.summary import below_constant
+
+    rows = [{"method": "FedAvg", "seed": 0, "round": 3, "task": "validate", "kind": "method", "accuracy": 0.66},
+            {"method": "FMCL", "seed": 0, "round": 3, "task": "validate", "kind": "method", "accuracy": 0.80},
+            {"method": "Majority class", "seed": 0, "round": None, "task": "reference", "kind": "reference",
+             "accuracy": 0.747}]
+    line = below_constant(rows)
+    assert line.startswith("Below the constant answer (74.70%, the majority class): FedAvg (66.00%)")
+    assert "FMCL" not in line and below_constant(rows[1:]) == ""

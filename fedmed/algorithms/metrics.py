@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["N_BINS", "auc_from_histograms", "binary_auc", "macro_f1", "pooled_metrics", "site_metrics"]
+__all__ = ["N_BINS", "auc_from_histograms", "binary_auc", "decide", "decision_threshold", "macro_f1", "pooled_metrics",
+           "site_metrics"]
 
 N_BINS = 100
 
@@ -132,3 +133,33 @@ def pooled_metrics(confusions, histograms) -> dict:
         auc = float(np.mean(aucs)) if aucs else float("nan")
     return {"accuracy": float(tp.sum() / n), "macro_f1": float(f1[present].mean()) if present else float("nan"),
             "auc": auc, "n_test": int(n)}
+
+
+def decision_threshold(hist) -> dict | None:
+    """A binary classifier's decision threshold chosen on validation data (#85: decide, not only rank): from the
+    pooled validation score histograms (``hist[true class, 1, bin]``: the class-1 probability of the items of each
+    true class, as the sites send them), the bin edge ``t = k / N_BINS`` whose rule "class 1 when ``p_1 >= t``" gets
+    the most validation items right (ties: the edge nearest 0.5, the argmax rule's). ``{"threshold", "val_accuracy",
+    "val_accuracy_at_half", "n"}``; None for more than two classes or no validation item."""
+    h = np.asarray(hist, dtype=np.float64)
+    if h.ndim != 3 or h.shape[0] != 2:
+        return None
+    pos, neg = h[1, 1], h[0, 1]
+    n = pos.sum() + neg.sum()
+    if n == 0:
+        return None
+    edges = np.arange(N_BINS + 1)
+    right = np.array([pos[k:].sum() + neg[:k].sum() for k in edges])  # class 1 from bin k on
+    best = right.max()
+    k = min((e for e in edges if right[e] == best), key=lambda e: (abs(e - N_BINS / 2), e))
+    return {"threshold": float(k / N_BINS), "val_accuracy": float(best / n),
+            "val_accuracy_at_half": float(right[N_BINS // 2] / n), "n": int(n)}
+
+
+def decide(prob, threshold: float | None = None) -> np.ndarray:
+    """Each item's class from its probabilities: a binary model's ``p_1 >= threshold`` where a threshold travels with
+    it (:func:`decision_threshold`), else the most probable class."""
+    p = np.asarray(prob, dtype=np.float64)
+    if threshold is not None and p.ndim == 2 and p.shape[1] == 2:
+        return (p[:, 1] >= float(threshold)).astype(np.int64)
+    return p.argmax(axis=1)

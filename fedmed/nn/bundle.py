@@ -84,8 +84,10 @@ def load(image_size, channels):
     return f
 
 
-def predict(network, preprocessing, inferer, postprocessing, images, classes, output_dir, device):
-    """Every image through preprocessing, the inferer and postprocessing; predictions.csv in output_dir."""
+def predict(network, preprocessing, inferer, postprocessing, images, classes, output_dir, device, threshold=None):
+    """Every image through preprocessing, the inferer and postprocessing; predictions.csv in output_dir. A binary
+    model's class is 1 where its class-1 probability reaches ``threshold`` (chosen on validation data), else the most
+    probable class."""
     import csv
     import os
 
@@ -98,7 +100,8 @@ def predict(network, preprocessing, inferer, postprocessing, images, classes, ou
             d["pred"] = inferer(x, network)[0]
             d = postprocessing(d)
             p = torch.as_tensor(d["pred"]).float().cpu().numpy()
-            rows.append([d["filename"], classes[int(p.argmax())]] + [f"{v:.6f}" for v in p])
+            c = int(p[1] >= threshold) if threshold is not None and len(p) == 2 else int(p.argmax())
+            rows.append([d["filename"], classes[c]] + [f"{v:.6f}" for v in p])
     with open(os.path.join(output_dir, "predictions.csv"), "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["image", "prediction"] + list(classes))
@@ -247,8 +250,9 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
         "inferer": {"_target_": "SimpleInferer"},
         "postprocessing": {"_target_": "Compose", "transforms": [
             {"_target_": "Activationsd", "keys": "pred", "softmax": True}]},
+        "threshold": (ck.get("decision") or {}).get("threshold"),  # chosen on validation data (None: argmax)
         "run": ["$@reader.predict(@network, @preprocessing, @inferer, @postprocessing, @images, @classes, "
-                "@output_dir, @device)"],
+                "@output_dir, @device, @threshold)"],
     }
     served = _served(ck)
     meta = {

@@ -28,9 +28,11 @@ class ModelFileError(ValueError):
 
 
 def save_model(path, params: dict, cfg: dict, *, cluster=None, sites=None, workflow: str = "", rounds: int = 0,
-               train_images: int | None = None):
+               train_images: int | None = None, decision: dict | None = None):
     """Write a model checkpoint (the format :func:`load_model` reads) from numpy ``params`` and the task config;
-    ``sites`` / ``train_images``: the sites whose updates went into it and their training images."""
+    ``sites`` / ``train_images``: the sites whose updates went into it and their training images; ``decision``: a
+    binary classifier's decision threshold chosen on validation data (:func:`fedmed.algorithms.metrics.
+    decision_threshold`), which ``predict`` and the exported bundle apply."""
     import torch
 
     from fedmed.core.schema import task_config
@@ -41,7 +43,8 @@ def save_model(path, params: dict, cfg: dict, *, cluster=None, sites=None, workf
                 "cluster": cluster,
                 "sites": sorted(sites) if sites is not None else None, "train_images": train_images,
                 "workflow": workflow, "rounds": rounds,
-                **({"personal_key": t.personal_key} if t.personal_key else {})}, str(path))
+                **({"personal_key": t.personal_key} if t.personal_key else {}),
+                **({"decision": dict(decision)} if decision else {})}, str(path))
     return Path(path)
 
 
@@ -156,8 +159,11 @@ def predict_images(model_path, images, *, device: str = "auto") -> list[dict]:
         print(conversion_note("predict", done), file=sys.stderr)
     prob = predict_proba(net, x)
     names = ck.get("classes") or [str(c) for c in range(d["n_classes"])]
-    return [{"image": str(f), "prediction": names[int(p.argmax())],
-             "probabilities": {n: round(float(v), 6) for n, v in zip(names, p)}} for f, p in zip(images, prob)]
+    from fedmed.algorithms.metrics import decide
+
+    pred = decide(prob, (ck.get("decision") or {}).get("threshold"))  # the threshold chosen on validation, if any
+    return [{"image": str(f), "prediction": names[int(c)],
+             "probabilities": {n: round(float(v), 6) for n, v in zip(names, p)}} for f, p, c in zip(images, prob, pred)]
 
 
 def predict_volume(model_path, modality_files, out_path, *, mask=None, device: str = "auto") -> Path:

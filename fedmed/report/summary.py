@@ -191,6 +191,25 @@ def still_improving(rows: list[dict], selection: str = "final") -> str:
             f"(raise train.rounds, a ceiling, and set train.stop: docs/recipes.md).")
 
 
+def below_constant(rows: list[dict], selection: str = "final") -> str:
+    """The methods whose served models decide worse than the constant answer (the majority class: the "Majority
+    class" reference row), in site-mean test accuracy at the reported round, as one line (#85), or ""."""
+    rep = reported_rows(rows, selection)
+    const = [r["accuracy"] for (m, _), r in rep.items() if m == "Majority class" and r.get("accuracy") is not None]
+    if not const:
+        return ""
+    floor = float(np.mean(const))
+    means: dict = {}
+    for (m, _), r in rep.items():
+        if m != "Majority class" and r.get("accuracy") is not None and math.isfinite(r["accuracy"]):
+            means.setdefault(m, []).append(r["accuracy"])
+    low = [f"{m} ({100 * np.mean(v):.2f}%)" for m, v in means.items() if np.mean(v) < floor]
+    if not low:
+        return ""
+    return (f"Below the constant answer ({100 * floor:.2f}%, the majority class): {'; '.join(low)} — these models rank "
+            f"(see AUC) but decide worse than answering the majority class everywhere.")
+
+
 def summarize(rows: list[dict], selection: str = "final") -> list[dict]:
     """Per method (methods first, then references): the reported round(s) and mean ± std over seeds. A
     segmentation table also gets the untrained network's row (the centralized reference before its first round:
@@ -405,9 +424,7 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
                  "never a method. Ensemble: IFCA's cluster models weighted by cluster size (label-free). ARI: the "
                  "training clustering against the true groups.\n\n" + phases)
     notes = list(notes or [])
-    line = still_improving(rows, selection)
-    if line:
-        notes.append(line)
+    notes += [line for line in (still_improving(rows, selection), below_constant(rows, selection)) if line]
     if notes:
         text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     (out / "summary.md").write_text(text)

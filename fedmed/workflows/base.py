@@ -245,7 +245,7 @@ class Workflow:
             replies = self.cluster_round(r, task, theta, members, held=None if final else
                                          {c: m for c, m in enumerate(clusters) if c not in active})
             for c in members:
-                if stops[c].observe(r, self.round_score(replies.get(c) or []), theta[c]) and not final:
+                if self.observe(stops[c], r, replies.get(c) or [], theta[c]) and not final:
                     stops[c].stopped_at = r
             if final:
                 last = r
@@ -259,7 +259,8 @@ class Workflow:
                             stoppers={f"cluster{c}": st for c, st in stops.items()}, **state)
         for c, sites in enumerate(clusters):
             if sites:
-                self.save_final(theta[c], name=f"cluster{c}", sites=sites, cluster=c, rounds=last)
+                self.save_final(theta[c], name=f"cluster{c}", sites=sites, cluster=c, rounds=last,
+                                decision=self.decision(stops[c].last_hist))
         self.save_selected({f"cluster{c}": st for c, st in stops.items() if clusters[c]}, last)
         return clusters
 
@@ -341,12 +342,28 @@ class Workflow:
         st.params = (resumed.get("models") or {}).get(f"{self.SELECTED}{key}") if st.selected is not None else None
         return st
 
+    def observe(self, stop, round_: int, rows, params) -> bool:
+        """Round ``round_``'s replies into the stop rule ``stop`` (its validation score as the rule reads it, and the
+        pooled validation histograms a decision threshold is chosen from); True: stop after this round."""
+        from fedmed.workflows.stopping import val_histograms
+
+        return stop.observe(round_, self.round_score(rows), params, val_histograms(rows))
+
     def round_score(self, rows) -> float:
         """The round's validation score as the stop rule reads it, from the sites' replies."""
         from fedmed.workflows.stopping import reply_entries, val_score
 
         return val_score(reply_entries(rows), self.task_cfg.train.stop.metric if self.task_cfg.train.stop.metric
                          != "auto" else "val_accuracy")
+
+    def decision(self, hist) -> dict | None:
+        """A classifier's decision threshold chosen on the pooled validation histograms ``hist`` (binary models;
+        :func:`fedmed.algorithms.metrics.decision_threshold`), which travels with the saved model."""
+        if hist is None or self.task_cfg.task != "classification":
+            return None
+        from fedmed.algorithms.metrics import decision_threshold
+
+        return decision_threshold(hist)
 
     def save_selected(self, stoppers: dict, last: int) -> None:
         """After the final round: the run record's ``stop`` note (why and when each trained model stopped) and, per
@@ -358,7 +375,7 @@ class Workflow:
             self.info(f"[fedmed] {k}: {note[k]['why']}")
             if st.params is not None:
                 self.fed.save_final(st.params, f"selected_{k}", sites=list(self.sites), rounds=st.selected,
-                                    bundle=False)
+                                    bundle=False, decision=self.decision(st.hist))
 
     def _server_opt_state(self) -> dict:
         """served model -> its FedOpt moments (``{"m": {...}, "v": {...}}``), restored from a resumed run's
@@ -381,8 +398,9 @@ class Workflow:
                                    for moment, arrays in st.items() if arrays}}
         self.fed.checkpoint(next_round, models, **state)
 
-    def save_final(self, params: dict, name: str = "global", *, sites=None, cluster=None, rounds=None):
-        self.fed.save_final(params, name, sites=sites, cluster=cluster, rounds=rounds)
+    def save_final(self, params: dict, name: str = "global", *, sites=None, cluster=None, rounds=None,
+                   decision=None):
+        self.fed.save_final(params, name, sites=sites, cluster=cluster, rounds=rounds, decision=decision)
 
     def save_onboarding(self, mode: str, clusters: dict, arrays: dict | None = None, **state):
         """What a new site needs to be given the cluster model that fits it after this run

@@ -76,14 +76,29 @@ class OneShotClustered(FedAvg):
         from fedmed.algorithms.differ import halves_test
 
         halves = {s: m for s, m in sorted(sigs.items()) if m.get("halves")}
+        self.differ = None
         if len(halves) < 2:
             self.recorder.note("differ", {"answer": f"not tested: {len(halves)} site(s) sent split-half means"})
             return
         t = halves_test([m["halves"] for m in halves.values()], [m["halves_n"] for m in halves.values()],
                         rng=np.random.default_rng(self.task_cfg.seed))
+        self.differ = t
         self.recorder.note("differ", {"answer": t.sentence(), "p": t.p, "statistic": t.statistic, "alpha": t.alpha,
                                       "n_perm": t.n_perm, "sites": list(halves)})
         self.info(f"before training, do the sites differ? {t.sentence()}")
+
+    differ = None  # the split-half test's answer (sites_differ), read by the differ Auto-K rule
+
+    def k1_gate(self, c) -> tuple[float | None, bool]:
+        """Auto-K's K = 1 decision under the method's ``k1_rule`` (#85): ``(k1_silhouette to use, one cluster
+        outright)``. ``differ``: the split-half test says whether the sites differ — yes: FMCL's silhouette pick with no
+        K = 1 gate; no: one cluster; the silhouette gate where the test did not run. ``silhouette``: the gate alone."""
+        if c.k1_rule != "differ" or c.n_clusters is not None or c.threshold is not None:
+            return c.k1_silhouette, False
+        if self.differ is None:
+            self.warning("auto-K: the 'do the sites differ?' test did not run; the silhouette gate decides K = 1")
+            return c.k1_silhouette, False
+        return None, not self.differ.differ
 
     def cluster(self, sigs: dict) -> list:
         from fedmed.algorithms.clustered import choose_clusters, signature_distances
@@ -96,8 +111,13 @@ class OneShotClustered(FedAvg):
         try:
             c = self.clustering
             names, D = signature_distances(self.signature.kind, sigs, overlap=c.overlap, angle=self.signature.angle)
-            info = choose_clusters(D, names, n_clusters=c.n_clusters, threshold=c.threshold, linkage_method=c.linkage,
-                                   k1_silhouette=c.k1_silhouette)
+            k1, one = self.k1_gate(c)
+            info = choose_clusters(D, names, n_clusters=1 if one else c.n_clusters, threshold=c.threshold,
+                                   linkage_method=c.linkage, k1_silhouette=k1)
+            if c.k1_rule == "differ" and c.n_clusters is None and c.threshold is None and self.differ is not None:
+                info["rule"] = (f"auto-K, differ rule: the sites {'differ' if self.differ.differ else 'do not differ'}"
+                                f" (split-half test p = {self.differ.p:.3g}) -> "
+                                + ("FMCL's silhouette pick, no K = 1 gate" if not one else "one cluster"))
         except ValueError as e:  # e.g. fewer than two signatures, or no pair of sites sharing a class
             names = sorted(sigs)
             self.error(f"clustering impossible ({e}); training one model for all {len(names)} sites")

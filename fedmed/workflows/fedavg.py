@@ -34,7 +34,7 @@ class FedAvg(Workflow):
         last = self.num_rounds if stop.stopped_at is None else stop.stopped_at + 1  # a resumed run that had stopped
         for r in range(self.start_round(), self.num_rounds if stop.stopped_at is None else 0):
             updates = self.record_rows(r, self.send("train", self.task(theta, r)), "train")
-            halt = stop.observe(r, self.round_score(updates), theta)
+            halt = self.observe(stop, r, updates, theta)
             theta = self.recalibrated(self.aggregate(updates, base=theta), r + 1,  # train.norm_recalibrate
                                       targets=sorted(x.site for x in updates))
             if halt:
@@ -43,7 +43,8 @@ class FedAvg(Workflow):
             if halt:
                 break
         rows = self.record_rows(last, self.send("validate", self.task(theta, last)), "validate")
-        stop.observe(last, self.round_score(rows), theta)
-        self.save_final(theta, sites=list(self.sites), rounds=last)  # the run's sites, which trained it
+        self.observe(stop, last, rows, theta)
+        self.save_final(theta, sites=list(self.sites), rounds=last,  # the run's sites, which trained it
+                        decision=self.decision(stop.last_hist))
         self.save_selected({"global": stop}, last)
         return theta

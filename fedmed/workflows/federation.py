@@ -298,7 +298,7 @@ class Federation:
         return int(sum(last.get(s, 0) for s in sites))
 
     def save_final(self, params: dict, name: str = "global", *, sites=None, cluster=None, rounds=None,
-                   bundle: bool = True):
+                   bundle: bool = True, decision: dict | None = None):
         """The trained model, as a PyTorch checkpoint (``fedmed.nn.predict.save_model``: ``state_dict``, what rebuilds the
         network, what it serves). Only called when the run finished."""
         from fedmed.nn.predict import save_model
@@ -311,7 +311,7 @@ class Federation:
         out.mkdir(parents=True, exist_ok=True)
         save_model(out / f"{name}.pt", params, self.cfg, cluster=cluster, sites=sites,
                    workflow=self.workflow.record_name, rounds=self.workflow.num_rounds if rounds is None else rounds,
-                   train_images=images)
+                   train_images=images, decision=decision)
         tc = self.workflow.task_cfg
         if bundle and (tc.task == "classification" or (tc.task == "segmentation" and tc.data.spatial_dims == 3)):
             # the same model as a MONAI bundle (fedmed.nn.bundle; no 2D lesion one yet)

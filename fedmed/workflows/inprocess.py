@@ -209,7 +209,7 @@ def fedavg_in_process(cfg: dict, datalists, sites: list[str], *, rounds: int, in
                 theta.update({k: v for k, v in init.items() if k in theta})
             return theta
 
-        def save_final(self, params, name="global", *, sites=None, cluster=None, rounds=None):
+        def save_final(self, params, name="global", *, sites=None, cluster=None, rounds=None, decision=None):
             final.update(params)
 
     def on_round(entry):

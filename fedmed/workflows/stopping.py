@@ -47,6 +47,12 @@ def val_score(entries: dict, metric: str) -> float:
     return float("nan") if v is None else float(v)
 
 
+def val_histograms(rows):
+    """The replies' validation score histograms summed (what the pooled validation AUC is made of), or None."""
+    hs = [np.asarray(r[2]["val_score_hist"]) for r in rows if (r[2] or {}).get("val_score_hist") is not None]
+    return np.sum(hs, axis=0) if hs else None
+
+
 def reply_entries(rows) -> dict:
     """``{site: entry}`` of replies, as the run's record keeps them (:func:`fedmed.report.record.site_entry`)."""
     from fedmed.report.record import site_entry
@@ -68,6 +74,8 @@ class Stopper:
     improved: int | None = None  # the last round that beat the anchor by more than min_delta
     params: dict | None = field(default=None, repr=False)  # the selected round's model
     stopped_at: int | None = None
+    hist: object = field(default=None, repr=False)  # the selected round's pooled validation score histograms
+    last_hist: object = field(default=None, repr=False)  # the last observed round's
 
     @classmethod
     def from_config(cls, train, state: dict | None = None, metric: str | None = None) -> "Stopper":
@@ -79,11 +87,13 @@ class Stopper:
             setattr(out, k, -math.inf if v is None and k in ("best", "anchor") else v)
         return out
 
-    def observe(self, round_: int, score: float, params: dict | None = None) -> bool:
-        """Round ``round_``'s score of the model ``params`` it served; True when the run should stop after it."""
+    def observe(self, round_: int, score: float, params: dict | None = None, hist=None) -> bool:
+        """Round ``round_``'s score of the model ``params`` it served (``hist``: its pooled validation score
+        histograms, from which a decision threshold is chosen); True when the run should stop after it."""
+        self.last_hist = hist
         if score is not None and math.isfinite(score):
             if score > self.best:
-                self.best, self.selected = float(score), int(round_)
+                self.best, self.selected, self.hist = float(score), int(round_), hist
                 self.params = None if params is None else {k: np.array(v, copy=True) for k, v in params.items()}
             if self.improved is None or score > self.anchor + self.min_delta:
                 self.anchor, self.improved = float(score), int(round_)
