@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["STILL_IMPROVING", "Stopper", "reply_entries", "stop_metric", "val_score"]
+from fedmed.report.record import STILL_IMPROVING  # the words a summary uses too
 
-STILL_IMPROVING = "still improving when the rounds ran out"
+__all__ = ["STILL_IMPROVING", "Stopper", "reply_entries", "stop_metric", "val_histograms", "val_score"]
 
 
 def stop_metric(stop, task: str, selection: str) -> str:
