@@ -126,7 +126,7 @@ def test_each_signature_kind_has_one_payload_type_and_one_wire_format():
         signature_distances("fecfl", {"site-9": {"mean": [[1.0, 2.0]]}, "site-8": {"mean": [1.0, 2.0]}})
 
 
-def _fmcl_run(tmp_path, partition: dict, k1_rule: str, name: str, seed: int = 0):
+def _fmcl_run(tmp_path, partition: dict, k1_rule: str, name: str, seed: int = 0, **method):
     import yaml
 
     from fedmed.config import load_config
@@ -136,7 +136,7 @@ def _fmcl_run(tmp_path, partition: dict, k1_rule: str, name: str, seed: int = 0)
     raw = {"name": "k1", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 40},
            "federation": {"sites": 6, **partition}, "model": {"arch": "resnet9", "width": 4},
            "train": {"rounds": 1, "local_epochs": 1, "batch_size": 16}, "privacy": {"k_min": 2},
-           "methods": [{"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn", "k1_rule": k1_rule}]}
+           "methods": [{"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn", "k1_rule": k1_rule, **method}]}
     cfg = tmp_path / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     exp = load_config(cfg)
@@ -155,16 +155,14 @@ def test_the_differ_rule_lets_the_split_half_test_decide_k_equals_one(tmp_path):
     from fedmed.core.io import read_distance_csv
 
     shifted = {"partition": "anda", "anda_shift": "label", "anda_level": 6, "anda_groups": 2}
-    doc, run = _fmcl_run(tmp_path, shifted, "differ", "shifted")
+    # a silhouette gate no split passes (0.99): the differ rule splits where the test says the sites differ
+    doc, run = _fmcl_run(tmp_path, shifted, "differ", "shifted", k1_silhouette=0.99)
     assert doc["differ"]["p"] < 0.05 and "differ rule: the sites differ" in doc["clustering"]["rule"]
     names, D = read_distance_csv(run / "distances.csv")
     literal = choose_clusters(D, names, k1_silhouette=None)
     assert doc["clustering"]["clusters"] == literal["clusters"] and len(literal["clusters"]) > 1
-    gated = choose_clusters(D, names, k1_silhouette=0.99)  # a gate that keeps one cluster: the rule overrides it
-    assert len(gated["clusters"]) == 1
-    doc_s, _ = _fmcl_run(tmp_path, shifted, "silhouette", "shifted_sil")
-    assert "differ rule" not in doc_s["clustering"]["rule"]
-    assert doc_s["clustering"]["clusters"] == choose_clusters(D, names, k1_silhouette=0.5)["clusters"]
+    doc_s, _ = _fmcl_run(tmp_path, shifted, "silhouette", "shifted_sil", k1_silhouette=0.99)
+    assert "differ rule" not in doc_s["clustering"]["rule"] and len(doc_s["clustering"]["clusters"]) == 1
     doc_iid, _ = _fmcl_run(tmp_path, {"partition": "iid"}, "differ", "iid", seed=1)  # (a test at alpha 0.05 calls
     # 1 in 20 IID federations different: seed 0's is one of them, p = 0.013)
     assert doc_iid["differ"]["p"] >= 0.05 and len(doc_iid["clustering"]["clusters"]) == 1
