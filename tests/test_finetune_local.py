@@ -39,7 +39,8 @@ def test_finetune_local_alone_learns_and_serves_each_site_its_own_model(tmp_path
     assert all(s["train_loss"] > 0 for s in rounds[4]["sites"].values())
     per_site = {s: (rounds[3]["sites"][s]["accuracy"], v["accuracy"]) for s, v in rounds[4]["sites"].items()}
     assert any(a != b for a, b in per_site.values()), per_site  # each site's own model, not the global one
-    assert sorted(p.name for p in (tmp_path / "run" / "models").glob("*.pt")) == ["global.pt"]  # only the global one
+    assert sorted(p.name for p in (tmp_path / "run" / "models").glob("*.pt")) == ["global.pt", "selected_global.pt"]
+    # only the global one (final, and at its validation-selected round): the fine-tuned models stay at the sites
 
 
 def test_a_site_rejects_finetune_options_out_of_range(tmp_path):

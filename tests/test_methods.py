@@ -183,7 +183,8 @@ def test_a_plugin_method_runs_in_process_and_in_flares_simulator_with_the_same_m
     sim_doc = json.loads((sim / "metrics.json").read_text())
     assert sim_doc["clustering"]["clusters"] == groups and sim_doc["clustering"]["min_count"] == [3]
     a, b = _models(sim / "models"), _models(tmp_path / "inproc" / "models")
-    assert sorted(a) == sorted(b) == [f"cluster{c}.pt" for c in range(len(groups))]
+    assert sorted(a) == sorted(b) == sorted([f"cluster{c}.pt" for c in range(len(groups))] +  # and each one's model
+                                            [f"selected_cluster{c}.pt" for c in range(len(groups))])  # of its best round
     for f in a:
         for k in a[f]:
             assert np.array_equal(a[f][k], b[f][k]), (f, k)

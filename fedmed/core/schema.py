@@ -308,8 +308,8 @@ class ClusteringTask(Strict):
     threshold: Optional[float]
     linkage: Literal["average", "weighted", "complete", "single"]
     k1_silhouette: Optional[float]
-    k1_rule: Literal["differ", "silhouette"] = Field("silhouette", description="the method's (a job from before the "
-                                                     "option: silhouette)")
+    k1_rule: Optional[Literal["differ", "silhouette"]] = Field(None, description="the method's (None: a job from "
+                                                               "before the option, the silhouette gate)")
     overlap: Optional[bool] = Field(None, description="FMCL's (None for the other kinds)")
     min_cluster_images: Optional[int] = Field(None, ge=0, description="merge a cluster with fewer training images into "
                                               "its nearest (the method's; None: a job from before the option, off)")

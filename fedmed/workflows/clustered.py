@@ -93,7 +93,7 @@ class OneShotClustered(FedAvg):
         """Auto-K's K = 1 decision under the method's ``k1_rule`` (#85): ``(k1_silhouette to use, one cluster
         outright)``. ``differ``: the split-half test says whether the sites differ — yes: FMCL's silhouette pick with no
         K = 1 gate; no: one cluster; the silhouette gate where the test did not run. ``silhouette``: the gate alone."""
-        if c.k1_rule != "differ" or c.n_clusters is not None or c.threshold is not None:
+        if c.k1_rule != "differ" or c.n_clusters is not None or c.threshold is not None:  # None: an older job
             return c.k1_silhouette, False
         if self.differ is None:
             self.warning("auto-K: the 'do the sites differ?' test did not run; the silhouette gate decides K = 1")
