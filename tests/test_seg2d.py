@@ -297,3 +297,21 @@ def test_fedmed_experiment_runs_the_2d_serving_plan_and_its_rows_join_the_dice_t
     vol["methods"] = vol["methods"][:1] + [{"name": "Two", "workflow": "seg_clusters"}]
     with pytest.raises((ConfigError, ValueError), match="2D lesion segmenters .this config's task: segmentation, 3D"):
         load_config({**vol, "serving": {"reference": vol["methods"][0]["name"], "candidates": ["Two"]}})
+
+
+def test_the_2d_references_stop_by_the_runs_rule(tmp_path):
+    """#85: the centralized and each-source-alone 2D references under ``train.stop`` (a ``min_delta`` no Dice can rise
+    by: only the first scored block counts as an improvement): each stops after ``patience`` blocks, scores one more
+    (as a federated run's final round) and its rows end there."""
+    from fedmed.run.experiment import prepare_federation, with_classes
+    from fedmed.run.references import seg2d_reference_rows
+
+    exp = _config(tmp_path, [{"name": "FedAvg", "workflow": "fedavg"}],
+                  train={"rounds": 5, "local_epochs": 1, "batch_size": 4, "lr": 0.01, "weight_decay": 0.0,
+                         "stop": {"patience": 1, "min_delta": 1.0}})
+    data = prepare_federation(exp, 0, tmp_path / "fed")
+    exp = with_classes(exp, data)
+    sites = json.loads((data / "dataset.json").read_text())["sites"]
+    rows = seg2d_reference_rows(exp, data, sites, 0, log=lambda *_: None)
+    assert [r["round"] for r in rows if r["method"] == "Centralized"] == [0, 1, 2]
+    assert [r["round"] for r in rows if r["method"] == "Each site alone" or r["method"] == "Each source alone"] == [1, 2, 3]

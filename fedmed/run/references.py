@@ -120,10 +120,7 @@ def _pooled_training(exp, data: dict, members: list[str], seed: int, gseed: int,
     g = torch.Generator()
     g.manual_seed(gseed)
     per_round = []
-    from fedmed.workflows.stopping import Stopper, stop_metric, val_score
-
-    stop = Stopper.from_config(t, metric=stop_metric(t.stop, "classification", exp.selection))
-    halted = False  # train.stop, as a federated run: one more block after the round that ends it, then stop
+    stop, halted = _stopper(exp), False  # train.stop, as a federated run: one more block after the one that ends it
     for r in range(t.rounds + 1):
         if r > 0:
             train_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt, generator=g,
@@ -142,7 +139,7 @@ def _pooled_training(exp, data: dict, members: list[str], seed: int, gseed: int,
         per_round.append(per_site)
         if halted:
             break
-        halted = stop.observe(r, val_score(per_site, stop.metric)) and r < t.rounds
+        halted = _halts(stop, r, per_site, t.rounds)
     return per_round
 
 
@@ -212,6 +209,21 @@ def alone_rows(exp, datalists, sites: list[str], seed: int, sources: dict | None
 
 # --------------------------------------------------------------------------------------------- segmentation
 
+def _stopper(exp):
+    """The run's stop rule (``train.stop``, :mod:`fedmed.workflows.stopping`), as a federated run of ``exp`` reads it."""
+    from fedmed.workflows.stopping import Stopper, stop_metric
+
+    return Stopper.from_config(exp.train, metric=stop_metric(exp.train.stop, exp.dataset.task, exp.selection))
+
+
+def _halts(stop, r: int, per_site: dict, rounds: int) -> bool:
+    """After block ``r``'s scores: does the stop rule end the training (one more block is then trained and scored,
+    as a federated run's final round)?"""
+    from fedmed.workflows.stopping import val_score
+
+    return stop.observe(r, val_score(per_site, stop.metric)) and r < rounds
+
+
 def _seg_row(method: str, seed: int, per_site: dict, round_) -> dict:
     summ = summarize_sites(per_site)
     row = {"method": method, "kind": "reference", "seed": seed, "round": round_, "task": "reference",
@@ -268,10 +280,14 @@ def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -
         return {s: {**m, **({"val_dice_mean": seg_metrics(model, val[s], roi)["dice_mean"]} if val[s] else {})}
                 for s in which}
 
+    stop, halted = _stopper(exp), False  # train.stop, as the federated runs (their validation Dice)
     for r in range(t.rounds + 1):
         if r:
             train(model, opt, pooled, seed * 1000 + r)
         rows.append(_seg_row("Centralized", seed, scored(model, sites), r))
+        if halted:
+            break
+        halted = _halts(stop, r, rows[-1]["sites"], t.rounds)
     log(f"    centralized reference: {len(pooled)} pooled training cases, final WT Dice {100 * rows[-1]['dice_wt']:.1f}%")
     alone: dict = {}
     per_round: list[dict] = [{} for _ in range(t.rounds + 1)]
@@ -339,26 +355,39 @@ def seg2d_reference_rows(exp, datalists, sites: list[str], seed: int, groups: di
     model, opt = fresh()
     x, y = pooled(sites)
     g = torch.Generator().manual_seed(seed * 1000)
+    stop, halted = _stopper(exp), False  # train.stop, as the federated runs (their validation Dice)
     for r in range(t.rounds + 1):
         if r:
             train_seg2d_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt,
                               loss=t.seg.loss, generator=g, precision=t.precision)
         rows.append(_seg_row("Centralized", seed, scores(model, sites), r))
+        if halted:
+            break
+        halted = _halts(stop, r, rows[-1]["sites"], t.rounds)
     log(f"    centralized reference: {int(x.shape[0])} pooled training images, final lesion Dice "
         f"{100 * rows[-1]['dice_mean']:.1f}% (site mean)")
     by_source: dict = {}
     for s in sites:
         by_source.setdefault((groups or {}).get(s, s), []).append(s)
     per_round: list[dict] = [{} for _ in range(t.rounds)]
+    ends = 0
     for k, (src, members) in enumerate(by_source.items()):
         model, opt = fresh()
         x, y = pooled(members)
         g = torch.Generator().manual_seed(seed * 1000 + 100 * (k + 1))
+        stop, halted, got = _stopper(exp), False, []
         for r in range(t.rounds):
             train_seg2d_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt,
                               loss=t.seg.loss, generator=g, precision=t.precision)
-            per_round[r].update(scores(model, members))
-    rows += [_seg_row("Each source alone", seed, per_round[r], r + 1) for r in range(t.rounds)]
+            got.append(scores(model, members))
+            if halted:
+                break
+            halted = _halts(stop, r + 1, got[-1], t.rounds)
+        ends = max(ends, len(got))
+        for r in range(t.rounds):  # a source its stop rule ended keeps its last model's scores
+            per_round[r].update(got[min(r, len(got) - 1)])
+    per_round = per_round[:ends]
+    rows += [_seg_row("Each source alone", seed, per_round[r], r + 1) for r in range(len(per_round))]
     final = per_round[-1]
     log("    each-source-alone reference: final lesion Dice " + ", ".join(
         f"{src} {100 * np.nanmean([final[s]['dice_mean'] for s in m]):.1f}%" for src, m in by_source.items()))
