@@ -301,7 +301,9 @@ class ServingConfig(_Strict):
     reference: str = Field(description="the method whose global model is the reference (one that saves "
                            "models/global.pt: FedAvg, FedProx, ...)")
     candidates: list[str] = Field(default_factory=list, description="methods whose models a site may be served "
-                                  "instead (its cluster's model in a clustered method)")
+                                  "instead (its cluster's model in a clustered method); 'local': each site's own "
+                                  "model, trained on its data alone from the run's starting model (train.rounds "
+                                  "blocks, train.stop), which never leaves it")
     finetune: Optional[FinetuneLocalOptions] = Field(None, description="also the global model fine-tuned at each "
                                                      "site (epochs, lr_scale); it never leaves the site")
     pool: bool = Field(True, description="the sites a cluster model serves pool their validation evidence for it")
@@ -386,7 +388,7 @@ class ExperimentConfig(_Strict):
                                  f"{self.train.rounds} (the cluster models train the rounds after it)")
         if self.serving is not None:
             sv = self.serving
-            unknown = sorted({sv.reference, *sv.candidates} - set(names))
+            unknown = sorted({sv.reference, *sv.candidates} - set(names) - {"local"})
             if unknown:
                 raise ValueError(f"serving names unknown method(s) {unknown}; the config has {names}")
             if sv.reference in sv.candidates or len(set(sv.candidates)) != len(sv.candidates):

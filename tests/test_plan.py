@@ -342,6 +342,11 @@ def test_a_serving_section_names_methods_of_the_config():
 
     with pytest.raises(ValueError, match="plan: test should be one of"):
         Plan(2, {}, candidates=["FMCL"], test="t-test")
+    # each site's own model (#85) is a candidate by the word 'local', not a method; no method may take its name
+    own = load_config({**RAW, "serving": {"reference": "FedAvg", "candidates": ["local"]}})
+    assert own.serving.candidates == ["local"]
+    with pytest.raises(ValueError, match="other than 'global', 'finetuned' and 'local'"):
+        Plan(2, {}, candidates=["local"])
 
 
 def test_a_newcomer_is_served_its_assigned_cluster_model_where_its_validation_data_bear_it_out_and_keeps_the_gain(
@@ -507,3 +512,29 @@ def test_newcomer_plan_plans_the_experiments_own_seeds_unless_told(tmp_path):
     assert plan_seeds(cfg, [], None) == [11, 12, 13]
     assert plan_seeds(cfg, ["seeds=[4]"], None) == [4]
     assert plan_seeds(cfg, [], [2, 3]) == [2, 3]
+
+
+def test_a_local_candidate_is_each_sites_own_model_made_and_kept_at_the_site(runs, tmp_path):
+    """#85 item 4: ``local`` — each site's own model, trained on its data alone from the run's starting model — is
+    scored like any candidate; a site served it makes it again in the served round (the same model: its validation
+    accuracy is the one it was chosen on) and keeps it in its own workspace; it is never in the server's folder and no
+    reply carries its weights."""
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+
+    spec = job_spec(runs["exp"], runs["exp"].methods[0], 0, plan={"global": runs["tmp"] / "FedAvg", "local": True})
+    assert spec.workflow_options["local"] is True and spec.workflow_options["candidates"] == []
+    status, fed = run_spec_in_process(spec, runs["data"], tmp_path)
+    assert status == "finished", fed.recorder.doc.get("reason")
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    t = _by_task(fed.recorder.doc)
+    served_local = [s for s, v in plan.items() if v["served"] == "local"]
+    assert served_local, {s: v["reason"] for s, v in plan.items()}  # label-shifted sites: their own data pays
+    for s, v in plan.items():
+        assert set(v["evidence"]) == {"local"}
+        if v["served"] == "local":
+            assert v["file"] is None and not (tmp_path / "models" / f"{s}.pt").exists()
+            assert (tmp_path / "sites" / s / v["served_at"]).is_file()  # kept at the site
+            chosen = t["serve_score"][s]["val_accuracy/local"]
+            if chosen is not None and np.isfinite(chosen):
+                assert t["served"][s]["val_accuracy"] == pytest.approx(chosen)  # the same model, made again
+    assert not any("served" in p.parts for p in tmp_path.rglob("*.pt") if "sites" not in p.relative_to(tmp_path).parts)

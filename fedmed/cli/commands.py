@@ -372,7 +372,7 @@ def cmd_plan(a):
     try:
         spec = job_spec(exp, method, a.seed, sites=a.sites or "config", plan={
             "global": a.reference, "candidates": cands, "finetune": finetune, "pool": not a.no_pool,
-            "test": a.test})
+            "test": a.test, "local": a.local})
     except BuildError as e:
         raise ValueError(str(e)) from None
     if a.spec:  # the models it starts from beside it: it runs after this process has ended
@@ -552,6 +552,8 @@ def register(sub):
                     help="a finished run whose models a site may be served instead (a clustered run: each site its "
                     "cluster's model): a name and its run folder, or a method of the config as written there (its "
                     "run: the folder beside --global's, as fedmed experiment lays them out); repeatable")
+    pl.add_argument("--local", action="store_true", help="also each site's own model, trained on its data alone from "
+                    "the run's starting model (train.rounds blocks, train.stop); it never leaves the site")
     pl.add_argument("--finetune", action="store_true", help="also the global model fine-tuned at each site on its "
                     "training split (it never leaves the site)")
     pl.add_argument("--finetune-epochs", type=int, default=2, help="--finetune: local epochs")

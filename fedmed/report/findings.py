@@ -65,6 +65,7 @@ def plan_sentence(plans: dict) -> str:
 
     def word(x: str) -> str:
         return ("the global model" if x == "global" else "its own fine-tuned model" if x == "finetuned" else
+                "its own model (trained on its data alone)" if x == "local" else
                 f"{x}'s model for it")
 
     by_site: dict = {}

@@ -831,7 +831,7 @@ def _serving_plan(exp, seed, data_dir, out, meta, log, resume, problems, chosen)
 
     sv = exp.serving
     by_name = {m.name: m for m in exp.methods}
-    involved = [sv.reference, *sv.candidates]
+    involved = [sv.reference, *(c for c in sv.candidates if c != "local")]
     if not set(involved) <= set(chosen):
         log(f"seed {seed} serving plan: not run (--methods left out {sorted(set(involved) - set(chosen))})")
         return []
@@ -848,11 +848,11 @@ def _serving_plan(exp, seed, data_dir, out, meta, log, resume, problems, chosen)
         log(f"    seed {seed} serving plan: not run ({', '.join(missing)} did not finish)")
         return []
     plan = {"global": run_dir(out, seed, sv.reference) / "server",
-            "candidates": {candidate_name(n): run_dir(out, seed, n) / "server" for n in sv.candidates},
+            "candidates": {candidate_name(n): run_dir(out, seed, n) / "server" for n in sv.candidates if n != "local"},
             "finetune": sv.finetune.model_dump() if sv.finetune is not None else None, "pool": sv.pool,
-            "test": sv.test}
+            "test": sv.test, "local": "local" in sv.candidates}
     log(f"seed {seed} serving plan: the global model of {sv.reference} against "
-        f"{', '.join(sv.candidates + (['fine-tuned at each site'] if sv.finetune else []))} ...")
+        f"{', '.join([c if c != 'local' else 'each site its own model' for c in sv.candidates] + (['fine-tuned at each site'] if sv.finetune else []))} ...")
     (work / "run.json").unlink(missing_ok=True)
     try:
         doc = run_and_release(job_spec(exp, by_name[sv.reference], seed, plan=plan, files_checked=True), data_dir,

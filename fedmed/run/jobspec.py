@@ -333,8 +333,8 @@ def _plan_spec(exp, method, seed, cfg, plan, server_files, name, common) -> JobS
     shutil.copy(ref, tmp / REFERENCE / "global.pt")
     for cand, path in dict(plan.get("candidates") or {}).items():
         if not candidate_name_ok(str(cand)):
-            raise BuildError(f"--candidate {cand}: a candidate's name is a word other than {REFERENCE!r} and "
-                             f"{FINETUNED!r}")
+            raise BuildError(f"--candidate {cand}: a candidate's name is a word other than {REFERENCE!r}, "
+                             f"{FINETUNED!r} and 'local'")
         run = finished_run(path, f"--candidate {cand}")
         found = candidate_models(run / "models")
         ran = (json.loads((run / "metrics.json").read_text()).get("meta") or {}).get("config") or {}
@@ -350,10 +350,13 @@ def _plan_spec(exp, method, seed, cfg, plan, server_files, name, common) -> JobS
                                  f"network")
             (tmp / cand).mkdir(exist_ok=True)
             shutil.copy(f, tmp / cand / f.name)
-    if not plan.get("candidates") and not plan.get("finetune"):
-        raise BuildError("a serving plan needs a candidate (--candidate NAME=RUN) or --finetune")
+    if not plan.get("candidates") and not plan.get("finetune") and not plan.get("local"):
+        raise BuildError("a serving plan needs a candidate (--candidate NAME=RUN), --finetune or --local")
+    if plan.get("local") and cfg["task"] != "classification":
+        raise BuildError("a serving plan's local candidate (each site's own model) is for classifiers")
     server_files.append([str(tmp), jobfiles.PLAN])
     options = {"candidates": list(dict(plan.get("candidates") or {})), "finetune": plan.get("finetune"),
+               "local": bool(plan.get("local")),
                "alpha": plan.get("alpha"), "pool": bool(plan.get("pool", True)), "test": plan.get("test")}
     return JobSpec(name=name or job_name(exp, method, seed, "_plan"), method=method.name, task_config=cfg,
                    workflow="plan:Plan", workflow_options=options, rounds=2, server_files=server_files, **common)

@@ -553,6 +553,49 @@ def finetune_local(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Re
     return Reply(runner.site, metrics, meta, {})
 
 
+LOCAL_ROUND = 100_000  # the seed stream of a site's own model (serving's "local"): block b trains with round LOCAL_ROUND+b
+
+
+def train_site_model(runner, model, cfg: TaskConfig) -> dict:
+    """The serving plan's ``local`` candidate (#85): the site's own model — ``model`` (the run's starting model)
+    trained only on this site's training split, in blocks of ``train.local_epochs`` epochs (a fresh optimizer each, as
+    a federated round's), up to ``train.rounds`` blocks, ended by the run's stop rule (``train.stop``) on this site's
+    validation accuracy, one more block after the one that ends it; the final model (not the best block's: the plan
+    then compares it with the global model on the same validation items). The same model from the same seed wherever
+    it is made (its data order: :data:`LOCAL_ROUND`). Never sent."""
+    from fedmed.nn.train import predict_proba
+    from fedmed.workflows.stopping import Stopper
+
+    cfg = task_config(cfg)
+    local = cfg.model_copy(update={"train": cfg.train.model_copy(update={"keep_optimizer_state": False})})
+    stop = Stopper.from_config(cfg.train, metric="val_accuracy")
+    xv, yv = runner.splits(cfg).val
+    halted, out, blocks = False, {}, 0
+    for b in range(cfg.train.rounds):
+        out = train_locally(runner, model, local, LOCAL_ROUND + b, "local")
+        blocks += 1
+        if halted:
+            break
+        acc = float((np.asarray(predict_proba(model, runner.on_device(xv, cfg))).argmax(1) == yv.numpy()).mean()) \
+            if len(yv) else float("nan")
+        halted = stop.observe(b, acc)
+    return {"train_loss": out.get("train_loss"), "local_blocks": blocks}
+
+
+def local_model(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """A serving plan's served round for a site served its own model: ``params`` (the run's starting model) trained
+    again exactly as ``serve_score`` trained it (:func:`train_site_model`), scored on the site's validation and test
+    splits and kept in its workspace (``serve_keep``); only its metrics leave the site."""
+    cfg = task_config(cfg)
+    model = _served(runner, params, cfg)
+    out = train_site_model(runner, model, cfg)
+    metrics, meta = _served_metrics(runner, model, cfg)
+    metrics["train_loss"] = out["train_loss"]
+    meta.update(out)
+    meta.update(keep_served(runner, model, cfg))
+    return Reply(runner.site, metrics, meta, {})
+
+
 class ServeScoreOptions(BaseModel):
     """``serve_score``'s site options (the task config's ``method_options``): the names of the packed models, the
     first the reference (the global model), and optionally that model fine-tuned at the site as one more candidate
@@ -564,9 +607,11 @@ class ServeScoreOptions(BaseModel):
     personal: dict[str, Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]] = Field(
         default_factory=dict, description="candidates scored with this site's own layers kept under a key (a FedBN "
         "run's personal model; apply_personal): name -> key")
+    local: bool = Field(False, description="one more packed model, after the named ones: the run's starting model, "
+                        "trained here on this site's data alone and scored as 'local' (train_site_model)")
 
 
-def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: str, finetune=None) -> Reply:
+def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: str, finetune=None, local=None) -> Reply:
     """What a site's ``serve_score`` sends, whatever it scores: each packed model (the first the reference) is loaded
     into the site's network and scored per validation item by ``item_scores(model)`` (higher is better; NaN: not
     scored); ``finetune(model)`` — the reference loaded — may add the model fine-tuned at the site as ``finetuned``
@@ -579,13 +624,15 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
     from fedmed.nn.train import set_params
 
     opts = ServeScoreOptions.model_validate(cfg.method_options)
-    if "finetuned" in opts.names[1:] or len(set(opts.names)) != len(opts.names):
-        raise TaskError(f"{runner.site}: serve_score: candidate names must be distinct and not 'finetuned', got "
-                        f"{opts.names}")
+    if {"finetuned", "local"} & set(opts.names[1:]) or len(set(opts.names)) != len(opts.names):
+        raise TaskError(f"{runner.site}: serve_score: candidate names must be distinct and not 'finetuned' or "
+                        f"'local', got {opts.names}")
     if opts.finetune is not None and finetune is None:
         raise TaskError(f"{runner.site}: serve_score: fine-tuning at the site is not available for {runner.KIND}")
+    if opts.local and local is None:
+        raise TaskError(f"{runner.site}: serve_score: a site's own model is not available for {runner.KIND}")
     models = unpack_models(params)
-    if sorted(models) != list(range(len(opts.names))):
+    if sorted(models) != list(range(len(opts.names) + int(opts.local))):
         raise TaskError(f"{runner.site}: serve_score: {len(opts.names)} model name(s) for {len(models)} packed model(s)")
     k = runner.k_min(cfg)
     model = runner.model(cfg)
@@ -614,6 +661,15 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
         except TaskError as e:
             runner.notes.append(f"{e}; finetuned is not scored here")
             withheld["finetuned"] = str(e).removeprefix(f"{runner.site}: ")
+    if opts.local:  # the site's own model, from the run's starting model (packed after the named ones)
+        set_params(model, models[len(opts.names)])
+        try:
+            got, extra = local(model)
+            keep("local", got)
+            meta.update(extra)
+        except TaskError as e:
+            runner.notes.append(f"{e}; local is not scored here")
+            withheld["local"] = str(e).removeprefix(f"{runner.site}: ")
     ref = opts.names[0]
     units = runner.val_units(cfg)  # each validation item's patient, where the datalist names them (#86)
     n_units = len(set(map(str, units))) if units is not None else None
@@ -621,9 +677,9 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
         units = n_units = None
     if n_units is not None and n_units < MIN_PATIENTS:  # slices of one patient are one unit of evidence
         withheld.update({n: f"its validation items come from {n_units} patient(s), fewer than {MIN_PATIENTS}: too "
-                            f"few patients to decide" for n in [*opts.names[1:], "finetuned"] if n in scores})
+                            f"few patients to decide" for n in [*opts.names[1:], "finetuned", "local"] if n in scores})
     # two models whose items differ on 1..k_min-1 items: their replies could be differenced to single those items out
-    order = [n for n in [*opts.names, "finetuned"] if n in scores]
+    order = [n for n in [*opts.names, "finetuned", "local"] if n in scores]
     for j, b in enumerate(order):
         for a in order[:j]:
             if a in withheld or b in withheld:
@@ -679,12 +735,16 @@ def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
         loss = finetune_at_site(runner, model, cfg, options)["train_loss"]
         return correct(model), {"finetune_train_loss": loss}
 
-    return serving_reply(runner, params, cfg, correct, "accuracy", finetune)
+    def local(model):
+        out = train_site_model(runner, model, cfg)
+        return correct(model), {"local_train_loss": out["train_loss"], "local_blocks": out["local_blocks"]}
+
+    return serving_reply(runner, params, cfg, correct, "accuracy", finetune, local)
 
 
 CLASSIFICATION = {"train": train, "validate": validate, "finetune_local": finetune_local, "signature": signature, "latent_bounds": latent_bounds,
                   "descriptor": descriptor, "ifca": ifca, "validate_ensemble": validate_ensemble,
-                  "class_set": class_set, "serve_score": serve_score, "norm_stats": norm_stats}
+                  "class_set": class_set, "serve_score": serve_score, "norm_stats": norm_stats, "local_model": local_model}
 
 PLUGIN_TASKS: dict = {"classification": {}, "segmentation": {}, "segmentation_2d": {}, "mae": {}}  # a plugin method's own site tasks
 

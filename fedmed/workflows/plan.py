@@ -44,12 +44,14 @@ __all__ = ["Plan", "REFERENCE", "candidate_models", "candidate_name_ok", "person
 
 REFERENCE = "global"  # the reference's folder and name
 FINETUNED = "finetuned"  # the global model fine-tuned at the site (serve_score's name for it)
+LOCAL = "local"  # the site's own model, trained on its data alone from the run's starting model (#85)
+AT_SITE = (FINETUNED, LOCAL)  # models made at the site, which never leave it
 
 
 def candidate_name_ok(name: str) -> bool:
     """A candidate's name names its folder in the job and its metrics: a word (letters, digits, ``_-.``) other than
     the reference's and the fine-tuned model's."""
-    return name not in (REFERENCE, FINETUNED) and name.replace("_", "").replace("-", "").replace(".", "").isalnum()
+    return name not in (REFERENCE, *AT_SITE) and name.replace("_", "").replace("-", "").replace(".", "").isalnum()
 
 
 def candidate_models(folder: Path) -> list[tuple[Path, list | None]]:
@@ -101,16 +103,17 @@ class Plan(Workflow):
     record_name = "Plan"
 
     def __init__(self, num_rounds: int, task_config: dict, candidates=(), finetune: dict | None = None,
-                 alpha: float | None = None, pool: bool = True, test: str | None = None, **kw):
+                 alpha: float | None = None, pool: bool = True, test: str | None = None, local: bool = False, **kw):
         from fedmed.algorithms.serving import ALPHA, TESTS
 
         super().__init__(num_rounds, task_config, **kw)
         self.candidates = [str(c) for c in candidates]
         bad = [c for c in self.candidates if not candidate_name_ok(c)]
         if bad or len(set(self.candidates)) != len(self.candidates):
-            raise ValueError(f"plan: candidate names must be distinct words other than {REFERENCE!r} and "
-                             f"{FINETUNED!r}, got {self.candidates}")
+            raise ValueError(f"plan: candidate names must be distinct words other than {REFERENCE!r}, "
+                             f"{FINETUNED!r} and {LOCAL!r}, got {self.candidates}")
         self.finetune = dict(finetune) if finetune else None
+        self.local = bool(local)  # each site's own model is a candidate too (train.rounds blocks, train.stop)
         self.alpha = ALPHA if alpha is None else float(alpha)
         self.pool = bool(pool)
         self.personal: dict = {}  # candidate -> the key its sites keep their own layers under (models())
@@ -151,12 +154,14 @@ class Plan(Workflow):
         for s in self.sites:
             groups.setdefault(tuple(sorted((n, str(f)) for n, f in own[s].items())), []).append(s)
         cache = {str(ref): _params(ref)}
+        start = self.initial_params() if self.local else None  # the run's starting model: each site's own from it
         messages = {}
         for i, (key, sites) in enumerate(sorted(groups.items(), key=lambda kv: kv[1])):
             names = [n for n in self.candidates if n in dict(key)]
             files = [ref, *(Path(dict(key)[n]) for n in names)]
-            packed = pack_models([cache.setdefault(str(f), _params(f)) for f in files])
+            packed = pack_models([cache.setdefault(str(f), _params(f)) for f in files] + ([start] if start else []))
             opts = {"names": [REFERENCE, *names], **({"finetune": self.finetune} if self.finetune else {}),
+                    **({"local": True} if self.local else {}),
                     **({"personal": {n: self.personal[n] for n in names if n in self.personal}}
                        if any(n in self.personal for n in names) else {})}
             messages[f"g{i}"] = (self.task(packed, 0, method_options=opts), sites)
@@ -173,18 +178,18 @@ class Plan(Workflow):
         for s, c in sorted(choices.items()):
             self.info(f"{s} is served {c.served}: {c.reason}")
         doc = {s: {"served": c.served, "reason": c.reason, "p": c.p, "threshold": c.threshold,
-                   "file": (None if c.served == FINETUNED or c.served in self.personal else
+                   "file": (None if c.served in AT_SITE or c.served in self.personal else
                             Path(str(ref) if c.served == REFERENCE else str(own[s][c.served])).name),
                    "evidence": {n: None if v is None else v.message() for n, v in counts[s].items()}}
                for s, c in choices.items()}
         self.recorder.note("plan", {"sites": doc, "alpha": self.alpha, "pool": self.pool, "test": self.test,
-                                    "candidates": self.candidates, "finetune": self.finetune})
+                                    "candidates": self.candidates, "finetune": self.finetune, "local": self.local})
         (self.out_dir / "plan.md").write_text(plan_table(choices))
         self.write_site_models(choices, ref, own)
         key = hashlib.sha256(json.dumps([hashlib.sha256(ref.read_bytes()).hexdigest(),  # the same plan, the same key
                                          sorted((s, v["served"], v["file"]) for s, v in doc.items()), self.finetune],
                                         default=str).encode()).hexdigest()[:16]
-        kept = self.score_served(choices, ref, own, cache, key)
+        kept = self.score_served(choices, ref, own, cache, key, start)
         for s, v in doc.items():  # where each site keeps the model it is served (relative to its own workspace)
             v["served_at"] = served_path(key) if s in kept else None
         (self.out_dir / "plan.json").write_text(json.dumps(doc, indent=1, default=float))
@@ -198,18 +203,20 @@ class Plan(Workflow):
         out = self.out_dir / "models"
         out.mkdir(parents=True, exist_ok=True)
         for s, c in choices.items():
-            if c.served != FINETUNED and c.served not in self.personal:  # those two stay at their sites
+            if c.served not in AT_SITE and c.served not in self.personal:  # those stay at their sites
                 shutil.copy(ref if c.served == REFERENCE else own[s][c.served], out / f"{s}.pt")
 
-    def score_served(self, choices: dict, ref: Path, own: dict, cache: dict, key: str) -> set:
+    def score_served(self, choices: dict, ref: Path, own: dict, cache: dict, key: str, start=None) -> set:
         """Round 1 (``served``): every site scores the model it is served (validation and test) and keeps it in its
         own workspace (``serve_keep``: :func:`fedmed.site.tasks.keep_served`); round 2 (``global``): the global
         model, the reference row. Returns the sites that kept their model."""
         by_file: dict = {}
-        tuned = []
+        tuned, alone = [], []
         for s, c in choices.items():
             if c.served == FINETUNED:
                 tuned.append(s)
+            elif c.served == LOCAL:
+                alone.append(s)
             else:
                 f = str(ref if c.served == REFERENCE else own[s][c.served])
                 by_file.setdefault((f, self.personal.get(c.served)), []).append(s)
@@ -222,6 +229,8 @@ class Plan(Workflow):
         if tuned:  # the same fine-tuning as in serve_score: the same seed, round and settings
             rows += self.send("finetune_local", self.task(cache[str(ref)], 0, method_options=self.finetune,
                                                           serve_keep=key), targets=sorted(tuned))
+        if alone:  # each site's own model made again, as serve_score made it: the same blocks from the same seed
+            rows += self.send("local_model", self.task(start, 0, serve_keep=key), targets=sorted(alone))
         self.record_rows(1, rows, "served")
         kept = {r.site for r in rows if (r.meta or {}).get("served_kept")}
         self.record_rows(2, self.send("validate", self.task(cache[str(ref)], 0), targets=sorted(choices)), REFERENCE)
