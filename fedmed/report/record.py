@@ -113,9 +113,6 @@ def round_scalars(summary: dict) -> dict:
     return out
 
 
-STILL_IMPROVING = "still improving when the rounds ran out"  # a run whose best validation round is its last (#85)
-
-
 def site_entry(metrics: dict, meta: dict) -> dict:
     """What the record keeps of one site's reply in a round: its numeric metrics, its counts and cluster, and the
     aggregates the pooled metrics are made of."""

@@ -165,7 +165,7 @@ def reported_rows(rows: list[dict], selection: str = "final") -> dict:
 def still_improving(rows: list[dict], selection: str = "final") -> str:
     """The runs whose best validation score (the one ``selection`` reads, validation accuracy where it reads none)
     is at their last round, as one line (#85), or "" when there are none."""
-    from fedmed.report.record import STILL_IMPROVING
+    from fedmed.algorithms.stopping import STILL_IMPROVING
 
     runs: dict = {}
     for r in rows:

@@ -564,7 +564,7 @@ def train_site_model(runner, model, cfg: TaskConfig) -> dict:
     then compares it with the global model on the same validation items). The same model from the same seed wherever
     it is made (its data order: :data:`LOCAL_ROUND`). Never sent."""
     from fedmed.nn.train import predict_proba
-    from fedmed.workflows.stopping import Stopper
+    from fedmed.algorithms.stopping import Stopper
 
     cfg = task_config(cfg)
     local = cfg.model_copy(update={"train": cfg.train.model_copy(update={"keep_optimizer_state": False})})
