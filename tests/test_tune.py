@@ -84,3 +84,20 @@ def test_a_tuning_resumes_from_its_sqlite_study_and_a_larger_budget_continues_it
     assert again[:len(first)] == first and len(again) > len(first)
     assert main(["tune", str(config), "--budget", "0", "--out", str(out)]) == 2  # a bad budget is one line
     assert "--budget should be a positive number" in capsys.readouterr().err
+
+
+def test_the_configs_own_recipe_is_the_first_trial(config, tmp_path):
+    """The tuning starts from what the user wrote: trial 0 is the config's recipe (its epochs, learning rate, FedAvg, no
+    server optimizer), so the chosen recipe's validation score is never below it."""
+    import csv
+
+    from fedmed.run.tune import tune
+
+    got = tune(config, tmp_path / "t", 2, log=lambda *_: None)
+    with (tmp_path / "t" / "tuning.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    first = rows[0]
+    assert first["train.local_epochs"] == "1" and float(first["train.lr"]) == pytest.approx(0.003)
+    assert first["method"] == "FedAvg" and first["train.server_opt.kind"] == "none"
+    assert first["state"] == "complete"  # the first trial has no rung to fall behind
+    assert got["value"] >= float(first["best_val_accuracy"]) - 1e-4

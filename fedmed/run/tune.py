@@ -3,13 +3,15 @@
 fedmed's shipped recipes were chosen by hand on one federation; on another they stop while still learning or decide
 badly. ``tune`` searches, for the config's first seed and its FedAvg-family reference, over
 
-* ``local_epochs`` (1, 2, 4, 8) and the learning rate (log-uniform within a factor of 10 of the config's ``train.lr``),
+* ``local_epochs`` (1, 2, 4, 8 and the config's) and the learning rate (log-uniform within a factor of 10 of the
+  config's ``train.lr``),
 * the start — the weights the config names (``model.init_weights``) or scratch — where it names some,
 * the server's optimizer (``train.server_opt``: none, FedAvgM, FedAdam) and its learning rate (Reddi et al.'s
   ranges: 0.1-1 for FedAvgM, 1e-3-1e-1 for FedAdam),
 * batch-norm handling (FedAvg, or FedBN: each site keeps its own) for a ResNet with batch norm,
 
-with Optuna's TPE sampler and **successive halving** (Optuna's ``SuccessiveHalvingPruner``, rounds as the resource,
+the config's own recipe first (trial 0: the choice is never one its validation data rate below what the user wrote),
+then Optuna's TPE sampler, with **successive halving** (Optuna's ``SuccessiveHalvingPruner``, rounds as the resource,
 reduction factor 3): every trial is an in-process federated run reporting its sites' validation score after each
 round, and a trial behind its rung's best third is stopped there. The budget is ``N`` full runs of the config's recipe,
 counted in local epochs (``rounds x local_epochs`` each): trials start while less than that was spent, and a trial
@@ -66,7 +68,7 @@ def tuning_datalists(data: Path, out: Path) -> Path:
 def space(trial, exp) -> dict:
     """One trial's recipe: ``{config key path: value}`` (see the module notes)."""
     t = exp.train
-    out = {"train.local_epochs": trial.suggest_categorical("local_epochs", list(EPOCHS)),
+    out = {"train.local_epochs": trial.suggest_categorical("local_epochs", sorted({*EPOCHS, t.local_epochs})),
            "train.lr": trial.suggest_float("lr", t.lr / 10, t.lr * 10, log=True)}
     if exp.model.init_weights:
         if trial.suggest_categorical("start", ["weights", "scratch"]) == "scratch":
@@ -78,6 +80,21 @@ def space(trial, exp) -> dict:
         out["train.server_opt.lr"] = trial.suggest_float(f"server_lr_{kind}", lo, hi, log=True)
     if exp.dataset.task == "classification" and exp.model.arch in ("resnet9", "resnet18") and exp.model.norm == "batch":
         out["method"] = trial.suggest_categorical("norm", ["FedAvg", "FedBN"])
+    return out
+
+
+def config_recipe(exp) -> dict:
+    """The config's own recipe as a trial's parameters (:func:`space`'s names): the tuning's first trial, so that it
+    never chooses a recipe its validation data rate below the one the user wrote."""
+    t = exp.train
+    out = {"local_epochs": t.local_epochs, "lr": t.lr, "server_opt": "none"}
+    lo_hi = SERVER_LR.get(t.server_opt.kind)
+    if lo_hi and lo_hi[0] <= t.server_opt.lr <= lo_hi[1]:
+        out.update({"server_opt": t.server_opt.kind, f"server_lr_{t.server_opt.kind}": t.server_opt.lr})
+    if exp.model.init_weights:
+        out["start"] = "weights"
+    if exp.dataset.task == "classification" and exp.model.arch in ("resnet9", "resnet18") and exp.model.norm == "batch":
+        out["norm"] = "FedAvg"
     return out
 
 
@@ -141,6 +158,8 @@ def tune(config, out, budget: float, *, storage: str | None = None, datalists=No
         pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=max(1, exp.train.rounds // REDUCTION ** 2),
                                                       reduction_factor=REDUCTION))
     study.sampler = optuna.samplers.TPESampler(seed=seed * 1009 + len(study.trials))  # a resumed study: fresh draws
+    if not study.trials:  # the config's own recipe first: the choice is never below it on validation
+        study.enqueue_trial(config_recipe(exp))
 
     def spent() -> float:
         return sum(float(t.user_attrs.get("epochs", 0)) for t in study.trials) / full
