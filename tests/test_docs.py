@@ -75,6 +75,11 @@ STUDIES = {
                                      "test_results_tables.py checks each table names the commit and command that made "
                                      "it, test_config.py that every shipped config loads and finds its data",
     "fedmed sweep app_configs/": "a sweep behind a results table (hours on 2 cores); as above",
+    ".venv/bin/fedmed tune app_configs/revalidate_breastmnist.yaml": "the tuning behind a results table (needs "
+        "../shared/data; about 40 s); test_tune.py runs fedmed tune and test_docs.py the recipes page's tune command",
+    ".venv/bin/fedmed experiment results/tune_breastmnist/tuned.yaml": "the evaluation of that tuning's choice; "
+        "test_tune.py loads a tuned.yaml and builds its job",
+    ".venv/bin/fedmed experiment app_configs/": "a study behind a results table; as above",
     "fedmed ssl app_configs/": "a Fed-MAE study behind a results table (tens of minutes per seed); as above",
     "W=$(": "names the ImageNet release file for the study that follows (test_encoders.py loads that file)",
     ".venv/bin/python benchmarks/": "a benchmark or study script behind a table or a reading (minutes to hours); "
