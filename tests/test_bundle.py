@@ -41,17 +41,15 @@ def _run_bundle(bundle: Path, images: list, out: Path, tmp_path: Path):
         return {Path(r["image"]).name: r for r in csv.DictReader(fh)}
 
 
-def test_a_finished_runs_bundle_runs_without_fedmed_and_predicts_as_fedmed_predict(tmp_path):
+def _fedavg_run(tmp_path: Path, raw: dict):
+    """A config's FedAvg run in this process (its models under ``tmp_path/run/models``): (config, datalists, task
+    config)."""
     from fedmed.config import load_config
     from fedmed.methods import server_workflow_path
-    from fedmed.nn.predict import predict_images
     from fedmed.run.experiment import classes_override, prepare_federation
     from fedmed.run.taskconfig import build_task_config
     from fedmed.workflows import InProcessFederation, server_workflow
 
-    raw = {"name": "bundled", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 12},
-           "federation": {"sites": 2, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},
-           "train": {"rounds": 2, "local_epochs": 1, "batch_size": 8}, "privacy": {"k_min": 2}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
     exp = load_config(tmp_path / "c.yaml")
     data = prepare_federation(exp, 0, tmp_path / "data")
@@ -61,6 +59,16 @@ def test_a_finished_runs_bundle_runs_without_fedmed_and_predicts_as_fedmed_predi
     fed = InProcessFederation(data, exp.site_names(), tmp_path / "run", log=None)
     assert fed.run(server_workflow(server_workflow_path(type(m)))(exp.train.rounds, cfg, **m.workflow_options(exp, 0))) \
         == "finished"
+    return exp, data, cfg
+
+
+def test_a_finished_runs_bundle_runs_without_fedmed_and_predicts_as_fedmed_predict(tmp_path):
+    from fedmed.nn.predict import predict_images
+
+    raw = {"name": "bundled", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 12},
+           "federation": {"sites": 2, "partition": "iid"}, "model": {"arch": "resnet9", "width": 4},
+           "train": {"rounds": 2, "local_epochs": 1, "batch_size": 8}, "privacy": {"k_min": 2}}
+    exp, data, cfg = _fedavg_run(tmp_path, raw)
     models = tmp_path / "run" / "models"
     bundle = models / "global_bundle"
     meta = json.loads((bundle / "configs" / "metadata.json").read_text())
@@ -708,16 +716,11 @@ def test_a_binary_models_validation_threshold_travels_to_predict_and_the_bundle(
     from PIL import Image
 
     from fedmed.algorithms.metrics import decide, decision_threshold, site_metrics
-    from fedmed.config import load_config
     from fedmed.core.schema import task_config
-    from fedmed.methods import server_workflow_path
     from fedmed.nn.bundle import export_bundle
     from fedmed.nn.predict import load_model, predict_images, save_model
     from fedmed.nn.train import predict_proba
-    from fedmed.run.experiment import classes_override, prepare_federation
-    from fedmed.run.taskconfig import build_task_config
     from fedmed.site.runner import SiteRunner
-    from fedmed.workflows import InProcessFederation, server_workflow
 
     rng = np.random.default_rng(0)
     for c, level in (("benign", 0.35), ("malignant", 0.5)):
@@ -728,15 +731,7 @@ def test_a_binary_models_validation_threshold_travels_to_predict_and_the_bundle(
     raw = {"name": "binary", "dataset": {"path": str(tmp_path / "imgs"), "image_size": 8, "channels": 1},
            "federation": {"sites": 2, "partition": "iid", "val_fraction": 0.3}, "model": {"arch": "resnet9", "width": 4},
            "train": {"rounds": 2, "local_epochs": 1, "batch_size": 8}, "privacy": {"k_min": 2}}
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
-    exp = load_config(tmp_path / "c.yaml")
-    data = prepare_federation(exp, 0, tmp_path / "data")
-    exp = load_config(tmp_path / "c.yaml", classes_override(data, exp))
-    m = exp.methods[0]
-    cfg = build_task_config(exp, 0, m, exp.site_names())
-    fed = InProcessFederation(data, exp.site_names(), tmp_path / "run", log=None)
-    assert fed.run(server_workflow(server_workflow_path(type(m)))(exp.train.rounds, cfg, **m.workflow_options(exp, 0))) \
-        == "finished"
+    exp, data, cfg = _fedavg_run(tmp_path, raw)
     models = tmp_path / "run" / "models"
     net, ck = load_model(models / "global.pt")
     hist = 0

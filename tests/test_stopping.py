@@ -98,7 +98,7 @@ def test_each_cluster_stops_on_its_own_and_its_sites_are_scored_every_round(tmp_
 
     calls: dict = {}
 
-    def scripted(self, rows):  # cluster 0's score rises every round, cluster 1's never
+    def scripted(self, rows, metric):  # cluster 0's score rises every round, cluster 1's never
         c = next(iter({r.meta.get("cluster") for r in rows}), None)
         calls[c] = calls.get(c, -1) + 1
         return 0.1 * calls[c] if c == 0 else 0.5
@@ -185,20 +185,12 @@ def test_the_recipes_page_stop_block_is_a_valid_config(tmp_path):
     task config carries the rule with the selection's score."""
     import re
 
-    from fedmed.config import load_config
-    from fedmed.run.experiment import classes_override, prepare_federation
     from fedmed.run.jobspec import job_spec
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
     part = text.split("## A federation of your own", 1)[1]
     block = yaml.safe_load(re.search(r"```yaml\n(.*?)```", part, flags=re.S).group(1))
-    raw = json.loads(json.dumps(RAW))
-    for k, v in block.items():
-        raw[k] = {**raw[k], **v} if isinstance(v, dict) else v
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
-    exp = load_config(tmp_path / "c.yaml")
-    data = prepare_federation(exp, 0, tmp_path / "data")
-    exp = load_config(tmp_path / "c.yaml", classes_override(data, exp))
+    exp, _ = _federation(tmp_path, **block)
     stop = job_spec(exp, exp.methods[0], 0).task_config["train"]["stop"]
     assert stop == {"patience": 5, "min_delta": 0.0, "metric": "val_accuracy"} and exp.train.rounds == 60
 

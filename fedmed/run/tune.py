@@ -113,11 +113,6 @@ def _method(name: str) -> dict:
     return {"name": name, "workflow": "fedbn" if name == "FedBN" else "fedavg"}
 
 
-def _score(summary: dict, metric: str) -> float:
-    v = (summary.get("pooled_val") or {}).get("auc") if metric == "pooled_val_auc" else summary["mean"].get(metric)
-    return float("nan") if v is None else float(v)
-
-
 def tune(config, out, budget: float, *, storage: str | None = None, datalists=None, overrides=None, log=print) -> dict:
     """Tune ``config``'s recipe within ``budget`` full runs (see the module notes); returns ``{"best", "trials",
     "tuned", "runs_spent", "seconds"}``. ``datalists``: a federation already written (else the config's first seed's
@@ -130,7 +125,7 @@ def tune(config, out, budget: float, *, storage: str | None = None, datalists=No
     from fedmed.config import ConfigError, load_config
     from fedmed.run.experiment import classes_override, prepare_federation
     from fedmed.run.jobspec import job_spec, run_spec_in_process
-    from fedmed.workflows.stopping import stop_metric
+    from fedmed.workflows.stopping import stop_metric, summary_score
 
     if not budget > 0:
         raise TuneError(f"--budget should be a positive number of full runs, got {budget}")
@@ -181,7 +176,7 @@ def tune(config, out, budget: float, *, storage: str | None = None, datalists=No
                 seen["rounds"] += 1
                 trial.set_user_attr("epochs", seen["rounds"] * epochs)
                 trial.set_user_attr("rounds", seen["rounds"])
-            v = _score(entry["summary"], metric)
+            v = summary_score(entry["summary"], metric)
             if math.isfinite(v) and v > seen["best"]:
                 seen["best"], seen["round"] = v, entry["round"]
                 trial.set_user_attr("selected_round", entry["round"])

@@ -347,14 +347,13 @@ class Workflow:
         pooled validation histograms a decision threshold is chosen from); True: stop after this round."""
         from fedmed.workflows.stopping import val_histograms
 
-        return stop.observe(round_, self.round_score(rows), params, val_histograms(rows))
+        return stop.observe(round_, self.round_score(rows, stop.metric), params, val_histograms(rows))
 
-    def round_score(self, rows) -> float:
-        """The round's validation score as the stop rule reads it, from the sites' replies."""
+    def round_score(self, rows, metric: str) -> float:
+        """The round's validation score ``metric`` (the stop rule's), from the sites' replies."""
         from fedmed.workflows.stopping import reply_entries, val_score
 
-        return val_score(reply_entries(rows), self.task_cfg.train.stop.metric if self.task_cfg.train.stop.metric
-                         != "auto" else "val_accuracy")
+        return val_score(reply_entries(rows), metric)
 
     def decision(self, hist) -> dict | None:
         """A classifier's decision threshold chosen on the pooled validation histograms ``hist`` (binary models;

@@ -6,7 +6,8 @@ import numpy as np
 
 from fedmed.algorithms.stopping import STILL_IMPROVING, Stopper, stop_metric
 
-__all__ = ["STILL_IMPROVING", "Stopper", "reply_entries", "stop_metric", "val_histograms", "val_score"]
+__all__ = ["STILL_IMPROVING", "Stopper", "reply_entries", "stop_metric", "summary_score", "val_histograms",
+           "val_score"]
 
 
 def val_score(entries: dict, metric: str) -> float:
@@ -17,7 +18,11 @@ def val_score(entries: dict, metric: str) -> float:
 
     if not entries:
         return float("nan")
-    summ = summarize_sites(entries)
+    return summary_score(summarize_sites(entries), metric)
+
+
+def summary_score(summ: dict, metric: str) -> float:
+    """A round summary's validation score (``fedmed.report.record.summarize_sites``' form) as ``metric`` reads it."""
     v = (summ.get("pooled_val") or {}).get("auc") if metric == "pooled_val_auc" else summ["mean"].get(metric)
     return float("nan") if v is None else float(v)
 
