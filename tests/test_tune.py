@@ -101,3 +101,36 @@ def test_the_configs_own_recipe_is_the_first_trial(config, tmp_path):
     assert first["method"] == "FedAvg" and first["train.server_opt.kind"] == "none"
     assert first["state"] == "complete"  # the first trial has no rung to fall behind
     assert got["value"] >= float(first["best_val_accuracy"]) - 1e-4
+
+
+def test_a_trial_killed_with_its_process_is_run_again_with_its_recipe(config, tmp_path, monkeypatch):
+    """A tuning stopped mid-trial (kill, lost machine) leaves a RUNNING trial whose heartbeat stops: the next ``fedmed
+    tune`` fails it once the heartbeat is older than the grace period and runs its recipe again (here the config's
+    own trial 0, which a kill must not lose), so the choice still weighs it."""
+    import time
+
+    import optuna
+
+    from fedmed.config import load_config
+    from fedmed.run import tune as tuning
+
+    monkeypatch.setattr(tuning, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(tuning, "GRACE_S", 1)
+    out = tmp_path / "t"
+    out.mkdir()
+    storage = optuna.storages.RDBStorage(f"sqlite:///{out / 'tuning.db'}", heartbeat_interval=1, grace_period=1)
+    study = optuna.create_study(study_name="fedmed-tunetest", storage=storage, direction="maximize")
+    exp = load_config(config)
+    study.enqueue_trial(tuning.config_recipe(exp))
+    killed = study.ask()
+    tuning.space(killed, exp)
+    killed.set_user_attr("epochs", 2)  # two rounds ran before the kill
+    storage.record_heartbeat(killed._trial_id)
+    time.sleep(2.5)
+    got = tuning.tune(config, out, 2, log=lambda *_: None)
+    trials = optuna.load_study(study_name="fedmed-tunetest", storage=f"sqlite:///{out / 'tuning.db'}").trials
+    assert trials[0].state == optuna.trial.TrialState.FAIL
+    again = [t for t in trials if t.system_attrs.get("failed_trial") == 0]
+    assert len(again) == 1 and again[0].state == optuna.trial.TrialState.COMPLETE
+    assert again[0].params == trials[0].params and again[0].user_attrs["epochs"] == 3  # its own rounds, run again
+    assert got["value"] >= again[0].value

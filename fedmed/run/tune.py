@@ -21,7 +21,9 @@ round.
 
 **No test data is read**: the sites of a trial see datalists whose ``test`` split is empty (``tuning_data/``). The
 study lives in ``<out>/tuning.db`` (SQLite; ``--storage`` an RDB URL lets several machines share it), so a tuning
-resumes where it stopped and a larger ``--budget`` continues it. The chosen recipe is written as ``tuned.yaml`` (the
+resumes where it stopped and a larger ``--budget`` continues it; a trial killed with its process (a stopped tuning, a
+machine lost) is failed once its heartbeat is older than ``GRACE_S`` and run again with the same recipe (Optuna's
+heartbeat and ``RetryFailedTrialCallback``), so the config's own trial 0 is never lost to a kill. The chosen recipe is written as ``tuned.yaml`` (the
 config extended, ``fedmed experiment tuned.yaml`` starts from it) and every trial's validation evidence as
 ``tuning.md`` / ``tuning.csv``, with the cost (wall time, full runs spent).
 """
@@ -41,6 +43,7 @@ __all__ = ["TuneError", "space", "tune", "tuning_datalists"]
 EPOCHS = (1, 2, 4, 8)
 SERVER_LR = {"avgm": (0.1, 1.0), "adam": (1e-3, 1e-1)}
 REDUCTION = 3
+HEARTBEAT_S, GRACE_S = 30, 120  # a running trial's heartbeat; a trial silent for longer was killed and is run again
 
 
 class TuneError(ValueError):
@@ -145,10 +148,13 @@ def tune(config, out, budget: float, *, storage: str | None = None, datalists=No
     metric = stop_metric(exp.train.stop, exp.dataset.task, exp.selection)
     full = exp.train.rounds * exp.train.local_epochs  # one full run of the config's recipe, in local epochs
     url = storage or f"sqlite:///{(out / 'tuning.db').resolve()}"
+    storage_ = optuna.storages.RDBStorage(
+        url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+        failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=2))
     name = f"fedmed-{exp.name}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(
-        study_name=name, storage=url, direction="maximize", load_if_exists=True,
+        study_name=name, storage=storage_, direction="maximize", load_if_exists=True,
         sampler=optuna.samplers.TPESampler(seed=seed),
         pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=max(1, exp.train.rounds // REDUCTION ** 2),
                                                       reduction_factor=REDUCTION))
@@ -168,6 +174,8 @@ def tune(config, out, budget: float, *, storage: str | None = None, datalists=No
         except ConfigError as err:
             raise TuneError(f"trial {trial.number}: {err}") from None
         trial.set_user_attr("recipe", {**recipe, "method": method})
+        for k in ("epochs", "rounds", "why", "selected_round"):  # a killed trial's rerun carries its attributes
+            trial.set_user_attr(k, 0 if k == "epochs" else None)
         epochs = e.train.local_epochs
         seen = {"rounds": 0, "best": -math.inf, "round": None}
 
