@@ -134,3 +134,52 @@ def test_a_trial_killed_with_its_process_is_run_again_with_its_recipe(config, tm
     assert len(again) == 1 and again[0].state == optuna.trial.TrialState.COMPLETE
     assert again[0].params == trials[0].params and again[0].user_attrs["epochs"] == 3  # its own rounds, run again
     assert got["value"] >= again[0].value
+
+
+def test_a_natural_federation_tunes_with_the_sites_its_data_names(tmp_path):
+    """A natural federation's sites are named by its sources (scannerA-1, ...), not site-1..N: every trial's job is
+    built for the sites the written federation has (a tuning of one failed every trial at round 0 before)."""
+    import csv
+
+    import numpy as np
+    from PIL import Image
+
+    from fedmed.run.tune import tune
+
+    rows, rng = [], np.random.default_rng(0)
+    (tmp_path / "img").mkdir()
+    for s in ("scannerA", "scannerB"):
+        for p in range(16):
+            name = f"{s}_{p}.png"
+            Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)).save(tmp_path / "img" / name)
+            rows.append({"image": f"img/{name}", "label": ["benign", "malignant"][p % 2], "site": s, "case": f"{s}{p}"})
+    with (tmp_path / "index.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=["image", "label", "site", "case"])
+        w.writeheader()
+        w.writerows(rows)
+    cfg = {"name": "natural", "dataset": {"sources": [{"path": str(tmp_path / "index.csv")}],
+                                          "classes": ["benign", "malignant"], "image_size": 8},
+           "federation": {"partition": "natural", "test_fraction": 0.25, "val_fraction": 0.3},
+           "model": {"arch": "resnet9", "width": 4, "norm": "group"},
+           "train": {"rounds": 2, "local_epochs": 1, "batch_size": 4, "lr": 0.003}, "privacy": {"k_min": 2},
+           "selection": "validation", "seeds": [0]}
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    got = tune(p, tmp_path / "t", 1.5, log=lambda *_: None)
+    assert got["trials"] >= 1
+    with (tmp_path / "t" / "tuning.csv").open() as fh:
+        assert list(csv.DictReader(fh))[0]["state"] == "complete"
+
+
+def test_a_tuning_whose_trials_all_fail_stops_with_the_reason(config, tmp_path):
+    """A broken federation is not a bad recipe: three failed trials in a row end the tuning with the last one's reason
+    (not a hundred trials each failing at round 0)."""
+    from fedmed.config import load_config
+    from fedmed.run.experiment import prepare_federation
+    from fedmed.run.tune import TuneError, tune
+
+    data = prepare_federation(load_config(config), 0, tmp_path / "data")
+    for f in data.glob("site-*.json"):
+        f.unlink()
+    with pytest.raises(TuneError, match="3 trials in a row failed .* the last: trial 2 failed: .*datalist"):
+        tune(config, tmp_path / "t", 4, datalists=data, log=lambda *_: None)

@@ -36,6 +36,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 __all__ = ["TuneError", "space", "tune", "tuning_datalists"]
@@ -43,6 +44,7 @@ __all__ = ["TuneError", "space", "tune", "tuning_datalists"]
 EPOCHS = (1, 2, 4, 8)
 SERVER_LR = {"avgm": (0.1, 1.0), "adam": (1e-3, 1e-1)}
 REDUCTION = 3
+FAILS_IN_A_ROW = 3  # trials failing one after another: the federation or config is broken, the tuning stops
 HEARTBEAT_S, GRACE_S = 30, 120  # a running trial's heartbeat; a trial silent for longer was killed and is run again
 
 
@@ -126,7 +128,7 @@ def tune(config, out, budget: float, *, storage: str | None = None, datalists=No
         raise TuneError("fedmed tune needs Optuna: pip install 'fedmed[tune]' (make setup installs it)") from None
 
     from fedmed.config import ConfigError, load_config
-    from fedmed.run.experiment import classes_override, prepare_federation
+    from fedmed.run.experiment import classes_override, prepare_federation, with_classes
     from fedmed.run.jobspec import job_spec, run_spec_in_process
     from fedmed.workflows.stopping import stop_metric, summary_score
 
@@ -148,9 +150,13 @@ def tune(config, out, budget: float, *, storage: str | None = None, datalists=No
     metric = stop_metric(exp.train.stop, exp.dataset.task, exp.selection)
     full = exp.train.rounds * exp.train.local_epochs  # one full run of the config's recipe, in local epochs
     url = storage or f"sqlite:///{(out / 'tuning.db').resolve()}"
-    storage_ = optuna.storages.RDBStorage(
-        url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-        failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=2))
+    st = optuna.storages
+    retry = ({"heartbeat_stale_trial_callback": st.RetryHeartbeatStaleTrialCallback(max_retry=2)}  # Optuna >= 4.9
+             if hasattr(st, "RetryHeartbeatStaleTrialCallback") else
+             {"failed_trial_callback": st.RetryFailedTrialCallback(max_retry=2)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        storage_ = st.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, **retry)
     name = f"fedmed-{exp.name}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(
@@ -170,7 +176,7 @@ def tune(config, out, budget: float, *, storage: str | None = None, datalists=No
         method = recipe.pop("method", "FedAvg")
         sets = base + [f"{k}={json.dumps(v)}" for k, v in recipe.items()] + [f"methods={json.dumps([_method(method)])}"]
         try:
-            e = load_config(config, sets)
+            e = with_classes(load_config(config, sets), tuning)  # a natural federation's sites come from its data
         except ConfigError as err:
             raise TuneError(f"trial {trial.number}: {err}") from None
         trial.set_user_attr("recipe", {**recipe, "method": method})
@@ -205,10 +211,13 @@ def tune(config, out, budget: float, *, storage: str | None = None, datalists=No
         status, fed = run_spec_in_process(job_spec(e, e.methods[0], seed), tuning, folder, log=None, on_round=on_round)
         trial.set_user_attr("rounds", seen["rounds"])
         if status != "finished":
-            raise RuntimeError(f"trial {trial.number} {status}: {fed.recorder.doc.get('reason')}")
-        if not math.isfinite(seen["best"]):
-            raise RuntimeError(f"trial {trial.number}: no validation score ({metric}; federation.val_fraction)")
-        return seen["best"]
+            why = f"trial {trial.number} {status}: {fed.recorder.doc.get('reason')}"
+        elif not math.isfinite(seen["best"]):
+            why = f"trial {trial.number}: no validation score ({metric}; federation.val_fraction)"
+        else:
+            return seen["best"]
+        trial.set_user_attr("why", why)
+        raise RuntimeError(why)
 
     log(f"[fedmed] tuning {exp.name}: budget {budget:g} full run(s) of {exp.train.rounds} round(s) x "
         f"{exp.train.local_epochs} epoch(s); {spent():.2f} spent before; study {url}")
@@ -219,6 +228,10 @@ def tune(config, out, budget: float, *, storage: str | None = None, datalists=No
         val = "" if tr.value is None else f", validation {metric} {tr.value:.4f}"
         log(f"[fedmed] trial {tr.number} {tr.state.name.lower()}: {tr.user_attrs.get('recipe')}{val}; "
             f"{spent():.2f} of {budget:g} full run(s) spent")
+        last = study.trials[-FAILS_IN_A_ROW:]
+        if len(last) == FAILS_IN_A_ROW and all(t.state == optuna.trial.TrialState.FAIL for t in last):
+            raise TuneError(f"{FAILS_IN_A_ROW} trials in a row failed (a broken federation or config, not a bad "
+                            f"recipe); the last: {tr.user_attrs.get('why')}. Every trial: {out / 'trials'}")
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     if not done:
         raise TuneError(f"no trial finished ({len(study.trials)} tried): see {out / 'trials'}")
