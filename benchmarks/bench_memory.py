@@ -20,7 +20,7 @@ template (fedmed_flare.simulator), for the before/after figure.
 
 The site script and the controller call ``fedmed.core.memtrace.trim`` (glibc ``malloc_trim``) once per round, giving back
 the heap pages of FLARE's freed 1 MiB stream buffers; ``--env MALLOC_MMAP_THRESHOLD_=1048576`` is the allocator
-setting compared with it in docs/results.md ("Memory"; its training cost: ``benchmarks/bench_malloc.py``).
+setting compared with it in docs/lab/performance.md ("Memory"; its training cost: ``benchmarks/bench_malloc.py``).
 
 ``--trace`` (``fedmed.core.memtrace``) has every site script and the server's controller snapshot its live Python
 allocations every 10 rounds; the script then prints, per process, RSS growth next to the growth of traced Python

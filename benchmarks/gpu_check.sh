@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue #54 in one script, for a machine with one CUDA GPU (docs/results.md "On a GPU").
+# The GPU checks of issue #54 in one script, for a machine with one CUDA GPU (docs/lab/performance.md "On a GPU").
 #
 #   bash benchmarks/gpu_check.sh 2d OUT   # bench_gpu.py (DenseNet121 224 px bf16, batch 32 and 128) + busi_224.yaml
 #   bash benchmarks/gpu_check.sh 3d OUT   # bench_gpu.py --task seg3d (SegResNet, 96^3) + brats_1mm.yaml

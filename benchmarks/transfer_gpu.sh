@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue #53's factor screen and 224 px rows on a machine with one CUDA GPU, in one script (docs/readings.md
-# "Transfer learning federated", docs/results.md "The classifier started from the ImageNet release").
+# "Transfer learning federated", docs/lab/transfer.md "The classifier started from the ImageNet release").
 #
 #   .venv/bin/python benchmarks/gpu_data.py --out .gpudata/nat --quality 85     # here: the data copy that travels
 #   cp "$W" .gpudata/weights/                                                   # the Lite0 release file

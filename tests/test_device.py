@@ -215,7 +215,7 @@ def test_a_step_with_non_finite_gradients_is_skipped_not_taken():
 
 def test_train_deterministic_asks_cudnn_for_deterministic_algorithms(site, monkeypatch):
     """On a GPU, default fp32 cuDNN gave two runs of the same seed weights 30% apart in a batch-norm variance after one
-    round (docs/results.md "On a GPU"); `train.deterministic` makes a site's process use cuDNN's deterministic
+    round (docs/lab/performance.md "On a GPU"); `train.deterministic` makes a site's process use cuDNN's deterministic
     algorithms (and no benchmark-mode autotuning), which gave bit-identical runs there."""
     root, cfg = site
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)

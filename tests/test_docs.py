@@ -81,6 +81,8 @@ STUDIES = {
         "test_tune.py loads a tuned.yaml and builds its job",
     ".venv/bin/fedmed experiment app_configs/": "a study behind a results table; as above",
     "fedmed ssl app_configs/": "a Fed-MAE study behind a results table (tens of minutes per seed); as above",
+    ".venv/bin/fedmed ssl app_configs/": "as above",
+    ".venv/bin/fedmed sweep app_configs/": "a sweep behind a results table (hours on 2 cores); as above",
     "W=$(": "names the ImageNet release file for the study that follows (test_encoders.py loads that file)",
     ".venv/bin/python benchmarks/": "a benchmark or study script behind a table or a reading (minutes to hours); "
                                     "some are run shrunk by tests (bench_memory, ssl_validation, transfer_factors), "
@@ -95,9 +97,13 @@ STUDIES = {
 }
 
 
-@pytest.mark.parametrize("page", ["deployment.md", "recipes.md", "results.md", "readings.md"])
+LAB = sorted(f"lab/{p.name}" for p in (ROOT / "docs" / "lab").glob("*.md"))  # results.md's history (#89)
+
+
+@pytest.mark.parametrize("page", ["deployment.md", "recipes.md", "results.md", "readings.md", *LAB])
 def test_every_documented_command_runs_in_a_test_or_says_why_not(page):
-    known = [*RUN_HERE, *NOT_HERE, *(STUDIES if page in ("results.md", "readings.md") else {})]
+    studies = page in ("results.md", "readings.md") or page.startswith("lab/")
+    known = [*RUN_HERE, *NOT_HERE, *(STUDIES if studies else {})]
     unclassified = [c for c in doc_commands(page) if not any(c.startswith(k) for k in known)]
     assert unclassified == []
 

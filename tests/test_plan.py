@@ -355,7 +355,7 @@ def test_a_newcomer_is_served_its_assigned_cluster_model_where_its_validation_da
     (its ``models/<site>.pt``), judged on that site's own validation evidence (no pooling: no other plan site shares
     it); each newcomer is served it or the global model, and the served file is one of the two. Here a gain exists
     (each newcomer's own group's cluster model knows its classes): the plan serves it, and the newcomer keeps the gain
-    on its test split, read after the choice (issue #57's "the newcomer keeps its gain"; over seeds: results.md "A
+    on its test split, read after the choice (issue #57's "the newcomer keeps its gain"; over seeds: docs/lab/newcomers.md "A
     newcomer's gain where one exists")."""
     import torch
 

@@ -1,7 +1,8 @@
-"""docs/results.md's tables are true at HEAD or say they are not (#38): every table section names the commit that
-made it, and ``docs/tables.toml`` lists the paths its numbers depend on; when one of them changed after that commit
-the section must carry a "**Stale at HEAD**" line. A later commit reviewed as not moving a table's numbers is listed in its
-``unaffected_by`` with the reason (``unaffected_why``)."""
+"""The tables of docs/results.md (the findings) and docs/lab/ (their history) are true at HEAD or say they are not
+(#38, #89): every table section names the commit that made it, and ``docs/tables.toml`` lists the page it is on and the
+paths its numbers depend on; when one of them changed after that commit the section, and the finding of results.md
+that reprints it (``finding``), must carry a "**Stale at HEAD**" line. A later commit reviewed as not moving a table's
+numbers is listed in its ``unaffected_by`` with the reason (``unaffected_why``)."""
 
 import re
 import subprocess
@@ -12,6 +13,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STALE = "**Stale at HEAD**"
+FINDINGS_MAX_LINES = 600  # results.md is a page of findings; the history is docs/lab/ (#89)
+
+
+def page_sections() -> dict:
+    """``page -> {heading: body}`` for results.md and every page of docs/lab/."""
+    pages = ["results.md"] + [f"lab/{p.name}" for p in sorted((ROOT / "docs" / "lab").glob("*.md"))]
+    return {p: sections((ROOT / "docs" / p).read_text()) for p in pages}
+
+
+def places(e: dict, pages: dict) -> list[tuple[str, str, str]]:
+    """Where an entry's table is printed: ``(page, heading, body)`` for its own section and its finding's."""
+    page = e.get("page", "results.md")
+    out = [(page, e["section"], pages[page].get(e["section"]))]
+    if e.get("finding"):
+        out.append(("results.md", e["finding"], pages["results.md"].get(e["finding"])))
+    return out
 
 
 def manifest() -> dict:
@@ -54,31 +71,45 @@ def changed_since(commit: str, paths: list[str], unaffected=()) -> list[str] | N
 
 def test_every_table_section_is_listed_and_names_its_commit():
     m = manifest()
-    body = sections((ROOT / "docs" / "results.md").read_text())
-    listed = {e["section"] for e in m["table"]}
+    pages = page_sections()
+    listed = set()
     for e in m["table"]:
         assert not e.get("unaffected_by") or e.get("unaffected_why"), f"{e['section']!r}: unaffected_by without a reason"
-        assert e["section"] in body, f"docs/tables.toml names a section results.md does not have: {e['section']!r}"
-        assert f"`{e['commit']}" in body[e["section"]], f"{e['section']!r} does not name its commit {e['commit']}"
+        assert e.get("page", "results.md") in pages, f"{e['section']!r}: docs/{e.get('page')} does not exist"
+        for page, heading, body in places(e, pages):
+            assert body is not None, f"docs/tables.toml names a section docs/{page} does not have: {heading!r}"
+            assert f"`{e['commit']}" in body, f"docs/{page} {heading!r} does not name its commit {e['commit']}"
+            listed.add((page, heading))
         for p in table_paths(e, m["groups"]):
             assert (ROOT / p).exists(), f"{e['section']!r}: {p} does not exist"
-    # a section holding a numeric table (a results row) must be in the manifest
-    for name, text in body.items():
-        rows = [ln for ln in text.splitlines() if ln.startswith("|") and re.search(r"\d+\.\d+ ± \d", ln)]
-        if rows:
-            assert name in listed, f"results.md section {name!r} has a table of results but no docs/tables.toml entry"
+    # a section holding a numeric table (a results row) must be in the manifest, on any page
+    for page, body in pages.items():
+        for name, text in body.items():
+            rows = [ln for ln in text.splitlines() if ln.startswith("|") and re.search(r"\d+\.\d+ ± \d", ln)]
+            if rows:
+                assert (page, name) in listed, f"docs/{page} section {name!r} has a table of results but no " \
+                                               "docs/tables.toml entry"
+
+
+def test_results_md_is_a_page_of_findings_linking_its_history():
+    """results.md stays short (the history goes to docs/lab/) and links every lab page it summarises."""
+    text = (ROOT / "docs" / "results.md").read_text()
+    assert len(text.splitlines()) <= FINDINGS_MAX_LINES
+    for p in sorted((ROOT / "docs" / "lab").glob("*.md")):
+        assert f"](lab/{p.name}" in text, f"results.md does not link docs/lab/{p.name}"
 
 
 def test_a_table_whose_code_or_config_changed_says_it_is_stale():
     m = manifest()
-    body = sections((ROOT / "docs" / "results.md").read_text())
+    pages = page_sections()
     problems = []
     for e in m["table"]:
         changed = changed_since(e["commit"], table_paths(e, m["groups"]), e.get("unaffected_by", []))
         if changed is None:
             pytest.skip(f"commit {e['commit']} is not in this clone's history (a shallow clone)")
-        if changed and STALE not in body[e["section"]]:
-            problems.append(f"{e['section']!r} (made at {e['commit']}): changed since: {', '.join(changed)}")
+        for page, heading, body in places(e, pages):
+            if changed and STALE not in body:
+                problems.append(f"docs/{page} {heading!r} (made at {e['commit']}): changed since: {', '.join(changed)}")
     assert not problems, ("tables whose code changed after they were made, without a "
                           f"'{STALE}' line (rerun them, or say so):\n" + "\n".join(problems))
 

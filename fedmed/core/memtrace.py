@@ -80,7 +80,7 @@ def trim() -> bool:
     """Give memory that glibc holds but no longer uses back to the system (``malloc_trim(0)``: every arena, whole
     free pages inside them too). FLARE's site and server processes free a 1 MiB stream buffer per message from many
     threads, which glibc then keeps in their heaps: calling this once per round halved the site processes' RSS
-    growth over 200 rounds (+14.9% -> +7.8%, ``benchmarks/bench_memory.py``; docs/results.md "Memory"). It does not
+    growth over 200 rounds (+14.9% -> +7.8%, ``benchmarks/bench_memory.py``; docs/lab/performance.md "Memory"). It does not
     change how memory is allocated. Returns False where there is no glibc (nothing done)."""
     global _LIBC
     if _LIBC is None:
