@@ -66,7 +66,9 @@ class Deployment:
 
     def provision_command(self):
         """docs/deployment.md §2's command, as written, in the folder holding project.yml."""
-        cmd = next(c for c in doc_commands("deployment.md") if c.startswith("nvflare provision"))
+        cmd = next(c for c in doc_commands("deployment.md") if c.startswith(".venv/bin/nvflare provision"))
+        if not (self.root / ".venv").exists():  # the clone the page runs it in: this environment as its .venv
+            (self.root / ".venv").symlink_to(Path(sys.prefix))
         subprocess.run(["bash", "-c", cmd], cwd=self.root, env=self.env, check=True, capture_output=True, timeout=120)
 
     def provision(self):

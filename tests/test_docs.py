@@ -17,7 +17,7 @@ DATA = ROOT.parent / "shared" / "data"
 
 # the start of a documented command -> the test that runs it as written
 RUN_HERE = {
-    "nvflare provision -p project.yml -w provision --force": "test_deployment.py: Deployment.provision / add_site",
+    ".venv/bin/nvflare provision -p project.yml -w provision --force": "test_deployment.py: Deployment.provision / add_site",
     ".venv/bin/python -m fedmed_flare.kit provision/<project>/prod_00/*/": "test_deployment.py: Deployment.allow_fedmed",
     ".venv/bin/python -m fedmed_flare.kit --allow-log-streaming provision/<project>/prod_00/hospital-a/":
         "test_docs.py: test_the_kit_command_turns_log_streaming_off_unless_the_site_turns_it_on",
@@ -47,9 +47,9 @@ NOT_HERE = {
         "placeholders of a real deployment's job; test_deployment.py resumes a stopped job",
     ".venv/bin/python jobs/build.py --config app_configs/busi_fmcl.yaml --method FMCL --out job_folders --onboard":
         "needs a finished run of a real deployment; test_deployment.py onboards a new hospital",
-    "fedmed bundle results/readme/runs/seed0/FedAvg/server/models/global.pt":
+    ".venv/bin/fedmed bundle results/readme/runs/seed0/FedAvg/server/models/global.pt":
         "a model of the README's run; test_bundle.py runs fedmed bundle on a checkpoint and a run's own export",
-    "python -m monai.bundle run --config_file BUNDLE/configs/inference.json":
+    ".venv/bin/python -m monai.bundle run --config_file BUNDLE/configs/inference.json":
         "placeholders (BUNDLE, IMAGES, OUT); test_bundle.py runs this command on a finished run's bundle and compares "
         "it with fedmed predict",
     ".venv/bin/fedmed experiment app_configs/breast_us_lite0.yaml --set model.init_weights=imagenet":

@@ -4,6 +4,8 @@ settings and its result; a tracker that is not installed is one line before any 
 
 import importlib.util
 import json
+import re
+import sys
 import time
 from pathlib import Path
 
@@ -73,7 +75,8 @@ def test_a_run_tracked_in_mlflow_has_every_sites_and_the_servers_rounds_its_sett
     # #56: the MLflow command the run prints, and the one recipes.md shows, open this store in MLflow's UI
     printed = next(ln for ln in p.stdout.splitlines() if ln.startswith("MLflow: "))
     shown = printed.split("to view them: ", 1)[1]
-    assert shown.startswith("MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri file://"), printed
+    exe = Path(sys.prefix) / "bin" / "mlflow"  # this environment's mlflow by its path: the line runs in a new shell
+    assert shown.startswith(f"MLFLOW_ALLOW_FILE_STORE=true {exe} ui --backend-store-uri file://"), printed
     documented = next(c for c in doc_commands("recipes.md") if c.startswith("MLFLOW_ALLOW_FILE_STORE=true .venv/bin/mlflow"))
     assert _ui_lists([shown, documented], here, len(sites) + 1) == [["demo-digits"], ["demo-digits"]]
 
@@ -374,8 +377,8 @@ def test_the_printed_mlflow_command_says_what_to_install_where_only_the_tracking
 
     from fedmed.run.experiment import mlflow_ui_command
 
-    assert mlflow_ui_command(tmp_path).startswith("MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri file://")
+    assert re.match(r"MLFLOW_ALLOW_FILE_STORE=true \S*mlflow ui --backend-store-uri file://", mlflow_ui_command(tmp_path))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "alembic" else real(n, *a))
     assert mlflow_ui_command(tmp_path).startswith("pip install 'fedmed[mlflow-ui]' (MLflow's UI server), then "
-                                                  "MLFLOW_ALLOW_FILE_STORE=true mlflow ui")
+                                                  "MLFLOW_ALLOW_FILE_STORE=true ")

@@ -447,8 +447,11 @@ def mlflow_ui_command(out) -> str:
     file store only with ``MLFLOW_ALLOW_FILE_STORE=true``); with only ``mlflow-skinny`` installed (no UI server), what
     to install first."""
     import importlib.util
+    import shutil
+    import sys
 
-    cmd = f"MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {(Path(out) / 'mlruns').resolve().as_uri()}"
+    exe = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"  # this environment's: a new shell
+    cmd = f"MLFLOW_ALLOW_FILE_STORE=true {exe} ui --backend-store-uri {(Path(out) / 'mlruns').resolve().as_uri()}"
     if importlib.util.find_spec("alembic") is None:  # mlflow-skinny: the tracking client without MLflow's server
         cmd = f"pip install 'fedmed[mlflow-ui]' (MLflow's UI server), then {cmd}"
     return cmd
