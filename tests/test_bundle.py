@@ -754,3 +754,40 @@ def test_a_binary_models_validation_threshold_travels_to_predict_and_the_bundle(
     names = exp.dataset.classes
     assert [w["prediction"] for w in want] == [names[c] for c in moved]
     assert [got[Path(f).name]["prediction"] for f in test] == [names[c] for c in moved]
+
+
+def test_a_bundle_fedmed_exported_is_refused_with_the_settings_that_start_from_its_weights(tmp_path):
+    """fedmed's own networks travel in its bundles as TorchScript, which no MONAI ``network_def`` names: bringing such
+    a bundle back (``model.bundle``) failed on "network_def is a Python expression". It is refused in one line whose
+    ``--set`` options, applied as written, train from the bundle's weights: the same network, the same tensors."""
+    import shlex
+
+    import torch
+    import yaml
+
+    from fedmed.config import ConfigError, load_config
+    from fedmed.nn.bundle import export_bundle
+    from fedmed.nn.models import build_model
+
+    net = build_model("resnet9", 1, 10, width=4, norm="group")
+    ck = tmp_path / "global.pt"
+    torch.save({"format": "fedmed-model-1", "task": "classification", "state_dict": net.state_dict(),
+                "model": {"arch": "resnet9", "width": 4, "norm": "group"},
+                "data": {"image_size": 8, "channels": 1, "n_classes": 10}, "classes": [str(i) for i in range(10)],
+                "seed": 0, "cluster": None, "sites": ["site-1"], "workflow": "FedAvg", "rounds": 1}, ck)
+    bundle = export_bundle(ck)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"name": "back", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1},
+                                   "model": {"bundle": str(bundle)}, "methods": [{"name": "FedAvg",
+                                                                                    "workflow": "fedavg"}]}))
+    with pytest.raises(ConfigError, match="a bundle fedmed exported") as e:
+        load_config(cfg)
+    line = str(e.value)
+    assert "Python expression" not in line
+    words = shlex.split(line[line.index("--set model.bundle=null"):])
+    sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+    exp = load_config(cfg, sets)
+    assert (exp.model.arch, exp.model.width, exp.model.norm) == ("resnet9", 4, "group")
+    back = build_model("resnet9", 1, 10, width=4, norm="group")
+    back.load_state_dict(torch.load(exp.model.init_weights, weights_only=True))
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), net.state_dict().values()))

@@ -579,6 +579,9 @@ def _read_bundle(path) -> dict:
     file, cfg = next(((f, p) for f, p in parsers if "network_def" in p), (None, None))
     if cfg is None:
         raise BundleExportError(f"{where}: no network_def in {', '.join(c.name for c in found)}")
+    own = meta.get("fedmed") if isinstance(meta.get("fedmed"), dict) else {}
+    if own.get("network_def") == "torchscript" and isinstance(own.get("model"), dict):
+        raise BundleExportError(_own_export_line(root, where, own["model"]))
     net_cfg = _plain(cfg, cfg["network_def"], "network_def", f"{where} ({file})")
     target = net_cfg.get("_target_") if isinstance(net_cfg, dict) else None
     import monai.networks.nets as nets
@@ -610,6 +613,21 @@ def _read_bundle(path) -> dict:
     return {"name": str(meta.get("name") or root.name), "arch": name, "args": args,
             "init_weights": init, "inputs": fmt.get("inputs") or {}, "outputs": fmt.get("outputs") or {},
             "loss": loss, "preprocessing": steps}
+
+
+def _own_export_line(root: Path, where: str, model: dict) -> str:
+    """The refusal of a bundle fedmed itself exported with its network as TorchScript (fedmed's own networks, which no
+    MONAI ``network_def`` names), with the settings that train from its weights instead."""
+    from fedmed.core.schema import ModelSection
+
+    default = ModelSection.model_validate({"arch": model.get("arch", "resnet9")}).model_dump()
+    keys = [k for k, v in model.items() if k not in ("init_weights", "bundle", "preprocessing") and
+            (k == "arch" or v != default.get(k))]
+    sets = " ".join(f"--set model.{k}={json.dumps(model[k]) if not isinstance(model[k], str) else model[k]}"
+                    for k in keys)
+    return (f"{where}: a bundle fedmed exported, its network fedmed's own as TorchScript, which a site does not "
+            f"train from; start from its weights instead: --set model.bundle=null {sets} "
+            f"--set model.init_weights={root / 'models' / 'model.pt'}")
 
 
 def _inside(root: Path, f: Path, where: str) -> None:
