@@ -378,7 +378,7 @@ def main(argv=None) -> int:
                     "experiment runs) or 'default' (a site without a policy file: k_min floor 5); default: "
                     "FEDMED_SITE_POLICY, else 'simulation'")
     ap.add_argument("--verbose", action="store_true", help="sim: print FLARE's own log lines (by default they go to "
-                    "<workspace>/<job>.log and this prints a line per round)")
+                    "<workspace>/simulator.log and this prints a line per round)")
     ap.add_argument("--jobs-dir", help="also export the job folder here")
     ap.add_argument("--startup-kit", help="prod: the admin's startup kit folder")
     ap.add_argument("--result-dir", default="results/prod", help="prod: where the downloaded result goes")

@@ -546,7 +546,9 @@ def register(sub):
                         formatter_class=_help())
     pl.add_argument("config", help="the experiment config the runs were made with")
     pl.add_argument("--global", dest="reference", required=True, metavar="RUN",
-                    help="the reference: a finished FedAvg-family run (its folder, with models/global.pt)")
+                    help="the reference: a finished FedAvg-family run's folder, e.g. results/<name>/runs/seed0/FedAvg "
+                         "as fedmed experiment lays it out (or a FLARE job result; the folder holding metrics.json "
+                         "and models/global.pt is found inside it)")
     pl.add_argument("--method", help="the config's method the --global run is of (default: its first method)")
     pl.add_argument("--candidate", action="append", default=[], metavar="NAME=RUN|METHOD",
                     help="a finished run whose models a site may be served instead (a clustered run: each site its "
