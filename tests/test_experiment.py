@@ -585,3 +585,29 @@ def test_in_process_references_train_at_the_sites_thread_count_and_give_the_rest
         assert seen == [SITE_THREADS, 2] and SITE_THREADS == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_setup_line_states_the_realised_split_and_the_patients_behind_validation(tmp_path):
+    """A patient-wise split can deal far from the asked fractions (a user's brain-MRI federation: asked 20% / 15%,
+    dealt 27% / 24%, most sites validating on one patient, no warning). The Setup line states what was dealt, the
+    patients behind the validation splits, and says which sites validate on fewer than MIN_PATIENTS."""
+    import json
+
+    from fedmed.config import load_config
+    from fedmed.run.experiment import _setup
+
+    d = tmp_path / "o" / "data" / "seed0"
+    d.mkdir(parents=True)
+    (d / "dataset.json").write_text(json.dumps({"sites": ["a", "b"]}))
+    img = {"image": "x.png", "label": 0}
+    # a: 6 training, 4 validation images of 1 patient, 2 test; b: 6 training, 4 validation of 4 patients (no ids), 2 test
+    (d / "a.json").write_text(json.dumps({"training": [img] * 6, "validation": [{**img, "patient": "p1"}] * 4,
+                                          "test": [img] * 2}))
+    (d / "b.json").write_text(json.dumps({"training": [img] * 6, "validation": [img] * 4, "test": [img] * 2}))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("name: x\ndataset: {path: data, image_size: 8, channels: 1}\n"
+                   "federation: {sites: 2, test_fraction: 0.2, val_fraction: 0.15}\n"
+                   "methods: [{name: FedAvg, workflow: fedavg}]\n")
+    line = "; ".join(_setup(load_config(cfg), d))
+    assert "asked test 20% / validation 15% of each site, dealt test 17% / validation 33% of 24 samples" in line, line
+    assert "**1 of 2 sites validate on fewer than 5 patients (a)" in line, line

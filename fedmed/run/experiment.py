@@ -535,22 +535,38 @@ def _network(m) -> str:
 
 
 def _setup(exp, data_dir: Path) -> list[str]:
+    from fedmed.algorithms.serving import MIN_PATIENTS
     from fedmed.core.io import shown_path
 
     meta = json.loads((data_dir / "dataset.json").read_text())
     f, t, m = exp.federation, exp.train, exp.model
-    n_test = []
+    n_test, n_all, n_val, few = [], 0, 0, []
+    val_patients = {}
     for s in meta["sites"]:
         doc = json.loads((data_dir / f"{s}.json").read_text())
         n_test.append(len(doc.get("test", [])))
+        n_val += len(doc.get("validation", []))
+        n_all += sum(len(doc.get(k, [])) for k in ("training", "validation", "test"))
+        val = doc.get("validation", [])
+        units = {str(e.get("patient", e.get("subject", i))) for i, e in enumerate(val)}  # no id: an image a patient
+        val_patients[s] = len(units)
+        if val and all("patient" in e or "subject" in e for e in val) and len(units) < MIN_PATIENTS:
+            few.append(s)
     part = f.partition + (f" (alpha {f.alpha}, {f.dirichlet_scheme})" if f.partition == "dirichlet" else "") + \
         (f" ({f.anda_shift}, level {f.anda_level}, {f.anda_groups} groups)" if f.partition == "anda" else "")
     d = exp.dataset
     data = (shown_path(d.path, data_dir.parents[1]) if d.path is not None else " + ".join(
         shown_path(x.path, data_dir.parents[1]) + (f" ({x.site})" if x.site else "") for x in d.sources))
     out = [f"data {data}", f"{len(meta['sites'])} sites, {part}",
-           f"test {f.test_fraction:.0%} / validation {f.val_fraction:.0%} of each site ({sum(n_test)} test samples, "
-           f"median {int(np.median(n_test)) if n_test else 0} per site)"]
+           f"asked test {f.test_fraction:.0%} / validation {f.val_fraction:.0%} of each site, dealt "
+           + (f"test {sum(n_test) / n_all:.0%} / validation {n_val / n_all:.0%} of {n_all} samples ("
+              if n_all else "(") + f"{sum(n_test)} test samples, median {int(np.median(n_test)) if n_test else 0} "
+           f"per site; validation from {int(np.median(list(val_patients.values()))) if val_patients else 0} "
+           f"patients per site in the median)"]
+    if few:
+        out.append(f"**{len(few)} of {len(val_patients)} sites validate on fewer than {MIN_PATIENTS} patients "
+                   f"({', '.join(few[:4])}{', ...' if len(few) > 4 else ''}): their validation choices rest on a "
+                   f"handful of people, and the serving plan decides nothing there**")
     if exp.dataset.task == "classification":
         out.append(f"{exp.dataset.image_size}x{exp.dataset.image_size}x{exp.dataset.channels}, {_network(m)}")
     out += [f"{t.rounds} rounds x {t.local_epochs} local epochs, {t.optimizer} lr {t.lr}, batch {t.batch_size}, "
