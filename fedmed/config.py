@@ -64,6 +64,9 @@ class SourceConfig(_Strict):
     ignore_labels: list[str] = Field(default_factory=list, description="labels left out of this source (e.g. BUSI's "
                                      "'normal' in a benign-vs-malignant study); any other label outside "
                                      "dataset.classes is an error")
+    drop_sites: list[str] = Field(default_factory=list, description="sites of this index left out of the study (their "
+                                  "rows are not read: a source dropped without a filtered copy of the index); each "
+                                  "must be a site the index names")
 
 
 class DatasetConfig(_Strict):

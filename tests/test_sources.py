@@ -388,3 +388,28 @@ def test_a_source_whose_site_withheld_a_class_row_has_no_balanced_accuracy():
     got = source_metrics(recs, groups)
     assert got["a"]["bacc"] == pytest.approx((5 / 6 + 6 / 8) / 2) and got["a"]["auc"] == pytest.approx(0.8)
     assert got["b"] == {}
+
+
+def test_a_source_is_dropped_in_the_config_by_its_site(tmp_path, capsys):
+    """#89: leaving a source out took a filtered copy of the index by hand. ``drop_sites`` leaves a site's rows unread,
+    says so, refuses a site the index does not have, and at its default leaves a run's fingerprint as it was."""
+    from fedmed.config import ConfigError
+    from fedmed.data.images import DataError
+    from fedmed.run.experiment import fingerprinted_config
+
+    index = _index(tmp_path)
+    exp = _config(tmp_path, index)
+    cfg = json.loads((tmp_path / "cfg.json").read_text())
+    cfg["dataset"]["sources"][0]["drop_sites"] = ["scannerB"]
+    p = tmp_path / "drop.json"
+    p.write_text(json.dumps(cfg))
+    out = prepare_federation(load_config(p), 0, tmp_path / "out")
+    meta, _ = _written(out)
+    assert set(meta["sites"]) == {"scannerA", "scannerC"}
+    assert "site(s) dropped by drop_sites: scannerB (8 row(s))" in capsys.readouterr().out
+    cfg["dataset"]["sources"][0]["drop_sites"] = ["scannerZ"]
+    p.write_text(json.dumps(cfg))
+    with pytest.raises((DataError, ConfigError, ValueError), match="drop_sites names \\['scannerZ'\\]"):
+        prepare_federation(load_config(p), 0, tmp_path / "out2")
+    assert "drop_sites" in json.dumps(exp.model_dump(mode="json"))
+    assert "drop_sites" not in json.dumps(fingerprinted_config(exp))  # at its default: runs made before it are reused

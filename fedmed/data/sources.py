@@ -50,7 +50,7 @@ def _label_index(value: str, classes: Sequence[str] | None, ignore: Sequence[str
 
 def read_index(path, *, classes: Sequence[str] | None = None, image_column: str = "image", label_column: str = "label",
                site_column: str = "site", patient_column: str | None = None, mask_column: str | None = None,
-               site: str | None = None, ignore_labels: Sequence[str] = ()) -> ImagePool:
+               site: str | None = None, ignore_labels: Sequence[str] = (), drop_sites: Sequence[str] = ()) -> ImagePool:
     """An index CSV as a pool with ``sites`` (the ``site_column``, or ``site`` for every row), ``groups`` (the patient
     ids, as ``<site>/<id>``) and, with ``mask_column``, ``masks``. Rows whose label is in ``ignore_labels`` are left
     out (said in one line).
@@ -83,9 +83,13 @@ def read_index(path, *, classes: Sequence[str] | None = None, image_column: str 
     items, labels, sites, groups, masks = [], [], [], [], []
     where_patient: dict[str, tuple[str, int]] = {}
     ignored = 0
+    drop, dropped = set(drop_sites), {}
     for j, r in enumerate(rows, start=2):  # row 1 is the header
         where = f"{p} row {j}"
         s = site or (r.get(site_column) or "").strip()
+        if s in drop:
+            dropped[s] = dropped.get(s, 0) + 1
+            continue
         if not SITE_NAME.fullmatch(s or ""):
             raise DataError(f"{where}: site {s!r} cannot name a FLARE site (letters, digits, '-' and '_')")
         pid = (r.get(patient_column) or "").strip()
@@ -109,6 +113,11 @@ def read_index(path, *, classes: Sequence[str] | None = None, image_column: str 
         if mask_column:
             m = (r.get(mask_column) or "").strip()
             masks.append(str((p.parent / m).resolve()) if m else None)
+    if drop - set(dropped):
+        raise DataError(f"{p}: drop_sites names {sorted(drop - set(dropped))}, which the index does not have")
+    if dropped:
+        print(f"[fedmed] {p}: site(s) dropped by drop_sites: "
+              + ", ".join(f"{s} ({n} row(s))" for s, n in sorted(dropped.items())), flush=True)
     if ignored:
         print(f"[fedmed] {p}: {ignored} row(s) with an ignored label {list(ignore_labels)} left out", flush=True)
     if not items:
@@ -157,8 +166,12 @@ def read_sources(sources, classes: Sequence[str] | None = None) -> ImagePool:
         if p.is_file() and p.suffix.lower() == ".csv":
             pools.append(read_index(p, classes=classes, image_column=s.image_column, label_column=s.label_column,
                                     site_column=s.site_column, patient_column=s.patient_column,
-                                    mask_column=s.mask_column, site=s.site, ignore_labels=s.ignore_labels))
+                                    mask_column=s.mask_column, site=s.site, ignore_labels=s.ignore_labels,
+                                    drop_sites=getattr(s, "drop_sites", ())))
         elif p.is_dir():
+            if getattr(s, "drop_sites", None):
+                raise DataError(f"{p}: a folder source is one site; leave the source out of dataset.sources instead "
+                                f"of drop_sites")
             if not s.site:
                 raise DataError(f"{p}: a folder source needs its site name (site: NAME)")
             pools.append(read_folder_source(p, s.site, classes=classes, ignore_labels=s.ignore_labels))

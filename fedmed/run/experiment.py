@@ -489,6 +489,9 @@ def fingerprinted_config(exp, paths: str | None = None) -> dict:
     for section, key, default in ADDED_AT_DEFAULT:
         if cfg.get(section, {}).get(key, default) == default:
             cfg.get(section, {}).pop(key, None)
+    for s in (cfg.get("dataset") or {}).get("sources") or []:  # added later (#89): at its default, out of the hash
+        if not s.get("drop_sites"):
+            s.pop("drop_sites", None)
     if paths is not None:
         def rewrite(box: dict, key: str) -> None:
             v = box.get(key)
