@@ -60,6 +60,14 @@ def seed_rows(run: Path, seed: int, config: Path, sets: list[str], alone: bool =
     return rows
 
 
+def _shown(p: Path) -> str:
+    """A path as a command line from the clone names it (relative to the clone where it lies inside)."""
+    try:
+        return str(p.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(p)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run", type=Path, help="a finished fedmed experiment folder (its data/seed<N> splits are used)")
@@ -83,7 +91,9 @@ def main(argv=None) -> int:
     cols = [("pooled_val_auc", "val AUC (pooled)"), ("val_accuracy", "val acc (site mean)"),
             ("accuracy", "test acc (site mean)"), ("pooled_auc", "test pooled AUC")]
     name = picked[0]["method"] if a.alone else "Centralized reference"
-    cmd = (f"benchmarks/central_reference.py {a.run} --seeds {' '.join(map(str, a.seeds))}"
+    default = ap.get_default("config")
+    conf = "" if a.config.resolve() == default.resolve() else f" --config {_shown(a.config)}"
+    cmd = (f".venv/bin/python benchmarks/central_reference.py {a.run}{conf} --seeds {' '.join(map(str, a.seeds))}"
            + "".join(f" --set {s}" for s in a.sets) + f" --selection {a.selection}" + (" --alone" if a.alone else ""))
     print(f"\n{name}, `{cmd}`\n")
     print("| selected evaluation (per seed) | " + " | ".join(c[1] for c in cols) + " |")

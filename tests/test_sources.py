@@ -366,6 +366,10 @@ def test_the_reference_benchmark_makes_each_source_alone_on_an_experiments_split
     assert not (run / "central_reference").exists()
     table = [line for line in printed.splitlines() if line.startswith("| Each source alone |")]
     assert len(table) == 1, printed
+    # #89: the printed command names its --config (it ran on another config than the default), and the reference is
+    # never silent: a progress line per block of epochs of each source's model
+    assert f"benchmarks/central_reference.py {run} --config {tmp_path / 'cfg.json'} --seeds 0" in printed, printed
+    assert "each source alone reference, scannerA: epochs 6-10 of 10 in " in printed, printed
     assert "scannerA: bal. acc | scannerA: AUC | scannerB: bal. acc | scannerB: AUC" in printed
     assert table[0].split(" | ")[1] == "100.0 ± 0.0" and table[0].split(" | ")[3] == "100.0 ± 0.0", table[0]
     import fedmed.run.references as R

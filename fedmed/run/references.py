@@ -95,12 +95,16 @@ def run_clusters(doc: dict) -> list[list[str]]:
     return [sorted(v) for _, v in sorted(groups.items(), key=lambda kv: str(kv[0]))]
 
 
-def _pooled_training(exp, data: dict, members: list[str], seed: int, gseed: int, n_classes: int) -> list[dict]:
+def _pooled_training(exp, data: dict, members: list[str], seed: int, gseed: int, n_classes: int, *,
+                     log=None, what: str = "centralized reference") -> list[dict]:
     """Train one model on ``members``' pooled training data (the recipe and budget of a federated run: ``rounds x
     local_epochs`` epochs, one optimizer) and score it on each member's test and validation splits after every
     ``local_epochs`` epochs; one ``{site: entry}`` per 'round' 0..rounds. The network starts and trains as the
     recipe says (:mod:`fedmed.nn.recipe`: its head, learning rates and batch norm; one optimizer throughout) and its
-    learning rate follows ``train.lr_schedule`` over the ``rounds`` epoch blocks."""
+    learning rate follows ``train.lr_schedule`` over the ``rounds`` epoch blocks. ``log``: a progress line per block
+    (``what``, the block, its seconds and the members' validation accuracy), so a long reference is never silent."""
+    import time
+
     import torch
 
     from fedmed.core.device import resolve_device
@@ -122,6 +126,7 @@ def _pooled_training(exp, data: dict, members: list[str], seed: int, gseed: int,
     per_round = []
     stop, halted = _stopper(exp), False  # train.stop, as a federated run: one more block after the one that ends it
     for r in range(t.rounds + 1):
+        t0 = time.perf_counter()
         if r > 0:
             train_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt, generator=g,
                         augment=t.augment, precision=t.precision, frozen_norm=frozen,
@@ -137,6 +142,11 @@ def _pooled_training(exp, data: dict, members: list[str], seed: int, gseed: int,
                               pre + "score_hist": res["score_hist"]})
             per_site[s] = e
         per_round.append(per_site)
+        if log is not None and r > 0:
+            accs = [e["val_accuracy"] for e in per_site.values() if "val_accuracy" in e]
+            val = f", validation accuracy {100 * float(np.mean(accs)):.1f}% (site mean)" if accs else ""
+            log(f"    {what}: epochs {(r - 1) * t.local_epochs + 1}-{r * t.local_epochs} of "
+                f"{t.rounds * t.local_epochs} in {time.perf_counter() - t0:.0f} s{val}")
         if halted:
             break
         halted = _halts(stop, r, per_site, t.rounds)
@@ -164,7 +174,8 @@ def _site_data(exp, datalists, sites):
 def centralized_rows(exp, datalists, sites: list[str], seed: int, log=print) -> list[dict]:
     """Train one model on the pooled training data (same recipe and budget); one row per 'round'."""
     data = _site_data(exp, datalists, sites)
-    per_round = _pooled_training(exp, data, list(sites), seed, int(seed) * 7919 + 11, len(exp.dataset.classes))
+    per_round = _pooled_training(exp, data, list(sites), seed, int(seed) * 7919 + 11, len(exp.dataset.classes),
+                                 log=log)
     rows = [_row("Centralized", seed, per_site, round_=r) for r, per_site in enumerate(per_round)]
     n = sum(int(data[s].train[0].shape[0]) for s in sites)
     log(f"    centralized reference: {n} pooled training images, {len(per_round) - 1} x {exp.train.local_epochs} epochs "
@@ -188,7 +199,8 @@ def alone_rows(exp, datalists, sites: list[str], seed: int, sources: dict | None
     t0 = time.perf_counter()
     ends = 0
     for k, (g, members) in enumerate(groups.items()):
-        trained = _pooled_training(exp, data, members, seed, int(seed) * 7919 + 11 + 101 * (k + 1), n_classes)
+        trained = _pooled_training(exp, data, members, seed, int(seed) * 7919 + 11 + 101 * (k + 1), n_classes,
+                                   log=log, what=f"{name.lower()} reference, {g}")
         ends = max(ends, len(trained))
         for r in range(len(per_round)):  # a group its stop rule ended keeps its last model's scores
             per_round[r].update(trained[min(r, len(trained) - 1)])
