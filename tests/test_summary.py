@@ -25,7 +25,8 @@ def test_final_selection_reports_the_last_round():
     rep = S.reported_rows(ROWS, "final")
     assert {k: r["round"] for k, r in rep.items()} == {("FedAvg", 0): 3, ("FedAvg", 1): 3}
     e = S.summarize(ROWS, "final")[0]
-    assert e["accuracy"] == "72.50 ± 2.50" and e["rounds"] == [3]
+    assert e["accuracy"] == "72.50 ± 2.50" and e["rounds"] == [3, 3]  # one per seed (#89: it was a sorted set)
+    assert S._round_label(e, "final") == "final (3)"  # one number where every seed agrees
 
 
 def test_validation_selection_uses_validation_never_test():
@@ -48,7 +49,8 @@ def test_validation_auc_selection_reads_pooled_validation_auc_never_accuracy_or_
     assert {k: r["round"] for k, r in S.reported_rows(rows, "validation").items()} == {("FedAvg", 0): 2,
                                                                                        ("FedAvg", 1): 2}
     e = S.summarize(rows, "validation_auc")[0]
-    assert e["accuracy"] == "65.00 ± 5.00" and e["rounds"] == [1, 3]
+    assert e["accuracy"] == "65.00 ± 5.00" and e["rounds"] == [3, 1]  # seed 0's round, then seed 1's
+    assert S._round_label(e, "validation_auc") == "val-AUC-selected (3, 1)"
     text = S.write_outputs([r for r in rows if r["seed"] == 0], tmp_path, title="t", command="c",
                            selection="validation_auc")
     assert "best AUC on the sites' validation images pooled" in text and "val-AUC-selected (3)" in text
@@ -136,7 +138,7 @@ def test_a_segmentation_table_has_the_untrained_networks_row():
     rows = (seg("FedAvg", 0, [0.03, 0.5, 0.7]) + seg("FedAvg", 1, [0.04, 0.6, 0.8])
             + seg("Centralized", 0, [0.05, 0.6, 0.75], "reference") + seg("Centralized", 1, [0.07, 0.7, 0.85], "reference"))
     summ = {e["method"]: e for e in S.summarize(rows, "final")}
-    assert summ[S.UNTRAINED]["dice_wt"] == "6.00 ± 1.00" and summ[S.UNTRAINED]["rounds"] == [0]
+    assert summ[S.UNTRAINED]["dice_wt"] == "6.00 ± 1.00" and summ[S.UNTRAINED]["rounds"] == [0, 0]
     assert summ[S.UNTRAINED]["kind"] == "reference" and summ["Centralized"]["dice_wt"] == "80.00 ± 5.00"
     assert [e["method"] for e in S.summarize(rows, "final")][-1] == S.UNTRAINED
     assert S.UNTRAINED not in {e["method"] for e in S.summarize(ROWS, "final")}  # classification: no such row

@@ -226,7 +226,7 @@ def summarize(rows: list[dict], selection: str = "final") -> list[dict]:
         # no site could score its test split without describing fewer than k_min samples: the cell says so
         withheld = all("n_test" in r and not r["n_test"] for r in runs)
         entry = {"method": m, "kind": runs[0].get("kind", "method"), "seeds": len(runs), "task": runs[0].get("task"),
-                 "rounds": sorted({r["round"] for r in runs if r.get("round") is not None}),
+                 "rounds": [r["round"] for r in runs if r.get("round") is not None],  # one per seed, in seed order
                  **{k: _withheld(fmt([r.get(k) for r in runs], 1.0 if k.startswith("hd95") or k in ("fp_voxels", "fp_pixels")
                                      else 100.0), withheld)
                     for k in metrics},
@@ -277,10 +277,11 @@ def _round_label(e, selection) -> str:
         return "—"
     if e.get("task") in PLAN_TASKS:  # a serving plan's rows: no round of training is selected there
         return PLAN_TASKS[e["task"]]
+    per_seed = e["rounds"] if len(set(e["rounds"])) > 1 else e["rounds"][:1]  # one number when every seed agrees
     if selection == "final":
-        return f"final ({e['rounds'][-1]})"
+        return f"final ({', '.join(map(str, per_seed))})"
     by = "val-AUC-selected" if selection == "validation_auc" else "val-selected"
-    return f"{by} ({', '.join(map(str, e['rounds']))})"
+    return f"{by} ({', '.join(map(str, per_seed))})"
 
 
 def classification_table(summ: list[dict], selection: str) -> str:
