@@ -71,6 +71,12 @@ def test_near_duplicates_across_splits_are_listed_and_the_site_says_how_many(tmp
     runner = SiteRunner("site-1", tmp_path)
     runner.data(8, 1)
     assert any("1 validation/test image(s) nearly identical to training images" in n for n in runner.notes)
+    # a command's next job (or reference) reloads the site's data: the server hears it again, the console once (#89)
+    said = capsys.readouterr().out.count("nearly identical to training images")
+    again = SiteRunner("site-1", tmp_path)
+    again.data(8, 1)
+    assert any("nearly identical" in n for n in again.notes)
+    assert said <= 1 and "nearly identical" not in capsys.readouterr().out
     # an unrelated image is not one: the clean federation has none
     shutil.copy(tmp_path / "site-2.json", tmp_path / "site-3.json")
     assert check_datalist(tmp_path / "site-3.json", classes=CLASSES)["near_duplicates"] == []

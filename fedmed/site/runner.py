@@ -22,6 +22,16 @@ from fedmed.site.settings import SiteSettings, private_tokens, settings_for_dir
 __all__ = ["SiteRunner", "Splits", "TaskError", "task_seed"]
 
 
+_SAID: set = set()  # the data notes this process printed: a command's jobs and references reload a site's data
+
+
+def _say_once(note: str) -> None:
+    """Print a site's data note once per process (the server still hears it with each job's replies)."""
+    if note not in _SAID:
+        _SAID.add(note)
+        print(f"[fedmed] {note}", flush=True)
+
+
 @dataclass
 class Splits:
     """A site's images, (N, C, H, W) in [0, 1], and labels (N,) per split."""
@@ -133,7 +143,7 @@ class SiteRunner:
                               for k in ("training", "validation", "test")))
             note = conversion_note(self.site, done)
             if note:  # said once per site: its log and the server's (the next reply's notes)
-                print(f"[fedmed] {note}", flush=True)
+                _say_once(note)
                 self.notes.append(note)
             if splits.train[0].shape[0] == 0:
                 raise DataError(f"{self.site}: datalist {self.display(self.datalist_path)} has no training images",
@@ -142,7 +152,7 @@ class SiteRunner:
             if near:  # said once, as a count (which images: `fedmed check-data`, at the site)
                 note = (f"{self.site}: {near} validation/test image(s) nearly identical to training images (thumbnail "
                         f"correlation >= 0.98): scores may be inflated; `fedmed check-data` lists them at the site")
-                print(f"[fedmed] {note}", flush=True)
+                _say_once(note)
                 self.notes.append(note)
             self._data, self._data_key = splits, key
             self._val_units = patients_of(doc["validation"])
