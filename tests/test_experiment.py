@@ -611,3 +611,22 @@ def test_the_setup_line_states_the_realised_split_and_the_patients_behind_valida
     line = "; ".join(_setup(load_config(cfg), d))
     assert "asked test 20% / validation 15% of each site, dealt test 17% / validation 33% of 24 samples" in line, line
     assert "**1 of 2 sites validate on fewer than 5 patients (a)" in line, line
+
+
+def test_the_setup_line_names_the_servers_optimizer(tmp_path):
+    """A FedOpt run's Setup line read as FedAvg's (#89): the server's optimizer is named where it is not the plain
+    average."""
+    import json
+
+    from fedmed.config import load_config
+    from fedmed.run.experiment import _setup
+
+    d = tmp_path / "o" / "data" / "seed0"
+    d.mkdir(parents=True)
+    (d / "dataset.json").write_text(json.dumps({"sites": []}))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("name: x\ndataset: {path: data, image_size: 8, channels: 1}\nfederation: {sites: 2}\n"
+                   "methods: [{name: FedAvg, workflow: fedavg}]\n")
+    assert "server Fed" not in "; ".join(_setup(load_config(cfg), d))
+    line = "; ".join(_setup(load_config(cfg, ["train.server_opt.kind=avgm", "train.server_opt.beta1=0.6"]), d))
+    assert "server FedAvgM (lr 1.0, beta1 0.6)" in line, line

@@ -572,8 +572,12 @@ def _setup(exp, data_dir: Path) -> list[str]:
                    f"handful of people, and the serving plan decides nothing there**")
     if exp.dataset.task == "classification":
         out.append(f"{exp.dataset.image_size}x{exp.dataset.image_size}x{exp.dataset.channels}, {_network(m)}")
+    so = t.server_opt
+    server = "" if so.kind == "none" else (  # FedOpt at the server: not FedAvg's plain average (#89)
+        f", server {dict(avgm='FedAvgM', adam='FedAdam', yogi='FedYogi')[so.kind]} (lr {so.lr}, beta1 {so.beta1}"
+        + ("" if so.kind == "avgm" else f", beta2 {so.beta2}, tau {so.tau}") + ")")
     out += [f"{t.rounds} rounds x {t.local_epochs} local epochs, {t.optimizer} lr {t.lr}, batch {t.batch_size}, "
-            f"augment {t.augment}", f"seeds {exp.seeds}", f"k_min {exp.privacy.k_min}, DP "
+            f"augment {t.augment}{server}", f"seeds {exp.seeds}", f"k_min {exp.privacy.k_min}, DP "
             + (f"epsilon {exp.privacy.dp_epsilon}" if exp.privacy.dp_epsilon else "off")]
     from fedmed.algorithms.privacy import k_min_consent_note
 
