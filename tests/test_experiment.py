@@ -68,7 +68,7 @@ def test_fingerprint_tracks_what_determines_a_run():
 def test_resume_reuses_only_identical_runs(tmp_path, fake_job):
     cfg = write_cfg(tmp_path)
     rows = E.run_experiment(str(cfg), tmp_path / "out", log=lambda *_: None)
-    assert len(fake_job) == 4 and len(rows) == 8
+    assert len(fake_job) == 4 and len([r for r in rows if r["kind"] != "reference"]) == 8  # and the constant answer
     saved = json.loads((tmp_path / "out/runs/seed1/Prox/run.json").read_text())
     assert saved["method"] == "Prox" and saved["seed"] == 1 and len(saved["rows"]) == 2
 
@@ -630,3 +630,19 @@ def test_the_setup_line_names_the_servers_optimizer(tmp_path):
     assert "server Fed" not in "; ".join(_setup(load_config(cfg), d))
     line = "; ".join(_setup(load_config(cfg, ["train.server_opt.kind=avgm", "train.server_opt.beta1=0.6"]), d))
     assert "server FedAvgM (lr 1.0, beta1 0.6)" in line, line
+
+
+def test_the_constant_answer_is_beside_a_classifier_even_without_references(tmp_path, monkeypatch):
+    """#89: the shipped transfer config has ``references: []``, so a served accuracy below the constant answer went
+    unremarked. The majority-class row (counts, no training) is always beside a classifier, and the summary says
+    which methods fall below it."""
+    def run_job(spec, datalists, work, *a, **k):
+        work.mkdir(parents=True, exist_ok=True)
+        return metrics_doc(-0.15)  # 5% at the final round
+
+    monkeypatch.setattr(E, "run_job", run_job)
+    rows = E.run_experiment(str(write_cfg(tmp_path)), tmp_path / "out", log=lambda *_: None)
+    assert sorted(r["seed"] for r in rows if r["method"] == "Majority class") == [0, 1]
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| Majority class (reference) |" in summary
+    assert "Below the constant answer" in summary and "FedAvg (5.00%)" in summary, summary

@@ -985,11 +985,18 @@ def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict
     as the jobs do: several in-process experiments on one machine then share its cores instead of each taking them
     all."""
     if not _IN_PROCESS.get():
-        return _reference_rows(exp, seed, data_dir, out, chosen, log, resume, seg)
-    from fedmed.workflows.inprocess import SITE_THREADS, torch_threads
+        rows = _reference_rows(exp, seed, data_dir, out, chosen, log, resume, seg)
+    else:
+        from fedmed.workflows.inprocess import SITE_THREADS, torch_threads
 
-    with torch_threads(SITE_THREADS):
-        return _reference_rows(exp, seed, data_dir, out, chosen, log, resume, seg)
+        with torch_threads(SITE_THREADS):
+            rows = _reference_rows(exp, seed, data_dir, out, chosen, log, resume, seg)
+    if not seg and "majority" not in exp.references:  # the constant answer is always beside a classifier (#89):
+        from fedmed.run.references import majority_rows  # counts, no training; a served model below it is said
+
+        meta = json.loads((Path(data_dir) / "dataset.json").read_text())
+        rows = rows + majority_rows(data_dir, meta["sites"], len(meta["class_names"]), seed)
+    return rows
 
 
 def _reference_rows(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict]:
