@@ -167,3 +167,21 @@ def test_every_help_states_each_default_once_and_names_its_command(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and re.match(r"fedmed \d+\.\d+", capsys.readouterr().out)
+
+
+def test_the_demo_page_says_once_what_every_part_would_repeat(tmp_path):
+    """#89: the demo report said "All of this is from one seed..." six times and the "Values in %..." paragraph three
+    times: once each now, the later parts pointing back to the first."""
+    from fedmed.cli.commands import DEMO_PARTS, demo_summary
+    from fedmed.report.findings import ONE_SEED
+
+    values = "Values in %, from 1 seed at each run's final round."
+    parts = list(DEMO_PARTS)[:2]
+    for p in parts:
+        (tmp_path / p).mkdir()
+        (tmp_path / p / "summary.md").write_text(f"## {p}\n\n### What this found\n\n- A finding of {p}.\n- {ONE_SEED}\n\n"
+                                                 f"{values}\n\n| Method |\n|---|\n| FedAvg |\n")
+    text = demo_summary(tmp_path, parts, "fedmed demo", "digits")
+    assert text.count("All of this is from one seed") == 1 and text.count(values) == 1
+    assert f"A finding of {parts[0]}" in text and f"A finding of {parts[1]}" in text
+    assert "(Read as part 1's table.)" in text

@@ -342,3 +342,41 @@ def test_the_report_says_before_training_whether_each_cluster_has_enough_to_trai
     assert text.count("Training images per cluster: cluster 0: 310 images at 2 sites, cluster 1: 52 images at 1 site. "
                       "No size floor is set") == 1
     assert "the smallest, cluster 1 (52 images), trains its model on those alone" in text
+
+
+def test_the_plain_words_count_only_trained_methods_and_say_ties_floors_and_trivial_groupings():
+    """#89's report items: "Of the 4 federated methods" when 2 trained (a serving plan's rows counted), "tied ... by
+    0.0 points", a method exactly at the constant answer left unsaid, and "exactly the true groups (ARI 1.00)" when
+    every site is its own group and its own cluster."""
+    from fedmed.report.findings import findings
+
+    three = {"site-1": {}, "site-2": {}, "site-3": {}}
+    rows = ([dict(r, n_clusters=3, ari=1.0, sites=three) for r in run_rows("FMCL", 0, tests=[0.5, 0.6], vals=[0.5, 0.6])]
+            + run_rows("FedAvg", 0, tests=[0.5, 0.6], vals=[0.5, 0.6])
+            + [dict(r, task="served") for r in run_rows("Serving plan", 0, tests=[0.9], vals=[0.9])]
+            + [{"method": "Majority class", "kind": "reference", "seed": 0, "round": None, "accuracy": 0.6,
+                "macro_f1": 0.3, "auc": 0.5, "sites": {}}])
+    text = " ".join(findings(S.summarize(rows, "final")))
+    assert "Of the 2 federated methods" in text, text
+    assert "scored the same as FedAvg" in text and "by 0.0 points" not in text, text
+    assert "⚠ FedAvg scores exactly the floor: it answers the most common class everywhere" in text, text
+    assert "every site its own cluster" in text and "exactly the true groups" not in text, text
+
+
+def test_the_top_summary_says_whether_the_sites_differ_and_that_a_random_signature_is_blind():
+    """#89: "do the sites differ?" sat 4,100 px down the report, and "no evidence that the sites differ" from a random
+    encoder's signature read as a finding about the sites."""
+    from fedmed.report.findings import differ_sentence, findings_section
+
+    random_enc = ["random_cnn [random init (seed=0), no pretrained weights; 0.10M params]"]
+    tests = {"FMCL": [{"seed": 0, "p": 0.4, "alpha": 0.05, "encoder": random_enc},
+                      {"seed": 1, "p": 0.2, "alpha": 0.05, "encoder": random_enc}]}
+    said = differ_sentence(tests)
+    assert said.startswith("Do the sites differ? FMCL's split-half test on its signatures: no evidence that the sites "
+                           "differ (p = 0.4, 0.2 over 2 seeds"), said
+    assert "random weights" in said and "does not mean the sites are alike" in said
+    trained = differ_sentence({"FMCL": [{"seed": 0, "p": 0.001, "alpha": 0.05, "encoder": ["efficientnet_lite0 "
+                                                                                         "[weights: release.pth]"]}]})
+    assert "the sites differ (p = 0.001" in trained and "random weights" not in trained
+    section = findings_section(S.summarize(ROWS, "final"), differ=tests)
+    assert section.splitlines()[2].startswith("- Do the sites differ?")  # the first finding

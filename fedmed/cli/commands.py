@@ -194,13 +194,25 @@ def demo_summary(out: Path, parts: list[str], command: str, data_name: str) -> s
                                   + (" (from a randomly initialised MedicalNet here, so not evidence on its own)"
                                      if random_init else "") + ".")
         found.append(f"**{k + 1}. {DEMO_PARTS[p]}**\n\n" + "\n".join(bullets))
+    from fedmed.report.findings import ONE_SEED
+
+    one_seed = any(f"- {ONE_SEED}" in f for f in found)  # said once for the whole page, not in every part (#89)
+    found = [f.replace(f"\n- {ONE_SEED}", "") for f in found]
     head = (f"# fedmed demo\n\nProduced by: `{command}`\n\n## What the demo found\n\n" + "\n\n".join(found)
+            + (f"\n\n{ONE_SEED}" if one_seed else "")
             + f"\n\nData: {data_name}; the parts below (each part's own table and runs).\n\n")
-    body = []
+    body, seen = [], {}
     for k, p in enumerate(parts):
-        text = (out / p / "summary.md").read_text()
+        text = (out / p / "summary.md").read_text().replace(f"- {ONE_SEED}\n", "")
         text = re.sub(r"^(#{2,4}) ", lambda m: "#" + m.group(1) + " ", text, flags=re.M)  # one level down
-        body.append(f"## {k + 1}. {DEMO_PARTS[p]}\n\n" + text)
+        paras = []
+        for para in text.split("\n\n"):  # a paragraph an earlier part already gave (how to read its table): once
+            if para.startswith(("Values in %", "Dice in %")) and para in seen:
+                para = f"(Read as part {seen[para]}'s table.)"
+            elif para.startswith(("Values in %", "Dice in %")):
+                seen[para] = k + 1
+            paras.append(para)
+        body.append(f"## {k + 1}. {DEMO_PARTS[p]}\n\n" + "\n\n".join(paras))
     return head + "\n\n".join(body)
 
 

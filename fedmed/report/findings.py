@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["cluster_sizes_sentence", "findings", "findings_section", "plan_sentence"]
+__all__ = ["cluster_sizes_sentence", "differ_sentence", "findings", "findings_section", "plan_sentence"]
 
 FLOORS = ("Majority class", "Untrained network")
+ONE_SEED = ("All of this is from one seed: one run has no spread, so no difference here can be called reliable; run "
+            "more seeds (`seeds: [0, 1, 2]`) for mean ± std.")
 
 
 def cluster_sizes_sentence(clustering: dict) -> str:
@@ -81,6 +83,34 @@ def plan_sentence(plans: dict) -> str:
             + "; ".join(f"{', '.join(sites)}: {desc}" for desc, sites in groups.items()) + ".")
 
 
+def differ_sentence(tests: dict) -> str:
+    """"Do the sites differ?" — the split-half test each clustered method ran before training (``{method: [{"seed",
+    "p", "answer", "encoder"}, ...]}``), with its evidence (the p-values) and, where the signature came from an encoder
+    with random weights, that it is blind to what a trained network sees (#89)."""
+    out = []
+    for method, runs in tests.items():
+        runs = sorted(runs, key=lambda r: r["seed"])
+        said = [r for r in runs if r.get("p") is not None]
+        if not said:
+            continue
+        yes = sum(1 for r in said if r["p"] < r.get("alpha", 0.05))
+        ps = ", ".join(f"{r['p']:.3g}" for r in said)
+        n = len(said)
+        verdict = ("the sites differ" if yes == n else "no evidence that the sites differ" if yes == 0 else
+                   f"the sites differ at {yes} of {n} seeds")
+        txt = (f"{method}'s split-half test on its signatures: {verdict} (p = {ps}"
+               + (f" over {n} seeds" if n > 1 else "") + f"; alpha {said[0].get('alpha', 0.05):g})")
+        enc = " ".join(str(e) for r in said for e in (r.get("encoder") or []))
+        if "random init" in enc or "no pretrained weights" in enc:
+            txt += (". Its signatures come from an encoder with random weights (no weights file): it sees the "
+                    "images' low-level statistics only, so " + ("a difference it finds is one of intensity or texture"
+                                                                if yes else "'no evidence' here does not mean the "
+                                                                "sites are alike") + "; give the encoder its released "
+                    "weights (encoder_weights) for a trained network's view")
+        out.append(txt + ".")
+    return ("Do the sites differ? " + " ".join(out)) if out else ""
+
+
 def findings(summ: list[dict], phases: list[dict] | None = None, plans: dict | None = None) -> list[str]:
     """Plain sentences for one results table (``summarize``'s entries), its unseen-site rows (``phases``) and the
     serving plans of its seeds (``plans``: ``{seed: plan.json}``; the plan's outcome comes first, and no method is
@@ -90,7 +120,9 @@ def findings(summ: list[dict], phases: list[dict] | None = None, plans: dict | N
     seg = any(e.get("dice_mean", "n/a") != "n/a" for e in summ)
     key = "dice_mean" if seg else "accuracy"
     what = "mean Dice (overlap with the ground-truth tumour outline)" if seg else "accuracy (mean over sites)"
-    methods = [e for e in summ if e["kind"] != "reference" and e["_values"].get(key)]
+    # the methods that trained (a serving plan's rows choose among them: the plan sentence says what it served)
+    methods = [e for e in summ if e["kind"] != "reference" and e["_values"].get(key)
+               and e.get("task") not in ("served", "global")]
     refs = {e["method"]: e for e in summ if e["kind"] == "reference" and e["_values"].get(key)}
     out = [plan_sentence(plans)] if plans else []
     if not methods:
@@ -106,8 +138,11 @@ def findings(summ: list[dict], phases: list[dict] | None = None, plans: dict | N
         base = next((e for e in others if e["method"] == "FedAvg"), None) or max(
             others, key=lambda e: np.mean(e["_values"][key]))
         d, sure = _gap(vb, base["_values"][key])
-        out.append(f"It {'beat' if d > 0 else 'tied with' if d == 0 else 'trailed'} {base['method']} "
-                   f"({_pct(base['_values'][key])}) by {_points(d)}" + (f"; {sure}." if sure else "."))
+        if round(abs(d), 1) == 0:  # "tied ... by 0.0 points" said nothing (#89)
+            out.append(f"It scored the same as {base['method']} ({_pct(base['_values'][key])}).")
+        else:
+            out.append(f"It {'beat' if d > 0 else 'trailed'} {base['method']} ({_pct(base['_values'][key])}) by "
+                       f"{_points(d)}" + (f"; {sure}." if sure else "."))
     central = refs.get("Centralized")
     if central:
         d, sure = _gap(vb, central["_values"][key])
@@ -131,13 +166,27 @@ def findings(summ: list[dict], phases: list[dict] | None = None, plans: dict | N
             kind = "a constant answer (always the most common class)" if name == "Majority class" else \
                 "the network before any training"
             out.append(f"The floor: {kind} scores {_pct(refs[name]['_values'][key])}.")
+            floor = 100 * np.mean(refs[name]["_values"][key])
+            for e in methods:  # a model at the floor decides nothing: said, not left for the reader to spot (#89)
+                v = 100 * np.mean(e["_values"][key])
+                if round(v - floor, 1) == 0:
+                    out.append(f"⚠ {e['method']} scores exactly the floor: "
+                               + ("it answers the most common class everywhere (it learned to rank, perhaps — see "
+                                  "its AUC — but not to decide)." if name == "Majority class" else
+                                  "no better than the untrained network."))
+                elif v < floor:
+                    out.append(f"⚠ {e['method']} scores below the floor ({_pct(e['_values'][key])}).")
     if best.get("k"):
         ks = best["k"]
         ari = best.get("ari")
         txt = f"{best['method']} grouped the sites into {ks} cluster(s) (per seed)"
         if ari not in (None, "", "n/a"):
             a = float(str(ari).split(" ")[0])
-            txt += (", exactly the true groups of sites (ARI 1.00)" if a >= 0.999 else
+            ks_all = [int(x) for x in str(ks).replace(",", " ").split() if x.isdigit()]
+            alone = a >= 0.999 and ks_all and all(k == best.get("n_sites") for k in ks_all)
+            txt += (", every site its own cluster; here every site is its own true group, so ARI 1.00 says only "
+                    "that no two sites were merged" if alone else
+                    ", exactly the true groups of sites (ARI 1.00)" if a >= 0.999 else
                     f", agreeing with the true groups of sites at ARI {ari} (1 = the same grouping, 0 = chance)")
         out.append(txt + ".")
     flagged = [e for e in methods if e.get("sat_out")]
@@ -157,12 +206,14 @@ def findings(summ: list[dict], phases: list[dict] | None = None, plans: dict | N
                                                    f"labels as a reference only: {p['oracle']}%)"
                                                    if p.get("oracle") not in (None, "n/a") else "") + ".")
     if max(e["seeds"] for e in summ) == 1:
-        out.append("All of this is from one seed: one run has no spread, so no difference here can be called reliable; "
-                   "run more seeds (`seeds: [0, 1, 2]`) for mean ± std.")
+        out.append(ONE_SEED)
     return out
 
 
 def findings_section(summ: list[dict], phases: list[dict] | None = None, heading: str = "### What this found",
-                     plans: dict | None = None) -> str:
+                     plans: dict | None = None, differ: dict | None = None) -> str:
     lines = findings(summ, phases, plans)
+    said = differ_sentence(differ or {})
+    if said:  # the first question a federation asks, answered at the top (#89)
+        lines = [said, *lines]
     return f"{heading}\n\n" + "\n".join(f"- {s}" for s in lines) + "\n\n" if lines else ""

@@ -236,6 +236,7 @@ def summarize(rows: list[dict], selection: str = "final") -> list[dict]:
                  "sat_out": "; ".join(f"seed {r['seed']}: {r['sat_out']}" if len(runs) > 1 else r["sat_out"]
                                       for r in runs if r.get("sat_out")),
                  "n_test": int(np.median([r.get("n_test") or 0 for r in runs])),
+                 "n_sites": int(np.median([len(r.get("sites") or {}) for r in runs])),
                  "withheld": int(np.median([r.get("withheld") or 0 for r in runs]))}
         if is_seg(rows):
             sites = sorted({s for r in runs for s in r.get("sites", {})})
@@ -409,7 +410,22 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
             plans[f.parts[-4]] = {s: {**v, "served": names.get(v["served"], v["served"])} for s, v in doc.items()}
         except (OSError, ValueError, KeyError, AttributeError):
             pass
-    text += findings_section(summ, _phase_numbers(rows), plans=plans)
+    differ: dict = {}  # the split-half test each clustered run recorded before training
+    for f in sorted(out.glob("runs/seed*/*/metrics.json")):
+        try:
+            doc = json.loads(f.read_text())
+            d = doc.get("differ") or {}
+            if d.get("p") is None:
+                continue
+            run = f.parent / "run.json"
+            method = json.loads(run.read_text()).get("method", f.parent.name) if run.is_file() else f.parent.name
+            enc = (doc.get("clustering") or {}).get("encoder") or []
+            differ.setdefault(method, []).append({"seed": int(f.parts[-3].replace("seed", "") or 0), "p": d["p"],
+                                                  "alpha": d.get("alpha", 0.05),
+                                                  "encoder": enc if isinstance(enc, list) else [enc]})
+        except (OSError, ValueError, KeyError, AttributeError, TypeError):
+            pass
+    text += findings_section(summ, _phase_numbers(rows), plans=plans, differ=differ)
     if setup:
         text += "Setup: " + "; ".join(setup) + "\n\n"
     text += intro + "\n\n" + table
