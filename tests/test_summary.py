@@ -380,3 +380,69 @@ def test_the_top_summary_says_whether_the_sites_differ_and_that_a_random_signatu
     assert "the sites differ (p = 0.001" in trained and "random weights" not in trained
     section = findings_section(S.summarize(ROWS, "final"), differ=tests)
     assert section.splitlines()[2].startswith("- Do the sites differ?")  # the first finding
+
+
+def test_learning_curves_keep_equal_methods_visible_on_one_round_axis(tmp_path, monkeypatch):
+    """#89: FedAvg's line hid under FMCL's when equal, the train-loss axis ran in fractional rounds and one round
+    short of the score axes, and the title promised a band over seeds with one seed."""
+    import matplotlib.figure
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    rows = [dict(r, train_loss=1.0 / (1 + r["round"])) for r in
+            run_rows("FedAvg", 0, tests=[0.5, 0.6, 0.7], vals=[0.5, 0.6, 0.7])
+            + run_rows("FMCL", 0, tests=[0.5, 0.6, 0.7], vals=[0.5, 0.6, 0.7])]
+    S.plot_curves(rows, tmp_path / "curves.png", "t")
+    fig = saved[0]
+    axes = fig.axes
+    styles = {(ln.get_label(), ln.get_linestyle(), ln.get_marker()) for ln in axes[0].lines}
+    assert len(styles) == 2 and len({s[1:] for s in styles}) == 2  # two methods, two looks
+    assert [t.get_text() for t in axes[0].get_legend().get_texts()] == ["FedAvg", "FMCL"]
+    assert all(ax.get_xlim() == axes[0].get_xlim() for ax in axes)  # one round axis
+    ticks = axes[2].get_xticks()
+    assert all(float(t).is_integer() for t in ticks)
+    assert "one seed: no band" in fig._suptitle.get_text()
+
+
+def test_the_demo_page_puts_each_parts_learning_curves_under_its_own_table(tmp_path):
+    """#89: the demo's learning curves were gathered below every part's table, detached from their parts."""
+    import re
+
+    from fedmed.report.html import write_report
+
+    png = tmp_path / "c.png"
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plt.figure(figsize=(1, 1)).savefig(png)
+    text = "# fedmed demo\n\nProduced by: `fedmed demo`\n\n"
+    for p in ("classification", "flux"):
+        (tmp_path / p).mkdir()
+        (tmp_path / p / "summary.md").write_text(f"## {p}\n\n| Method |\n|---|\n| FedAvg |\n")
+        (tmp_path / p / "curves.png").write_bytes(png.read_bytes())
+        text += f"## part {p}\n\n| Method |\n|---|\n| {p}-row |\n\n<!-- fedmed-part: {p} -->\n\n"
+    (tmp_path / "summary.md").write_text(text)
+    page = write_report(tmp_path).read_text()
+    order = [m.group(0) for m in re.finditer(r"classification-row|classification: learning curves|flux-row|"
+                                            r"flux: learning curves", page)]
+    order = [o for i, o in enumerate(order) if i == 0 or o != order[i - 1]]  # a figure's alt text and its caption
+    assert order == ["classification-row", "classification: learning curves", "flux-row", "flux: learning curves"]
+    assert page.count("flux: learning curves") == 2  # one figure, not a second copy below every table
+
+
+def test_a_column_with_nothing_to_say_is_left_out():
+    """#89: an empty "vs cluster-majority" column (no clustered method) and a "WT per hemisphere" column equal to WT in
+    every row (no subject split into hemispheres) are dropped; each stays where it says something."""
+    plain = S.summarize(ROWS, "final")
+    assert "vs cluster-majority" not in S.classification_table(plain, "final")
+    clustered = ROWS + [{"method": "FedAvg: cluster-majority", "kind": "reference", "seed": s, "round": None,
+                         "accuracy": 0.4, "macro_f1": 0.4, "auc": 0.5, "sites": {}} for s in (0, 1)]
+    table = S.classification_table(S.summarize(clustered, "final"), "final")
+    assert "vs cluster-majority (pp) |" in table and table.splitlines()[2].endswith("| +32.50 ± 2.50 |")
+
+    def seg(method, per_sample):
+        return [{"method": method, "kind": "method", "seed": 0, "round": 1, "task": "train", "dice_wt": 0.7,
+                 "dice_tc": 0.5, "dice_et": 0.4, "dice_mean": 0.53, "dice_wt_per_sample": per_sample, "sites": {}}]
+
+    assert "WT per hemisphere" not in S.seg_table(S.summarize(seg("FedAvg", 0.7), "final"), "final")
+    assert "WT per hemisphere" in S.seg_table(S.summarize(seg("FedAvg", 0.6), "final"), "final")

@@ -212,7 +212,7 @@ def demo_summary(out: Path, parts: list[str], command: str, data_name: str) -> s
             elif para.startswith(("Values in %", "Dice in %")):
                 seen[para] = k + 1
             paras.append(para)
-        body.append(f"## {k + 1}. {DEMO_PARTS[p]}\n\n" + "\n\n".join(paras))
+        body.append(f"## {k + 1}. {DEMO_PARTS[p]}\n\n" + "\n\n".join(paras) + f"\n\n<!-- fedmed-part: {p} -->\n")
     return head + "\n\n".join(body)
 
 

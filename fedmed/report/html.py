@@ -241,16 +241,22 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
     body = md.split("\n", 1)[1] if md.startswith("# ") or md.startswith("## ") else md  # the title is the page's h1
     if m:  # and the command is shown above
         body = body.replace(m.group(0), "", 1)
-    parts.append(markdown_to_html(body))
-    for png, alt in (("curves.png", "learning curves: validation and test score, train loss (band: ± std over seeds)"),
-                     ("summary.png", "sweep: unseen sites and clustering per case")):
+    curves = "learning curves: validation and test score, train loss"
+    shown = set()
+    chunks = re.split(r"<!-- fedmed-part: (\S+) -->", body)  # the demo's parts: each its curves under its own table
+    for i, chunk in enumerate(chunks):
+        if i % 2 == 0:
+            parts.append(markdown_to_html(chunk))
+        elif (out / chunk / "curves.png").is_file():
+            parts.append(_img(out / chunk / "curves.png", f"{chunk}: {curves}"))
+            shown.add(chunk)
+    for png, alt in (("curves.png", curves), ("summary.png", "sweep: unseen sites and clustering per case")):
         if (out / png).is_file():
             parts.append(_img(out / png, alt))
     cases = [out] + sorted(p for p in out.iterdir() if p.is_dir() and (p / "summary.md").is_file())
-    for case in cases[1:]:  # a sweep's cases, the demo's parts: each its own learning curves
-        if (case / "curves.png").is_file():
-            parts.append(_img(case / "curves.png", f"{case.name}: learning curves: validation and test score, train "
-                                                   f"loss (band: ± std over seeds)"))
+    for case in cases[1:]:  # a sweep's cases: each its own learning curves
+        if (case / "curves.png").is_file() and case.name not in shown:
+            parts.append(_img(case / "curves.png", f"{case.name}: {curves}"))
     policies: dict = {}  # a policy table already shown -> the run it was shown for
     for case in cases:
         for server in sorted((case / "runs").glob("seed*/_serving_plan/server")) if (case / "runs").is_dir() else []:

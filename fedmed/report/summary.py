@@ -285,13 +285,25 @@ def _round_label(e, selection) -> str:
     return f"{by} ({', '.join(map(str, per_seed))})"
 
 
+def has_margin(summ: list[dict]) -> bool:
+    """Whether any method has a cluster-majority reference: the table's last column is shown only then (#89)."""
+    names = {e["method"] for e in summ if e["kind"] == "reference"}
+    return any(f"{e['method']}: cluster-majority" in names for e in summ)
+
+
+def has_hemispheres(summ: list[dict]) -> bool:
+    """Whether the per-hemisphere WT Dice differs from the WT Dice anywhere (a column equal to WT in every row goes)."""
+    return any(e.get("dice_wt_per_sample", "n/a") not in ("n/a", e.get("dice_wt")) for e in summ)
+
+
 def classification_table(summ: list[dict], selection: str) -> str:
     refs = {e["method"]: e for e in summ if e["kind"] == "reference"}
+    has_cm = has_margin(summ)
     has_k = any(e.get("k") for e in summ)
     has_ari = any(e.get("ari") not in (None, "", "n/a") for e in summ if e["kind"] != "reference")
     extra = (" K (per seed) |" if has_k else "") + (" ARI vs true groups |" if has_ari else "")
-    head = (f"| Method | Round |{extra} Acc (site mean) | Macro-F1 | AUC | Pooled Acc | Pooled F1 | Pooled AUC | "
-            f"vs cluster-majority (pp) |\n" + "|---" * (9 + has_k + has_ari) + "|\n")
+    head = (f"| Method | Round |{extra} Acc (site mean) | Macro-F1 | AUC | Pooled Acc | Pooled F1 | Pooled AUC |"
+            + (" vs cluster-majority (pp) |" if has_cm else "") + "\n" + "|---" * (8 + has_cm + has_k + has_ari) + "|\n")
     body = ""
     for e in summ:
         cm = refs.get(f"{e['method']}: cluster-majority")
@@ -299,7 +311,8 @@ def classification_table(summ: list[dict], selection: str) -> str:
         cells = (f" {e.get('k', '')} |" if has_k else "") + (
             f" {e.get('ari') if e['kind'] != 'reference' and e.get('ari') != 'n/a' else ''} |" if has_ari else "")
         body += (f"| {name} | {_round_label(e, selection)} |{cells} {e['accuracy']} | {e['macro_f1']} | {e['auc']} | "
-                 f"{e['pooled_accuracy']} | {e['pooled_macro_f1']} | {e['pooled_auc']} | {margin(e, cm)} |\n")
+                 f"{e['pooled_accuracy']} | {e['pooled_macro_f1']} | {e['pooled_auc']} |"
+                 + (f" {margin(e, cm)} |" if has_cm else "") + "\n")
     return head + body
 
 
@@ -312,14 +325,17 @@ def seg_table(summ: list[dict], selection: str) -> str:
             f"| {e['method']}{' (reference)' if e['kind'] == 'reference' else ''}{_flag(e)} | {_round_label(e, selection)} | "
             f"{e['dice_mean']} | {e.get('fp_pixels', 'n/a')} |" + "".join(f" {e.get('per_site', {}).get(s, 'n/a')} |"
                                                                          for s in sites) + "\n" for e in summ)
-    head = ("| Method | Round | WT | TC | ET | Mean Dice | HD95 WT (mm) | WT per hemisphere | FP voxels (tumour-free) |"
-            + "".join(f" {s} |" for s in sites) + "\n" + "|---" * (9 + len(sites)) + "|\n")
+    hemi = has_hemispheres(summ)
+    head = ("| Method | Round | WT | TC | ET | Mean Dice | HD95 WT (mm) |" + (" WT per hemisphere |" if hemi else "")
+            + " FP voxels (tumour-free) |" + "".join(f" {s} |" for s in sites) + "\n"
+            + "|---" * (8 + hemi + len(sites)) + "|\n")
     def per_site(e):  # one model served to every site, scored on the common test subjects: the same value everywhere
         cells = [e.get("per_site", {}).get(s, "n/a") for s in sites]
         return ["=" for _ in cells] if len(set(cells)) == 1 and len(cells) > 1 and cells[0] != "n/a" else cells
 
     body = "".join(f"| {e['method']}{' (reference)' if e['kind'] == 'reference' else ''}{_flag(e)} | {_round_label(e, selection)} | {e['dice_wt']} | {e['dice_tc']} | {e['dice_et']} | "
-                   f"{e['dice_mean']} | {e['hd95_wt']} | {e.get('dice_wt_per_sample', 'n/a')} | {e['fp_voxels']} |"
+                   f"{e['dice_mean']} | {e['hd95_wt']} |" + (f" {e.get('dice_wt_per_sample', 'n/a')} |" if hemi else "")
+                   + f" {e['fp_voxels']} |"
                    + "".join(f" {c} |" for c in per_site(e)) + "\n" for e in summ)
     return head + body
 
@@ -386,8 +402,9 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
     elif is_seg(rows):
         intro = (f"Dice in %, {spread.replace('seeds', 'seeds/folds')} {rule}; Dice and HD95 (mm) per test subject "
                  f"(a subject's hemisphere samples scored together, as BraTS scores a patient; regions a subject "
-                 f"lacks left out, as DiceMetric's ignore_empty=True); WT per hemisphere: the WT Dice averaged over "
-                 f"tumour-bearing hemisphere samples instead; false-positive voxels on tumour-free hemispheres; "
+                 f"lacks left out, as DiceMetric's ignore_empty=True); "
+                 + ("WT per hemisphere: the WT Dice averaged over tumour-bearing hemisphere samples instead; "
+                    if has_hemispheres(summ) else "") + f"false-positive voxels on tumour-free hemispheres; "
                  f"per-site columns: each site's mean Dice with the model it is served on the common test subjects ('=': every "
                  f"site is served the same model, so each has the Mean Dice).")
         table = seg_table(summ, selection)
@@ -395,8 +412,9 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
         intro = (f"Values in %, {spread} {rule}. Per-site metrics are averaged over sites "
                  f"(each site scores the model it is served on its own test split); pooled metrics use all sites' "
                  f"test samples (from confusion matrices; rows of fewer than k_min samples withheld at the sites). "
-                 f"Rows marked (reference) are computed, not federated: see docs/results.md. The last column is the "
-                 f"method minus the constant predictor answering its clusters' majority classes.")
+                 f"Rows marked (reference) are computed, not federated: see docs/results.md."
+                 + (" The last column is the method minus the constant predictor answering its clusters' majority "
+                    "classes." if has_margin(summ) else ""))
         table = classification_table(summ, selection)
     from fedmed.report.findings import findings_section
 
@@ -511,11 +529,16 @@ def plot_curves(rows: list[dict], path: Path, title: str) -> None:
     """Learning curves, mean ± std over seeds: validation and test score of the served model, train loss."""
     from fedmed.report.plots import _plt, _save
 
+    from matplotlib.ticker import MaxNLocator
+
     plt = _plt()
     key = primary(rows)
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for m in dict.fromkeys(r["method"] for r in rows):
-        mr = [r for r in rows if r["method"] == m]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8), sharex=True)  # one round axis for scores and loss (#89)
+    seeds = len({r.get("seed") for r in rows})
+    styles = ["-", "--", ":", "-."]
+    handles: dict = {}
+    for i, m in enumerate(dict.fromkeys(r["method"] for r in rows)):
+        mr = [r for r in rows if r["method"] == m and r.get("round") is not None]
         rounds = sorted({r["round"] for r in mr})
         for ax, k in zip(axes, (f"val_{key}", key, "train_loss")):
             vals = [_finite([r.get(k) for r in mr if r["round"] == rd]) for rd in rounds]
@@ -523,18 +546,23 @@ def plot_curves(rows: list[dict], path: Path, title: str) -> None:
             if not pts:
                 continue
             x, mu, sd = map(np.asarray, zip(*pts))
-            ax.plot(x, mu, label=m)
-            ax.fill_between(x, mu - sd, mu + sd, alpha=0.15)
+            # a style and a marker per method: two methods with equal curves stay both visible (#89)
+            line, = ax.plot(x, mu, styles[i % len(styles)], marker="os^vD<>"[i % 7], markersize=3,
+                            lw=2.2 if i == 0 else 1.3, label=m, zorder=3 + i)
+            handles.setdefault(m, line)
+            if seeds > 1:
+                ax.fill_between(x, mu - sd, mu + sd, alpha=0.15, color=line.get_color())
     axes[0].set_ylabel(f"validation {key} (site mean)")
     axes[1].set_ylabel(f"test {key} (site mean)")
     axes[2].set_ylabel("train loss (site mean)")
     for ax in axes:
         ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
         ax.grid(alpha=0.3)
         if not ax.lines:  # e.g. a run with no validation split: say so instead of a blank frame
             ax.text(0.5, 0.5, "no scores", ha="center", va="center", transform=ax.transAxes, color="0.4")
     with_curves = [ax for ax in axes if ax.lines]
-    if with_curves:
-        with_curves[0].legend(fontsize=7)
-    fig.suptitle(f"{title} (band: ± std over seeds)")
+    if with_curves:  # one legend, on the first panel with curves: every method, each entry a drawn line
+        with_curves[0].legend(list(handles.values()), list(handles), fontsize=7)
+    fig.suptitle(title + (f" (band: ± std over {seeds} seeds)" if seeds > 1 else " (one seed: no band)"))
     _save(fig, path)
