@@ -646,3 +646,20 @@ def test_the_constant_answer_is_beside_a_classifier_even_without_references(tmp_
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| Majority class (reference) |" in summary
     assert "Below the constant answer" in summary and "FedAvg (5.00%)" in summary, summary
+
+
+def test_the_produced_by_line_runs_for_an_output_folder_outside_the_working_folder(tmp_path, monkeypatch):
+    """#89: "Produced by" printed a literal ``.../out`` for an output folder outside the clone; the line must run."""
+    import os
+    import shlex
+
+    here = tmp_path / "clone"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    elsewhere = tmp_path / "elsewhere" / "out"
+    cmd = E._command("app_configs/demo_digits.yaml", ["train.rounds=1"], elsewhere)
+    words = shlex.split(cmd)
+    assert "..." not in cmd
+    out = words[words.index("--out") + 1]
+    assert Path(os.path.normpath(here / out)) == elsewhere.resolve()
+    assert E._command("c.yaml", [], here / "out").endswith("--out out")  # inside the working folder: as before

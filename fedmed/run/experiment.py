@@ -1151,9 +1151,12 @@ def _command(config_path, overrides, out_dir=None, methods=None) -> str:
     shell; ``--resume`` is left out (it reuses runs, it does not change them)."""
     import shlex
 
+    import os
+
     words = ["fedmed", "experiment", str(config_path)]
-    if out_dir is not None:
-        words += ["--out", shown_path(out_dir)]
+    if out_dir is not None:  # the experimenter's own output folder, named so that the line runs (never ".../name")
+        shown = shown_path(out_dir)
+        words += ["--out", shown if not shown.startswith(".../") else os.path.relpath(Path(out_dir).resolve())]
     if methods:
         words += ["--methods", *methods]
     for o in overrides or []:
