@@ -296,6 +296,10 @@ def test_a_segmentation_figure_that_shows_a_failure_says_so():
     truth[:1] = True  # 16 true voxels, 32 predicted, 16 shared: Dice 2*16/48
     assert case_verdict(truth, pred) == {"failure": False, "short": "Dice 67%", "text": "Dice 67%"}
     assert case_verdict(truth, np.zeros_like(pred))["text"] == "a failure — the model misses the tumour entirely"
+    # #89: a model marking most of the brain on a case: said as such (the demo's summary gave only a mean Dice)
+    big = np.ones((4, 4, 4), bool)
+    v = case_verdict(truth, big)
+    assert v["failure"] and v["text"] == "a failure — the model marks 4.0× the tumour's volume as tumour (Dice 40%)"
 
 
 def test_the_report_has_a_glossary_for_its_abbreviations_and_folds_a_repeated_policy_table(tmp_path):

@@ -119,7 +119,7 @@ def _seg_slices(run: Path, data_dir: Path, out_png: Path) -> Path | None:
     if not cases:
         return None
     plt = _plt()
-    fig, axes = plt.subplots(len(cases), 3, figsize=(7.5, 2.6 * len(cases)), squeeze=False)
+    fig, axes = plt.subplots(len(cases), 3, figsize=(9, 3.0 * len(cases)), squeeze=False)
     from fedmed.nn.preprocessing import case_transform
 
     pre = case_transform(ck["model"].get("preprocessing"))  # what the network took at the sites
@@ -130,12 +130,15 @@ def _seg_slices(run: Path, data_dir: Path, out_png: Path) -> Path | None:
         verdict = case_verdict(c["label"][0] > 0, pred[0] > 0)
         if verdict["failure"]:
             notes.append(f"{c['meta']['id']}: {verdict['text']}")
-        for ax, (im, name) in zip(row, ((c["image"][0, :, :, z], "image"), (c["label"][0, :, :, z], "ground truth WT"),
-                                        (pred[0, :, :, z], f"prediction WT ({verdict['short']})"))):
+        for j, (ax, (im, name)) in enumerate(zip(row, ((c["image"][0, :, :, z], "image"),
+                                                       (c["label"][0, :, :, z], "ground truth (WT)"),
+                                                       (pred[0, :, :, z], "prediction (WT)")))):
             ax.imshow(im.T, cmap="gray" if name == "image" else "magma", origin="lower")
-            ax.set_title(f"{c['meta']['id']}: {name}", fontsize=8, color="red" if verdict["failure"] and
-                         name.startswith("prediction") else "black")
+            ax.set_title(name if j else f"{c['meta']['id']}\n{name}", fontsize=8)  # short titles: none clipped
             ax.axis("off")
+            if j == 2:  # the verdict under the prediction, wrapped inside its panel (#89: titles overlapped)
+                ax.text(0.5, -0.04, verdict["short"], transform=ax.transAxes, ha="center", va="top", fontsize=7,
+                        wrap=True, color="red" if verdict["failure"] else "black")
     return _save(fig, out_png), notes
 
 
@@ -154,6 +157,9 @@ def case_verdict(truth, pred) -> dict:
     dice = 2 * int(np.count_nonzero(truth & pred)) / (t + p)
     if p == 0:
         return {"failure": True, "short": "tumour missed", "text": "a failure — the model misses the tumour entirely"}
+    if p > 2 * t:  # marks far more than the tumour (most of the brain): said as such, not only as a Dice
+        return {"failure": True, "short": f"{p / t:.1f}× the tumour marked, Dice {100 * dice:.0f}%",
+                "text": f"a failure — the model marks {p / t:.1f}× the tumour's volume as tumour (Dice {100 * dice:.0f}%)"}
     return {"failure": dice < 0.5, "short": f"Dice {100 * dice:.0f}%",
             "text": (f"a poor prediction — Dice {100 * dice:.0f}%" if dice < 0.5 else f"Dice {100 * dice:.0f}%")}
 
@@ -238,6 +244,8 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
     m = re.search(r"Produced by: `([^`]+)`", md)
     cmd = command or (m.group(1) if m else "")
     parts.append(f"<p class='cmd'>Command: <code>{html.escape(cmd)}</code></p>")
+    top = len(parts)  # the shown test cases' failures go here, above the tables whose Dice they qualify
+    failures: list = []
     body = md.split("\n", 1)[1] if md.startswith("# ") or md.startswith("## ") else md  # the title is the page's h1
     if m:  # and the command is shown above
         body = body.replace(m.group(0), "", 1)
@@ -318,6 +326,12 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
                     alt += (f". Shown failures ({len(notes)} of the cases): " + "; ".join(notes) if notes else
                             ". No shown case is a failure.")
                     parts.append(_img(png, alt))
+                    failures.append((label, len(notes), len(notes) + alt.count("No shown case")))
+    shown_fail = [(lab, n) for lab, n, _ in failures if n]
+    if shown_fail:
+        parts.insert(top, "<p><b>⚠ Read the Dice with the test cases shown below</b>: "
+                     + "; ".join(f"{html.escape(lab)}: {n} shown case(s) a failure" for lab, n in shown_fail)
+                     + " (a mean Dice can hide a model that marks most of the brain on some cases).</p>")
     return _write_page(out, title, parts)
 
 
