@@ -334,3 +334,18 @@ def test_a_non_editable_install_runs_the_demo_and_python_m_fedmed_from_any_folde
     assert (study / "out" / "results.csv").is_file()
     spec = next((study / "out" / "runs").rglob("job_spec.json"))
     assert str(ROOT) not in spec.read_text()  # built by the installed fedmed, not the clone
+
+
+def test_the_package_metadata_builds_without_a_deprecation_warning():
+    """#89: every install printed three setuptools warnings (``project.license`` as a TOML table); the metadata is
+    applied as a build applies it and warns of nothing deprecated."""
+    import warnings
+
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        apply_configuration(Distribution(), str(ROOT / "pyproject.toml"))
+    assert [str(w.message).splitlines()[0] for w in seen if "eprecat" in type(w.message).__name__ + str(w.message)] \
+        == []
