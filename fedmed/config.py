@@ -17,6 +17,8 @@ fills ``dataset.classes`` from the data it partitions.
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import json
 import re
 from pathlib import Path
@@ -38,7 +40,7 @@ __all__ = ["ConfigError", "DatasetConfig", "SourceConfig", "ExperimentConfig", "
 RELEASE = "imagenet"  # init_weights / encoder_weights: the installed release, by name (fedmed.nn.encoders.release_file)
 
 
-class ConfigError(ValueError):
+class ConfigError(FedmedError, ValueError):
     """A config file that does not validate; the message names the file and every bad key."""
 
 

@@ -19,6 +19,8 @@ with :func:`fedmed.site.tasks.register_task`. ``docs/architecture.md`` has a com
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 from pathlib import Path
 from typing import Annotated, ClassVar, Literal, Optional, Union
 
@@ -38,7 +40,7 @@ __all__ = ["CFLMethod", "DittoMethod", "FECFLMethod", "FMCLMethod", "FedAvgMetho
 CLASSIFY_TASKS = ("train", "validate")
 
 
-class MethodError(ValueError):
+class MethodError(FedmedError, ValueError):
     """A method that cannot be registered or found; one line naming it."""
 
 

@@ -102,7 +102,7 @@ def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = 
 
 
 def parser() -> argparse.ArgumentParser:
-    from fedmed.cli.help import HELP
+    from fedmed.core.helpformat import HELP
 
     ap = argparse.ArgumentParser(prog=os.environ.get("FEDMED_PROG") or None, description=__doc__.splitlines()[0],
                                  formatter_class=HELP)

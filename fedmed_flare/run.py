@@ -360,7 +360,7 @@ def run_prod(job, startup_kit: str, result_dir: Path, timeout: float) -> dict:
 def main(argv=None) -> int:
     from fedmed.config import ConfigError, load_config
 
-    from fedmed.cli.help import HELP
+    from fedmed.core.helpformat import HELP
 
     ap = argparse.ArgumentParser(prog=os.environ.get("FEDMED_PROG") or None, description=__doc__.splitlines()[0],
                                  formatter_class=HELP)

@@ -214,3 +214,34 @@ def test_the_circle_check_sees_the_adapters_old_tracking_circle(tmp_path):
         assert import_circles(sorted(pkg.glob("*.py"))) == [["fedmed_flare.mlflow_receiver", "fedmed_flare.tracking"]]
     finally:
         ROOT = old
+
+
+def test_fedmed_flare_imports_nothing_of_the_command_line():
+    """#88: the FLARE side (a site's executor, the server's controller, the job builder and runner) imported
+    ``fedmed.cli.help`` for a help formatter: two floors up. It needs nothing of the CLI."""
+    files = sorted((ROOT / "fedmed_flare").rglob("*.py"))
+    assert len(files) > 5
+    bad = [f"{f.relative_to(ROOT)}: {m}" for f in files for m in _imports(f) if m == "fedmed.cli" or
+           m.startswith("fedmed.cli.")]
+    assert bad == []
+
+
+def test_every_exception_fedmed_defines_derives_from_fedmed_error():
+    """#88: 21 exception classes over 6 stdlib bases and no common one, so the CLI caught (ValueError, TypeError,
+    OSError, RuntimeError). Every class fedmed (and fedmed_flare) defines that is an exception derives from
+    FedmedError, its stdlib base kept as a second parent."""
+    code = ("import importlib, inspect, pkgutil, fedmed, fedmed_flare\n"
+            "from fedmed.core.errors import FedmedError\n"
+            "bad, n = [], 0\n"
+            "for pkg in (fedmed, fedmed_flare):\n"
+            "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+            "        if m.name.endswith('__main__'): continue\n"
+            "        mod = importlib.import_module(m.name)\n"
+            "        for name, c in vars(mod).items():\n"
+            "            if inspect.isclass(c) and issubclass(c, BaseException) and c.__module__ == m.name:\n"
+            "                n += 1\n"
+            "                if not issubclass(c, FedmedError): bad.append(m.name + '.' + name)\n"
+            "print(n, bad)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    n, bad = out.split(" ", 1)
+    assert int(n) >= 20 and bad.strip() == "[]", out

@@ -269,7 +269,7 @@ def _demo_flux(out: Path, command: str) -> None:
 
 
 def _help():
-    from fedmed.cli.help import HELP
+    from fedmed.core.helpformat import HELP
 
     return HELP
 
@@ -449,7 +449,7 @@ def cmd_encoders(a):
 
 
 def register(sub):
-    from fedmed.cli.help import HELP as H
+    from fedmed.core.helpformat import HELP as H
     n = sub.add_parser("encoders", help="the registered encoders; 'check FILE --encoder NAME': does a weights file load",
                        formatter_class=H)
     n.add_argument("action", nargs="?", choices=["list", "check"], default="list",
@@ -728,7 +728,7 @@ def _sweep_cases(a, cases, out, run_experiment, read_results, sweep_table, clust
 
 
 def register_assess(sub):
-    from fedmed.cli.help import HELP as H
+    from fedmed.core.helpformat import HELP as H
     w = sub.add_parser("sweep", help="run a config's sweep cases (or a --grid); one combined summary.md", formatter_class=H)
     w.add_argument("config", help="experiment config with a sweep: block (or use --grid)")
     w.add_argument("--grid", action="append", default=[], help="key.path=v1,v2: one case per combination (repeatable; "

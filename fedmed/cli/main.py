@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fedmed.cli.help import HELP  # one formatter for every verb and the job scripts
+from fedmed.core.errors import FedmedError
+from fedmed.core.helpformat import HELP  # one formatter for every verb and the job scripts
 
 __all__ = ["main"]
 
@@ -290,7 +291,8 @@ def main(argv=None) -> int:
     _exit_on_sigterm()
     try:
         rc = a.func(a)
-    except (ValueError, TypeError, OSError, RuntimeError) as e:  # one line each (OSError: a folder it cannot write)
+    except (FedmedError, ValueError, TypeError, OSError, RuntimeError) as e:  # one line each (OSError: a folder it
+        # cannot write; every error fedmed raises on purpose is a FedmedError, #88)
         from fedmed.run.experiment import ExperimentError
 
         from pydantic import ValidationError

@@ -12,6 +12,8 @@ everything that leaves a site stay float32 (``get_params``).
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import contextlib
 import re
 
@@ -25,7 +27,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
 
 
-class DeviceError(RuntimeError):
+class DeviceError(FedmedError, RuntimeError):
     """A device this machine does not have; the message names the site and the setting."""
 
 

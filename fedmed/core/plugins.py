@@ -4,6 +4,8 @@ config), never before that check."""
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import importlib
 import sys
 
@@ -20,7 +22,7 @@ def add_code_folder(folder) -> None:
         sys.path.append(folder)
 
 
-class PluginError(ImportError):
+class PluginError(FedmedError, ImportError):
     """A plugin module that may not or cannot be loaded; one line naming it."""
 
     def __str__(self):

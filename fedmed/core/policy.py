@@ -31,6 +31,8 @@ Nothing here imports a module a job names: :meth:`SitePolicy.allows_module` is a
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import json
 import math
 import os
@@ -45,7 +47,7 @@ ANY = "*"  # in "modules": any module
 DEFAULT_K_MIN = 5  # fedmed's default privacy.k_min: what a site without a policy requires
 
 
-class PolicyError(ValueError):
+class PolicyError(FedmedError, ValueError):
     """A job asks for something this site's policy does not allow, or the policy file is wrong; one line naming the
     setting (and no path of the site)."""
 

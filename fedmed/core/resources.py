@@ -8,6 +8,8 @@ folder.
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 from pathlib import Path
 
 __all__ = ["ResourceError", "project_root", "shipped_config"]
@@ -15,7 +17,7 @@ __all__ = ["ResourceError", "project_root", "shipped_config"]
 _PACKAGE = Path(__file__).resolve().parents[1]  # the fedmed package
 
 
-class ResourceError(FileNotFoundError):
+class ResourceError(FedmedError, FileNotFoundError):
     """fedmed's shipped files are missing (a broken install)."""
 
 

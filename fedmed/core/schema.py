@@ -10,6 +10,8 @@ default) is the method's model (``fedmed.methods``), whose hooks fill these sect
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import math
 from typing import Literal, Optional
 
@@ -402,7 +404,7 @@ class TaskConfig(Strict):
                                 "metrics to the trackers only where its policy's 'tracking' allows every one")
 
 
-class TaskConfigError(ValueError):
+class TaskConfigError(FedmedError, ValueError):
     """A task config that does not validate: one line per bad key, naming it (never pydantic's dump or its URL)."""
 
 

@@ -21,6 +21,8 @@ Only file paths and labels are in a datalist; images never leave the site that h
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,7 +125,7 @@ def _dicom_pixels(path, limits=None) -> tuple[np.ndarray, list[str]]:
     return a, done
 
 
-class DataError(ValueError):
+class DataError(FedmedError, ValueError):
     """Bad data at a site. ``str(e)`` is for the site's own log and names the file; ``e.public`` (when given) is what
     the site may tell the server: the split and position (``training[17]``) and the kind of problem, no name."""
 

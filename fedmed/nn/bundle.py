@@ -31,6 +31,8 @@ not exported yet (one line says so).
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import json
 import os
 from pathlib import Path
@@ -38,7 +40,7 @@ from pathlib import Path
 __all__ = ["BundleExportError", "export_bundle"]
 
 
-class BundleExportError(ValueError):
+class BundleExportError(FedmedError, ValueError):
     """A model this exporter cannot write as a bundle; the message says why."""
 
 

@@ -33,6 +33,8 @@ ops (nms, roi_align) are not used by these encoders and would raise if called.
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import logging
 import time
 from dataclasses import dataclass, field
@@ -56,7 +58,7 @@ NORMALIZE_TEXT = {"imagenet": "ImageNet mean/std", "inception": "mean/std 0.5", 
                   "none": "none (raw [0, 1] values)", "volume": "z-score with the positive voxels' mean and std (MedicalNet)"}
 
 
-class EncoderError(ValueError):
+class EncoderError(FedmedError, ValueError):
     """Bad encoder name or weights file; the message names the file and the offending keys."""
 
 

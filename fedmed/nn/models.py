@@ -27,6 +27,8 @@ Every problem is an :class:`ArchError` of one line naming the arch, the argument
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import contextlib
 import re
 
@@ -43,7 +45,7 @@ __all__ = ["ArchError", "BUILTIN_ARCHS", "EfficientNetLiteClassifier", "PRETRAIN
 BUILTIN_ARCHS = ("resnet9", "resnet18", "vit_small")
 
 
-class ArchError(ValueError):
+class ArchError(FedmedError, ValueError):
     """A network that cannot be built: unknown arch, a bad argument, a weights file that does not fit."""
 
 

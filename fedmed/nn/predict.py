@@ -14,6 +14,8 @@ a BraTS-style label map (1 necrotic/non-enhancing core, 2 edema, 4 enhancing) on
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,7 @@ from fedmed.core.schema import ModelSection
 __all__ = ["ModelFileError", "load_model", "predict_images", "predict_volume", "save_model"]
 
 
-class ModelFileError(ValueError):
+class ModelFileError(FedmedError, ValueError):
     """A file that is not a usable fedmed model; the message names it."""
 
 

@@ -25,6 +25,8 @@ makes the experiment fail (non-zero exit) after the other runs.
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import contextlib
 import contextvars
 import hashlib
@@ -56,7 +58,7 @@ _IN_PROCESS = contextvars.ContextVar("fedmed_experiment_in_process", default=Fal
 KILLED = (-9, 137, 247)  # SIGKILL as a return code, through a shell, and as the simulator reports it
 
 
-class RunError(RuntimeError):
+class RunError(FedmedError, RuntimeError):
     """A run that did not finish: ``status`` (failed / stopped), ``reason``, and the record so far (``doc``)."""
 
     def __init__(self, status: str, reason: str, doc: dict | None = None):
@@ -64,7 +66,7 @@ class RunError(RuntimeError):
         self.status, self.reason, self.doc = status, reason, doc or {}
 
 
-class ExperimentError(RuntimeError):
+class ExperimentError(FedmedError, RuntimeError):
     """Some runs of an experiment did not finish; the message lists them with their reasons."""
 
 
@@ -641,7 +643,7 @@ def select_methods(available, wanted, config_path) -> list:
     return [m for i, m in enumerate(available) if i in picked]
 
 
-class OutputBusy(RuntimeError):
+class OutputBusy(FedmedError, RuntimeError):
     """Another fedmed process is writing the same output folder."""
 
 

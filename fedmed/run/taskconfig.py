@@ -7,9 +7,11 @@ the same site code with it.
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
 
 
-class BuildError(ValueError):
+
+class BuildError(FedmedError, ValueError):
     """A job that cannot be built from this config; the message names the key or file."""
 
 

@@ -30,6 +30,8 @@ config extended, ``fedmed experiment tuned.yaml`` starts from it) and every tria
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import csv
 import json
 import math
@@ -48,7 +50,7 @@ FAILS_IN_A_ROW = 3  # trials failing one after another: the federation or config
 HEARTBEAT_S, GRACE_S = 30, 120  # a running trial's heartbeat; a trial silent for longer was killed and is run again
 
 
-class TuneError(ValueError):
+class TuneError(FedmedError, ValueError):
     """A tuning that cannot start or chose nothing (the message says why)."""
 
 

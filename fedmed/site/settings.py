@@ -33,6 +33,8 @@ text that leaves a site goes through :func:`redact`: no path of any form and no 
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import json
 import os
 import re
@@ -48,7 +50,7 @@ SETTINGS_FILE = "fedmed_site.json"
 _KEYS = {"datalist", "data_root", "allow_per_image", "k_min", "device", "device_data_gb", "cache_dir"}
 
 
-class SiteConfigError(ValueError):
+class SiteConfigError(FedmedError, ValueError):
     """A site whose settings are missing or wrong; the message names the site and the setting."""
 
 

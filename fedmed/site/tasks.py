@@ -15,6 +15,8 @@ and Fed-MAE sites have their own task tables (:mod:`fedmed.site.seg`, :mod:`fedm
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import zlib
 from pathlib import Path
 from typing import Annotated, NamedTuple
@@ -39,7 +41,7 @@ def task_seed(cfg: dict, site: str, round_: int | None = None, *, salt: int = 0)
     return (seed * 7919 + crc + int(salt)) % (2**32)
 
 
-class TaskError(RuntimeError):
+class TaskError(FedmedError, RuntimeError):
     """A task this site cannot perform; the message says why (names files where relevant)."""
 
 

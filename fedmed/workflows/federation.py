@@ -20,6 +20,8 @@ and save the same way.
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import json
 from pathlib import Path
 
@@ -52,11 +54,11 @@ def run_result(doc: dict) -> dict:
             "final_round": last.get("round"), "final_summary": last.get("summary")}
 
 
-class RunStopped(Exception):
+class RunStopped(FedmedError):
     """The federation ended the run (FLARE's abort signal); the run stops where it is."""
 
 
-class RunFailed(Exception):
+class RunFailed(FedmedError):
     """The run cannot go on (e.g. fewer than min_clients sites answered); the message says why."""
 
 

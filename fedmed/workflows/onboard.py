@@ -37,6 +37,8 @@ site is written as ``models/<site>.pt`` (``fedmed predict --model``).
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import json
 import shutil
 from pathlib import Path
@@ -247,7 +249,7 @@ class Onboard(Workflow):
 ONBOARDING_FILES = ("onboarding.json", "onboarding.npz", "flux_state.npz")
 
 
-class OnboardingError(ValueError):
+class OnboardingError(FedmedError, ValueError):
     """A training result no new site can be onboarded from; the message is one line naming it."""
 
 

@@ -7,6 +7,8 @@ plugin's by its own module (``toy_rule:ToyClusters``), which must have been load
 
 from __future__ import annotations
 
+from fedmed.core.errors import FedmedError
+
 import importlib
 import sys
 
@@ -20,7 +22,7 @@ SERVER_WORKFLOWS = {"fedavg": "fedavg:FedAvg", "finetune": "finetune:Finetune", 
 _OWN_MODULES = {v.split(":")[0] for v in SERVER_WORKFLOWS.values()}
 
 
-class WorkflowNotFound(KeyError):
+class WorkflowNotFound(FedmedError, KeyError):
     def __str__(self):
         return str(self.args[0])
 

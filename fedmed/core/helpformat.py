@@ -1,5 +1,6 @@
 """The help formatter of every ``fedmed`` verb and of the shipped job builder and runner (``fedmed_flare.build``,
-``fedmed_flare.run``): argparse's defaults, said once."""
+``fedmed_flare.run``): argparse's defaults, said once. In ``core`` so that the FLARE side needs nothing of the CLI
+(#88)."""
 
 from __future__ import annotations
 
