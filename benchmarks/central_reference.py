@@ -2,7 +2,7 @@
 (issue #53).
 
     .venv/bin/python benchmarks/central_reference.py results/transfer_factors_head/recipe+epochs_4 --seeds 0 1 2 \\
-        --set model.init_weights=$W --set train.local_epochs=4
+        --set model.init_weights=imagenet --set train.local_epochs=4
 
 ``references=[centralized]`` trains one model on the pooled training images of every site for ``rounds x
 local_epochs`` epochs and scores it after every ``local_epochs`` epochs (:func:`fedmed.run.references.centralized_rows`,

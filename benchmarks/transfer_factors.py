@@ -1,8 +1,7 @@
 """Why a pretrained network fine-tunes worse federated than centrally (issue #53): one factor at a time, on
 validation data.
 
-    W=$(.venv/bin/python -c "from fedmed.nn.encoders import released_weights; print(released_weights('efficientnet_lite0'))")
-    .venv/bin/python benchmarks/transfer_factors.py --weights $W --out results/transfer_factors [--seeds 0] \\
+    .venv/bin/python benchmarks/transfer_factors.py --weights imagenet --out results/transfer_factors [--seeds 0] \\
         [--only release zero_head ...] [--table-only]
 
 Every factor is one ``fedmed experiment`` of ``app_configs/breast_us_lite0.yaml`` (FedAvg, 17 natural sites, the
@@ -207,7 +206,8 @@ def main(argv=None) -> int:
     import numpy as np
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--weights", required=True, help="the EfficientNet-Lite0 release file (released_weights)")
+    ap.add_argument("--weights", required=True, help="the EfficientNet-Lite0 release: imagenet (the installed "
+                    "release, by name) or its file")
     ap.add_argument("--out", default="results/transfer_factors")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--only", nargs="*", default=[], help=f"factors to run, of {list(FACTORS)}, or a+b (both)")

@@ -257,3 +257,17 @@ def test_the_recipes_tune_command_runs_as_written(tmp_path):
     out = here / "results" / "demo_tune"
     exp = load_config(out / "tuned.yaml")
     assert exp.name == "demo-digits" and "full run(s) of the config's recipe (budget 2)" in (out / "tuning.md").read_text()
+
+
+def test_a_page_whose_commands_are_not_prefixed_says_to_activate_the_environment_first():
+    """#89: every command of every page runs as written in a new shell, prefixed with the clone's ``.venv/bin/`` or
+    after one stated ``source .venv/bin/activate`` before the page's first command."""
+    prefixed = (".venv/", "MLFLOW_ALLOW_FILE_STORE=true .venv/", "BUSI_DIR=", "BRATS_DIR=", "IN_PROCESS=", "git clone",
+                "python3 -m venv", "provision/", "source ")
+    pages = ["deployment.md", "recipes.md", "results.md", "readings.md", *LAB]
+    for page in pages:
+        bare = [c for c in doc_commands(page) if not c.startswith(prefixed)]
+        if bare:
+            text = (ROOT / "docs" / page).read_text()
+            assert "`source .venv/bin/activate`" in text[:text.index("```bash")], (page, bare[0])
+    assert any(not c.startswith(prefixed) for p in LAB for c in doc_commands(p))  # the check has work to do
