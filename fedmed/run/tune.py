@@ -153,11 +153,11 @@ def tune(config, out, budget: float, *, storage: str | None = None, datalists=No
     full = exp.train.rounds * exp.train.local_epochs  # one full run of the config's recipe, in local epochs
     url = storage or f"sqlite:///{(out / 'tuning.db').resolve()}"
     st = optuna.storages
-    retry = ({"heartbeat_stale_trial_callback": st.RetryHeartbeatStaleTrialCallback(max_retry=2)}  # Optuna >= 4.9
-             if hasattr(st, "RetryHeartbeatStaleTrialCallback") else
-             {"failed_trial_callback": st.RetryFailedTrialCallback(max_retry=2)})
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # Optuna calls its heartbeat experimental; fedmed relies on it knowingly
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = ({"heartbeat_stale_trial_callback": st.RetryHeartbeatStaleTrialCallback(max_retry=2)}  # Optuna >= 4.9
+                 if hasattr(st, "RetryHeartbeatStaleTrialCallback") else
+                 {"failed_trial_callback": st.RetryFailedTrialCallback(max_retry=2)})
         storage_ = st.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, **retry)
     name = f"fedmed-{exp.name}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
