@@ -146,6 +146,14 @@ def test_demo_report_in_a_headless_browser():
                  "segmentation: learning curves", "flux: learning curves"):  # each part's curves (#38)
         assert part in html, part
     assert str(ROOT) not in html  # no absolute path in a report (#38: its Setup line showed one)
+    # #89's report items, on the rendered page: the sites' difference answered first, trained methods counted without
+    # the plan's rows, no empty tie, each part's learning curves under its own part (before the next part's heading)
+    assert "Do the sites differ?" in parts[0] and "Of the 3 federated methods" in parts[0], parts[0]
+    assert "by 0.0 points" not in body and "mean ± std over seeds" not in body
+    heads = [html.index(f"<h3>{k}. ") for k in (2, 3)]
+    caps = [html.index(f"figcaption>{p}: learning curves") for p in ("classification", "segmentation", "flux")]
+    assert caps[0] < heads[0] < caps[1] < heads[1] < caps[2], (caps, heads)
+    assert not re.search(r"Produced by: <code>[^<]*\.\.\./", html)
 
 
 def html_count(page: Path, phrase: str) -> int:

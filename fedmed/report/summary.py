@@ -449,7 +449,7 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
     text += intro + "\n\n" + table
     phases = summarize_phases(rows)
     if phases:
-        text += ("\n### Unseen sites (onboarded after training)\n\nAccuracy in %, mean ± std over seeds of the mean "
+        text += ("\n### Unseen sites (onboarded after training)\n\nAccuracy in %, " + spread + " of the mean "
                  "over unseen sites. Assigned model: the cluster model the method gives a new site (fedmed.workflows."
                  "onboard: Flux the nearest label-free centroid, Eq. 9; FMCL/PACFL/FECFL the run's linkage; IFCA the "
                  "lowest loss; CFL its parameter tree; FedAvg: the global model). Scored on all the site's data when "
