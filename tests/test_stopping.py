@@ -205,3 +205,34 @@ def test_a_summary_flags_a_method_deciding_worse_than_the_constant_answer():
     line = below_constant(rows)
     assert line.startswith("Below the constant answer (74.70%, the majority class): FedAvg (66.00%)")
     assert "FMCL" not in line and below_constant(rows[1:]) == ""
+
+
+@pytest.mark.parametrize("method", [{"name": "IFCA", "workflow": "ifca", "n_clusters": 2},
+                                    {"name": "CFL", "workflow": "cfl"}])
+def test_ifca_and_cfl_stop_by_the_same_rule_and_recalibrate_in_their_own_loops(tmp_path, monkeypatch, method):
+    """#85 (the rule in every clustered workflow) and #88 item 4 (a workflow's own loop cannot skip the cross-cutting
+    steps): IFCA's and CFL's loops stop when the federation's validation score stops rising — after round 2 at
+    patience 2 for a model that learns nothing, one more round scored — record why, and re-estimate batch-norm
+    statistics (``train.norm_recalibrate``) as FedAvg's loop does."""
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+    from fedmed.workflows.base import Workflow
+
+    asked = []
+    real = Workflow.gather
+
+    def counted(self, task_name, message, what, **kw):
+        got = real(self, task_name, message, what, **kw)
+        if task_name == "norm_stats" and got:  # the sites sent their statistics and the server re-estimated
+            asked.append(kw.get("round_"))
+        return got
+
+    monkeypatch.setattr(Workflow, "gather", counted)
+    exp, data = _federation(tmp_path, methods=[method], train={"norm_recalibrate": True, "norm_stats": "train"})
+    status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0), data, tmp_path / "run")
+    assert status == "finished", fed.recorder.doc.get("reason")
+    doc = fed.recorder.doc
+    assert [(r["round"], r["task"]) for r in doc["rounds"] if r["task"] in ("train", "validate")] == [
+        (0, "train"), (1, "train"), (2, "train"), (3, "validate")]
+    st = doc["stop"]["global"]
+    assert st["stopped_at"] == 2 and st["why"].startswith("stopped after round 2")
+    assert asked and set(asked) <= {1, 2, 3} and 1 in asked  # the trained rounds' models re-estimated

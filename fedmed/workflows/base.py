@@ -229,8 +229,7 @@ class Workflow:
             for r in range(start, warmup):
                 rows = self.record_rows(r, self.send("train", self.task(theta0, r), targets=sorted(
                     {s for c in clusters for s in c})), "train")
-                theta0 = self.recalibrated(self.aggregate(rows, base=theta0), r + 1,
-                                           targets=sorted(x.site for x in rows))
+                theta0 = self.next_model(rows, theta0, r)
                 self.checkpoint(r + 1, {"global": theta0}, clusters=clusters, **state)
             self.info(f"FedAvg warm-up of {warmup} round(s) done; cluster models start from it")
             saved, start = {"global": theta0}, warmup
@@ -252,8 +251,7 @@ class Workflow:
                 break
             for c, good in replies.items():
                 if good and c in active:
-                    theta[c] = self.recalibrated(self.aggregate(good, base=theta[c], key=f"cluster{c}"), r + 1,
-                                                 targets=sorted(x.site for x in good))
+                    theta[c] = self.next_model(good, theta[c], r, key=f"cluster{c}")
             active -= {c for c in active if stops[c].stopped_at is not None}
             self.checkpoint(r + 1, {f"cluster{c}": t for c, t in theta.items()}, clusters=clusters,
                             stoppers={f"cluster{c}": st for c, st in stops.items()}, **state)
@@ -263,6 +261,15 @@ class Workflow:
                                 decision=self.decision(stops[c].last_hist))
         self.save_selected({f"cluster{c}": st for c, st in stops.items() if clusters[c]}, last)
         return clusters
+
+    def next_model(self, rows, base: dict, round_: int, key: str = "global", targets=None) -> dict:
+        """Step, for every workflow's loop: the served model ``key``'s parameters after round ``round_`` from the sites'
+        updates ``rows`` — the aggregator's average, the server optimizer's step from ``base`` (``train.server_opt``)
+        and the batch-norm statistics re-estimated over the sites that trained it (``train.norm_recalibrate``;
+        ``targets``, default the rows' sites). Every loop takes its models from here, so none of the three is skipped
+        (#88: IFCA's and CFL's own loops skipped the re-estimate)."""
+        return self.recalibrated(self.aggregate(rows, base=base, key=key), round_ + 1,
+                                 targets=sorted(x.site for x in rows) if targets is None else targets)
 
     def recalibrated(self, theta: dict, round_: int, targets=None) -> dict:
         """Step (``train.norm_recalibrate``): ``theta`` with its batch-norm running statistics re-estimated over the

@@ -37,13 +37,19 @@ class CFL(FedAvg):
         theta = [saved.get(f"cluster{c}") or self.initial_params() for c in range(len(clusters))]
         splits = st.get("splits", [])
         tree = {k: v for k, v in saved.items() if k.startswith("split")}  # the parameter tree (for onboarding)
+        stop = self.stopper("global")  # train.stop on the federation's validation score (#85: every clustered loop)
+        last = self.num_rounds if stop.stopped_at is None else stop.stopped_at + 1
         for r in range(self.start_round(), self.num_rounds + 1):
-            task = "train" if r < self.num_rounds else "validate"
+            task = "train" if r < last else "validate"
             replies = self.send_groups(task, {c: (self.task(theta[c], r, cluster=c), sites)
                                               for c, sites in enumerate(clusters) if sites})
-            ok = {row[0] for row in self.record_rows(r, [row for rows in replies.values() for row in rows], task)}
+            answered = self.record_rows(r, [row for rows in replies.values() for row in rows], task)
+            ok = {row[0] for row in answered}
+            halt = self.observe(stop, r, answered, None)  # several models: no single selected one is kept
             if task != "train":
                 break
+            if halt:
+                stop.stopped_at, last = r, r + 1
             new_clusters, new_theta, parent = [], [], {}
             for c, sites in enumerate(clusters):
                 good = [row for row in replies.get(c, []) if row[0] in ok]
@@ -55,7 +61,7 @@ class CFL(FedAvg):
                 updates = [{k: np.asarray(p[k]) - np.asarray(theta[c][k]) for k in theta[c]} for *_, p in good]
                 decision = cfl_split(updates, [meta["n_train"] for _, _, meta, _ in good], eps1=self.eps1,
                                      eps2=self.eps2)
-                agg = self.aggregate(good, base=theta[c], key=f"cluster{c}")
+                agg = self.next_model(good, theta[c], r, key=f"cluster{c}")
                 if decision["split"] and r >= self.warmup_rounds:
                     names = [s for s, *_ in good]
                     halves = [[n for n, lab in zip(names, decision["labels"]) if lab == h] for h in (0, 1)]
@@ -79,8 +85,9 @@ class CFL(FedAvg):
             clusters, theta = new_clusters, new_theta
             self.move_server_opt({f"cluster{n}": f"cluster{o}" for n, o in parent.items()})
             self.checkpoint(r + 1, {**{f"cluster{c}": t for c, t in enumerate(theta)}, **tree}, clusters=clusters,
-                            splits=splits)
+                            splits=splits, stoppers={"global": stop})
         self.recorder.note("clustering", {"clusters": clusters, "splits": splits, "rule": "CFL"})
+        self.save_selected({"global": stop}, last)
         for c, sites in enumerate(clusters):
             self.save_final(theta[c], name=f"cluster{c}", sites=sites, cluster=c)
         self.save_onboarding("cfl", dict(enumerate(clusters)), splits=[{"cluster": sp["cluster"], "into": sp["into"]}

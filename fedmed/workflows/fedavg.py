@@ -35,8 +35,7 @@ class FedAvg(Workflow):
         for r in range(self.start_round(), self.num_rounds if stop.stopped_at is None else 0):
             updates = self.record_rows(r, self.send("train", self.task(theta, r)), "train")
             halt = self.observe(stop, r, updates, theta)
-            theta = self.recalibrated(self.aggregate(updates, base=theta), r + 1,  # train.norm_recalibrate
-                                      targets=sorted(x.site for x in updates))
+            theta = self.next_model(updates, theta, r)  # the average, train.server_opt, train.norm_recalibrate
             if halt:
                 stop.stopped_at, last = r, r + 1
             self.checkpoint(r + 1, {"global": theta}, stoppers={"global": stop}, **state)

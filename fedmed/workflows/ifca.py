@@ -35,25 +35,34 @@ class IFCA(FedAvg):
         saved = self.resumed_models()
         models = [saved.get(f"cluster{j}") or self.initial_params(self.start_config(j)) for j in range(self.k)]
         rows = []
+        stop = self.stopper("global")  # train.stop on the federation's validation score (#85: every clustered loop)
+        last = self.num_rounds if stop.stopped_at is None else stop.stopped_at + 1
         for r in range(self.start_round(), self.num_rounds + 1):
-            train = r < self.num_rounds
+            train = r < last
             packed = pack_models(models)
             sites = self.sample(r, self.participation) if train else list(self.sites)
             rows = self.record_rows(r, self.send("ifca", self.task(packed, r, ifca={"k": self.k, "train": train}),
                                                  targets=sites), "train" if train else "validate")
-            if train:
-                before = models
-                models, refilled = ifca_models(
-                    models, [x.params for x in rows], [x.meta["n_train"] for x in rows],
-                    [x.meta["cluster"] for x in rows], empty=self.empty_cluster,
-                    all_answered=len(rows) == len(self.sites), names=[x.site for x in rows])
-                moved = {x.meta["cluster"] for x in rows} | set(refilled)
-                models = [self.server_step(old, m, f"cluster{j}") if j in moved else m
-                          for j, (old, m) in enumerate(zip(before, models))]
-                if refilled:
-                    self.info(f"IFCA round {r}: no site chose model(s) {refilled}; set to this round's average")
-                self.checkpoint(r + 1, {f"cluster{j}": m for j, m in enumerate(models)})
+            halt = self.observe(stop, r, rows, None)  # K models: no single selected one is kept
+            if not train:
+                break
+            before = models
+            models, refilled = ifca_models(
+                models, [x.params for x in rows], [x.meta["n_train"] for x in rows],
+                [x.meta["cluster"] for x in rows], empty=self.empty_cluster,
+                all_answered=len(rows) == len(self.sites), names=[x.site for x in rows])
+            moved = {x.meta["cluster"] for x in rows} | set(refilled)
+            chose = {j: sorted(x.site for x in rows if x.meta["cluster"] == j) for j in moved}
+            models = [self.recalibrated(self.server_step(old, m, f"cluster{j}"), r + 1,  # as next_model does
+                                        targets=chose[j] or sorted(x.site for x in rows)) if j in moved else m
+                      for j, (old, m) in enumerate(zip(before, models))]
+            if refilled:
+                self.info(f"IFCA round {r}: no site chose model(s) {refilled}; set to this round's average")
+            if halt:
+                stop.stopped_at, last = r, r + 1
+            self.checkpoint(r + 1, {f"cluster{j}": m for j, m in enumerate(models)}, stoppers={"global": stop})
         self.recorder.note("clustering", {"k": self.k, "rule": "IFCA (lowest local loss)"})
+        self.save_selected({"global": stop}, last)
         chose = {j: [x.site for x in rows if x.meta["cluster"] == j] for j in range(self.k)}  # the final round's
         for j, m in enumerate(models):
             self.save_final(m, name=f"cluster{j}", sites=chose[j], cluster=j)
