@@ -57,7 +57,7 @@ class Flux(FedAvg):
         while r < self.num_rounds - 1:
             part = self.sample(r, self.participation)
             rows = self.record_rows(r, self.send("train", self.task(theta, r), targets=part), "train")
-            theta = self.recalibrated(self.aggregate(rows, base=theta), r + 1, targets=sorted(x.site for x in rows))
+            theta = self.next_model(rows, theta, r)
             score = round_mean(rows, "val_accuracy")  # the served model's validation accuracy (Eq. 14's a_r)
             score = round_mean(rows, "accuracy") if score is None else score
             acc.append(0.0 if score is None else score)
@@ -110,8 +110,10 @@ class Flux(FedAvg):
             lo, hi, info = self.cluster_sites(theta_star, r0)
             assign = {s: lab for s, lab in zip(info["sites"], info["labels"])}
             models = {c: theta_star for c in range(info["k"])}
+        stop = self.stopper("global")  # train.stop on the federation's validation score once clustered (#85)
+        last = self.num_rounds if stop.stopped_at is None else stop.stopped_at + 1
         for rr in range(r0, self.num_rounds + 1):
-            task = "train" if rr < self.num_rounds else "validate"
+            task = "train" if rr < last else "validate"
             sampled = self.sample(rr, self.participation) if task == "train" else list(self.sites)
             new = [s for s in sampled if s not in assign]
             for s, meta in self.descriptors(theta_star, new).items() if new else []:
@@ -119,14 +121,18 @@ class Flux(FedAvg):
                 self.info(f"{s} joins cluster {assign[s]} (nearest centroid)")
             replies = self.cluster_round(rr, task, models, {c: [s for s in sampled if assign.get(s) == c]
                                                             for c in models})
-            if task == "train":
-                for c, good in replies.items():
-                    if good:
-                        models[c] = self.recalibrated(self.aggregate(good, base=models[c], key=f"cluster{c}"),
-                                                      rr + 1, targets=sorted(x.site for x in good))
-                self.checkpoint(rr + 1, {"theta_star": theta_star, **{f"cluster{c}": m for c, m in models.items()}},
-                                phase="clustered", lo=lo, hi=hi, assign=assign,
-                                info={k: v for k, v in info.items() if k not in ("labels",)})
+            halt = self.observe(stop, rr, [x for rows in replies.values() for x in rows], None)
+            if task != "train":
+                break
+            for c, good in replies.items():
+                if good:
+                    models[c] = self.next_model(good, models[c], rr, key=f"cluster{c}")
+            if halt:
+                stop.stopped_at, last = rr, rr + 1
+            self.checkpoint(rr + 1, {"theta_star": theta_star, **{f"cluster{c}": m for c, m in models.items()}},
+                            phase="clustered", lo=lo, hi=hi, assign=assign,
+                            info={k: v for k, v in info.items() if k not in ("labels",)}, stoppers={"global": stop})
+        self.save_selected({"global": stop}, last)
         self.recorder.note("assignment", assign)
         for c, th in models.items():
             self.save_final(th, name=f"cluster{c}", sites=[s for s, a in assign.items() if a == c], cluster=c)
