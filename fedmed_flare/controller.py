@@ -106,9 +106,14 @@ class WorkflowController(Federation, ModelController):
         return Path(self.get_app_dir()) / "custom" / jobfiles.USER_CODE_DIR
 
     @cached_property
+    def typed_config(self):
+        """The task config, typed: validated once per job at the server (#88)."""
+        return task_config(self.task_config)
+
+    @cached_property
     def federation_settings(self):
-        """The task config's ``federation`` section, typed (sites, min_clients, timeouts): validated once."""
-        return task_config(self.task_config).federation
+        """The task config's ``federation`` section (sites, min_clients, timeouts)."""
+        return self.typed_config.federation
 
     def resume_dir(self):
         return self.job_files / RESUME_DIR if self.resume else None
@@ -130,7 +135,7 @@ class WorkflowController(Federation, ModelController):
         if self.user_code.is_dir():
             add_code_folder(self.user_code)  # a plugin or a user's class the job carries (BYOC), after what is installed
         try:  # a plugin method's module, if the server's policy lists it
-            import_plugins(task_config(self.task_config).plugins, self.policy.modules)
+            import_plugins(self.typed_config.plugins, self.policy.modules)
             cls = server_workflow(self.workflow_name)
         except (PluginError, WorkflowNotFound) as e:
             self.panic(f"fedmed run failed: the server cannot run the job's workflow: {e}")

@@ -118,3 +118,38 @@ def test_round_mean_reads_the_replies_as_the_record_summarises_them():
     assert round_mean(rows, "val_accuracy") == pytest.approx(0.6)
     assert round_mean(rows, "accuracy") is None
     assert np.isnan(round_mean([Reply("a", {"x": float("nan")}, {}, {})], "x"))
+
+
+def test_the_server_validates_the_task_config_once_per_job_not_per_send(tmp_path, monkeypatch):
+    """#88: the server re-validated the task config about ten times a job (``Federation.min_clients`` on every
+    send). In a FedAvg run of 4 rounds the server side (fedmed.workflows) validates it a bounded number of times,
+    however many rounds it sends."""
+    import inspect
+
+    import yaml
+
+    import fedmed.core.schema as schema
+    from fedmed.config import load_config
+    from fedmed.run.experiment import classes_override, prepare_federation
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+
+    raw = {"name": "once", "dataset": {"path": "builtin:digits", "image_size": 8, "max_per_class": 10},
+           "federation": {"sites": 2}, "model": {"arch": "resnet9", "width": 4}, "train": {"rounds": 4},
+           "references": [], "methods": [{"name": "FedAvg", "workflow": "fedavg"}]}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    exp = load_config(tmp_path / "c.yaml")
+    data = prepare_federation(exp, 0, tmp_path / "data")
+    exp = load_config(tmp_path / "c.yaml", classes_override(data, exp))
+    calls = []
+    real = schema.task_config
+
+    def counted(cfg):
+        caller = inspect.stack()[1].filename
+        if "/fedmed/workflows/" in caller:
+            calls.append(caller.rsplit("/", 1)[1])
+        return real(cfg)
+
+    monkeypatch.setattr(schema, "task_config", counted)
+    status, _ = run_spec_in_process(job_spec(exp, exp.methods[0], 0), data, tmp_path / "run")
+    assert status == "finished"
+    assert len(calls) <= 3, calls  # the workflow's typed config, its initial model, the simulated sites' policy

@@ -133,9 +133,7 @@ class Federation:
 
     @property
     def min_clients(self) -> int:
-        from fedmed.core.schema import task_config
-
-        return task_config(self.cfg).federation.min_clients
+        return self.workflow.task_cfg.federation.min_clients  # the config validated once per run (#88)
 
     def send(self, task_name: str, data, targets=None) -> list:
         """One task to ``targets`` (default: the run's sites); the (site, metrics, meta, params) rows."""
@@ -190,9 +188,7 @@ class Federation:
         self.track_run(params=flat_params({"config": settings, "workflow": self.workflow.record_name}))
         from fedmed.algorithms.privacy import k_min_consent_note
 
-        from fedmed.core.schema import task_config
-
-        consent = k_min_consent_note(task_config(self.cfg).privacy.model_dump())
+        consent = k_min_consent_note(self.workflow.task_cfg.privacy.model_dump())
         if consent:  # stated in the run's record and the server's log
             self.recorder.note("privacy_consent", consent)
             self.warning(consent)
