@@ -78,7 +78,7 @@ def cluster_rows(kind: str, feats: dict, groups: dict, k_min: int, privacy: dict
     from fedmed.algorithms.clustered import choose_clusters, signature_distances
     from fedmed.algorithms.privacy import signature_payload
     from fedmed.methods import PACFLMethod
-    from fedmed.run.experiment import clusters_ari
+    from fedmed.algorithms.clustering import clusters_ari
 
     sigs = {}
     for s, (x, y) in feats.items():
@@ -117,7 +117,7 @@ def emd_rows(feats_raw: dict, groups: dict) -> tuple[dict, list, np.ndarray]:
     """004_'s EMD on each site's histogram of per-image mean intensities (an aggregate of the site's images)."""
     from fedmed.algorithms.clustered import choose_clusters
     from fedmed.algorithms.heterogeneity import emd_matrix
-    from fedmed.run.experiment import clusters_ari
+    from fedmed.algorithms.clustering import clusters_ari
 
     names = sorted(feats_raw)
     edges = np.linspace(0.0, 1.0, 51)

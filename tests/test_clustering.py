@@ -308,3 +308,16 @@ def test_the_natural_assessment_takes_the_true_grouping_from_the_federation_it_w
     with pytest.raises(SystemExit) as e:
         mod.main(["--help"])
     assert e.value.code == 0
+
+
+def test_the_ari_of_a_clustering_and_the_known_association_live_with_the_clustering_math():
+    """#88: the ARI of found clusters against the true groups was computed three times (experiment, ssl, unseen
+    sites) and lived in run/; one function in algorithms/, over the sites both maps name."""
+    from fedmed.algorithms.clustering import clusters_ari, known_association, partition_ari
+
+    groups = {"a": 0, "b": 0, "c": 1, "d": 1}
+    assert clusters_ari([["c", "d"], ["a", "b"]], groups) == 1.0  # the cluster numbering does not matter
+    assert clusters_ari([["a", "c"], ["b", "d"]], groups) < 0.0
+    assert partition_ari({"a": 5, "b": 5, "c": 7, "z": 1}, groups) == 1.0  # only the sites both name
+    assert known_association({**groups, "u": 1, "v": 0}, {"a": 2, "b": 2, "c": 0, "d": 1}, ["u", "v"]) == {"u": 0,
+                                                                                                        "v": 2}

@@ -27,12 +27,15 @@ __all__ = [
     "agglomerative",
     "auto_k",
     "canonical_labels",
+    "clusters_ari",
     "cv_window",
     "farthest_split",
     "kmeans_prior",
+    "known_association",
     "labels_to_clusters",
     "linkage_matrix",
     "most_distant_site",
+    "partition_ari",
     "silhouette",
     "silhouettes",
 ]
@@ -507,3 +510,27 @@ def merge_small_clusters(clusters: list[list[str]], sizes: dict, D, names: list[
         merges.append({"cluster": list(g), "images": images(g), "into": list(near)})
         groups = [sorted(h + g) if h is near else h for h in others]
     return sorted(groups, key=lambda c: c[0]), merges
+
+
+def partition_ari(assign: dict, labels: dict) -> float:
+    """Adjusted Rand index (scikit-learn's) of a site -> cluster map against a site -> label map, over the sites in
+    both, in sorted order."""
+    from sklearn.metrics import adjusted_rand_score
+
+    sites = sorted(set(assign) & set(labels))
+    return float(adjusted_rand_score([labels[s] for s in sites], [assign[s] for s in sites]))
+
+
+def clusters_ari(clusters: list[list[str]], labels: dict) -> float:
+    """:func:`partition_ari` of a clustering given as lists of site names."""
+    return partition_ari({s: k for k, c in enumerate(clusters) for s in c}, labels)
+
+
+def known_association(groups: dict, assign: dict, unseen: list) -> dict:
+    """unseen site -> the cluster most training sites of its true group ended in (ties: the lowest cluster)."""
+    out = {}
+    for u in unseen:
+        votes = [assign[s] for s, g in groups.items() if g == groups[u] and s in assign]
+        if votes:
+            out[u] = int(max(set(votes), key=lambda c: (votes.count(c), -c)))
+    return out

@@ -434,14 +434,6 @@ def training_assignment(doc: dict, method, folder: Path | None = None) -> dict:
     return type(method).training_assignment(doc)
 
 
-def known_association(groups: dict, assign: dict, unseen: list) -> dict:
-    """unseen site -> the cluster most training sites of its true group ended in."""
-    out = {}
-    for u in unseen:
-        votes = [assign[s] for s, g in groups.items() if g == groups[u] and s in assign]
-        if votes:
-            out[u] = int(max(set(votes), key=lambda c: (votes.count(c), -c)))
-    return out
 
 
 def mlflow_ui_command(out) -> str:
@@ -710,6 +702,7 @@ def _site_cache_in(folder: Path):
 
 
 def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, command) -> list[dict]:
+    from fedmed.algorithms.clustering import clusters_ari
     from fedmed.config import load_config
 
     overrides = list(overrides or [])
@@ -928,6 +921,8 @@ def _add_pooled_val_auc(saved: dict, work: Path) -> bool:
 
 
 def _add_clusters(saved: dict, work: Path, meta: dict) -> None:
+    from fedmed.algorithms.clustering import clusters_ari  # scipy: only when a run needs it
+
     from fedmed.run.references import run_clusters
 
     doc = _run_record(work)
@@ -947,6 +942,8 @@ def clustering_agreement(parts: list[tuple[str, list, Path]]) -> str:
     """Markdown: per sweep case and clustering method, the clusters found per seed and the ARI against the
     clustering the same method found for the same seed in the first case it runs in (e.g. without DP).
     Empty when no case has recorded clusters."""
+    from fedmed.algorithms.clustering import clusters_ari  # scipy: only when a run needs it
+
     found: dict = {}  # method -> case -> seed -> clusters
     for name, _, d in parts:
         for f in sorted(Path(d).glob("runs/seed*/*/run.json")):
@@ -972,13 +969,6 @@ def clustering_agreement(parts: list[tuple[str, list, Path]]) -> str:
             "|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
 
 
-def clusters_ari(clusters: list[list[str]], labels: dict) -> float:
-    """Adjusted Rand index of a clustering (lists of site names) against a site -> label map (the sites in both)."""
-    from sklearn.metrics import adjusted_rand_score
-
-    assign = {s: k for k, c in enumerate(clusters) for s in c}
-    sites = sorted(set(assign) & set(labels))
-    return float(adjusted_rand_score([labels[s] for s in sites], [assign[s] for s in sites]))
 
 
 def _references(exp, seed, data_dir, out, chosen, log, resume, seg) -> list[dict]:
@@ -1077,13 +1067,11 @@ def _fallback_run(exp, seed: int, out: Path) -> str | None:
 
 
 def _unseen(exp, m, seed, data_dir, work, doc, meta, log) -> list[dict]:
-    from sklearn.metrics import adjusted_rand_score
+    from fedmed.algorithms.clustering import known_association, partition_ari  # scipy: only when a run needs it
 
     assign = training_assignment(doc, m, work / "server")
     groups = meta.get("groups")  # known only for ANDA federations
-    trained = sorted(assign)
-    ari = (float(adjusted_rand_score([groups[x] for x in trained], [assign[x] for x in trained]))
-           if groups and type(m).clustered else None)
+    ari = partition_ari(assign, groups) if groups and type(m).clustered else None
     known = known_association(groups, assign, meta["unseen_sites"]) if groups and type(m).clustered else {}
     test = {"training_result": str((work / "server").resolve()), "known_clusters": known, "references": True,
             "require_clusters": False,  # every cluster model scored as a reference; a method without clusters: global

@@ -230,15 +230,13 @@ def run_ssl(config_path: str, out_dir, *, overrides: list[str] | None = None, re
                 mm = next(x for x in mexp.methods if x.name == name)
 
                 def fmcl_run(mover=mover, mm=mm, mwork=mwork):
-                    from sklearn.metrics import adjusted_rand_score
+                    from fedmed.algorithms.clustering import clusters_ari
 
                     log(f"[seed {seed}] {case.name}: {mm.name} ...")
                     doc = run_config_job(str(config_path), mover, mm.name, seed, cdata, mwork, log=log)
                     clusters = doc["clustering"]["clusters"]
-                    lab = {s: k for k, c in enumerate(clusters) for s in c}
-                    sites = sorted(lab)
-                    ari = adjusted_rand_score([meta["groups"][s] for s in sites], [lab[s] for s in sites])
-                    return {"ari": float(ari), "k": len(clusters), **_final(doc), "encoder": doc["clustering"].get("encoder")}
+                    ari = clusters_ari(clusters, meta["groups"])
+                    return {"ari": ari, "k": len(clusters), **_final(doc), "encoder": doc["clustering"].get("encoder")}
 
                 r = _cached(mwork, run_key(mexp, mm, seed, case.set, encoder if trained else None), resume, fmcl_run,
                             log, f"[seed {seed}] {case.name} {name}")
