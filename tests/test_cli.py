@@ -185,3 +185,19 @@ def test_the_demo_page_says_once_what_every_part_would_repeat(tmp_path):
     assert text.count("All of this is from one seed") == 1 and text.count(values) == 1
     assert f"A finding of {parts[0]}" in text and f"A finding of {parts[1]}" in text
     assert "(Read as part 1's table.)" in text
+
+
+def test_the_help_names_the_simulators_log_and_the_folder_plan_wants(capfd):
+    """#89: ``job run --help`` named ``<workspace>/<job>.log`` (the log is ``simulator.log``) and ``plan --help`` did
+    not say which folder ``--global`` wants."""
+    import re
+
+    from fedmed.cli.main import main
+
+    for argv, want in ((["job", "run", "--help"], "<workspace>/simulator.log"),
+                       (["plan", "--help"], "results/<name>/runs/seed0/FedAvg")):
+        try:
+            main(argv)
+        except SystemExit:
+            pass
+        assert want in re.sub(r"\s+", " ", capfd.readouterr().out).replace("- ", "-"), argv
