@@ -77,6 +77,8 @@ STUDIES = {
     "fedmed sweep app_configs/": "a sweep behind a results table (hours on 2 cores); as above",
     ".venv/bin/fedmed tune app_configs/revalidate_breastmnist.yaml": "the tuning behind a results table (needs "
         "../shared/data; about 40 s); test_tune.py runs fedmed tune and test_docs.py the recipes page's tune command",
+    ".venv/bin/fedmed tune app_configs/breast_us_lite0_e8_val30.yaml": "the tuning behind results.md's breast "
+        "finding (about 85 minutes on 2 cores, needs ../shared/data); test_tune.py tunes a natural federation",
     ".venv/bin/fedmed experiment results/tune_breastmnist/tuned.yaml": "the evaluation of that tuning's choice; "
         "test_tune.py loads a tuned.yaml and builds its job",
     ".venv/bin/fedmed experiment app_configs/": "a study behind a results table; as above",

@@ -58,6 +58,16 @@ def test_a_tuning_reads_no_test_image_and_writes_a_config_experiment_starts_from
     table = (tmp_path / "t" / "tuning.md").read_text()
     assert "test data never read" in table and "full run(s) of the config's recipe (budget 3)" in table
     assert table.count("\n| ") == got["trials"] + 1  # a header and a row per trial
+    # each trial's best validation score, a pruned trial's too (Optuna keeps its last as its value)
+    import csv
+
+    import optuna
+
+    study = optuna.load_study(study_name="fedmed-tunetest", storage=f"sqlite:///{tmp_path / 't' / 'tuning.db'}")
+    with (tmp_path / "t" / "tuning.csv").open() as fh:
+        for row, t in zip(csv.DictReader(fh), study.trials):
+            if t.intermediate_values:
+                assert float(row["best_val_accuracy"]) == pytest.approx(max(t.intermediate_values.values()), abs=1e-4)
 
 
 def test_a_tuning_resumes_from_its_sqlite_study_and_a_larger_budget_continues_it(config, tmp_path, capsys):

@@ -269,12 +269,14 @@ def _write_table(out: Path, study, metric: str, best, runs: float, seconds: floa
     for t in study.trials:
         r = t.user_attrs.get("recipe") or {}
         state = t.state.name.lower() + (f" ({t.user_attrs['why']})" if t.user_attrs.get("why") else "")
+        # a pruned trial's value is its last reported score: its best round's is what the column promises
+        top = max(t.intermediate_values.values()) if t.intermediate_values else t.value
         cells = {k: r.get(k, "") for k in keys}
         if "model.init_weights" in cells:  # the start: scratch (None) or the config's weights (not overridden)
             cells["model.init_weights"] = "scratch" if "model.init_weights" in r else "the config's"
         rows.append({"trial": t.number, "state": state, **cells,
                      "rounds": t.user_attrs.get("rounds", ""), "selected_round": t.user_attrs.get("selected_round", ""),
-                     f"best_{metric}": "" if t.value is None else f"{t.value:.4f}"})
+                     f"best_{metric}": "" if top is None else f"{top:.4f}"})
     with (out / "tuning.csv").open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
