@@ -533,6 +533,7 @@ def _network(m) -> str:
 
 def _setup(exp, data_dir: Path) -> list[str]:
     from fedmed.algorithms.serving import MIN_PATIENTS
+    from fedmed.data.images import patients_of
     from fedmed.core.io import shown_path
 
     meta = json.loads((data_dir / "dataset.json").read_text())
@@ -547,7 +548,7 @@ def _setup(exp, data_dir: Path) -> list[str]:
         val = doc.get("validation", [])
         units = {str(e.get("patient", e.get("subject", i))) for i, e in enumerate(val)}  # no id: an image a patient
         val_patients[s] = len(units)
-        if val and all("patient" in e or "subject" in e for e in val) and len(units) < MIN_PATIENTS:
+        if val and patients_of(val) is not None and len(units) < MIN_PATIENTS:  # the plan's own rule (#86)
             few.append(s)
     part = f.partition + (f" (alpha {f.alpha}, {f.dirichlet_scheme})" if f.partition == "dirichlet" else "") + \
         (f" ({f.anda_shift}, level {f.anda_level}, {f.anda_groups} groups)" if f.partition == "anda" else "")
