@@ -23,7 +23,7 @@ round.
 study lives in ``<out>/tuning.db`` (SQLite; ``--storage`` an RDB URL lets several machines share it), so a tuning
 resumes where it stopped and a larger ``--budget`` continues it; a trial killed with its process (a stopped tuning, a
 machine lost) is failed once its heartbeat is older than ``GRACE_S`` and run again with the same recipe (Optuna's
-heartbeat and ``RetryFailedTrialCallback``), so the config's own trial 0 is never lost to a kill. The chosen recipe is written as ``tuned.yaml`` (the
+heartbeat and its stale-trial retry callback), so the config's own trial 0 is never lost to a kill. The chosen recipe is written as ``tuned.yaml`` (the
 config extended, ``fedmed experiment tuned.yaml`` starts from it) and every trial's validation evidence as
 ``tuning.md`` / ``tuning.csv``, with the cost (wall time, full runs spent).
 """
