@@ -153,3 +153,46 @@ def test_the_server_validates_the_task_config_once_per_job_not_per_send(tmp_path
     status, _ = run_spec_in_process(job_spec(exp, exp.methods[0], 0), data, tmp_path / "run")
     assert status == "finished"
     assert len(calls) <= 3, calls  # the workflow's typed config, its initial model, the simulated sites' policy
+
+
+def test_the_servers_math_does_not_depend_on_the_order_sites_answer(tmp_path, monkeypatch):
+    """#88 item 6: Flux's DBSCAN ``eps`` and silhouette differed in the 14th digit between a part alone and inside
+    ``make demo``: the server summed the sites' descriptors in the order they arrived. The replies are now read in the
+    federation's site order (the shared PCA runs on one BLAS thread, c8e5a60), so the average sees the sites in one
+    order and sites answering in the reverse order give the same clustering and models bit for bit (the order check
+    fails when ``Workflow.send`` keeps the arrival order)."""
+    import torch
+
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+    from fedmed.workflows.base import Workflow
+    from fedmed.workflows.inprocess import InProcessFederation
+    from tests.test_stopping import _federation
+
+    seen = []
+    averaged = Workflow.aggregate
+    monkeypatch.setattr(Workflow, "aggregate", lambda self, rows, *a, **k: (
+        seen.append([r.site for r in rows]), averaged(self, rows, *a, **k))[1])
+
+    exp, data = _federation(tmp_path, methods=[{"name": "Flux", "workflow": "flux"}],
+                            federation={"sites": 4}, train={"lr": 0.05, "rounds": 5, "stop": {"patience": None}})
+
+    def run(out):
+        status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0), data, out)
+        assert status == "finished", fed.recorder.doc.get("reason")
+        models = {p.name: torch.load(p, weights_only=True)["state_dict"] for p in sorted((out / "models").glob("*.pt"))}
+        return fed.recorder.doc["clustering"], models
+
+    want_clusters, want_models = run(tmp_path / "a")
+    assert seen and all(order == sorted(order) for order in seen)
+    seen.clear()
+    real = InProcessFederation.send_groups
+    monkeypatch.setattr(InProcessFederation, "send_groups",
+                        lambda self, t, g: {k: rows[::-1] for k, rows in real(self, t, g).items()})
+    got_clusters, got_models = run(tmp_path / "b")
+    assert seen and all(order == sorted(order) for order in seen), seen  # reversed on arrival, read in site order
+    assert "eps" in want_clusters  # the density rule, whose eps moved in the 14th digit
+    assert {k: got_clusters.get(k) for k in ("eps", "silhouette", "clusters")} == \
+        {k: want_clusters.get(k) for k in ("eps", "silhouette", "clusters")}
+    assert got_models.keys() == want_models.keys() and want_models
+    for name, sd in want_models.items():
+        assert all(torch.equal(sd[k], got_models[name][k]) for k in sd), name
