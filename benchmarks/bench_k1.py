@@ -32,7 +32,7 @@ def main(argv=None):
 
     from fedmed.algorithms.clustered import signature_distances
     from fedmed.algorithms.clustering import auto_k
-    from fedmed.config import load_config
+    from fedmed.config import load_config  # (and every method's signature kind, registered by fedmed.methods)
     from fedmed.run.experiment import prepare_federation
     from fedmed.site.runner import SiteRunner
 

@@ -77,15 +77,16 @@ def cluster_rows(kind: str, feats: dict, groups: dict, k_min: int, privacy: dict
                  seed: int) -> tuple[dict, list, np.ndarray]:
     from fedmed.algorithms.clustered import choose_clusters, signature_distances
     from fedmed.algorithms.privacy import signature_payload
-    from fedmed.methods import PACFLMethod
+    from fedmed.methods import METHODS
     from fedmed.algorithms.clustering import clusters_ari
 
+    method = METHODS[kind](name=kind, workflow=kind)  # the kind's options at the method's defaults
     sigs = {}
     for s, (x, y) in feats.items():
         rng = np.random.default_rng(seed)
         sigs[s] = signature_payload(kind, x, y, k_min=k_min, privacy=privacy, rng=rng, site=s,
-                                    n_basis=PACFLMethod.model_fields["n_basis"].default if kind == "pacfl" else None)
-    names, D = signature_distances(kind, sigs, overlap=True, angle="principal")
+                                    **method.signature_options())
+    names, D = signature_distances(kind, sigs, **method.clustering_options())
     out = {}
     for label, k in (("auto", None), ("true", true_k(groups))):
         info = choose_clusters(D, names, n_clusters=k)

@@ -54,7 +54,7 @@ def unpack(results) -> list:
 
 
 class WorkflowController(Federation, ModelController):
-    """Runs the server workflow ``workflow_name`` (a key of ``fedmed.workflows.SERVER_WORKFLOWS``) with
+    """Runs the server workflow ``workflow_name`` (``module:Class``, :func:`fedmed.workflows.server_workflow`) with
     ``workflow_args`` for ``num_rounds`` rounds; ``task_config`` is the task config every task carries."""
 
     def set_communicator(self, communicator):
@@ -68,7 +68,7 @@ class WorkflowController(Federation, ModelController):
 
     tensorboard = False  # FLARE's TensorBoard receiver writes the server's metrics (fedmed_flare.tracking)
 
-    def __init__(self, num_rounds: int, task_config: dict, workflow_name: str = "fedavg",
+    def __init__(self, num_rounds: int, task_config: dict, workflow_name: str = "fedmed.workflows.fedavg:FedAvg",
                  workflow_args: dict | None = None, resume: bool = False, **kwargs):
         super().__init__(persistor_id="", ignore_result_error=True, task_check_period=TASK_CHECK_PERIOD_S, **kwargs)
         # attribute names equal the constructor arguments: FedJob exports them from the instance

@@ -102,17 +102,18 @@ def test_each_signature_kind_has_one_payload_type_and_one_wire_format():
     distance is computed."""
     from fedmed.algorithms.fmcl import ClassSignature
     from fedmed.algorithms.privacy import signature_payload
-    from fedmed.algorithms.signatures import FIELDS, SIGNATURES, signature_from_wire
+    from fedmed.algorithms.signatures import signature_from_wire, signature_kind
+    from fedmed.methods import METHODS  # noqa: F401  (each method's module registers its kind)
     from fedmed.site.reply import to_meta
 
     rng = np.random.default_rng(0)
     feats, y = rng.normal(size=(30, 6)), np.repeat([0, 1, 2], 10)
-    for kind in ("fmcl", "pacfl", "fecfl"):
-        meta = signature_payload(kind, feats, y, k_min=2, privacy={}, n_basis=2, site="site-1")
-        assert set(FIELDS[kind]) <= set(meta)
+    for kind, options in (("fmcl", {}), ("pacfl", {"n_basis": 2}), ("fecfl", {})):  # each kind's own options
+        meta = signature_payload(kind, feats, y, k_min=2, privacy={}, site="site-1", **options)
+        assert set(signature_kind(kind).fields) <= set(meta)
         sig = signature_from_wire(kind, to_meta(meta), "site-1")
-        assert isinstance(sig, SIGNATURES[kind])
-        for f in FIELDS[kind]:
+        assert isinstance(sig, signature_kind(kind).payload)
+        for f in signature_kind(kind).fields:
             assert np.array_equal(np.asarray(getattr(sig, f)), np.asarray(meta[f]))
     assert isinstance(signature_from_wire("fmcl", to_meta(signature_payload("fmcl", feats, y, k_min=2, privacy={})),
                                           "s"), ClassSignature)

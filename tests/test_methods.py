@@ -80,7 +80,7 @@ def test_no_config_value_is_read_with_a_default_of_its_own():
     """Workflows, sites, networks and the method table read a config value from its typed model, never through
     ``getattr(method, "n_basis", 3)`` (the registry did)."""
     files = [p for d in ("workflows", "site", "nn") for p in (ROOT / "fedmed" / d).glob("*.py")]
-    files += [ROOT / "fedmed" / "methods.py", ROOT / "fedmed" / "run" / "taskconfig.py", ROOT / "fedmed" / "run" / "jobspec.py"]
+    files += [*(ROOT / "fedmed" / "methods").glob("*.py"), ROOT / "fedmed" / "run" / "taskconfig.py", ROOT / "fedmed" / "run" / "jobspec.py"]
     assert _defaults_read_by_getattr(files, _config_names()) == []
 
 
@@ -107,7 +107,8 @@ def test_each_method_hands_its_own_values_on():
     exp = load_config(raw)
     p, f, m, x = exp.methods
     assert p.workflow_options(exp, 1)["signature"] == {"kind": "pacfl", "encoder": "pixels", "image_size": None,
-                                                       "seed": 1, "n_basis": 5, "angle": "official"}
+                                                       "seed": 1, "options": {"n_basis": 5}}
+    assert p.workflow_options(exp, 1)["clustering"]["options"] == {"angle": "official"}  # the server's distance
     fo = f.workflow_options(exp, 0)
     assert fo["k1_silhouette"] is None and fo["scale"] == 2.0 and fo["flux"]["box"] == "scalar"
     assert fo["flux"]["absent_class"] == "minus_one"
@@ -219,7 +220,7 @@ def test_a_method_under_a_taken_name_is_refused():
     class Other(Method):
         workflow: Literal["fmcl"]
 
-    with pytest.raises(MethodError, match="workflow 'fmcl' is taken by fedmed.methods.FMCLMethod"):
+    with pytest.raises(MethodError, match="workflow 'fmcl' is taken by fedmed.methods.fmcl.FMCLMethod"):
         register_method(Other)
 
 
@@ -238,16 +239,19 @@ def test_every_method_names_the_weights_file_it_was_given():
 # ------------------------------------------------------------------ a method owns its slice (#55)
 
 def _name_branches(source: str, names: set) -> list[int]:
-    """Lines of ``source`` that compare a ``workflow`` (an attribute or a variable of that name, or ``.method``) with
-    a built-in method's name, or look one up by name (``METHODS["flux"]``, ``method_class("ifca")``)."""
+    """Lines of ``source`` that compare a ``workflow`` or a ``kind`` (an attribute or a variable of that name, or
+    ``.method``) with a built-in method's or signature kind's name, or look one up by name (``METHODS["flux"]``,
+    ``method_class("ifca")``)."""
     import ast
 
     def consts(node):
         return [n.lineno for n in ast.walk(node) if isinstance(n, ast.Constant) and n.value in names]
 
     def names_a_workflow(node):
-        return any(isinstance(n, ast.Attribute) and n.attr in ("workflow", "method")
-                   or isinstance(n, ast.Name) and n.id == "workflow" for n in ast.walk(node))
+        return any(isinstance(n, ast.Attribute) and n.attr in ("workflow", "method", "kind")
+                   or isinstance(n, ast.Name) and n.id in ("workflow", "kind")
+                   or isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and n.slice.value == "kind"
+                   for n in ast.walk(node))
 
     out = []
     for node in ast.walk(ast.parse(source)):
@@ -264,15 +268,20 @@ def _name_branches(source: str, names: set) -> list[int]:
 
 def test_no_built_in_method_is_named_outside_its_own_slice():
     """What a method needs elsewhere (checks of the experiment, the files it names, the server's files, how its
-    assignment is read back, its part in `fedmed ssl`) is a hook of its class in fedmed/methods.py; no other module of
-    fedmed, fedmed_flare or jobs/ compares a workflow with a built-in method's name or looks one up by name."""
+    assignment is read back, its part in `fedmed ssl`, its kind of signature: what a site sends, its distance, whether
+    it needs labels, its warnings) is a hook of its class or its kind in its own module of fedmed/methods/; no other
+    module of fedmed, fedmed_flare or jobs/ compares a workflow or a signature kind with a built-in method's name or
+    looks one up by name (#88: ``if kind == "fmcl" ... elif kind == "pacfl"`` stood in the CLI, the clustering math,
+    the privacy math and the site's signature task)."""
+    from fedmed.algorithms.signatures import SIGNATURE_KINDS
     from fedmed.methods import METHODS
 
-    names = {w for w, c in METHODS.items() if c.plugin is None}
+    names = {w for w, c in METHODS.items() if c.plugin is None} | set(SIGNATURE_KINDS)
     assert _name_branches('if m.workflow == "fedbn" and x:\n    pass\nc = METHODS["flux"]\n'
                           'ok = workflow in ("fedmae", "finetune")\nmethod_class("ifca")\n', names) == [1, 3, 4, 4, 5]
-    assert _name_branches('kind = sig["kind"]\nif kind == "fmcl":\n    pass\n', names) == []  # a signature kind
-    files = [f for f in sorted((ROOT / "fedmed").rglob("*.py")) if f.name != "methods.py" and "workflows" not in f.parts]
+    assert _name_branches('kind = sig["kind"]\nif kind == "fmcl":\n    pass\nif sc.kind == "pacfl" and x:\n    pass\n'
+                          'y = sig["kind"] in ("fecfl",)\n', names) == [2, 4, 6]  # a signature kind, three ways
+    files = [f for f in sorted((ROOT / "fedmed").rglob("*.py")) if "methods" not in f.parts]
     files += sorted((ROOT / "fedmed_flare").rglob("*.py")) + sorted((ROOT / "jobs").rglob("*.py"))
     bad = [f"{f.relative_to(ROOT)}:{ln}" for f in files for ln in _name_branches(f.read_text(), names)]
     assert bad == []

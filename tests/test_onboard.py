@@ -334,7 +334,7 @@ def test_cfl_cannot_onboard_a_site_without_labels():
     from fedmed.workflows.onboard import Onboard
 
     with pytest.raises(ValueError, match="CFL sends a new site down its tree by the site's training updates"):
-        Onboard(1, {}, training="cfl:CFL", labels=False)
+        Onboard(1, {}, training="fedmed.methods.cfl:CFL", labels=False)
 
 
 def test_an_onboarding_without_labels_records_the_epsilon_of_every_signature_it_sent(federation, tmp_path):

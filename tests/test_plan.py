@@ -165,7 +165,7 @@ def test_fedmed_plan_runs_from_the_command_line_and_bad_input_is_one_line(runs, 
     # the spec for provisioned sites, running nothing
     assert main(["plan", cfg, "--global", str(t / "FedAvg"), "--finetune", "--spec", str(tmp_path / "s.json")]) == 0
     spec = json.loads((tmp_path / "s.json").read_text())
-    assert spec["workflow"] == "plan:Plan" and spec["workflow_options"]["finetune"] == {"epochs": 2, "lr_scale": 0.1}
+    assert spec["workflow"] == "fedmed.workflows.plan:Plan" and spec["workflow_options"]["finetune"] == {"epochs": 2, "lr_scale": 0.1}
     cases = [(["--candidate", f"FMCL={t / 'nowhere'}"], "--candidate FMCL:", "no such folder"),
              (["--candidate", "NoSuch"], "method 'NoSuch' is not in", ""),  # a method of the config, or NAME=RUN
              (["--candidate", f"global={t / 'FMCL'}"], "--candidate global: a candidate's name is a word", ""),
@@ -266,7 +266,7 @@ def test_fedmed_experiment_runs_the_plan_after_a_seeds_methods_and_reuses_it(run
     cfg.write_text(yaml.safe_dump({**RAW, "serving": {"reference": "FedAvg", "candidates": ["FMCL"],
                                                       "finetune": FINETUNE}}))
     rows = E.run_experiment(str(cfg), tmp_path / "out", log=lambda *_: None)
-    assert [s.workflow for s in specs][-1] == "plan:Plan"
+    assert [s.workflow for s in specs][-1] == "fedmed.workflows.plan:Plan"
     plan_rows = [r for r in rows if r["method"] in (E.PLAN_METHOD, E.PLAN_GLOBAL)]
     assert [(r["method"], r["task"]) for r in plan_rows] == [(E.PLAN_METHOD, "served"), (E.PLAN_GLOBAL, "global")]
     assert set(plan_rows[0]["sites"]) == {f"site-{k}" for k in range(1, 7)}

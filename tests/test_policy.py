@@ -22,7 +22,7 @@ from fedmed.site.settings import resolve_site_settings, settings_for_dir
 CLASSES = [str(c) for c in range(10)]
 CFG = {"task": "classification", "seed": 0, "classes": CLASSES, "data": {"image_size": 8, "channels": 1, "n_classes": 10},
        "model": {"arch": "resnet9", "width": 4, "norm": "group"}, "train": {"local_epochs": 1, "batch_size": 8},
-       "privacy": {"k_min": 5}}
+       "privacy": {"k_min": 5}, "plugins": ["fedmed.methods.fmcl"]}  # the method's module, as a job names it
 
 # a module whose import leaves a mark: "imported" proves a job made the site run its code
 MARKING_MODULE = '''
@@ -369,7 +369,7 @@ def test_the_dp_delta_has_a_ceiling_in_the_sites_policy(sites, tmp_path):
 
 
 def test_a_raw_pixel_signature_without_dp_is_the_sites_choice(sites):
-    job = {**CFG, "signature": {"kind": "pacfl", "encoder": "pixels", "seed": 0, "n_basis": 2}}
+    job = {**CFG, "signature": {"kind": "pacfl", "encoder": "pixels", "seed": 0, "options": {"n_basis": 2}}}
     with pytest.raises(PolicyError, match="allow_pixel_signatures.*false"):
         site(sites).handle("signature", {}, job)
     _, _, meta, _ = site(sites).handle("signature", {}, {**job, "privacy": {"dp_epsilon": 1.0}})
@@ -382,12 +382,12 @@ def test_the_epsilon_recorded_is_the_composition_of_what_each_site_sent(sites, t
     """FMCL with DP: every signature a site sent at epsilon, composed (basic composition) in the record and the report
     (an onboarding without labels — K signatures — : test_onboard.py)."""
     from fedmed.workflows import InProcessFederation
-    from fedmed.workflows.clustered import OneShotClustered
+    from fedmed.methods.signature import OneShotClustered
 
     eps = 0.7
     cfg = {**CFG, "privacy": {"k_min": 2, "dp_epsilon": eps}, "federation": {"sites": ["site-1", "site-2"]}}
     args = {"signature": {"kind": "fmcl", "encoder": "random_cnn", "seed": 0},
-            "clustering": {"n_clusters": 2, "threshold": None, "overlap": True, "linkage": "average",
+            "clustering": {"n_clusters": 2, "threshold": None, "options": {"overlap": True}, "linkage": "average",
                            "k1_silhouette": None}, "fedavg_warmup": 0}
     fed = InProcessFederation(sites, ["site-1", "site-2"], tmp_path / "run", log=None)
     assert fed.run(OneShotClustered(1, cfg, **args)) == "finished"

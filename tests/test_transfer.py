@@ -358,7 +358,7 @@ def test_ifcas_models_from_one_pretrained_file_start_with_different_heads(tmp_pa
     """Under the transfer recipe every model starts with a zero head; IFCA's K models from one file would then be
     one model (its cluster estimate ties). IFCA keeps each model's own seeded head; the body is the file's."""
     from fedmed.workflows.base import initial_params
-    from fedmed.workflows.ifca import IFCA
+    from fedmed.methods.ifca import IFCA
 
     ref = _weights_file(tmp_path)
     cfg = {"model": {"arch": "resnet9", "width": 4, "init_weights": "w.pt"}, "train": {},

@@ -26,9 +26,9 @@ def test_a_reply_is_a_tuple_with_its_error():
 def test_aggregation_is_passed_in_not_inherited():
     """FedAvg_w's down-weighting used to live in FedAvg, so IFCA, CFL and Flux inherited a down_weight_site; now a
     workflow is given its aggregator (FedAvg's weighted average by default)."""
-    from fedmed.workflows.cfl import CFL
-    from fedmed.workflows.flux import Flux
-    from fedmed.workflows.ifca import IFCA
+    from fedmed.methods.cfl import CFL
+    from fedmed.methods.flux import Flux
+    from fedmed.methods.ifca import IFCA
 
     rows = [_reply("site-1", 1.0, 1), _reply("site-2", 4.0, 3)]
     assert np.allclose(WeightedAverage().aggregate(rows)["w"], 3.25)

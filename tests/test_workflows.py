@@ -171,7 +171,7 @@ def test_cluster_models_start_from_the_fedavg_warm_up(tmp_path):
         assert fed.run(workflow) == "finished"
         return fed.recorder.doc
 
-    fedavg = served(server_workflow("fedavg")(3, cfg), "fedavg")
+    fedavg = served(server_workflow("fedmed.workflows.fedavg:FedAvg")(3, cfg), "fedavg")
     warm = served(server_workflow(name)(3, cfg, **{**args, "fedavg_warmup": 2}), "warm")
     cold = served(server_workflow(name)(3, cfg, **args), "cold")
     assert [r["task"] for r in warm["rounds"]] == ["train", "train", "train", "validate"]

@@ -1,6 +1,7 @@
 """Server-side math of one-shot clustered FL (FMCL, PACFL, FECFL) and of CFL, framework-free.
 
-:func:`signature_distances` turns the sites' signature replies into a distance matrix;
+:func:`signature_distances` turns the sites' signature replies into a distance matrix (each kind by its own rule,
+``fedmed.algorithms.signatures.SignatureKind``);
 :func:`choose_clusters` applies FMCL's auto-K (Alg. 5), a fixed K or a threshold (Alg. 4).
 :func:`cfl_split` is Sattler et al.'s (2020) gradient-similarity bipartition criterion.
 """
@@ -9,35 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedmed.algorithms.baselines import fecfl_distance_matrix, pacfl_distance_matrix
 from fedmed.algorithms.clustering import agglomerative, auto_k, labels_to_clusters
-from fedmed.algorithms.fmcl import fmcl_distance_matrix
+from fedmed.algorithms.signatures import signature_distances  # noqa: F401  (the distances of a kind's signatures)
 
-__all__ = ["SIGNATURE_KINDS", "cfl_split", "choose_clusters", "flux_cluster", "signature_distances"]
-
-SIGNATURE_KINDS = ("fmcl", "pacfl", "fecfl")
-
-
-def signature_distances(kind: str, signatures: dict[str, dict], *, overlap: bool = True,
-                        angle: str = "principal") -> tuple[list[str], np.ndarray]:
-    """Distance matrix from ``{site: signature meta}`` (sites sorted by name).
-
-    fmcl: ``classes``, ``means``, ``counts``; pacfl: ``basis`` (d, p) (``angle``: ``principal`` or
-    ``official``, see :func:`fedmed.algorithms.baselines.pacfl_distance_matrix`); fecfl: ``mean`` (d,).
-    """
-    from fedmed.algorithms.signatures import signature_from_wire
-
-    names = sorted(signatures)
-    if kind not in SIGNATURE_KINDS:
-        raise ValueError(f"signature kind should be one of {SIGNATURE_KINDS}, got {kind!r}.")
-    sigs = [signature_from_wire(kind, signatures[n], n) for n in names]
-    if kind == "fmcl":
-        return names, fmcl_distance_matrix(sigs, overlap=overlap, site_names=names)
-    if kind == "pacfl":
-        mode = {"principal": "smallest", "official": "official"}[angle]
-        return names, pacfl_distance_matrix([s.basis for s in sigs], mode=mode, site_names=names)
-    return names, fecfl_distance_matrix([s.mean for s in sigs], site_names=names)
-
+__all__ = ["cfl_split", "choose_clusters", "flux_cluster", "signature_distances"]
 
 def choose_clusters(D, names, *, n_clusters: int | None = None, threshold: float | None = None,
                     linkage_method: str = "average", k1_silhouette: float | None = 0.5) -> dict:

@@ -40,7 +40,8 @@ from scipy.special import ndtr
 from fedmed.core.schema import PrivacyConfig
 
 __all__ = ["analytic_gaussian_sigma", "clip_rows", "k_min_consent_note", "private_bounds", "private_histogram", "private_mean",
-           "privacy_settings", "signature_payload", "withhold_small"]
+           "privacy_settings", "signature_payload", "withhold_small", "fmcl_release", "pacfl_release",
+           "fecfl_release"]
 
 
 def privacy_settings(privacy) -> PrivacyConfig:
@@ -158,12 +159,14 @@ def _pacfl_basis(X, n_basis, *, clip, epsilon, delta, rng):
                          "frobenius_sensitivity": sens, "sigma": sigma}
 
 
-def signature_payload(kind: str, feats, y, *, k_min: int, privacy: dict, n_basis: int = 3, rng=None,
-                      site: str = "site") -> dict:
-    """What a site sends as its one-shot clustering signature (FMCL, PACFL, FECFL).
+def signature_payload(kind: str, feats, y, *, k_min: int, privacy: dict, rng=None, site: str = "site",
+                      **options) -> dict:
+    """What a site sends as its one-shot clustering signature of ``kind`` (a registered
+    :class:`~fedmed.algorithms.signatures.SignatureKind`: FMCL, PACFL, FECFL, a plugin's), with the kind's own
+    ``options`` (PACFL: ``n_basis``).
 
-    Classes with fewer than ``k_min`` samples are withheld (FMCL, PACFL); FECFL's site mean needs
-    ``k_min`` samples in all. With ``privacy["dp_epsilon"]`` each release gets its mechanism (module table).
+    A per-class kind's classes with fewer than ``k_min`` samples are withheld; a label-free kind's one statistic needs
+    ``k_min`` samples in all. With ``privacy["dp_epsilon"]`` each release gets the kind's mechanism.
 
     Returns:
         the reply's meta: the signature arrays, ``withheld_classes``, ``notes`` (for both logs) and ``dp``.
@@ -171,56 +174,71 @@ def signature_payload(kind: str, feats, y, *, k_min: int, privacy: dict, n_basis
     Raises:
         ValueError: nothing is left to send (every class below ``k_min``), naming the site.
     """
-    from fedmed.algorithms.fmcl import ClassSignature, class_signature
-    from fedmed.algorithms.signatures import FECFLSignature, PACFLSignature, signature_to_wire
+    from fedmed.algorithms.signatures import signature_kind, signature_to_wire
 
+    sk = signature_kind(kind)
     feats = np.asarray(feats, dtype=np.float64)
     y = np.asarray(y)
-    eps = privacy_settings(privacy).dp_epsilon
     p = privacy_settings(privacy)
-    delta, clip = p.dp_delta, p.clip
+    eps, delta, clip = p.dp_epsilon, p.dp_delta, p.clip
     rng = rng if rng is not None else np.random.default_rng(0)
     out: dict = {"dp": {"epsilon": eps, "delta": delta if eps else None, "clip": clip if eps else None}}
-    if kind == "fecfl":
+    mech = dict(epsilon=eps, delta=delta, clip=clip, rng=rng, **options)
+    if not sk.per_class:
         if y.size < k_min:
-            raise ValueError(f"{site}: {y.size} training samples < k_min={k_min}; the site mean cannot be sent")
-        mean, rec = private_mean(feats, clip=clip, epsilon=eps, delta=delta, rng=rng) if eps else (feats.mean(0), {})
-        out.update(signature_to_wire(FECFLSignature(mean)), withheld_classes=[], notes=[])
-        out["dp"].update(releases=[rec] if rec else [])
-        return out
-    keep, kept, dropped = withhold_small(y, k_min)
-    notes = _withheld_note(site, dropped, y, k_min, f"{kind} signature")
-    if not kept:
-        raise ValueError(f"{site}: every class has fewer than k_min={k_min} samples; no signature can be sent")
-    fk, yk = feats[keep], y[keep]
-    releases = []
-    if kind == "fmcl":
-        if eps is None:
-            out.update(signature_to_wire(class_signature(fk, yk)))
-        else:
-            share = eps / (len(kept) + 1)  # one Gaussian release per class mean + the Laplace counts
-            means = []
-            for c in kept:
-                m, rec = private_mean(fk[yk == c], clip=clip, epsilon=share, delta=delta / len(kept), rng=rng)
-                means.append(m)
-                releases.append({"class": c, **rec})
-            counts, rec = private_histogram([int((yk == c).sum()) for c in kept], epsilon=share, rng=rng)
-            releases.append({"counts": True, **rec})
-            out.update(signature_to_wire(ClassSignature(np.asarray(kept), np.stack(means), np.maximum(counts, 1e-3))))
-    elif kind == "pacfl":
-        share = eps / len(kept) if eps else None
-        bases = []
-        for c in kept:
-            b, rec = _pacfl_basis(fk[yk == c], n_basis, clip=clip, epsilon=share, delta=delta / len(kept), rng=rng)
-            bases.append(b)
-            if rec:
-                releases.append({"class": c, **rec})
-        out.update(signature_to_wire(PACFLSignature(np.concatenate(bases, axis=1), np.asarray(kept))))
+            raise ValueError(f"{site}: {y.size} training samples < k_min={k_min}; the site's {kind} signature "
+                             f"cannot be sent")
+        sig, releases = sk.release(feats, None, [], **mech)
+        dropped, notes = [], []
     else:
-        raise ValueError(f"signature kind should be fmcl, pacfl or fecfl, got {kind!r}.")
-    out.update(withheld_classes=dropped, notes=notes)
+        keep, kept, dropped = withhold_small(y, k_min)
+        notes = _withheld_note(site, dropped, y, k_min, f"{kind} signature")
+        if not kept:
+            raise ValueError(f"{site}: every class has fewer than k_min={k_min} samples; no signature can be sent")
+        sig, releases = sk.release(feats[keep], y[keep], kept, **mech)
+    out.update(signature_to_wire(sig), withheld_classes=dropped, notes=notes)
     out["dp"].update(releases=releases)
     return out
+
+
+def fmcl_release(fk, yk, kept, *, epsilon, delta, clip, rng):
+    """FMCL's class prototypes (``000_``): per-class means and counts; under DP one Gaussian release per class mean
+    and Laplace counts, the budget split evenly."""
+    from fedmed.algorithms.fmcl import ClassSignature, class_signature
+
+    if epsilon is None:
+        return class_signature(fk, yk), []
+    share = epsilon / (len(kept) + 1)  # one Gaussian release per class mean + the Laplace counts
+    means, releases = [], []
+    for c in kept:
+        m, rec = private_mean(fk[yk == c], clip=clip, epsilon=share, delta=delta / len(kept), rng=rng)
+        means.append(m)
+        releases.append({"class": c, **rec})
+    counts, rec = private_histogram([int((yk == c).sum()) for c in kept], epsilon=share, rng=rng)
+    releases.append({"counts": True, **rec})
+    return ClassSignature(np.asarray(kept), np.stack(means), np.maximum(counts, 1e-3)), releases
+
+
+def pacfl_release(fk, yk, kept, *, epsilon, delta, clip, rng, n_basis: int = 3):
+    """PACFL's class subspaces: ``n_basis`` leading singular vectors per class; under DP Analyze Gauss per class."""
+    from fedmed.algorithms.signatures import PACFLSignature
+
+    share = epsilon / len(kept) if epsilon else None
+    bases, releases = [], []
+    for c in kept:
+        b, rec = _pacfl_basis(fk[yk == c], n_basis, clip=clip, epsilon=share, delta=delta / len(kept), rng=rng)
+        bases.append(b)
+        if rec:
+            releases.append({"class": c, **rec})
+    return PACFLSignature(np.concatenate(bases, axis=1), np.asarray(kept)), releases
+
+
+def fecfl_release(feats, _y, _kept, *, epsilon, delta, clip, rng):
+    """FECFL's site mean embedding; under DP one Gaussian release."""
+    from fedmed.algorithms.signatures import FECFLSignature
+
+    mean, rec = private_mean(feats, clip=clip, epsilon=epsilon, delta=delta, rng=rng) if epsilon else (feats.mean(0), {})
+    return FECFLSignature(mean), [rec] if rec else []
 
 
 def private_bounds(z, *, k_min: int, privacy: dict, rng=None, site: str = "site",

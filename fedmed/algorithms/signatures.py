@@ -10,13 +10,12 @@ non-finite value is an error naming the site, before any distance is computed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
-from fedmed.algorithms.fmcl import ClassSignature
-
-__all__ = ["FECFLSignature", "FIELDS", "PACFLSignature", "SIGNATURES", "signature_from_wire", "signature_to_wire"]
+__all__ = ["FECFLSignature", "PACFLSignature", "SIGNATURE_KINDS", "SignatureKind", "register_signature_kind",
+           "signature_distances", "signature_from_wire", "signature_kind", "signature_to_wire", "wire_only"]
 
 
 @dataclass(frozen=True)
@@ -52,35 +51,84 @@ class FECFLSignature:
         return FECFLSignature(mean)
 
 
-SIGNATURES = {"fmcl": ClassSignature, "pacfl": PACFLSignature, "fecfl": FECFLSignature}
-FIELDS = {"fmcl": ("classes", "means", "counts"), "pacfl": ("basis",), "fecfl": ("mean",)}
-_OPTIONAL = {"pacfl": ("classes",)}
+@dataclass(frozen=True)
+class SignatureKind:
+    """One kind of one-shot clustering signature, as data: what a site computes and sends, and how the server turns
+    the sites' signatures into distances. A method registers its kind (:func:`register_signature_kind`) in its own
+    module (``fedmed.methods.fmcl``, ``pacfl``, ``fecfl``; a plugin's likewise); nothing else names a kind.
+
+    ``release(feats, y, classes, *, epsilon, delta, clip, rng, **options) -> (signature, DP releases)``: the
+    signature of the site's features (per class: only the ``classes`` of at least ``k_min`` samples, ``y`` their
+    labels; label-free: every feature, ``y`` None), with its mechanism under DP. ``distances(signatures, names,
+    **options) -> D``. ``site_notes(encoder, dp_epsilon) -> [str]``: warnings a site logs and sends."""
+
+    name: str
+    payload: type  # the typed signature (validate(site) -> checked copy)
+    fields: tuple  # the arrays on the wire
+    release: Callable
+    distances: Callable
+    optional: tuple = ()  # arrays on the wire when present
+    per_class: bool = True  # False: one statistic of all the site's images (a site without labels can send it)
+    site_notes: Callable = lambda encoder, dp_epsilon: []
 
 
-def _kind_of(sig) -> str:
-    for kind, cls in SIGNATURES.items():
-        if isinstance(sig, cls):
+SIGNATURE_KINDS: dict[str, SignatureKind] = {}  # name -> kind, filled by the methods that define them
+
+
+def register_signature_kind(kind: SignatureKind) -> SignatureKind:
+    """Add a kind of signature (the same object again is a no-op; another under a taken name is refused)."""
+    known = SIGNATURE_KINDS.get(kind.name)
+    if known is not None and known != kind:
+        raise ValueError(f"signature kind {kind.name!r} is taken")
+    SIGNATURE_KINDS[kind.name] = kind
+    return kind
+
+
+def signature_kind(name: str) -> SignatureKind:
+    """The registered kind ``name`` (fedmed's own are registered when ``fedmed.methods`` is imported)."""
+    if name not in SIGNATURE_KINDS:
+        raise ValueError(f"signature kind should be one of {sorted(SIGNATURE_KINDS)}, got {name!r} (a method's "
+                         f"module registers its kind: import fedmed.methods, or the plugin that defines it)")
+    return SIGNATURE_KINDS[name]
+
+
+def _kind_of(sig) -> SignatureKind:
+    for kind in SIGNATURE_KINDS.values():
+        if type(sig) is kind.payload:
             return kind
-    raise TypeError(f"not a signature: {type(sig).__name__}")
+    raise TypeError(f"not a registered signature: {type(sig).__name__}")
 
 
 def signature_to_wire(sig) -> dict:
     """The arrays a reply carries for ``sig`` (``FIELDS`` of its kind, and PACFL's classes)."""
     kind = _kind_of(sig)
-    out = {f: np.asarray(getattr(sig, f)) for f in FIELDS[kind]}
-    out.update({f: np.asarray(getattr(sig, f)) for f in _OPTIONAL.get(kind, ()) if getattr(sig, f) is not None})
+    out = {f: np.asarray(getattr(sig, f)) for f in kind.fields}
+    out.update({f: np.asarray(getattr(sig, f)) for f in kind.optional if getattr(sig, f) is not None})
     return out
 
 
 def signature_from_wire(kind: str, payload: Mapping, site: str = "site"):
     """The typed, checked signature of ``kind`` in a reply (or a ``<site>.npz``) of ``site``."""
-    if kind not in SIGNATURES:
-        raise ValueError(f"signature kind should be one of {sorted(SIGNATURES)}, got {kind!r}.")
-    missing = [f for f in FIELDS[kind] if f not in payload]
+    sk = signature_kind(kind)
+    missing = [f for f in sk.fields if f not in payload]
     if missing:
         raise ValueError(f"{site}: its {kind} signature lacks {missing} (it has {sorted(payload)}).")
-    fields = {f: np.asarray(payload[f]) for f in FIELDS[kind] + _OPTIONAL.get(kind, ()) if f in payload}
+    fields = {f: np.asarray(payload[f]) for f in sk.fields + sk.optional if f in payload}
     try:
-        return SIGNATURES[kind](**fields).validate(site)
+        return sk.payload(**fields).validate(site)
     except (TypeError, ValueError) as e:
         raise ValueError(str(e) if str(e).startswith(site) else f"{site}: {e}") from None
+
+
+def wire_only(kind: str, meta: dict) -> dict:
+    """The signature arrays of a reply's meta (its kind's fields, the classes, the encoder's description)."""
+    keep = signature_kind(kind).fields + signature_kind(kind).optional + ("classes", "encoder")
+    return {k: v for k, v in meta.items() if k in keep}
+
+
+def signature_distances(kind: str, signatures: dict[str, dict], **options) -> tuple[list[str], np.ndarray]:
+    """Distance matrix from ``{site: signature meta}`` (sites sorted by name) by the kind's own rule, with its own
+    ``options`` (FMCL: ``overlap``; PACFL: ``angle``)."""
+    names = sorted(signatures)
+    sigs = [signature_from_wire(kind, signatures[n], n) for n in names]
+    return names, signature_kind(kind).distances(sigs, names, **options)

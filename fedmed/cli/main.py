@@ -71,30 +71,19 @@ def cmd_cluster(a):
 def cmd_distances(a):
     from fedmed.core.io import read_signature_dir, write_distance_csv
 
+    import inspect
+
+    from fedmed.algorithms.signatures import SIGNATURE_KINDS, signature_from_wire
+
     kind = a.kind
-    if kind == "fmcl":
-        from fedmed.algorithms.fmcl import fmcl_distance_matrix
-        from fedmed.algorithms.signatures import FIELDS, signature_from_wire
-
-        sigs = read_signature_dir(a.signature_dir, FIELDS["fmcl"])
+    if kind in SIGNATURE_KINDS:  # a method's signature, by its kind's own distance and options
+        sk = SIGNATURE_KINDS[kind]
+        sigs = read_signature_dir(a.signature_dir, sk.fields)
         names = list(sigs)
-        D = fmcl_distance_matrix([signature_from_wire("fmcl", s, n) for n, s in sigs.items()],
-                                 alpha=a.alpha, beta=a.beta, eps=a.eps, overlap=not a.no_overlap, site_names=names)
-    elif kind == "pacfl":
-        from fedmed.algorithms.baselines import pacfl_distance_matrix
-        from fedmed.algorithms.signatures import FIELDS, signature_from_wire
-
-        sigs = read_signature_dir(a.signature_dir, FIELDS["pacfl"])
-        names = list(sigs)
-        D = pacfl_distance_matrix([signature_from_wire("pacfl", s, n).basis for n, s in sigs.items()], site_names=names,
-                                  mode={"principal": "smallest", "official": "official"}[a.angle])
-    elif kind == "fecfl":
-        from fedmed.algorithms.baselines import fecfl_distance_matrix
-        from fedmed.algorithms.signatures import FIELDS, signature_from_wire
-
-        sigs = read_signature_dir(a.signature_dir, FIELDS["fecfl"])
-        names = list(sigs)
-        D = fecfl_distance_matrix([signature_from_wire("fecfl", s, n).mean for n, s in sigs.items()], site_names=names)
+        given = {"alpha": a.alpha, "beta": a.beta, "eps": a.eps, "overlap": not a.no_overlap, "angle": a.angle}
+        takes = inspect.signature(sk.distances).parameters
+        D = sk.distances([signature_from_wire(kind, s, n) for n, s in sigs.items()], names,
+                         **{k: v for k, v in given.items() if k in takes})
     elif kind == "euclidean":
         from fedmed.algorithms.heterogeneity import embedding_distance_matrix
 
@@ -212,7 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_cluster)
 
     d = sub.add_parser("distances", help="site-by-site distances from per-site <site>.npz signatures", formatter_class=HELP)
-    d.add_argument("kind", choices=["fmcl", "pacfl", "fecfl", "emd", "euclidean"], help="which signature and distance")
+    import fedmed.methods  # noqa: F401  (each method's module registers its signature kind)
+    from fedmed.algorithms.signatures import SIGNATURE_KINDS
+
+    d.add_argument("kind", choices=[*SIGNATURE_KINDS, "emd", "euclidean"], help="which signature and distance")
     d.add_argument("signature_dir", help="folder of <site>.npz files (see the README for their arrays)")
     d.add_argument("--out", required=True, help="output CSV")
     d.add_argument("--alpha", type=float, default=1.0, help="fmcl: overlap exponent")

@@ -275,12 +275,13 @@ class TrainTask(TrainConfig):
 class SignatureTask(Strict):
     """One-shot clustering signature (FMCL, PACFL, FECFL): ``fedmed.site.runner.SiteRunner.signature``."""
 
-    kind: Literal["fmcl", "pacfl", "fecfl"]
+    kind: str = Field(min_length=1, description="a registered signature kind (fedmed.algorithms.signatures."
+                      "SignatureKind: fmcl, pacfl, fecfl, a plugin's)")
     encoder: str
     image_size: Optional[int] = Field(None, description="the encoder's input size (None: its own)")
     seed: int = 0
-    n_basis: Optional[int] = Field(None, ge=1, description="PACFL's (None for the other kinds)")
-    angle: Optional[Literal["principal", "official"]] = Field(None, description="PACFL's (None for the other kinds)")
+    options: dict = Field(default_factory=dict, description="the kind's own options at the site (its method's, e.g. "
+                          "PACFL's n_basis), passed to its release")
     pseudo_labels: bool = Field(False, description="a site without labels: class prototypes of all its images under "
                                 "the served model's predicted classes (onboarding, fedmed.workflows.onboard)")
     halves: bool = Field(False, description="also the mean embedding of each of two random halves of the training "
@@ -312,7 +313,8 @@ class ClusteringTask(Strict):
     k1_silhouette: Optional[float]
     k1_rule: Optional[Literal["differ", "silhouette"]] = Field(None, description="the method's (None: a job from "
                                                                "before the option, the silhouette gate)")
-    overlap: Optional[bool] = Field(None, description="FMCL's (None for the other kinds)")
+    options: dict = Field(default_factory=dict, description="the kind's own distance options (its method's: FMCL's "
+                          "overlap, PACFL's angle), passed to its distances")
     min_cluster_images: Optional[int] = Field(None, ge=0, description="merge a cluster with fewer training images into "
                                               "its nearest (the method's; None: a job from before the option, off)")
 

@@ -284,7 +284,7 @@ def _onboarding_spec(exp, method, seed, cfg, names, onboard, server_files, name,
                "references": bool(onboard.get("references")), "labels": bool(onboard.get("labels", True)),
                "min_cluster_images": int(onboard.get("min_cluster_images") or 0)}
     return JobSpec(name=name or job_name(exp, method, seed, "_onboard"), method=method.name, task_config=cfg,
-                   workflow="onboard:Onboard",
+                   workflow="fedmed.workflows.onboard:Onboard",
                    workflow_options=options, rounds=1, server_files=server_files, **common)
 
 
@@ -359,7 +359,7 @@ def _plan_spec(exp, method, seed, cfg, plan, server_files, name, common) -> JobS
                "local": bool(plan.get("local")),
                "alpha": plan.get("alpha"), "pool": bool(plan.get("pool", True)), "test": plan.get("test")}
     return JobSpec(name=name or job_name(exp, method, seed, "_plan"), method=method.name, task_config=cfg,
-                   workflow="plan:Plan", workflow_options=options, rounds=2, server_files=server_files, **common)
+                   workflow="fedmed.workflows.plan:Plan", workflow_options=options, rounds=2, server_files=server_files, **common)
 
 
 def _network_files(exp, cfg: dict, user_code: list, server_files: list) -> None:

@@ -32,7 +32,7 @@ def build_task_config(exp, seed: int, method, sites: list[str] | None) -> dict:
     experiment's sections, and what the method adds (:meth:`fedmed.methods.Method.task_options`)."""
     fed = exp.federation
     common = {"seed": int(seed), "model": exp.model.model_dump(exclude=model_exclude(exp.model)), "train": exp.train.model_dump(),
-              "privacy": exp.privacy.model_dump(), "plugins": plugin_modules(exp),
+              "privacy": exp.privacy.model_dump(), "plugins": plugin_modules(exp, method),
               "federation": {"sites": sites, "min_clients": min_clients(fed.min_clients, sites),
                              "task_timeout": fed.task_timeout, "startup_timeout": fed.startup_timeout}}
     from fedmed.core.policy import tracking_destinations
@@ -75,11 +75,15 @@ def build_task_config(exp, seed: int, method, sites: list[str] | None) -> dict:
     return cfg
 
 
-def plugin_modules(exp) -> list[str]:
-    """The module names of the config's plugins (what every party imports before a task)."""
+def plugin_modules(exp, method=None) -> list[str]:
+    """The module names of the config's plugins and of the method's own module (what every party imports before a
+    task: a built-in method registers its site tasks and signature kind there, as a plugin does)."""
+    from fedmed.core.plugins import OWN_METHODS
     from fedmed.methods import plugin_module
 
-    return [plugin_module(str(p), exp.base_dir)[0] for p in exp.plugins]
+    own = type(method).__module__ if method is not None else ""
+    return [plugin_module(str(p), exp.base_dir)[0] for p in exp.plugins] + (
+        [own] if own.startswith(OWN_METHODS + ".") else [])
 
 
 def _name_weights(cfg: dict, weights: str | None) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from fedmed.core.schema import TaskConfig, task_config
-from fedmed.site.tasks import CLASSIFICATION, PLUGIN_TASKS, Reply, TaskError, task_seed
+from fedmed.site.tasks import CLASSIFICATION, PLUGIN_TASKS, TASK_SECTIONS, Reply, TaskError, task_seed
 from fedmed.data.images import DataError, conversion_note, load_datalist, load_images, near_duplicates, patients_of
 from fedmed.site.settings import SiteSettings, private_tokens, settings_for_dir
 
@@ -417,17 +417,13 @@ class SiteRunner:
     TASKS = CLASSIFICATION
     KIND = "classification"  # the plugin tasks it serves (fedmed.site.tasks.register_task)
 
-    # the task config's section each built-in task reads (a job that asks the task without it: one line, not a crash)
-    SECTIONS = {"signature": "signature", "latent_bounds": "flux", "descriptor": "flux", "ifca": "ifca",
-                "validate_ensemble": "ensemble"}
-
     def run_task(self, task: str, params: dict, cfg, round_: int = 0) -> Reply:
         tasks = {**PLUGIN_TASKS[self.KIND], **self.TASKS}
         if task not in tasks:
             raise TaskError(f"{self.site}: unknown task {task!r} (this site's {type(self).__name__} serves "
                             f"{', '.join(sorted(tasks))})")
         cfg = task_config(cfg)
-        need = self.SECTIONS.get(task) if tasks[task] is self.TASKS.get(task) else None
+        need = TASK_SECTIONS.get(task)
         if need and getattr(cfg, need) is None:
             raise TaskError(f"{self.site}: task {task!r} needs the task config's {need!r} section, which this job "
                             f"does not carry")

@@ -3,8 +3,9 @@ params it is served, the typed task config, the round) -> :class:`Reply`.
 
 * ``train``: score the served model on the local validation and test splits, train it locally, return the update
   with the served model's metrics. ``validate``: score the served model only.
-* ``signature`` (FMCL, PACFL, FECFL), ``latent_bounds`` / ``descriptor`` (Flux), ``ifca``, ``validate_ensemble``,
-  ``class_set`` (PreP-WFL): see each function.
+* ``validate_ensemble``, ``serve_score``, ``local_model``, ``norm_stats``, ``finetune_local``: see each function.
+* a method's own tasks (FMCL's ``signature``, Flux's ``latent_bounds`` / ``descriptor``, ``ifca``, PreP-WFL's
+  ``class_set``) live in its module of ``fedmed.methods``, registered with :func:`register_task` as a plugin's are.
 
 What a reply carries: parameters (training tasks), metric values over at least ``k_min`` samples, and aggregates
 (confusion matrices and score histograms with rows of fewer than ``k_min`` samples zeroed, sample counts,
@@ -27,8 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from fedmed.core.packing import unpack_model, unpack_models
 from fedmed.core.schema import TaskConfig, task_config
 
-__all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "register_task", "finetune_config", "serving_reply", "TaskError", "class_set", "descriptor", "ifca", "latent_bounds", "norm_stats", "signature", "train",
-           "serve_score", "task_seed", "train_locally", "validate", "validate_ensemble"]
+__all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "TASK_SECTIONS", "TaskError", "finetune_config", "norm_stats",
+           "pseudo_labelled", "register_task", "serve_score", "served_metrics", "served_model", "serving_reply",
+           "task_seed", "train", "train_locally", "validate", "validate_ensemble"]
 
 
 def task_seed(cfg: dict, site: str, round_: int | None = None, *, salt: int = 0) -> int:
@@ -92,13 +94,13 @@ def _metrics_of(runner, prob_fn, cfg):
     return metrics, meta
 
 
-def _served_metrics(runner, model, cfg):
+def served_metrics(runner, model, cfg):
     from fedmed.nn.train import predict_proba
 
     return _metrics_of(runner, lambda x: predict_proba(model, x, precision=runner.precision(cfg)), cfg)
 
 
-def _served(runner, params: dict, cfg: TaskConfig):
+def served_model(runner, params: dict, cfg: TaskConfig):
     """The model the site serves: the server's ``params``; under FedBN (``train.local_norm``) with the site's own
     batch-norm layers once it has trained them (the first round takes the server's)."""
     from fedmed.nn.train import set_params
@@ -183,9 +185,9 @@ def _personal(runner, cfg):
 
 
 def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
-    model = _served(runner, params, cfg)
+    model = served_model(runner, params, cfg)
     personal = _personal(runner, cfg)
-    metrics, meta = _served_metrics(runner, personal if personal is not None else model, cfg)
+    metrics, meta = served_metrics(runner, personal if personal is not None else model, cfg)
     meta.update(keep_served(runner, personal if personal is not None else model, cfg))
     return Reply(runner.site, metrics, meta, {})
 
@@ -277,9 +279,9 @@ def train_locally(runner, model, cfg, round_, key, *, mu=None, anchor=None) -> d
 def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     from fedmed.nn.train import get_params
 
-    model = _served(runner, params, cfg)
+    model = served_model(runner, params, cfg)
     personal = _personal(runner, cfg)
-    metrics, meta = _served_metrics(runner, personal if personal is not None else model, cfg)
+    metrics, meta = served_metrics(runner, personal if personal is not None else model, cfg)
     anchor = [p.detach().clone() for p in model.parameters()] if personal is not None else None
     meta.update(train_locally(runner, model, cfg, round_, task_config(cfg).cluster))
     if personal is not None:  # Ditto: the personal model trained on the same data, pulled toward this round's global
@@ -309,79 +311,7 @@ def norm_stats(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     return Reply(runner.site, {"n_batches": float(n_batches)}, {"n_train": n, "n_batches": n_batches}, stats)
 
 
-def class_set(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
-    """PreP-WFL's statistics round (``001_`` Alg. 2): only the ids of the classes this site holds leave it."""
-    y = runner.splits(cfg).train[1].numpy()
-    ids, counts = np.unique(y, return_counts=True)
-    k = runner.k_min(cfg)
-    held = sorted(int(c) for c, n in zip(ids, counts) if n >= k)
-    meta = {"classes": held}
-    if len(held) < ids.size:
-        meta["notes"] = [f"{runner.site}: {ids.size - len(held)} class(es) with fewer than k_min={k} training "
-                         f"images not reported (privacy.k_min)"]
-        print(f"[fedmed] {meta['notes'][0]}", flush=True)
-    return Reply(runner.site, {"n_classes_held": float(len(held))}, meta, {})
-
-
-def signature(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
-    """One-shot clustering signature of the site's training data (only aggregates leave).
-
-    ``cfg["signature"]``: ``kind`` (fmcl | pacfl | fecfl), ``encoder``, ``image_size``, ``n_basis`` (PACFL); the
-    encoder's weights: ``cfg["encoder_weights"]``, a file of the site's weights folder (None: seeded random init,
-    :meth:`~fedmed.site.runner.SiteRunner.weights`); ``cfg["privacy"]``:
-    ``k_min`` (classes with fewer samples are withheld), DP settings (:mod:`fedmed.algorithms.privacy`).
-    """
-    from fedmed.nn.encoders import ENCODERS, build_encoder, extract_features
-    from fedmed.algorithms.privacy import signature_payload
-
-    cfg = task_config(cfg)
-    sc = cfg.signature
-    s = runner.splits(cfg)
-    spec = ENCODERS.get(sc.encoder)
-    size = sc.image_size or (spec.size if spec is not None else None) or cfg.data.image_size
-    x, y = runner.images_at(cfg, size), s.train[1].numpy()  # decoded at the encoder's input size
-    if sc.pseudo_labels:  # no labels used: every image, under the served model's predicted classes
-        y = _pseudo_labelled(runner, params, cfg)
-        x = runner.images_at(cfg, size, ("training", "validation", "test"))
-    enc = build_encoder(sc.encoder, weights=runner.weights(cfg), seed=sc.seed, in_channels=cfg.data.channels,
-                        image_size=sc.image_size, device=runner.device(cfg))
-    feats = extract_features(enc, x, progress=lambda m: print(f"[{runner.site}] {m}", flush=True))
-    rng = np.random.default_rng(task_seed(cfg, runner.site, salt=17))
-    meta = signature_payload(sc.kind, feats, y, k_min=runner.k_min(cfg), privacy=cfg.privacy.model_dump(),
-                             n_basis=sc.n_basis, rng=rng, site=runner.site)
-    meta.update(encoder=enc.description, n_train=int(y.size))
-    if sc.halves and not sc.pseudo_labels:
-        extra = _halves(runner, feats, cfg)
-        if extra.get("notes"):
-            meta["notes"] = meta.get("notes", []) + extra.pop("notes")
-        meta.update(extra)
-    if sc.kind == "pacfl" and sc.encoder == "pixels" and not cfg.privacy.dp_epsilon:
-        meta["notes"] = meta.get("notes", []) + [
-            f"{runner.site}: WARNING PACFL on raw pixels without DP: each class's leading singular vector is close "
-            f"to an average image of that class (docs/privacy.md); set privacy.dp_epsilon or use an encoder"]
-    for note in meta.get("notes", []):
-        print(f"[fedmed] {note}", flush=True)
-    return Reply(runner.site, {"n_classes_sent": float(len(meta.get("classes", [])))}, meta, {})
-
-def _halves(runner, feats: np.ndarray, cfg: TaskConfig) -> dict:
-    """The 'do the sites differ?' test's share (fedmed.algorithms.differ): the mean embedding of each of two random
-    halves of the site's training images and their sizes — aggregates of at least ``k_min`` images each; nothing under
-    DP (the means would need their own noise) or on raw pixels (a half's mean is an average image)."""
-    from fedmed.algorithms.differ import split_halves
-
-    k = runner.k_min(cfg)
-    if cfg.privacy.dp_epsilon or cfg.signature.encoder == "pixels":
-        return {"notes": [f"{runner.site}: no split-half means for the 'do the sites differ?' test (not sent under DP "
-                          f"or on raw pixels)"]}
-    if len(feats) < 2 * k:
-        return {"notes": [f"{runner.site}: no split-half means for the 'do the sites differ?' test (fewer than 2 x "
-                          f"k_min training images)"]}
-    a, b = split_halves(len(feats), np.random.default_rng(task_seed(cfg, runner.site, salt=23)))
-    return {"halves": [feats[a].mean(axis=0).tolist(), feats[b].mean(axis=0).tolist()],
-            "halves_n": [int(len(a)), int(len(b))]}
-
-
-def _pseudo_labelled(runner, params: dict, cfg):
+def pseudo_labelled(runner, params: dict, cfg):
     """The classes the served model (``params``) predicts for all the site's images (training, validation, test)."""
     import torch
 
@@ -389,108 +319,13 @@ def _pseudo_labelled(runner, params: dict, cfg):
 
     s = runner.splits(cfg)
     x = torch.cat([s.train[0], s.val[0], s.test[0]])
-    model = _served(runner, params, cfg)
+    model = served_model(runner, params, cfg)
     return predict_proba(model, runner.on_device(x, cfg), precision=runner.precision(cfg)).argmax(axis=1)
 
 # ------------------------------------------------------------------ Flux (003_)
 
-def _latents(runner, params, cfg, split: str = "train"):
-    import torch
-
-    from fedmed.nn.train import latents, set_params
-
-    model = runner.model(cfg)
-    set_params(model, params)
-    s = runner.splits(cfg)
-    if split == "all":
-        x, y = torch.cat([s.train[0], s.val[0], s.test[0]]), torch.cat([s.train[1], s.val[1], s.test[1]])
-    else:
-        x, y = s.train
-    return latents(model, runner.on_device(x, cfg)), y.numpy()
-
-
-def latent_bounds(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
-    """Flux S1: the box of the latents (two z-vectors leave the site; with DP or k_min they are
-    clipped quantile bounds, :func:`fedmed.algorithms.privacy.private_bounds`)."""
-    from fedmed.algorithms.privacy import private_bounds
-
-    cfg = task_config(cfg)
-    f = cfg.flux
-    if f is None or f.box is None:
-        raise TaskError(f"{runner.site}: latent_bounds needs the task's flux section with its box (the Flux method's)")
-    z, _ = _latents(runner, params, cfg, "all" if f.label_free else "train")
-    rng = np.random.default_rng(task_seed(cfg, runner.site, salt=3))
-    lo, hi, note = private_bounds(z, k_min=runner.k_min(cfg), privacy=cfg.privacy.model_dump(), rng=rng,
-                                  site=runner.site, box=f.box)
-    meta = {"lo": lo, "hi": hi, "notes": [note] if note else []}
-    return Reply(runner.site, {"n_samples": float(z.shape[0])}, meta, {})
-
-
-def descriptor(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
-    """Flux S2-S4: the descriptor (label-free when ``flux.label_free``, e.g. an unseen site)."""
-    from fedmed.algorithms.flux import flux_descriptor, shared_pca
-
-    cfg = task_config(cfg)
-    f = cfg.flux
-    label_free = f.label_free
-    z, y = _latents(runner, params, cfg, "all" if label_free else "train")
-    pca = shared_pca(np.asarray(f.lo), np.asarray(f.hi), n_components=f.n_components, seed=f.pca_seed)
-    rng = np.random.default_rng(task_seed(cfg, runner.site))
-    if not label_free and f.absent_class is None:
-        raise TaskError(f"{runner.site}: a descriptor with class slots needs flux.absent_class (the Flux method's)")
-    d = flux_descriptor(z, pca, None if label_free else y, n_classes=None if label_free else cfg.data.n_classes,
-                        second_moment=f.second_moment, dp_epsilon=cfg.privacy.dp_epsilon, rng=rng,
-                        site=runner.site, k_min=runner.k_min(cfg),
-                        **({} if label_free else {"absent": f.absent_class}))  # label-free: no class slot
-    meta = {"label_free": d.label_free, "n_samples": d.n_samples, "warnings": d.warnings}
-    if cfg.privacy.dp_epsilon is not None:  # the run's privacy ledger composes it (SiteRunner.account)
-        meta["dp"] = {"epsilon": cfg.privacy.dp_epsilon, "mechanism": "laplace, b = Range(g_i) / (n epsilon) (003_ "
-                      "App. C.2)"}
-    if d.full is not None:
-        meta["full"] = d.full
-    for w in d.warnings:
-        print(f"[fedmed] {w}", flush=True)
-    length = len(d.full) if d.full is not None else len(d.label_free)
-    return Reply(runner.site, {"descriptor_length": float(length)}, meta, {})
 
 # ------------------------------------------------------------------ IFCA (Ghosh et al.)
-
-def ifca(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
-    """IFCA: evaluate the K cluster models on local training data, train the one with the
-    lowest loss, and report which (``params`` holds the K models as ``m<k>/<name>``)."""
-    import torch
-
-    from fedmed.nn.train import get_params, set_params
-
-    cfg = task_config(cfg)
-    K = cfg.ifca.k
-    model = runner.model(cfg)
-    s = runner.splits(cfg)
-    xtr, ytr = s.train
-    if cfg.ifca.pseudo_labels:  # no labels: every image, each model against its own predicted classes
-        if cfg.ifca.train:
-            raise TaskError(f"{runner.site}: IFCA trains on labels; pseudo-labels are for onboarding only")
-        xtr = torch.cat([s.train[0], s.val[0], s.test[0]])
-    runner.require_k_min(int(xtr.shape[0]), "training images", cfg, "IFCA")  # the K losses average them
-    dev = runner.device(cfg)
-    xd, yd = (xtr.to(dev) - 0.5) / 0.5, ytr.to(dev)
-    losses = []
-    for k in range(K):
-        set_params(model, unpack_model(params, k))
-        model.eval()
-        with torch.no_grad():
-            out = model(xd)
-            target = out.argmax(dim=1) if cfg.ifca.pseudo_labels else yd
-            losses.append(float(torch.nn.functional.cross_entropy(out, target)))
-    best = int(np.argmin(losses))
-    set_params(model, unpack_model(params, best))
-    metrics, meta = _served_metrics(runner, model, cfg)
-    meta.update(cluster=best, losses=losses)
-    if cfg.ifca.train:
-        meta.update(train_locally(runner, model, cfg, round_, ("ifca", best)))
-        metrics["train_loss"] = meta["train_loss"]
-        return Reply(runner.site, metrics, meta, get_params(model))
-    return Reply(runner.site, metrics, meta, {})
 
 
 def validate_ensemble(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
@@ -546,9 +381,9 @@ def finetune_local(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Re
     — the site's model, which never leaves it (only its metrics do)."""
     cfg = task_config(cfg)
     opts = FinetuneLocalOptions.model_validate(cfg.method_options)
-    model = _served(runner, params, cfg)
+    model = served_model(runner, params, cfg)
     out = finetune_at_site(runner, model, cfg, opts)
-    metrics, meta = _served_metrics(runner, model, cfg)
+    metrics, meta = served_metrics(runner, model, cfg)
     metrics["train_loss"] = out["train_loss"]
     meta.update(out)
     meta.update(keep_served(runner, model, cfg))
@@ -589,9 +424,9 @@ def local_model(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
     again exactly as ``serve_score`` trained it (:func:`train_site_model`), scored on the site's validation and test
     splits and kept in its workspace (``serve_keep``); only its metrics leave the site."""
     cfg = task_config(cfg)
-    model = _served(runner, params, cfg)
+    model = served_model(runner, params, cfg)
     out = train_site_model(runner, model, cfg)
-    metrics, meta = _served_metrics(runner, model, cfg)
+    metrics, meta = served_metrics(runner, model, cfg)
     metrics["train_loss"] = out["train_loss"]
     meta.update(out)
     meta.update(keep_served(runner, model, cfg))
@@ -744,20 +579,27 @@ def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
     return serving_reply(runner, params, cfg, correct, "accuracy", finetune, local)
 
 
-CLASSIFICATION = {"train": train, "validate": validate, "finetune_local": finetune_local, "signature": signature, "latent_bounds": latent_bounds,
-                  "descriptor": descriptor, "ifca": ifca, "validate_ensemble": validate_ensemble,
-                  "class_set": class_set, "serve_score": serve_score, "norm_stats": norm_stats, "local_model": local_model}
+# the tasks every classification site serves, whatever the method; a method's own tasks (FMCL's signature, Flux's
+# descriptor, IFCA's) its module registers (register_task), as a plugin's does
+CLASSIFICATION = {"train": train, "validate": validate, "finetune_local": finetune_local,
+                  "validate_ensemble": validate_ensemble, "serve_score": serve_score, "norm_stats": norm_stats,
+                  "local_model": local_model}
+# the task config's section a task reads (a job that asks the task without it: one line, not a crash)
+TASK_SECTIONS = {"validate_ensemble": "ensemble"}
 
 PLUGIN_TASKS: dict = {"classification": {}, "segmentation": {}, "segmentation_2d": {}, "mae": {}}  # a plugin method's own site tasks
 
 
-def register_task(name: str, fn, *, task: str = "classification"):
-    """Add a site task of a plugin method (``fedmed.methods``): ``fn(runner, params, cfg, round_) -> Reply`` served
-    by the runners of ``task`` ("classification", "segmentation" or "mae"). A name fedmed uses is refused."""
+def register_task(name: str, fn, *, task: str = "classification", section: str | None = None):
+    """Add a site task of a method (a module of ``fedmed.methods``, or a plugin's): ``fn(runner, params, cfg, round_)
+    -> Reply`` served by the runners of ``task`` ("classification", "segmentation" or "mae"); ``section``: the task
+    config's section it reads (refused in one line when a job leaves it out). A name taken by another is refused."""
     builtin = {"classification": CLASSIFICATION}.get(task, {})
     if task not in PLUGIN_TASKS:
         raise ValueError(f"register_task: task should be one of {sorted(PLUGIN_TASKS)}, got {task!r}")
     if name in builtin or PLUGIN_TASKS[task].get(name, fn) is not fn:
         raise ValueError(f"register_task: site task {name!r} is taken")
     PLUGIN_TASKS[task][name] = fn
+    if section:
+        TASK_SECTIONS[name] = section
     return fn

@@ -1,7 +1,6 @@
-"""The server workflows by name: what a job's controller (and the in-process federation) constructs.
-
-A job names its workflow as ``module:Class`` — fedmed's as a module of ``fedmed.workflows`` (``flux:Flux``), a
-plugin's by its own module (``toy_rule:ToyClusters``), which must have been loaded first under the party's policy
+"""Finding a server workflow by the name a job gives it: ``module:Class``. fedmed's own live in its installed
+packages (``fedmed.workflows.onboard:Onboard``, a built-in method's module: ``fedmed.methods.flux:Flux``) and are
+imported here; a plugin's (``toy_rule:ToyClusters``) must have been loaded first under the party's policy
 (:func:`fedmed.methods.load_plugins`). Which method runs which workflow with which options is the method's to say
 (``fedmed.methods``)."""
 
@@ -12,14 +11,9 @@ from fedmed.core.errors import FedmedError
 import importlib
 import sys
 
-__all__ = ["SERVER_WORKFLOWS", "WorkflowNotFound", "server_workflow"]
+__all__ = ["WorkflowNotFound", "server_workflow"]
 
-# fedmed's server workflows: short name -> "module:Class" under fedmed.workflows
-SERVER_WORKFLOWS = {"fedavg": "fedavg:FedAvg", "finetune": "finetune:Finetune", "clustered": "clustered:OneShotClustered",
-                    "cfl": "cfl:CFL", "flux": "flux:Flux", "ifca": "ifca:IFCA", "assessment": "seg_assessment:SegAssessment",
-                    "onboard": "onboard:Onboard",
-                    "finetune_local": "finetune_local:FinetuneLocal", "plan": "plan:Plan"}
-_OWN_MODULES = {v.split(":")[0] for v in SERVER_WORKFLOWS.values()}
+OWN_PACKAGES = ("fedmed.workflows.", "fedmed.methods.")  # installed code: imported when a job names it
 
 
 class WorkflowNotFound(FedmedError, KeyError):
@@ -27,18 +21,19 @@ class WorkflowNotFound(FedmedError, KeyError):
         return str(self.args[0])
 
 
-def server_workflow(name: str):
-    """The workflow class ``name`` names: a short name of :data:`SERVER_WORKFLOWS`, ``module:Class`` of a fedmed
-    workflow module, or ``plugin.module:Class`` of a plugin already imported (never imported here)."""
+def server_workflow(path: str):
+    """The workflow class ``path`` (``module:Class``) names: of a fedmed module, or of a plugin already imported
+    (never imported here)."""
     from fedmed.workflows.base import Workflow
 
-    path = SERVER_WORKFLOWS.get(name, name)
     if ":" not in path:
-        raise WorkflowNotFound(f"server workflow {name!r} is not one of fedmed's ({sorted(SERVER_WORKFLOWS)}) nor "
-                               f"module:Class")
+        raise WorkflowNotFound(f"server workflow {path!r} is not module:Class (e.g. fedmed.methods.flux:Flux)")
     module, cls = path.split(":", 1)
-    if module in _OWN_MODULES:
-        mod = importlib.import_module(f"fedmed.workflows.{module}")
+    if module.startswith(OWN_PACKAGES):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            raise WorkflowNotFound(f"server workflow {path!r}: fedmed has no module {module!r}") from None
     elif module in sys.modules:
         mod = sys.modules[module]
     else:

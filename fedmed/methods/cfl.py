@@ -1,7 +1,16 @@
-"""CFL (Sattler, Müller & Samek 2020): FedAvg inside clusters that split by gradient similarity."""
+"""CFL (Sattler et al. 2020): FedAvg that bipartitions a cluster when its sites' updates point apart.
+
+Its server workflow: CFL (Sattler, Müller & Samek 2020): FedAvg inside clusters that split by gradient similarity.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
 
 import numpy as np
+from pydantic import Field
 
+from fedmed.methods.base import Method, register_method
 from fedmed.workflows.fedavg import FedAvg
 
 
@@ -142,3 +151,17 @@ class CFL(FedAvg):
             assign[s] = c
         ob.recorder.note("onboarding", {"cfl_path": path})
         return ob.assigned(assign)
+
+
+@register_method
+class CFLMethod(Method):
+    workflow: Literal["cfl"]
+    cfl_eps1: float = Field(0.4, gt=0)
+    cfl_eps2: float = Field(1.6, gt=0)
+    warmup_rounds: int = Field(2, ge=0)
+    server: ClassVar = CFL
+    clustered: ClassVar[bool] = True
+    onboards: ClassVar[bool] = True
+
+    def workflow_options(self, exp, seed):
+        return {"eps1": self.cfl_eps1, "eps2": self.cfl_eps2, "warmup_rounds": self.warmup_rounds}

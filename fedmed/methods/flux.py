@@ -1,13 +1,89 @@
-"""Flux (``003_`` Algorithm 1) with partial participation."""
+"""Flux (``003_``): latent-moment descriptors, density clustering, label-free assignment of unseen sites.
 
+Its server workflow: Flux (``003_`` Algorithm 1) with partial participation.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Optional
 
 import numpy as np
+from pydantic import Field
 
-from fedmed.core.schema import FluxTask
 from fedmed.core.jobfiles import TRAINING as TRAINING_DIR
-from fedmed.workflows.federation import RunFailed
+from fedmed.core.schema import TaskConfig, task_config
+from fedmed.core.schema import FluxTask
+from fedmed.methods.base import Method, register_method
+from fedmed.site.tasks import Reply, TaskError, register_task, task_seed
 from fedmed.workflows.base import round_mean
 from fedmed.workflows.fedavg import FedAvg
+from fedmed.workflows.federation import RunFailed
+
+
+# ------------------------------------------------------------------ its site tasks
+
+def _latents(runner, params, cfg, split: str = "train"):
+    import torch
+
+    from fedmed.nn.train import latents, set_params
+
+    model = runner.model(cfg)
+    set_params(model, params)
+    s = runner.splits(cfg)
+    if split == "all":
+        x, y = torch.cat([s.train[0], s.val[0], s.test[0]]), torch.cat([s.train[1], s.val[1], s.test[1]])
+    else:
+        x, y = s.train
+    return latents(model, runner.on_device(x, cfg)), y.numpy()
+
+
+def latent_bounds(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """Flux S1: the box of the latents (two z-vectors leave the site; with DP or k_min they are
+    clipped quantile bounds, :func:`fedmed.algorithms.privacy.private_bounds`)."""
+    from fedmed.algorithms.privacy import private_bounds
+
+    cfg = task_config(cfg)
+    f = cfg.flux
+    if f is None or f.box is None:
+        raise TaskError(f"{runner.site}: latent_bounds needs the task's flux section with its box (the Flux method's)")
+    z, _ = _latents(runner, params, cfg, "all" if f.label_free else "train")
+    rng = np.random.default_rng(task_seed(cfg, runner.site, salt=3))
+    lo, hi, note = private_bounds(z, k_min=runner.k_min(cfg), privacy=cfg.privacy.model_dump(), rng=rng,
+                                  site=runner.site, box=f.box)
+    meta = {"lo": lo, "hi": hi, "notes": [note] if note else []}
+    return Reply(runner.site, {"n_samples": float(z.shape[0])}, meta, {})
+
+
+def descriptor(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """Flux S2-S4: the descriptor (label-free when ``flux.label_free``, e.g. an unseen site)."""
+    from fedmed.algorithms.flux import flux_descriptor, shared_pca
+
+    cfg = task_config(cfg)
+    f = cfg.flux
+    label_free = f.label_free
+    z, y = _latents(runner, params, cfg, "all" if label_free else "train")
+    pca = shared_pca(np.asarray(f.lo), np.asarray(f.hi), n_components=f.n_components, seed=f.pca_seed)
+    rng = np.random.default_rng(task_seed(cfg, runner.site))
+    if not label_free and f.absent_class is None:
+        raise TaskError(f"{runner.site}: a descriptor with class slots needs flux.absent_class (the Flux method's)")
+    d = flux_descriptor(z, pca, None if label_free else y, n_classes=None if label_free else cfg.data.n_classes,
+                        second_moment=f.second_moment, dp_epsilon=cfg.privacy.dp_epsilon, rng=rng,
+                        site=runner.site, k_min=runner.k_min(cfg),
+                        **({} if label_free else {"absent": f.absent_class}))  # label-free: no class slot
+    meta = {"label_free": d.label_free, "n_samples": d.n_samples, "warnings": d.warnings}
+    if cfg.privacy.dp_epsilon is not None:  # the run's privacy ledger composes it (SiteRunner.account)
+        meta["dp"] = {"epsilon": cfg.privacy.dp_epsilon, "mechanism": "laplace, b = Range(g_i) / (n epsilon) (003_ "
+                      "App. C.2)"}
+    if d.full is not None:
+        meta["full"] = d.full
+    for w in d.warnings:
+        print(f"[fedmed] {w}", flush=True)
+    length = len(d.full) if d.full is not None else len(d.label_free)
+    return Reply(runner.site, {"descriptor_length": float(length)}, meta, {})
+
+
+register_task("latent_bounds", latent_bounds, section="flux")
+register_task("descriptor", descriptor, section="flux")
 
 
 class Flux(FedAvg):
@@ -161,3 +237,42 @@ class Flux(FedAvg):
                 "n_components": int(z["n_components"]), "label_free": True}
         return ob.assigned({s: assign_nearest(meta["label_free"], z["centroids_label_free"]) for s, (meta, _) in
                            ob.new_site_replies("descriptor", ob.task(theta_star, 0, flux=flux), "descriptor").items()})
+
+
+@register_method
+class FluxMethod(Method):
+    workflow: Literal["flux"]
+    n_clusters: Optional[int] = Field(None, ge=1, description="Flux-prior: K-means with this K; None = adaptive DBSCAN")
+    participation: float = Field(1.0, gt=0, le=1, description="fraction of sites sampled per round")
+    dbscan_scale: float = Field(1.0, gt=0, description="eps scale factor (the paper's per-dataset factor)")
+    k1_silhouette: Optional[float] = Field(0.25, ge=-1, le=1, description="keep a DBSCAN split only when its "
+                                           "silhouette reaches this (None: the paper's literal DBSCAN)")
+    box: Literal["elementwise", "scalar"] = Field("elementwise", description="S1 box: the paper's element-wise "
+                                                  "min/max, or the official code's [0, 1.02 max]")
+    scaling: Literal["none", "minmax"] = Field("none", description="min-max scale descriptors before clustering "
+                                               "(official code)")
+    start_rule: Literal["paper", "official"] = Field("paper", description="Eq. 14 gains from round 3 (paper) or "
+                                                     "including round 2 (official code)")
+    absent_class: Literal["zeros", "minus_one"] = Field("zeros", description="slot of a class with < 2 samples")
+    server: ClassVar = Flux
+    site_tasks: ClassVar[tuple] = ("train", "latent_bounds", "descriptor", "validate")
+    clustered: ClassVar[bool] = True
+    onboards: ClassVar[bool] = True
+
+    def check_experiment(self, exp):
+        super().check_experiment(exp)
+        from fedmed.nn.models import BUILTIN_ARCHS, PRETRAINED_ARCHS
+
+        if exp.model.arch not in (*BUILTIN_ARCHS, *PRETRAINED_ARCHS):
+            raise ValueError(f"method {self.name!r}: Flux describes a site by the latents of fedmed's networks "
+                             f"(forward_features); model.arch {exp.model.arch!r} has none")
+
+    @classmethod
+    def training_assignment(cls, doc):
+        return {k: int(v) for k, v in doc.get("assignment", {}).items()}  # the run's last clustering
+
+    def workflow_options(self, exp, seed):
+        return {"flux": {"pca_seed": seed, "box": self.box, "absent_class": self.absent_class},
+                "participation": self.participation, "n_clusters": self.n_clusters or 0,
+                "scale": self.dbscan_scale, "k1_silhouette": self.k1_silhouette, "scaling": self.scaling,
+                "start_rule": self.start_rule}

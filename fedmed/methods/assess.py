@@ -1,6 +1,17 @@
-"""``004_`` (Alekseenko et al.): assess the federation, then train a model that is better for it."""
+"""The ``004_`` methods (Alekseenko et al.): the heterogeneity assessment (metadata EMD and embedding distances),
+FedAvg down-weighting the most distant site (FedAvg_w) and 2-cluster personalization.
 
+Its server workflow: ``004_`` (Alekseenko et al.): assess the federation, then train a model that is better for it.
+"""
 
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Optional
+
+from pydantic import Field
+from pydantic import field_validator
+
+from fedmed.methods.base import Method, check_encoder, register_method
 from fedmed.workflows.fedavg import FedAvg
 from fedmed.workflows.federation import RunFailed
 
@@ -126,3 +137,70 @@ class SegAssessment(FedAvg):
                                           "features": (f"maximum intensity of {state.get('max_intensity')}"
                                                        if distance == "emd" else "embedding centroids")})
         return ob.assigned(assign)
+
+
+@register_method
+class SegAssessMethod(Method):
+    workflow: Literal["seg_assess"]
+    per_value: bool = Field(False, description="ask for per-image metadata values (the paper's form); a site answers "
+                            "only if its own settings allow per-image data")
+    encoder_weights: Optional[str] = Field(None, description="the embedding encoder's weights file (3D: MedicalNet; 2D "
+                                           "lesions: EfficientNet-Lite0, or imagenet: its installed release)")
+    server: ClassVar = SegAssessment
+
+    @field_validator("encoder_weights")
+    @classmethod
+    def _release_by_name(cls, v):
+        if isinstance(v, str) and v.strip().lower() == "imagenet":
+            from fedmed.nn.encoders import release_file
+
+            return release_file("efficientnet_lite0", "encoder_weights")
+        return v
+    serves: ClassVar[tuple] = ("segmentation",)
+    site_tasks: ClassVar[tuple] = ("assess",)
+    mode: ClassVar[str] = "assess"
+
+    @property
+    def weights_file(self):
+        return self.encoder_weights
+
+    def check_files(self, exp):
+        if self.weights_file:  # 3D: MedicalNet; 2D lesions: EfficientNet-Lite0
+            check_encoder("efficientnet_lite0" if exp.dataset.sources else "medicalnet_resnet18", self.weights_file,
+                          in_channels=exp.dataset.channels if exp.dataset.sources else 1)
+
+    def workflow_options(self, exp, seed):
+        return {"mode": self.mode, **self.assessment_options()}
+
+    def assessment_options(self) -> dict:
+        return {}
+
+    def task_options(self, exp, seed):
+        return {"assess": {"per_value": self.per_value}}
+
+
+@register_method
+class FedAvgWMethod(SegAssessMethod):
+    workflow: Literal["fedavg_w"]
+    omega: float = Field(1.0, ge=0, le=1, description="weight of the most distant site (004_ Eq. 2)")
+    distance: Literal["emd", "euc"] = "emd"
+    site: str = Field("", description="down-weight this site instead of the assessed one")
+    site_tasks: ClassVar[tuple] = ("assess", "train", "validate")
+    mode: ClassVar[str] = "fedavg_w"
+
+    def assessment_options(self):
+        return {"distance": self.distance, "omega": self.omega, "site": self.site}
+
+
+@register_method
+class SegClustersMethod(SegAssessMethod):
+    workflow: Literal["seg_clusters"]
+    distance: Literal["emd", "euc"] = "emd"
+    clusters: list[list[str]] = Field(default_factory=list, description="given clusters instead of the assessed ones")
+    site_tasks: ClassVar[tuple] = ("assess", "train", "validate")
+    clustered: ClassVar[bool] = True
+    onboards: ClassVar[bool] = True
+    mode: ClassVar[str] = "clusters"
+
+    def assessment_options(self):
+        return {"distance": self.distance, "clusters": self.clusters}

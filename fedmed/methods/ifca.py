@@ -1,8 +1,64 @@
-"""IFCA (Ghosh et al. 2020): K models, each site trains the one with the lowest local loss."""
+"""IFCA (Ghosh et al. 2020): K models; each site trains the one with its lowest loss.
+
+Its server workflow: IFCA (Ghosh et al. 2020): K models, each site trains the one with the lowest local loss.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import numpy as np
+from pydantic import Field
 
 from fedmed.algorithms.aggregation import ifca_models
-from fedmed.core.packing import pack_models
+from fedmed.core.packing import pack_models, unpack_model
+from fedmed.core.schema import TaskConfig, task_config
+from fedmed.methods.base import Method, register_method
+from fedmed.site.tasks import Reply, TaskError, register_task, served_metrics, train_locally
 from fedmed.workflows.fedavg import FedAvg
+
+
+# ------------------------------------------------------------------ its site tasks
+
+def ifca(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """IFCA: evaluate the K cluster models on local training data, train the one with the
+    lowest loss, and report which (``params`` holds the K models as ``m<k>/<name>``)."""
+    import torch
+
+    from fedmed.nn.train import get_params, set_params
+
+    cfg = task_config(cfg)
+    K = cfg.ifca.k
+    model = runner.model(cfg)
+    s = runner.splits(cfg)
+    xtr, ytr = s.train
+    if cfg.ifca.pseudo_labels:  # no labels: every image, each model against its own predicted classes
+        if cfg.ifca.train:
+            raise TaskError(f"{runner.site}: IFCA trains on labels; pseudo-labels are for onboarding only")
+        xtr = torch.cat([s.train[0], s.val[0], s.test[0]])
+    runner.require_k_min(int(xtr.shape[0]), "training images", cfg, "IFCA")  # the K losses average them
+    dev = runner.device(cfg)
+    xd, yd = (xtr.to(dev) - 0.5) / 0.5, ytr.to(dev)
+    losses = []
+    for k in range(K):
+        set_params(model, unpack_model(params, k))
+        model.eval()
+        with torch.no_grad():
+            out = model(xd)
+            target = out.argmax(dim=1) if cfg.ifca.pseudo_labels else yd
+            losses.append(float(torch.nn.functional.cross_entropy(out, target)))
+    best = int(np.argmin(losses))
+    set_params(model, unpack_model(params, best))
+    metrics, meta = served_metrics(runner, model, cfg)
+    meta.update(cluster=best, losses=losses)
+    if cfg.ifca.train:
+        meta.update(train_locally(runner, model, cfg, round_, ("ifca", best)))
+        metrics["train_loss"] = meta["train_loss"]
+        return Reply(runner.site, metrics, meta, get_params(model))
+    return Reply(runner.site, metrics, meta, {})
+
+
+register_task("ifca", ifca, section="ifca")
 
 
 class IFCA(FedAvg):
@@ -87,3 +143,25 @@ class IFCA(FedAvg):
     @classmethod
     def after_onboarding(cls, ob, models: dict, sizes: dict) -> None:
         ob.ensemble(models, sizes, 2 + len(models), "ensemble")  # IFCA's label-free counterpart (the Flux paper's)
+
+
+@register_method
+class IFCAMethod(Method):
+    workflow: Literal["ifca"]
+    n_clusters: int = Field(2, ge=1, description="K models")
+    participation: float = Field(1.0, gt=0, le=1)
+    empty_cluster: Literal["global", "keep"] = Field(
+        "global", description="a model no site chose in a round with every site answering: replaced by that "
+        "round's average of all updates (fedmed; docs/readings.md), or kept unchanged (the paper)")
+    server: ClassVar = IFCA
+    site_tasks: ClassVar[tuple] = ("ifca",)
+    clustered: ClassVar[bool] = True
+    onboards: ClassVar[bool] = True
+
+    @classmethod
+    def training_assignment(cls, doc):
+        train_rounds = [r for r in doc["rounds"] if r["task"] == "train"]  # each site's choice in the last round
+        return {s: int(v["cluster"]) for s, v in train_rounds[-1]["sites"].items()} if train_rounds else {}
+
+    def workflow_options(self, exp, seed):
+        return {"k": self.n_clusters, "participation": self.participation, "empty_cluster": self.empty_cluster}

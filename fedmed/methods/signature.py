@@ -1,20 +1,88 @@
-"""One-shot clustered FL: FMCL (``000_`` Fig. 1, Alg. 2-5), and PACFL / FECFL with their signatures."""
+"""One-shot clustered FL (FMCL ``000_``, PACFL, FECFL): one signature per site from a frozen encoder, clustered
+once; each kind's own module (``fmcl``, ``pacfl``, ``fecfl``) says what its signature is and how far two are.
 
+Its server workflow: One-shot clustered FL: FMCL (``000_`` Fig. 1, Alg. 2-5), and PACFL / FECFL with their signatures.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Optional
 
 import numpy as np
+from pydantic import Field
+from pydantic import field_validator
 
+from fedmed.algorithms.signatures import signature_kind, wire_only
+from fedmed.core.schema import TaskConfig, task_config
+from fedmed.core.schema import Strict
 from fedmed.core.schema import ClusteringTask, SignatureTask
-from fedmed.workflows.federation import RunFailed
+from fedmed.methods.base import Method, check_encoder
+from fedmed.site.tasks import Reply, pseudo_labelled, register_task, task_seed
 from fedmed.workflows.fedavg import FedAvg
+from fedmed.workflows.federation import RunFailed
 
 
-def wire_only(kind: str, meta: dict) -> dict:
-    """Of a signature reply, what the distances read (its wire arrays) and the encoder that made it: what a finished
-    run keeps for onboarding new sites (:mod:`fedmed.workflows.onboard`)."""
-    from fedmed.algorithms.signatures import FIELDS
+# ------------------------------------------------------------------ its site tasks
 
-    keep = FIELDS[kind] + ("classes", "encoder")
-    return {k: v for k, v in meta.items() if k in keep}
+def signature(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
+    """One-shot clustering signature of the site's training data (only aggregates leave).
+
+    ``cfg["signature"]``: ``kind`` (fmcl | pacfl | fecfl), ``encoder``, ``image_size``, ``n_basis`` (PACFL); the
+    encoder's weights: ``cfg["encoder_weights"]``, a file of the site's weights folder (None: seeded random init,
+    :meth:`~fedmed.site.runner.SiteRunner.weights`); ``cfg["privacy"]``:
+    ``k_min`` (classes with fewer samples are withheld), DP settings (:mod:`fedmed.algorithms.privacy`).
+    """
+    from fedmed.nn.encoders import ENCODERS, build_encoder, extract_features
+    from fedmed.algorithms.privacy import signature_payload
+    from fedmed.algorithms.signatures import signature_kind
+
+    cfg = task_config(cfg)
+    sc = cfg.signature
+    s = runner.splits(cfg)
+    spec = ENCODERS.get(sc.encoder)
+    size = sc.image_size or (spec.size if spec is not None else None) or cfg.data.image_size
+    x, y = runner.images_at(cfg, size), s.train[1].numpy()  # decoded at the encoder's input size
+    if sc.pseudo_labels:  # no labels used: every image, under the served model's predicted classes
+        y = pseudo_labelled(runner, params, cfg)
+        x = runner.images_at(cfg, size, ("training", "validation", "test"))
+    enc = build_encoder(sc.encoder, weights=runner.weights(cfg), seed=sc.seed, in_channels=cfg.data.channels,
+                        image_size=sc.image_size, device=runner.device(cfg))
+    feats = extract_features(enc, x, progress=lambda m: print(f"[{runner.site}] {m}", flush=True))
+    rng = np.random.default_rng(task_seed(cfg, runner.site, salt=17))
+    meta = signature_payload(sc.kind, feats, y, k_min=runner.k_min(cfg), privacy=cfg.privacy.model_dump(), rng=rng,
+                             site=runner.site, **sc.options)
+    meta.update(encoder=enc.description, n_train=int(y.size))
+    if sc.halves and not sc.pseudo_labels:
+        extra = _halves(runner, feats, cfg)
+        if extra.get("notes"):
+            meta["notes"] = meta.get("notes", []) + extra.pop("notes")
+        meta.update(extra)
+    meta["notes"] = meta.get("notes", []) + [f"{runner.site}: {n}" for n in
+                                             signature_kind(sc.kind).site_notes(sc.encoder, cfg.privacy.dp_epsilon)]
+    for note in meta.get("notes", []):
+        print(f"[fedmed] {note}", flush=True)
+    return Reply(runner.site, {"n_classes_sent": float(len(meta.get("classes", [])))}, meta, {})
+
+
+def _halves(runner, feats: np.ndarray, cfg: TaskConfig) -> dict:
+    """The 'do the sites differ?' test's share (fedmed.algorithms.differ): the mean embedding of each of two random
+    halves of the site's training images and their sizes — aggregates of at least ``k_min`` images each; nothing under
+    DP (the means would need their own noise) or on raw pixels (a half's mean is an average image)."""
+    from fedmed.algorithms.differ import split_halves
+
+    k = runner.k_min(cfg)
+    if cfg.privacy.dp_epsilon or cfg.signature.encoder == "pixels":
+        return {"notes": [f"{runner.site}: no split-half means for the 'do the sites differ?' test (not sent under DP "
+                          f"or on raw pixels)"]}
+    if len(feats) < 2 * k:
+        return {"notes": [f"{runner.site}: no split-half means for the 'do the sites differ?' test (fewer than 2 x "
+                          f"k_min training images)"]}
+    a, b = split_halves(len(feats), np.random.default_rng(task_seed(cfg, runner.site, salt=23)))
+    return {"halves": [feats[a].mean(axis=0).tolist(), feats[b].mean(axis=0).tolist()],
+            "halves_n": [int(len(a)), int(len(b))]}
+
+
+register_task("signature", signature, section="signature")
 
 
 class OneShotClustered(FedAvg):
@@ -55,7 +123,7 @@ class OneShotClustered(FedAvg):
         c = self.clustering
         self.save_onboarding("signature", dict(enumerate(clusters)), signatures=signatures,
                              signature=self.signature.model_dump(),
-                             clustering={"overlap": c.overlap, "linkage": c.linkage})
+                             clustering={"options": c.options, "linkage": c.linkage})
 
     def collect_signatures(self) -> dict:
         """Step 1: every site's signature, with the means of two random halves of its images (the sites'
@@ -110,7 +178,7 @@ class OneShotClustered(FedAvg):
             raise RunFailed(f"{len(sigs)} site(s) sent a signature, fewer than min_clients={self.min_clients}")
         try:
             c = self.clustering
-            names, D = signature_distances(self.signature.kind, sigs, overlap=c.overlap, angle=self.signature.angle)
+            names, D = signature_distances(self.signature.kind, sigs, **c.options)
             k1, one = self.k1_gate(c)
             info = choose_clusters(D, names, n_clusters=1 if one else c.n_clusters, threshold=c.threshold,
                                    linkage_method=c.linkage, k1_silhouette=k1)
@@ -158,12 +226,12 @@ class OneShotClustered(FedAvg):
 
     # ------------------------------------------------------------------ a new site after training (fedmed.workflows.onboard)
     onboard_needs_state = True
-    LABEL_FREE_KINDS = ("fecfl",)  # FMCL's prototypes and PACFL's subspaces are per class
     onboard_pseudo_labels = True
 
     @classmethod
     def onboard_is_label_free(cls, state: dict) -> bool:
-        return state.get("state", {}).get("signature", {}).get("kind") in cls.LABEL_FREE_KINDS
+        kind = state.get("state", {}).get("signature", {}).get("kind")
+        return kind is not None and not signature_kind(kind).per_class
 
     @classmethod
     def assign_new_sites(cls, ob, st: dict, models: dict) -> dict:
@@ -175,7 +243,7 @@ class OneShotClustered(FedAvg):
         sig = {k: v for k, v in state["signature"].items() if k != "weights"}  # the weights: cfg.encoder_weights
         trained = state["signatures"]
         encoders = sorted({m.get("encoder", "?") for m in trained.values()})
-        if not ob.labels and sig["kind"] not in cls.LABEL_FREE_KINDS:
+        if not ob.labels and signature_kind(sig["kind"]).per_class:
             return cls._assign_signature_pseudo(ob, state, clusters, models, sig, trained)
         assign, dists = {}, {}
         for s, (meta, _) in ob.new_site_replies("signature", ob.task({}, 0, signature=sig), "signature").items():
@@ -187,7 +255,7 @@ class OneShotClustered(FedAvg):
                 continue
             try:
                 names, D = signature_distances(sig["kind"], {**{t: m for t, m in trained.items() if t != s}, s: meta},
-                                               overlap=state["clustering"]["overlap"], angle=sig["angle"])
+                                               **state["clustering"]["options"])
             except ValueError as e:
                 ob.recorder.error(0, s, "signature", str(e))
                 ob.error(f"new site {s} cannot be compared with the training sites: {e}")
@@ -217,8 +285,7 @@ class OneShotClustered(FedAvg):
                     continue
                 try:
                     names, D = signature_distances(sig["kind"], {**{t: m for t, m in trained.items() if t != s},
-                                                                 s: meta}, overlap=state["clustering"]["overlap"],
-                                                   angle=sig["angle"])
+                                                                 s: meta}, **state["clustering"]["options"])
                 except ValueError as e:
                     ob.recorder.error(0, s, "signature", str(e))
                     continue
@@ -229,3 +296,75 @@ class OneShotClustered(FedAvg):
         assign = {s: min(sorted(d), key=lambda c: d[c]) for s, d in dists.items()}
         ob.recorder.note("onboarding", {"distances": dists, "linkage": linkage, "pseudo_labels": True})
         return ob.assigned(assign)
+
+
+class _Encoder(Strict):
+    encoder: str = Field("random_cnn", description="see fedmed.nn.encoders.ENCODERS")
+    encoder_weights: Optional[str] = Field(None, description="local weights file, or imagenet (the encoder's installed "
+                                           "ImageNet release); None = seeded random init")
+    encoder_image_size: Optional[int] = Field(None, gt=7)
+
+    @field_validator("encoder_weights")
+    @classmethod
+    def _release_by_name(cls, v, info):
+        if isinstance(v, str) and v.strip().lower() == "imagenet":
+            from fedmed.nn.encoders import release_file
+
+            return release_file(str(info.data.get("encoder", "")), "encoder_weights")
+        return v
+
+
+class _Clusters(Strict):
+    n_clusters: Optional[int] = Field(None, ge=1, description="fixed K; None = auto-K")
+    threshold: Optional[float] = Field(None, ge=0, description="agglomerative merge threshold instead of K")
+    linkage: Literal["average", "weighted", "complete", "single"] = "average"
+    k1_silhouette: Optional[float] = Field(0.5, ge=-1, le=1, description="auto-K keeps one cluster unless the chosen "
+                                           "K's silhouette reaches this (Kaufman & Rousseeuw: 0.26-0.50 weak, could be "
+                                           "artificial; docs/readings.md); None: no K = 1 test")
+    k1_rule: Literal["differ", "silhouette"] = Field(
+        "differ", description="how auto-K decides K = 1: 'differ' — the calibrated split-half test ('do the sites "
+        "differ?', fedmed.algorithms.differ) answers it: sites that differ get FMCL's silhouette pick with no K = 1 "
+        "gate, sites that do not get one cluster (the silhouette gate where the test cannot run); 'silhouette' — "
+        "k1_silhouette alone (docs/readings.md 'Auto-K')")
+    min_cluster_images: int = Field(0, ge=0, description="a cluster whose sites hold fewer training images than this "
+                                    "is merged into its nearest cluster (average distance) before training, so that "
+                                    "every cluster model has data to learn from (#57); 0: off")
+    fedavg_warmup: int = Field(0, ge=0, description="rounds of FedAvg on the whole federation before the cluster "
+                               "models start from its model (the idea of Flux's start rule; docs/readings.md); the "
+                               "run keeps train.rounds in all. 0 = cluster models from scratch (FMCL's Alg. 5)")
+
+
+class SignatureMethod(Method, _Encoder, _Clusters):
+    """FMCL, PACFL and FECFL: one signature per site, clustered once (:class:`OneShotClustered`)."""
+
+    server: ClassVar = OneShotClustered
+    site_tasks: ClassVar[tuple] = ("signature", "train", "validate")
+    clustered: ClassVar[bool] = True
+    onboards: ClassVar[bool] = True
+    ssl_role: ClassVar[Optional[str]] = "clusters"  # fedmed ssl: clusters from the Fed-MAE encoder (001_ + FMCL)
+
+    @property
+    def weights_file(self):
+        return self.encoder_weights
+
+    def check_files(self, exp):
+        check_encoder(self.encoder, self.weights_file, in_channels=exp.dataset.channels,
+                      image_size=self.encoder_image_size)
+
+    def signature_options(self) -> dict:
+        """The kind's own options at the site (PACFL: its subspaces), passed to its ``release``."""
+        return {}
+
+    def clustering_options(self) -> dict:
+        """The kind's own distance options (FMCL: the overlap-aware multiplier; PACFL: the angle), passed to its
+        ``distances``."""
+        return {}
+
+    def workflow_options(self, exp, seed):
+        return {"signature": {"kind": self.workflow, "encoder": self.encoder, "image_size": self.encoder_image_size,
+                              "seed": seed, "options": self.signature_options()},
+                "clustering": {"n_clusters": self.n_clusters, "threshold": self.threshold, "linkage": self.linkage,
+                               "k1_silhouette": self.k1_silhouette, "k1_rule": self.k1_rule,
+                               "min_cluster_images": self.min_cluster_images,
+                               "options": self.clustering_options()},
+                "fedavg_warmup": self.fedavg_warmup}
