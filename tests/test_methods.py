@@ -285,3 +285,84 @@ def test_no_built_in_method_is_named_outside_its_own_slice():
     files += sorted((ROOT / "fedmed_flare").rglob("*.py")) + sorted((ROOT / "jobs").rglob("*.py"))
     bad = [f"{f.relative_to(ROOT)}:{ln}" for f in files for ln in _name_branches(f.read_text(), names)]
     assert bad == []
+
+
+# a kind of one-shot signature of one's own: one file (#88 target), the signature task, the clustering, the
+# onboarding and `fedmed distances` are fedmed's and read the kind from its registration
+TRIMMED_SIGNATURE = '''"""trimmed: sites clustered by the trimmed mean of their images' embeddings (the middle half of each coordinate)."""
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from scipy.stats import trim_mean
+
+from fedmed.algorithms.baselines import fecfl_distance_matrix
+from fedmed.algorithms.signatures import SignatureKind, register_signature_kind
+from fedmed.methods import register_method
+from fedmed.methods.signature import SignatureMethod
+
+
+@dataclass(frozen=True)
+class TrimmedSignature:
+    trimmed: np.ndarray
+
+    def validate(self, site="site"):
+        t = np.asarray(self.trimmed, dtype=np.float64)
+        if t.ndim != 1 or not np.isfinite(t).all():
+            raise ValueError(f"{site}: a trimmed signature should be one finite vector, got shape {t.shape}")
+        return TrimmedSignature(t)
+
+
+def release(feats, _y, _kept, *, epsilon, delta, clip, rng):
+    if epsilon is not None:
+        raise ValueError("the trimmed signature has no DP mechanism")
+    return TrimmedSignature(trim_mean(feats, 0.25, axis=0)), []
+
+
+def distances(sigs, names):
+    return fecfl_distance_matrix([s.trimmed for s in sigs], site_names=names)
+
+
+register_signature_kind(SignatureKind("trimmed", TrimmedSignature, ("trimmed",), release, distances, per_class=False))
+
+
+@register_method
+class TrimmedMethod(SignatureMethod):
+    workflow: Literal["trimmed"]
+'''
+
+
+def test_a_new_one_shot_signature_method_is_one_file(tmp_path):
+    """#88: a fourth kind of signature took seven files; now it is the file above, outside fedmed — its typed
+    signature, what a site releases, the distance, its method — named in a config's plugins. It runs through
+    fedmed's signature task, clustering and records, with no kind branch anywhere to extend."""
+    from fedmed.algorithms.signatures import SIGNATURE_KINDS
+    from fedmed.config import load_config
+    from fedmed.run.experiment import prepare_federation, with_classes
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+
+    user = tmp_path / "study"
+    user.mkdir()
+    (user / "trimmed_signature.py").write_text(TRIMMED_SIGNATURE)
+    raw = {"name": "trimmed", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1,
+                                          "max_per_class": 16},
+           "federation": {"sites": 4, "partition": "dirichlet", "alpha": 0.1},
+           "model": {"arch": "resnet9", "width": 4}, "train": {"rounds": 1, "local_epochs": 1, "batch_size": 16},
+           "privacy": {"k_min": 2}, "references": [], "plugins": ["trimmed_signature.py"],
+           "methods": [{"name": "Trimmed", "workflow": "trimmed", "encoder": "random_cnn", "n_clusters": 2}]}
+    (user / "study.yaml").write_text(yaml.safe_dump(raw))
+    exp = load_config(user / "study.yaml")
+    assert "trimmed" in SIGNATURE_KINDS
+    data = prepare_federation(exp, 0, user / "data")
+    exp = with_classes(exp, data)
+    spec = job_spec(exp, exp.methods[0], 0)
+    assert spec.task_config["plugins"] == ["trimmed_signature"]
+    status, fed = run_spec_in_process(spec, data, tmp_path / "run")
+    assert status == "finished", fed.recorder.doc.get("reason")
+    doc = fed.recorder.doc
+    assert [t["task"] for t in doc["task_log"]][0] == "signature"
+    assert doc["clustering"]["k"] == 2 and sorted(s for g in doc["clustering"]["clusters"] for s in g) == \
+        exp.site_names()
+    onboarding = json.loads((tmp_path / "run" / "onboarding.json").read_text())
+    assert onboarding["state"]["signature"]["kind"] == "trimmed"
+    assert all(set(m) == {"trimmed", "encoder"} for m in onboarding["state"]["signatures"].values())
