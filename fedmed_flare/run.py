@@ -215,7 +215,7 @@ class Quiet:
         """Print a line per round of the record under ``record_root`` until :meth:`close`."""
         import threading
 
-        from fedmed.run.experiment import progress_lines
+        from fedmed.run.jobs import progress_lines
 
         t0, out = time.time(), sys.stdout
 

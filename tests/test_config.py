@@ -111,7 +111,7 @@ def test_fedmed_experiment_runs_a_copied_config_whose_data_path_is_relative_to_i
         return {"rounds": [{"round": 1, "summary": {"n_sites": 2, "mean": m, "std": m, "pooled": m}}], "errors": [],
                 "wall_seconds": 0.0}
 
-    monkeypatch.setattr(E, "run_job", run_job)
+    monkeypatch.setattr("fedmed.run.jobs.run_job", run_job)
     monkeypatch.chdir(tmp_path / "elsewhere")
     main(["experiment", "cfg/busi_fmcl.yaml", "--out", "out", "--methods", "FedAvg", "--set", "federation.sites=2",
           "--set", "federation.partition=iid", "--set", "seeds=[0]", "--set", "references=[]"])

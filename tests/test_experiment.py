@@ -43,7 +43,7 @@ def fake_job(monkeypatch):
         work.mkdir(parents=True, exist_ok=True)
         return metrics_doc(0.5 + 0.1 * seed)
 
-    monkeypatch.setattr(E, "run_job", run_job)
+    monkeypatch.setattr("fedmed.run.jobs.run_job", run_job)
     return calls
 
 
@@ -248,7 +248,7 @@ def test_clustering_agreement_compares_each_case_with_the_methods_first_case(tmp
     """The DP table's ARI: each case's clusters against the same method and seed in its first case (no DP)."""
     import json
 
-    from fedmed.run.experiment import clustering_agreement
+    from fedmed.run.records import clustering_agreement
 
     def put(case, method, seed, clusters):
         d = tmp_path / case / "runs" / f"seed{seed}" / method.replace(" ", "_")
@@ -301,7 +301,7 @@ def test_a_finished_run_with_a_missing_site_says_so_on_the_console_and_in_the_re
         rec.finish("finished")
         return rec.doc
 
-    monkeypatch.setattr(E, "run_job", run_job)
+    monkeypatch.setattr("fedmed.run.jobs.run_job", run_job)
     cfg = write_cfg(tmp_path, seeds=[0])
     lines = []
     E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], log=lines.append)
@@ -362,7 +362,7 @@ def test_the_iid_reference_of_a_sweep_case_is_a_valid_job_on_the_training_sites(
             r.update(task="validate", sites={"site-1": {"accuracy": 0.5}})
         return doc
 
-    monkeypatch.setattr(E, "run_job", run_job)
+    monkeypatch.setattr("fedmed.run.jobs.run_job", run_job)
     cfg = write_cfg(tmp_path, references=["iid_fedavg"], seeds=[0],
                     federation={"sites": 3, "partition": "dirichlet", "alpha": 0.5, "unseen_sites": 1},
                     sweep=[{"name": "a", "set": ["federation.alpha=0.3"], "methods": ["Prox"]}])
@@ -393,7 +393,7 @@ def test_every_test_split_below_k_min_is_a_table_that_says_withheld(tmp_path, mo
         rec.finish("finished")
         return rec.doc
 
-    monkeypatch.setattr(E, "run_job", run_job)
+    monkeypatch.setattr("fedmed.run.jobs.run_job", run_job)
     lines = []
     E.run_experiment(str(write_cfg(tmp_path, seeds=[0])), tmp_path / "out", methods=["FedAvg"], log=lines.append)
     assert any("test accuracy withheld (site mean)" in ln for ln in lines), lines
@@ -428,7 +428,7 @@ def test_resume_continues_a_run_whose_server_was_killed_from_its_checkpoint(tmp_
             raise E.RunError("failed", "the server process ended while the run was still going (killed or crashed)")
         return metrics_doc(0.6)
 
-    monkeypatch.setattr(E, "run_job", run_job)
+    monkeypatch.setattr("fedmed.run.jobs.run_job", run_job)
     cfg = write_cfg(tmp_path, seeds=[0])
     with pytest.raises(E.ExperimentError):
         E.run_experiment(str(cfg), tmp_path / "out", methods=["FedAvg"], log=lambda *a: None)
@@ -509,7 +509,7 @@ def test_a_methods_files_are_checked_once_per_experiment_not_again_for_each_job(
 
     monkeypatch.setattr(jobspec, "check_method_files", counted)
     monkeypatch.setattr(E, "check_method_files", counted)
-    monkeypatch.setattr(E, "run_job", lambda spec, datalists, work, *a, **k: (work.mkdir(parents=True, exist_ok=True),
+    monkeypatch.setattr("fedmed.run.jobs.run_job", lambda spec, datalists, work, *a, **k: (work.mkdir(parents=True, exist_ok=True),
                                                                               metrics_doc(0.5))[1])
     E.run_experiment(str(write_cfg(tmp_path)), tmp_path / "out", log=lambda *a: None)
     assert calls == ["FedAvg", "Prox"]  # two methods x two seeds: four jobs, two checks
@@ -552,7 +552,7 @@ def test_in_process_runs_the_jobs_here_resumes_them_and_reports_a_failure(tmp_pa
         "traceback)" in str(e.value)
     assert "Traceback" in capsys.readouterr().err  # as the message says, with FEDMED_DEBUG=1
     assert json.loads((tmp_path / "out2" / "runs" / "seed0" / "FedAvg" / "run.json").read_text())["status"] == "failed"
-    assert E._IN_PROCESS.get() is False  # the next experiment in this process runs its jobs in the simulator again
+    assert E.IN_PROCESS.get() is False  # the next experiment in this process runs its jobs in the simulator again
 
 
 def test_in_process_references_train_at_the_sites_thread_count_and_give_the_rest_back(tmp_path, monkeypatch,
@@ -573,7 +573,7 @@ def test_in_process_references_train_at_the_sites_thread_count_and_give_the_rest
         return []
 
     monkeypatch.setattr(R, "centralized_rows", central)
-    monkeypatch.setattr(E, "run_job_in_process", lambda spec, datalists, work, **k: (
+    monkeypatch.setattr("fedmed.run.jobs.run_job_in_process", lambda spec, datalists, work, **k: (
         work.mkdir(parents=True, exist_ok=True), metrics_doc(0.5))[1])
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -640,7 +640,7 @@ def test_the_constant_answer_is_beside_a_classifier_even_without_references(tmp_
         work.mkdir(parents=True, exist_ok=True)
         return metrics_doc(-0.15)  # 5% at the final round
 
-    monkeypatch.setattr(E, "run_job", run_job)
+    monkeypatch.setattr("fedmed.run.jobs.run_job", run_job)
     rows = E.run_experiment(str(write_cfg(tmp_path)), tmp_path / "out", log=lambda *_: None)
     assert sorted(r["seed"] for r in rows if r["method"] == "Majority class") == [0, 1]
     summary = (tmp_path / "out" / "summary.md").read_text()

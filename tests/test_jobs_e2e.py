@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from fedmed.config import load_config
-from fedmed.run.experiment import REPO_ROOT, RunError, classes_override, prepare_federation, run_config_job
+from fedmed.run.experiment import REPO_ROOT, classes_override, prepare_federation
+from fedmed.run.jobs import RunError, run_config_job
 
 from conftest import shared_path
 

@@ -12,7 +12,8 @@ import torch
 import yaml
 
 from fedmed.config import load_config
-from fedmed.run.experiment import REPO_ROOT, classes_override, prepare_federation, run_config_job
+from fedmed.run.experiment import REPO_ROOT, classes_override, prepare_federation
+from fedmed.run.jobs import run_config_job
 
 from conftest import shared_path
 

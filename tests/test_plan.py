@@ -61,7 +61,7 @@ def test_the_plan_job_in_process_and_in_flares_simulator_picks_the_same_models(r
     whose cluster model is better beyond the noise is served it, the others keep the global model; the served round
     scores each site with the model it was served (its validation accuracy is the one it was chosen on, the
     fine-tuned model made again at the site included) and the global round with the global model."""
-    from fedmed.run.experiment import run_job
+    from fedmed.run.jobs import run_job
     from fedmed.run.jobspec import run_spec_in_process
 
     spec = _spec(runs, finetune=FINETUNE)
@@ -215,7 +215,7 @@ def test_the_models_a_plan_job_stages_leave_no_copy_in_the_temp_folder_and_a_wri
         assert Path(spec.server_files[-1][0]).is_dir()
         raise experiment.RunError("failed", "killed")
 
-    monkeypatch.setattr(experiment, "run_job", dies)
+    monkeypatch.setattr("fedmed.run.jobs.run_job", dies)
     with pytest.raises(experiment.RunError):
         experiment.run_and_release(_spec(runs), runs["data"], tmp_path / "sim")
     assert list(tmp.glob("fedmed_*")) == []
@@ -261,7 +261,7 @@ def test_fedmed_experiment_runs_the_plan_after_a_seeds_methods_and_reuses_it(run
         assert status == "finished", fed.recorder.doc.get("reason")
         return fed.recorder.doc
 
-    monkeypatch.setattr(E, "run_job", run_job)
+    monkeypatch.setattr("fedmed.run.jobs.run_job", run_job)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({**RAW, "serving": {"reference": "FedAvg", "candidates": ["FMCL"],
                                                       "finetune": FINETUNE}}))
@@ -306,7 +306,7 @@ def test_serving_runs_beside_the_iid_reference_which_inherits_no_plan(tmp_path, 
         assert status == "finished", fed.recorder.doc.get("reason")
         return fed.recorder.doc
 
-    monkeypatch.setattr(E, "run_job", run_job)
+    monkeypatch.setattr("fedmed.run.jobs.run_job", run_job)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({**RAW, "references": ["iid_fedavg"], "train": {**RAW["train"], "rounds": 1},
                                    "serving": {"reference": "FedAvg", "candidates": ["FMCL"]}}))
@@ -330,7 +330,7 @@ def test_a_serving_section_names_methods_of_the_config():
     raw = {**RAW, "methods": [*RAW["methods"], {"name": "FedBN", "workflow": "fedbn"}]}
     assert load_config({**raw, "serving": {"reference": "FedAvg", "candidates": ["FedBN"]}}).serving.candidates == ["FedBN"]
     # a plan added to a finished experiment reuses its runs (--resume): it is not part of a run's fingerprint
-    from fedmed.run.experiment import run_fingerprint
+    from fedmed.run.fingerprint import run_fingerprint
 
     plain, served = load_config(RAW), load_config({**RAW, "serving": {"reference": "FedAvg", "candidates": ["FMCL"]}})
     assert run_fingerprint(plain, plain.methods[1], 0) == run_fingerprint(served, served.methods[1], 0)
@@ -475,7 +475,7 @@ def test_a_fedbn_candidate_is_each_sites_own_model_scored_and_served_there_and_n
         assert t["served"][s]["val_accuracy"] == pytest.approx(last[s]["val_accuracy"])
         assert t["served"][s]["accuracy"] == pytest.approx(last[s]["accuracy"])  # FedBN's own test score there
     # FLARE's simulator: its sites find their layers in the same cache folder and the plan is the same
-    from fedmed.run.experiment import run_job
+    from fedmed.run.jobs import run_job
 
     doc = run_job(spec, runs["data"], tmp_path / "sim", 6, log=lambda *_: None)
     assert doc["status"] == "finished"

@@ -276,7 +276,7 @@ def test_fedmed_experiment_runs_the_2d_serving_plan_and_its_rows_join_the_dice_t
 
     from pathlib import Path
 
-    monkeypatch.setattr(E, "run_job", run_job)
+    monkeypatch.setattr("fedmed.run.jobs.run_job", run_job)
     methods = [{"name": "FedAvg", "workflow": "fedavg"}, {"name": "Clusters", "workflow": "seg_clusters",
                                                            "distance": "emd"}]
     exp = _config(tmp_path, methods, train={"rounds": 2, "local_epochs": 1, "batch_size": 4, "lr": 0.01,

@@ -403,7 +403,7 @@ def test_a_source_is_dropped_in_the_config_by_its_site(tmp_path, capsys):
     says so, refuses a site the index does not have, and at its default leaves a run's fingerprint as it was."""
     from fedmed.config import ConfigError
     from fedmed.data.images import DataError
-    from fedmed.run.experiment import fingerprinted_config
+    from fedmed.run.fingerprint import fingerprinted_config
 
     index = _index(tmp_path)
     exp = _config(tmp_path, index)

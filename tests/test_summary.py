@@ -81,14 +81,14 @@ def test_validation_selection_needs_a_validation_split():
 
 
 def test_table_and_console_line_use_the_same_round(tmp_path):
-    from fedmed.run.experiment import _log_done
+    from fedmed.run.records import log_done
 
     lines = []
     doc = {"wall_seconds": 1.0, "errors": []}
     for selection, expect in (("final", "final round 3: test accuracy 70.00%"),
                               ("validation", "validation-selected round 2: test accuracy 60.00%")):
         lines.clear()
-        _log_done(type("M", (), {"name": "FedAvg"})(), doc, [r for r in ROWS if r["seed"] == 0], selection, lines.append,
+        log_done(type("M", (), {"name": "FedAvg"})(), doc, [r for r in ROWS if r["seed"] == 0], selection, lines.append,
                   tmp_path)
         assert expect in lines[0]
         text = S.write_outputs([r for r in ROWS if r["seed"] == 0], tmp_path / selection, title="t", command="c",
@@ -264,7 +264,7 @@ def test_the_produced_by_line_reruns_exactly_this_run(tmp_path, monkeypatch):
         work.mkdir(parents=True, exist_ok=True)
         return _doc(0.5)
 
-    monkeypatch.setattr(E, "run_job", run_job)
+    monkeypatch.setattr("fedmed.run.jobs.run_job", run_job)
     monkeypatch.chdir(tmp_path)
     Path("c.yaml").write_text(yaml.safe_dump({
         "name": "t", "dataset": {"path": "builtin:digits", "image_size": 8, "max_per_class": 6},

@@ -272,7 +272,7 @@ def test_a_tracker_that_is_not_installed_is_one_line_before_any_run(tmp_path, mo
 
 
 def test_tracking_settings_never_change_what_a_run_is():
-    from fedmed.run.experiment import run_fingerprint
+    from fedmed.run.fingerprint import run_fingerprint
 
     a = load_config({**TINY, "tracking": {}})
     b = load_config({**TINY, "tracking": {"mlflow": True, "tensorboard": False, "mlflow_uri": "http://tracking:5000"}})
@@ -375,7 +375,7 @@ def test_the_printed_mlflow_command_says_what_to_install_where_only_the_tracking
     """With mlflow-skinny alone ``mlflow ui`` crashed (no alembic): the line now says to install the UI extra first."""
     import importlib.util
 
-    from fedmed.run.experiment import mlflow_ui_command
+    from fedmed.run.jobs import mlflow_ui_command
 
     assert re.match(r"MLFLOW_ALLOW_FILE_STORE=true \S*mlflow ui --backend-store-uri file://", mlflow_ui_command(tmp_path))
     real = importlib.util.find_spec

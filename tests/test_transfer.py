@@ -429,7 +429,7 @@ def test_a_schedule_left_at_its_default_keeps_the_fingerprint_of_runs_made_befor
     """``--resume`` reuses the runs made before ``train.lr_schedule`` existed (they trained at a constant rate):
     the setting at its default is not hashed; ``cosine`` is."""
     from fedmed.config import load_config
-    from fedmed.run.experiment import fingerprinted_config, run_fingerprint
+    from fedmed.run.fingerprint import fingerprinted_config, run_fingerprint
 
     raw = {"name": "t", "dataset": {"path": "builtin:digits"}, "methods": [{"name": "M", "workflow": "fedavg"}]}
     plain, cos = load_config(raw), load_config(raw, ["train.lr_schedule=cosine"])
@@ -572,8 +572,8 @@ def test_a_run_saved_before_rows_carried_the_validation_auc_is_reported_by_it_on
     raw["selection"] = "validation_auc"
     cfg2 = tmp_path / "auc.yaml"
     cfg2.write_text(yaml.safe_dump(raw))
-    monkeypatch.setattr(E, "run_job", lambda *a, **k: pytest.fail("trained again"))
-    monkeypatch.setattr(E, "run_job_in_process", lambda *a, **k: pytest.fail("trained again"))
+    monkeypatch.setattr("fedmed.run.jobs.run_job", lambda *a, **k: pytest.fail("trained again"))
+    monkeypatch.setattr("fedmed.run.jobs.run_job_in_process", lambda *a, **k: pytest.fail("trained again"))
     rows = E.run_experiment(str(cfg2), out, log=lambda *_: None, resume=True, in_process=True)
     fed = {r["round"]: r["pooled_val_auc"] for r in rows if r["method"] == "FedAvg" and not r.get("phase")}
     assert fed == auc and None not in auc.values()
@@ -705,7 +705,7 @@ def test_recalibration_is_refused_where_it_cannot_apply_and_unhashed_at_its_defa
     """Segmentation and DP configs refuse train.norm_recalibrate in one line; left at its default it is not in a run's
     fingerprint, so --resume reuses the runs made before it existed."""
     from fedmed.config import ConfigError, load_config
-    from fedmed.run.experiment import fingerprinted_config, run_fingerprint
+    from fedmed.run.fingerprint import fingerprinted_config, run_fingerprint
 
     raw = {"name": "t", "dataset": {"path": "builtin:digits"}, "methods": [{"name": "M", "workflow": "fedavg"}]}
     plain, on = load_config(raw), load_config(raw, ["train.norm_recalibrate=true"])

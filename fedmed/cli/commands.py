@@ -399,7 +399,7 @@ def cmd_plan(a):
             spec.release()
         doc, server = fed.recorder.doc, out
     else:
-        from fedmed.run.experiment import RunError, run_and_release
+        from fedmed.run.jobs import RunError, run_and_release
 
         try:
             doc = run_and_release(spec, Path(a.data), out, len(spec.sites))
@@ -639,7 +639,8 @@ def cmd_sweep(a):
     import itertools
 
     from fedmed.config import load_config
-    from fedmed.run.experiment import clustering_agreement, read_results, run_experiment, sweep_stats, sweep_table
+    from fedmed.run.experiment import read_results, run_experiment, sweep_stats, sweep_table
+    from fedmed.run.records import clustering_agreement
 
     if a.grid:
         grid = []

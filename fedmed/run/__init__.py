@@ -1,4 +1,4 @@
-"""Experiments: the task config a job carries (taskconfig), `fedmed experiment` (experiment), the 001_ SSL study (ssl), reference rows (references).
+"""Experiments: the task config a job carries (taskconfig), a seed's federation on disk (federation), running one job (jobs), what makes a run the same run (fingerprint), a run's record into tables (records), `fedmed experiment` (experiment), the 001_ SSL study (ssl), reference rows (references).
 
 Every name below is importable from ``fedmed.run`` (loaded on first use)."""
 
@@ -8,17 +8,17 @@ _PUBLIC = {
     "BuildError": "taskconfig",
     "ExperimentError": "experiment",
     "REPO_ROOT": "experiment",
-    "RunError": "experiment",
+    "RunError": "jobs",
     "centralized_rows": "references",
-    "classes_override": "experiment",
+    "classes_override": "federation",
     "cluster_majority_rows": "references",
     "build_task_config": "taskconfig",
     "majority_rows": "references",
     "min_clients": "taskconfig",
-    "prepare_federation": "experiment",
+    "prepare_federation": "federation",
     "run_experiment": "experiment",
-    "run_fingerprint": "experiment",
-    "run_job": "experiment",
+    "run_fingerprint": "fingerprint",
+    "run_job": "jobs",
     "run_key": "ssl",
     "run_ssl": "ssl",
 }

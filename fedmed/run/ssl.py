@@ -27,7 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from fedmed.run.experiment import RunError, classes_override, prepare_federation, run_config_job, run_fingerprint
+from fedmed.run.experiment import classes_override, prepare_federation
+
+from fedmed.run.jobs import RunError, run_config_job
+
+from fedmed.run.fingerprint import run_fingerprint
 from fedmed.report.summary import fmt
 
 __all__ = ["run_key", "run_ssl"]
