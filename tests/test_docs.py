@@ -273,3 +273,12 @@ def test_a_page_whose_commands_are_not_prefixed_says_to_activate_the_environment
             text = (ROOT / "docs" / page).read_text()
             assert "`source .venv/bin/activate`" in text[:text.index("```bash")], (page, bare[0])
     assert any(not c.startswith(prefixed) for p in LAB for c in doc_commands(p))  # the check has work to do
+
+
+def test_architecture_shows_a_built_in_methods_module_as_it_is():
+    """#88 item 7: docs/architecture.md's example of a method's module is a built-in one, printed whole — the page
+    fails when fedmed/methods/fecfl.py changes and the page does not."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    shown = re.search(r"The\nwhole of FECFL, `fedmed/methods/fecfl.py`:\n\n```python\n(.*?)```", text, flags=re.S)
+    assert shown is not None
+    assert shown.group(1) == (ROOT / "fedmed" / "methods" / "fecfl.py").read_text()
