@@ -180,7 +180,7 @@ def _in_file_units(step: dict) -> bool:
 class ModelConfig(ModelSection):
     """``model``: :class:`~fedmed.core.schema.ModelSection` with the checks a coordinator can make (a known network, an
     init-weights file that exists), and ``bundle``: a MONAI bundle folder whose network and weights the sites train
-    (:func:`fedmed.nn.bundle.read_bundle`: its ``network_def`` becomes ``arch`` and ``args``, its ``models/model.pt``
+    (:func:`fedmed.nn.bundle_read.read_bundle`: its ``network_def`` becomes ``arch`` and ``args``, its ``models/model.pt``
     ``init_weights``; its inputs, outputs and loss are checked against the federation when the config is read)."""
 
     bundle: Optional[str] = Field(None, description="a MONAI bundle folder on the coordinator: its network_def (a "
@@ -204,7 +204,8 @@ class ModelConfig(ModelSection):
     def _from_bundle(cls, data):
         if not isinstance(data, dict) or not data.get("bundle"):
             return data
-        from fedmed.nn.bundle import BundleExportError, read_bundle
+        from fedmed.nn.bundle import BundleExportError
+        from fedmed.nn.bundle_read import read_bundle
 
         try:
             b = read_bundle(data["bundle"])
@@ -223,7 +224,7 @@ class ModelConfig(ModelSection):
     def model_post_init(self, context):
         super().model_post_init(context)
         if self.bundle:
-            from fedmed.nn.bundle import read_bundle
+            from fedmed.nn.bundle_read import read_bundle
 
             self._bundle = read_bundle(self.bundle)
 
@@ -354,7 +355,7 @@ class ExperimentConfig(_Strict):
     def _check_bundle(self):
         """A bundle's inputs, outputs and loss against this federation (one line, before any round); its segmentation
         loss becomes train.seg.loss unless the config sets that loss itself (other train.seg settings keep it)."""
-        from fedmed.nn.bundle import _SEG_LOSSES, check_bundle_fits
+        from fedmed.nn.bundle_read import _SEG_LOSSES, check_bundle_fits
 
         d, b = self.dataset, self.model._bundle
         where = f"model.bundle {Path(self.model.bundle).name}"

@@ -604,7 +604,8 @@ def test_the_minimal_bundle_privacy_md_shows_is_read_and_an_expression_in_it_is_
     """docs/privacy.md's minimal ``configs/inference.json``, as written: fedmed reads its network (the reference
     resolved) and preprocessing, and never evaluates its ``$`` items; the same file with an expression where fedmed
     reads is refused naming the key."""
-    from fedmed.nn.bundle import BundleExportError, read_bundle
+    from fedmed.nn.bundle import BundleExportError
+    from fedmed.nn.bundle_read import read_bundle
     from conftest import doc_json
 
     inference = doc_json("privacy.md", "`configs/inference.json`:")

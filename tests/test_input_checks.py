@@ -83,7 +83,8 @@ def _bundle(root: Path, **extra) -> Path:
 def test_a_bundles_weights_and_preprocessing_are_never_dropped_silently(tmp_path):
     """A ``models/model.pt`` that is a folder, a FIFO or behind a broken ``models/`` link was ignored (the job
     trained from scratch); ``transforms: "@T"`` naming an expression dropped the bundle's preprocessing."""
-    from fedmed.nn.bundle import BundleExportError, read_bundle
+    from fedmed.nn.bundle import BundleExportError
+    from fedmed.nn.bundle_read import read_bundle
 
     b = _bundle(tmp_path / "folder")
     (b / "models" / "model.pt").mkdir(parents=True)
@@ -249,7 +250,8 @@ def test_an_entry_outside_the_data_folder_says_so_with_its_position(federation, 
 
 
 def test_bundle_lines_name_the_key(tmp_path):
-    from fedmed.nn.bundle import BundleExportError, check_bundle_fits, read_bundle
+    from fedmed.nn.bundle import BundleExportError
+    from fedmed.nn.bundle_read import check_bundle_fits, read_bundle
 
     b = _bundle(tmp_path / "meta")
     (b / "configs" / "metadata.json").write_text(json.dumps({"network_data_format": {

@@ -322,12 +322,6 @@ def pseudo_labelled(runner, params: dict, cfg):
     model = served_model(runner, params, cfg)
     return predict_proba(model, runner.on_device(x, cfg), precision=runner.precision(cfg)).argmax(axis=1)
 
-# ------------------------------------------------------------------ Flux (003_)
-
-
-# ------------------------------------------------------------------ IFCA (Ghosh et al.)
-
-
 def validate_ensemble(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     """Score the weighted average of K models' class probabilities (how the Flux paper gives
     baselines without test-time assignment a prediction on unseen sites)."""
