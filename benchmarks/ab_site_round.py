@@ -23,7 +23,8 @@ CHILD = r'''
 import statistics, sys, tempfile, time
 from pathlib import Path
 import numpy as np, torch
-from fedmed.data.images import discover, write_site_datalists
+from fedmed.data.images import discover
+from fedmed.data.datalists import write_site_datalists
 from fedmed.nn.models import model_from_config
 from fedmed.nn.train import get_params
 from fedmed.site.runner import SiteRunner

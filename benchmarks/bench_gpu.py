@@ -40,7 +40,8 @@ BUSI = Path(__file__).resolve().parents[2] / "shared" / "data" / "busi"
 
 
 def federation(n: int, tmp: Path, data: Path = BUSI) -> tuple[Path, int]:
-    from fedmed.data.images import discover, write_site_datalists
+    from fedmed.data.images import discover
+    from fedmed.data.datalists import write_site_datalists
 
     src = str(data) if data.exists() else "builtin:digits"
     pool = discover(src, seed=0)

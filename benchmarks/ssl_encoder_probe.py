@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def _pooled(case_dir: Path):
-    from fedmed.data.images import load_datalist, load_images
+    from fedmed.data.images import load_images
+    from fedmed.data.datalists import load_datalist
 
     meta = json.loads((case_dir / "dataset.json").read_text())
     train, test = [], None

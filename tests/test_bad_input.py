@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedmed.data.images import discover, write_site_datalists
+from fedmed.data.images import discover
+
+from fedmed.data.datalists import write_site_datalists
 from fedmed.data.partition import iid_partition
 
 CLASSES = [str(c) for c in range(10)]
@@ -364,7 +366,9 @@ def test_a_model_file_whose_class_names_do_not_match_its_outputs_is_one_line(tmp
 def test_a_datalist_that_is_no_regular_file_says_what_it_is(tmp_path, kind, says):
     import os
 
-    from fedmed.data.images import DataError, load_datalist
+    from fedmed.data.images import DataError
+
+    from fedmed.data.datalists import load_datalist
     from fedmed.site.settings import SiteConfigError, resolve_site_settings
 
     f = tmp_path / "site-1.json"

@@ -7,7 +7,8 @@ from conftest import own_site, signature_section
 import torch
 
 from fedmed.algorithms.clustered import cfl_split, choose_clusters, signature_distances
-from fedmed.data.images import DataError, discover, write_site_datalists
+from fedmed.data.images import DataError, discover
+from fedmed.data.datalists import write_site_datalists
 from fedmed.site.runner import SiteRunner
 
 CFG = {"seed": 0, "data": {"image_size": 8, "channels": 1, "n_classes": 10},

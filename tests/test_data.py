@@ -3,7 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from fedmed.data.images import DataError, discover, load_datalist, load_images, write_site_datalists
+from fedmed.data.images import DataError, discover, load_images
+
+from fedmed.data.datalists import load_datalist, write_site_datalists
 from fedmed.data.partition import iid_partition
 from fedmed.site.runner import SiteRunner
 

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedmed.data.images import discover, write_site_datalists
+from fedmed.data.images import discover
+
+from fedmed.data.datalists import write_site_datalists
 from fedmed.core.device import DeviceError, autocast, resolve_device
 from fedmed.data.partition import iid_partition
 from fedmed.site.runner import SiteRunner, TaskError

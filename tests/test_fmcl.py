@@ -144,7 +144,8 @@ def test_a_sites_signature_sees_its_images_at_the_encoders_input_size(tmp_path):
     import yaml
 
     from fedmed.config import load_config
-    from fedmed.data.images import load_datalist, load_images
+    from fedmed.data.images import load_images
+    from fedmed.data.datalists import load_datalist
     from fedmed.nn.encoders import build_encoder, extract_features
     from fedmed.run.experiment import prepare_federation, with_classes
     from fedmed.run.jobspec import job_spec

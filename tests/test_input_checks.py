@@ -16,7 +16,8 @@ from PIL import Image
 
 from fedmed.cli.main import main
 from fedmed.config import ConfigError, load_config
-from fedmed.data.images import DataError, discover, write_site_datalists
+from fedmed.data.images import DataError, discover
+from fedmed.data.datalists import write_site_datalists
 from fedmed.data.partition import iid_partition
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,7 +224,7 @@ def test_device_volumes_refuse_a_label_of_another_grid_naming_the_case():
 
 # ------------------------------------------------------------------ vague lines, each naming what and where
 def test_a_null_or_non_path_image_entry_names_its_position(federation):
-    from fedmed.data.images import load_datalist
+    from fedmed.data.datalists import load_datalist
 
     doc = json.loads((federation / "site-1.json").read_text())
     for bad, got in ((None, "null"), (7, "a int"), ("", "a str")):

@@ -114,7 +114,9 @@ def test_busi_job_for_named_sites_runs_in_simulator_and_poc(tmp_path):
 def test_fmcl_job_clusters_once_and_survives_edge_sites(tmp_path):
     import numpy as np
 
-    from fedmed.data.images import discover, write_site_datalists
+    from fedmed.data.images import discover
+
+    from fedmed.data.datalists import write_site_datalists
 
     cfg = dict(TINY, methods=[{"name": "FMCL", "workflow": "fmcl", "encoder": "random_cnn"}],
                federation={"sites": 4, "partition": "iid"}, privacy={"k_min": 3})

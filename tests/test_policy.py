@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from fedmed.core.policy import POLICY_FILE, PolicyError, SitePolicy, load_policy, weights_ref
-from fedmed.data.images import discover, write_site_datalists
+from fedmed.data.images import discover
+from fedmed.data.datalists import write_site_datalists
 from fedmed.data.partition import iid_partition
 from fedmed.nn.train import get_params
 from fedmed.site.reply import answer

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fedmed.cli.main import main
-from fedmed.data.images import discover, write_site_datalists
+from fedmed.data.images import discover
+from fedmed.data.datalists import write_site_datalists
 from fedmed.nn.models import build_model
 from fedmed.nn.predict import ModelFileError, load_model, predict_images, predict_volume, save_model
 from fedmed.nn.train import get_params

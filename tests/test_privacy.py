@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedmed.data.images import discover, write_site_datalists
+from fedmed.data.images import discover
+
+from fedmed.data.datalists import write_site_datalists
 from fedmed.nn.models import build_model
 from fedmed.data.partition import iid_partition
 from fedmed.site.runner import SiteRunner

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fedmed.core.device import backward_step, backward_step_on_device
-from fedmed.data.images import discover, write_site_datalists
+from fedmed.data.images import discover
+from fedmed.data.datalists import write_site_datalists
 from fedmed.nn.models import ResNet9
 from fedmed.nn.resident import DeviceImages, augment_on_device, epoch_draws, exact_uint8
 from fedmed.nn.train import augment_batch, get_params, predict_proba, train_local

@@ -475,7 +475,9 @@ def test_a_datalists_patient_is_an_id_and_the_writer_keeps_the_pools_patients(tm
     knows its patients writes them into the classification datalists (the plan's unit of evidence)."""
     import json
 
-    from fedmed.data.images import DataError, ImagePool, load_datalist, patients_of, write_site_datalists
+    from fedmed.data.images import DataError, ImagePool
+
+    from fedmed.data.datalists import load_datalist, patients_of, write_site_datalists
 
     rng = np.random.default_rng(0)
     items = [rng.random((8, 8)) for _ in range(24)]

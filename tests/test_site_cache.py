@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from fedmed.cli.main import main
-from fedmed.data.images import discover, write_site_datalists
+from fedmed.data.images import discover
+from fedmed.data.datalists import write_site_datalists
 from fedmed.data.partition import iid_partition
 from fedmed.site.runner import SiteRunner
 

@@ -9,7 +9,8 @@ import pytest
 from PIL import Image
 
 from fedmed.cli.main import main
-from fedmed.data.images import discover, write_site_datalists
+from fedmed.data.images import discover
+from fedmed.data.datalists import write_site_datalists
 from fedmed.data.partition import iid_partition
 from fedmed.site.check import check_datalist
 

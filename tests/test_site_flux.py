@@ -5,7 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from fedmed.data.images import DataError, discover, write_site_datalists
+from fedmed.data.images import DataError, discover
+
+from fedmed.data.datalists import write_site_datalists
 from fedmed.nn.models import build_model
 from fedmed.site.runner import SiteRunner
 from fedmed.nn.train import get_params

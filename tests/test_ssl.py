@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedmed.data.images import DataError, discover, write_site_datalists
+from fedmed.data.images import DataError, discover
+
+from fedmed.data.datalists import write_site_datalists
 from fedmed.nn.mae import (ViTClassifier, encoder_state, layerwise_param_groups, mae_eval_loss, mae_loss, mae_model,
                         patchify, scheduled_lr, train_mae_local)
 from fedmed.site.mae import MAESiteRunner

@@ -104,7 +104,8 @@ def test_a_site_process_imports_neither_scikit_learn_nor_scipy_to_train_and_vali
 
     code = f"""
 import sys, numpy as np
-from fedmed.data.images import write_site_datalists, ImagePool
+from fedmed.data.images import ImagePool
+from fedmed.data.datalists import write_site_datalists
 rng = np.random.default_rng(0)
 pool = ImagePool(list((rng.random((24, 8, 8)) * 255).astype(np.uint8)), np.arange(24) % 2, ["a", "b"], "t")
 write_site_datalists(pool, [np.arange(24)], {str(tmp_path)!r}, test_fraction=0.25, val_fraction=0.2)

@@ -1,4 +1,4 @@
-"""Data: 2D image datalists and decoding (images), how a pool becomes a federation (partition), NIfTI subjects and cases (nifti), segmentation federations (seg_federation), synthetic phantoms (phantoms).
+"""Data: 2D images found and decoded (images), their per-site datalists and splits (datalists), how a pool becomes a federation (partition), NIfTI subjects and cases (nifti), segmentation federations (seg_federation), synthetic phantoms (phantoms).
 
 Every name below is importable from ``fedmed.data`` (loaded on first use)."""
 
@@ -27,7 +27,7 @@ _PUBLIC = {
     "iid_partition": "partition",
     "label_volume_federation": "partition",
     "load_case": "nifti",
-    "load_datalist": "images",
+    "load_datalist": "datalists",
     "load_images": "images",
     "predi": "partition",
     "predi_partition": "partition",
@@ -37,7 +37,7 @@ _PUBLIC = {
     "unreadable_images": "images",
     "write_phantom_subjects": "phantoms",
     "write_seg_federation": "seg_federation",
-    "write_site_datalists": "images",
+    "write_site_datalists": "datalists",
 }
 
 __all__ = sorted(_PUBLIC)

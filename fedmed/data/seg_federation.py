@@ -96,7 +96,7 @@ def write_seg_federation(entries: list[dict], n_sites: int, out_dir, *, partitio
     Raises:
         DataError: fewer training subjects than sites, or (never expected) a subject in training and test.
     """
-    from fedmed.data.images import split_sizes
+    from fedmed.data.datalists import split_sizes
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -77,7 +77,7 @@ def _network(m) -> str:
 
 def _setup(exp, data_dir: Path) -> list[str]:
     from fedmed.algorithms.serving import MIN_PATIENTS
-    from fedmed.data.images import patients_of
+    from fedmed.data.datalists import patients_of
     from fedmed.core.io import shown_path
 
     meta = json.loads((data_dir / "dataset.json").read_text())

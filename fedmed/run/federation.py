@@ -23,7 +23,8 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
     """Partition the dataset for ``seed`` and write the site datalists into ``out_dir`` (``partition``
     overrides the config's, e.g. ``"iid"`` for the IID reference)."""
     from fedmed.data import partition as P
-    from fedmed.data.images import check_readable, discover, write_site_datalists
+    from fedmed.data.images import check_readable, discover
+    from fedmed.data.datalists import write_site_datalists
 
     exp.check_data_paths()
     fed = exp.federation

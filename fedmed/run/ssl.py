@@ -77,7 +77,7 @@ def _recon_png(model_pt: Path, data_dir: Path, out_png: Path, n: int = 6) -> Pat
     from fedmed.nn.mae import mae_model, patchify
 
     ck = torch.load(model_pt, weights_only=True)
-    from fedmed.data.images import load_datalist
+    from fedmed.data.datalists import load_datalist
 
     meta = json.loads((data_dir / "dataset.json").read_text())
     doc = load_datalist(data_dir / f"{meta['sites'][0]}.json", root=data_dir)

@@ -34,7 +34,8 @@ def check_datalist(path, *, task: str = "classification", classes: list[str] | N
     (:class:`~fedmed.core.policy.SitePolicy`; default: fedmed's defaults): what a task may decode, in pixels per image
     and in bytes in all, is what the check may (a size beyond it is the report's problem, decoded never)."""
     from fedmed.core.policy import PolicyError, SitePolicy
-    from fedmed.data.images import DataError, load_datalist
+    from fedmed.data.images import DataError
+    from fedmed.data.datalists import load_datalist
 
     policy = policy or SitePolicy()
     path = Path(path)

@@ -16,7 +16,8 @@ import numpy as np
 
 from fedmed.core.schema import TaskConfig, task_config
 from fedmed.site.tasks import CLASSIFICATION, PLUGIN_TASKS, TASK_SECTIONS, Reply, TaskError, task_seed
-from fedmed.data.images import DataError, conversion_note, load_datalist, load_images, near_duplicates, patients_of
+from fedmed.data.images import DataError, conversion_note, load_images, near_duplicates
+from fedmed.data.datalists import load_datalist, patients_of
 from fedmed.site.settings import SiteSettings, private_tokens, settings_for_dir
 
 __all__ = ["SiteRunner", "Splits", "TaskError", "task_seed"]

@@ -259,6 +259,6 @@ class SegSiteRunner(SiteRunner):
 
 def load_datalist_seg(path):
     """A segmentation datalist: entries need ``image`` (a file or list of files) and ``label``."""
-    from fedmed.data.images import load_datalist
+    from fedmed.data.datalists import load_datalist
 
     return load_datalist(path, task="segmentation")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from fedmed.core.schema import TaskConfig, task_config
-from fedmed.data.images import DataError, patients_of
+from fedmed.data.images import DataError
+from fedmed.data.datalists import patients_of
 from fedmed.site.runner import SiteRunner
 from fedmed.site.tasks import Reply, TaskError, task_seed
 
