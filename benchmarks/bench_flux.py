@@ -20,7 +20,7 @@ from fedmed.algorithms.clustered import flux_cluster
 from fedmed.data.images import discover
 from fedmed.algorithms.flux import descriptor_length, flux_descriptor, latent_bounds, merge_bounds, shared_pca
 from fedmed.nn.models import build_model
-from fedmed.data.partition import anda_federation, apply_anda_transform
+from fedmed.data.anda import anda_federation, apply_anda_transform
 from fedmed.nn.train import get_params, latents, make_optimizer, train_local
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

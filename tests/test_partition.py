@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from fedmed.data.partition import (anda_federation, apply_anda_transform, dirichlet_label_partition, iid_partition,
-                              label_volume_federation, predi, predi_partition, quantity_partition)
+from fedmed.data.anda import anda_federation, apply_anda_transform
+from fedmed.data.partition import (dirichlet_label_partition, iid_partition, label_volume_federation, predi,
+                                   predi_partition, quantity_partition)
 
 
 def is_partition(parts, n):
@@ -111,7 +112,7 @@ def test_anda_groups(shift, rng):
 
 
 def test_anda_transform():
-    from fedmed.data.partition import SiteShift
+    from fedmed.data.anda import SiteShift
     img = np.zeros((4, 4), np.uint8)
     img[0, 0] = 255
     spec = SiteShift(indices=np.arange(1), group=0, rotation=180, color="green", label_map={1: 2})

@@ -11,10 +11,11 @@ from scipy.spatial.distance import squareform
 from fedmed.algorithms.baselines import pacfl_distance_matrix
 from fedmed.algorithms.clustering import agglomerative, auto_k
 from fedmed.algorithms.flux import flux_descriptor, shared_pca, should_start_clustering
-from fedmed.data.partition import SiteShift, apply_anda_transform, dirichlet_label_partition
+from fedmed.data.partition import dirichlet_label_partition
 
 
 # ----------------------------------------------------------------------------------------- Flux Eq. 14
+from fedmed.data.anda import SiteShift, apply_anda_transform
 
 def test_start_rule_curve_separates_the_paper_from_the_official_code():
     """Round 2 gained little (0.02 < T) and rounds 3-4 gained a lot: the official code (which counts the round-2 gain)
