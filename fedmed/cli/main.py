@@ -129,7 +129,7 @@ def _read_labels(path) -> np.ndarray:
 
 
 def cmd_partition(a):
-    from fedmed.data import partition as P
+    from fedmed.data import anda, partition as P
 
     out: dict = {"scheme": a.scheme, "seed": a.seed}
     if a.scheme == "predi":
@@ -153,7 +153,7 @@ def cmd_partition(a):
             out.update(sites=[p.tolist() for p in parts], sizes=[len(p) for p in parts],
                        class_counts=[np.bincount(y[p], minlength=int(y.max()) + 1).tolist() for p in parts])
         else:  # anda
-            sites = P.anda_federation(y, a.sites, a.shift, a.seed, level=a.level, n_groups=a.groups)
+            sites = anda.anda_federation(y, a.sites, a.shift, a.seed, level=a.level, n_groups=a.groups)
             out.update(shift=a.shift, level=a.level, groups=[s.group for s in sites], sites=[s.to_json() for s in sites])
     if a.json:
         _print_json(out)

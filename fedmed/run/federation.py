@@ -22,7 +22,7 @@ def check_classes(exp, found: list[str]) -> None:
 def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: str | None = None) -> Path:
     """Partition the dataset for ``seed`` and write the site datalists into ``out_dir`` (``partition``
     overrides the config's, e.g. ``"iid"`` for the IID reference)."""
-    from fedmed.data import partition as P
+    from fedmed.data import anda, partition as P
     from fedmed.data.images import check_readable, discover
     from fedmed.data.datalists import write_site_datalists
 
@@ -110,10 +110,10 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
                              f"{pool.n_classes} classes cannot be met: {e}") from None
         extra.update(prevalence=res.prevalence, disparity=res.disparity)
     elif part == "anda":
-        sites = P.anda_federation(pool.labels, n_all, fed.anda_shift, rng,
+        sites = anda.anda_federation(pool.labels, n_all, fed.anda_shift, rng,
                                   level=fed.anda_level, n_groups=fed.anda_groups)
         parts = [s.indices for s in sites]
-        transforms = [(lambda img, lab, s=s: P.apply_anda_transform(img, lab, s, colour=fed.anda_colour)) for s in sites]
+        transforms = [(lambda img, lab, s=s: anda.apply_anda_transform(img, lab, s, colour=fed.anda_colour)) for s in sites]
         extra.update(shift=fed.anda_shift, level=fed.anda_level)
     else:
         raise ValueError(f"federation.partition {part!r} is for segmentation datasets")
