@@ -315,7 +315,8 @@ def preprocessing():
     import torch
 
     from fedmed.data.images import discover, load_images
-    from fedmed.nn.encoders import build_encoder, extract_features, released_weights
+    from fedmed.nn.encoders import build_encoder, extract_features
+    from fedmed.nn.releases import released_weights
 
     pool = discover(str(SHARED / "busi"), max_per_class=6)
     x, _ = load_images([{"image": str(f), "label": 0} for f in pool.items[:16]], image_size=224, channels=3)

@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     from fedmed.config import load_config
-    from fedmed.nn.encoders import released_weights
+    from fedmed.nn.releases import released_weights
     from fedmed.report.plots import plot_heatmap
     from fedmed.run.experiment import prepare_federation, with_classes
 

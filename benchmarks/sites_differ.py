@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     from natural_assessment import site_features
 
     from fedmed.config import load_config
-    from fedmed.nn.encoders import released_weights
+    from fedmed.nn.releases import released_weights
     from fedmed.run.experiment import prepare_federation
 
     weights = a.weights or released_weights("efficientnet_lite0")

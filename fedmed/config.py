@@ -194,7 +194,7 @@ class ModelConfig(ModelSection):
         variable, no path: ``fedmed.nn.encoders.released_weights``)."""
         if isinstance(data, dict) and isinstance(data.get("init_weights"), str) \
                 and data["init_weights"].strip().lower() == RELEASE:
-            from fedmed.nn.encoders import release_file  # torch only when a config asks for the release
+            from fedmed.nn.releases import release_file
 
             data = {**data, "init_weights": release_file(str(data.get("arch", "resnet9")), "model.init_weights")}
         return data

@@ -203,7 +203,7 @@ def test_the_imagenet_release_is_named_by_name_not_by_a_shell_variable(tmp_path)
     import pytest
     import yaml
 
-    from fedmed.nn.encoders import released_weights
+    from fedmed.nn.releases import released_weights
 
     release = released_weights("efficientnet_lite0")
     if release is None:

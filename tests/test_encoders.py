@@ -312,7 +312,9 @@ def test_the_released_efficientnet_lite_computes_its_layouts_forward_pass_and_kn
     from conftest import shared_path
     from reference_nets import EfficientNetLite
 
-    from fedmed.nn.encoders import LITE_SIZES, released_weights
+    from fedmed.nn.encoders import LITE_SIZES
+
+    from fedmed.nn.releases import released_weights
 
     f = released_weights(f"efficientnet_lite{variant}")
     if f is None:
@@ -344,7 +346,7 @@ def test_the_released_efficientnet_lite0_starts_a_sites_classifier(capsys):
     """model.arch efficientnet_lite0 with model.init_weights = the release file as shipped: the ImageNet head is dropped
     (said), the new head starts seeded, and the classifier's features are the encoder's (transfer learning from the
     same trained network FMCL's signatures use)."""
-    from fedmed.nn.encoders import released_weights
+    from fedmed.nn.releases import released_weights
     from fedmed.nn.models import model_from_config
 
     f = released_weights("efficientnet_lite0")

@@ -263,7 +263,7 @@ def test_the_imagenet_release_starts_every_site_at_a_loss_of_ln_k_under_the_reci
     import math
     import shutil
 
-    from fedmed.nn.encoders import released_weights
+    from fedmed.nn.releases import released_weights
     from fedmed.nn.models import model_from_config
     from fedmed.nn.train import set_params
     from fedmed.workflows.base import initial_params

@@ -152,7 +152,7 @@ class SegAssessMethod(Method):
     @classmethod
     def _release_by_name(cls, v):
         if isinstance(v, str) and v.strip().lower() == "imagenet":
-            from fedmed.nn.encoders import release_file
+            from fedmed.nn.releases import release_file
 
             return release_file("efficientnet_lite0", "encoder_weights")
         return v

@@ -308,7 +308,7 @@ class _Encoder(Strict):
     @classmethod
     def _release_by_name(cls, v, info):
         if isinstance(v, str) and v.strip().lower() == "imagenet":
-            from fedmed.nn.encoders import release_file
+            from fedmed.nn.releases import release_file
 
             return release_file(str(info.data.get("encoder", "")), "encoder_weights")
         return v

@@ -354,7 +354,7 @@ def load_init_weights(model: nn.Module, path) -> None:
     own = model.state_dict()
     new_head: set = set()
     if isinstance(model, EfficientNetLiteClassifier) and any(k.startswith("_conv_stem.") for k in state):
-        from fedmed.nn.encoders import effnet_lite_key
+        from fedmed.nn.releases import effnet_lite_key
 
         stages = [len(b) for b in model.net.blocks]  # the release as shipped: its names as timm's, its head dropped
         head = sorted(k for k in state if k.startswith("_fc."))
