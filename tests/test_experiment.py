@@ -169,7 +169,7 @@ def test_every_shipped_sweep_case_names_its_datasets_classes(monkeypatch):
     discovered). It found dp_cost.yaml's Flux cases."""
     from argparse import Namespace
 
-    from fedmed.cli.commands import _check_cases
+    from fedmed.cli.assess import _check_cases
 
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(root)  # shipped configs name ../shared/data/... from the repository root

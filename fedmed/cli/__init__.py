@@ -1,11 +1,11 @@
-"""The `fedmed` command line (main) and its workflow verbs (commands).
+"""The `fedmed` command line (main), its workflow verbs (commands) and the 004_ assessment and sweep verbs (assess).
 
 Every name below is importable from ``fedmed.cli`` (loaded on first use)."""
 
 from fedmed.core.faces import lazy_face
 
 _PUBLIC = {
-    "cmd_assess": "commands",
+    "cmd_assess": "assess",
     "cmd_bundle": "commands",
     "cmd_data": "commands",
     "cmd_demo": "commands",
@@ -15,10 +15,10 @@ _PUBLIC = {
     "cmd_predict": "commands",
     "cmd_report": "commands",
     "cmd_ssl": "commands",
-    "cmd_sweep": "commands",
+    "cmd_sweep": "assess",
     "main": "main",
     "register": "commands",
-    "register_assess": "commands",
+    "register_assess": "assess",
 }
 
 __all__ = sorted(_PUBLIC)
