@@ -450,7 +450,18 @@ def cmd_encoders(a):
 
 
 def register(sub):
-    from fedmed.core.helpformat import HELP as H
+    """Add the workflow verbs to the `fedmed` parser's subcommands."""
+    from fedmed.core.helpformat import HELP
+
+    _register_data(sub, HELP)
+    _register_runs(sub, HELP)
+    _register_models(sub, HELP)
+    register_assess(sub)
+    return sys.modules[__name__]
+
+
+def _register_data(sub, H):
+    """encoders, data, check-data, cache: what a site and its data hold."""
     n = sub.add_parser("encoders", help="the registered encoders; 'check FILE --encoder NAME': does a weights file load",
                        formatter_class=H)
     n.add_argument("action", nargs="?", choices=["list", "check"], default="list",
@@ -471,19 +482,6 @@ def register(sub):
     d.add_argument("--out", required=True, help="folder for <site>.json and dataset.json")
     d.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
     d.set_defaults(func=cmd_data)
-
-    e = sub.add_parser("experiment", help="run a config's methods over seeds in NVFlare's simulator", formatter_class=H)
-    e.add_argument("config", help="experiment config (app_configs/*.yaml)")
-    e.add_argument("--out", help="output folder (default results/<config name>)")
-    e.add_argument("--methods", nargs="+", help="run only these methods (default: all of the config's)")
-    e.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
-    e.add_argument("--resume", action="store_true", help="reuse runs finished earlier with the same settings; "
-                   "continue stopped ones from their checkpoint")
-    e.add_argument("--in-process", action="store_true", help="run each job in this process (the same workflow and "
-                   "site tasks without FLARE, one site after another: the same models) instead of FLARE's simulator; "
-                   "for a GPU machine, where the simulator's process per site costs more than the sites' work; its "
-                   "CPU work runs at one torch thread, reference rows included, as each simulated site's does")
-    e.set_defaults(func=cmd_experiment)
 
     k = sub.add_parser("check-data", help="check a site's datalist before it joins (its first task's checks and "
                        "more: overlaps, near-duplicates, counts per class and split); the report stays at the site",
@@ -509,6 +507,22 @@ def register(sub):
     ca.add_argument("--dir", help="the cache root: a kit's local/fedmed_cache, fedmed experiment's <out>/cache "
                     "(default: FEDMED_CACHE_DIR)")
     ca.set_defaults(func=cmd_cache)
+
+
+def _register_runs(sub, H):
+    """experiment, demo, job, ssl, report: running studies and reporting them."""
+    e = sub.add_parser("experiment", help="run a config's methods over seeds in NVFlare's simulator", formatter_class=H)
+    e.add_argument("config", help="experiment config (app_configs/*.yaml)")
+    e.add_argument("--out", help="output folder (default results/<config name>)")
+    e.add_argument("--methods", nargs="+", help="run only these methods (default: all of the config's)")
+    e.add_argument("--set", action="append", default=[], help="config override key.path=value (repeatable)")
+    e.add_argument("--resume", action="store_true", help="reuse runs finished earlier with the same settings; "
+                   "continue stopped ones from their checkpoint")
+    e.add_argument("--in-process", action="store_true", help="run each job in this process (the same workflow and "
+                   "site tasks without FLARE, one site after another: the same models) instead of FLARE's simulator; "
+                   "for a GPU machine, where the simulator's process per site costs more than the sites' work; its "
+                   "CPU work runs at one torch thread, reference rows included, as each simulated site's does")
+    e.set_defaults(func=cmd_experiment)
 
     m = sub.add_parser("demo", help="the embedded demo: small federations, every table, an HTML report", formatter_class=H)
     m.add_argument("--data", help="a dataset folder instead of the bundled digits, e.g. ../shared/data/busi")
@@ -538,6 +552,9 @@ def register(sub):
     r.add_argument("out_dir", help="the --out folder of fedmed experiment / sweep / demo")
     r.set_defaults(func=cmd_report)
 
+
+def _register_models(sub, H):
+    """predict, bundle, plan: what a trained model is used for."""
     p = sub.add_parser("predict", help="apply a trained model (a run's models/*.pt) to images or a NIfTI case",
                        formatter_class=_help())
     p.add_argument("model", help="a model checkpoint written by a finished run (models/global.pt, models/cluster0.pt)")
@@ -589,7 +606,3 @@ def register(sub):
     pl.add_argument("--spec", help="write the job spec here, the models it starts from beside it (<name>_files/), "
                                    "and run nothing (fedmed job run --spec FILE --env prod)")
     pl.set_defaults(func=cmd_plan)
-    register_assess(sub)
-    return sys.modules[__name__]
-
-
