@@ -22,8 +22,7 @@ def check_classes(exp, found: list[str]) -> None:
 def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: str | None = None) -> Path:
     """Partition the dataset for ``seed`` and write the site datalists into ``out_dir`` (``partition``
     overrides the config's, e.g. ``"iid"`` for the IID reference)."""
-    from fedmed.data import anda, partition as P
-    from fedmed.data.images import check_readable, discover
+    from fedmed.data import partition as P
     from fedmed.data.datalists import write_site_datalists
 
     exp.check_data_paths()
@@ -41,26 +40,8 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
         return write_seg_federation(entries, fed.sites, out, partition=part if part in ("iid", "label_volume")
                                     else "label_volume", region=fed.volume_region, test_fraction=fed.test_fraction,
                                     val_fraction=fed.val_fraction, seed=seed, site_names=exp.site_names())
-    if exp.dataset.sources:
-        from fedmed.data.sources import read_sources
-
-        pool = read_sources(exp.dataset.sources, exp.dataset.classes)
-        if exp.dataset.max_per_class:
-            raise ValueError("dataset.max_per_class would cut patients apart in a multi-source dataset; leave it out")
-    else:
-        pool = discover(exp.dataset.path, max_per_class=exp.dataset.max_per_class, seed=seed)
-    check_readable(pool)  # nothing unreadable goes into a datalist
-    if seg2d:
-        missing = [pool.items[i] for i, m in enumerate(pool.masks or [None] * len(pool.items)) if not m]
-        if missing:
-            raise ValueError(f"dataset.sources: {len(missing)} image(s) have no mask in a segmentation dataset, e.g. "
-                             f"{missing[0]}")
-        from fedmed.data.images import ImagePool
-
-        check_readable(ImagePool(list(pool.masks), pool.labels, pool.class_names, pool.source + " (masks)"))
-    check_classes(exp, pool.class_names)
+    pool = _image_pool(exp, seed, seg2d)
     rng = np.random.default_rng(seed)
-    transforms = None
     extra: dict = {"partition": part, "seed": seed}
     if part == "natural":
         names, parts, source_of, unseen = P.natural_partition(pool.sites, pool.groups, rng,
@@ -70,11 +51,7 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
                      sources={s: int(np.sum(np.asarray(pool.sites) == s)) for s in dict.fromkeys(pool.sites)})
         write_site_datalists(pool, parts, out, test_fraction=fed.test_fraction, val_fraction=fed.val_fraction,
                              seed=seed, extra=extra, site_names=names, segmentation=seg2d)
-        meta_path = out / "dataset.json"
-        meta = json.loads(meta_path.read_text())
-        meta["sites"] = [n for n in names if n not in unseen]
-        meta_path.write_text(json.dumps(meta, indent=1))
-        return out
+        return _training_sites(out, [n for n in names if n not in unseen])
     if fed.holdout_sources and pool.sites is not None:  # e.g. the IID reference of a natural federation: held-out
         held = set(fed.holdout_sources)                   # sources stay out, it trains what the methods train on
         pool = pool.subset(np.asarray([i for i, x in enumerate(pool.sites) if x not in held], dtype=np.int64))
@@ -92,15 +69,60 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
         full, pool = pool, pool.subset(rest)
         common_items = full.subset(common)
         extra["common_test"] = int(common.size)
+    parts, transforms, groups = _deal(exp, part, pool, rng, extra)
+    names = _site_names(exp, groups, extra)
+    if units is not None:  # patients back to their images
+        pool, members = units
+        parts = P.expand_units(parts, members)
+    if common is not None:  # the common test images join the pool's end so the datalists can refer to them
+        from fedmed.data.images import ImagePool
+
+        pool = ImagePool(pool.items + common_items.items, np.concatenate([pool.labels, common_items.labels]),
+                         pool.class_names, pool.source)
+        common = np.arange(len(pool.labels) - len(common_items.labels), len(pool.labels))
+    write_site_datalists(pool, parts, out, test_fraction=fed.test_fraction, val_fraction=fed.val_fraction, seed=seed,
+                         transforms=transforms, extra=extra, site_names=names, common_test=common, segmentation=seg2d)
+    return _training_sites(out, [n for n in names if not n.startswith("unseen-")])
+
+
+def _image_pool(exp, seed: int, seg2d: bool):
+    """The config's images (a folder, or an index of sources), every one readable, with their classes checked."""
+    from fedmed.data.images import ImagePool, check_readable, discover
+
+    if exp.dataset.sources:
+        from fedmed.data.sources import read_sources
+
+        pool = read_sources(exp.dataset.sources, exp.dataset.classes)
+        if exp.dataset.max_per_class:
+            raise ValueError("dataset.max_per_class would cut patients apart in a multi-source dataset; leave it out")
+    else:
+        pool = discover(exp.dataset.path, max_per_class=exp.dataset.max_per_class, seed=seed)
+    check_readable(pool)  # nothing unreadable goes into a datalist
+    if seg2d:
+        missing = [pool.items[i] for i, m in enumerate(pool.masks or [None] * len(pool.items)) if not m]
+        if missing:
+            raise ValueError(f"dataset.sources: {len(missing)} image(s) have no mask in a segmentation dataset, e.g. "
+                             f"{missing[0]}")
+        check_readable(ImagePool(list(pool.masks), pool.labels, pool.class_names, pool.source + " (masks)"))
+    check_classes(exp, pool.class_names)
+    return pool
+
+
+def _deal(exp, part: str, pool, rng, extra: dict) -> tuple[list, list | None, list | None]:
+    """The pool dealt to the sites and the held-out sites by ``part``: (index arrays, ANDA's image transforms or None,
+    ANDA's group of every site or None); what the partition chose goes into ``extra``."""
+    from fedmed.data import anda, partition as P
+
+    fed = exp.federation
     n_all = fed.sites + fed.unseen_sites  # held-out sites are dealt like the others, then kept out of training
     if part == "iid":
-        parts = P.iid_partition(len(pool.labels), n_all, rng)
-    elif part == "dirichlet":
-        parts = P.dirichlet_label_partition(pool.labels, n_all, fed.alpha, rng,
-                                            mode={"hsu": "per-site", "per_client": "per-client"}[fed.dirichlet_scheme])
-    elif part == "quantity":
-        parts = P.quantity_partition(len(pool.labels), n_all, fed.alpha, rng)
-    elif part == "predi":
+        return P.iid_partition(len(pool.labels), n_all, rng), None, None
+    if part == "dirichlet":
+        return P.dirichlet_label_partition(pool.labels, n_all, fed.alpha, rng, mode={
+            "hsu": "per-site", "per_client": "per-client"}[fed.dirichlet_scheme]), None, None
+    if part == "quantity":
+        return P.quantity_partition(len(pool.labels), n_all, fed.alpha, rng), None, None
+    if part == "predi":
         try:
             res = P.predi(pool.n_classes, n_all, fed.predi_prevalence, fed.predi_disparity, rng)
             parts = P.predi_partition(pool.labels, res.assignment, rng, samples_per_cell=fed.predi_samples_per_cell)
@@ -109,19 +131,24 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
                              f"predi_samples_per_cell={fed.predi_samples_per_cell} with {n_all} sites and "
                              f"{pool.n_classes} classes cannot be met: {e}") from None
         extra.update(prevalence=res.prevalence, disparity=res.disparity)
-    elif part == "anda":
-        sites = anda.anda_federation(pool.labels, n_all, fed.anda_shift, rng,
-                                  level=fed.anda_level, n_groups=fed.anda_groups)
-        parts = [s.indices for s in sites]
-        transforms = [(lambda img, lab, s=s: anda.apply_anda_transform(img, lab, s, colour=fed.anda_colour)) for s in sites]
-        extra.update(shift=fed.anda_shift, level=fed.anda_level)
-    else:
-        raise ValueError(f"federation.partition {part!r} is for segmentation datasets")
-    names = exp.site_names()
+        return parts, None, None
     if part == "anda":
+        sites = anda.anda_federation(pool.labels, n_all, fed.anda_shift, rng,
+                                     level=fed.anda_level, n_groups=fed.anda_groups)
+        transforms = [(lambda img, lab, s=s: anda.apply_anda_transform(img, lab, s, colour=fed.anda_colour))
+                      for s in sites]
+        extra.update(shift=fed.anda_shift, level=fed.anda_level)
+        return [s.indices for s in sites], transforms, [s.group for s in sites]
+    raise ValueError(f"federation.partition {part!r} is for segmentation datasets")
+
+
+def _site_names(exp, groups: list | None, extra: dict) -> list[str]:
+    """The names of the dealt parts: the config's sites and ``unseen-<j>`` for the held-out ones — with known groups
+    (ANDA), one held out per group in turn from the end of the list; otherwise the last ones dealt."""
+    fed = exp.federation
+    names = exp.site_names()
+    if groups is not None:
         names = names + [f"unseen-{j + 1}" for j in range(fed.unseen_sites)]
-        groups = [s.group for s in sites]
-        # held-out sites: one per group in turn, taken from the end of the site list
         unseen: list[int] = []
         order = list(range(len(names)))[::-1]
         g = 0
@@ -136,25 +163,19 @@ def prepare_federation(exp: ExperimentConfig, seed: int, out_dir, *, partition: 
             final[k] = exp.site_names()[j]
         for j, k in enumerate(unseen):
             final[k] = f"unseen-{j + 1}"
-        names = final
-        extra.update(groups=dict(zip(names, groups)), unseen_sites=[f"unseen-{j + 1}" for j in range(len(unseen))])
-    elif fed.unseen_sites:  # no known groups: the last sites dealt are held out
+        extra.update(groups=dict(zip(final, groups)), unseen_sites=[f"unseen-{j + 1}" for j in range(len(unseen))])
+        return final
+    if fed.unseen_sites:  # no known groups: the last sites dealt are held out
         names = names + [f"unseen-{j + 1}" for j in range(fed.unseen_sites)]
         extra.update(unseen_sites=names[fed.sites:])
-    if units is not None:  # patients back to their images
-        pool, members = units
-        parts = P.expand_units(parts, members)
-    if common is not None:  # the common test images join the pool's end so the datalists can refer to them
-        from fedmed.data.images import ImagePool
+    return names
 
-        pool = ImagePool(pool.items + common_items.items, np.concatenate([pool.labels, common_items.labels]),
-                         pool.class_names, pool.source)
-        common = np.arange(len(pool.labels) - len(common_items.labels), len(pool.labels))
-    write_site_datalists(pool, parts, out, test_fraction=fed.test_fraction, val_fraction=fed.val_fraction, seed=seed,
-                         transforms=transforms, extra=extra, site_names=names, common_test=common, segmentation=seg2d)
+
+def _training_sites(out: Path, sites: list[str]) -> Path:
+    """``dataset.json`` names the sites that train (the held-out ones stay out of its ``sites``)."""
     meta_path = out / "dataset.json"
     meta = json.loads(meta_path.read_text())
-    meta["sites"] = [n for n in names if not n.startswith("unseen-")]
+    meta["sites"] = sites
     meta_path.write_text(json.dumps(meta, indent=1))
     return out
 
