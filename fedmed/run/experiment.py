@@ -216,7 +216,6 @@ def _site_cache_in(folder: Path):
 
 
 def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, command) -> list[dict]:
-    from fedmed.algorithms.clustering import clusters_ari
     from fedmed.config import load_config
 
     overrides = list(overrides or [])
@@ -228,15 +227,7 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
         except BuildError as e:
             raise ExperimentError(f"method {m.name!r}: {e}") from None
     out = Path(out_dir)
-    if exp.tracking.mlflow and not exp.tracking.mlflow_uri:  # one store for the experiment's runs, kept with its outputs
-        exp = exp.model_copy(update={"tracking": exp.tracking.model_copy(
-            update={"mlflow_uri": (out / "mlruns").resolve().as_uri()})})
-        log(f"MLflow: every run of this experiment in {out / 'mlruns'}; to view them: {mlflow_ui_command(out)}")
-    if exp.tracking.wandb and not exp.tracking.wandb_dir:  # the experiment's W&B runs, kept with its outputs
-        exp = exp.model_copy(update={"tracking": exp.tracking.model_copy(
-            update={"wandb_dir": str((out / "wandb").resolve())})})
-        log(f"W&B ({exp.tracking.wandb_mode}): every run of this experiment in {out / 'wandb'}"
-            + (" (wandb sync DIR/offline-run-* to upload)" if exp.tracking.wandb_mode == "offline" else ""))
+    exp = _trackers_kept_in(exp, out, log)
     command = command or _command(config_path, overrides, out_dir, methods)
     rows: list[dict] = []
     problems: list[str] = []
@@ -261,56 +252,19 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
             k += 1
             work = run_dir(out, seed, m.name)
             fp = run_fingerprint(exp, m, seed)
-            saved = load_saved(work / "run.json")
-            resume_from = None
-            if resume and same_run(saved.get("fingerprint"), exp, m, seed):
-                if saved.get("status") == "finished":
-                    if m.workflow in clustering_workflows() and not seg and "clusters" not in saved:
-                        add_clusters(saved, work, meta)  # a run recorded before K / ARI were rows' fields
-                        (work / "run.json").write_text(json.dumps(saved))
-                    if not seg and add_pooled_val_auc(saved, work):  # recorded before rows carried it
-                        (work / "run.json").write_text(json.dumps(saved))
-                    rows.extend(saved["rows"])
-                    log(f"[{k}/{total}] seed {seed} {m.name}: finished earlier with the same settings, reused")
-                    if saved.get("sites_missing"):
-                        missing.append(f"seed {seed} {m.name}: {missing_sentence(saved['sites_missing'])}")
-                        log(f"    {missing_sentence(saved['sites_missing'])}")
-                    continue
-                if (work / "server" / "checkpoint" / "state.json").is_file():  # stopped, or failed (a killed server)
-                    resume_from = work / "server"
-                    log(f"[{k}/{total}] seed {seed} {m.name}: {saved.get('status', 'stopped')} earlier; resuming "
-                        f"from its checkpoint (round {checkpoint_round(resume_from)})")
-            elif resume and saved:
-                log(f"[{k}/{total}] seed {seed} {m.name}: earlier run made with other settings, running again")
-            (work / "run.json").unlink(missing_ok=True)
-            log(f"[{k}/{total}] seed {seed} {m.name} ({m.workflow}, {exp.train.rounds} rounds) ...")
-            try:
-                staged = stage_resume(resume_from, work)
-                doc = run_and_release(job_spec(exp_s, m, seed, resume_from=staged, files_checked=True), data_dir,
-                                      work, len(meta["sites"]), log=log)
-            except BuildError as e:
-                raise ExperimentError(f"seed {seed} {m.name}: the job could not be built: {e}") from None
-            except RunError as e:
-                work.mkdir(parents=True, exist_ok=True)
-                (work / "run.json").write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed,
-                                                           "status": e.status, "reason": e.reason, "rows": []}))
-                problems.append(f"seed {seed} {m.name}: {e.status}: {e.reason}")
-                log(f"    {e.status}: {e.reason}")
+            head = f"[{k}/{total}] seed {seed} {m.name}"
+            saved, resume_from = _saved_run(exp, m, seed, work, meta, resume, log, head)
+            if saved is not None:  # finished earlier with the same settings
+                rows.extend(saved["rows"])
+                if saved.get("sites_missing"):
+                    missing.append(f"seed {seed} {m.name}: {missing_sentence(saved['sites_missing'])}")
+                    log(f"    {missing_sentence(saved['sites_missing'])}")
                 continue
-            new = rows_from_metrics(m.name, seed, doc)
-            clusters = None
-            if m.workflow in clustering_workflows() and not seg:
-                from fedmed.run.references import cluster_majority_rows, run_clusters
-
-                clusters = run_clusters(doc)
-                for r in new:
-                    if r.get("phase"):
-                        continue
-                    r["n_clusters"] = len(clusters)
-                    if meta.get("groups"):
-                        r["ari"] = clusters_ari(clusters, meta["groups"])
-                if "cluster_majority" in exp.references:
-                    new += cluster_majority_rows(m.name, data_dir, clusters, len(meta["class_names"]), seed)
+            log(f"{head} ({m.workflow}, {exp.train.rounds} rounds) ...")
+            doc = _train(exp_s, m, seed, data_dir, work, meta, resume_from, fp, problems, log)
+            if doc is None:
+                continue
+            new, clusters = _run_rows(exp, m, seed, doc, data_dir, meta)
             if meta.get("unseen_sites") and type(m).onboards:
                 new += _unseen(exp_s, m, seed, data_dir, work, doc, meta, log)
             rows.extend(new)
@@ -336,6 +290,87 @@ def _run_experiment(config_path, out_dir, *, overrides, methods, log, resume, co
     if problems:
         raise ExperimentError(f"{len(problems)} run(s) did not finish:\n  " + "\n  ".join(problems))
     return rows
+
+
+def _trackers_kept_in(exp, out: Path, log):
+    """The experiment's MLflow store and W&B runs kept with its outputs, where the config names no place of its own."""
+    if exp.tracking.mlflow and not exp.tracking.mlflow_uri:  # one store for the experiment's runs, kept with its outputs
+        exp = exp.model_copy(update={"tracking": exp.tracking.model_copy(
+            update={"mlflow_uri": (out / "mlruns").resolve().as_uri()})})
+        log(f"MLflow: every run of this experiment in {out / 'mlruns'}; to view them: {mlflow_ui_command(out)}")
+    if exp.tracking.wandb and not exp.tracking.wandb_dir:  # the experiment's W&B runs, kept with its outputs
+        exp = exp.model_copy(update={"tracking": exp.tracking.model_copy(
+            update={"wandb_dir": str((out / "wandb").resolve())})})
+        log(f"W&B ({exp.tracking.wandb_mode}): every run of this experiment in {out / 'wandb'}"
+            + (" (wandb sync DIR/offline-run-* to upload)" if exp.tracking.wandb_mode == "offline" else ""))
+    return exp
+
+
+def _train(exp_s, m, seed: int, data_dir: Path, work: Path, meta: dict, resume_from, fp: str, problems: list,
+           log) -> dict | None:
+    """One run of (``m``, ``seed``) (continued from ``resume_from`` when given): its record, or None when it did not
+    finish — said in ``problems``, the log and its ``run.json``. A job that cannot be built stops the experiment."""
+    try:
+        staged = stage_resume(resume_from, work)
+        return run_and_release(job_spec(exp_s, m, seed, resume_from=staged, files_checked=True), data_dir, work,
+                               len(meta["sites"]), log=log)
+    except BuildError as e:
+        raise ExperimentError(f"seed {seed} {m.name}: the job could not be built: {e}") from None
+    except RunError as e:
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "run.json").write_text(json.dumps({"fingerprint": fp, "method": m.name, "seed": seed,
+                                                   "status": e.status, "reason": e.reason, "rows": []}))
+        problems.append(f"seed {seed} {m.name}: {e.status}: {e.reason}")
+        log(f"    {e.status}: {e.reason}")
+        return None
+
+
+def _saved_run(exp, m, seed: int, work: Path, meta: dict, resume: bool, log, head: str):
+    """Under ``--resume``, what an earlier run of (``m``, ``seed``) leaves: (its saved record when it finished with the
+    same settings — brought up to today's fields —, else None; the server folder to continue from when it stopped
+    with a checkpoint, else None). A run to do again has its old ``run.json`` removed."""
+    seg = exp.dataset.task == "segmentation"
+    saved = load_saved(work / "run.json")
+    resume_from = None
+    if resume and same_run(saved.get("fingerprint"), exp, m, seed):
+        if saved.get("status") == "finished":
+            if m.workflow in clustering_workflows() and not seg and "clusters" not in saved:
+                add_clusters(saved, work, meta)  # a run recorded before K / ARI were rows' fields
+                (work / "run.json").write_text(json.dumps(saved))
+            if not seg and add_pooled_val_auc(saved, work):  # recorded before rows carried it
+                (work / "run.json").write_text(json.dumps(saved))
+            log(f"{head}: finished earlier with the same settings, reused")
+            return saved, None
+        if (work / "server" / "checkpoint" / "state.json").is_file():  # stopped, or failed (a killed server)
+            resume_from = work / "server"
+            log(f"{head}: {saved.get('status', 'stopped')} earlier; resuming from its checkpoint (round "
+                f"{checkpoint_round(resume_from)})")
+    elif resume and saved:
+        log(f"{head}: earlier run made with other settings, running again")
+    (work / "run.json").unlink(missing_ok=True)
+    return None, resume_from
+
+
+def _run_rows(exp, m, seed: int, doc: dict, data_dir: Path, meta: dict) -> tuple[list[dict], list | None]:
+    """A finished run's rows (with its number of clusters, their ARI against the known groups and the cluster-majority
+    reference for a clustered classifier) and its clusters (None for one model)."""
+    from fedmed.algorithms.clustering import clusters_ari
+
+    new = rows_from_metrics(m.name, seed, doc)
+    if m.workflow not in clustering_workflows() or exp.dataset.task == "segmentation":
+        return new, None
+    from fedmed.run.references import cluster_majority_rows, run_clusters
+
+    clusters = run_clusters(doc)
+    for r in new:
+        if r.get("phase"):
+            continue
+        r["n_clusters"] = len(clusters)
+        if meta.get("groups"):
+            r["ari"] = clusters_ari(clusters, meta["groups"])
+    if "cluster_majority" in exp.references:
+        new += cluster_majority_rows(m.name, data_dir, clusters, len(meta["class_names"]), seed)
+    return new, clusters
 
 
 PLAN_METHOD = "Serving plan"  # the plan's row in the tables: each site scored with the model it is served
