@@ -120,38 +120,9 @@ def _method(name: str) -> dict:
     return {"name": name, "workflow": "fedbn" if name == "FedBN" else "fedavg"}
 
 
-def tune(config, out, budget: float, *, storage: str | None = None, datalists=None, overrides=None, log=print) -> dict:
-    """Tune ``config``'s recipe within ``budget`` full runs (see the module notes); returns ``{"best", "trials",
-    "tuned", "runs_spent", "seconds"}``. ``datalists``: a federation already written (else the config's first seed's
-    is); its ``test`` splits are never read."""
-    try:
-        import optuna
-    except ImportError:
-        raise TuneError("fedmed tune needs Optuna: pip install 'fedmed[tune]' (make setup installs it)") from None
-
-    from fedmed.config import ConfigError, load_config
-    from fedmed.run.experiment import classes_override, prepare_federation, with_classes
-    from fedmed.run.jobspec import job_spec, run_spec_in_process
-    from fedmed.workflows.stopping import stop_metric, summary_score
-
-    if not budget > 0:
-        raise TuneError(f"--budget should be a positive number of full runs, got {budget}")
-    t0 = time.perf_counter()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    exp = load_config(config, overrides)
-    if exp.dataset.task != "classification":
-        raise TuneError("fedmed tune chooses a classifier's recipe (this config's task: "
-                        f"{exp.dataset.task}); segmentation is not tuned yet")
-    seed = exp.seeds[0]
-    data = Path(datalists) if datalists is not None else prepare_federation(exp, seed, out / "data")
-    tuning = tuning_datalists(data, out / "tuning_data")
-    base = list(overrides or []) + classes_override(data, exp)
-    if getattr(exp, "serving", None) is not None:
-        base.append("serving=null")  # the trials run one FedAvg-family method; the plan is not tuned
-    metric = stop_metric(exp.train.stop, exp.dataset.task, exp.selection)
-    full = exp.train.rounds * exp.train.local_epochs  # one full run of the config's recipe, in local epochs
-    url = storage or f"sqlite:///{(out / 'tuning.db').resolve()}"
+def _study(optuna, exp, url: str, seed: int):
+    """The Optuna study of this config's tuning in ``url`` (a resumed one continues with fresh draws), with the
+    config's own recipe as its first trial: successive halving over rounds, TPE over the recipe space."""
     st = optuna.storages
     with warnings.catch_warnings():  # Optuna calls its heartbeat experimental; fedmed relies on it knowingly
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -169,9 +140,17 @@ def tune(config, out, budget: float, *, storage: str | None = None, datalists=No
     study.sampler = optuna.samplers.TPESampler(seed=seed * 1009 + len(study.trials))  # a resumed study: fresh draws
     if not study.trials:  # the config's own recipe first: the choice is never below it on validation
         study.enqueue_trial(config_recipe(exp))
+    return study
 
-    def spent() -> float:
-        return sum(float(t.user_attrs.get("epochs", 0)) for t in study.trials) / full
+
+def _objective(optuna, exp, config, base: list, tuning: Path, seed: int, metric: str, full: int, budget: float,
+               out: Path, spent):
+    """A trial: the recipe Optuna draws, run in this process on the tuning datalists (test splits emptied), reported
+    each round (pruned behind its rung, or before it would overspend the budget); its best validation score."""
+    from fedmed.config import ConfigError, load_config
+    from fedmed.run.experiment import with_classes
+    from fedmed.run.jobspec import job_spec, run_spec_in_process
+    from fedmed.workflows.stopping import summary_score
 
     def objective(trial):
         recipe = space(trial, exp)
@@ -220,6 +199,47 @@ def tune(config, out, budget: float, *, storage: str | None = None, datalists=No
             return seen["best"]
         trial.set_user_attr("why", why)
         raise RuntimeError(why)
+
+    return objective
+
+
+def tune(config, out, budget: float, *, storage: str | None = None, datalists=None, overrides=None, log=print) -> dict:
+    """Tune ``config``'s recipe within ``budget`` full runs (see the module notes); returns ``{"best", "trials",
+    "tuned", "runs_spent", "seconds"}``. ``datalists``: a federation already written (else the config's first seed's
+    is); its ``test`` splits are never read."""
+    try:
+        import optuna
+    except ImportError:
+        raise TuneError("fedmed tune needs Optuna: pip install 'fedmed[tune]' (make setup installs it)") from None
+
+    from fedmed.config import load_config
+    from fedmed.run.experiment import classes_override, prepare_federation
+    from fedmed.workflows.stopping import stop_metric
+
+    if not budget > 0:
+        raise TuneError(f"--budget should be a positive number of full runs, got {budget}")
+    t0 = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    exp = load_config(config, overrides)
+    if exp.dataset.task != "classification":
+        raise TuneError("fedmed tune chooses a classifier's recipe (this config's task: "
+                        f"{exp.dataset.task}); segmentation is not tuned yet")
+    seed = exp.seeds[0]
+    data = Path(datalists) if datalists is not None else prepare_federation(exp, seed, out / "data")
+    tuning = tuning_datalists(data, out / "tuning_data")
+    base = list(overrides or []) + classes_override(data, exp)
+    if getattr(exp, "serving", None) is not None:
+        base.append("serving=null")  # the trials run one FedAvg-family method; the plan is not tuned
+    metric = stop_metric(exp.train.stop, exp.dataset.task, exp.selection)
+    full = exp.train.rounds * exp.train.local_epochs  # one full run of the config's recipe, in local epochs
+    url = storage or f"sqlite:///{(out / 'tuning.db').resolve()}"
+    study = _study(optuna, exp, url, seed)
+
+    def spent() -> float:
+        return sum(float(t.user_attrs.get("epochs", 0)) for t in study.trials) / full
+
+    objective = _objective(optuna, exp, config, base, tuning, seed, metric, full, budget, out, spent)
 
     log(f"[fedmed] tuning {exp.name}: budget {budget:g} full run(s) of {exp.train.rounds} round(s) x "
         f"{exp.train.local_epochs} epoch(s); {spent():.2f} spent before; study {url}")
