@@ -224,6 +224,54 @@ def plan_html(server: Path) -> str:
             f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
+def _run_section(run: Path, doc: dict, label: str, seed_dir: Path, policies: dict, failures: list) -> list[str]:
+    """One run's part of the report: its status, the sites' answer to "do the sites differ?", its clustering and
+    figures, the sites' table, their policies (once per table), and a 3D segmentation's test cases (its shown
+    failures counted in ``failures``)."""
+    parts: list[str] = []
+    parts.append(f"<h2>{html.escape(label)}</h2>")
+    parts.append(f"<p>Status: <b>{html.escape(doc.get('status', '?'))}</b> {html.escape(doc.get('reason', ''))}"
+                 f"; sites {', '.join(doc.get('sites', []))}.</p>")
+    if (doc.get("differ") or {}).get("answer"):
+        parts.append(f"<p>Before training, do the sites differ? {html.escape(doc['differ']['answer'])}.</p>")
+    c = doc.get("clustering")
+    if c:
+        enc = ", ".join(c.get("encoder", [])) if isinstance(c.get("encoder"), list) else c.get("encoder", "")
+        parts.append(f"<p>Clustering: {html.escape(str(c.get('rule', '')))}; clusters "
+                     f"{html.escape(json.dumps(c.get('clusters')))}"
+                     + (f"; encoder {html.escape(enc)}" if enc else "") + "</p>")
+        if c.get("cluster_images") and len(c["cluster_images"]) == len(c.get("clusters") or []):
+            parts.append(f"<p>{html.escape(cluster_sizes_sentence(c))}</p>")
+    server = run / "server"
+    for png, alt in (("distance_heatmap.png", "distance heatmap (values; red boxes: clusters)"),
+                     ("dendrogram.png", "dendrogram with the cut"), ("silhouette.png", "silhouette over K"),
+                     ("assessment/heatmap_emd.png", "004_ metadata EMD (D_EMD)"),
+                     ("assessment/heatmap_euc.png", "004_ embedding distance (D_EUC)")):
+        if (server / png).is_file():
+            parts.append(_img(server / png, alt))
+    if (server / "assessment" / "report.md").is_file():
+        parts.append(markdown_to_html((server / "assessment" / "report.md").read_text()))
+    parts.append(_sites_table(doc))
+    pt = privacy_table(doc)
+    if pt and pt in policies:
+        parts.append(f"<p>Each site's policy and spending: the same as for {html.escape(policies[pt])}.</p>")
+    elif pt:
+        policies[pt] = label
+        parts.append(pt)
+    config = doc.get("meta", {}).get("config", {})
+    if (config.get("task") == "segmentation" and seed_dir.is_dir()
+            and (config.get("data") or {}).get("spatial_dims", 3) != 2):  # 3D cases: the middle slice
+        got = _seg_slices(run, seed_dir, run / "test_slices.png")
+        if got:
+            png, notes = got
+            alt = "test cases: image, ground truth, prediction (whole tumour, middle slice)"
+            alt += (f". Shown failures ({len(notes)} of the cases): " + "; ".join(notes) if notes else
+                    ". No shown case is a failure.")
+            parts.append(_img(png, alt))
+            failures.append((label, len(notes)))
+    return parts
+
+
 def write_report(out_dir, *, command: str | None = None) -> Path:
     """Write ``OUT/report.html`` for an experiment or sweep output folder, or for a ``fedmed plan --out`` folder (its
     ``plan.json``, in the folder or its ``server/``); returns its path."""
@@ -286,47 +334,7 @@ def write_report(out_dir, *, command: str | None = None) -> Path:
             except (OSError, ValueError, KeyError):
                 name = run.name
             label = f"{case.name + ' / ' if case != out else ''}{name} ({run.parent.name.replace('seed', 'seed ')})"
-            parts.append(f"<h2>{html.escape(label)}</h2>")
-            parts.append(f"<p>Status: <b>{html.escape(doc.get('status', '?'))}</b> {html.escape(doc.get('reason', ''))}"
-                         f"; sites {', '.join(doc.get('sites', []))}.</p>")
-            if (doc.get("differ") or {}).get("answer"):
-                parts.append(f"<p>Before training, do the sites differ? {html.escape(doc['differ']['answer'])}.</p>")
-            c = doc.get("clustering")
-            if c:
-                enc = ", ".join(c.get("encoder", [])) if isinstance(c.get("encoder"), list) else c.get("encoder", "")
-                parts.append(f"<p>Clustering: {html.escape(str(c.get('rule', '')))}; clusters "
-                             f"{html.escape(json.dumps(c.get('clusters')))}"
-                             + (f"; encoder {html.escape(enc)}" if enc else "") + "</p>")
-                if c.get("cluster_images") and len(c["cluster_images"]) == len(c.get("clusters") or []):
-                    parts.append(f"<p>{html.escape(cluster_sizes_sentence(c))}</p>")
-            server = run / "server"
-            for png, alt in (("distance_heatmap.png", "distance heatmap (values; red boxes: clusters)"),
-                             ("dendrogram.png", "dendrogram with the cut"), ("silhouette.png", "silhouette over K"),
-                             ("assessment/heatmap_emd.png", "004_ metadata EMD (D_EMD)"),
-                             ("assessment/heatmap_euc.png", "004_ embedding distance (D_EUC)")):
-                if (server / png).is_file():
-                    parts.append(_img(server / png, alt))
-            if (server / "assessment" / "report.md").is_file():
-                parts.append(markdown_to_html((server / "assessment" / "report.md").read_text()))
-            parts.append(_sites_table(doc))
-            pt = privacy_table(doc)
-            if pt and pt in policies:
-                parts.append(f"<p>Each site's policy and spending: the same as for {html.escape(policies[pt])}.</p>")
-            elif pt:
-                policies[pt] = label
-                parts.append(pt)
-            seed_dir = case / "data" / run.parent.name
-            config = doc.get("meta", {}).get("config", {})
-            if (config.get("task") == "segmentation" and seed_dir.is_dir()
-                    and (config.get("data") or {}).get("spatial_dims", 3) != 2):  # 3D cases: the middle slice
-                got = _seg_slices(run, seed_dir, run / "test_slices.png")
-                if got:
-                    png, notes = got
-                    alt = "test cases: image, ground truth, prediction (whole tumour, middle slice)"
-                    alt += (f". Shown failures ({len(notes)} of the cases): " + "; ".join(notes) if notes else
-                            ". No shown case is a failure.")
-                    parts.append(_img(png, alt))
-                    failures.append((label, len(notes)))
+            parts += _run_section(run, doc, label, case / "data" / run.parent.name, policies, failures)
     shown_fail = [(lab, n) for lab, n in failures if n]
     if shown_fail:
         parts.insert(top, "<p><b>⚠ Read the Dice with the test cases shown below</b>: "

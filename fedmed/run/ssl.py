@@ -141,6 +141,111 @@ def _loop_reference(exp, method, seed, data_dir: Path, sites: list[str], encoder
     return out
 
 
+def _ssl_pretrain(config_path, overrides: list, pre, seed: int, out: Path, resume: bool, log, first: bool) -> dict:
+    """Step 1 of ``fedmed ssl``: Fed-MAE pre-training on the unlabeled pools (quantity-skewed) for ``seed``; its
+    curve and the encoder it wrote."""
+    from fedmed.config import load_config
+
+    pre_over = overrides + ["federation.partition=quantity", f"federation.alpha={pre.unlabeled_alpha or 1000}",
+                            "federation.val_fraction=0.1", f"train.rounds={pre.rounds}",
+                            f"train.local_epochs={pre.local_epochs}", f"train.batch_size={pre.batch_size}",
+                            "train.weight_decay=0.05"]
+    pexp = load_config(config_path, pre_over)
+    pdata = prepare_federation(pexp, seed, out / "data" / f"seed{seed}" / "pretrain")
+    work = out / "runs" / f"seed{seed}" / "pretrain"
+
+    def pretrain():
+        log(f"[seed {seed}] Fed-MAE pre-training: {pexp.federation.sites} sites, {pexp.train.rounds} rounds ...")
+        doc = run_config_job(str(config_path), pre_over + classes_override(pdata, pexp), pre.name, seed, pdata, work,
+                             log=log)
+        curve = [(r["round"], r["summary"]["mean"].get("mae_loss"), r["summary"]["mean"].get("val_mae_loss"),
+                  r["summary"]["mean"].get("train_loss")) for r in doc["rounds"]]
+        return {"curve": curve, "encoder": str(work / "server" / "models" / "encoder.pt")}
+
+    pr = _cached(work, run_fingerprint(pexp, pre, seed), resume, pretrain, log, f"[seed {seed}] Fed-MAE")
+    if first and (work / "server" / "models" / "global.pt").is_file():
+        _recon_png(work / "server" / "models" / "global.pt", pdata, out / "fedmae_reconstructions.png")
+    return pr
+
+
+def _ssl_finetune(config_path, overrides: list, exp, fts: list, ft_cases: list, seed: int, encoder: Path, out: Path,
+                  resume: bool, log, res: dict) -> None:
+    """Step 2 of ``fedmed ssl``: every fine-tuning case's methods from the Fed-MAE encoder (or random), and each site
+    fine-tuning alone beside them, into ``res``."""
+    from fedmed.config import load_config
+
+    for case in ft_cases:
+        cover = overrides + list(case.set)
+        cexp = load_config(config_path, cover)
+        cdata = prepare_federation(cexp, seed, out / "data" / f"seed{seed}" / case.name)
+        meta = json.loads((cdata / "dataset.json").read_text())
+        for m in [x for x in fts if not case.methods or x.name in case.methods]:
+            mover = cover + classes_override(cdata, cexp)
+            if m.init == "fedmae":
+                mover = mover + [f"methods.{m.name}.encoder_weights={encoder}"]
+            mexp = load_config(config_path, mover)
+            mm = next(x for x in mexp.methods if x.name == m.name)
+            mwork = out / "runs" / f"seed{seed}" / case.name / "".join(c if c.isalnum() else "_" for c in m.name)
+
+            def finetune(mover=mover, mm=mm, mwork=mwork):
+                log(f"[seed {seed}] {case.name}: {mm.name} ...")
+                doc = run_config_job(str(config_path), mover, mm.name, seed, cdata, mwork, log=log)
+                return {**_final(doc), "prep_wfl": doc.get("prep_wfl")}
+
+            fp = run_key(mexp, mm, seed, case.set, encoder if m.init == "fedmae" else None)
+            try:
+                r = _cached(mwork, fp, resume, finetune, log, f"[seed {seed}] {case.name} {m.name}")
+            except RunError as e:
+                log(f"    {e.status}: {e.reason}")
+                continue
+            res["finetune"].setdefault(case.name, {}).setdefault(m.name, {})[seed] = r
+        ref_m = next((x for x in fts if x.init == "fedmae" and not x.prep_wfl), fts[0])
+        if ref_m.local_only:
+            rwork = out / "runs" / f"seed{seed}" / case.name / "_references"
+            rexp = load_config(config_path, cover + classes_override(cdata, cexp))
+            rm = next(x for x in rexp.methods if x.name == ref_m.name)
+            r = _cached(rwork, "ref:" + run_key(rexp, rm, seed, case.set, encoder if rm.init == "fedmae" else None),
+                        resume,
+                        lambda: _loop_reference(rexp, rm, seed, cdata, meta["sites"],
+                                                encoder if ref_m.init == "fedmae" else None, log),
+                        log, f"[seed {seed}] {case.name} references")
+            res["references"].setdefault(case.name, {})[seed] = r
+
+
+def _ssl_encoders(config_path, overrides: list, enc_cases: list, seed: int, encoder: Path, out: Path, resume: bool,
+                  log, res: dict) -> None:
+    """Step 3 of ``fedmed ssl``: FMCL's clusters from random weights and from the Fed-MAE encoder, into ``res``."""
+    from fedmed.config import load_config
+
+    for case in enc_cases:
+        cover = overrides + list(case.set)
+        cexp = load_config(config_path, cover)
+        cdata = prepare_federation(cexp, seed, out / "data" / f"seed{seed}" / case.name)
+        meta = json.loads((cdata / "dataset.json").read_text())
+        for name in case.methods:
+            m = next(x for x in cexp.methods if x.name == name)
+            mover = cover + classes_override(cdata, cexp)
+            trained = m.encoder == "fedmae_vit" and "Fed-MAE" in m.name
+            if trained:
+                mover = mover + [f"methods.{m.name}.encoder_weights={encoder}"]
+            mwork = out / "runs" / f"seed{seed}" / case.name / "".join(c if c.isalnum() else "_" for c in name)
+            mexp = load_config(config_path, mover)
+            mm = next(x for x in mexp.methods if x.name == name)
+
+            def fmcl_run(mover=mover, mm=mm, mwork=mwork):
+                from fedmed.algorithms.clustering import clusters_ari
+
+                log(f"[seed {seed}] {case.name}: {mm.name} ...")
+                doc = run_config_job(str(config_path), mover, mm.name, seed, cdata, mwork, log=log)
+                clusters = doc["clustering"]["clusters"]
+                ari = clusters_ari(clusters, meta["groups"])
+                return {"ari": ari, "k": len(clusters), **_final(doc), "encoder": doc["clustering"].get("encoder")}
+
+            r = _cached(mwork, run_key(mexp, mm, seed, case.set, encoder if trained else None), resume, fmcl_run,
+                        log, f"[seed {seed}] {case.name} {name}")
+            res["encoders"].setdefault(case.name, {}).setdefault(name, {})[seed] = r
+
+
 def run_ssl(config_path: str, out_dir, *, overrides: list[str] | None = None, resume: bool = False, log=print,
             command: str | None = None) -> dict:
     from fedmed.config import load_config
@@ -158,93 +263,11 @@ def run_ssl(config_path: str, out_dir, *, overrides: list[str] | None = None, re
     out = Path(out_dir)
     res: dict = {"pretrain": {}, "finetune": {}, "references": {}, "encoders": {}}
     for seed in exp.seeds:
-        # 1. Fed-MAE pre-training on the unlabeled pools
-        pre_over = overrides + ["federation.partition=quantity", f"federation.alpha={pre.unlabeled_alpha or 1000}",
-                                "federation.val_fraction=0.1", f"train.rounds={pre.rounds}",
-                                f"train.local_epochs={pre.local_epochs}", f"train.batch_size={pre.batch_size}",
-                                "train.weight_decay=0.05"]
-        pexp = load_config(config_path, pre_over)
-        pdata = prepare_federation(pexp, seed, out / "data" / f"seed{seed}" / "pretrain")
-        work = out / "runs" / f"seed{seed}" / "pretrain"
-
-        def pretrain():
-            log(f"[seed {seed}] Fed-MAE pre-training: {pexp.federation.sites} sites, {pexp.train.rounds} rounds ...")
-            doc = run_config_job(str(config_path), pre_over + classes_override(pdata, pexp), pre.name, seed, pdata, work,
-                          log=log)
-            curve = [(r["round"], r["summary"]["mean"].get("mae_loss"), r["summary"]["mean"].get("val_mae_loss"),
-                      r["summary"]["mean"].get("train_loss")) for r in doc["rounds"]]
-            return {"curve": curve, "encoder": str(work / "server" / "models" / "encoder.pt")}
-
-        pr = _cached(work, run_fingerprint(pexp, pre, seed), resume, pretrain, log, f"[seed {seed}] Fed-MAE")
+        pr = _ssl_pretrain(config_path, overrides, pre, seed, out, resume, log, first=seed == exp.seeds[0])
         res["pretrain"][seed] = pr
         encoder = Path(pr["encoder"])
-        if seed == exp.seeds[0] and (work / "server" / "models" / "global.pt").is_file():
-            _recon_png(work / "server" / "models" / "global.pt", pdata, out / "fedmae_reconstructions.png")
-        # 2. fine-tuning cases
-        for case in ft_cases:
-            cover = overrides + list(case.set)
-            cexp = load_config(config_path, cover)
-            cdata = prepare_federation(cexp, seed, out / "data" / f"seed{seed}" / case.name)
-            meta = json.loads((cdata / "dataset.json").read_text())
-            for m in [x for x in fts if not case.methods or x.name in case.methods]:
-                mover = cover + classes_override(cdata, cexp)
-                if m.init == "fedmae":
-                    mover = mover + [f"methods.{m.name}.encoder_weights={encoder}"]
-                mexp = load_config(config_path, mover)
-                mm = next(x for x in mexp.methods if x.name == m.name)
-                mwork = out / "runs" / f"seed{seed}" / case.name / "".join(c if c.isalnum() else "_" for c in m.name)
-
-                def finetune(mover=mover, mm=mm, mwork=mwork):
-                    log(f"[seed {seed}] {case.name}: {mm.name} ...")
-                    doc = run_config_job(str(config_path), mover, mm.name, seed, cdata, mwork, log=log)
-                    return {**_final(doc), "prep_wfl": doc.get("prep_wfl")}
-
-                fp = run_key(mexp, mm, seed, case.set, encoder if m.init == "fedmae" else None)
-                try:
-                    r = _cached(mwork, fp, resume, finetune, log, f"[seed {seed}] {case.name} {m.name}")
-                except RunError as e:
-                    log(f"    {e.status}: {e.reason}")
-                    continue
-                res["finetune"].setdefault(case.name, {}).setdefault(m.name, {})[seed] = r
-            ref_m = next((x for x in fts if x.init == "fedmae" and not x.prep_wfl), fts[0])
-            if ref_m.local_only:
-                rwork = out / "runs" / f"seed{seed}" / case.name / "_references"
-                rexp = load_config(config_path, cover + classes_override(cdata, cexp))
-                rm = next(x for x in rexp.methods if x.name == ref_m.name)
-                r = _cached(rwork, "ref:" + run_key(rexp, rm, seed, case.set, encoder if rm.init == "fedmae" else None),
-                            resume,
-                            lambda: _loop_reference(rexp, rm, seed, cdata, meta["sites"],
-                                                    encoder if ref_m.init == "fedmae" else None, log),
-                            log, f"[seed {seed}] {case.name} references")
-                res["references"].setdefault(case.name, {})[seed] = r
-        # 3. encoder comparison for FMCL: random weights vs the Fed-MAE encoder
-        for case in enc_cases:
-            cover = overrides + list(case.set)
-            cexp = load_config(config_path, cover)
-            cdata = prepare_federation(cexp, seed, out / "data" / f"seed{seed}" / case.name)
-            meta = json.loads((cdata / "dataset.json").read_text())
-            for name in case.methods:
-                m = next(x for x in cexp.methods if x.name == name)
-                mover = cover + classes_override(cdata, cexp)
-                trained = m.encoder == "fedmae_vit" and "Fed-MAE" in m.name
-                if trained:
-                    mover = mover + [f"methods.{m.name}.encoder_weights={encoder}"]
-                mwork = out / "runs" / f"seed{seed}" / case.name / "".join(c if c.isalnum() else "_" for c in name)
-                mexp = load_config(config_path, mover)
-                mm = next(x for x in mexp.methods if x.name == name)
-
-                def fmcl_run(mover=mover, mm=mm, mwork=mwork):
-                    from fedmed.algorithms.clustering import clusters_ari
-
-                    log(f"[seed {seed}] {case.name}: {mm.name} ...")
-                    doc = run_config_job(str(config_path), mover, mm.name, seed, cdata, mwork, log=log)
-                    clusters = doc["clustering"]["clusters"]
-                    ari = clusters_ari(clusters, meta["groups"])
-                    return {"ari": ari, "k": len(clusters), **_final(doc), "encoder": doc["clustering"].get("encoder")}
-
-                r = _cached(mwork, run_key(mexp, mm, seed, case.set, encoder if trained else None), resume, fmcl_run,
-                            log, f"[seed {seed}] {case.name} {name}")
-                res["encoders"].setdefault(case.name, {}).setdefault(name, {})[seed] = r
+        _ssl_finetune(config_path, overrides, exp, fts, ft_cases, seed, encoder, out, resume, log, res)
+        _ssl_encoders(config_path, overrides, enc_cases, seed, encoder, out, resume, log, res)
     text = ssl_tables(res, exp, command or f"fedmed ssl {config_path}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text(text)
