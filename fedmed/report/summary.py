@@ -369,22 +369,9 @@ def _phase_numbers(rows: list[dict]) -> list[dict]:
             for m in dict.fromkeys(r["method"] for r in phased) if get(m, "test phase") != "n/a"]
 
 
-def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, selection: str = "final",
-                  setup: list[str] | None = None, notes: list[str] | None = None) -> str:
-    """``results.csv``, ``summary.csv``, ``summary.md`` and ``curves.png``; returns the markdown."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "results.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r.get(k) for k in FIELDS})
-    summ = summarize(rows, selection)
-    with (out / "summary.csv").open("w", newline="") as fh:
-        keys = [k for k in summ[0] if not k.startswith("_") and k != "per_site"]
-        w = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(summ)
+def _intro_and_table(rows: list[dict], summ: list[dict], selection: str) -> tuple[str, str, str]:
+    """(how the values spread over seeds, the paragraph that says how to read the table, the table) of a
+    classification, 2D lesion or 3D segmentation experiment."""
     seeds = max(e["seeds"] for e in summ)
     spread = (f"mean ± std over {seeds} seeds" if seeds > 1 else
               "from 1 seed (one run has no spread, so no ±; more seeds give mean ± std)")
@@ -416,9 +403,11 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
                  + (" The last column is the method minus the constant predictor answering its clusters' majority "
                     "classes." if has_margin(summ) else ""))
         table = classification_table(summ, selection)
-    from fedmed.report.findings import findings_section
+    return spread, intro, table
 
-    text = f"## {title}\n\nProduced by: `{command}`\n\n"
+
+def _saved_plans(out: Path) -> dict:
+    """seed folder -> the serving plan it ran (each site's served model under the name the config gives it)."""
     plans = {}  # the serving plans of the seeds, where the experiment ran one
     for f in sorted(out.glob("runs/seed*/_serving_plan/server/plan.json")):
         try:
@@ -428,6 +417,11 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
             plans[f.parts[-4]] = {s: {**v, "served": names.get(v["served"], v["served"])} for s, v in doc.items()}
         except (OSError, ValueError, KeyError, AttributeError):
             pass
+    return plans
+
+
+def _recorded_differ(out: Path) -> dict:
+    """method -> the split-half tests ("do the sites differ?") its runs recorded before training, one per seed."""
     differ: dict = {}  # the split-half test each clustered run recorded before training
     for f in sorted(out.glob("runs/seed*/*/metrics.json")):
         try:
@@ -443,6 +437,30 @@ def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, select
                                                   "encoder": enc if isinstance(enc, list) else [enc]})
         except (OSError, ValueError, KeyError, AttributeError, TypeError):
             pass
+    return differ
+
+
+def write_outputs(rows: list[dict], out_dir, *, title: str, command: str, selection: str = "final",
+                  setup: list[str] | None = None, notes: list[str] | None = None) -> str:
+    """``results.csv``, ``summary.csv``, ``summary.md`` and ``curves.png``; returns the markdown."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "results.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k) for k in FIELDS})
+    summ = summarize(rows, selection)
+    with (out / "summary.csv").open("w", newline="") as fh:
+        keys = [k for k in summ[0] if not k.startswith("_") and k != "per_site"]
+        w = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(summ)
+    spread, intro, table = _intro_and_table(rows, summ, selection)
+    from fedmed.report.findings import findings_section
+
+    text = f"## {title}\n\nProduced by: `{command}`\n\n"
+    plans, differ = _saved_plans(out), _recorded_differ(out)
     text += findings_section(summ, _phase_numbers(rows), plans=plans, differ=differ)
     if setup:
         text += "Setup: " + "; ".join(setup) + "\n\n"
