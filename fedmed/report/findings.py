@@ -111,38 +111,10 @@ def differ_sentence(tests: dict) -> str:
     return ("Do the sites differ? " + " ".join(out)) if out else ""
 
 
-def findings(summ: list[dict], phases: list[dict] | None = None, plans: dict | None = None) -> list[str]:
-    """Plain sentences for one results table (``summarize``'s entries), its unseen-site rows (``phases``) and the
-    serving plans of its seeds (``plans``: ``{seed: plan.json}``; the plan's outcome comes first, and no method is
-    then called the one that served the sites best: the plan decides what each site is served)."""
-    if not summ:
-        return []
-    seg = any(e.get("dice_mean", "n/a") != "n/a" for e in summ)
-    key = "dice_mean" if seg else "accuracy"
-    what = "mean Dice (overlap with the ground-truth tumour outline)" if seg else "accuracy (mean over sites)"
-    # the methods that trained (a serving plan's rows choose among them: the plan sentence says what it served)
-    methods = [e for e in summ if e["kind"] != "reference" and e["_values"].get(key)
-               and e.get("task") not in ("served", "global")]
-    refs = {e["method"]: e for e in summ if e["kind"] == "reference" and e["_values"].get(key)}
-    out = [plan_sentence(plans)] if plans else []
-    if not methods:
-        return out + ["No method produced a score (see the runs' status below)."]
-    best = max(methods, key=lambda e: np.mean(e["_values"][key]))
-    vb = best["_values"][key]
-    if len(methods) == 1:
-        out.append(f"{best['method']} reached {_pct(vb)} {what}.")
-    else:
-        out.append(f"Of the {len(methods)} federated methods, **{best['method']}** "
-                   f"{'scored highest' if plans else 'served the sites best'}: {_pct(vb)} {what}.")
-        others = [e for e in methods if e is not best]
-        base = next((e for e in others if e["method"] == "FedAvg"), None) or max(
-            others, key=lambda e: np.mean(e["_values"][key]))
-        d, sure = _gap(vb, base["_values"][key])
-        if round(abs(d), 1) == 0:  # "tied ... by 0.0 points" said nothing (#89)
-            out.append(f"It scored the same as {base['method']} ({_pct(base['_values'][key])}).")
-        else:
-            out.append(f"It {'beat' if d > 0 else 'trailed'} {base['method']} ({_pct(base['_values'][key])}) by "
-                       f"{_points(d)}" + (f"; {sure}." if sure else "."))
+def _against_references(best: dict, vb, refs: dict, methods: list, key: str) -> list[str]:
+    """The best method against the references: the centralized ceiling, FedAvg on IID sites, each site alone, and
+    the floors (a method at or below one flagged)."""
+    out: list[str] = []
     central = refs.get("Centralized")
     if central:
         d, sure = _gap(vb, central["_values"][key])
@@ -176,6 +148,13 @@ def findings(summ: list[dict], phases: list[dict] | None = None, plans: dict | N
                                   "no better than the untrained network."))
                 elif v < floor:
                     out.append(f"⚠ {e['method']} scores below the floor ({_pct(e['_values'][key])}).")
+    return out
+
+
+def _cluster_sentences(best: dict, vb, refs: dict, methods: list, key: str) -> list[str]:
+    """The best method's clusters (their number, their ARI against known groups, what ARI 1.00 of single-site groups
+    means), sites that sat out, and the clusters' models against a constant answer per cluster."""
+    out: list[str] = []
     if best.get("k"):
         ks = best["k"]
         ari = best.get("ari")
@@ -200,6 +179,43 @@ def findings(summ: list[dict], phases: list[dict] | None = None, plans: dict | N
             out.append(f"A constant answer per cluster (each cluster's most common class) scores "
                        f"{_pct(cm['_values'][key])}; {best['method']} is {_points(d)} above it, so its clusters' "
                        f"models learned more than their clusters' class balance" + (f" ({sure})." if sure else "."))
+    return out
+
+
+def findings(summ: list[dict], phases: list[dict] | None = None, plans: dict | None = None) -> list[str]:
+    """Plain sentences for one results table (``summarize``'s entries), its unseen-site rows (``phases``) and the
+    serving plans of its seeds (``plans``: ``{seed: plan.json}``; the plan's outcome comes first, and no method is
+    then called the one that served the sites best: the plan decides what each site is served)."""
+    if not summ:
+        return []
+    seg = any(e.get("dice_mean", "n/a") != "n/a" for e in summ)
+    key = "dice_mean" if seg else "accuracy"
+    what = "mean Dice (overlap with the ground-truth tumour outline)" if seg else "accuracy (mean over sites)"
+    # the methods that trained (a serving plan's rows choose among them: the plan sentence says what it served)
+    methods = [e for e in summ if e["kind"] != "reference" and e["_values"].get(key)
+               and e.get("task") not in ("served", "global")]
+    refs = {e["method"]: e for e in summ if e["kind"] == "reference" and e["_values"].get(key)}
+    out = [plan_sentence(plans)] if plans else []
+    if not methods:
+        return out + ["No method produced a score (see the runs' status below)."]
+    best = max(methods, key=lambda e: np.mean(e["_values"][key]))
+    vb = best["_values"][key]
+    if len(methods) == 1:
+        out.append(f"{best['method']} reached {_pct(vb)} {what}.")
+    else:
+        out.append(f"Of the {len(methods)} federated methods, **{best['method']}** "
+                   f"{'scored highest' if plans else 'served the sites best'}: {_pct(vb)} {what}.")
+        others = [e for e in methods if e is not best]
+        base = next((e for e in others if e["method"] == "FedAvg"), None) or max(
+            others, key=lambda e: np.mean(e["_values"][key]))
+        d, sure = _gap(vb, base["_values"][key])
+        if round(abs(d), 1) == 0:  # "tied ... by 0.0 points" said nothing (#89)
+            out.append(f"It scored the same as {base['method']} ({_pct(base['_values'][key])}).")
+        else:
+            out.append(f"It {'beat' if d > 0 else 'trailed'} {base['method']} ({_pct(base['_values'][key])}) by "
+                       f"{_points(d)}" + (f"; {sure}." if sure else "."))
+    out += _against_references(best, vb, refs, methods, key)
+    out += _cluster_sentences(best, vb, refs, methods, key)
     for p in phases or []:
         out.append(f"New sites that joined after training were given {p['method']}'s model for them and scored "
                    f"{p['assigned']}% accuracy" + (f" (the best of the cluster models for each, chosen on their test "
