@@ -379,6 +379,20 @@ class ExperimentConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self):
+        self._check_names()
+        self._check_sources()
+        self._check_training()
+        seg = self.dataset.task == "segmentation"
+        from fedmed.methods import check_vit_input
+
+        for m in self.methods:  # each method's own checks (fedmed.methods.Method.check_experiment)
+            m.check_experiment(self)
+            if self.model.arch == "vit_small" and not seg:
+                check_vit_input(m, self)
+        return self
+
+    def _check_names(self) -> None:
+        """Method and sweep-case names unique and known where they are named (the serving plan, the sweep)."""
         names = [m.name for m in self.methods]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -414,6 +428,9 @@ class ExperimentConfig(_Strict):
             unknown = sorted(set(c.methods or []) - set(names))
             if unknown:
                 raise ValueError(f"sweep case {c.name!r} names unknown method(s) {unknown}; the config has {names}")
+
+    def _check_sources(self) -> None:
+        """A natural federation's options only with sources; the IID reference without part of a source; a bundle."""
         fed = self.federation
         if fed.partition == "natural" and not self.dataset.sources:
             raise ValueError("federation.partition natural makes a site per source: it needs dataset.sources")
@@ -427,6 +444,10 @@ class ExperimentConfig(_Strict):
             self.references = [r for r in self.references if r != "iid_fedavg"]  # the default set, without it
         if self.model.bundle:
             self._check_bundle()
+
+    def _check_training(self) -> None:
+        """Training options that fit the task, the privacy and the federation."""
+        fed = self.federation
         if self.train.lr_schedule != "constant" and self.dataset.task == "segmentation":
             raise ValueError(f"train.lr_schedule: {self.train.lr_schedule!r} schedules classifiers' training; "
                              "segmentation trains at a constant train.lr (set train.lr_schedule: constant)")
@@ -457,14 +478,6 @@ class ExperimentConfig(_Strict):
         if fed.min_clients > fed.sites and not (fed.partition == "natural" and fed.site_names is None):
             raise ValueError(f"federation.min_clients ({fed.min_clients}) should not exceed federation.sites "
                              f"({fed.sites})")
-        seg = self.dataset.task == "segmentation"
-        from fedmed.methods import check_vit_input
-
-        for m in self.methods:  # each method's own checks (fedmed.methods.Method.check_experiment)
-            m.check_experiment(self)
-            if self.model.arch == "vit_small" and not seg:
-                check_vit_input(m, self)
-        return self
 
     _base_dir: Optional[Path] = PrivateAttr(None)
     _path_origins: dict = PrivateAttr(default_factory=dict)
