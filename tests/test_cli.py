@@ -172,7 +172,7 @@ def test_every_help_states_each_default_once_and_names_its_command(capsys):
 def test_the_demo_page_says_once_what_every_part_would_repeat(tmp_path):
     """#89: the demo report said "All of this is from one seed..." six times and the "Values in %..." paragraph three
     times: once each now, the later parts pointing back to the first."""
-    from fedmed.cli.commands import DEMO_PARTS, demo_summary
+    from fedmed.cli.demo import DEMO_PARTS, demo_summary
     from fedmed.report.findings import ONE_SEED
 
     values = "Values in %, from 1 seed at each run's final round."

@@ -1,4 +1,4 @@
-"""The `fedmed` command line (main), its workflow verbs (commands) and the 004_ assessment and sweep verbs (assess).
+"""The `fedmed` command line (main), its workflow verbs (commands), the demo (demo) and the 004_ assessment and sweep verbs (assess).
 
 Every name below is importable from ``fedmed.cli`` (loaded on first use)."""
 
@@ -8,7 +8,7 @@ _PUBLIC = {
     "cmd_assess": "assess",
     "cmd_bundle": "commands",
     "cmd_data": "commands",
-    "cmd_demo": "commands",
+    "cmd_demo": "demo",
     "cmd_encoders": "commands",
     "cmd_experiment": "commands",
     "cmd_plan": "commands",
