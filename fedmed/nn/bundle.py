@@ -196,6 +196,38 @@ def _write_configs(out: Path, inference: dict, uses_pt: bool, meta: dict, readme
         "configs/metadata.json --bundle_root . --dataset_dir INPUTS --output_dir OUT\n```\n")
 
 
+def _cls_inference(network_def: dict, size: int, ch: int, classes: list, pre, ck: dict) -> dict:
+    """A classifier bundle's ``configs/inference.json``: the bundle's own image reader, fedmed's input scaling or the
+    sites' preprocessing, softmax, and the decision threshold chosen on validation data (None: argmax)."""
+    return {
+        "imports": ["$import glob", "$import importlib", "$import os", "$import torch"],
+        "bundle_root": ".",
+        # the bundle's own reader (scripts/; monai.bundle run puts the bundle's folder on the path before "run")
+        "reader": "$importlib.import_module('scripts.fedmed_image')",
+        "device": "$torch.device('cuda' if torch.cuda.is_available() else 'cpu')",
+        "dataset_dir": "$@bundle_root + '/sample'",
+        "output_dir": "$@bundle_root + '/eval'",
+        "images": "$sorted(f for f in glob.glob(os.path.join(@dataset_dir, '*')) if os.path.isfile(f))",
+        "image_size": size,
+        "channels": ch,
+        "classes": classes,
+        "network_def": network_def,
+        "network": "$@network_def.to(@device).eval()",
+        "preprocessing": {"_target_": "Compose", "transforms": [
+            {"_target_": "Lambda", "func": "$@reader.load(@image_size, @channels)"},
+            {"_target_": "EnsureTyped", "keys": "image", "dtype": "$torch.float32"}] + (
+            # fedmed's input scaling (fedmed.nn.train): [0, 1] -> [-1, 1]
+            [{"_target_": "NormalizeIntensityd", "keys": "image", "subtrahend": 0.5, "divisor": 0.5}] if pre is None
+            else _dict_steps(pre))},  # the sites' model.preprocessing (a bundle's) on the [0, 1] image instead
+        "inferer": {"_target_": "SimpleInferer"},
+        "postprocessing": {"_target_": "Compose", "transforms": [
+            {"_target_": "Activationsd", "keys": "pred", "softmax": True}]},
+        "threshold": (ck.get("decision") or {}).get("threshold"),  # chosen on validation data (None: argmax)
+        "run": ["$@reader.predict(@network, @preprocessing, @inferer, @postprocessing, @images, @classes, "
+                "@output_dir, @device, @threshold)"],
+    }
+
+
 def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=None) -> Path:
     """Write the bundle of a fedmed classifier or 3D segmentation checkpoint (default: ``<checkpoint stem>_bundle/``
     beside it).
@@ -228,33 +260,7 @@ def export_bundle(checkpoint, out_dir=None, *, description: str = "", policy=Non
                    workflow=ck.get("workflow"), cluster=ck.get("cluster"), description=description)
     network_def, uses_pt, how = _write_network(net, ck, ck_path, out, torch.zeros(1, ch, size, size), spatial_dims=2,
                                                in_channels=ch, n_out=n, script="fedmed_image", source=_READER)
-    inference = {
-        "imports": ["$import glob", "$import importlib", "$import os", "$import torch"],
-        "bundle_root": ".",
-        # the bundle's own reader (scripts/; monai.bundle run puts the bundle's folder on the path before "run")
-        "reader": "$importlib.import_module('scripts.fedmed_image')",
-        "device": "$torch.device('cuda' if torch.cuda.is_available() else 'cpu')",
-        "dataset_dir": "$@bundle_root + '/sample'",
-        "output_dir": "$@bundle_root + '/eval'",
-        "images": "$sorted(f for f in glob.glob(os.path.join(@dataset_dir, '*')) if os.path.isfile(f))",
-        "image_size": size,
-        "channels": ch,
-        "classes": classes,
-        "network_def": network_def,
-        "network": "$@network_def.to(@device).eval()",
-        "preprocessing": {"_target_": "Compose", "transforms": [
-            {"_target_": "Lambda", "func": "$@reader.load(@image_size, @channels)"},
-            {"_target_": "EnsureTyped", "keys": "image", "dtype": "$torch.float32"}] + (
-            # fedmed's input scaling (fedmed.nn.train): [0, 1] -> [-1, 1]
-            [{"_target_": "NormalizeIntensityd", "keys": "image", "subtrahend": 0.5, "divisor": 0.5}] if pre is None
-            else _dict_steps(pre))},  # the sites' model.preprocessing (a bundle's) on the [0, 1] image instead
-        "inferer": {"_target_": "SimpleInferer"},
-        "postprocessing": {"_target_": "Compose", "transforms": [
-            {"_target_": "Activationsd", "keys": "pred", "softmax": True}]},
-        "threshold": (ck.get("decision") or {}).get("threshold"),  # chosen on validation data (None: argmax)
-        "run": ["$@reader.predict(@network, @preprocessing, @inferer, @postprocessing, @images, @classes, "
-                "@output_dir, @device, @threshold)"],
-    }
+    inference = _cls_inference(network_def, size, ch, classes, pre, ck)
     served = _served(ck)
     meta = {
         **_meta_header({"pillow": __import__("PIL").__version__}),
