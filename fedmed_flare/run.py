@@ -425,30 +425,39 @@ def start_template(a, task_config: dict) -> None:
     a.template = ForkedWorker.early_start(["monai.networks.nets"] if uses_monai(task_config) else [])
 
 
+def _spec_of(a) -> JobSpec:
+    """The job the command names: a written spec (``--spec``, the whole job), or one built from ``--config`` and
+    ``--method`` (an onboarding job with ``--onboard``; the site template started as soon as its task config is)."""
+    from fedmed.config import load_config
+
+    if a.spec:
+        if a.config or a.method or a.set or a.onboard or a.resume_from or a.sites:
+            raise BuildError("--spec is the whole job: it goes without --config, --method, --set, --sites, "
+                             "--resume-from and --onboard")
+        spec = JobSpec.from_file(a.spec)
+    else:
+        if not (a.config and a.method):
+            raise BuildError("give --config and --method (or --spec)")
+        exp = load_config(a.config, a.set)
+        method = select_method(exp, a.method, a.config)
+        onboard = None
+        if a.onboard:
+            if not a.sites:
+                raise BuildError("--onboard needs --sites: the new sites to onboard")
+            onboard = {"training_result": a.onboard, "references": a.references, "require_clusters": not a.unseen,
+                       "labels": not a.no_labels, "global_result": a.global_result,
+                       "min_cluster_images": a.min_cluster_images,
+                       "known_clusters": json.loads(a.known_clusters) if a.known_clusters else {}}
+        spec = job_spec(exp, method, a.seed, sites=a.sites or "config", resume_from=a.resume_from,
+                        onboard=onboard, task_config_ready=lambda cfg: start_template(a, cfg))
+    return spec
+
+
 def _main(a) -> int:
-    from fedmed.config import ConfigError, load_config
+    from fedmed.config import ConfigError
 
     try:
-        if a.spec:
-            if a.config or a.method or a.set or a.onboard or a.resume_from or a.sites:
-                raise BuildError("--spec is the whole job: it goes without --config, --method, --set, --sites, "
-                                 "--resume-from and --onboard")
-            spec = JobSpec.from_file(a.spec)
-        else:
-            if not (a.config and a.method):
-                raise BuildError("give --config and --method (or --spec)")
-            exp = load_config(a.config, a.set)
-            method = select_method(exp, a.method, a.config)
-            onboard = None
-            if a.onboard:
-                if not a.sites:
-                    raise BuildError("--onboard needs --sites: the new sites to onboard")
-                onboard = {"training_result": a.onboard, "references": a.references, "require_clusters": not a.unseen,
-                           "labels": not a.no_labels, "global_result": a.global_result,
-                           "min_cluster_images": a.min_cluster_images,
-                           "known_clusters": json.loads(a.known_clusters) if a.known_clusters else {}}
-            spec = job_spec(exp, method, a.seed, sites=a.sites or "config", resume_from=a.resume_from,
-                            onboard=onboard, task_config_ready=lambda cfg: start_template(a, cfg))
+        spec = _spec_of(a)
         sites = spec.sites
         start_template(a, spec.task_config)
         job = job_from_spec(spec)
