@@ -40,6 +40,107 @@ def _groups_for_sites(n_sites, n_groups, rng):
     return rng.permutation(g)
 
 
+def _iid(sites: list, n: int, rng) -> None:
+    """The ``n`` samples dealt IID over the sites."""
+    for s, part in zip(sites, np.array_split(rng.permutation(n), len(sites))):
+        s.indices = np.sort(part)
+
+
+def _feature_shift(sites: list, y: np.ndarray, classes: list, rng, level: int, n_groups: int, group_of: np.ndarray,
+                   quantity_alpha: float) -> None:
+    """One (rotation, colour) pattern per group; samples IID."""
+    rots = _ROTATIONS[(int(level) - 1) % 4 + 1]
+    cols = [None] if level <= 4 else _COLORS
+    patterns = [(r, c) for r in rots for c in cols]
+    if n_groups > len(patterns):
+        raise ValueError(f"feature shift level {level} has {len(patterns)} patterns, fewer than n_groups={n_groups}.")
+    chosen = [patterns[i] for i in rng.choice(len(patterns), size=int(n_groups), replace=False)]
+    for s in sites:
+        s.rotation, s.color = chosen[s.group]
+    _iid(sites, y.size, rng)
+
+
+def _label_shift(sites: list, y: np.ndarray, classes: list, rng, level: int, n_groups: int, group_of: np.ndarray,
+                 quantity_alpha: float) -> None:
+    """Each group keeps ``U - level + 1`` classes; each class split over the sites that keep it."""
+    U = len(classes)
+    keep = max(1, U - int(level) + 1)
+    subsets: list[list[int]] = []
+    tries = 0
+    while len(subsets) < n_groups:
+        tries += 1
+        cand = sorted(rng.choice(classes, size=keep, replace=False).tolist())
+        if cand not in subsets or tries > 100:
+            subsets.append(cand)
+    if len({tuple(s) for s in subsets}) < n_groups:
+        raise ValueError(f"label shift level {level} keeps {keep} of {U} classes: too few distinct subsets for {n_groups} groups.")
+    for s in sites:
+        s.keep_classes = subsets[s.group]
+    for c in classes:
+        holders = [k for k, s in enumerate(sites) if c in s.keep_classes]
+        if not holders:
+            continue
+        idx = rng.permutation(np.flatnonzero(y == c))
+        for k, ch in zip(holders, np.array_split(idx, len(holders))):
+            sites[k].indices = np.concatenate([sites[k].indices, ch])
+    for s in sites:
+        s.indices = np.sort(s.indices.astype(np.int64))
+
+
+def _swap_shift(sites: list, y: np.ndarray, classes: list, rng, level: int, n_groups: int, group_of: np.ndarray,
+                quantity_alpha: float) -> None:
+    """P(Y|X): a swap pool of classes permuted differently per group; samples IID."""
+    U = len(classes)
+    pool_size = min(U, max(2, int(level)))
+    pool = sorted(rng.choice(classes, size=pool_size, replace=False).tolist())
+    perms = [list(pool)]  # group 0 keeps the original labels
+    tries = 0
+    while len(perms) < n_groups and tries < 1000:
+        tries += 1
+        cand = rng.permutation(pool).tolist()
+        if cand not in perms:
+            perms.append(cand)
+    if len(perms) < n_groups:
+        raise ValueError(f"a swap pool of {pool_size} classes has too few permutations for {n_groups} groups.")
+    for s in sites:
+        s.label_map = {int(a): int(b) for a, b in zip(pool, perms[s.group]) if a != b}
+    _iid(sites, y.size, rng)
+
+
+def _rotation_shift(sites: list, y: np.ndarray, classes: list, rng, level: int, n_groups: int, group_of: np.ndarray,
+                    quantity_alpha: float) -> None:
+    """P(X|Y): some classes rotated by a per-group angle; samples IID."""
+    U = len(classes)
+    n_aug = min(U, int(level))
+    aug = sorted(rng.choice(classes, size=n_aug, replace=False).tolist())
+    maps: list[dict] = []
+    tries = 0
+    while len(maps) < n_groups and tries < 1000:
+        tries += 1
+        cand = {int(c): int(rng.choice([0, 90, 180, 270])) for c in aug}
+        if cand not in maps:
+            maps.append(cand)
+    if len(maps) < n_groups:
+        raise ValueError(f"{n_aug} augmented classes give too few distinct rotations for {n_groups} groups.")
+    for s in sites:
+        s.class_rotation = {c: r for c, r in maps[s.group].items() if r}
+    _iid(sites, y.size, rng)
+
+
+def _quantity_shift(sites: list, y: np.ndarray, classes: list, rng, level: int, n_groups: int, group_of: np.ndarray,
+                    quantity_alpha: float) -> None:
+    """Groups differ only in size (group sizes ~ Dir(quantity_alpha))."""
+    share = rng.dirichlet(np.full(int(n_groups), float(quantity_alpha)))
+    site_w = np.array([share[s.group] / max(1, int((group_of == s.group).sum())) for s in sites])
+    raw = site_w / site_w.sum() * y.size
+    sizes = np.maximum(np.floor(raw).astype(int), 1)
+    while sizes.sum() > y.size:
+        sizes[np.argmax(sizes)] -= 1
+    sizes[np.argmax(raw - sizes)] += y.size - sizes.sum()
+    for s, part in zip(sites, np.split(rng.permutation(y.size), np.cumsum(sizes)[:-1])):
+        s.indices = np.sort(part)
+
+
 def anda_federation(labels, n_sites: int, shift: str, seed, *, level: int = 3, n_groups: int = 2,
                     quantity_alpha: float = 0.5) -> list[SiteShift]:
     """An ANDA-style federation with a known group per site (``003_`` Appendix B.1, Table 9).
@@ -74,86 +175,10 @@ def anda_federation(labels, n_sites: int, shift: str, seed, *, level: int = 3, n
         raise ValueError(f"n_groups ({n_groups}) should not exceed n_sites ({n_sites}).")
     rng = as_rng(seed)
     classes = np.unique(y).tolist()
-    U = len(classes)
     group_of = _groups_for_sites(n_sites, int(n_groups), rng)
     sites = [SiteShift(indices=np.empty(0, dtype=np.int64), group=int(g)) for g in group_of]
 
-    def iid_indices():
-        for s, part in zip(sites, np.array_split(rng.permutation(y.size), n_sites)):
-            s.indices = np.sort(part)
-
-    if shift == "feature":
-        rots = _ROTATIONS[(int(level) - 1) % 4 + 1]
-        cols = [None] if level <= 4 else _COLORS
-        patterns = [(r, c) for r in rots for c in cols]
-        if n_groups > len(patterns):
-            raise ValueError(f"feature shift level {level} has {len(patterns)} patterns, fewer than n_groups={n_groups}.")
-        chosen = [patterns[i] for i in rng.choice(len(patterns), size=int(n_groups), replace=False)]
-        for s in sites:
-            s.rotation, s.color = chosen[s.group]
-        iid_indices()
-    elif shift == "label":
-        keep = max(1, U - int(level) + 1)
-        subsets: list[list[int]] = []
-        tries = 0
-        while len(subsets) < n_groups:
-            tries += 1
-            cand = sorted(rng.choice(classes, size=keep, replace=False).tolist())
-            if cand not in subsets or tries > 100:
-                subsets.append(cand)
-        if len({tuple(s) for s in subsets}) < n_groups:
-            raise ValueError(f"label shift level {level} keeps {keep} of {U} classes: too few distinct subsets for {n_groups} groups.")
-        for s in sites:
-            s.keep_classes = subsets[s.group]
-        for c in classes:
-            holders = [k for k, s in enumerate(sites) if c in s.keep_classes]
-            if not holders:
-                continue
-            idx = rng.permutation(np.flatnonzero(y == c))
-            for k, ch in zip(holders, np.array_split(idx, len(holders))):
-                sites[k].indices = np.concatenate([sites[k].indices, ch])
-        for s in sites:
-            s.indices = np.sort(s.indices.astype(np.int64))
-    elif shift == "p_y_given_x":
-        pool_size = min(U, max(2, int(level)))
-        pool = sorted(rng.choice(classes, size=pool_size, replace=False).tolist())
-        perms = [list(pool)]  # group 0 keeps the original labels
-        tries = 0
-        while len(perms) < n_groups and tries < 1000:
-            tries += 1
-            cand = rng.permutation(pool).tolist()
-            if cand not in perms:
-                perms.append(cand)
-        if len(perms) < n_groups:
-            raise ValueError(f"a swap pool of {pool_size} classes has too few permutations for {n_groups} groups.")
-        for s in sites:
-            s.label_map = {int(a): int(b) for a, b in zip(pool, perms[s.group]) if a != b}
-        iid_indices()
-    elif shift == "p_x_given_y":
-        n_aug = min(U, int(level))
-        aug = sorted(rng.choice(classes, size=n_aug, replace=False).tolist())
-        maps: list[dict] = []
-        tries = 0
-        while len(maps) < n_groups and tries < 1000:
-            tries += 1
-            cand = {int(c): int(rng.choice([0, 90, 180, 270])) for c in aug}
-            if cand not in maps:
-                maps.append(cand)
-        if len(maps) < n_groups:
-            raise ValueError(f"{n_aug} augmented classes give too few distinct rotations for {n_groups} groups.")
-        for s in sites:
-            s.class_rotation = {c: r for c, r in maps[s.group].items() if r}
-        iid_indices()
-    else:  # quantity
-        share = rng.dirichlet(np.full(int(n_groups), float(quantity_alpha)))
-        site_w = np.array([share[s.group] / max(1, int((group_of == s.group).sum())) for s in sites])
-        raw = site_w / site_w.sum() * y.size
-        sizes = np.maximum(np.floor(raw).astype(int), 1)
-        while sizes.sum() > y.size:
-            sizes[np.argmax(sizes)] -= 1
-        sizes[np.argmax(raw - sizes)] += y.size - sizes.sum()
-        for s, part in zip(sites, np.split(rng.permutation(y.size), np.cumsum(sizes)[:-1])):
-            s.indices = np.sort(part)
+    _SHIFTS[shift](sites, y, classes, rng, int(level), int(n_groups), group_of, quantity_alpha)
     return sites
 
 
@@ -190,3 +215,7 @@ def apply_anda_transform(image: np.ndarray, label: int, spec: SiteShift, *, colo
             rgb[..., ch] = full
         img = rgb
     return img, spec.label_map.get(lab, lab)
+
+
+_SHIFTS = {"feature": _feature_shift, "label": _label_shift, "p_y_given_x": _swap_shift,
+           "p_x_given_y": _rotation_shift, "quantity": _quantity_shift}
