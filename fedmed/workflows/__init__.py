@@ -1,6 +1,7 @@
-"""fedmed's server workflows — each method's algorithm box — written against a small
-:class:`~fedmed.workflows.federation.Federation`, so the same code runs on NVFlare (``fedmed_flare/controller.py``:
-simulator, POC, provisioned sites) and in this process (:class:`InProcessFederation`).
+"""The server side every method's algorithm box is made of — the workflow steps, FedAvg's loop, onboarding, the
+serving plan — written against a small :class:`~fedmed.workflows.federation.Federation`, so the same code runs on
+NVFlare (``fedmed_flare/controller.py``: simulator, POC, provisioned sites) and in this process
+(:class:`InProcessFederation`).
 
 The loop every method's workflow is made of (:class:`Workflow`, FedAvg's :mod:`fedmed.workflows.fedavg`), the
 onboarding of new sites and the serving plan live here; a method's own workflow lives in its module of
