@@ -454,7 +454,7 @@ def test_a_jobs_image_and_volume_sizes_are_capped_by_the_sites_limits_before_any
     doc = {"training": [{"image": str(big), "label": 0}], "validation": [], "test": [{"image": "other.png", "label": 0}]}
     (tmp_path / "dl.json").write_text(json.dumps(doc))
     # the peak of this process's own memory (VmHWM: getrusage's ru_maxrss keeps the forking worker's peak)
-    code = ("import re, sys; from fedmed.data.images import load_datalist; from fedmed.core.policy import "
+    code = ("import re, sys; from fedmed.data.datalists import load_datalist; from fedmed.core.policy import "
             "ReadLimits; load_datalist(sys.argv[1], limits=ReadLimits(max_file_bytes=int(sys.argv[2]))); "
             "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))")
     for limit in (2 * 1024**3, 1_000_000):
