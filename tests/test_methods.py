@@ -236,57 +236,6 @@ def test_every_method_names_the_weights_file_it_was_given():
             assert m.weights_file == "w.pth", name
 
 
-# ------------------------------------------------------------------ a method owns its slice (#55)
-
-def _name_branches(source: str, names: set) -> list[int]:
-    """Lines of ``source`` that compare a ``workflow`` or a ``kind`` (an attribute or a variable of that name, or
-    ``.method``) with a built-in method's or signature kind's name, or look one up by name (``METHODS["flux"]``,
-    ``method_class("ifca")``)."""
-    import ast
-
-    def consts(node):
-        return [n.lineno for n in ast.walk(node) if isinstance(n, ast.Constant) and n.value in names]
-
-    def names_a_workflow(node):
-        return any(isinstance(n, ast.Attribute) and n.attr in ("workflow", "method", "kind")
-                   or isinstance(n, ast.Name) and n.id in ("workflow", "kind")
-                   or isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and n.slice.value == "kind"
-                   for n in ast.walk(node))
-
-    out = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Compare) and any(names_a_workflow(x) for x in [node.left, *node.comparators]):
-            out += consts(node)
-        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in ("METHODS",
-                                                                                                     "WORKFLOWS"):
-            out += consts(node.slice)
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in (
-                "method_class", "server_workflow", "workflows_for"):
-            out += [ln for a in node.args for ln in consts(a)]
-    return sorted(out)
-
-
-def test_no_built_in_method_is_named_outside_its_own_slice():
-    """What a method needs elsewhere (checks of the experiment, the files it names, the server's files, how its
-    assignment is read back, its part in `fedmed ssl`, its kind of signature: what a site sends, its distance, whether
-    it needs labels, its warnings) is a hook of its class or its kind in its own module of fedmed/methods/; no other
-    module of fedmed, fedmed_flare or jobs/ compares a workflow or a signature kind with a built-in method's name or
-    looks one up by name (#88: ``if kind == "fmcl" ... elif kind == "pacfl"`` stood in the CLI, the clustering math,
-    the privacy math and the site's signature task)."""
-    from fedmed.algorithms.signatures import SIGNATURE_KINDS
-    from fedmed.methods import METHODS
-
-    names = {w for w, c in METHODS.items() if c.plugin is None} | set(SIGNATURE_KINDS)
-    assert _name_branches('if m.workflow == "fedbn" and x:\n    pass\nc = METHODS["flux"]\n'
-                          'ok = workflow in ("fedmae", "finetune")\nmethod_class("ifca")\n', names) == [1, 3, 4, 4, 5]
-    assert _name_branches('kind = sig["kind"]\nif kind == "fmcl":\n    pass\nif sc.kind == "pacfl" and x:\n    pass\n'
-                          'y = sig["kind"] in ("fecfl",)\n', names) == [2, 4, 6]  # a signature kind, three ways
-    files = [f for f in sorted((ROOT / "fedmed").rglob("*.py")) if "methods" not in f.parts]
-    files += sorted((ROOT / "fedmed_flare").rglob("*.py")) + sorted((ROOT / "jobs").rglob("*.py"))
-    bad = [f"{f.relative_to(ROOT)}:{ln}" for f in files for ln in _name_branches(f.read_text(), names)]
-    assert bad == []
-
-
 # a kind of one-shot signature of one's own: one file (#88 target), the signature task, the clustering, the
 # onboarding and `fedmed distances` are fedmed's and read the kind from its registration
 TRIMMED_SIGNATURE = '''"""trimmed: sites clustered by the trimmed mean of their images' embeddings (the middle half of each coordinate)."""
