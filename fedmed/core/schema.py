@@ -395,7 +395,7 @@ class TaskConfig(Strict):
     serve_keep: Optional[str] = Field(None, pattern=r"^[0-9a-f]{16}$", description="a serving plan's task: the site "
                                       "keeps the model it scores — the model it is served — in its own workspace, "
                                       "served/<key>/model.pt with its MONAI bundle beside it, and says it did "
-                                      "(fedmed.site.tasks.keep_served)")
+                                      "(fedmed.site.served.keep_served)")
     encoder_weights: Optional[WeightsRef] = Field(None, description="the encoder's weights file, which every site "
                                                   "holds in its weights folder (None: seeded random init)")
     method_options: dict = Field(default_factory=dict, description="the options of the method's own site tasks (a "

@@ -16,7 +16,7 @@ from fedmed.config import ExperimentConfig
 from fedmed.core.errors import FedmedError
 from fedmed.run.federation import with_classes
 from fedmed.run.jobspec import BuildError, job_spec
-from fedmed.site.tasks import SERVED_DIR
+from fedmed.site.served import SERVED_DIR
 
 
 KILLED = (-9, 137, 247)  # SIGKILL as a return code, through a shell, and as the simulator reports it

@@ -94,7 +94,7 @@ def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
 
 
 def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
-    from fedmed.site.tasks import keep_served
+    from fedmed.site.served import keep_served
 
     model = _served(runner, params, cfg)
     metrics, meta = _metrics(runner, model, cfg)
@@ -148,7 +148,7 @@ def finetune_local(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Re
     metrics, meta = _metrics(runner, model, cfg)
     metrics["train_loss"] = loss
     meta.update(n_train=n, train_loss=loss)
-    from fedmed.site.tasks import keep_served
+    from fedmed.site.served import keep_served
 
     meta.update(keep_served(runner, model, cfg))
     return Reply(runner.site, metrics, meta, {})

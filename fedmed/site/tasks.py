@@ -27,10 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from fedmed.core.packing import unpack_model, unpack_models
 from fedmed.core.schema import TaskConfig, task_config
+from fedmed.site.served import keep_served
 
-__all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "TASK_SECTIONS", "TaskError", "finetune_config", "norm_stats",
-           "pseudo_labelled", "register_task", "serve_score", "served_metrics", "served_model", "serving_reply",
-           "task_seed", "train", "train_locally", "validate", "validate_ensemble"]
+__all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "TASK_SECTIONS", "TaskError", "finetune_config", "norm_stats", "pseudo_labelled", "register_task", "serve_score", "served_metrics", "served_model", "serving_reply", "task_seed", "train", "train_locally", "validate", "validate_ensemble"]
 
 
 def task_seed(cfg: dict, site: str, round_: int | None = None, *, salt: int = 0) -> int:
@@ -190,43 +189,6 @@ def validate(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     metrics, meta = served_metrics(runner, personal if personal is not None else model, cfg)
     meta.update(keep_served(runner, personal if personal is not None else model, cfg))
     return Reply(runner.site, metrics, meta, {})
-
-
-SERVED_DIR = "served"  # a site's served models, in its own workspace: served/<key>/model.pt (+ bundle/)
-
-
-def served_path(key: str) -> str:
-    """Where a site keeps the model a serving plan ``key`` serves it, relative to its workspace."""
-    return f"{SERVED_DIR}/{key}/model.pt"
-
-
-def keep_served(runner, model, cfg: TaskConfig) -> dict:
-    """A serving plan's task (``serve_keep``): the site keeps ``model`` — the one it is served, shared or made at the
-    site — in its own workspace (a kit's ``local/``, the simulator's site folder: ``runner.settings.workspace``) as
-    :func:`served_path`, a checkpoint ``fedmed predict`` runs on, with the model's MONAI bundle beside it; never sent.
-    Returns ``{"served_kept": True}`` (the server knows the path from the key), or ``{}`` with a note where the site
-    has no workspace folder."""
-    cfg = task_config(cfg)
-    if not cfg.serve_keep:
-        return {}
-    ws = getattr(runner.settings, "workspace", None)
-    if ws is None:
-        runner.notes.append(f"{runner.site}: it has no workspace folder to keep the model it is served in")
-        return {}
-    from fedmed.nn.predict import save_model
-    from fedmed.nn.train import get_params
-
-    path = Path(ws) / served_path(cfg.serve_keep)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_model(path, get_params(model), cfg.model_dump(), workflow="serving plan")
-    if cfg.task == "classification":
-        from fedmed.nn.bundle import export_bundle
-
-        try:
-            export_bundle(path, path.parent / "bundle", policy=runner.policy)
-        except Exception as e:  # the checkpoint is there; the bundle is a convenience
-            runner.notes.append(f"{runner.site}: its served model's bundle was not written ({type(e).__name__})")
-    return {"served_kept": True}
 
 
 def _finetune_optimizer(model, cfg: TaskConfig):
@@ -442,30 +404,11 @@ class ServeScoreOptions(BaseModel):
                         "trained here on this site's data alone and scored as 'local' (train_site_model)")
 
 
-def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: str, finetune=None, local=None) -> Reply:
-    """What a site's ``serve_score`` sends, whatever it scores: each packed model (the first the reference) is loaded
-    into the site's network and scored per validation item by ``item_scores(model)`` (higher is better; NaN: not
-    scored); ``finetune(model)`` — the reference loaded — may add the model fine-tuned at the site as ``finetuned``
-    (returning its scores and meta). ``item_scores`` may return a pair ``(scores, proper)``: then ``proper`` is each
-    item's proper score (a classifier's negative Brier score), whose paired differences the site sums too. Sends per
-    candidate only its paired aggregates against the reference (:func:`fedmed.algorithms.serving.paired_counts`:
-    counts and score sums; nothing under ``k_min`` items) and each model's mean ``val_<metric>/<name>`` — never a
-    per-item value."""
-    from fedmed.algorithms.serving import MIN_PATIENTS, differing_items, paired_counts
+def _score_candidates(runner, cfg, opts, models: dict, item_scores, finetune, local):
+    """Each packed model scored per validation item at the site (and the reference fine-tuned there, and the site's
+    own model, when asked): (scores, proper scores, meta, why a model was not scored)."""
     from fedmed.nn.train import set_params
 
-    opts = ServeScoreOptions.model_validate(cfg.method_options)
-    if {"finetuned", "local"} & set(opts.names[1:]) or len(set(opts.names)) != len(opts.names):
-        raise TaskError(f"{runner.site}: serve_score: candidate names must be distinct and not 'finetuned' or "
-                        f"'local', got {opts.names}")
-    if opts.finetune is not None and finetune is None:
-        raise TaskError(f"{runner.site}: serve_score: fine-tuning at the site is not available for {runner.KIND}")
-    if opts.local and local is None:
-        raise TaskError(f"{runner.site}: serve_score: a site's own model is not available for {runner.KIND}")
-    models = unpack_models(params)
-    if sorted(models) != list(range(len(opts.names) + int(opts.local))):
-        raise TaskError(f"{runner.site}: serve_score: {len(opts.names)} model name(s) for {len(models)} packed model(s)")
-    k = runner.k_min(cfg)
     model = runner.model(cfg)
     scores, proper, meta, withheld = {}, {}, {}, {}
 
@@ -501,6 +444,15 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
         except TaskError as e:
             runner.notes.append(f"{e}; local is not scored here")
             withheld["local"] = str(e).removeprefix(f"{runner.site}: ")
+    return scores, proper, meta, withheld
+
+
+def _withhold_unsafe(runner, cfg, opts, scores: dict, proper: dict, withheld: dict, k: int):
+    """Candidates whose comparison would say too little or too much are withheld (fewer patients than MIN_PATIENTS
+    behind the validation items; two models differing on fewer than k_min items, whose replies could be differenced):
+    (the reference's name, each item's patient or None, the scored models in order)."""
+    from fedmed.algorithms.serving import MIN_PATIENTS, differing_items
+
     ref = opts.names[0]
     units = runner.val_units(cfg)  # each validation item's patient, where the datalist names them (#86)
     n_units = len(set(map(str, units))) if units is not None else None
@@ -520,6 +472,34 @@ def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: st
             if 0 < m < k:
                 withheld[b] = (f"its scores differ from {a}'s on fewer than k_min validation items: replies that "
                                f"could be differenced are not sent")
+    return ref, units, order
+
+
+def serving_reply(runner, params: dict, cfg: TaskConfig, item_scores, metric: str, finetune=None, local=None) -> Reply:
+    """What a site's ``serve_score`` sends, whatever it scores: each packed model (the first the reference) is loaded
+    into the site's network and scored per validation item by ``item_scores(model)`` (higher is better; NaN: not
+    scored); ``finetune(model)`` — the reference loaded — may add the model fine-tuned at the site as ``finetuned``
+    (returning its scores and meta). ``item_scores`` may return a pair ``(scores, proper)``: then ``proper`` is each
+    item's proper score (a classifier's negative Brier score), whose paired differences the site sums too. Sends per
+    candidate only its paired aggregates against the reference (:func:`fedmed.algorithms.serving.paired_counts`:
+    counts and score sums; nothing under ``k_min`` items) and each model's mean ``val_<metric>/<name>`` — never a
+    per-item value."""
+    from fedmed.algorithms.serving import paired_counts
+
+    opts = ServeScoreOptions.model_validate(cfg.method_options)
+    if {"finetuned", "local"} & set(opts.names[1:]) or len(set(opts.names)) != len(opts.names):
+        raise TaskError(f"{runner.site}: serve_score: candidate names must be distinct and not 'finetuned' or "
+                        f"'local', got {opts.names}")
+    if opts.finetune is not None and finetune is None:
+        raise TaskError(f"{runner.site}: serve_score: fine-tuning at the site is not available for {runner.KIND}")
+    if opts.local and local is None:
+        raise TaskError(f"{runner.site}: serve_score: a site's own model is not available for {runner.KIND}")
+    models = unpack_models(params)
+    if sorted(models) != list(range(len(opts.names) + int(opts.local))):
+        raise TaskError(f"{runner.site}: serve_score: {len(opts.names)} model name(s) for {len(models)} packed model(s)")
+    k = runner.k_min(cfg)
+    scores, proper, meta, withheld = _score_candidates(runner, cfg, opts, models, item_scores, finetune, local)
+    ref, units, order = _withhold_unsafe(runner, cfg, opts, scores, proper, withheld, k)
     if ref in withheld:  # nothing is compared with a reference that was not scored
         withheld.update({n: f"the reference ({ref}) was not scored: {withheld[ref]}" for n in order if n != ref})
     counts = {name: None if name in withheld else

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from fedmed.core import jobfiles
 from fedmed.core.packing import pack_models
-from fedmed.site.tasks import served_path
+from fedmed.site.served import served_path
 from fedmed.workflows.base import Workflow
 from fedmed.workflows.federation import RunFailed
 
@@ -208,7 +208,7 @@ class Plan(Workflow):
 
     def score_served(self, choices: dict, ref: Path, own: dict, cache: dict, key: str, start=None) -> set:
         """Round 1 (``served``): every site scores the model it is served (validation and test) and keeps it in its
-        own workspace (``serve_keep``: :func:`fedmed.site.tasks.keep_served`); round 2 (``global``): the global
+        own workspace (``serve_keep``: :func:`fedmed.site.served.keep_served`); round 2 (``global``): the global
         model, the reference row. Returns the sites that kept their model."""
         by_file: dict = {}
         tuned, alone = [], []
