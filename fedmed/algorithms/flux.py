@@ -161,6 +161,36 @@ def _moments(x: np.ndarray, second: str) -> tuple[np.ndarray, np.ndarray]:
     return mu, (np.sqrt(var) if second == "std" else var)
 
 
+def _class_moments(proj: np.ndarray, labels, n_classes, k_min: int, absent: str, second_moment: str, site: str,
+                   parts: list, counts: list) -> list:
+    """S3's class-conditional moments appended to ``parts`` (their sample counts to ``counts``): a class of fewer than
+    ``k_min`` samples (or fewer than 2 under ``absent="minus_one"``) is sent as absent; returns the classes withheld
+    for ``k_min``."""
+    if n_classes is None:
+        raise ValueError("n_classes is required when labels are given.")
+    check_finite_number(n_classes, "n_classes", low=1, integer=True)
+    y = np.asarray(labels)
+    if y.shape != (proj.shape[0],):
+        raise ValueError(f"{site}: labels should be ({proj.shape[0]},), got shape {y.shape}.")
+    if y.size and (y.min() < 0 or y.max() >= n_classes):
+        raise ValueError(f"{site}: labels should lie in [0, {n_classes}), got range [{y.min()}, {y.max()}].")
+    l = proj.shape[1]
+    fill = 0.0 if absent == "zeros" else -1.0
+    withheld = []
+    for u in range(int(n_classes)):
+        sel = proj[y == u]
+        if 0 < sel.shape[0] < k_min:
+            withheld.append(u)
+        if sel.shape[0] < max(k_min, 1) or (absent == "minus_one" and sel.shape[0] < 2):
+            parts += [np.full(l, fill), np.full(l, fill)]
+            counts += [0, 0]
+        else:
+            mu_u, s_u = _moments(sel, second_moment)
+            parts += [mu_u, s_u]
+            counts += [sel.shape[0], sel.shape[0]]
+    return withheld
+
+
 def flux_descriptor(latents, pca: SharedPCA, labels=None, *, n_classes: int | None = None,
                     second_moment: str = "std", dp_epsilon: float | None = None,
                     rng: np.random.Generator | None = None, site: str = "site", k_min: int = 1,
@@ -206,27 +236,7 @@ def flux_descriptor(latents, pca: SharedPCA, labels=None, *, n_classes: int | No
     counts = [z.shape[0], z.shape[0]]
     full = None
     if labels is not None:
-        if n_classes is None:
-            raise ValueError("n_classes is required when labels are given.")
-        check_finite_number(n_classes, "n_classes", low=1, integer=True)
-        y = np.asarray(labels)
-        if y.shape != (z.shape[0],):
-            raise ValueError(f"{site}: labels should be ({z.shape[0]},), got shape {y.shape}.")
-        if y.size and (y.min() < 0 or y.max() >= n_classes):
-            raise ValueError(f"{site}: labels should lie in [0, {n_classes}), got range [{y.min()}, {y.max()}].")
-        fill = 0.0 if absent == "zeros" else -1.0
-        withheld = []
-        for u in range(int(n_classes)):
-            sel = proj[y == u]
-            if 0 < sel.shape[0] < k_min:
-                withheld.append(u)
-            if sel.shape[0] < max(k_min, 1) or (absent == "minus_one" and sel.shape[0] < 2):
-                parts += [np.full(l, fill), np.full(l, fill)]
-                counts += [0, 0]
-            else:
-                mu_u, s_u = _moments(sel, second_moment)
-                parts += [mu_u, s_u]
-                counts += [sel.shape[0], sel.shape[0]]
+        withheld = _class_moments(proj, labels, n_classes, k_min, absent, second_moment, site, parts, counts)
         if withheld:
             warnings.append(f"{site}: class(es) {withheld} sent as absent (fewer than k_min={k_min} samples)")
     vec = np.concatenate(parts)

@@ -149,6 +149,27 @@ def _check_hparams(alpha, beta, eps):
     check_finite_number(eps, "eps", low=0.0, low_inclusive=False)
 
 
+def _shared_classes(sigs) -> list:
+    """Per class at two or more sites (in order of first appearance): every site's mean (zeros where the site lacks
+    the class), its norm and its weight (0 where it lacks the class: min(w_i, 0) = 0, so a missing class adds exactly 0
+    to Algorithm 3's numerator and overlap)."""
+    n = len(sigs)
+    order: dict = {}
+    for i, s in enumerate(sigs):
+        for k, c in enumerate(s.classes.tolist()):
+            order.setdefault(c, []).append((i, k))
+    d = sigs[0].means.shape[1]
+    classes = []
+    for c, members in order.items():
+        if len(members) < 2:
+            continue
+        mu, w = np.zeros((n, d)), np.zeros(n)
+        for i, k in members:
+            mu[i], w[i] = sigs[i].means[k], sigs[i].weights[k]
+        classes.append((mu, np.linalg.norm(mu, axis=1), w))
+    return classes
+
+
 def fmcl_distance_matrix(signatures: Sequence[ClassSignature], *, alpha: float = 1.0, beta: float = 100.0,
                          eps: float = 1e-3, overlap: bool = True, site_names=None, block: int = 1024) -> np.ndarray:
     """Algorithm 3: class- and overlap-aware cosine distance between sites (vectorised, bounded memory).
@@ -183,21 +204,7 @@ def fmcl_distance_matrix(signatures: Sequence[ClassSignature], *, alpha: float =
     _check_hparams(alpha, beta, eps)
     sigs, _ = _check_signatures(signatures, site_names)
     n = len(sigs)
-    # per class (in order of first appearance): every site's mean (zeros where the site lacks the class), its norm and
-    # weight (0 where it lacks the class: min(w_i, 0) = 0, so a missing class adds exactly 0 to num and omega)
-    order: dict = {}
-    for i, s in enumerate(sigs):
-        for k, c in enumerate(s.classes.tolist()):
-            order.setdefault(c, []).append((i, k))
-    d = sigs[0].means.shape[1]
-    classes = []
-    for c, members in order.items():
-        if len(members) < 2:
-            continue
-        mu, w = np.zeros((n, d)), np.zeros(n)
-        for i, k in members:
-            mu[i], w[i] = sigs[i].means[k], sigs[i].weights[k]
-        classes.append((mu, np.linalg.norm(mu, axis=1), w))
+    classes = _shared_classes(sigs)
     D = np.empty((n, n))
     num, omega, tmp = (np.empty((min(block, n), n)) for _ in range(3))
     for b0 in range(0, n, block):
