@@ -329,18 +329,9 @@ def _resize(a: np.ndarray, shape, mode: str) -> np.ndarray:
     return out[0].numpy()
 
 
-def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "site",
-              allowed_labels: Sequence[int] = ALLOWED_LABELS, limits=None) -> SegCase:
-    """Read, check, crop and resample one case (see the module notes); ``limits``: what the site reads at most."""
-    images = entry.get("image")
-    if isinstance(images, str):
-        images = [images]
-    mods = entry.get("modalities") or [f"ch{i}" for i in range(len(images or []))]
-    if not images:
-        raise DataError(f"{site}: case {entry.get('id', '?')} lists no image files", f"{site}: lists no image files")
-    if len(mods) != len(images):
-        raise DataError(f"{site}: case {entry.get('id', '?')} names {len(mods)} modalities for {len(images)} images",
-                        f"{site}: names {len(mods)} modalities for {len(images)} images")
+def _read_images(entry: dict, images: list, mods: list, site: str, limits) -> tuple[list, list]:
+    """A case's images, one per modality, each read within the site's limits and free of NaN or infinite voxels:
+    (volumes, affines)."""
     vols, affines = [], []
     for m, f in zip(mods, images):
         if f is None:
@@ -354,6 +345,22 @@ def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "
                             f"NaN or infinite voxel(s)")
         vols.append(a)
         affines.append(aff)
+    return vols, affines
+
+
+def load_case(entry: dict, *, shape: Sequence[int] = (32, 48, 40), site: str = "site",
+              allowed_labels: Sequence[int] = ALLOWED_LABELS, limits=None) -> SegCase:
+    """Read, check, crop and resample one case (see the module notes); ``limits``: what the site reads at most."""
+    images = entry.get("image")
+    if isinstance(images, str):
+        images = [images]
+    mods = entry.get("modalities") or [f"ch{i}" for i in range(len(images or []))]
+    if not images:
+        raise DataError(f"{site}: case {entry.get('id', '?')} lists no image files", f"{site}: lists no image files")
+    if len(mods) != len(images):
+        raise DataError(f"{site}: case {entry.get('id', '?')} names {len(mods)} modalities for {len(images)} images",
+                        f"{site}: names {len(mods)} modalities for {len(images)} images")
+    vols, affines = _read_images(entry, images, mods, site, limits)
     lab, lab_aff = load_label(entry["label"], site, vols[0].shape, affines[0], images[0], limits)
     # the label map's voxel axes rule: an image stored in another orientation (a DICOM series is LPS, an export
     # RAS) is permuted/flipped to it, so that voxel (i, j, k) is the same place in the image and in its label
