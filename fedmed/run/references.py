@@ -318,6 +318,36 @@ def seg_reference_rows(exp, datalists, sites: list[str], seed: int, log=print) -
     return rows
 
 
+def _seg2d_each_source(exp, seed: int, by_source: dict, fresh, pooled, scores) -> list[dict]:
+    """The 2D each-source-alone reference: per source one U-Net on its sites' pooled training images (``fresh()``:
+    a new model and optimizer; ``pooled(sites)``: their images; ``scores(model, sites)``), scored after every
+    ``local_epochs`` epochs; a source its stop rule ended keeps its last model's scores. Each round's scores by site."""
+    import torch
+
+    from fedmed.nn.seg2d import train_seg2d_local
+
+    t = exp.train
+    per_round: list[dict] = [{} for _ in range(t.rounds)]
+    ends = 0
+    for k, (src, members) in enumerate(by_source.items()):
+        model, opt = fresh()
+        x, y = pooled(members)
+        g = torch.Generator().manual_seed(seed * 1000 + 100 * (k + 1))
+        stop, halted, got = _stopper(exp), False, []
+        for r in range(t.rounds):
+            train_seg2d_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt,
+                              loss=t.seg.loss, generator=g, precision=t.precision)
+            got.append(scores(model, members))
+            if halted:
+                break
+            halted = _halts(stop, r + 1, got[-1], t.rounds)
+        ends = max(ends, len(got))
+        for r in range(t.rounds):  # a source its stop rule ended keeps its last model's scores
+            per_round[r].update(got[min(r, len(got) - 1)])
+    per_round = per_round[:ends]
+    return per_round
+
+
 def seg2d_reference_rows(exp, datalists, sites: list[str], seed: int, groups: dict | None = None,
                          log=print) -> list[dict]:
     """2D lesion-segmentation references (:mod:`fedmed.site.seg2d`), each site scored on its own test split like the
@@ -381,24 +411,7 @@ def seg2d_reference_rows(exp, datalists, sites: list[str], seed: int, groups: di
     by_source: dict = {}
     for s in sites:
         by_source.setdefault((groups or {}).get(s, s), []).append(s)
-    per_round: list[dict] = [{} for _ in range(t.rounds)]
-    ends = 0
-    for k, (src, members) in enumerate(by_source.items()):
-        model, opt = fresh()
-        x, y = pooled(members)
-        g = torch.Generator().manual_seed(seed * 1000 + 100 * (k + 1))
-        stop, halted, got = _stopper(exp), False, []
-        for r in range(t.rounds):
-            train_seg2d_local(model, x, y, epochs=t.local_epochs, batch_size=t.batch_size, optimizer=opt,
-                              loss=t.seg.loss, generator=g, precision=t.precision)
-            got.append(scores(model, members))
-            if halted:
-                break
-            halted = _halts(stop, r + 1, got[-1], t.rounds)
-        ends = max(ends, len(got))
-        for r in range(t.rounds):  # a source its stop rule ended keeps its last model's scores
-            per_round[r].update(got[min(r, len(got) - 1)])
-    per_round = per_round[:ends]
+    per_round = _seg2d_each_source(exp, seed, by_source, fresh, pooled, scores)
     rows += [_seg_row("Each source alone", seed, per_round[r], r + 1) for r in range(len(per_round))]
     final = per_round[-1]
     log("    each-source-alone reference: final lesion Dice " + ", ".join(
