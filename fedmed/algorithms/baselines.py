@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from scipy.linalg import subspace_angles
 
 from fedmed.core.validation import check_finite_number, check_site_names
 
@@ -68,6 +67,8 @@ def pacfl_distance_matrix(bases: Sequence[np.ndarray], *, mode: str = "smallest"
     dims = {b.shape[0] for b in B}
     if len(dims) != 1:
         raise ValueError(f"PACFL bases should share one feature dimension, got { {n: b.shape[0] for n, b in zip(names, B)} }.")
+    from scipy.linalg import subspace_angles  # scipy.linalg costs ~80 ms: not at import (fedmed.config loads this)
+
     k = len(B)
     D = np.zeros((k, k))
     for i in range(k):

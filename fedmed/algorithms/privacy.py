@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.special import ndtr
 
 from fedmed.core.schema import PrivacyConfig
 
@@ -83,6 +82,7 @@ def analytic_gaussian_sigma(sensitivity: float, epsilon: float, delta: float) ->
         raise ValueError(f"delta should lie in (0, 1), got {delta}.")
     if sensitivity <= 0:
         return 0.0
+    from scipy.special import ndtr  # not at import: fedmed.config loads this module
 
     def leak(s):
         a = sensitivity / (2 * s)

@@ -69,11 +69,11 @@ def cmd_cluster(a):
 # -------------------------------------------------------------------------------------- distances
 
 def cmd_distances(a):
-    from fedmed.core.io import read_signature_dir, write_distance_csv
-
     import inspect
 
+    import fedmed.methods  # noqa: F401  (each method's module registers its signature kind)
     from fedmed.algorithms.signatures import SIGNATURE_KINDS, signature_from_wire
+    from fedmed.core.io import read_signature_dir, write_distance_csv
 
     kind = a.kind
     if kind in SIGNATURE_KINDS:  # a method's signature, by its kind's own distance and options
@@ -90,7 +90,9 @@ def cmd_distances(a):
         sigs = read_signature_dir(a.signature_dir, ("embeddings",))
         names = list(sigs)
         D = embedding_distance_matrix([s["embeddings"] for s in sigs.values()], site_names=names)
-    else:  # emd
+    elif kind != "emd":
+        raise ValueError(f"kind should be one of {[*SIGNATURE_KINDS, 'emd', 'euclidean']}, got {kind!r}")
+    else:
         from fedmed.algorithms.heterogeneity import d_emd, emd_matrix
 
         sigs = read_signature_dir(a.signature_dir)
@@ -201,10 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_cluster)
 
     d = sub.add_parser("distances", help="site-by-site distances from per-site <site>.npz signatures", formatter_class=HELP)
-    import fedmed.methods  # noqa: F401  (each method's module registers its signature kind)
-    from fedmed.algorithms.signatures import SIGNATURE_KINDS
-
-    d.add_argument("kind", choices=[*SIGNATURE_KINDS, "emd", "euclidean"], help="which signature and distance")
+    d.add_argument("kind", help="which signature and distance: a method's signature kind (fmcl, pacfl, fecfl), emd or "
+                   "euclidean")
     d.add_argument("signature_dir", help="folder of <site>.npz files (see the README for their arrays)")
     d.add_argument("--out", required=True, help="output CSV")
     d.add_argument("--alpha", type=float, default=1.0, help="fmcl: overlap exponent")
