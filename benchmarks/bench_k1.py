@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 def main(argv=None):
     import torch
 
-    from fedmed.algorithms.clustered import signature_distances
+    from fedmed.algorithms.signatures import signature_distances
     from fedmed.algorithms.clustering import auto_k
     from fedmed.config import load_config  # (and every method's signature kind, registered by fedmed.methods)
     from fedmed.run.experiment import prepare_federation

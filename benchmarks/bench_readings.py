@@ -265,7 +265,8 @@ def usfm_busi(seeds=(0, 1, 2)):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from natural_assessment import site_features
 
-    from fedmed.algorithms.clustered import choose_clusters, signature_distances
+    from fedmed.algorithms.clustered import choose_clusters
+    from fedmed.algorithms.signatures import signature_distances
     from fedmed.algorithms.privacy import signature_payload
     from fedmed.config import load_config
     from fedmed.run.experiment import prepare_federation, with_classes

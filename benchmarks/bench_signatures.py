@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import compare  # noqa: E402
 
 from fedmed.algorithms.aggregation import weighted_average  # noqa: E402
-from fedmed.algorithms.clustered import choose_clusters, signature_distances  # noqa: E402
+from fedmed.algorithms.clustered import choose_clusters  # noqa: E402
+from fedmed.algorithms.signatures import signature_distances  # noqa: E402
 from fedmed.methods import METHODS  # noqa: E402,F401  (each method's module registers its signature kind)
 from fedmed.data.images import discover  # noqa: E402
 from fedmed.nn.encoders import build_encoder, extract_features  # noqa: E402

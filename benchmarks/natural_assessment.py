@@ -75,7 +75,8 @@ def site_features(exp, data_dir: Path, sites, encoder: str, weights, size, seed:
 
 def cluster_rows(kind: str, feats: dict, groups: dict, k_min: int, privacy: dict,
                  seed: int) -> tuple[dict, list, np.ndarray]:
-    from fedmed.algorithms.clustered import choose_clusters, signature_distances
+    from fedmed.algorithms.clustered import choose_clusters
+    from fedmed.algorithms.signatures import signature_distances
     from fedmed.algorithms.privacy import signature_payload
     from fedmed.methods import METHODS
     from fedmed.algorithms.clustering import clusters_ari

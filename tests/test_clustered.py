@@ -6,7 +6,8 @@ import pytest
 from conftest import own_site, signature_section
 import torch
 
-from fedmed.algorithms.clustered import cfl_split, choose_clusters, signature_distances
+from fedmed.algorithms.clustered import cfl_split, choose_clusters
+from fedmed.algorithms.signatures import signature_distances
 from fedmed.data.images import DataError, discover
 from fedmed.data.datalists import write_site_datalists
 from fedmed.site.runner import SiteRunner

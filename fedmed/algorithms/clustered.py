@@ -1,7 +1,7 @@
 """Server-side math of one-shot clustered FL (FMCL, PACFL, FECFL) and of CFL, framework-free.
 
-:func:`signature_distances` turns the sites' signature replies into a distance matrix (each kind by its own rule,
-``fedmed.algorithms.signatures.SignatureKind``);
+:func:`fedmed.algorithms.signatures.signature_distances` turns the sites' signature replies into a distance matrix
+(each kind by its own rule);
 :func:`choose_clusters` applies FMCL's auto-K (Alg. 5), a fixed K or a threshold (Alg. 4).
 :func:`cfl_split` is Sattler et al.'s (2020) gradient-similarity bipartition criterion.
 """
@@ -11,9 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from fedmed.algorithms.clustering import agglomerative, auto_k, labels_to_clusters
-from fedmed.algorithms.signatures import signature_distances  # noqa: F401  (the distances of a kind's signatures)
 
-__all__ = ["cfl_split", "choose_clusters", "flux_cluster", "signature_distances"]
+__all__ = ["cfl_split", "choose_clusters", "flux_cluster"]
 
 def choose_clusters(D, names, *, n_clusters: int | None = None, threshold: float | None = None,
                     linkage_method: str = "average", k1_silhouette: float | None = 0.5) -> dict:

@@ -122,7 +122,8 @@ def signature_from_wire(kind: str, payload: Mapping, site: str = "site"):
 
 def wire_only(kind: str, meta: dict) -> dict:
     """The signature arrays of a reply's meta (its kind's fields, the classes, the encoder's description)."""
-    keep = signature_kind(kind).fields + signature_kind(kind).optional + ("classes", "encoder")
+    sk = signature_kind(kind)
+    keep = sk.fields + sk.optional + ("classes", "encoder")
     return {k: v for k, v in meta.items() if k in keep}
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from pydantic import Field
 from pydantic import field_validator
 
-from fedmed.algorithms.signatures import signature_kind, wire_only
+from fedmed.algorithms.signatures import signature_distances, signature_kind, wire_only
 from fedmed.core.schema import TaskConfig, task_config
 from fedmed.core.schema import Strict
 from fedmed.core.schema import ClusteringTask, SignatureTask
@@ -169,7 +169,7 @@ class OneShotClustered(FedAvg):
         return None, not self.differ.differ
 
     def cluster(self, sigs: dict) -> list:
-        from fedmed.algorithms.clustered import choose_clusters, signature_distances
+        from fedmed.algorithms.clustered import choose_clusters
         from fedmed.core.io import write_distance_csv
         from fedmed.report.plots import plot_dendrogram, plot_heatmap, plot_silhouette
 
@@ -237,7 +237,7 @@ class OneShotClustered(FedAvg):
     def assign_new_sites(cls, ob, st: dict, models: dict) -> dict:
         """The new site's signature; its distance to every training site by the method's distance; the cluster at
         the smallest linkage distance. Without labels (FMCL, PACFL): :meth:`_assign_signature_pseudo`."""
-        from fedmed.algorithms.clustered import assign_by_linkage, signature_distances
+        from fedmed.algorithms.clustered import assign_by_linkage
 
         state, clusters = st["state"], st["clusters"]
         sig = {k: v for k, v in state["signature"].items() if k != "weights"}  # the weights: cfg.encoder_weights
@@ -272,7 +272,7 @@ class OneShotClustered(FedAvg):
         """No labels at the new site: for each cluster c, its signature under cluster c's model's predicted classes,
         compared with cluster c's members (the linkage of the run); the cluster whose model explains the site's
         images the way its members' data look wins (docs/readings.md, "Onboarding")."""
-        from fedmed.algorithms.clustered import assign_by_linkage, signature_distances
+        from fedmed.algorithms.clustered import assign_by_linkage
 
         linkage = state["clustering"]["linkage"]
         groups = {c: (ob.task(models[c], 0, signature={**sig, "pseudo_labels": True}), list(ob.sites))
