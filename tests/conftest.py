@@ -108,10 +108,10 @@ def signature_section(kind: str, encoder: str, **kw) -> dict:
 
 
 def mae_section(rounds: int = 1, **kw) -> dict:
-    """The ``mae`` section of a Fed-MAE task (from ``fedmed.methods.FedMAEMethod``'s defaults)."""
+    """The ``method_options`` of a Fed-MAE task (from ``fedmed.methods.FedMAEMethod``'s defaults)."""
     from types import SimpleNamespace
 
     from fedmed.methods import FedMAEMethod
 
     exp = SimpleNamespace(train=SimpleNamespace(rounds=rounds))
-    return {**FedMAEMethod(name="MAE", workflow="fedmae").task_options(exp, 0)["mae"], **kw}
+    return {**FedMAEMethod(name="MAE", workflow="fedmae").site_options(exp, 0), **kw}

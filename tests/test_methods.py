@@ -112,7 +112,7 @@ def test_each_method_hands_its_own_values_on():
     fo = f.workflow_options(exp, 0)
     assert fo["k1_silhouette"] is None and fo["scale"] == 2.0 and fo["flux"]["box"] == "scalar"
     assert fo["flux"]["absent_class"] == "minus_one"
-    assert build_task_config(exp, 0, m, None)["mae"] == {"mask_ratio": 0.6, "base_lr": 1.5e-4, "warmup": 0.05, "rounds": 3}
+    assert build_task_config(exp, 0, m, None)["method_options"] == {"mask_ratio": 0.6, "base_lr": 1.5e-4, "warmup": 0.05, "rounds": 3}
     assert build_task_config(exp, 0, x, None)["train"]["fedprox_mu"] == 0.3
     from fedmed.core.schema import task_config
 

@@ -184,7 +184,7 @@ def test_every_encoder_and_network_a_task_builds_is_the_one_the_policy_checks(si
             "assess", {}, {**seg2d, "data": {"in_channels": 1, "shape": [16, 16, 16], "roi": [16, 16, 16]}})
     ok = runner(Seg2DSiteRunner, SitePolicy(encoders=("efficientnet_lite0",)))
     ok.check_policy("assess", task_config(seg2d))  # allowed: no error
-    mae = {**CFG, "task": "mae", "data": {**CFG["data"], "image_size": 32}, "mae": mae_section(1)}
+    mae = {**CFG, "task": "mae", "data": {**CFG["data"], "image_size": 32}, "method_options": mae_section(1)}
     with pytest.raises(PolicyError, match="the network Fed-MAE pre-trains \\(whatever model.arch says\\) 'MaskedAutoEncoderViT' is not among the networks this site runs "
                                           r"\(architectures of this site's policy .*: \['resnet9'\]\)"):
         runner(MAESiteRunner, SitePolicy(architectures=("resnet9",))).handle("train", {}, mae)

@@ -171,7 +171,7 @@ def test_training_and_evaluation_replies(site):
         assert task == "train" or out == {}
         assert all(isinstance(v, float) for v in metrics.values())
     packed = {f"m{k}/{n}": v for k in range(2) for n, v in p.items()}
-    for task, extra in (("ifca", {"ifca": {"k": 2, "train": True}}), ("validate_ensemble", {"ensemble": {"weights": [1, 1]}})):
+    for task, extra in (("ifca", {"method_options": {"k": 2, "train": True}}), ("validate_ensemble", {"method_options": {"weights": [1, 1]}})):
         _, _, meta, _ = runner.handle(task, packed, {**cfg, **extra}, 0)
         assert not audit(task, meta, samples, k_min=5), task
     opts = {"names": ["global", "cluster"], "finetune": {"epochs": 1, "lr_scale": 0.1}}
@@ -224,7 +224,7 @@ def test_prep_and_fedmae_replies(site):
     y = runner.splits(cfg).train[1].numpy()
     assert meta["classes"] == sorted(int(c) for c in np.unique(y) if (y == c).sum() >= 5)
     assert set(metrics) == {"n_classes_held"}
-    mcfg = {**cfg, "task": "mae", "data": {**cfg["data"], "image_size": 32}, "mae": mae_section(1)}
+    mcfg = {**cfg, "task": "mae", "data": {**cfg["data"], "image_size": 32}, "method_options": mae_section(1)}
     mae = MAESiteRunner("site-1", runner.settings)
     samples = _samples(mae, mcfg)
     p = get_params(mae.model(mcfg))
@@ -252,14 +252,14 @@ def test_flux_replies(site):
     runner, cfg = site
     p = params_of(cfg)
     samples = _samples(runner, cfg, p)
-    _, _, b, _ = runner.handle("latent_bounds", p, {**cfg, "flux": flux_section()})
+    _, _, b, _ = runner.handle("latent_bounds", p, {**cfg, "method_options": flux_section()})
     assert not audit("latent_bounds", b, samples, k_min=5)
     flux = flux_section(lo=np.asarray(b["lo"]).tolist(), hi=np.asarray(b["hi"]).tolist(), n_components=5)
     from fedmed.algorithms.flux import shared_pca
 
     proj = shared_pca(np.asarray(flux["lo"]), np.asarray(flux["hi"]), n_components=5).project(samples[-1])
     for label_free in (False, True):
-        _, _, d, _ = runner.handle("descriptor", p, {**cfg, "flux": {**flux, "label_free": label_free}})
+        _, _, d, _ = runner.handle("descriptor", p, {**cfg, "method_options": {**flux, "label_free": label_free}})
         assert not audit("descriptor", d, samples + [proj], k_min=5)
 
 
@@ -316,7 +316,7 @@ def test_segmentation_replies(tmp_path):
     cfg = {"task": "segmentation", "seed": 0, "data": {"shape": [16, 16, 16], "roi": [16, 16, 16], "in_channels": 2},
            "model": {"channels": [4, 8, 16]}, "privacy": {"k_min": 3},
            "train": {"local_epochs": 1, "optimizer": "adam", "lr": 1e-3, "seg": {"patches_per_volume": 1}},
-           "assess": {"per_value": True}}  # the job asks for per-image values; the site does not allow them
+           "method_options": {"per_value": True}}  # the job asks for per-image values; the site does not allow them
     runner = own_site("site-1", out, k_min=3, cls=SegSiteRunner)
     doc = json.loads((out / "site-1.json").read_text())
     cases = [load_case(e, shape=(16, 16, 16)) for e in doc["training"]]
@@ -422,8 +422,8 @@ def test_a_site_below_k_min_sends_no_update_and_no_loss(tmp_path):
     runner, cfg = _tiny_site(tmp_path, 1)
     assert runner.splits(cfg).train[0].shape[0] == 1
     p = params_of(cfg)
-    for task, extra in (("train", {}), ("ifca", {"ifca": {"k": 2, "train": True}}),
-                        ("ifca", {"ifca": {"k": 2, "train": False}})):
+    for task, extra in (("train", {}), ("ifca", {"method_options": {"k": 2, "train": True}}),
+                        ("ifca", {"method_options": {"k": 2, "train": False}})):
         params = p if task == "train" else {f"m{k}/{n}": v for k in range(2) for n, v in p.items()}
         with pytest.raises(TaskError, match=r"site-1: sits out .*fewer training images than k_min=5"):
             runner.handle(task, params, {**cfg, **extra}, 0)
@@ -440,7 +440,7 @@ def test_fedmae_and_segmentation_sites_below_k_min_sit_out(tmp_path):
     from fedmed.site.mae import MAESiteRunner
 
     runner, cfg = _tiny_site(tmp_path, 2, n_test=3)
-    mcfg = {**cfg, "task": "mae", "data": {**cfg["data"], "image_size": 32}, "mae": mae_section(1)}
+    mcfg = {**cfg, "task": "mae", "data": {**cfg["data"], "image_size": 32}, "method_options": mae_section(1)}
     mae = MAESiteRunner("site-1", runner.settings)
     p = get_params(mae.model(mcfg))
     with pytest.raises(TaskError, match="sits out training: fewer training images than k_min=5"):

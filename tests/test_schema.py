@@ -23,7 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("path", sorted((ROOT / "app_configs").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_shipped_configs_tasks_are_typed_task_configs(path):
     """Every method of every shipped config: the task config its job sends, and what its workflow adds to tasks
-    (signature, Flux, IFCA sections), validate as TaskConfig — nothing travels that the schema does not name."""
+    (the signature section; Flux's and IFCA's options, in method_options), validate as TaskConfig and as the options
+    models of the tasks that read them — nothing travels that a model does not name."""
+    from fedmed.methods.flux import FluxOptions
+    from fedmed.methods.ifca import IFCAOptions
+
     exp = load_config(path)
     if exp.dataset.task == "classification" and not exp.dataset.classes:
         exp = load_config(path, ["dataset.classes=[a,b]"])
@@ -37,10 +41,12 @@ def test_every_shipped_configs_tasks_are_typed_task_configs(path):
         extra = {}
         if "signature" in args:
             extra["signature"] = args["signature"]
+        if type(m).site_options_model is not None:  # the method's own site options, as its site reads them
+            type(m).options_at_site(t)
         if "flux" in args:
-            extra["flux"] = args["flux"]
+            extra["method_options"] = FluxOptions.model_validate(args["flux"]).model_dump()
         if m.workflow == "ifca":
-            extra["ifca"] = {"k": args["k"], "train": True}
+            extra["method_options"] = IFCAOptions.model_validate({"k": args["k"], "train": True}).model_dump()
         if extra:
             task_config({**cfg, **extra, "cluster": 0})
 

@@ -32,13 +32,13 @@ def params():
 
 def test_bounds_then_descriptor(site_dir):
     r = SiteRunner("site-1", site_dir)
-    _, _, b, _ = r.handle("latent_bounds", params(), dict(CFG, flux=flux_section()))
+    _, _, b, _ = r.handle("latent_bounds", params(), dict(CFG, method_options=flux_section()))
     assert b["lo"].shape == b["hi"].shape == (32,) and (b["hi"] >= b["lo"]).all()
     flux = flux_section(lo=b["lo"].tolist(), hi=b["hi"].tolist(), n_components=5)
-    _, m, d, _ = r.handle("descriptor", params(), dict(CFG, flux=flux))
+    _, m, d, _ = r.handle("descriptor", params(), dict(CFG, method_options=flux))
     assert d["full"].shape == (2 * 11 * 5,) and d["label_free"].shape == (10,)
     np.testing.assert_array_equal(d["full"][:10], d["label_free"])
-    _, _, lf, _ = r.handle("descriptor", params(), dict(CFG, flux={**flux, "label_free": True}))
+    _, _, lf, _ = r.handle("descriptor", params(), dict(CFG, method_options={**flux, "label_free": True}))
     assert "full" not in lf and lf["label_free"].shape == (10,)
 
 
@@ -48,13 +48,13 @@ def test_nan_latents_are_a_clear_error(site_dir):
     p[key] = np.full_like(p[key], np.nan)
     flux = flux_section(lo=[0.0] * 32, hi=[1.0] * 32, n_components=5)
     with pytest.raises(ValueError, match="site-1: latents contain NaN or inf"):
-        SiteRunner("site-1", site_dir).handle("descriptor", p, dict(CFG, flux=flux))
+        SiteRunner("site-1", site_dir).handle("descriptor", p, dict(CFG, method_options=flux))
 
 
 def test_unseen_site_without_images(tmp_path):
     (tmp_path / "unseen-1.json").write_text(json.dumps({"training": [], "validation": [], "test": []}))
     with pytest.raises(DataError, match="unseen-1: datalist .*unseen-1.json has no training images"):
-        SiteRunner("unseen-1", tmp_path).handle("descriptor", params(), dict(CFG, flux=flux_section(lo=[0.0] * 32, hi=[1.0] * 32)))
+        SiteRunner("unseen-1", tmp_path).handle("descriptor", params(), dict(CFG, method_options=flux_section(lo=[0.0] * 32, hi=[1.0] * 32)))
 
 
 def test_ifca_picks_lowest_loss_model(site_dir):
@@ -62,7 +62,7 @@ def test_ifca_picks_lowest_loss_model(site_dir):
     bad = {k: (v * 0 + 5.0 if k == "fc.bias" else v) for k, v in bad.items()}
     bad["fc.bias"] = np.where(np.arange(10) == 3, 50.0, 0.0).astype(np.float32)  # always predicts class 3: high loss
     packed = {**{f"m0/{k}": v for k, v in bad.items()}, **{f"m1/{k}": v for k, v in good.items()}}
-    _, metrics, meta, out = SiteRunner("site-1", site_dir).handle("ifca", packed, dict(CFG, ifca={"k": 2, "train": True}))
+    _, metrics, meta, out = SiteRunner("site-1", site_dir).handle("ifca", packed, dict(CFG, method_options={"k": 2, "train": True}))
     assert meta["cluster"] == 1 and meta["losses"][0] > meta["losses"][1] and meta["n_train"] > 0
     assert set(out) == set(good)
 
@@ -83,7 +83,7 @@ def test_flux_describes_an_efficientnet_lite_site_by_its_pre_logit_features(tmp_
     torch.manual_seed(0)
     model = PRETRAINED_ARCHS["efficientnet_lite0"](3, 10)
     r = SiteRunner("site-1", tmp_path)
-    _, _, b, _ = r.handle("latent_bounds", get_params(model), dict(cfg, flux=flux_section()))
+    _, _, b, _ = r.handle("latent_bounds", get_params(model), dict(cfg, method_options=flux_section()))
     assert b["lo"].shape == b["hi"].shape == (1280,) and (b["hi"] >= b["lo"]).all() and (b["hi"] > b["lo"]).any()
     x = torch.rand(4, 3, 32, 32)  # a site's images in [0, 1]; every network is fed (x - 0.5) / 0.5
     model.eval()

@@ -154,7 +154,7 @@ def _federation(tmp_path, parts_fn):
 
 
 MAE_CFG = {"seed": 0, "task": "mae", "data": {"image_size": 32, "channels": 1, "n_classes": 10},
-           "train": {"local_epochs": 1, "batch_size": 8}, "mae": mae_section(2)}
+           "train": {"local_epochs": 1, "batch_size": 8}, "method_options": mae_section(2)}
 
 
 def test_mae_site_without_unlabeled_images_is_named(tmp_path):
@@ -296,4 +296,4 @@ def test_a_studys_fedmae_lr_reaches_the_sites_not_the_papers_default():
     exp = load_config(root / "app_configs" / "ssl_pneumonia.yaml", ['dataset.classes=["normal","pneumonia"]'])
     method = next(m for m in exp.methods if m.workflow == "fedmae")
     cfg = build_task_config(exp, 0, method, exp.site_names())
-    assert cfg["task"] == "mae" and cfg["mae"]["base_lr"] == pytest.approx(6e-3)
+    assert cfg["task"] == "mae" and cfg["method_options"]["base_lr"] == pytest.approx(6e-3)

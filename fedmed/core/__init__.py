@@ -5,16 +5,11 @@ Every name below is importable from ``fedmed.core`` (loaded on first use)."""
 from fedmed.core.faces import lazy_face
 
 _PUBLIC = {
-    "AssessTask": "schema",
     "ClusteringTask": "schema",
     "DataSection": "schema",
     "DeviceError": "device",
-    "EnsembleTask": "schema",
     "FederationTiming": "schema",
     "FinetuneTask": "schema",
-    "FluxTask": "schema",
-    "IFCATask": "schema",
-    "MAETask": "schema",
     "ModelSection": "schema",
     "PRECISIONS": "device",
     "PrivacyConfig": "schema",

@@ -2,10 +2,12 @@
 site reads the task config a job sends it through :func:`task_view` — typed, with the defaults of these models
 (never a default restated where a value is read).
 
-The task-only sections (what a method adds to a task: ``signature``, ``flux``, ``ifca``, ``ensemble``, ``mae``,
-``finetune``, ``assess``) are here too. A method's option in them has **no default here**: its one definition (and
-default) is the method's model (``fedmed.methods``), whose hooks fill these sections; a field a method does not use is
-``None`` (``tests/test_methods.py`` pins this).
+The task-only sections the common site tasks read are here too: ``signature`` (every kind of one-shot signature)
+and the training loop's switches a method turns on (``train.fedprox_mu``, ``train.local_norm``,
+``ditto_lambda``, ``finetune``). A method's option in them has **no default here**: its one definition (and default)
+is the method's model (``fedmed.methods``), whose hooks fill these sections; a field a method does not use is ``None``
+(``tests/test_methods.py`` pins this). What a method's *own* site tasks read (IFCA's, Flux's, Fed-MAE's, the
+assessment's, the serving plan's) travels in ``method_options``, validated by the task's own model where it is read.
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-__all__ = ["AssessTask", "ClusteringTask", "DataSection", "EnsembleTask", "FederationTiming", "FinetuneTask", "FluxTask", "IFCATask",
-           "MAETask", "ModelSection", "PrivacyConfig", "SegTrainConfig", "ServerOptConfig", "SignatureTask", "Strict", "TaskConfig",
+__all__ = ["ClusteringTask", "DataSection", "FederationTiming", "FinetuneTask", "ModelSection", "PrivacyConfig", "SegTrainConfig", "ServerOptConfig", "SignatureTask", "Strict", "TaskConfig",
            "TaskConfigError", "TrainConfig", "TrainTask", "WeightsRef", "error_lines", "task_config"]
 
 
@@ -289,21 +290,6 @@ class SignatureTask(Strict):
                          "(fedmed.algorithms.differ)")
 
 
-class FluxTask(Strict):
-    """Flux (``003_``): the site's side of S1-S4 (the server's clustering options are the Flux workflow's own)."""
-
-    pca_seed: int
-    n_components: int = Field(10, ge=1, description="the shared PCA's components (003_)")
-    box: Optional[Literal["elementwise", "scalar"]] = Field(None, description="S1 (the method's; None: a task that "
-                                                           "builds no box)")
-    absent_class: Optional[Literal["zeros", "minus_one"]] = Field(None, description="the method's; None: a label-free "
-                                                                  "descriptor (no class slots)")
-    second_moment: Literal["std", "var"] = "std"
-    lo: Optional[list[float]] = None
-    hi: Optional[list[float]] = None
-    label_free: bool = False
-
-
 class ClusteringTask(Strict):
     """How the server clusters one-shot signatures (from the method's options: ``fedmed.config``)."""
 
@@ -319,38 +305,12 @@ class ClusteringTask(Strict):
                                               "its nearest (the method's; None: a job from before the option, off)")
 
 
-class IFCATask(Strict):
-    k: int = Field(ge=1)
-    train: bool = True
-    pseudo_labels: bool = Field(False, description="a site without labels: each model's loss on all the site's images "
-                                "against its own predicted classes (onboarding)")
-
-
-class EnsembleTask(Strict):
-    weights: list[float]
-
-
-class MAETask(Strict):
-    """Fed-MAE pre-training (``001_`` §3.2)."""
-
-    mask_ratio: float = Field(gt=0, lt=1)
-    base_lr: float = Field(gt=0)
-    warmup: float = Field(ge=0, lt=1)
-    rounds: int = Field(ge=1)
-
-
 class FinetuneTask(Strict):
     """Fine-tuning (``001_`` Alg. 2): layer-wise lr decay, warm-up then cosine over the run."""
 
     layer_decay: float = Field(gt=0, le=1)
     warmup: float = Field(ge=0, lt=1)
     rounds: int = Field(ge=1)
-
-
-class AssessTask(Strict):
-    """The ``004_`` assessment: per-image values asked for (the encoder's weights: ``TaskConfig.encoder_weights``)."""
-
-    per_value: bool
 
 
 class WeightsRef(Strict):
@@ -380,12 +340,7 @@ class TaskConfig(Strict):
     class_weights: Optional[list[float]] = None
     ditto_lambda: Optional[float] = None
     signature: Optional[SignatureTask] = None
-    flux: Optional[FluxTask] = None
-    ifca: Optional[IFCATask] = None
-    ensemble: Optional[EnsembleTask] = None
-    mae: Optional[MAETask] = None
     finetune: Optional[FinetuneTask] = None
-    assess: Optional[AssessTask] = None
     personal_key: Optional[str] = Field(None, pattern=r"^[0-9a-f]{16}$", description="FedBN: the key under which the "
                                         "site keeps its own batch-norm layers after each round (its personal model, "
                                         "in its own workspace; never sent), for a later serving plan")

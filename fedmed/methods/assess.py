@@ -12,6 +12,7 @@ from pydantic import Field
 from pydantic import field_validator
 
 from fedmed.methods.base import Method, check_encoder, register_method
+from fedmed.site.seg_aggregates import AssessOptions
 from fedmed.workflows.fedavg import FedAvg
 from fedmed.workflows.federation import RunFailed
 
@@ -158,6 +159,7 @@ class SegAssessMethod(Method):
         return v
     serves: ClassVar[tuple] = ("segmentation",)
     site_tasks: ClassVar[tuple] = ("assess",)
+    site_options_model: ClassVar = AssessOptions
     mode: ClassVar[str] = "assess"
 
     @property
@@ -175,8 +177,8 @@ class SegAssessMethod(Method):
     def assessment_options(self) -> dict:
         return {}
 
-    def task_options(self, exp, seed):
-        return {"assess": {"per_value": self.per_value}}
+    def site_options(self, exp, seed):
+        return {"per_value": self.per_value}
 
 
 @register_method

@@ -7,6 +7,7 @@ from typing import ClassVar, Literal, Optional
 from pydantic import Field
 
 from fedmed.methods.base import Method, check_vit_input, register_method
+from fedmed.site.mae import MAEOptions
 
 
 @register_method
@@ -24,10 +25,14 @@ class FedMAEMethod(Method):
     batch_size: int = Field(64, ge=2)
 
     ssl_role: ClassVar[Optional[str]] = "pretrain"
+    site_options_model: ClassVar = MAEOptions
+
+    def site_options(self, exp, seed):
+        return {"mask_ratio": self.mask_ratio, "base_lr": self.base_lr, "warmup": self.warmup,
+                "rounds": exp.train.rounds}
 
     def task_options(self, exp, seed):
-        return {"task": "mae", "mae": {"mask_ratio": self.mask_ratio, "base_lr": self.base_lr, "warmup": self.warmup,
-                                       "rounds": exp.train.rounds}}
+        return {"task": "mae"}
 
     def check_experiment(self, exp):
         super().check_experiment(exp)

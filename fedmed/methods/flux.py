@@ -11,8 +11,7 @@ import numpy as np
 from pydantic import Field
 
 from fedmed.core.jobfiles import TRAINING as TRAINING_DIR
-from fedmed.core.schema import TaskConfig, task_config
-from fedmed.core.schema import FluxTask
+from fedmed.core.schema import Strict, TaskConfig, task_config
 from fedmed.methods.base import Method, register_method
 from fedmed.site.tasks import Reply, TaskError, register_task, task_seed
 from fedmed.workflows.base import round_mean
@@ -21,6 +20,22 @@ from fedmed.workflows.federation import RunFailed
 
 
 # ------------------------------------------------------------------ its site tasks
+
+class FluxOptions(Strict):
+    """What Flux's site tasks read, S1-S4 (the task config's ``method_options``, set by the workflow each task; the
+    server's clustering options are the workflow's own)."""
+
+    pca_seed: int
+    n_components: int = Field(10, ge=1, description="the shared PCA's components (003_)")
+    box: Optional[Literal["elementwise", "scalar"]] = Field(None, description="S1 (the method's; None: a task that "
+                                                           "builds no box)")
+    absent_class: Optional[Literal["zeros", "minus_one"]] = Field(None, description="the method's; None: a label-free "
+                                                                  "descriptor (no class slots)")
+    second_moment: Literal["std", "var"] = "std"
+    lo: Optional[list[float]] = None
+    hi: Optional[list[float]] = None
+    label_free: bool = False
+
 
 def _latents(runner, params, cfg, split: str = "train"):
     import torch
@@ -43,9 +58,9 @@ def latent_bounds(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Rep
     from fedmed.algorithms.privacy import private_bounds
 
     cfg = task_config(cfg)
-    f = cfg.flux
-    if f is None or f.box is None:
-        raise TaskError(f"{runner.site}: latent_bounds needs the task's flux section with its box (the Flux method's)")
+    f = FluxOptions.model_validate(cfg.method_options)
+    if f.box is None:
+        raise TaskError(f"{runner.site}: latent_bounds needs the task's box (the Flux method's)")
     z, _ = _latents(runner, params, cfg, "all" if f.label_free else "train")
     rng = np.random.default_rng(task_seed(cfg, runner.site, salt=3))
     lo, hi, note = private_bounds(z, k_min=runner.k_min(cfg), privacy=cfg.privacy.model_dump(), rng=rng,
@@ -59,13 +74,13 @@ def descriptor(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     from fedmed.algorithms.flux import flux_descriptor, shared_pca
 
     cfg = task_config(cfg)
-    f = cfg.flux
+    f = FluxOptions.model_validate(cfg.method_options)
     label_free = f.label_free
     z, y = _latents(runner, params, cfg, "all" if label_free else "train")
     pca = shared_pca(np.asarray(f.lo), np.asarray(f.hi), n_components=f.n_components, seed=f.pca_seed)
     rng = np.random.default_rng(task_seed(cfg, runner.site))
     if not label_free and f.absent_class is None:
-        raise TaskError(f"{runner.site}: a descriptor with class slots needs flux.absent_class (the Flux method's)")
+        raise TaskError(f"{runner.site}: a descriptor with class slots needs absent_class (the Flux method's)")
     d = flux_descriptor(z, pca, None if label_free else y, n_classes=None if label_free else cfg.data.n_classes,
                         second_moment=f.second_moment, dp_epsilon=cfg.privacy.dp_epsilon, rng=rng,
                         site=runner.site, k_min=runner.k_min(cfg),
@@ -82,8 +97,8 @@ def descriptor(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     return Reply(runner.site, {"descriptor_length": float(length)}, meta, {})
 
 
-register_task("latent_bounds", latent_bounds, section="flux")
-register_task("descriptor", descriptor, section="flux")
+register_task("latent_bounds", latent_bounds)
+register_task("descriptor", descriptor)
 
 
 class Flux(FedAvg):
@@ -108,18 +123,18 @@ class Flux(FedAvg):
 
     def __init__(self, num_rounds: int, task_config: dict, *, flux: dict, participation: float, n_clusters: int,
                  scale: float, k1_silhouette, scaling: str, start_rule: str, **kw):
-        """``flux``: the site's side (:class:`~fedmed.core.schema.FluxTask`); the rest: the server's clustering
+        """``flux``: the site's side (:class:`FluxOptions`); the rest: the server's clustering
         options — every value from the method (``fedmed.methods.FluxMethod``)."""
         super().__init__(num_rounds, task_config, **kw)
-        self.flux = FluxTask.model_validate(flux)
+        self.flux = FluxOptions.model_validate(flux)
         self.box: dict = {}  # the merged latent box (S1): lo, hi
         self.participation = float(participation)
         self.n_clusters = int(n_clusters or 0)
         self.scale, self.k1_silhouette, self.scaling, self.start_rule = float(scale), k1_silhouette, scaling, start_rule
 
     def descriptors(self, theta_star, sites, label_free=False) -> dict:
-        got = self.gather("descriptor", self.task(theta_star, 0, flux={**self.flux.model_dump(), **self.box,
-                                                                       "label_free": label_free}),
+        got = self.gather("descriptor", self.task(theta_star, 0, method_options={
+            **self.flux.model_dump(), **self.box, "label_free": label_free}),
                           "descriptor", targets=sites, consequence="stays unassigned")
         return {s: r.meta for s, r in got.items()}
 
@@ -149,7 +164,7 @@ class Flux(FedAvg):
         from fedmed.algorithms.flux import merge_bounds
 
         part = self.sample(r, self.participation)
-        got = self.gather("latent_bounds", self.task(theta_star, r, flux=self.flux.model_dump()), "latent bounds",
+        got = self.gather("latent_bounds", self.task(theta_star, r, method_options=self.flux.model_dump()), "latent bounds",
                           targets=part, round_=r)
         bounds = [(np.asarray(g.meta["lo"]), np.asarray(g.meta["hi"])) for g in got.values()]
         if not bounds:
@@ -236,7 +251,7 @@ class Flux(FedAvg):
         flux = {"lo": z["lo"].tolist(), "hi": z["hi"].tolist(), "pca_seed": int(z["pca_seed"]),
                 "n_components": int(z["n_components"]), "label_free": True}
         return ob.assigned({s: assign_nearest(meta["label_free"], z["centroids_label_free"]) for s, (meta, _) in
-                           ob.new_site_replies("descriptor", ob.task(theta_star, 0, flux=flux), "descriptor").items()})
+                           ob.new_site_replies("descriptor", ob.task(theta_star, 0, method_options=flux), "descriptor").items()})
 
 
 @register_method

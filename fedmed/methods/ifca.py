@@ -12,13 +12,22 @@ from pydantic import Field
 
 from fedmed.algorithms.aggregation import ifca_models
 from fedmed.core.packing import pack_models, unpack_model
-from fedmed.core.schema import TaskConfig, task_config
+from fedmed.core.schema import Strict, TaskConfig, task_config
 from fedmed.methods.base import Method, register_method
 from fedmed.site.tasks import Reply, TaskError, register_task, served_metrics, train_locally
 from fedmed.workflows.fedavg import FedAvg
 
 
 # ------------------------------------------------------------------ its site tasks
+
+class IFCAOptions(Strict):
+    """What the ``ifca`` site task reads (the task config's ``method_options``, set by the workflow each task)."""
+
+    k: int = Field(ge=1)
+    train: bool = True
+    pseudo_labels: bool = Field(False, description="a site without labels: each model's loss on all the site's images "
+                                "against its own predicted classes (onboarding)")
+
 
 def ifca(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     """IFCA: evaluate the K cluster models on local training data, train the one with the
@@ -28,12 +37,13 @@ def ifca(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     from fedmed.nn.train import get_params, set_params
 
     cfg = task_config(cfg)
-    K = cfg.ifca.k
+    opts = IFCAOptions.model_validate(cfg.method_options)
+    K = opts.k
     model = runner.model(cfg)
     s = runner.splits(cfg)
     xtr, ytr = s.train
-    if cfg.ifca.pseudo_labels:  # no labels: every image, each model against its own predicted classes
-        if cfg.ifca.train:
+    if opts.pseudo_labels:  # no labels: every image, each model against its own predicted classes
+        if opts.train:
             raise TaskError(f"{runner.site}: IFCA trains on labels; pseudo-labels are for onboarding only")
         xtr = torch.cat([s.train[0], s.val[0], s.test[0]])
     runner.require_k_min(int(xtr.shape[0]), "training images", cfg, "IFCA")  # the K losses average them
@@ -45,20 +55,20 @@ def ifca(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
         model.eval()
         with torch.no_grad():
             out = model(xd)
-            target = out.argmax(dim=1) if cfg.ifca.pseudo_labels else yd
+            target = out.argmax(dim=1) if opts.pseudo_labels else yd
             losses.append(float(torch.nn.functional.cross_entropy(out, target)))
     best = int(np.argmin(losses))
     set_params(model, unpack_model(params, best))
     metrics, meta = served_metrics(runner, model, cfg)
     meta.update(cluster=best, losses=losses)
-    if cfg.ifca.train:
+    if opts.train:
         meta.update(train_locally(runner, model, cfg, round_, ("ifca", best)))
         metrics["train_loss"] = meta["train_loss"]
         return Reply(runner.site, metrics, meta, get_params(model))
     return Reply(runner.site, metrics, meta, {})
 
 
-register_task("ifca", ifca, section="ifca")
+register_task("ifca", ifca)
 
 
 class IFCA(FedAvg):
@@ -97,7 +107,7 @@ class IFCA(FedAvg):
             train = r < last
             packed = pack_models(models)
             sites = self.sample(r, self.participation) if train else list(self.sites)
-            rows = self.record_rows(r, self.send("ifca", self.task(packed, r, ifca={"k": self.k, "train": train}),
+            rows = self.record_rows(r, self.send("ifca", self.task(packed, r, method_options={"k": self.k, "train": train}),
                                                  targets=sites), "train" if train else "validate")
             halt = self.observe(stop, r, rows, None)  # K models: no single selected one is kept
             if not train:
@@ -135,8 +145,8 @@ class IFCA(FedAvg):
         labels: each model against its own predicted classes (the most confident model)."""
         ids = sorted(models)
         packed = pack_models([models[c] for c in ids])
-        replies = ob.new_site_replies("ifca", ob.task(packed, 0, ifca={"k": len(ids), "train": False,
-                                                                    "pseudo_labels": not ob.labels}), "losses")
+        replies = ob.new_site_replies("ifca", ob.task(packed, 0, method_options={
+            "k": len(ids), "train": False, "pseudo_labels": not ob.labels}), "losses")
         ob.recorder.note("onboarding", {"losses": {s: dict(zip(ids, m["losses"])) for s, (m, _) in replies.items()}})
         return ob.assigned({s: ids[int(m["cluster"])] for s, (m, _) in replies.items()})
 

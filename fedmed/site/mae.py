@@ -1,19 +1,28 @@
 """A site's Fed-MAE tasks (``001_`` §3.2): local masked-autoencoder training on its unlabeled images.
 
-``cfg["task"] == "mae"``; ``cfg["mae"]``: ``mask_ratio``, ``base_lr``, ``warmup``, ``rounds`` (the run's length, for the
-lr schedule). The site's training images are its unlabeled pool (labels are never read); the reconstruction loss
+``cfg["task"] == "mae"``; the method's options in ``cfg["method_options"]`` (:class:`MAEOptions`). The site's training images are its unlabeled pool (labels are never read); the reconstruction loss
 on its held-out images (validation and test splits, a fixed mask) is what it reports each round.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from pydantic import Field
 
-from fedmed.core.schema import TaskConfig, task_config
+from fedmed.core.schema import Strict, TaskConfig, task_config
 from fedmed.site.runner import SiteRunner
 from fedmed.site.tasks import Reply, TaskError
 
-__all__ = ["MAESiteRunner"]
+__all__ = ["MAEOptions", "MAESiteRunner"]
+
+
+class MAEOptions(Strict):
+    """What a Fed-MAE site reads (the task config's ``method_options``; ``fedmed.methods.FedMAEMethod``'s values)."""
+
+    mask_ratio: float = Field(gt=0, lt=1)
+    base_lr: float = Field(gt=0)
+    warmup: float = Field(ge=0, lt=1)
+    rounds: int = Field(ge=1, description="the run's length, for the lr schedule")
 
 
 def _mae_optimizer(model, cfg: TaskConfig):
@@ -57,7 +66,7 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     x = runner.splits(cfg).train[0]
     runner.require_k_min(int(x.shape[0]), "training images", cfg, "training")
     cfg = task_config(cfg)
-    m, t = cfg.mae, cfg.train
+    m, t = MAEOptions.model_validate(cfg.method_options), cfg.train
     rounds = m.rounds
     out = train_mae_local(model, x, epochs=t.local_epochs, batch_size=t.batch_size,
                           optimizer=runner.optimizer(model, cfg, make=lambda: _mae_optimizer(model, cfg), keep=True),
@@ -84,9 +93,10 @@ class MAESiteRunner(SiteRunner):
         from fedmed.nn.mae import mae_model
 
         cfg = task_config(cfg)
-        key = ("mae", cfg.data.channels, cfg.mae.mask_ratio)
+        ratio = MAEOptions.model_validate(cfg.method_options).mask_ratio
+        key = ("mae", cfg.data.channels, ratio)
         if self._model is None or self._model_key != key:
-            self._model = mae_model(cfg.data.channels, mask_ratio=cfg.mae.mask_ratio, seed=cfg.seed).to(self.device(cfg))
+            self._model = mae_model(cfg.data.channels, mask_ratio=ratio, seed=cfg.seed).to(self.device(cfg))
             self._model_key = key
             self._optimizers = {}
         return self._model

@@ -101,7 +101,7 @@ def train(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
 
 def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     """``004_`` assessment of this site's cases (only aggregates unless the site allows per-image data)."""
-    from fedmed.site.seg_aggregates import site_assessment
+    from fedmed.site.seg_aggregates import per_image_asked, site_assessment
     from fedmed.nn.encoders import build_encoder
     from fedmed.data.seg_federation import subject_of
 
@@ -113,17 +113,7 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     if n_subjects < k:
         raise TaskError(f"{runner.site}: {n_subjects} subject(s) < k_min={k}; the assessment would describe fewer "
                         f"than k_min patients and is not sent")
-    notes = []
-    per_image = cfg.assess is not None and cfg.assess.per_value  # asked for by the method (fedmed.methods)
-    if per_image and not runner.settings.allow_per_image:
-        notes.append(f"{runner.site}: per-image metadata requested by the job but not allowed by this site's "
-                     f"settings; histograms and an embedding centroid are sent instead")
-        per_image = False
-    elif per_image:
-        notes.append(f"{runner.site}: WARNING sending per-image metadata and embeddings (allowed by this site's "
-                     f"settings)")
-    for n in notes:
-        print(f"[fedmed] {n}", flush=True)
+    per_image, notes = per_image_asked(runner, cfg)
     enc = build_encoder(runner.ASSESS_ENCODER, weights=runner.weights(cfg), seed=cfg.seed,
                         device=runner.device(cfg))
     rng = np.random.default_rng(task_seed(cfg, runner.site, salt=5))

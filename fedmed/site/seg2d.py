@@ -161,7 +161,7 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     import torch
 
     from fedmed.nn.encoders import build_encoder, extract_features
-    from fedmed.site.seg_aggregates import assessment_payload
+    from fedmed.site.seg_aggregates import assessment_payload, per_image_asked
 
     cfg = task_config(cfg)
     s = runner.cases(cfg)
@@ -171,12 +171,7 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     if int(x.shape[0]) < k:
         raise TaskError(f"{runner.site}: {int(x.shape[0])} image(s) < k_min={k}; the assessment would describe fewer "
                         f"than k_min images and is not sent")
-    per_image = cfg.assess is not None and cfg.assess.per_value
-    notes = []
-    if per_image and not runner.settings.allow_per_image:
-        notes.append(f"{runner.site}: per-image metadata requested by the job but not allowed by this site's "
-                     f"settings; histograms and an embedding centroid are sent instead")
-        per_image = False
+    per_image, notes = per_image_asked(runner, cfg)
     enc = build_encoder(runner.ASSESS_ENCODER, weights=runner.weights(cfg), seed=cfg.seed,
                         in_channels=cfg.data.in_channels, device=runner.device(cfg))
     emb = extract_features(enc, runner.images_at_size(cfg, enc.image_size))
@@ -185,8 +180,6 @@ def assess(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
                               per_value=per_image, per_image=per_image, edges=EDGES_2D,
                               privacy=cfg.privacy.model_dump(), rng=rng)
     meta["notes"] = notes
-    for n in notes:
-        print(f"[fedmed] {n}", flush=True)
     return Reply(runner.site, {"n_cases": float(x.shape[0])}, meta, {})
 
 

@@ -4,10 +4,34 @@
 from __future__ import annotations
 
 import numpy as np
+from pydantic import Field
 
-from fedmed.algorithms.assessment import histogram_edges
+from fedmed.core.schema import Strict, TaskConfig
 
-__all__ = ["assessment_payload", "site_assessment"]
+__all__ = ["AssessOptions", "assessment_payload", "per_image_asked", "site_assessment"]
+
+
+class AssessOptions(Strict):
+    """The ``assess`` task's options (the task config's ``method_options``; ``fedmed.methods.SegAssessMethod``)."""
+
+    per_value: bool = Field(False, description="per-image metadata values and embeddings asked for (the paper's "
+                            "form); sent only where the site's settings allow per-image data")
+
+
+def per_image_asked(runner, cfg: TaskConfig) -> tuple[bool, list[str]]:
+    """Whether this site sends per-image values for the ``assess`` task — the job asks (:class:`AssessOptions`) and
+    the site's settings allow it — and the notes saying so (printed here, and sent with the assessment)."""
+    per_image, notes = AssessOptions.model_validate(cfg.method_options).per_value, []
+    if per_image and not runner.settings.allow_per_image:
+        notes.append(f"{runner.site}: per-image metadata requested by the job but not allowed by this site's "
+                     f"settings; histograms and an embedding centroid are sent instead")
+        per_image = False
+    elif per_image:
+        notes.append(f"{runner.site}: WARNING sending per-image metadata and embeddings (allowed by this site's "
+                     f"settings)")
+    for n in notes:
+        print(f"[fedmed] {n}", flush=True)
+    return per_image, notes
 
 
 def site_assessment(cases, encoder=None, *, per_value: bool = False, per_image: bool = False,
@@ -36,6 +60,7 @@ def assessment_payload(values: dict, embeddings=None, encoder: str | None = None
     (:mod:`fedmed.algorithms.privacy`). Per-image values are never noised: a site only sends them when its own settings
     allow it.
     """
+    from fedmed.algorithms.assessment import histogram_edges
     from fedmed.algorithms.heterogeneity import metadata_histogram
     from fedmed.algorithms.privacy import privacy_settings, private_histogram, private_mean
 

@@ -6,6 +6,8 @@ params it is served, the typed task config, the round) -> :class:`Reply`.
 * ``validate_ensemble``, ``serve_score``, ``local_model``, ``norm_stats``, ``finetune_local``: see each function.
 * a method's own tasks (FMCL's ``signature``, Flux's ``latent_bounds`` / ``descriptor``, ``ifca``, PreP-WFL's
   ``class_set``) live in its module of ``fedmed.methods``, registered with :func:`register_task` as a plugin's are.
+* a task's own options (the serving plan's, the ensemble's weights, IFCA's K) travel in the task config's
+  ``method_options``, each read through the task's own model (:class:`ServeScoreOptions`, :class:`EnsembleOptions`).
 
 What a reply carries: parameters (training tasks), metric values over at least ``k_min`` samples, and aggregates
 (confusion matrices and score histograms with rows of fewer than ``k_min`` samples zeroed, sample counts,
@@ -23,10 +25,10 @@ from pathlib import Path
 from typing import Annotated, NamedTuple
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import Field, StringConstraints
 
 from fedmed.core.packing import unpack_model, unpack_models
-from fedmed.core.schema import TaskConfig, task_config
+from fedmed.core.schema import Strict, TaskConfig, task_config
 from fedmed.site.served import keep_served
 
 __all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "TASK_SECTIONS", "TaskError", "finetune_config", "norm_stats", "pseudo_labelled", "register_task", "serve_score", "served_metrics", "served_model", "serving_reply", "task_seed", "train", "train_locally", "validate", "validate_ensemble"]
@@ -284,13 +286,19 @@ def pseudo_labelled(runner, params: dict, cfg):
     model = served_model(runner, params, cfg)
     return predict_proba(model, runner.on_device(x, cfg), precision=runner.precision(cfg)).argmax(axis=1)
 
+class EnsembleOptions(Strict):
+    """``validate_ensemble``'s options (the task config's ``method_options``): a weight per packed model."""
+
+    weights: list[float] = Field(min_length=1)
+
+
 def validate_ensemble(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     """Score the weighted average of K models' class probabilities (how the Flux paper gives
     baselines without test-time assignment a prediction on unseen sites)."""
     from fedmed.nn.train import predict_proba, set_params
 
     model = runner.model(cfg)
-    weights = np.asarray(task_config(cfg).ensemble.weights, dtype=np.float64)
+    weights = np.asarray(EnsembleOptions.model_validate(task_config(cfg).method_options).weights, dtype=np.float64)
     weights = weights / weights.sum()
 
     def prob(x):
@@ -304,11 +312,10 @@ def validate_ensemble(runner, params: dict, cfg: TaskConfig, round_: int = 0) ->
     return Reply(runner.site, metrics, meta, {})
 
 
-class FinetuneLocalOptions(BaseModel):
+class FinetuneLocalOptions(Strict):
     """``finetune_local``'s site options (the task config's ``method_options``; ``fedmed.methods.FinetuneLocalMethod``):
     local epochs, and the learning rate as a share of ``train.lr``."""
 
-    model_config = ConfigDict(extra="forbid")
     epochs: int = Field(2, ge=1)
     lr_scale: float = Field(0.1, gt=0, le=1)
 
@@ -389,12 +396,11 @@ def local_model(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
     return Reply(runner.site, metrics, meta, {})
 
 
-class ServeScoreOptions(BaseModel):
+class ServeScoreOptions(Strict):
     """``serve_score``'s site options (the task config's ``method_options``): the names of the packed models, the
     first the reference (the global model), and optionally that model fine-tuned at the site as one more candidate
     (``finetuned``; :class:`FinetuneLocalOptions`)."""
 
-    model_config = ConfigDict(extra="forbid")
     names: list[str] = Field(min_length=1)
     finetune: FinetuneLocalOptions | None = None
     personal: dict[str, Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]] = Field(
@@ -559,7 +565,7 @@ CLASSIFICATION = {"train": train, "validate": validate, "finetune_local": finetu
                   "validate_ensemble": validate_ensemble, "serve_score": serve_score, "norm_stats": norm_stats,
                   "local_model": local_model}
 # the task config's section a task reads (a job that asks the task without it: one line, not a crash)
-TASK_SECTIONS = {"validate_ensemble": "ensemble"}
+TASK_SECTIONS: dict = {}
 
 PLUGIN_TASKS: dict = {"classification": {}, "segmentation": {}, "segmentation_2d": {}, "mae": {}}  # a plugin method's own site tasks
 

@@ -35,8 +35,10 @@ def initial_params(cfg: dict, job_files=None, modules=()) -> dict:
     m, d = t.model.model_dump(), t.data
     if t.task == "mae":
         from fedmed.nn.mae import mae_model
+        from fedmed.site.mae import MAEOptions
 
-        return get_params(mae_model(d.channels, mask_ratio=t.mae.mask_ratio, seed=t.seed))
+        ratio = MAEOptions.model_validate(t.method_options).mask_ratio
+        return get_params(mae_model(d.channels, mask_ratio=ratio, seed=t.seed))
     if t.task == "segmentation":
         from fedmed.nn.models import seg_model_from_config
 

@@ -241,7 +241,7 @@ class Onboard(Workflow):
         packed = pack_models(dict(sorted(models.items())))
         weights = [float(sizes.get(str(k), sizes.get(k, 0)) or 0) for k in sorted(models)]
         weights = weights if sum(weights) > 0 else [1.0] * len(models)
-        rows = self.send("validate_ensemble", self.task(packed, 0, ensemble={"weights": weights}))
+        rows = self.send("validate_ensemble", self.task(packed, 0, method_options={"weights": weights}))
         self.record_rows(index, rows, phase)
 
 
