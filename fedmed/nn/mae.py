@@ -115,7 +115,9 @@ def train_mae_local(model, x: torch.Tensor, *, epochs: int, batch_size: int, opt
             for g in optimizer.param_groups:
                 g["lr"] = scheduled_lr(peak, frac, warmup) * g.get("lr_scale", 1.0)
             xb = augment_ssl(x[order[s:s + batch_size]], generator).to(dev)
-            loss = mae_loss(model, (xb - 0.5) / 0.5)
+            with torch.random.fork_rng(devices=[]):  # MONAI draws the mask from torch's global generator: seed it
+                torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))  # from the injected one
+                loss = mae_loss(model, (xb - 0.5) / 0.5)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
