@@ -35,6 +35,7 @@ def main() -> None:
     from fedmed.config import load_config
     from fedmed.run.experiment import classes_override, prepare_federation
     from fedmed.run.jobspec import job_spec, run_spec_in_process
+    from fedmed.run.followups import ServingPlan
 
     print(f"fedmed from {Path(fedmed.__file__).parent}", file=sys.stderr)
     tmp = Path(tempfile.mkdtemp())
@@ -50,8 +51,8 @@ def main() -> None:
             out[f"{m.name}/{f.name}"] = hashlib.sha256(b"".join(v.numpy().tobytes()
                                                                 for _, v in sorted(sd.items()))).hexdigest()[:16]
         out[f"{m.name}/rounds"] = _scores(fed.recorder.doc)
-    spec = job_spec(exp, exp.methods[0], 0, plan={"global": tmp / "FedAvg", "candidates": {"FMCL": tmp / "FMCL"},
-                                                  "finetune": {"epochs": 2, "lr_scale": 0.5}})
+    spec = job_spec(exp, exp.methods[0], 0, follows=ServingPlan(
+        tmp / "FedAvg", candidates={"FMCL": tmp / "FMCL"}, finetune={"epochs": 2, "lr_scale": 0.5}))
     status, fed = run_spec_in_process(spec, data, tmp / "plan")
     assert status == "finished", fed.recorder.doc.get("reason")
     plan = json.loads((tmp / "plan" / "plan.json").read_text())

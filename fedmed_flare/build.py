@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 from fedmed.run.jobspec import BuildError, JobSpec, job_name, job_spec, select_method  # noqa: F401  (re-exported)
+from fedmed.run.followups import Onboarding
 
 
 def new_job(name: str, spec, controller):
@@ -96,9 +97,9 @@ def job_from_spec(spec: JobSpec):
 
 
 def build_job(exp, method, seed: int = 0, *, sites="config", name: str | None = None, resume_from=None,
-              onboard: dict | None = None):
+              follows=None):
     """The FedJob of ``method`` for ``seed`` (:func:`fedmed.run.jobspec.job_spec` for the arguments)."""
-    return job_from_spec(job_spec(exp, method, seed, sites=sites, name=name, resume_from=resume_from, onboard=onboard))
+    return job_from_spec(job_spec(exp, method, seed, sites=sites, name=name, resume_from=resume_from, follows=follows))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -148,13 +149,13 @@ def main(argv=None) -> int:
         if a.onboard and not a.sites:
             raise BuildError("--onboard needs --sites: the new sites to onboard")
         if a.onboard:
-            onboard = {"training_result": a.onboard, "references": a.references, "labels": not a.no_labels,
-                       "global_result": a.global_result, "min_cluster_images": a.min_cluster_images,
-                       "known_clusters": json.loads(a.known_clusters) if a.known_clusters else {}}
+            onboard = Onboarding(a.onboard, json.loads(a.known_clusters) if a.known_clusters else {},
+                                 references=a.references, labels=not a.no_labels,
+                                 min_cluster_images=a.min_cluster_images, global_result=a.global_result)
         elif a.known_clusters or a.references or a.no_labels or a.global_result or a.min_cluster_images:
             raise BuildError("--known-clusters, --references, --no-labels, --global and --min-cluster-images go with "
                              "--onboard")
-        job = build_job(exp, method, a.seed, sites=sites, name=a.name, resume_from=a.resume_from, onboard=onboard)
+        job = build_job(exp, method, a.seed, sites=sites, name=a.name, resume_from=a.resume_from, follows=onboard)
         print(export(job, a.out))
     except (BuildError, ConfigError, ValueError) as e:
         print(f"{os.environ.get('FEDMED_PROG') or 'jobs/build.py'}: error: {e}", file=sys.stderr)

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from fedmed_flare.build import BuildError, JobSpec, job_from_spec, job_spec, select_method
+from fedmed.run.followups import Onboarding
 
 
 def recipe_of(job):
@@ -444,12 +445,11 @@ def _spec_of(a) -> JobSpec:
         if a.onboard:
             if not a.sites:
                 raise BuildError("--onboard needs --sites: the new sites to onboard")
-            onboard = {"training_result": a.onboard, "references": a.references, "require_clusters": not a.unseen,
-                       "labels": not a.no_labels, "global_result": a.global_result,
-                       "min_cluster_images": a.min_cluster_images,
-                       "known_clusters": json.loads(a.known_clusters) if a.known_clusters else {}}
+            onboard = Onboarding(a.onboard, json.loads(a.known_clusters) if a.known_clusters else {},
+                                 references=a.references, require_clusters=not a.unseen, labels=not a.no_labels,
+                                 min_cluster_images=a.min_cluster_images, global_result=a.global_result)
         spec = job_spec(exp, method, a.seed, sites=a.sites or "config", resume_from=a.resume_from,
-                        onboard=onboard, task_config_ready=lambda cfg: start_template(a, cfg))
+                        follows=onboard, task_config_ready=lambda cfg: start_template(a, cfg))
     return spec
 
 

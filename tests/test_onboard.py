@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import yaml
 
+from fedmed.run.followups import Onboarding
+
 ROOT = Path(__file__).resolve().parents[1]
 BRATS = ROOT.parent / "shared" / "data" / "brats2013"
 
@@ -441,7 +443,7 @@ def test_a_new_site_is_never_served_a_cluster_trained_on_too_few_images_or_none(
         sizes[int(f.stem[len("cluster"):])] = ck["train_images"]
 
     def run(out, **extra):
-        spec = job_spec(exp, m, 0, sites=unseen, onboard={"training_result": tmp_path / "train", **extra})
+        spec = job_spec(exp, m, 0, sites=unseen, follows=Onboarding(training_result=tmp_path / "train", **extra))
         return run_spec_in_process(spec, data, out)
 
     # under the threshold every newcomer gets the global model, with the reason; at it, its cluster's
@@ -471,7 +473,7 @@ def test_a_new_site_is_never_served_a_cluster_trained_on_too_few_images_or_none(
     f = untrained / "models" / f"cluster{small}.pt"
     ck = torch.load(f, weights_only=True)
     torch.save({**ck, "sites": []}, f)
-    spec = job_spec(exp, m, 0, sites=unseen, onboard={"training_result": untrained, "global_result": tmp_path / "fedavg"})
+    spec = job_spec(exp, m, 0, sites=unseen, follows=Onboarding(training_result=untrained, global_result=tmp_path / "fedavg"))
     status, fed = run_spec_in_process(spec, data, tmp_path / "ob4")
     g = fed.recorder.doc["assignment"]["guarded"]
     assert status == "finished" and list(g.values()) == [f"cluster {small} was trained on no site: the global model is "

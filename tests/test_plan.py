@@ -15,6 +15,9 @@ import numpy as np
 import pytest
 import yaml
 
+from fedmed.run import followups
+from fedmed.run.followups import Onboarding, ServingPlan
+
 RAW = {"name": "plan", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 40},
        "federation": {"sites": 6, "partition": "anda", "anda_shift": "label", "anda_level": 6, "anda_groups": 2,
                       "unseen_sites": 2},
@@ -48,8 +51,8 @@ def runs(tmp_path_factory):
 def _spec(runs, **plan):
     from fedmed.run.jobspec import job_spec
 
-    return job_spec(runs["exp"], runs["exp"].methods[0], 0, plan={"global": runs["tmp"] / "FedAvg",
-                                                                   "candidates": {"FMCL": runs["tmp"] / "FMCL"}, **plan})
+    return job_spec(runs["exp"], runs["exp"].methods[0], 0, follows=ServingPlan(
+        runs["tmp"] / "FedAvg", candidates={"FMCL": runs["tmp"] / "FMCL"}, **plan))
 
 
 def _by_task(doc: dict) -> dict:
@@ -129,8 +132,8 @@ def test_a_plan_without_candidates_keeps_the_global_model_of_an_equal_candidate(
     """The global run offered as its own candidate: every pair of answers ties, so no site is served it."""
     from fedmed.run.jobspec import job_spec, run_spec_in_process
 
-    spec = job_spec(runs["exp"], runs["exp"].methods[0], 0, plan={"global": runs["tmp"] / "FedAvg",
-                                                                   "candidates": {"same": runs["tmp"] / "FedAvg"}})
+    spec = job_spec(runs["exp"], runs["exp"].methods[0], 0, follows=ServingPlan(
+        runs["tmp"] / "FedAvg", candidates={"same": runs["tmp"] / "FedAvg"}))
     status, fed = run_spec_in_process(spec, runs["data"], tmp_path)
     assert status == "finished"
     plan = json.loads((tmp_path / "plan.json").read_text())
@@ -221,7 +224,7 @@ def test_the_models_a_plan_job_stages_leave_no_copy_in_the_temp_folder_and_a_wri
     assert list(tmp.glob("fedmed_*")) == []
     assert main(["plan", cfg, "--global", str(t / "FedAvg"), "--candidate", f"FMCL={t / 'FMCL'}", "--spec",
                  str(tmp_path / "s.json")]) == 0
-    jobspec._remove_staged()  # what the process's exit does
+    followups.release_staged()  # what the process's exit does
     spec = jobspec.JobSpec.from_file(tmp_path / "s.json")
     (src, dest), = spec.server_files
     assert dest == "plan" and Path(src).parent == (tmp_path / "s_files").resolve()
@@ -235,7 +238,7 @@ def test_the_models_a_plan_job_stages_leave_no_copy_in_the_temp_folder_and_a_wri
     assert staged.parent == tmp and staged.is_dir()
     import multiprocessing
 
-    child = multiprocessing.get_context("fork").Process(target=jobspec._remove_staged)  # a forked child's exit
+    child = multiprocessing.get_context("fork").Process(target=followups.release_staged)  # a forked child's exit
     child.start()
     child.join(60)
     assert child.exitcode == 0 and staged.is_dir()  # ... removes none of its parent's folders
@@ -364,11 +367,11 @@ def test_a_newcomer_is_served_its_assigned_cluster_model_where_its_validation_da
     exp, data = runs["exp"], runs["data"]
     unseen = json.loads((data / "dataset.json").read_text())["unseen_sites"]
     fmcl = exp.methods[1]
-    status, _ = run_spec_in_process(job_spec(exp, fmcl, 0, sites=unseen, onboard={"training_result": runs["tmp"] / "FMCL"}),
+    status, _ = run_spec_in_process(job_spec(exp, fmcl, 0, sites=unseen, follows=Onboarding(training_result=runs["tmp"] / "FMCL")),
                                     data, tmp_path / "onboard")
     assert status == "finished"
-    spec = job_spec(exp, exp.methods[0], 0, sites=unseen, plan={"global": runs["tmp"] / "FedAvg",
-                                                                "candidates": {"FMCL": tmp_path / "onboard"}})
+    spec = job_spec(exp, exp.methods[0], 0, sites=unseen, follows=ServingPlan(
+        runs["tmp"] / "FedAvg", candidates={"FMCL": tmp_path / "onboard"}))
     status, fed = run_spec_in_process(spec, data, tmp_path / "plan")
     assert status == "finished", fed.recorder.doc.get("reason")
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
@@ -457,7 +460,8 @@ def test_a_fedbn_candidate_is_each_sites_own_model_scored_and_served_there_and_n
 
     (cache / "site-6" / "personal" / f"{key}.pt").unlink()  # site-6 lost its layers (a cleared cache)
     spec = job_spec(runs["exp"], runs["exp"].methods[0], 0,
-                    plan={"global": runs["tmp"] / "FedAvg", "candidates": {"FedBN": tmp_path / "FedBN"}})
+                    follows=ServingPlan(
+        runs["tmp"] / "FedAvg", candidates={"FedBN": tmp_path / "FedBN"}))
     status, plan_fed = run_spec_in_process(spec, runs["data"], tmp_path / "plan")
     assert status == "finished", plan_fed.recorder.doc.get("reason")
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
@@ -496,7 +500,8 @@ def test_a_fedbn_run_whose_sites_kept_no_layers_is_refused_as_a_candidate(runs, 
     (old / "metrics.json").write_text(json.dumps(doc))
     with pytest.raises(BuildError, match="--candidate FedBN: .*a FedBN run made before its sites kept their own"):
         job_spec(runs["exp"], runs["exp"].methods[0], 0,
-                 plan={"global": runs["tmp"] / "FedAvg", "candidates": {"FedBN": old}})
+                 follows=ServingPlan(
+        runs["tmp"] / "FedAvg", candidates={"FedBN": old}))
 
 
 def test_newcomer_plan_plans_the_experiments_own_seeds_unless_told(tmp_path):
@@ -521,7 +526,8 @@ def test_a_local_candidate_is_each_sites_own_model_made_and_kept_at_the_site(run
     reply carries its weights."""
     from fedmed.run.jobspec import job_spec, run_spec_in_process
 
-    spec = job_spec(runs["exp"], runs["exp"].methods[0], 0, plan={"global": runs["tmp"] / "FedAvg", "local": True})
+    spec = job_spec(runs["exp"], runs["exp"].methods[0], 0, follows=ServingPlan(
+        runs["tmp"] / "FedAvg", local=True))
     assert spec.workflow_options["local"] is True and spec.workflow_options["candidates"] == []
     status, fed = run_spec_in_process(spec, runs["data"], tmp_path)
     assert status == "finished", fed.recorder.doc.get("reason")
@@ -538,3 +544,38 @@ def test_a_local_candidate_is_each_sites_own_model_made_and_kept_at_the_site(run
             if chosen is not None and np.isfinite(chosen):
                 assert t["served"][s]["val_accuracy"] == pytest.approx(chosen)  # the same model, made again
     assert not any("served" in p.parts for p in tmp_path.rglob("*.pt") if "sites" not in p.relative_to(tmp_path).parts)
+
+
+def test_a_job_that_follows_a_run_is_one_contract_whatever_it_is(runs):
+    """The serving plan and onboarding are FollowUp objects (#88), not modes of job_spec: a follow-up job of one's own
+    — here a made-up one — is built by the same call, its workflow, options, rounds, name and staged files its own,
+    with no edit of fedmed; and the built-in two name their workflows the same way."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from fedmed.run.followups import FollowUp
+    from fedmed.run.jobspec import job_spec
+
+    @dataclass
+    class Recount(FollowUp):
+        workflow: ClassVar[str] = "my_study:Recount"
+        suffix: ClassVar[str] = "_recount"
+        rounds: ClassVar[int] = 3
+        every: int = 1
+
+        def prepare(self, exp, method, cfg, sites, server_files):
+            server_files.append([str(runs["tmp"] / "FedAvg"), "recount"])
+            return {"sites": list(sites), "every": self.every, "task": cfg["task"]}
+
+    exp = runs["exp"]
+    spec = job_spec(exp, exp.methods[0], 0, sites=["site-1", "site-2"], follows=Recount(every=2))
+    assert (spec.workflow, spec.rounds, spec.workflow_options) == (
+        "my_study:Recount", 3, {"sites": ["site-1", "site-2"], "every": 2, "task": "classification"})
+    assert "_recount" in spec.name and [str(runs["tmp"] / "FedAvg"), "recount"] in spec.server_files
+    plan = job_spec(exp, exp.methods[0], 0, follows=ServingPlan(runs["tmp"] / "FedAvg", local=True))
+    new = job_spec(exp, exp.methods[1], 0, sites=["site-7"], follows=Onboarding(runs["tmp"] / "FMCL"))
+    assert (plan.workflow, plan.rounds, new.workflow, new.rounds) == (
+        "fedmed.workflows.plan:Plan", 2, "fedmed.workflows.onboard:Onboard", 1)
+    from fedmed.workflows.registry import server_workflow
+
+    assert server_workflow(plan.workflow).__name__ == "Plan" and server_workflow(new.workflow).__name__ == "Onboard"

@@ -10,6 +10,7 @@ import yaml
 from PIL import Image
 
 from fedmed.config import ConfigError, load_config
+from fedmed.run.followups import ServingPlan
 
 SOURCES = {"scanA": 0.15, "scanB": 0.35, "scanC": 0.55}  # background brightness: the sources differ
 
@@ -180,8 +181,8 @@ def test_the_serving_plan_chooses_2d_lesion_segmenters_on_the_sites_validation_d
     for m in exp.methods:
         status, fed = run_spec_in_process(job_spec(exp, m, 0), data, tmp_path / m.name)
         assert status == "finished", fed.recorder.doc.get("reason")
-    plan = {"global": tmp_path / "FedAvg", "candidates": {"Clusters": tmp_path / "Clusters", "Same": tmp_path / "FedAvg"}}
-    status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0, plan=plan), data, tmp_path / "plan")
+    plan = {"reference": tmp_path / "FedAvg", "candidates": {"Clusters": tmp_path / "Clusters", "Same": tmp_path / "FedAvg"}}
+    status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0, follows=ServingPlan(**plan)), data, tmp_path / "plan")
     assert status == "finished", fed.recorder.doc.get("reason")
     chosen = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert sorted(chosen) == ["scanA", "scanB", "scanC"]
@@ -205,7 +206,7 @@ def test_the_serving_plan_chooses_2d_lesion_segmenters_on_the_sites_validation_d
     # the global model fine-tuned at each site: scored on its validation images; where it is served, the served round
     # makes it again at the site (the same seed and settings: the same validation Dice) and no file leaves the site
     tuned = {**plan, "candidates": {}, "finetune": {"epochs": 3, "lr_scale": 1.0}, "alpha": 0.5}
-    status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0, plan=tuned), data, tmp_path / "tuned")
+    status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0, follows=ServingPlan(**tuned)), data, tmp_path / "tuned")
     assert status == "finished", fed.recorder.doc.get("reason")
     chosen = json.loads((tmp_path / "tuned" / "plan.json").read_text())
     rounds = {r["task"]: r["sites"] for r in fed.recorder.doc["rounds"]}
@@ -222,7 +223,7 @@ def test_the_serving_plan_chooses_2d_lesion_segmenters_on_the_sites_validation_d
     vol = load_config(shipped_config("demo_seg_phantoms.yaml"))  # 3D: its sites score volumes, not yet by the plan
     with pytest.raises(BuildError, match=r"scores classifiers and 2D lesion segmenters \(this config's task: "
                                          r"segmentation, 3D\)"):
-        job_spec(vol, vol.methods[0], 0, plan=plan)
+        job_spec(vol, vol.methods[0], 0, follows=ServingPlan(**plan))
 
 
 def test_a_2d_sites_fine_tuning_replies_carry_only_aggregates(tmp_path):

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import yaml
 
+from fedmed.run.followups import ServingPlan
+
 RAW = {"name": "stop", "dataset": {"path": "builtin:digits", "image_size": 8, "channels": 1, "max_per_class": 30},
        "federation": {"sites": 3, "partition": "iid", "val_fraction": 0.3}, "model": {"arch": "resnet9", "width": 4},
        "train": {"rounds": 8, "local_epochs": 1, "batch_size": 16, "lr": 1e-7, "norm_stats": "frozen",
@@ -162,8 +164,8 @@ def test_the_plans_reference_is_the_model_the_reference_row_reports(tmp_path):
     status, fed = run_spec_in_process(job_spec(exp, exp.methods[0], 0), data, tmp_path / "FedAvg")
     assert status == "finished"
     run = fed.recorder.doc
-    spec = job_spec(exp, exp.methods[0], 0, plan={"global": tmp_path / "FedAvg",
-                                                  "candidates": {"same": tmp_path / "FedAvg"}})
+    spec = job_spec(exp, exp.methods[0], 0, follows=ServingPlan(
+        tmp_path / "FedAvg", candidates={"same": tmp_path / "FedAvg"}))
     status, pfed = run_spec_in_process(spec, data, tmp_path / "plan")
     assert status == "finished", pfed.recorder.doc.get("reason")
     carried = _state(tmp_path / "plan" / "_job_files" / "plan" / "global" / "global.pt")

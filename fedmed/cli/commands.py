@@ -236,7 +236,7 @@ def _plan_classes(a, exp, method):
     elif exp.dataset.classes is None:  # the classes the runs were trained with (their saved models say)
         import torch
 
-        from fedmed.run.jobspec import finished_run
+        from fedmed.run.followups import finished_run
 
         try:
             saved = sorted((finished_run(a.reference, "--global") / "models").glob("*.pt"))
@@ -255,6 +255,7 @@ def cmd_plan(a):
     import json
 
     from fedmed.config import load_config
+    from fedmed.run.followups import ServingPlan
     from fedmed.run.jobspec import BuildError, job_spec, run_spec_in_process, select_method
 
     if a.finetune_epochs < 1 or not 0 < a.finetune_lr_scale <= 1:
@@ -270,9 +271,8 @@ def cmd_plan(a):
     exp, method = _plan_classes(a, exp, method)
     finetune = {"epochs": a.finetune_epochs, "lr_scale": a.finetune_lr_scale} if a.finetune else None
     try:
-        spec = job_spec(exp, method, a.seed, sites=a.sites or "config", plan={
-            "global": a.reference, "candidates": cands, "finetune": finetune, "pool": not a.no_pool,
-            "test": a.test, "local": a.local})
+        spec = job_spec(exp, method, a.seed, sites=a.sites or "config", follows=ServingPlan(
+            a.reference, cands, finetune, a.local, pool=not a.no_pool, test=a.test))
     except BuildError as e:
         raise ValueError(str(e)) from None
     if a.spec:  # the models it starts from beside it: it runs after this process has ended

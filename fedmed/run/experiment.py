@@ -42,6 +42,7 @@ from fedmed.report.record import missing_sentence
 from fedmed.report.summary import read_results, rows_from_metrics, sweep_stats, sweep_table, write_outputs  # noqa: F401 (re-exported)
 from fedmed.run.federation import check_classes, classes_override, prepare_federation, with_classes  # noqa: F401
 from fedmed.run.fingerprint import run_fingerprint, run_fingerprints, same_run
+from fedmed.run.followups import Onboarding, ServingPlan
 from fedmed.run.jobs import IN_PROCESS, RunError, mlflow_ui_command, run_and_release, stage_resume, training_assignment
 from fedmed.run.jobspec import BuildError, check_method_files, job_spec
 from fedmed.run.records import add_clusters, add_pooled_val_auc, checkpoint_round, load_saved, log_done, pct
@@ -417,15 +418,15 @@ def _serving_plan(exp, seed, data_dir, out, meta, log, resume, problems, chosen)
         problems.append(f"seed {seed} serving plan: not run: {', '.join(missing)} did not finish at this seed")
         log(f"    seed {seed} serving plan: not run ({', '.join(missing)} did not finish)")
         return []
-    plan = {"global": run_dir(out, seed, sv.reference) / "server",
-            "candidates": {candidate_name(n): run_dir(out, seed, n) / "server" for n in sv.candidates if n != "local"},
-            "finetune": sv.finetune.model_dump() if sv.finetune is not None else None, "pool": sv.pool,
-            "test": sv.test, "local": "local" in sv.candidates}
+    plan = ServingPlan(run_dir(out, seed, sv.reference) / "server",
+                       {candidate_name(n): run_dir(out, seed, n) / "server" for n in sv.candidates if n != "local"},
+                       sv.finetune.model_dump() if sv.finetune is not None else None, "local" in sv.candidates,
+                       pool=sv.pool, test=sv.test)
     log(f"seed {seed} serving plan: the global model of {sv.reference} against "
         f"{', '.join([c if c != 'local' else 'each site its own model' for c in sv.candidates] + (['fine-tuned at each site'] if sv.finetune else []))} ...")
     (work / "run.json").unlink(missing_ok=True)
     try:
-        doc = run_and_release(job_spec(exp, by_name[sv.reference], seed, plan=plan, files_checked=True), data_dir,
+        doc = run_and_release(job_spec(exp, by_name[sv.reference], seed, follows=plan, files_checked=True), data_dir,
                               work, len(meta["sites"]), log=log)
     except BuildError as e:
         raise ExperimentError(f"seed {seed} serving plan: the job could not be built: {e}") from None
@@ -550,11 +551,11 @@ def _unseen(exp, m, seed, data_dir, work, doc, meta, log) -> list[dict]:
     groups = meta.get("groups")  # known only for ANDA federations
     ari = partition_ari(assign, groups) if groups and type(m).clustered else None
     known = known_association(groups, assign, meta["unseen_sites"]) if groups and type(m).clustered else {}
-    test = {"training_result": str((work / "server").resolve()), "known_clusters": known, "references": True,
-            "require_clusters": False,  # every cluster model scored as a reference; a method without clusters: global
-            "min_cluster_images": getattr(m, "min_cluster_images", 0) or 0,
-            "global_result": _fallback_run(exp, seed, work.parent.parent.parent) if type(m).clustered else None}
-    tdoc = run_and_release(job_spec(exp, m, seed, sites=meta["unseen_sites"], onboard=test), data_dir,
+    test = Onboarding(str((work / "server").resolve()), known, references=True,
+                      require_clusters=False,  # every cluster model scored as a reference; without clusters: global
+                      min_cluster_images=getattr(m, "min_cluster_images", 0) or 0,
+                      global_result=_fallback_run(exp, seed, work.parent.parent.parent) if type(m).clustered else None)
+    tdoc = run_and_release(job_spec(exp, m, seed, sites=meta["unseen_sites"], follows=test), data_dir,
                            work / "test_phase", len(meta["unseen_sites"]), log=lambda *_: None)
     rows = []
     for r in tdoc["rounds"]:

@@ -206,10 +206,10 @@ def run_job_in_process(spec, datalists: Path, work: Path, *, log=print) -> dict:
 
 def run_config_job(config, overrides: list[str], method: str, seed: int, datalists: Path, work: Path,
                    n_sites: int = 0, timeout: int = 24 * 3600, *, log=print, resume_from: Path | None = None,
-                   sites: list[str] | None = None, onboard: dict | None = None) -> dict:
+                   sites: list[str] | None = None, follows=None) -> dict:
     """One method of a config (a file, with ``overrides``, or an :class:`ExperimentConfig`) for ``seed`` on the
     federation ``datalists``: its job built here (classes from the federation when the config names none), run by
-    :func:`run_job`."""
+    :func:`run_job`; ``follows``: a job that follows a finished run instead (``fedmed.run.followups``)."""
     from fedmed.config import load_config
     from fedmed.run.jobspec import select_method
 
@@ -220,7 +220,7 @@ def run_config_job(config, overrides: list[str], method: str, seed: int, datalis
         exp = with_classes(exp, Path(datalists))
     try:
         spec = job_spec(exp, select_method(exp, method, str(config)), seed, sites=sites or "config",
-                        resume_from=stage_resume(resume_from, Path(work)), onboard=onboard)
+                        resume_from=stage_resume(resume_from, Path(work)), follows=follows)
     except BuildError as e:
         raise RunError("failed", f"the job could not be built: {e}") from None
     return run_and_release(spec, datalists, Path(work), n_sites, timeout, log=log)

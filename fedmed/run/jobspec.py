@@ -10,15 +10,13 @@ is parsed a second time. Every problem is a :class:`BuildError` of one line nami
 
 from __future__ import annotations
 
-import atexit
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fedmed.core import jobfiles
+from fedmed.run.followups import STAGED, FollowUp, release_staged, staging_dir
 from fedmed.run.taskconfig import BuildError, build_task_config, min_clients
 
 __all__ = ["BuildError", "JobSpec", "check_encoder", "find_checkpoint", "job_name", "job_spec", "run_spec_in_process",
@@ -54,7 +52,7 @@ class JobSpec:
         if self_contained:
             keep = path.parent / f"{path.stem}_files"
             for i, entry in enumerate(doc["server_files"]):
-                if entry[0] in _STAGED:
+                if entry[0] in STAGED:
                     shutil.rmtree(keep / str(i), ignore_errors=True)  # this spec's own, written before
                     shutil.copytree(entry[0], keep / str(i))
                     entry[0] = str((keep / str(i)).resolve())
@@ -66,9 +64,7 @@ class JobSpec:
         or a method's server file starts from) once the job has run or been exported: a job carries its own copies.
         A file the user gave (``model.init_weights``, a checkpoint to resume from) is never touched."""
         for src, _ in self.server_files:
-            if _STAGED.get(src) == os.getpid():
-                shutil.rmtree(src, ignore_errors=True)
-                del _STAGED[src]
+            release_staged(src)
 
     @classmethod
     def from_file(cls, path) -> "JobSpec":
@@ -79,29 +75,6 @@ class JobSpec:
             return cls(**json.loads(path.read_text()))
         except (ValueError, TypeError) as e:
             raise BuildError(f"{path}: not a fedmed job spec ({e})") from None
-
-
-_STAGED: dict[str, int] = {}  # folder -> the process that staged server files in it (JobSpec.release, else at exit)
-
-
-def _remove_staged() -> None:
-    """At the process's exit: remove the folders it staged (a child forked from it that exits normally removes none of
-    its parent's)."""
-    for d, pid in list(_STAGED.items()):
-        if pid == os.getpid():
-            shutil.rmtree(d, ignore_errors=True)
-            del _STAGED[d]
-
-
-atexit.register(_remove_staged)
-
-
-def _staging_dir(prefix: str) -> Path:
-    """A temporary folder for files the server's app will carry (they are copied into the job when it is exported
-    or run); removed by :meth:`JobSpec.release` or when this process exits, never left in the temp folder."""
-    d = Path(tempfile.mkdtemp(prefix=prefix))
-    _STAGED[str(d)] = os.getpid()
-    return d
 
 
 def job_name(exp, method, seed: int, suffix: str = "") -> str:
@@ -182,21 +155,15 @@ def personal_key(cfg: dict, method) -> str:
 
 
 def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = None, resume_from=None,
-             onboard: dict | None = None, plan: dict | None = None, files_checked: bool = False,
-             task_config_ready=None) -> JobSpec:
+             follows: FollowUp | None = None, files_checked: bool = False, task_config_ready=None) -> JobSpec:
     """The job of ``method`` of the experiment ``exp`` for ``seed``.
 
     Args:
         sites: ``"config"`` (``federation.site_names`` or site-1..N), ``"all"`` (every connected site), or a list.
         resume_from: a run result holding ``checkpoint/`` (see :func:`find_checkpoint`).
-        onboard: ``{"training_result": DIR, "known_clusters": {...}, "references": bool, "require_clusters": bool,
-            "labels": bool, "min_cluster_images": int, "global_result": DIR}`` builds the onboarding job over
-            ``sites`` instead (``fedmed.workflows.onboard``; ``global_result``: a FedAvg-family run whose global model
-            a new site is served when its cluster was trained on too few images).
-        plan: ``{"global": DIR, "candidates": {name: DIR}, "finetune": {...} or None, "alpha": float or None,
-            "pool": bool, "test": "score" or "sign" or None}`` builds the serving plan's job over ``sites`` instead
-            (``fedmed.workflows.plan``): ``method`` is the method whose run ``global`` is (its task config is the
-            plan's).
+        follows: a job that follows a finished run of ``method`` instead of training it
+            (``fedmed.run.followups``: :class:`~fedmed.run.followups.Onboarding` of new sites,
+            the :class:`~fedmed.run.followups.ServingPlan`): its workflow, options and files over ``sites``.
         files_checked: the method's files were checked in this process already (``fedmed experiment`` checks every
             method's before its first run), so they are not loaded again here.
         task_config_ready: called with the task config as soon as it is built, before the network is checked (which
@@ -213,7 +180,7 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
         except ValueError as e:
             raise BuildError(str(e)) from None
     cfg = build_task_config(exp, seed, method, names)
-    if type(method).personal == "kept" and onboard is None and plan is None:  # FedBN: a site keeps its own layers
+    if type(method).personal == "kept" and follows is None:  # FedBN: a site keeps its own layers
         cfg["personal_key"] = personal_key(cfg, method)
     if task_config_ready is not None:
         task_config_ready(cfg)
@@ -224,7 +191,7 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
         check_method_files(exp, method)
     weights = method.site_weights
     for src, dest, filename in method.server_files():  # a file the server starts from: copied into the job
-        init_dir = _staging_dir("fedmed_init_")
+        init_dir = staging_dir("fedmed_init_")
         shutil.copy(src, init_dir / filename)
         server_files.append([str(init_dir), dest])
     fed = exp.federation
@@ -238,128 +205,16 @@ def job_spec(exp, method, seed: int = 0, *, sites="config", name: str | None = N
 
         print(f"note: federation.min_clients={fed.min_clients} lowered to {common['min_clients']}: the job targets "
               f"{len(names)} named site(s) {names}", file=sys.stderr)
-    if onboard is not None:
-        return _onboarding_spec(exp, method, seed, cfg, names, onboard, server_files, name, common)
-    if plan is not None:
-        return _plan_spec(exp, method, seed, cfg, plan, server_files, name, common)
+    if follows is not None:
+        options = follows.prepare(exp, method, cfg, names, server_files)
+        return JobSpec(name=name or job_name(exp, method, seed, follows.suffix), method=method.name, task_config=cfg,
+                       workflow=follows.workflow, workflow_options=options, rounds=follows.rounds,
+                       server_files=server_files, **common)
     if resume_from is not None:
         server_files.append([str(find_checkpoint(resume_from)), jobfiles.RESUME])
     return JobSpec(name=name or job_name(exp, method, seed), method=method.name, task_config=cfg, workflow=server_workflow_path(type(method)),
                    workflow_options=method.workflow_options(exp, seed), rounds=exp.train.rounds,
                    resume=resume_from is not None, server_files=server_files, **common)
-
-
-def _onboarding_spec(exp, method, seed, cfg, names, onboard, server_files, name, common) -> JobSpec:
-    from fedmed.methods import METHODS, server_workflow_path
-    from fedmed.workflows.onboard import TRAINING_DIR, OnboardingError, check_training_result, training_files
-
-    if not names:
-        raise BuildError("an onboarding job names its new sites (--sites)")
-    cls = type(method)
-    try:
-        folder = check_training_result(
-            onboard["training_result"], method.workflow, server_workflow_path(cls), onboards=cls.onboards,
-            clustered=cls.clustered, require_clusters=onboard.get("require_clusters", True),
-            serving=tuple(w for w, c in METHODS.items() if c.clustered and c.onboards))
-    except OnboardingError as e:
-        raise BuildError(str(e)) from None
-    from fedmed.workflows.registry import server_workflow
-
-    if not onboard.get("labels", True) and server_workflow(server_workflow_path(cls)).onboard_needs_labels:
-        raise BuildError(f"method {method.name!r}: CFL sends a new site down its tree by the site's training updates, "
-                         f"which need labels; --no-labels serves FMCL, PACFL, IFCA (pseudo-labels), FECFL, Flux, 004_")
-    tmp = _staging_dir("fedmed_training_")
-    for f in training_files(folder):
-        shutil.copy(f, tmp / f.name)
-    if onboard.get("global_result"):  # served instead of a cluster that cannot serve (Onboard.guard)
-        from fedmed.workflows.onboard import FALLBACK_FILE
-
-        ref = finished_run(onboard["global_result"], "--global") / "models" / "global.pt"
-        if not ref.is_file():
-            raise BuildError(f"--global: {onboard['global_result']}: the run saved no global model (models/global.pt)")
-        (tmp / FALLBACK_FILE).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ref, tmp / FALLBACK_FILE)
-    server_files.append([str(tmp), TRAINING_DIR])
-    options = {"training": server_workflow_path(cls), "known_clusters": onboard.get("known_clusters") or {},
-               "references": bool(onboard.get("references")), "labels": bool(onboard.get("labels", True)),
-               "min_cluster_images": int(onboard.get("min_cluster_images") or 0)}
-    return JobSpec(name=name or job_name(exp, method, seed, "_onboard"), method=method.name, task_config=cfg,
-                   workflow="fedmed.workflows.onboard:Onboard",
-                   workflow_options=options, rounds=1, server_files=server_files, **common)
-
-
-def finished_run(path, what: str) -> Path:
-    """The run folder of a finished run in ``path`` (:func:`fedmed.workflows.onboard.find_result`) that saved models;
-    a one-line :class:`BuildError` naming ``what`` otherwise."""
-    from fedmed.workflows.onboard import OnboardingError, find_result
-
-    try:
-        folder = find_result(path)
-    except OnboardingError as e:
-        raise BuildError(f"{what}: {e}") from None
-    doc = json.loads((folder / "metrics.json").read_text())
-    if doc.get("status", "running") != "finished":
-        why = f": {doc['reason']}" if doc.get("reason") else ""
-        raise BuildError(f"{what}: {path}: the run did not finish (status {doc.get('status', 'running')}{why})")
-    return folder
-
-
-def _plan_spec(exp, method, seed, cfg, plan, server_files, name, common) -> JobSpec:
-    import torch
-
-    from fedmed.workflows.plan import FINETUNED, REFERENCE, candidate_models, candidate_name_ok
-
-    if not common["sites"]:
-        raise BuildError("a serving plan's job names its sites (--sites, or the config's site names)")
-    seg2d = cfg["task"] == "segmentation" and cfg["data"].get("spatial_dims") == 2
-    if cfg["task"] != "classification" and not seg2d:
-        raise BuildError(f"a serving plan scores classifiers and 2D lesion segmenters (this config's task: "
-                         f"{cfg['task']}{', 3D' if cfg['task'] == 'segmentation' else ''})")
-
-    def arch(f: Path) -> dict:
-        m = dict(torch.load(f, map_location="cpu", weights_only=True).get("model") or {})
-        m.pop("init_weights", None)
-        return m
-
-    ref = finished_run(plan["global"], "--global") / "models" / "global.pt"
-    if not ref.is_file():
-        raise BuildError(f"--global: {plan['global']}: the run saved no global model (models/global.pt): the "
-                         f"reference is a FedAvg-family run's")
-    selected = ref.with_name("selected_global.pt")
-    if exp.selection != "final" and selected.is_file():  # the model of the round the reference's row reports (#86)
-        ref = selected
-    tmp = _staging_dir("fedmed_plan_")
-    (tmp / REFERENCE).mkdir()
-    shutil.copy(ref, tmp / REFERENCE / "global.pt")
-    for cand, path in dict(plan.get("candidates") or {}).items():
-        if not candidate_name_ok(str(cand)):
-            raise BuildError(f"--candidate {cand}: a candidate's name is a word other than {REFERENCE!r}, "
-                             f"{FINETUNED!r} and 'local'")
-        run = finished_run(path, f"--candidate {cand}")
-        found = candidate_models(run / "models")
-        ran = (json.loads((run / "metrics.json").read_text()).get("meta") or {}).get("config") or {}
-        if (ran.get("train") or {}).get("local_norm") and not ran.get("personal_key"):
-            raise BuildError(f"--candidate {cand}: {path}: a FedBN run made before its sites kept their own batch-norm "
-                             f"layers: its personal models are gone; run it again")
-        if not found:
-            raise BuildError(f"--candidate {cand}: {path}: the run saved no model (models/cluster*.pt or global.pt)")
-        for f, _ in found:
-            if arch(f) != arch(ref):
-                raise BuildError(f"--candidate {cand}: {f.name} is a {arch(f).get('arch')} network unlike the global "
-                                 f"model's ({arch(ref).get('arch')}, the same arguments): a site scores both with one "
-                                 f"network")
-            (tmp / cand).mkdir(exist_ok=True)
-            shutil.copy(f, tmp / cand / f.name)
-    if not plan.get("candidates") and not plan.get("finetune") and not plan.get("local"):
-        raise BuildError("a serving plan needs a candidate (--candidate NAME=RUN), --finetune or --local")
-    if plan.get("local") and cfg["task"] != "classification":
-        raise BuildError("a serving plan's local candidate (each site's own model) is for classifiers")
-    server_files.append([str(tmp), jobfiles.PLAN])
-    options = {"candidates": list(dict(plan.get("candidates") or {})), "finetune": plan.get("finetune"),
-               "local": bool(plan.get("local")),
-               "alpha": plan.get("alpha"), "pool": bool(plan.get("pool", True)), "test": plan.get("test")}
-    return JobSpec(name=name or job_name(exp, method, seed, "_plan"), method=method.name, task_config=cfg,
-                   workflow="fedmed.workflows.plan:Plan", workflow_options=options, rounds=2, server_files=server_files, **common)
 
 
 def _network_files(exp, cfg: dict, user_code: list, server_files: list) -> None:
