@@ -17,7 +17,7 @@ from fedmed.core.schema import TaskConfig, task_config
 from fedmed.core.schema import Strict
 from fedmed.core.schema import ClusteringTask, SignatureTask
 from fedmed.methods.base import Method, check_encoder
-from fedmed.site.tasks import Reply, pseudo_labelled, register_task, task_seed
+from fedmed.site.tasks import Reply, TaskError, pseudo_labelled, register_task, task_seed
 from fedmed.workflows.fedavg import FedAvg
 from fedmed.workflows.federation import RunFailed
 
@@ -37,6 +37,9 @@ def signature(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply:
     from fedmed.algorithms.signatures import signature_kind
 
     cfg = task_config(cfg)
+    if cfg.signature is None:  # a job that asks for it without its section: one line, not a crash
+        raise TaskError(f"{runner.site}: task 'signature' needs the task config's 'signature' section, which this job "
+                        f"does not carry")
     sc = cfg.signature
     s = runner.splits(cfg)
     spec = ENCODERS.get(sc.encoder)
@@ -82,7 +85,7 @@ def _halves(runner, feats: np.ndarray, cfg: TaskConfig) -> dict:
             "halves_n": [int(len(a)), int(len(b))]}
 
 
-register_task("signature", signature, section="signature")
+register_task("signature", signature)
 
 
 class OneShotClustered(FedAvg):

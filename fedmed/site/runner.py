@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from fedmed.core.schema import TaskConfig, task_config
-from fedmed.site.tasks import CLASSIFICATION, PLUGIN_TASKS, TASK_SECTIONS, Reply, TaskError, task_seed
+from fedmed.site.tasks import CLASSIFICATION, PLUGIN_TASKS, Reply, TaskError, task_seed
 from fedmed.data.images import DataError, conversion_note, load_images, near_duplicates
 from fedmed.data.datalists import load_datalist, patients_of
 from fedmed.site.settings import SiteSettings, private_tokens, settings_for_dir
@@ -423,9 +423,4 @@ class SiteRunner:
         if task not in tasks:
             raise TaskError(f"{self.site}: unknown task {task!r} (this site's {type(self).__name__} serves "
                             f"{', '.join(sorted(tasks))})")
-        cfg = task_config(cfg)
-        need = TASK_SECTIONS.get(task)
-        if need and getattr(cfg, need) is None:
-            raise TaskError(f"{self.site}: task {task!r} needs the task config's {need!r} section, which this job "
-                            f"does not carry")
-        return tasks[task](self, params, cfg, round_)
+        return tasks[task](self, params, task_config(cfg), round_)

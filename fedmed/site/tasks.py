@@ -31,7 +31,7 @@ from fedmed.core.packing import unpack_model, unpack_models
 from fedmed.core.schema import Strict, TaskConfig, task_config
 from fedmed.site.served import keep_served
 
-__all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "TASK_SECTIONS", "TaskError", "finetune_config", "norm_stats", "pseudo_labelled", "register_task", "serve_score", "served_metrics", "served_model", "serving_reply", "task_seed", "train", "train_locally", "validate", "validate_ensemble"]
+__all__ = ["CLASSIFICATION", "PLUGIN_TASKS", "Reply", "TaskError", "finetune_config", "norm_stats", "pseudo_labelled", "register_task", "serve_score", "served_metrics", "served_model", "serving_reply", "task_seed", "train", "train_locally", "validate", "validate_ensemble"]
 
 
 def task_seed(cfg: dict, site: str, round_: int | None = None, *, salt: int = 0) -> int:
@@ -564,22 +564,19 @@ def serve_score(runner, params: dict, cfg: TaskConfig, round_: int = 0) -> Reply
 CLASSIFICATION = {"train": train, "validate": validate, "finetune_local": finetune_local,
                   "validate_ensemble": validate_ensemble, "serve_score": serve_score, "norm_stats": norm_stats,
                   "local_model": local_model}
-# the task config's section a task reads (a job that asks the task without it: one line, not a crash)
-TASK_SECTIONS: dict = {}
 
 PLUGIN_TASKS: dict = {"classification": {}, "segmentation": {}, "segmentation_2d": {}, "mae": {}}  # a plugin method's own site tasks
 
 
-def register_task(name: str, fn, *, task: str = "classification", section: str | None = None):
+def register_task(name: str, fn, *, task: str = "classification"):
     """Add a site task of a method (a module of ``fedmed.methods``, or a plugin's): ``fn(runner, params, cfg, round_)
-    -> Reply`` served by the runners of ``task`` ("classification", "segmentation" or "mae"); ``section``: the task
-    config's section it reads (refused in one line when a job leaves it out). A name taken by another is refused."""
+    -> Reply`` served by the runners of ``task`` ("classification", "segmentation" or "mae"); what it reads of its
+    own it reads from the task config's ``method_options`` through a model of its own. A name taken by another is
+    refused."""
     builtin = {"classification": CLASSIFICATION}.get(task, {})
     if task not in PLUGIN_TASKS:
         raise ValueError(f"register_task: task should be one of {sorted(PLUGIN_TASKS)}, got {task!r}")
     if name in builtin or PLUGIN_TASKS[task].get(name, fn) is not fn:
         raise ValueError(f"register_task: site task {name!r} is taken")
     PLUGIN_TASKS[task][name] = fn
-    if section:
-        TASK_SECTIONS[name] = section
     return fn
