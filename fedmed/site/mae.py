@@ -1,6 +1,7 @@
 """A site's Fed-MAE tasks (``001_`` §3.2): local masked-autoencoder training on its unlabeled images.
 
-``cfg["task"] == "mae"``; the method's options in ``cfg["method_options"]`` (:class:`MAEOptions`). The site's training images are its unlabeled pool (labels are never read); the reconstruction loss
+``cfg["task"] == "mae"``; the method's options in ``cfg["method_options"]`` (:class:`MAEOptions`). The site's
+training images are its unlabeled pool (labels are never read); the reconstruction loss
 on its held-out images (validation and test splits, a fixed mask) is what it reports each round.
 """
 
