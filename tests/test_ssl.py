@@ -326,7 +326,7 @@ def test_fedmed_ssl_runs_end_to_end_and_pre_trains_the_same_encoder_twice(tmp_pa
     global generator and no two runs agreed: train loss 0.25774 vs 0.25691 in round 0)."""
     import yaml
 
-    from fedmed.cli import main
+    from fedmed.cli.main import main
 
     raw = {"name": "ssl-small", "dataset": {"path": "builtin:digits", "image_size": 32, "channels": 1,
                                             "max_per_class": 20},
